@@ -1,0 +1,28 @@
+"""Test setup: Triton's interpreter when no GPU is present, and the `gpu` marker.
+
+`@triton.jit` decides between interpreter and compiler when a kernel module is imported, so the
+switch must happen here, before any test module imports `kernels_triton`.
+"""
+import os
+
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_suite.sh on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return torch.device("cuda" if HAS_GPU else "cpu")
