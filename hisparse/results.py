@@ -1,0 +1,74 @@
+"""Long-format result rows (DESIGN section 9): one row per (configuration, metric).
+
+Every row carries the GPU, software versions, commit and timestamp, so a number can be traced to
+what made it. Appends never rewrite rows already stored: a failed run leaves the file as it was.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import torch
+import triton
+
+COLUMNS = [
+    "bench", "family", "mode", "batch", "context", "k", "cache_slots", "unit_bytes",
+    "metric", "value", "unit", "gpu", "torch", "triton", "commit", "timestamp",
+]
+
+
+def current_commit() -> str:
+    """The commit that made a result: $HISPARSE_COMMIT (set where no .git travels), else git."""
+    if os.environ.get("HISPARSE_COMMIT"):
+        return os.environ["HISPARSE_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parent.parent
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    """The columns that say where and with what a row was measured."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": current_commit(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
+    """Append `rows` (dicts with at least bench, metric, value, unit) to the CSV at `path`.
+
+    Missing standard columns are left empty and the environment columns are filled in; extra
+    parameter columns are kept. The file is rewritten through a temporary file and a rename, so an
+    interrupted write never truncates the rows already there.
+    """
+    if not rows:
+        return pd.DataFrame(columns=COLUMNS)
+    for row in rows:
+        missing = {"bench", "metric", "value", "unit"} - row.keys()
+        if missing:
+            raise ValueError(f"result row {row} lacks the columns {sorted(missing)}")
+    env = environment()
+    new = pd.DataFrame([{**env, **row} for row in rows])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=COLUMNS)
+    frame = pd.concat([old, new], ignore_index=True) if len(old) else new
+    ordered = COLUMNS + [c for c in frame.columns if c not in COLUMNS]
+    frame = frame.reindex(columns=ordered)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    frame.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+    return new.reindex(columns=ordered)
