@@ -1,0 +1,141 @@
+"""The hierarchical KV cache: a host pool of every row plus B GPU slots per stream.
+
+A stream is one independent cache: (request, layer) for DSA, (request, layer, KV head) where the
+selection is per KV head. Callers map their requests onto streams; this class knows only streams.
+
+    cache = HierarchicalKVCache(max_streams=64, cache_slots=4096, host_rows=64 * 131072,
+                                row_elems=576, dtype=torch.bfloat16, device="cuda")
+    sid = cache.open_stream(capacity=131072)     # host region for 131072 units
+    cache.append(sid, rows)                      # rows [n, 576]: the next n units of the stream
+    res = cache.resolve(streams, sel)            # slots of the selected units, in selection order
+    rows = cache.slot_rows(streams, res.slots)   # [N, k] rows of cache.slots.view(-1, E)
+"""
+from __future__ import annotations
+
+import torch
+
+from hisparse.host_pool import HostPool
+from hisparse.resolve import CacheState, ResolveResult, check_resolve_inputs, resolve, resolve_ref
+
+MODES = ("normal", "noio")
+
+
+class HierarchicalKVCache:
+    def __init__(self, max_streams: int, cache_slots: int, host_rows: int, row_elems: int,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                 pin: bool | None = None):
+        if max_streams <= 0 or cache_slots <= 0:
+            raise ValueError(f"max_streams and cache_slots must be positive, got {max_streams} and "
+                             f"{cache_slots}")
+        self.device = torch.device(device)
+        self.cache_slots = cache_slots
+        self.host = HostPool(host_rows, row_elems, dtype,
+                             pin=(self.device.type == "cuda") if pin is None else pin)
+        # [S, B+1, E]: B LRU slots, then the reserved slot for the newest token
+        self.slots = torch.zeros(max_streams, cache_slots + 1, row_elems, dtype=dtype, device=self.device)
+        self.state = CacheState.empty(max_streams, cache_slots, host_rows, self.device)
+        self.stream_len = [0] * max_streams
+        self.stream_capacity = [0] * max_streams
+        self._open: set[int] = set()
+
+    # -- streams -----------------------------------------------------------------------------
+
+    @property
+    def max_streams(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def reserved_slot(self) -> int:
+        return self.cache_slots
+
+    @property
+    def stats(self) -> torch.Tensor:
+        """[S, 2] int64 cumulative hits, misses per stream (on the device; reading it syncs)."""
+        return self.state.stats
+
+    def open_stream(self, capacity: int) -> int:
+        """Take a free stream with a host region of `capacity` units. Nothing changes on failure."""
+        free = [s for s in range(self.max_streams) if s not in self._open]
+        if not free:
+            raise RuntimeError(f"all {self.max_streams} streams are open; close one or raise max_streams")
+        base = self.host.alloc(capacity)
+        stream = free[0]
+        self.state.reset_stream(stream, base, capacity)
+        self.stream_len[stream], self.stream_capacity[stream] = 0, capacity
+        self._open.add(stream)
+        return stream
+
+    def close_stream(self, stream: int) -> None:
+        self._check_open(stream)
+        self.host.release(int(self.state.host_base[stream]))
+        self._open.remove(stream)
+        self.stream_len[stream] = self.stream_capacity[stream] = 0
+
+    def _check_open(self, stream: int) -> None:
+        if stream not in self._open:
+            raise ValueError(f"stream {stream} is not open (open streams: {sorted(self._open)[:8]}...)")
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def append(self, stream: int, rows: torch.Tensor) -> None:
+        """Append units to a stream: rows [n, E] become units len .. len + n - 1 in the host pool.
+
+        The last appended row is also written to the reserved newest-token slot. Raises before
+        writing anything when the stream's region would overflow.
+        """
+        self._check_open(stream)
+        n, length, capacity = rows.shape[0], self.stream_len[stream], self.stream_capacity[stream]
+        if length + n > capacity:
+            raise ValueError(f"stream {stream} holds {length} of {capacity} units; appending {n} "
+                             f"would exceed its host region")
+        self.host.write(int(self.state.host_base[stream]) + length, rows)
+        self.slots[stream, self.reserved_slot] = rows[-1]
+        self.stream_len[stream] = length + n
+
+    def write_unit(self, stream: int, unit: int, row: torch.Tensor) -> None:
+        """Overwrite one existing unit (a page or block that grew): host pool, and write-through to
+        its cached copy, so a stale row is never read."""
+        self._check_open(stream)
+        if not 0 <= unit < self.stream_len[stream]:
+            raise ValueError(f"unit {unit} of stream {stream} does not exist (length "
+                             f"{self.stream_len[stream]})")
+        base = int(self.state.host_base[stream])
+        self.host.write(base + unit, row[None])
+        slot = int(self.state.unit_slot[base + unit])
+        if slot >= 0:
+            self.slots[stream, slot] = row
+        if unit == self.stream_len[stream] - 1:
+            self.slots[stream, self.reserved_slot] = row
+
+    # -- resolve -----------------------------------------------------------------------------
+
+    def resolve(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal",
+                check_values: bool = True, **kwargs) -> ResolveResult:
+        """Slots of the selected units (in selection order), fetching misses from the host pool.
+
+        streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). mode "noio" is the oracle
+        that does everything but the copy. `check_values` validates ids against stream lengths
+        (a host sync; turn it off inside captured decode steps).
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        lengths = torch.tensor(self.stream_len) if check_values else None
+        if check_values:
+            closed = [int(s) for s in streams.tolist() if s >= 0 and int(s) not in self._open]
+            if closed:
+                raise ValueError(f"stream {closed[0]} is not open")
+        return resolve(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
+                       stream_len=lengths, **kwargs)
+
+    def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal") -> ResolveResult:
+        """The torch reference of `resolve`, on this cache's state (for tests and notebooks)."""
+        check_resolve_inputs(self.state, streams, sel, torch.tensor(self.stream_len))
+        return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"))
+
+    def slot_rows(self, streams: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Row numbers into `self.slots.view(-1, E)` for attention kernels: stream * (B+1) + slot.
+
+        streams [N] (-1 pads), slots [N, k] (-1 pads) -> [N, k] int32, -1 where either pads.
+        """
+        rows = streams[:, None].long() * (self.cache_slots + 1) + slots.long()
+        return torch.where((slots >= 0) & (streams[:, None] >= 0), rows, -1).to(torch.int32)

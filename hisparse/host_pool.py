@@ -1,0 +1,73 @@
+"""Host pool: every row of every stream, in host memory (pinned when a GPU is present).
+
+Each stream owns one contiguous region of rows: reading random rows spread over a large pool is
+limited by the number of rows per second, while rows kept close together stream at full PCIe speed
+(DESIGN section 7). Regions are handed out first-fit from a free list and merged back on release.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class HostPool:
+    def __init__(self, capacity_rows: int, row_elems: int, dtype: torch.dtype = torch.bfloat16,
+                 pin: bool | None = None):
+        if capacity_rows <= 0 or row_elems <= 0:
+            raise ValueError(f"host pool needs positive capacity_rows and row_elems, got "
+                             f"{capacity_rows} and {row_elems}")
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.rows = torch.empty(capacity_rows, row_elems, dtype=dtype, pin_memory=pin)   # [R, E]
+        self._free: list[tuple[int, int]] = [(0, capacity_rows)]   # (start, length), sorted by start
+        self._regions: dict[int, int] = {}                          # start -> length
+
+    @property
+    def capacity(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def free_rows(self) -> int:
+        return sum(length for _, length in self._free)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.rows.shape[1] * self.rows.element_size()
+
+    def alloc(self, n_rows: int) -> int:
+        """Reserve `n_rows` contiguous rows; returns the first row. Nothing changes on failure."""
+        if n_rows <= 0:
+            raise ValueError(f"a host region needs at least one row, got {n_rows}")
+        for i, (start, length) in enumerate(self._free):
+            if length >= n_rows:
+                if length == n_rows:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + n_rows, length - n_rows)
+                self._regions[start] = n_rows
+                return start
+        largest = max((length for _, length in self._free), default=0)
+        raise MemoryError(f"host pool cannot fit a region of {n_rows} rows: {self.free_rows} of "
+                          f"{self.capacity} rows are free, the largest free region has {largest}")
+
+    def release(self, start: int) -> None:
+        if start not in self._regions:
+            raise ValueError(f"no host region starts at row {start}")
+        length = self._regions.pop(start)
+        self._free.append((start, length))
+        self._free.sort()
+        merged = [self._free[0]]
+        for s, n in self._free[1:]:
+            last_s, last_n = merged[-1]
+            if last_s + last_n == s:
+                merged[-1] = (last_s, last_n + n)
+            else:
+                merged.append((s, n))
+        self._free = merged
+
+    def write(self, first_row: int, values: torch.Tensor) -> None:
+        """Write values [n, E] (any device) into rows first_row .. first_row + n - 1."""
+        if values.dim() != 2 or values.shape[1] != self.rows.shape[1]:
+            raise ValueError(f"rows to write must be [n, {self.rows.shape[1]}], got {tuple(values.shape)}")
+        if not 0 <= first_row <= self.capacity - values.shape[0]:
+            raise ValueError(f"rows {first_row}..{first_row + values.shape[0] - 1} are outside the host "
+                             f"pool of {self.capacity} rows")
+        self.rows[first_row:first_row + values.shape[0]].copy_(values, non_blocking=values.is_cuda)

@@ -1,0 +1,262 @@
+"""Resolve launchers and their torch reference (DESIGN section 3).
+
+State of the cache, shared by the kernel and the reference (S streams, B slots, R host rows):
+- `slot_unit [S, B]` int32: the unit each slot holds, -1 empty.
+- `lru [S, B]` int32: the slot ids of each stream, least recently used first. Empty slots sit at the
+  front in index order, which is how "empty slots count as least recently used, lowest index first"
+  holds without a special case.
+- `unit_slot [R]` int32: for each host row, the slot holding its unit, -1 if not cached. Indexed by
+  host row (host_base[stream] + unit), so it is one dense map for all streams: 4 bytes per unit.
+- `stats [S, 2]` int64: cumulative hits and misses per stream.
+
+One call resolves a batch of N rows (stream, selection of k units) and returns the slot of every
+selected unit in selection order, this call's counts, and the miss plan: (unit, slot) pairs of the
+misses, sorted by unit so that the host pool is read in address order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel
+
+MAX_SLOTS = 1 << 20  # the miss plan packs a slot id into 20 bits while sorting
+
+
+@dataclass
+class CacheState:
+    """The device-side state one resolve reads and updates (see the module docstring)."""
+    slot_unit: torch.Tensor   # [S, B] int32
+    lru: torch.Tensor         # [S, B] int32
+    unit_slot: torch.Tensor   # [R] int32
+    host_base: torch.Tensor   # [S] int64
+    stats: torch.Tensor       # [S, 2] int64
+
+    @classmethod
+    def empty(cls, num_streams: int, cache_slots: int, host_rows: int, device) -> "CacheState":
+        return cls(
+            slot_unit=torch.full((num_streams, cache_slots), -1, dtype=torch.int32, device=device),
+            lru=torch.arange(cache_slots, dtype=torch.int32, device=device).repeat(num_streams, 1),
+            unit_slot=torch.full((host_rows,), -1, dtype=torch.int32, device=device),
+            host_base=torch.zeros(num_streams, dtype=torch.int64, device=device),
+            stats=torch.zeros(num_streams, 2, dtype=torch.int64, device=device),
+        )
+
+    def clone(self) -> "CacheState":
+        return CacheState(*(t.clone() for t in (self.slot_unit, self.lru, self.unit_slot,
+                                                 self.host_base, self.stats)))
+
+    def reset_stream(self, stream: int, host_base: int, capacity: int) -> None:
+        """Empty one stream's slots and point it at a host region of `capacity` rows."""
+        self.slot_unit[stream] = -1
+        self.lru[stream] = torch.arange(self.lru.shape[1], dtype=torch.int32, device=self.lru.device)
+        self.unit_slot[host_base:host_base + capacity] = -1
+        self.host_base[stream] = host_base
+        self.stats[stream] = 0
+
+
+@dataclass
+class ResolveResult:
+    slots: torch.Tensor       # [N, k] int32 slot of each selected unit, -1 where the selection pads
+    counts: torch.Tensor      # [N, 2] int32 hits, misses of this call
+    plan_unit: torch.Tensor   # [N, k] int32 missed units in address order (first counts[:, 1] valid)
+    plan_slot: torch.Tensor   # [N, k] int32 their victim slots
+
+    @property
+    def hits(self) -> torch.Tensor:
+        return self.counts[:, 0]
+
+    @property
+    def misses(self) -> torch.Tensor:
+        return self.counts[:, 1]
+
+    def plan(self, row: int) -> list[tuple[int, int]]:
+        """The (unit, slot) pairs fetched for batch row `row` (host sync; for tests and notebooks)."""
+        n = int(self.counts[row, 1])
+        return list(zip(self.plan_unit[row, :n].tolist(), self.plan_slot[row, :n].tolist()))
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+
+
+def _expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_resolve_inputs(state: CacheState, streams: torch.Tensor, sel: torch.Tensor,
+                         stream_len: torch.Tensor | None = None) -> None:
+    """Everything that can be wrong with a resolve call, checked before any launch.
+
+    Shapes, dtypes, devices and layouts always; with `stream_len` ([S], on any device) also the
+    values: stream ids in range and unique, unit ids in [-1, length), no duplicates in a selection.
+    The value checks read the inputs on the host, so the decode loop does them once per request
+    rather than inside a captured step.
+    """
+    num_streams, cache_slots = state.slot_unit.shape
+    _expect(sel.dim() == 2, f"selection must be [batch, k], got shape {tuple(sel.shape)}")
+    n, k = sel.shape
+    _expect(cache_slots >= k, f"cache_slots B={cache_slots} is smaller than the selection size k={k}: "
+                              f"the cache must hold one whole selection (B >= k)")
+    _expect(cache_slots <= MAX_SLOTS, f"cache_slots B={cache_slots} exceeds the supported {MAX_SLOTS}")
+    _expect(streams.shape == (n,), f"streams must be [batch]=[{n}], got shape {tuple(streams.shape)}")
+    for name, t in (("selection", sel), ("streams", streams)):
+        _expect(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+        _expect(t.device == state.lru.device, f"{name} is on {t.device}, the cache on {state.lru.device}")
+        _expect(t.is_contiguous(), f"{name} must be contiguous (strides {t.stride()})")
+    if stream_len is None:
+        return
+    streams_h, sel_h, len_h = streams.cpu().long(), sel.cpu().long(), stream_len.cpu().long()
+    live = streams_h >= 0
+    bad = streams_h[(streams_h < -1) | (streams_h >= num_streams)]
+    _expect(bad.numel() == 0, f"stream id {bad[0].item() if bad.numel() else ''} out of range: expected "
+                              f"-1 (padding) or 0..{num_streams - 1}")
+    uniq = torch.unique(streams_h[live])
+    _expect(uniq.numel() == int(live.sum()), "a stream appears twice in one resolve call: each stream "
+                                             "may be resolved once per call")
+    lengths = torch.where(live, len_h[streams_h.clamp(min=0)], 0)
+    for row in range(n):
+        s = sel_h[row]
+        if not live[row]:
+            _expect(bool((s == -1).all()), f"row {row} is padding (stream -1) but selects units "
+                                           f"{s[s != -1][:4].tolist()}")
+            continue
+        bad = s[(s < -1) | (s >= lengths[row])]
+        _expect(bad.numel() == 0, f"row {row} (stream {int(streams_h[row])}) selects unit {bad[:1].tolist()} "
+                                  f"out of range: expected -1 or 0..{int(lengths[row]) - 1}")
+        valid = s[s >= 0]
+        uniq, cnt = torch.unique(valid, return_counts=True)
+        _expect(bool((cnt == 1).all()), f"row {row} (stream {int(streams_h[row])}) selects unit "
+                                        f"{uniq[cnt > 1][:1].tolist()} more than once")
+
+
+def _check_rows(host: torch.Tensor, cache: torch.Tensor) -> None:
+    _expect(host.dim() == 2, f"host pool must be [rows, row_elems], got {tuple(host.shape)}")
+    _expect(cache.dim() == 3, f"cache must be [streams, slots, row_elems], got {tuple(cache.shape)}")
+    _expect(host.shape[1] == cache.shape[2], f"host rows have {host.shape[1]} elements, cache rows "
+                                             f"{cache.shape[2]}")
+    _expect(host.dtype == cache.dtype, f"host pool dtype {host.dtype} differs from cache dtype {cache.dtype}")
+    _expect(host.is_contiguous() and cache.is_contiguous(), "host pool and cache must be contiguous")
+    if cache.is_cuda:
+        _expect(host.is_pinned() or host.is_cuda, "on a GPU the host pool must be pinned host memory "
+                                                  "(zero-copy reads) or device memory")
+
+
+def as_words(rows: torch.Tensor) -> torch.Tensor:
+    """View rows as the widest integer words their size allows, so the copy moves whole words."""
+    row_bytes = rows.shape[-1] * rows.element_size()
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        if row_bytes % dtype.itemsize == 0:
+            return rows.view(dtype)
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
+            cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = True,
+            stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
+            scratch: torch.Tensor | None = None) -> ResolveResult:
+    """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
+
+    streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
+    cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
+    `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
+    values too (a host sync); `out` and `scratch` ([2, >=N, B] int32) reuse buffers, so a captured
+    CUDA graph sees static addresses and allocates nothing.
+    """
+    check_resolve_inputs(state, streams, sel, stream_len)
+    _check_rows(host, cache)
+    n, k = sel.shape
+    cache_slots = state.slot_unit.shape[1]
+    _expect(cache.shape[:2] == (state.slot_unit.shape[0], cache_slots + 1),
+            f"cache must be [streams, B+1, E] = [{state.slot_unit.shape[0]}, {cache_slots + 1}, E], "
+            f"got {tuple(cache.shape)}")
+    if out is None:
+        out = ResolveResult(*(torch.empty(shape, dtype=torch.int32, device=sel.device)
+                              for shape in ((n, k), (n, 2), (n, k), (n, k))))
+    if scratch is None:
+        scratch = torch.empty(2, n, cache_slots, dtype=torch.int32, device=sel.device)
+    k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
+    _resolve_kernel[(n,)](
+        sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot,
+        out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats, scratch[0], scratch[1],
+        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan,
+        num_warps=8 if b_pad >= 2048 else 4,
+    )
+    if fetch:
+        fetch_rows(out.plan_unit, out.plan_slot, out.counts, streams, state.host_base, host, cache)
+    return out
+
+
+def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache) -> None:
+    """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
+
+    Also replays an anchor layer's plan into a shared layer: pass the shared layer's streams.
+    """
+    _check_rows(host, cache)
+    n, k = plan_unit.shape
+    host_w, cache_w = as_words(host), as_words(cache)
+    row_words = host_w.shape[1]
+    block_w = min(triton.next_power_of_2(row_words), 1024)
+    chunk = max(1, min(32, 4096 // block_w))
+    grid = (n, triton.cdiv(k, chunk))
+    _fetch_rows_kernel[grid](
+        plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, k, cache.shape[1],
+        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# torch reference
+
+
+def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
+                cache: torch.Tensor, *, fetch: bool = True) -> ResolveResult:
+    """The same resolve, one stream at a time in plain torch and Python, updating `state` in place."""
+    n, k = sel.shape
+    cache_slots = state.slot_unit.shape[1]
+    slots = torch.full((n, k), -1, dtype=torch.int32)
+    counts = torch.zeros(n, 2, dtype=torch.int32)
+    plan_unit = torch.full((n, k), -1, dtype=torch.int32)
+    plan_slot = torch.full((n, k), -1, dtype=torch.int32)
+    for row in range(n):
+        stream = int(streams[row])
+        if stream < 0:
+            continue
+        base = int(state.host_base[stream])
+        units = [int(u) for u in sel[row] if u >= 0]
+        order = state.lru[stream].tolist()
+        cached = {u: int(state.unit_slot[base + u]) for u in units if state.unit_slot[base + u] >= 0}
+        hit_units = [u for u in units if u in cached]
+        miss_units = [u for u in units if u not in cached]
+        hit_slots = set(cached.values())
+        free = [s for s in order if s not in hit_slots]          # LRU first
+        victims = free[:len(miss_units)]
+        untouched = free[len(miss_units):]
+        for slot, unit in zip(victims, miss_units):
+            old = int(state.slot_unit[stream, slot])
+            if old >= 0:
+                state.unit_slot[base + old] = -1
+            state.unit_slot[base + unit] = slot
+            state.slot_unit[stream, slot] = unit
+            if fetch:
+                cache[stream, slot] = host[base + unit].to(cache.device)
+        slot_of = {**cached, **dict(zip(miss_units, victims))}
+        state.lru[stream] = torch.tensor(untouched + victims + [cached[u] for u in hit_units],
+                                         dtype=torch.int32)
+        assert len(state.lru[stream]) == cache_slots
+        for i, u in enumerate(sel[row].tolist()):
+            if u >= 0:
+                slots[row, i] = slot_of[u]
+        planned = sorted(zip(miss_units, victims))
+        plan_unit[row, :len(planned)] = torch.tensor([u for u, _ in planned], dtype=torch.int32)
+        plan_slot[row, :len(planned)] = torch.tensor([s for _, s in planned], dtype=torch.int32)
+        counts[row] = torch.tensor([len(hit_units), len(miss_units)])
+        state.stats[stream] += counts[row].to(state.stats)
+    return ResolveResult(slots, counts, plan_unit, plan_slot)

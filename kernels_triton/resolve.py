@@ -1,0 +1,146 @@
+"""Resolve: hit detection, exact-LRU victim choice and miss fetch for the hierarchical KV cache.
+
+Two kernels, launched back to back (both capture into a CUDA graph: static shapes, device-side counts):
+- `_resolve_kernel`, one program per stream: looks every selected unit up, picks victims, updates the
+  LRU order and the unit <-> slot maps, writes the slot of each selected unit and the miss plan.
+- `_fetch_rows_kernel`, one program per (stream, chunk of the miss plan): copies the missed rows from
+  the host pool (a pinned host pointer, read zero-copy) into their victim slots. The same kernel
+  replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
+
+The semantics are DESIGN section 3; `hisparse.resolve.resolve_ref` is the same algorithm in torch.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _resolve_kernel(
+    sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
+    stream_ptr,      # [N] int32 stream of each row, -1 for a padded batch row
+    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
+    slot_unit_ptr,   # [S, B] int32 unit held by each slot, -1 empty
+    lru_ptr,         # [S, B] int32 slot ids, least recently used first
+    unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
+    slot_out_ptr,    # [N, K] int32 out: slot of each selected unit, -1 where sel is -1
+    plan_unit_ptr,   # [N, K] int32 out: missed units (host-address order when SORT_PLAN), then junk
+    plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
+    counts_ptr,      # [N, 2] int32 out: hits, misses of this call
+    stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
+    mark_ptr,        # [N, B] int32 scratch: 1 on slots that hit this step
+    victim_ptr,      # [N, B] int32 scratch: victim slots by miss rank
+    K, B,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    stream = tl.load(stream_ptr + i_n)
+    live = stream >= 0
+    i_s = tl.maximum(stream, 0).to(tl.int64)
+    host_base = tl.load(host_base_ptr + i_s)
+
+    o_k = tl.arange(0, K_PAD)
+    o_b = tl.arange(0, B_PAD)
+    m_k = o_k < K
+    m_b = o_b < B
+    # a padded row (stream -1) reads and writes no stream state; vector masks, as the interpreter
+    # does not combine scalar and vector masks
+    m_live_k = m_k & ((o_k * 0 + stream) >= 0)
+    m_live_b = m_b & ((o_b * 0 + stream) >= 0)
+    p_mark = mark_ptr + i_n * B
+    p_victim = victim_ptr + i_n * B
+    p_lru = lru_ptr + i_s * B
+    p_slot_unit = slot_unit_ptr + i_s * B
+
+    # -- hits: look each selected unit up in the stream's unit -> slot map
+    b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_live_k, other=-1)              # [K_PAD]
+    m_sel = b_sel >= 0
+    b_hit_slot = tl.load(unit_slot_ptr + host_base + b_sel.to(tl.int64), mask=m_sel, other=-1)
+    m_hit = b_hit_slot >= 0
+    m_miss = m_sel & (b_hit_slot < 0)
+    hit_rank = tl.cumsum(m_hit.to(tl.int32), 0) - 1
+    miss_rank = tl.cumsum(m_miss.to(tl.int32), 0) - 1
+    n_hit = tl.sum(m_hit.to(tl.int32), 0)
+    n_miss = tl.sum(m_miss.to(tl.int32), 0)
+
+    # -- mark hit slots, then read the marks in LRU order (a scatter through scratch memory)
+    tl.store(p_mark + o_b, tl.zeros([B_PAD], dtype=tl.int32), mask=m_b)
+    tl.debug_barrier()
+    tl.store(p_mark + b_hit_slot, tl.full([K_PAD], 1, dtype=tl.int32), mask=m_hit)
+    tl.debug_barrier()
+    b_order = tl.load(p_lru + o_b, mask=m_live_b, other=0)                          # [B_PAD] slots
+    b_order_unit = tl.load(p_slot_unit + b_order, mask=m_live_b, other=-1)          # [B_PAD]
+    b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=1)
+    m_free = m_b & (b_order_hit == 0)               # slots that may be victims, in LRU order
+    free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
+    m_victim = m_free & (free_rank < n_miss)
+    m_untouched = m_free & (free_rank >= n_miss)
+
+    # -- miss m takes the m-th least recently used free slot (stable compaction, no sort)
+    tl.store(p_victim + free_rank, b_order, mask=m_victim)
+    tl.debug_barrier()
+    b_victim = tl.load(p_victim + miss_rank, mask=m_miss, other=-1)                   # [K_PAD]
+    b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
+    tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
+
+    # -- new LRU order: untouched (old order), misses (selection order), hits (selection order)
+    n_untouched = B - n_hit - n_miss
+    tl.store(p_lru + free_rank - n_miss, b_order, mask=m_untouched & m_live_b)
+    tl.store(p_lru + n_untouched + miss_rank, b_victim, mask=m_miss)
+    tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
+
+    # -- maps: evicted units leave, missed units enter (the two sets are disjoint)
+    m_evict = m_victim & (b_order_unit >= 0) & m_live_b
+    tl.store(unit_slot_ptr + host_base + b_order_unit.to(tl.int64), tl.full([B_PAD], -1, dtype=tl.int32),
+             mask=m_evict)
+    tl.store(unit_slot_ptr + host_base + b_sel.to(tl.int64), b_victim, mask=m_miss)
+    tl.store(p_slot_unit + b_victim, b_sel, mask=m_miss)
+
+    # -- miss plan: (unit, slot) pairs, sorted by unit so the host pool is read in address order
+    if SORT_PLAN:
+        BIG: tl.constexpr = 0x7FFFFFFFFFFFFFFF
+        key = tl.where(m_miss, (b_sel.to(tl.int64) << 20) | b_victim.to(tl.int64), BIG)
+        key = tl.sort(key, 0)
+        m_plan = o_k < n_miss
+        tl.store(plan_unit_ptr + i_n * K + o_k, (key >> 20).to(tl.int32), mask=m_plan)
+        tl.store(plan_slot_ptr + i_n * K + o_k, (key & 0xFFFFF).to(tl.int32), mask=m_plan)
+    else:
+        tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
+        tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
+
+    # -- counters stay on the device: this call's, and the stream's running totals
+    tl.store(counts_ptr + i_n * 2, n_hit)
+    tl.store(counts_ptr + i_n * 2 + 1, n_miss)
+    if live:
+        p_stats = stats_ptr + i_s * 2
+        tl.store(p_stats, tl.load(p_stats) + n_hit.to(tl.int64))
+        tl.store(p_stats + 1, tl.load(p_stats + 1) + n_miss.to(tl.int64))
+
+
+@triton.jit
+def _fetch_rows_kernel(
+    plan_unit_ptr,   # [N, K] int32 units to fetch (first n of each row)
+    plan_slot_ptr,   # [N, K] int32 their destination slots
+    counts_ptr,      # [N, 2] int32: counts[:, 1] = number of planned rows
+    stream_ptr,      # [N] int32 destination stream, -1 = nothing to do
+    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
+    host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
+    cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows
+    K, SLOTS,
+    ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    stream = tl.load(stream_ptr + i_n)
+    n_plan = tl.load(counts_ptr + i_n * 2 + 1)
+    if (stream >= 0) & (i_c * CHUNK < n_plan):
+        i_s = stream.to(tl.int64)
+        o_m = i_c * CHUNK + tl.arange(0, CHUNK)
+        m_m = o_m < n_plan
+        b_unit = tl.load(plan_unit_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
+        b_slot = tl.load(plan_slot_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
+        src = (tl.load(host_base_ptr + i_s) + b_unit) * ROW_WORDS                      # [CHUNK]
+        dst = (i_s * SLOTS + b_slot) * ROW_WORDS                                       # [CHUNK]
+        for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
+            o_w = w + tl.arange(0, BLOCK_W)
+            m = m_m[:, None] & (o_w < ROW_WORDS)[None, :]
+            b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)           # [CHUNK, BLOCK_W]
+            tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
