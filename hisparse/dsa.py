@@ -1,0 +1,282 @@
+"""DSA (DeepSeek-V3.2 sparse attention): lightning indexer, top-k selection, sparse MLA decode.
+
+Semantics follow Hugging Face transformers' `deepseek_v32` eager path (DESIGN section 5), for one
+decode query per request:
+- indexer score of past token s: scale(s) * sum_h w(h) * ReLU(q(h) . k(s)), over the tokens
+  s < lengths[n] (the current token's key is written before scoring, so lengths counts it);
+  `w` already carries the model's scaling; scale(s) is the per-token fp8 dequantisation scale (1 for
+  bf16/fp16/fp32 keys).
+- top-k: the k best scores, best first; equal scores (+0.0 == -0.0) rank the lower token index first;
+  fewer than k valid tokens pad with -1.
+- attention: absorbed MLA over the selected rows of a row buffer `kv [R, D]` (D = 576: 512 latent
+  values, then 64 rope dims), read through `rows [N, k]` (int32 row numbers, -1 = skip) in the order
+  given, all heads sharing one selection, softmax scale from the model config.
+Every `*_ref` function is the plain-torch definition the kernels are tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels_triton.dsa import _indexer_scores_kernel, _sparse_mla_combine_kernel, _sparse_mla_decode_kernel
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get exact float32 products; 16-bit ones use the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning indexer
+# ---------------------------------------------------------------------------------------------
+
+def _check_indexer_inputs(q, weights, keys, lengths, key_scale) -> None:
+    _require(q.dim() == 3, f"q must be [N, H_index, D], got shape {tuple(q.shape)}")
+    n, h, d = q.shape
+    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    _require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
+    _require(weights.shape == (n, h), f"weights shape {tuple(weights.shape)}: expected {(n, h)}")
+    _require(weights.dtype.is_floating_point, f"weights dtype {weights.dtype}: expected a float dtype")
+    _require(keys.dim() == 3 and keys.shape[0] == n and keys.shape[2] == d,
+             f"keys shape {tuple(keys.shape)}: expected [N={n}, T, D={d}]")
+    _require(keys.dtype in (q.dtype, FP8), f"keys dtype {keys.dtype}: expected {q.dtype} (as q) or {FP8}")
+    _require(lengths.shape == (n,) and lengths.dtype in (torch.int32, torch.int64),
+             f"lengths must be int32/int64 of shape {(n,)}, got {lengths.dtype} {tuple(lengths.shape)}")
+    if keys.dtype == FP8:
+        _require(key_scale is not None, "fp8 keys need key_scale [N, T] float32")
+        _require(key_scale.shape == keys.shape[:2] and key_scale.dtype == torch.float32,
+                 f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: expected float32 {tuple(keys.shape[:2])}")
+    else:
+        _require(key_scale is None, f"key_scale is only for fp8 keys, keys are {keys.dtype}")
+    tensors = {"q": q, "weights": weights, "keys": keys, "lengths": lengths, "key_scale": key_scale}
+    for name, t in tensors.items():
+        if t is not None:
+            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    _require(q.stride(-1) == 1 and keys.stride(-1) == 1,
+             f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
+                   key_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Lightning-indexer scores [N, T] float32 of each request's decode query; -inf at t >= lengths[n].
+
+    q [N, H_index, D] (D a power of 2, 128 in the model), weights [N, H_index], keys [N, T, D] in q's
+    dtype or float8_e4m3fn with key_scale [N, T] float32, lengths [N] (clamped to T).
+    """
+    _check_indexer_inputs(q, weights, keys, lengths, key_scale)
+    n, h, d = q.shape
+    t = keys.shape[1]
+    out = torch.empty((n, t), dtype=torch.float32, device=q.device)
+    if n == 0 or t == 0:
+        return out
+    scale = key_scale if key_scale is not None else out  # never read without HAS_SCALE
+    block_t = 128 if q.is_cuda else 32
+    _indexer_scores_kernel[(n, triton.cdiv(t, block_t))](
+        q, weights, keys, scale, lengths, out,
+        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), keys.stride(1),
+        scale.stride(0), scale.stride(1), out.stride(0),
+        t,
+        H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
+        HAS_SCALE=key_scale is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
+    return out
+
+
+def indexer_scores_ref(q, weights, keys, lengths, key_scale=None) -> torch.Tensor:
+    """Plain-torch lightning-indexer scores [N, T] float32, -inf at t >= lengths[n]."""
+    logits = torch.einsum("nhd,ntd->nht", q.float(), keys.float())  # [N, H, T]
+    scores = (logits.relu() * weights.float()[:, :, None]).sum(dim=1)  # [N, T]
+    if key_scale is not None:
+        scores = scores * key_scale
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-k selection
+# ---------------------------------------------------------------------------------------------
+
+def _check_topk_inputs(scores, lengths, k) -> None:
+    _require(scores.dim() == 2 and scores.dtype == torch.float32,
+             f"scores must be float32 [N, T], got {scores.dtype} {tuple(scores.shape)}")
+    _require(lengths.shape == (scores.shape[0],) and lengths.dtype in (torch.int32, torch.int64),
+             f"lengths must be int32/int64 of shape {(scores.shape[0],)}, got {lengths.dtype} {tuple(lengths.shape)}")
+    _require(lengths.device == scores.device, f"lengths on {lengths.device}, scores on {scores.device}")
+    _require(isinstance(k, int) and k >= 1, f"k must be a positive int, got {k!r}")
+
+
+def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best tokens [N, k] int32 of each request, best first, -1 padding.
+
+    torch.topk does not specify the order of equal values, so it runs on unique int64 keys instead:
+    the high 32 bits order the float32 score (its bits with the magnitude flipped for negatives,
+    -0.0 folded into +0.0), the low 32 bits hold 2^32 - 1 - t, so equal scores rank the lower index
+    first. The result is exactly `topk_select_ref` (a stable sort) for any k, on CPU and GPU.
+    """
+    _check_topk_inputs(scores, lengths, k)
+    n, t = scores.shape
+    o_t = torch.arange(t, device=scores.device)
+    valid = o_t[None, :] < lengths[:, None]  # [N, T]
+    masked = torch.where(valid, scores, float("-inf"))
+    bits = torch.where(masked == 0, 0.0, masked).view(torch.int32).to(torch.int64)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the float order
+    keys = (ordered << 32) | (0xFFFFFFFF - o_t)[None, :]
+    picked = keys.topk(min(k, t), dim=1, sorted=True).indices  # [N, min(k, T)]
+    sel = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
+    sel[:, :picked.shape[1]] = torch.where(picked < lengths[:, None], picked, -1).to(torch.int32)
+    return sel
+
+
+def topk_select_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain-torch top-k: stable descending sort of the valid scores, -1 padding."""
+    n, t = scores.shape
+    valid = torch.arange(t, device=scores.device)[None, :] < lengths[:, None]
+    order = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=1, descending=True, stable=True).indices
+    order = order[:, :k]
+    sel = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
+    sel[:, :order.shape[1]] = torch.where(order < lengths[:, None], order, -1).to(torch.int32)
+    return sel
+
+
+def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tensor:
+    """Indexer scores then top-k: the selection [N, k] int32 of token ids, -1 padding."""
+    return topk_select(indexer_scores(q, weights, keys, lengths, key_scale), lengths, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLA decode
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class DecodeConfig:
+    """Tile sizes and launch shape of `_sparse_mla_decode_kernel`."""
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_h", "block_k"):
+            value = getattr(self, name)
+            _require(value >= 16 and value == triton.next_power_of_2(value), f"{name}={value}: expected a power of 2 >= 16")
+        _require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
+        _require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
+
+
+def default_decode_config(num_heads: int, d_qk: int) -> DecodeConfig:
+    """Fixed (never autotuned) so that the same shapes always accumulate in the same order."""
+    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    block_k = 32 if d_qk > 256 else 64
+    return DecodeConfig(block_h=block_h, block_k=block_k, num_warps=8 if block_h * d_qk > 16384 else 4, num_stages=2)
+
+
+def default_num_splits(batch: int, head_blocks: int, k: int, block_k: int, device: torch.device) -> int:
+    """Split along k until the grid roughly fills the GPU (one program per SM); 1 off the GPU."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(k, block_k), sms // max(1, batch * head_blocks)))
+
+
+def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse) -> None:
+    _require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
+    n, h, d = q.shape
+    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    _require(0 < d_v < d, f"d_v={d_v}: expected 0 < d_v < D={d}")
+    for name, size in (("d_v", d_v), ("D - d_v", d - d_v)):
+        _require(size >= 16 and size == triton.next_power_of_2(size), f"{name}={size}: expected a power of 2 >= 16")
+    _require(kv.dim() == 2 and kv.shape[1] == d, f"kv shape {tuple(kv.shape)}: expected [R, D={d}]")
+    _require(kv.dtype == q.dtype, f"kv dtype {kv.dtype}: expected {q.dtype} (as q)")
+    _require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
+             f"rows must be int32 [N={n}, k], got {rows.dtype} {tuple(rows.shape)}")
+    _require(rows.shape[1] >= 1, "rows must select at least one entry per request (k >= 1)")
+    _require(q.stride(-1) == 1 and kv.stride(-1) == 1 and rows.stride(-1) == 1,
+             f"q, kv and rows need a contiguous last dim, strides {q.stride()}, {kv.stride()}, {rows.stride()}")
+    _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
+             f"sm_scale={sm_scale!r}: expected a positive finite float")
+    for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse)):
+        if t is not None:
+            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    if out is not None:
+        _require(out.shape == (n, h, d_v) and out.dtype == q.dtype and out.stride(-1) == 1,
+                 f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, d_v)} with a contiguous last dim")
+    if lse is not None:
+        _require(lse.shape == (n, h) and lse.dtype == torch.float32,
+                 f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")
+
+
+def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float, d_v: int = 512,
+                      num_splits: int | None = None, config: DecodeConfig | None = None,
+                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Absorbed-MLA decode over selected rows: returns out [N, H, d_v] (q's dtype), lse [N, H] float32.
+
+    q [N, H, D]; kv [R, D] (the hot cache or the resident pool viewed as rows; V = kv[:, :d_v]);
+    rows [N, k] int32 in [-1, R), read in order (-1 skipped; not range-checked, that would sync).
+    A request with no valid row gets zeros and lse -inf. The k axis is split into `num_splits`
+    chunks (default: enough to fill the GPU) merged by a combine kernel. Equal inputs in equal order
+    give bitwise-equal outputs whatever R and wherever the rows sit in kv.
+    """
+    _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse)
+    n, h, d = q.shape
+    k = rows.shape[1]
+    cfg = config or default_decode_config(h, d)
+    head_blocks = triton.cdiv(h, cfg.block_h)
+    if num_splits is None:
+        num_splits = default_num_splits(n, head_blocks, k, cfg.block_k, q.device)
+    _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
+    chunk = triton.cdiv(triton.cdiv(k, num_splits), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, chunk)
+    out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
+    lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
+    if n == 0 or h == 0:
+        return out, lse
+    if splits == 1:
+        part, part_lse = out, lse
+        split_strides = (0, 0)
+    else:
+        part = torch.empty((n, h, splits, d_v), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
+        split_strides = (part.stride(2), part_lse.stride(2))
+    _sparse_mla_decode_kernel[(n, head_blocks, splits)](
+        q, kv, rows, part, part_lse,
+        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
+        split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
+        h, k, chunk, sm_scale * 1.4426950408889634,
+        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _sparse_mla_combine_kernel[(n, h)](
+            part, part_lse, out, lse,
+            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+            part_lse.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            splits,
+            D_V=d_v, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
+    return out, lse
+
+
+def sparse_mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
+                          d_v: int = 512):
+    """Plain-torch float32 absorbed-MLA decode over the selected rows: (out in q's dtype, lse float32)."""
+    valid = rows >= 0  # [N, k]
+    picked = kv[rows.clamp(min=0).long()].float()  # [N, k, D]
+    logits = torch.einsum("nhd,nkd->nhk", q.float(), picked) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [N, H], -inf without a valid row
+    probs = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("nhk,nkv->nhv", probs, picked[..., :d_v])
+    return out.to(q.dtype), lse

@@ -1,0 +1,134 @@
+"""DSA (DeepSeek-V3.2 sparse attention) kernels: lightning-indexer scores and sparse MLA decode.
+
+Launchers, input checks and torch references live in `hisparse/dsa.py`.
+"""
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, k_ptr, ks_ptr, len_ptr, out_ptr,
+    stride_qn, stride_qh, stride_wn, stride_wh, stride_kn, stride_kt, stride_sn, stride_st, stride_on,
+    T,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """scores[n, t] = scale(n, t) * sum_h w[n, h] * ReLU(q[n, h] . k[n, t]) for t < lengths[n], else -inf.
+
+    One program per (request, block of BLOCK_T tokens); blocks past the request's length store -inf
+    without reading keys.
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    i_t = tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    length = tl.minimum(tl.load(len_ptr + i_n).to(tl.int32), T)
+    m_t = o_t < length
+    b_score = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    if i_t * BLOCK_T < length:
+        o_h = tl.arange(0, BLOCK_H)
+        o_d = tl.arange(0, D)
+        m_h = o_h < H
+        p_q = q_ptr + i_n * stride_qn + o_h[:, None] * stride_qh + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_h[:, None], other=0.0)  # [BLOCK_H, D]
+        p_k = k_ptr + i_n * stride_kn + o_t[:, None].to(tl.int64) * stride_kt + o_d[None, :]
+        b_k = tl.load(p_k, mask=m_t[:, None], other=0.0).to(b_q.dtype)  # [BLOCK_T, D]
+        b_dot = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_T]
+        b_w = tl.load(w_ptr + i_n * stride_wn + o_h * stride_wh, mask=m_h, other=0.0).to(tl.float32)
+        b_sum = tl.sum(tl.maximum(b_dot, 0.0) * b_w[:, None], axis=0)  # [BLOCK_T]
+        if HAS_SCALE:
+            b_sum *= tl.load(ks_ptr + i_n * stride_sn + o_t * stride_st, mask=m_t, other=0.0)
+        b_score = tl.where(m_t, b_sum, b_score)
+    tl.store(out_ptr + i_n * stride_on + o_t, b_score, mask=o_t < T)
+
+
+@triton.jit
+def _sparse_mla_decode_kernel(
+    q_ptr, kv_ptr, rows_ptr, out_ptr, lse_ptr,
+    stride_qn, stride_qh, stride_kv, stride_rn, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
+    stride_ls,
+    H, K_SEL, CHUNK, qk_scale_log2,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Absorbed-MLA attention of BLOCK_H query heads over one chunk of a request's selected rows.
+
+    Program (n, head block, split) reads rows[n, split*CHUNK : (split+1)*CHUNK] in order, BLOCK_K at a
+    time; a row is kv[row, :D_V + D_ROPE], its first D_V values are V; row -1 is skipped. It stores the
+    softmax-normalised output (zeros when no row is valid) and the natural-log sum-exp (-inf then) at
+    split index `split` of out / lse: the final output when there is one split, else a float32 partial
+    that `_sparse_mla_combine_kernel` merges.
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    i_hb = tl.program_id(1)
+    i_s = tl.program_id(2)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_v = tl.arange(0, D_V)
+    o_r = tl.arange(0, D_ROPE)
+    p_q = q_ptr + i_n * stride_qn + o_h[:, None].to(tl.int64) * stride_qh
+    b_q_nope = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_V]
+    b_q_rope = tl.load(p_q + D_V + o_r[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    start = i_s * CHUNK
+    end = tl.minimum(start + CHUNK, K_SEL)
+    for j0 in range(start, end, BLOCK_K):
+        o_j = j0 + tl.arange(0, BLOCK_K)
+        b_row = tl.load(rows_ptr + i_n * stride_rn + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
+        m_j = b_row >= 0
+        p_kv = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv
+        b_kv = tl.load(p_kv + o_v[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_V]
+        b_kr = tl.load(p_kv + D_V + o_r[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_ROPE]
+        b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
+        b_s = tl.dot(b_q_nope, tl.trans(b_kv), b_s, input_precision=DOT_PRECISION)
+        b_s = tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no (-inf) - (-inf)
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_K]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = tl.dot(b_p.to(b_kv.dtype), b_kv, b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
+        b_m = b_m_new
+
+    m_any = b_l > 0.0
+    b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]  # [BLOCK_H, D_V]
+    b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.0))) * LN2, float("-inf"))
+    p_out = out_ptr + i_n * stride_on + o_h[:, None].to(tl.int64) * stride_oh + i_s * stride_os + o_v[None, :]
+    tl.store(p_out, b_out, mask=m_h[:, None])
+    tl.store(lse_ptr + i_n * stride_ln + o_h * stride_lh + i_s * stride_ls, b_lse, mask=m_h)
+
+
+@triton.jit
+def _sparse_mla_combine_kernel(
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    stride_pn, stride_ph, stride_ps, stride_pln, stride_plh, stride_pls, stride_on, stride_oh, stride_ln,
+    stride_lh, SPLITS,
+    D_V: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the per-split partial outputs of one (request, head): weights exp(lse_s - max lse).
+
+    Splits without a valid row carry lse -inf and weight 0; a head with none at all gets zeros, lse -inf.
+    """
+    i_n = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
+    o_v = tl.arange(0, D_V)
+    m_s = o_s < SPLITS
+    p_lse = part_lse_ptr + i_n * stride_pln + i_h * stride_plh + o_s * stride_pls
+    b_lse = tl.load(p_lse, mask=m_s, other=float("-inf"))  # [BLOCK_S]
+    b_max = tl.max(b_lse, axis=0)
+    b_max_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_w = tl.exp(b_lse - b_max_safe)  # [BLOCK_S]
+    b_den = tl.sum(b_w, axis=0)
+    p_part = part_ptr + i_n * stride_pn + i_h * stride_ph + o_s[:, None] * stride_ps + o_v[None, :]
+    b_part = tl.load(p_part, mask=m_s[:, None], other=0.0)  # [BLOCK_S, D_V]
+    b_den_safe = tl.where(b_den > 0.0, b_den, 1.0)
+    b_out = tl.sum(b_part * b_w[:, None], axis=0) / b_den_safe  # [D_V]
+    tl.store(out_ptr + i_n * stride_on + i_h * stride_oh + o_v, b_out)
+    tl.store(lse_ptr + i_n * stride_ln + i_h * stride_lh,
+             tl.where(b_den > 0.0, b_max_safe + tl.log(b_den_safe), float("-inf")))
