@@ -119,13 +119,13 @@ class HierarchicalKVCache:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        lengths = torch.tensor(self.stream_len) if check_values else None
         if check_values:
-            closed = [int(s) for s in streams.tolist() if s >= 0 and int(s) not in self._open]
+            closed = [s for s in streams.tolist() if 0 <= s < self.max_streams and s not in self._open]
             if closed:
                 raise ValueError(f"stream {closed[0]} is not open")
+            check_resolve_inputs(self.state, streams, sel, torch.tensor(self.stream_len))
         return resolve(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
-                       stream_len=lengths, **kwargs)
+                       **kwargs)
 
     def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal") -> ResolveResult:
         """The torch reference of `resolve`, on this cache's state (for tests and notebooks)."""

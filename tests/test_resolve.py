@@ -1,0 +1,265 @@
+"""Resolve kernel vs torch reference: slots, LRU state, counters, miss plans and fetched bytes."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.resolve import ResolveResult, resolve
+
+POISON = -7
+
+
+def make_pair(num_streams, cache_slots, row_elems, dtype, device, lengths, seed):
+    """Two caches with identical streams and host rows: one for the kernel, one for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = [HierarchicalKVCache(num_streams, cache_slots, host_rows=sum(lengths) + 64,
+                                  row_elems=row_elems, dtype=dtype, device=device) for _ in range(2)]
+    data = [torch.randn(n, row_elems, generator=gen).to(dtype) for n in lengths]
+    for cache in caches:
+        cache.slots.fill_(float("nan") if dtype.is_floating_point else POISON)
+        for rows in data:
+            cache.append(cache.open_stream(capacity=len(rows) + 8), rows.to(device))
+    return caches
+
+
+def next_selection(prev, lengths, k, gen, reuse=0.6, pad=0.15):
+    """A selection per stream: part reused from the previous step (hits), part fresh, some -1."""
+    rows = []
+    for i, n in enumerate(lengths):
+        old = prev[i][prev[i] >= 0] if prev is not None else torch.empty(0, dtype=torch.int32)
+        keep = old[torch.rand(len(old), generator=gen) < reuse]
+        fresh = torch.randperm(n, generator=gen).to(torch.int32)
+        fresh = fresh[~torch.isin(fresh, keep)]
+        n_valid = min(n, k) - int(torch.rand(1, generator=gen) < pad) * int(torch.randint(0, k, (1,), generator=gen))
+        units = torch.cat([keep, fresh])[:max(n_valid, 0)]
+        units = units[torch.randperm(len(units), generator=gen)]
+        row = torch.full((k,), -1, dtype=torch.int32)
+        pos = torch.randperm(k, generator=gen)[:len(units)].sort().values
+        row[pos] = units
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def assert_same_state(a: HierarchicalKVCache, b: HierarchicalKVCache):
+    for name in ("slot_unit", "lru", "unit_slot", "stats"):
+        assert torch.equal(getattr(a.state, name).cpu(), getattr(b.state, name).cpu()), name
+
+
+def assert_slots_hold_units(cache: HierarchicalKVCache, streams, sel, slots):
+    """Every returned slot holds, bit for bit, the host row of its unit."""
+    for row in range(sel.shape[0]):
+        s = int(streams[row])
+        valid = sel[row] >= 0
+        if s < 0:
+            assert not valid.any() and (slots[row] == -1).all()
+            continue
+        assert torch.equal(slots[row][~valid].cpu(), torch.full_like(slots[row][~valid].cpu(), -1))
+        base = int(cache.state.host_base[s])
+        want = cache.host.rows[base + sel[row][valid].long().cpu()]
+        got = cache.slots[s, slots[row][valid].long()].cpu()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+CASES = [
+    pytest.param(3, 8, 8, 5, torch.float16, 40, id="S3-k8-B8-E5fp16"),      # B == k, 10-byte rows
+    pytest.param(4, 8, 13, 27, torch.float32, 60, id="S4-k8-B13-E27fp32"),  # odd B and row size
+    pytest.param(5, 16, 32, 12, torch.float16, 40, id="S5-k16-B32-E12fp16"),
+    pytest.param(2, 5, 11, 3, torch.float32, 60, id="S2-k5-B11-E3fp32"),    # k, B not powers of 2
+]
+
+
+@pytest.mark.parametrize("num_streams,k,cache_slots,row_elems,dtype,steps", CASES)
+def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype, steps, device):
+    gen = torch.Generator().manual_seed(1000 + k * cache_slots)
+    lengths = [int(x) for x in torch.randint(k, 4 * cache_slots, (num_streams,), generator=gen)]
+    kern, ref = make_pair(num_streams, cache_slots, row_elems, dtype, device, lengths, seed=k)
+    sel = None
+    for step in range(steps):
+        sel = next_selection(sel, lengths, k, gen)
+        # a padded batch row (stream -1) and a shuffled stream order in every call
+        order = torch.randperm(num_streams, generator=gen)
+        streams = torch.cat([order, torch.tensor([-1])]).to(torch.int32)
+        batch_sel = torch.cat([sel[order], torch.full((1, k), -1, dtype=torch.int32)])
+        out = ResolveResult(*(torch.full(shape, POISON, dtype=torch.int32, device=device)
+                              for shape in ((num_streams + 1, k), (num_streams + 1, 2),
+                                            (num_streams + 1, k), (num_streams + 1, k))))
+        got = kern.resolve(streams.to(device), batch_sel.to(device), out=out)
+        want = ref.resolve_ref(streams, batch_sel)
+        assert torch.equal(got.slots.cpu(), want.slots), f"step {step}"
+        assert torch.equal(got.counts.cpu(), want.counts), f"step {step}"
+        for row in range(num_streams + 1):
+            assert got.plan(row) == want.plan(row), f"step {step} row {row}"
+        assert_same_state(kern, ref)
+        assert_slots_hold_units(kern, streams, batch_sel, got.slots)
+    hits, misses = kern.stats.sum(0).tolist()
+    assert hits > 0 and misses > 0, "the selections must exercise both hits and misses"
+
+
+def test_noio_updates_state_but_copies_nothing(device):
+    gen = torch.Generator().manual_seed(7)
+    lengths = [50, 33]
+    normal, noio = make_pair(2, 12, 6, torch.float32, device, lengths, seed=3)
+    sel = None
+    for _ in range(10):
+        sel = next_selection(sel, lengths, 8, gen)
+        streams = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        a = normal.resolve(streams, sel.to(device))
+        b = noio.resolve(streams, sel.to(device), mode="noio")
+        assert torch.equal(a.slots, b.slots) and torch.equal(a.counts, b.counts)
+    assert_same_state(normal, noio)
+    assert noio.slots[:, :-1].isnan().all(), "no-IO mode must not write any slot"
+
+
+def test_plan_in_selection_order_without_sort(device):
+    cache, _ = make_pair(1, 8, 4, torch.float32, device, [30], seed=5)
+    sel = torch.tensor([[17, 3, 25, -1, 9]], dtype=torch.int32, device=device)
+    res = cache.resolve(torch.tensor([0], dtype=torch.int32, device=device), sel, sort_plan=False)
+    assert [u for u, _ in res.plan(0)] == [17, 3, 25, 9]
+    assert [s for _, s in res.plan(0)] == [0, 1, 2, 3]   # empty slots, lowest index first
+    assert_slots_hold_units(cache, [0], sel, res.slots)
+
+
+def test_lru_order_after_a_step(device):
+    """The worked example of DESIGN section 3: untouched, then misses, then hits."""
+    cache, _ = make_pair(1, 4, 2, torch.float32, device, [20], seed=1)
+    s0 = torch.tensor([0], dtype=torch.int32, device=device)
+    cache.resolve(s0, torch.tensor([[5, 6, 7]], dtype=torch.int32, device=device))   # slots 0,1,2
+    assert cache.state.lru[0].tolist() == [3, 0, 1, 2]
+    res = cache.resolve(s0, torch.tensor([[9, 6, 8]], dtype=torch.int32, device=device))
+    # hit: 6 in slot 1; misses 9, 8 take the LRU free slots 3 (empty) then 0 (unit 5)
+    assert res.slots.tolist() == [[3, 1, 0]]
+    assert cache.state.lru[0].tolist() == [2, 3, 0, 1]
+    assert cache.state.slot_unit[0].tolist() == [8, 6, 7, 9]
+    assert res.counts.tolist() == [[1, 2]]
+
+
+def test_32bit_address_overflow_is_avoided():
+    """Host rows past 2**31 words: offsets must be computed in 64 bits. The pool is a sparse,
+    memory-mapped file, so 8 GiB of address space costs no memory. In a subprocess, since an
+    overflowing kernel would crash the interpreter rather than fail an assert."""
+    script = textwrap.dedent("""
+        import os, tempfile, torch
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from hisparse.cache import HierarchicalKVCache
+        E, R = 1024, (1 << 21) + 64          # 4 KiB rows: row 2**21 starts at word 2**31
+        cache = HierarchicalKVCache(2, 8, host_rows=R, row_elems=E, dtype=torch.float32, device="cpu")
+        with tempfile.NamedTemporaryFile() as f:
+            f.truncate(R * E * 4)
+            cache.host.rows = torch.from_file(f.name, shared=True, size=R * E, dtype=torch.float32).view(R, E)
+            cache.open_stream(1 << 21)
+            far = cache.open_stream(64)
+            rows = torch.randn(40, E)
+            cache.append(far, rows)
+            sel = torch.tensor([[3, 39, 0, 17]], dtype=torch.int32)
+            res = cache.resolve(torch.tensor([far], dtype=torch.int32), sel)
+            assert torch.equal(cache.slots[far, res.slots[0].long()], rows[sel[0].long()])
+        print("fetched-past-2**31-ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "fetched-past-2**31-ok" in done.stdout, done.stderr[-2000:]
+
+
+# -- input checks: each bad call raises before any launch and changes nothing -----------------
+
+def _small_cache(device, cache_slots=8):
+    cache = HierarchicalKVCache(3, cache_slots, host_rows=200, row_elems=4, dtype=torch.float32, device=device)
+    for n in (20, 30):
+        cache.append(cache.open_stream(capacity=40), torch.randn(n, 4).to(device))
+    return cache
+
+
+def _i32(x, device):
+    return torch.tensor(x, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("streams,sel,match", [
+    pytest.param([0], [[1, 2, 3, 4, 5, 6, 7, 8, 9]], r"cache_slots B=8 is smaller than .* k=9", id="B-lt-k"),
+    pytest.param([0], [[1, 20, 3]], r"selects unit \[20\] out of range: expected -1 or 0..19", id="unit-too-large"),
+    pytest.param([0], [[1, -2, 3]], r"selects unit \[-2\] out of range", id="unit-below-minus-one"),
+    pytest.param([1], [[4, 7, 4]], r"selects unit \[4\] more than once", id="duplicate-unit"),
+    pytest.param([0, 0], [[1], [2]], r"a stream appears twice", id="duplicate-stream"),
+    pytest.param([5], [[1]], r"stream id 5 out of range", id="stream-out-of-range"),
+    pytest.param([-1], [[3]], r"row 0 is padding \(stream -1\) but selects units \[3\]", id="padding-selects"),
+    pytest.param([2], [[1]], r"stream 2 is not open", id="closed-stream"),
+])
+def test_bad_values_rejected_before_launch(streams, sel, match, device):
+    cache = _small_cache(device)
+    before = cache.state.clone()
+    with pytest.raises(ValueError, match=match):
+        cache.resolve(_i32(streams, device), _i32(sel, device))
+    for name in ("slot_unit", "lru", "unit_slot", "stats"):
+        assert torch.equal(getattr(before, name), getattr(cache.state, name))
+
+
+def test_bad_layouts_rejected(device):
+    cache = _small_cache(device)
+    streams = _i32([0, 1], device)
+    sel = _i32([[1, 2], [3, 4]], device)
+    with pytest.raises(ValueError, match="selection must be int32, got torch.int64"):
+        cache.resolve(streams, sel.long())
+    with pytest.raises(ValueError, match=r"streams must be \[batch\]=\[2\]"):
+        cache.resolve(streams[:1], sel)
+    with pytest.raises(ValueError, match="selection must be contiguous"):
+        cache.resolve(streams, sel.t())
+    with pytest.raises(ValueError, match=r"selection must be \[batch, k\]"):
+        cache.resolve(streams, sel[0])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        cache.resolve(streams, sel, mode="fast")
+    with pytest.raises(ValueError, match="host pool dtype torch.float32 differs"):
+        resolve(cache.state, streams, sel, cache.host.rows, cache.slots.half())
+
+
+# -- host pool and streams ---------------------------------------------------------------------
+
+def test_append_past_capacity_keeps_stored_rows(device):
+    cache = HierarchicalKVCache(2, 4, host_rows=64, row_elems=3, dtype=torch.float32, device=device)
+    s = cache.open_stream(capacity=10)
+    rows = torch.randn(8, 3)
+    cache.append(s, rows.to(device))
+    before = cache.host.rows.clone()
+    with pytest.raises(ValueError, match="stream 0 holds 8 of 10 units; appending 3 would exceed"):
+        cache.append(s, torch.randn(3, 3).to(device))
+    assert torch.equal(before, cache.host.rows) and cache.stream_len[s] == 8
+    assert torch.equal(cache.slots[s, cache.reserved_slot].cpu(), rows[-1])
+
+
+def test_host_regions_are_contiguous_and_reused():
+    cache = HierarchicalKVCache(4, 4, host_rows=100, row_elems=2, dtype=torch.float32, device="cpu")
+    a, b, c = (cache.open_stream(capacity=30) for _ in range(3))
+    assert [int(cache.state.host_base[s]) for s in (a, b, c)] == [0, 30, 60]
+    with pytest.raises(MemoryError, match="cannot fit a region of 20 rows: 10 of 100 rows are free"):
+        cache.open_stream(capacity=20)
+    cache.close_stream(a)
+    cache.close_stream(b)
+    d = cache.open_stream(capacity=55)       # the two freed regions merged into one of 60 rows
+    assert int(cache.state.host_base[d]) == 0
+    with pytest.raises(ValueError, match="stream 1 is not open"):
+        cache.append(b, torch.zeros(1, 2))
+
+
+def test_reopened_stream_starts_empty(device):
+    cache = _small_cache(device)
+    sel = _i32([[1, 2, 3]], device)
+    cache.resolve(_i32([0], device), sel)
+    cache.close_stream(0)
+    s = cache.open_stream(capacity=40)
+    cache.append(s, torch.randn(20, 4).to(device))
+    res = cache.resolve(_i32([s], device), sel)
+    assert res.counts.tolist() == [[0, 3]], "a reopened stream must not see the old stream's units"
+
+
+def test_write_unit_writes_through_to_cached_copy(device):
+    cache = _small_cache(device)
+    s0 = _i32([0], device)
+    res = cache.resolve(s0, _i32([[4, 19]], device))
+    new = torch.randn(4)
+    cache.write_unit(0, 4, new.to(device))
+    assert torch.equal(cache.slots[0, int(res.slots[0, 0])].cpu(), new)
+    res2 = cache.resolve(s0, _i32([[4]], device))
+    assert res2.counts.tolist() == [[1, 0]]
+    assert torch.equal(cache.slots[0, int(res2.slots[0, 0])].cpu(), new)
