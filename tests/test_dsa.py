@@ -1,0 +1,320 @@
+"""DSA kernels against their torch references: indexer scores, top-k, sparse MLA decode.
+
+CPU tests run the kernels through Triton's interpreter on small odd shapes (float16/float32, fp8
+keys too: the interpreter handles them); GPU tests check bf16 at the model's shapes.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hisparse import dsa
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DSV32_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # qk head dim 192, YaRN mscale of factor 40
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every float tensor from torch.empty starts as NaN, so an element no kernel writes fails."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| over max |expected|, on the finite entries; infinities must coincide."""
+    actual, expected = actual.float(), expected.float()
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected)), "infinities differ"
+    assert not torch.isnan(actual).any(), "NaN in the output"
+    finite = torch.isfinite(expected)
+    if not finite.any():
+        return 0.0
+    diff = (actual[finite] - expected[finite]).abs().max()
+    return (diff / expected[finite].abs().max().clamp_min(1e-6)).item()
+
+
+def random_rows(n: int, k: int, num_rows: int, gen: torch.Generator, pad_frac: float = 0.2) -> torch.Tensor:
+    """[n, k] int32 distinct rows per request with about pad_frac entries -1; the last request all -1."""
+    rows = torch.stack([torch.randperm(num_rows, generator=gen)[:k] for _ in range(n)]).to(torch.int32)
+    rows[torch.rand(n, k, generator=gen) < pad_frac] = -1
+    rows[-1] = -1
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Indexer and top-k
+# ---------------------------------------------------------------------------------------------
+
+INDEXER_CASES = [
+    pytest.param(3, 5, 32, 77, id="N3-H5-D32-T77"),
+    pytest.param(2, 27, 64, 61, id="N2-H27-D64-T61"),
+]
+
+
+def indexer_inputs(n, h, d, t, dtype, gen):
+    q = torch.randn(n, h, d, generator=gen).to(dtype)
+    weights = torch.randn(n, h, generator=gen) * h ** -0.5
+    keys = torch.randn(n, t, d, generator=gen).to(dtype)
+    lengths = torch.tensor([t, 0, t // 2 + 1][:n] + [t] * max(0, n - 3), dtype=torch.int32)
+    return q, weights, keys, lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("n, h, d, t", INDEXER_CASES)
+def test_indexer_scores_match_ref(n, h, d, t, dtype, nan_empty):
+    gen = torch.Generator().manual_seed(1)
+    q, weights, keys, lengths = indexer_inputs(n, h, d, t, dtype, gen)
+    scores = dsa.indexer_scores(q, weights, keys, lengths)
+    assert rel_err(scores, dsa.indexer_scores_ref(q, weights, keys, lengths)) < TOL[dtype]
+    assert torch.isinf(scores[1]).all(), "a request of length 0 must score -inf everywhere"
+
+
+@pytest.mark.parametrize("n, h, d, t", INDEXER_CASES)
+def test_indexer_fp8_keys_with_scale_match_ref(n, h, d, t, nan_empty):
+    gen = torch.Generator().manual_seed(2)
+    q, weights, keys, lengths = indexer_inputs(n, h, d, t, torch.float32, gen)
+    keys8 = keys.to(dsa.FP8)
+    scale = torch.rand(n, t, generator=gen) + 0.25
+    scores = dsa.indexer_scores(q, weights, keys8, lengths, key_scale=scale)
+    assert rel_err(scores, dsa.indexer_scores_ref(q, weights, keys8, lengths, key_scale=scale)) < 1e-5
+
+
+def test_topk_ties_rank_lower_index_first():
+    scores = torch.tensor([[1.0, 2.0, 2.0, -0.0, 0.0, 2.0, float("-inf"), 5.0]])
+    lengths = torch.tensor([7])
+    expected = torch.tensor([[1, 2, 5, 0, 3, 4, 6, -1, -1]], dtype=torch.int32)
+    assert torch.equal(dsa.topk_select(scores, lengths, 9), expected)
+    assert torch.equal(dsa.topk_select_ref(scores, lengths, 9), expected)
+
+
+@pytest.mark.parametrize("n, t, k", [
+    pytest.param(4, 61, 27, id="N4-T61-k27"),
+    pytest.param(3, 113, 64, id="N3-T113-k64"),
+    pytest.param(2, 20, 27, id="N2-T20-k27-k_over_T"),
+])
+def test_topk_select_matches_stable_sort_exactly(n, t, k):
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randint(-3, 4, (n, t), generator=gen).float() * 0.5  # many ties, both signs of zero
+    scores[scores == 0] *= torch.where(torch.rand(int((scores == 0).sum()), generator=gen) < 0.5, -1.0, 1.0)
+    scores[1, ::7] = float("-inf")
+    lengths = torch.tensor([0, t, k // 2, t - 1][:n], dtype=torch.int64)
+    sel = dsa.topk_select(scores, lengths, k)
+    assert sel.dtype == torch.int32 and sel.shape == (n, k)
+    assert torch.equal(sel, dsa.topk_select_ref(scores, lengths, k))
+    assert (sel[0] == -1).all(), "a request of length 0 selects nothing"
+
+
+def test_dsa_select_is_indexer_then_topk():
+    gen = torch.Generator().manual_seed(4)
+    q, weights, keys, lengths = indexer_inputs(3, 5, 32, 77, torch.float32, gen)
+    expected = dsa.topk_select_ref(dsa.indexer_scores_ref(q, weights, keys, lengths), lengths, 29)
+    assert torch.equal(dsa.dsa_select(q, weights, keys, lengths, 29), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLA decode
+# ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    pytest.param(3, 5, 64, 16, 100, 61, id="N3-H5-dv64-rope16-R100-k61"),
+    pytest.param(2, 27, 512, 64, 113, 27, id="N2-H27-dv512-rope64-R113-k27"),
+]
+SMALL_TILES = dsa.DecodeConfig(block_h=16, block_k=16, num_warps=4, num_stages=1)
+
+
+def decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen):
+    q = torch.randn(n, h, d_v + d_rope, generator=gen).to(dtype)
+    kv = torch.randn(r, d_v + d_rope, generator=gen).to(dtype)
+    return q, kv, random_rows(n, k, r, gen)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("n, h, d_v, d_rope, r, k", DECODE_CASES)
+def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, nan_empty):
+    gen = torch.Generator().manual_seed(5)
+    q, kv, rows = decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen)
+    out, lse = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=d_v, num_splits=splits, config=SMALL_TILES)
+    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=d_v)
+    assert out.dtype == dtype and out.shape == (n, h, d_v) and lse.shape == (n, h)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    assert rel_err(lse, ref_lse) < 1e-5
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), "no valid row must give zeros"
+    assert torch.isneginf(lse[-1]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_sparse_mla_decode_matches_softmax_attention_over_selected_rows(dtype):
+    gen = torch.Generator().manual_seed(6)
+    n, h, d_v, d_rope = 3, 27, 64, 16
+    q, kv, rows = decode_inputs(n, h, d_v, d_rope, 61, 45, dtype, gen)
+    out, _ = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, d_v=d_v, num_splits=2, config=SMALL_TILES)
+    for i in range(n - 1):  # the last request has no valid row
+        picked = kv[rows[i][rows[i] >= 0].long()].float()  # [valid, D]
+        expected = F.scaled_dot_product_attention(q[i].float()[None, None], picked[None, None],
+                                                  picked[None, None, :, :d_v], scale=DSV32_SCALE)[0, 0]
+        assert rel_err(out[i], expected) < TOL[dtype]
+
+
+def build_resident_and_hot(streams, units, slots, k, d, dtype, gen):
+    """A resident pool and a hot cache holding the selected units of each stream at shuffled slots.
+
+    Returns kv_resident [S*units, D], rows_resident, kv_hot [S*(slots+1), D], rows_hot: the same
+    rows in the same order, at different places.
+    """
+    pool = torch.randn(streams, units, d, generator=gen).to(dtype)
+    sel = random_rows(streams, k, units, gen, pad_frac=0.1).long()  # unit ids, -1 pads
+    sel[-1, : k // 2] = torch.randperm(units, generator=gen)[: k // 2]  # the last stream is partly padded
+    cache = torch.randn(streams, slots + 1, d, generator=gen).to(dtype)  # stale rows everywhere
+    slot = torch.full_like(sel, -1)
+    for s in range(streams):
+        valid = sel[s] >= 0
+        slot[s, valid] = torch.randperm(slots, generator=gen)[: int(valid.sum())]
+        cache[s, slot[s, valid]] = pool[s, sel[s, valid]]
+    base_res = torch.arange(streams)[:, None] * units
+    base_hot = torch.arange(streams)[:, None] * (slots + 1)
+    rows_res = torch.where(sel >= 0, base_res + sel, -1).to(torch.int32)
+    rows_hot = torch.where(slot >= 0, base_hot + slot, -1).to(torch.int32)
+    return pool.view(-1, d), rows_res, cache.view(-1, d), rows_hot
+
+
+@pytest.mark.parametrize("splits", [1, 2], ids=["splits1", "splits2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits):
+    gen = torch.Generator().manual_seed(7)
+    kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(3, 97, 61, 37, 80, dtype, gen)
+    q = torch.randn(3, 5, 80, generator=gen).to(dtype)
+    args = dict(d_v=64, num_splits=splits, config=SMALL_TILES)
+    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res, rows_res, DSV32_SCALE, **args)
+    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot, rows_hot, DSV32_SCALE, **args)
+    assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
+    assert rel_err(out_res, dsa.sparse_mla_decode_ref(q, kv_res, rows_res, DSV32_SCALE, d_v=64)[0]) < TOL[dtype]
+
+
+def test_sparse_mla_decode_fills_given_buffers():
+    gen = torch.Generator().manual_seed(8)
+    q, kv, rows = decode_inputs(2, 5, 64, 16, 50, 27, torch.float32, gen)
+    out = torch.full((2, 5, 64), float("nan"))
+    lse = torch.full((2, 5), float("nan"))
+    got_out, got_lse = dsa.sparse_mla_decode(q, kv, rows, 0.2, d_v=64, out=out, lse=lse, config=SMALL_TILES)
+    assert got_out is out and got_lse is lse
+    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, 0.2, d_v=64)
+    assert rel_err(out, ref_out) < TOL[torch.float32] and rel_err(lse, ref_lse) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------
+
+def test_launchers_reject_bad_inputs():
+    q, kv = torch.randn(2, 4, 80), torch.randn(30, 80)
+    rows = torch.zeros(2, 8, dtype=torch.int32)
+    bad_decode = {
+        "rows dtype": (dict(rows=rows.long()), "rows must be int32"),
+        "kv dtype": (dict(kv=kv.half()), "kv dtype"),
+        "kv width": (dict(kv=kv[:, :72]), "kv shape"),
+        "d_v": (dict(d_v=48), "d_v=48"),
+        "scale": (dict(sm_scale=-1.0), "sm_scale=-1.0"),
+        "rows batch": (dict(rows=rows[:1]), "rows must be int32"),
+        "out": (dict(out=torch.empty(2, 4, 32)), "out torch.float32"),
+    }
+    for name, (change, message) in bad_decode.items():
+        args = dict(q=q, kv=kv, rows=rows, sm_scale=0.1, d_v=64) | change
+        with pytest.raises(ValueError, match=message):
+            dsa.sparse_mla_decode(**args)
+    qi, w, keys, lengths = torch.randn(2, 3, 32), torch.randn(2, 3), torch.randn(2, 9, 32), torch.tensor([9, 4])
+    with pytest.raises(ValueError, match="fp8 keys need key_scale"):
+        dsa.indexer_scores(qi, w, keys.to(dsa.FP8), lengths)
+    with pytest.raises(ValueError, match="key_scale is only for fp8"):
+        dsa.indexer_scores(qi, w, keys, lengths, key_scale=torch.ones(2, 9))
+    with pytest.raises(ValueError, match="indexer head dim 24"):
+        dsa.indexer_scores(qi[..., :24], w, keys[..., :24], lengths)
+    with pytest.raises(ValueError, match="k must be a positive int"):
+        dsa.topk_select(torch.randn(2, 9), lengths, 0)
+    with pytest.raises(ValueError, match="block_k=24"):
+        dsa.DecodeConfig(block_h=16, block_k=24, num_warps=4, num_stages=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 at the model's shapes (128 heads, k = 2048, 32K and 128K contexts)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [32768, 131072], ids=["ctx32K", "ctx128K"])
+def test_gpu_sparse_mla_decode_real_shapes(context):
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    n, h, k = 4, 128, 2048
+    kv = torch.randn(n * context, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(n, h, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tokens = torch.rand(n, context, device="cuda", generator=gen).topk(k, dim=1).indices
+    rows = (tokens + torch.arange(n, device="cuda")[:, None] * context).to(torch.int32)
+    rows[1, 1000:] = -1  # a short request
+    rows[2] = -1  # a request with nothing selected
+    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
+    for splits in (None, 1, 7):
+        out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits)
+        assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
+        assert rel_err(lse, ref_lse) < 1e-4, f"num_splits={splits}"
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [2, 64], ids=["N2-split", "N64"])
+def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch):
+    gen = torch.Generator().manual_seed(11)
+    kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(batch, 8192, 4096, 2048, 576, torch.bfloat16, gen)
+    q = torch.randn(batch, 128, 576, generator=gen).to(torch.bfloat16).cuda()
+    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE)
+    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE)
+    assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dtype", [torch.bfloat16, dsa.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("context", [32768, 131072], ids=["ctx32K", "ctx128K"])
+def test_gpu_indexer_and_topk_real_shapes(context, key_dtype):
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    n, h, d, k = 4, 64, 128, 2048
+    q = torch.randn(n, h, d, device="cuda", generator=gen).to(torch.bfloat16)
+    weights = torch.randn(n, h, device="cuda", generator=gen) * h ** -0.5 * d ** -0.5
+    keys = torch.randn(n, context, d, device="cuda", generator=gen)
+    scale = None
+    if key_dtype == dsa.FP8:
+        scale = keys.abs().amax(dim=-1) / 448.0
+        keys = (keys / scale[..., None]).to(dsa.FP8)
+    else:
+        keys = keys.to(key_dtype)
+    lengths = torch.tensor([context, context // 3, 1000, 0], device="cuda", dtype=torch.int32)
+    scores = dsa.indexer_scores(q, weights, keys, lengths, key_scale=scale)
+    assert rel_err(scores, dsa.indexer_scores_ref(q, weights, keys, lengths, key_scale=scale)) < 1e-3
+    sel = dsa.topk_select(scores, lengths, k)
+    assert torch.equal(sel, dsa.topk_select_ref(scores, lengths, k))
+    assert (sel[2, 1000:] == -1).all() and (sel[3] == -1).all() and (sel[:2] >= 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_offsets_beyond_int32():
+    """Row and key offsets past 2^31 elements: 64-bit addressing in both kernels."""
+    rows_total = 2 ** 31 // 576 + 4096
+    kv = torch.zeros(rows_total, 576, device="cuda", dtype=torch.bfloat16)
+    kv[-4096:] = torch.randn(4096, 576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 128, 576, device="cuda", dtype=torch.bfloat16)
+    rows = (rows_total - 1 - torch.stack([torch.randperm(4096, device="cuda")[:2048] for _ in range(2)]))
+    rows = rows.to(torch.int32)
+    out, _ = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE)
+    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)[0]) < TOL[torch.bfloat16]
+    del kv
+    t = 2 ** 31 // 128 + 1024
+    keys = torch.zeros(2, t, 128, device="cuda", dtype=torch.bfloat16)
+    keys[1, -1024:] = torch.randn(1024, 128, device="cuda", dtype=torch.bfloat16)
+    qi, w = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16), torch.rand(2, 64, device="cuda")
+    lengths = torch.tensor([t, t], device="cuda", dtype=torch.int32)
+    scores = dsa.indexer_scores(qi, w, keys, lengths)[1, -1024:]
+    expected = dsa.indexer_scores_ref(qi[1:], w[1:], keys[1:, -1024:], lengths[1:] * 0 + 1024)[0]
+    assert rel_err(scores, expected) < 1e-3
