@@ -1,0 +1,464 @@
+"""NSA decode (Native Sparse Attention, one query token per request): launchers and torch references.
+
+Three branches, gated per query head (DESIGN section 5):
+1. compressed: attention over compressed blocks. Compressed block i covers tokens
+   [i * CMP_STRIDE, i * CMP_STRIDE + CMP_BLOCK) and holds mean(keys) (@ weight_k when a weight is
+   given), likewise for values; a request of L tokens has (L - 32) // 16 + 1 of them (0 if L < 32).
+2. selected: attention over the top-n selection blocks of SEL_BLOCK tokens, one selection per KV head.
+3. window: attention over the last WINDOW tokens, kept in a ring buffer (token t at t % W).
+out = g0 * o_cmp + g1 * o_slc + g2 * o_win with gates [N, H, 3] given (already sigmoid-ed).
+
+Selection scores (NSA paper eq. 9 for l' = 64, l = 32, d = 16): with p_cmp[i] the compressed-branch
+softmax probabilities summed over the query heads of a GQA group,
+    score[j] = sum_{m=0..3} sum_{p=0..1} p_cmp[4 j + m - p]        (indices outside [0, n_cmp) skipped)
+that is, compressed block i weighs on selection block j by the number of 16-token strides they
+share: blocks 4j-1 and 4j+3 count once, 4j .. 4j+2 twice. The paper writes p_cmp[4j - m - n]; its
+compressed index is ours shifted by one selection block, and the weights 1, 2, 2, 2, 1 are the same.
+Block 0 and the two newest blocks are always selected (score +inf); the others by descending score,
+ties to the lower block index; the selection is in that order, -1 pads when a request has fewer
+blocks. The newest, partial block is attended over its valid tokens only.
+
+Row layout (the hierarchical unit): one row per (selection block, KV head) = [2, SEL_BLOCK, D], keys
+then values. The resident pool of stream s = n * KV + kv_head holds block u at row s * U + u.
+Attention reads rows through `rows [N, KV, n]` (-1 = skip) with the block ids `blocks [N, KV, n]`
+that say each row's valid length; rows are read in the order given, so a hot cache and the
+resident pool holding the same rows give bitwise-equal outputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from kernels_triton.nsa import (
+    _nsa_attention_partial_kernel, _nsa_compress_kernel, _nsa_gate_kernel, _nsa_merge_kernel,
+    _nsa_select_kernel,
+)
+
+CMP_BLOCK = 32
+CMP_STRIDE = 16
+SEL_BLOCK = 64
+N_SELECT = 16
+WINDOW = 512
+ENTRY_TOKENS = 64  # keys per entry of the contiguous branches (compressed, window)
+TARGET_PROGRAMS = 1024  # split entries until about this many programs (H200: 132 SMs)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def compressed_count(lengths: torch.Tensor) -> torch.Tensor:
+    """Number of complete compressed blocks of requests of `lengths` tokens."""
+    return torch.where(lengths >= CMP_BLOCK, (lengths - CMP_BLOCK) // CMP_STRIDE + 1, 0)
+
+
+def block_count(lengths: torch.Tensor) -> torch.Tensor:
+    """Number of selection blocks (the newest may be partial)."""
+    return (lengths + SEL_BLOCK - 1) // SEL_BLOCK
+
+
+def nsa_block_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Resident pool [N * KV * U, 2, SEL_BLOCK, D] from dense k, v [N, KV, T, D] (zero padded)."""
+    n, kvh, t, d = k.shape
+    units = triton.cdiv(t, SEL_BLOCK)
+    pad = units * SEL_BLOCK - t
+    kb = F.pad(k, (0, 0, 0, pad)).view(n, kvh, units, 1, SEL_BLOCK, d)
+    vb = F.pad(v, (0, 0, 0, pad)).view(n, kvh, units, 1, SEL_BLOCK, d)
+    return torch.cat([kb, vb], dim=3).reshape(n * kvh * units, 2, SEL_BLOCK, d)
+
+
+def resident_rows(blocks: torch.Tensor, n_units: int) -> torch.Tensor:
+    """Rows of the resident pool for `blocks [N, KV, n]` (-1 stays -1), int32."""
+    n, kvh, _ = blocks.shape
+    stream = torch.arange(n * kvh, device=blocks.device).view(n, kvh, 1)
+    return torch.where(blocks >= 0, stream * n_units + blocks, -1).to(torch.int32)
+
+
+def nsa_window_ring(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, window: int = WINDOW):
+    """Ring buffers [N, KV, window, D] holding the last `window` tokens of dense k, v (t at t % W)."""
+    n, kvh, _, d = k.shape
+    wk = k.new_zeros(n, kvh, window, d)
+    wv = v.new_zeros(n, kvh, window, d)
+    for i, length in enumerate(lengths.tolist()):
+        tok = torch.arange(max(0, length - window), length, device=k.device)
+        wk[i][:, tok % window] = k[i][:, tok]
+        wv[i][:, tok % window] = v[i][:, tok]
+    return wk, wv
+
+
+# ----------------------------------------------------------------------------- references
+
+def nsa_compress_ref(k, v, weight_k=None, weight_v=None):
+    """Compressed keys/values [N, KV, C, D] of dense k, v [N, KV, T, D], C = blocks fitting in T."""
+    def pool(x, w):
+        if x.shape[2] < CMP_BLOCK:
+            return x.new_zeros(*x.shape[:2], 0, x.shape[3])
+        y = x.float().unfold(2, CMP_BLOCK, CMP_STRIDE).mean(-1)  # [N, KV, C, D]
+        return (y @ w.float() if w is not None else y).to(x.dtype)
+    return pool(k, weight_k), pool(v, weight_v)
+
+
+def _masked_attention(q, k, v, mask, scale):
+    """q [N, KV, G, D], k, v [N, KV, L, D], mask [N, KV, L] -> out [N, KV, G, D], probs [N, KV, G, L].
+
+    Rows without any valid key give zeros."""
+    logits = torch.einsum("nkgd,nkld->nkgl", q, k) * scale
+    logits = logits.masked_fill(~mask[:, :, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    probs = torch.where(mask[:, :, None, :], probs, 0.0).to(v.dtype)
+    return torch.einsum("nkgl,nkld->nkgd", probs, v), probs
+
+
+def _grouped(q, kv_heads, dtype):
+    n, h, d = q.shape
+    return q.to(dtype).view(n, kv_heads, h // kv_heads, d)
+
+
+def nsa_compressed_attention_ref(q, ck, cv, lengths, scale=None, dtype=torch.float32):
+    """-> out [N, H, D], probs [N, KV, G, C] (compressed-branch softmax, 0 beyond each request)."""
+    n, h, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    valid = torch.arange(ck.shape[2], device=q.device)[None, :] < compressed_count(lengths)[:, None]
+    mask = valid[:, None, :].expand(n, ck.shape[1], -1)
+    out, probs = _masked_attention(_grouped(q, ck.shape[1], dtype), ck.to(dtype), cv.to(dtype), mask, scale)
+    return out.reshape(n, h, d), probs
+
+
+def nsa_selection_scores_ref(probs, n_blocks):
+    """Selection-block scores [N, KV, n_blocks] from compressed probabilities [N, KV, G, C]."""
+    p_cmp = probs.float().sum(2)  # [N, KV, C]
+    ratio, span = SEL_BLOCK // CMP_STRIDE, CMP_BLOCK // CMP_STRIDE
+    padded = F.pad(p_cmp, (span - 1, ratio * n_blocks + ratio))
+    j = torch.arange(n_blocks, device=probs.device)
+    scores = torch.zeros(*p_cmp.shape[:2], n_blocks, device=probs.device)
+    for m in range(ratio):
+        for p in range(span):
+            scores += padded[..., ratio * j + m - p + span - 1]
+    return scores
+
+
+def nsa_topn_ref(scores, lengths, n_select=N_SELECT):
+    """Top-n selection blocks [N, KV, n_select] int32: forced 0 and the two newest, then by score."""
+    n_blocks = scores.shape[-1]
+    j = torch.arange(n_blocks, device=scores.device)
+    n_blk = block_count(lengths).clamp(max=n_blocks)[:, None, None]
+    cur = torch.where((j == 0) | (j >= n_blk - 2), float("inf"), scores.float())
+    cur = torch.where(j < n_blk, cur, float("-inf"))
+    values, order = torch.sort(cur, dim=-1, descending=True, stable=True)
+    values, order = values[..., :n_select], order[..., :n_select]
+    blocks = torch.where(values == float("-inf"), -1, order)
+    return F.pad(blocks, (0, n_select - blocks.shape[-1]), value=-1).to(torch.int32)
+
+
+def nsa_selected_attention_ref(q, kv_rows, rows, blocks, lengths, scale=None, dtype=torch.float32):
+    """Attention over the rows `rows [N, KV, n]` of kv_rows [R, 2, SEL_BLOCK, D] -> [N, H, D]."""
+    n, h, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    kv_heads, n_sel = rows.shape[1:]
+    kv_rows = kv_rows.view(-1, 2, SEL_BLOCK, d)
+    gathered = kv_rows[rows.clamp(min=0).long()].to(dtype)  # [N, KV, n, 2, SEL_BLOCK, D]
+    k = gathered[:, :, :, 0].reshape(n, kv_heads, n_sel * SEL_BLOCK, d)
+    v = gathered[:, :, :, 1].reshape(n, kv_heads, n_sel * SEL_BLOCK, d)
+    valid_len = lengths[:, None, None] - blocks.long() * SEL_BLOCK  # [N, KV, n]
+    t = torch.arange(SEL_BLOCK, device=q.device)
+    mask = (t < valid_len[..., None]) & (rows >= 0)[..., None] & (blocks >= 0)[..., None]
+    out, _ = _masked_attention(_grouped(q, kv_heads, dtype), k, v, mask.reshape(n, kv_heads, -1), scale)
+    return out.reshape(n, h, d)
+
+
+def nsa_window_attention_ref(q, win_k, win_v, lengths, scale=None, dtype=torch.float32):
+    """Attention over the valid part of the ring buffers win_k, win_v [N, KV, W, D] -> [N, H, D]."""
+    n, h, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    window = win_k.shape[2]
+    valid = torch.arange(window, device=q.device)[None, :] < lengths.clamp(max=window)[:, None]
+    mask = valid[:, None, :].expand(n, win_k.shape[1], -1)
+    out, _ = _masked_attention(_grouped(q, win_k.shape[1], dtype), win_k.to(dtype), win_v.to(dtype), mask, scale)
+    return out.reshape(n, h, d)
+
+
+def nsa_gate_ref(gates, o_cmp, o_slc, o_win):
+    g = gates.float()
+    return g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
+
+
+def nsa_decode_ref(q, ck, cv, pool, win_k, win_v, lengths, gates, n_units, n_select=N_SELECT,
+                   scale=None, dtype=torch.float32):
+    """The whole NSA decode step over the resident pool: -> out [N, H, D] (q's dtype), blocks."""
+    o_cmp, probs = nsa_compressed_attention_ref(q, ck, cv, lengths, scale, dtype)
+    blocks = nsa_topn_ref(nsa_selection_scores_ref(probs, n_units), lengths, n_select)
+    rows = resident_rows(blocks, n_units)
+    o_slc = nsa_selected_attention_ref(q, pool, rows, blocks, lengths, scale, dtype)
+    o_win = nsa_window_attention_ref(q, win_k, win_v, lengths, scale, dtype)
+    return nsa_gate_ref(gates, o_cmp, o_slc, o_win).to(q.dtype), blocks
+
+
+# ----------------------------------------------------------------------------- launcher checks
+
+def _fail(what, got, expected):
+    raise ValueError(f"{what}: got {got}, expected {expected}")
+
+
+def _check_float(name, x, device, dtype=None):
+    if not isinstance(x, torch.Tensor):
+        _fail(name, type(x).__name__, "a torch.Tensor")
+    if x.dtype not in FLOAT_DTYPES:
+        _fail(f"{name}.dtype", x.dtype, "float16, bfloat16 or float32")
+    if dtype is not None and x.dtype != dtype:
+        _fail(f"{name}.dtype", x.dtype, f"{dtype} (the dtype of q)")
+    if x.device != device:
+        _fail(f"{name}.device", x.device, f"{device} (the device of q)")
+
+
+def _check_shape(name, x, expected):
+    if x.dim() != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected)):
+        _fail(f"{name}.shape", tuple(x.shape), tuple("*" if e is None else e for e in expected))
+
+
+def _check_contiguous(name, x):
+    if not x.is_contiguous():
+        _fail(f"{name} layout", f"strides {x.stride()}", "a contiguous tensor")
+
+
+def _check_q(q):
+    _check_float("q", q, q.device if isinstance(q, torch.Tensor) else None)
+    if q.dim() != 3:
+        _fail("q.shape", tuple(q.shape), "[N, H, D]")
+    if q.stride(-1) != 1:
+        _fail("q layout", f"strides {q.stride()}", "a unit stride on the head dim")
+
+
+def _check_lengths(lengths, n, device):
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype not in (torch.int32, torch.int64):
+        _fail("lengths.dtype", getattr(lengths, "dtype", type(lengths).__name__), "int32 or int64")
+    _check_shape("lengths", lengths, (n,))
+    if lengths.device != device:
+        _fail("lengths.device", lengths.device, f"{device} (the device of q)")
+
+
+def _check_kv_pair(names, k, v, q, kv_heads=None):
+    n, h, d = q.shape
+    for name, x in zip(names, (k, v)):
+        _check_float(name, x, q.device, q.dtype)
+        _check_shape(name, x, (n, kv_heads, None, d))
+        _check_contiguous(name, x)
+    if k.shape != v.shape:
+        _fail(f"{names[1]}.shape", tuple(v.shape), f"{tuple(k.shape)} (the shape of {names[0]})")
+    if h % k.shape[1]:
+        _fail("query heads", h, f"a multiple of the {k.shape[1]} KV heads")
+
+
+def _alloc(like, shape, dtype):
+    """Every output and workspace of the launchers comes from here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _split(n_entries, n_streams):
+    """(entries per split, splits): enough programs to fill the GPU; depends on shapes only."""
+    splits = max(1, min(n_entries, triton.cdiv(TARGET_PROGRAMS, n_streams)))
+    per = triton.cdiv(max(n_entries, 1), splits)
+    return per, triton.cdiv(max(n_entries, 1), per)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def nsa_compress(k, v, weight_k=None, weight_v=None):
+    """Compressed keys/values [N, KV, C, D] of dense k, v [N, KV, T, D] (see nsa_compress_ref)."""
+    _check_float("k", k, k.device if isinstance(k, torch.Tensor) else None)
+    if k.dim() != 4:
+        _fail("k.shape", tuple(k.shape), "[N, KV, T, D]")
+    n, kvh, t, d = k.shape
+    _check_float("v", v, k.device, k.dtype)
+    _check_shape("v", v, tuple(k.shape))
+    for name, x in (("k", k), ("v", v)):
+        _check_contiguous(name, x)
+    if (weight_k is None) != (weight_v is None):
+        _fail("weights", "only one of weight_k, weight_v", "both or neither")
+    for name, w in (("weight_k", weight_k), ("weight_v", weight_v)):
+        if w is not None:
+            _check_float(name, w, k.device)
+            _check_shape(name, w, (d, d))
+            _check_contiguous(name, w)
+    n_cmp = (t - CMP_BLOCK) // CMP_STRIDE + 1 if t >= CMP_BLOCK else 0
+    ck = _alloc(k, (n, kvh, n_cmp, d), k.dtype)
+    cv = _alloc(v, (n, kvh, n_cmp, d), v.dtype)
+    if n * kvh * n_cmp == 0:
+        return ck, cv
+    block_c = 16
+    has_weight = weight_k is not None
+    _nsa_compress_kernel[(n * kvh, triton.cdiv(n_cmp, block_c))](
+        k, v, weight_k if has_weight else k, weight_v if has_weight else v, ck, cv,
+        k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        ck.stride(1), ck.stride(2), cv.stride(1), cv.stride(2),
+        n_cmp, d,
+        CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, BLOCK_C=block_c, BLOCK_D=triton.next_power_of_2(d),
+        HAS_WEIGHT=has_weight, DOT_PRECISION=_dot_precision(torch.float32),
+    )
+    return ck, cv
+
+
+def _attend(q, k, v, lengths, scale, *, n_entries, max_valid, tokens, gather=None, valid_kind=0, logits=None):
+    """Partial attention over `n_entries` entries per stream, then the merge: -> out fp32 [N, H, D], lse."""
+    n, h, d = q.shape
+    kv_heads = k.shape[1] if gather is None else gather[0].shape[1]
+    g = h // kv_heads
+    per, splits = _split(n_entries, n * kv_heads)
+    part_m = _alloc(q, (n * h, splits), torch.float32)
+    part_l = _alloc(q, (n * h, splits), torch.float32)
+    part_acc = _alloc(q, (n * h, splits, d), torch.float32)
+    rows, blocks = gather if gather is not None else (lengths, lengths)
+    if gather is None:
+        stride_k, stride_v = k.stride(1), v.stride(1)  # one stream of [T, D] keys
+    else:
+        stride_k, stride_v = k.stride(0), v.stride(0)  # one row of [SEL_BLOCK, D] keys
+    block_d = triton.next_power_of_2(d)
+    _nsa_attention_partial_kernel[(n * kv_heads, splits)](
+        q, k, v, rows, blocks, lengths, part_m, part_l, part_acc, logits if logits is not None else part_m,
+        q.stride(0), q.stride(1),
+        stride_k, k.stride(-2), stride_v, v.stride(-2),
+        rows.stride(1) if gather is not None else 0, logits.stride(1) if logits is not None else 0,
+        part_m.stride(0), part_acc.stride(0), part_acc.stride(1),
+        kv_heads, g, d, n_entries, per, max_valid, d ** -0.5 if scale is None else float(scale),
+        T=tokens, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+        GATHER=gather is not None, VALID_KIND=valid_kind, CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE,
+        STORE_LOGITS=logits is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
+    out = _alloc(q, (n, h, d), torch.float32)
+    lse = _alloc(q, (n, h), torch.float32)
+    _nsa_merge_kernel[(n * h,)](
+        part_m, part_l, part_acc, out, lse,
+        part_m.stride(0), part_acc.stride(0), part_acc.stride(1), d,
+        splits, d,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=2,
+    )
+    return out, lse
+
+
+def nsa_compressed_attention(q, ck, cv, lengths, scale=None):
+    """Compressed branch: -> out fp32 [N, H, D], lse fp32 [N, H], logits fp32 [N, H, C].
+
+    logits (scaled q.k of each valid compressed block, unset beyond) and lse give the branch's
+    softmax probabilities exp(logits - lse), from which nsa_select scores the selection blocks."""
+    _check_q(q)
+    _check_kv_pair(("ck", "cv"), ck, cv, q)
+    _check_lengths(lengths, q.shape[0], q.device)
+    n, h, _ = q.shape
+    n_cmp = ck.shape[2]
+    logits = _alloc(q, (n, h, max(n_cmp, 1)), torch.float32)
+    out, lse = _attend(q, ck, cv, lengths, scale, n_entries=triton.cdiv(n_cmp, ENTRY_TOKENS),
+                       max_valid=n_cmp, tokens=ENTRY_TOKENS, valid_kind=0, logits=logits)
+    return out, lse, logits
+
+
+def nsa_select(logits, lse, lengths, kv_heads, n_blocks, n_select=N_SELECT):
+    """Top-n selection per KV head: -> blocks int32 [N, KV, n_select], scores fp32 [N, KV, n_blocks].
+
+    n_blocks: selection blocks per stream (the pool's units); longer requests are cut to it."""
+    for name, x, dims in (("logits", logits, 3), ("lse", lse, 2)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+            _fail(f"{name}.dtype", getattr(x, "dtype", type(x).__name__), "float32")
+        if x.dim() != dims or x.stride(-1) != 1:
+            _fail(f"{name} layout", f"shape {tuple(x.shape)} strides {x.stride()}", f"{dims} dims, unit last stride")
+    n, h, n_cmp = logits.shape
+    _check_shape("lse", lse, (n, h))
+    _check_lengths(lengths, n, logits.device)
+    if lse.stride(0) != h:
+        _fail("lse layout", f"strides {lse.stride()}", "contiguous")
+    if kv_heads < 1 or h % kv_heads:
+        _fail("kv_heads", kv_heads, f"a divisor of the {h} query heads")
+    if n_blocks < 1:
+        _fail("n_blocks", n_blocks, ">= 1")
+    if n_select < 3:
+        _fail("n_select", n_select, ">= 3 (block 0 and the two newest are forced)")
+    blocks = _alloc(logits, (n, kv_heads, n_select), torch.int32)
+    scores = _alloc(logits, (n, kv_heads, n_blocks), torch.float32)
+    block_nb = triton.next_power_of_2(n_blocks)
+    _nsa_select_kernel[(n * kv_heads,)](
+        logits, lse, lengths, scores, blocks,
+        logits.stride(1), scores.stride(1), blocks.stride(1),
+        kv_heads, h // kv_heads, n_cmp, n_blocks,
+        CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, SEL_BLOCK=SEL_BLOCK,
+        N_SELECT=n_select, BLOCK_NB=block_nb, num_warps=4 if block_nb <= 1024 else 8,
+    )
+    return blocks, scores
+
+
+def nsa_selected_attention(q, kv_rows, rows, blocks, lengths, scale=None):
+    """Selected branch through rows: kv_rows [R, 2, SEL_BLOCK, D] or [R, 2 * SEL_BLOCK * D],
+    rows, blocks int32 [N, KV, n] (-1 = skip) -> out fp32 [N, H, D]. Rows are read in order."""
+    _check_q(q)
+    n, h, d = q.shape
+    _check_float("kv_rows", kv_rows, q.device, q.dtype)
+    if kv_rows.dim() == 2 and kv_rows.shape[1] == 2 * SEL_BLOCK * d:
+        kv_rows = kv_rows.view(-1, 2, SEL_BLOCK, d)
+    _check_shape("kv_rows", kv_rows, (None, 2, SEL_BLOCK, d))
+    if kv_rows.stride()[1:] != (SEL_BLOCK * d, d, 1):
+        _fail("kv_rows layout", f"strides {kv_rows.stride()}", "contiguous rows [2, SEL_BLOCK, D]")
+    for name, x in (("rows", rows), ("blocks", blocks)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
+            _fail(f"{name}.dtype", getattr(x, "dtype", type(x).__name__), "int32")
+        if x.device != q.device:
+            _fail(f"{name}.device", x.device, f"{q.device} (the device of q)")
+        _check_shape(name, x, (n, None, None))
+        _check_contiguous(name, x)
+    if rows.shape != blocks.shape:
+        _fail("blocks.shape", tuple(blocks.shape), f"{tuple(rows.shape)} (the shape of rows)")
+    if h % rows.shape[1]:
+        _fail("query heads", h, f"a multiple of the {rows.shape[1]} KV heads of rows")
+    _check_lengths(lengths, n, q.device)
+    out, _ = _attend(q, kv_rows[:, 0], kv_rows[:, 1], lengths, scale, n_entries=rows.shape[2],
+                     max_valid=0, tokens=SEL_BLOCK, gather=(rows, blocks))
+    return out
+
+
+def nsa_window_attention(q, win_k, win_v, lengths, scale=None):
+    """Window branch over ring buffers win_k, win_v [N, KV, W, D] (token t at t % W) -> fp32 [N, H, D]."""
+    _check_q(q)
+    _check_kv_pair(("win_k", "win_v"), win_k, win_v, q)
+    _check_lengths(lengths, q.shape[0], q.device)
+    window = win_k.shape[2]
+    out, _ = _attend(q, win_k, win_v, lengths, scale, n_entries=triton.cdiv(window, ENTRY_TOKENS),
+                     max_valid=window, tokens=ENTRY_TOKENS, valid_kind=1)
+    return out
+
+
+def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
+    """out [N, H, D] = g0 * o_cmp + g1 * o_slc + g2 * o_win, gates [N, H, 3], branch outputs fp32."""
+    _check_float("o_cmp", o_cmp, o_cmp.device, torch.float32)
+    if o_cmp.dim() != 3:
+        _fail("o_cmp.shape", tuple(o_cmp.shape), "[N, H, D]")
+    n, h, d = o_cmp.shape
+    for name, x in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)):
+        _check_float(name, x, o_cmp.device, torch.float32)
+        _check_shape(name, x, (n, h, d))
+        _check_contiguous(name, x)
+    _check_float("gates", gates, o_cmp.device)
+    _check_shape("gates", gates, (n, h, 3))
+    _check_contiguous("gates", gates)
+    if out_dtype not in FLOAT_DTYPES:
+        _fail("out_dtype", out_dtype, "float16, bfloat16 or float32")
+    out = _alloc(o_cmp, (n, h, d), out_dtype)
+    _nsa_gate_kernel[(n * h,)](
+        o_cmp, o_slc, o_win, gates, out,
+        o_cmp.stride(1), gates.stride(1), out.stride(1), d,
+        BLOCK_D=triton.next_power_of_2(d), num_warps=1,
+    )
+    return out
+
+
+def nsa_decode(q, ck, cv, kv_rows, win_k, win_v, lengths, gates, rows_of, n_blocks,
+               n_select=N_SELECT, scale=None):
+    """One NSA decode step: -> out [N, H, D] (q's dtype), blocks int32 [N, KV, n_select].
+
+    rows_of(blocks) gives the rows of kv_rows holding the selected blocks: the resolve step of the
+    hot cache, or `lambda b: resident_rows(b, n_blocks)` for the resident pool."""
+    o_cmp, lse, logits = nsa_compressed_attention(q, ck, cv, lengths, scale)
+    blocks, _ = nsa_select(logits, lse, lengths, ck.shape[1], n_blocks, n_select)
+    o_slc = nsa_selected_attention(q, kv_rows, rows_of(blocks), blocks, lengths, scale)
+    o_win = nsa_window_attention(q, win_k, win_v, lengths, scale)
+    return nsa_gate(gates, o_cmp, o_slc, o_win, q.dtype), blocks
