@@ -1,0 +1,50 @@
+"""DSA decode-step sparse attention in plain torch: the swappable part of the DSA model.
+
+`DsaModel` calls `select` on anchor layers (indexer top-k) and `attend` on every layer (absorbed MLA
+over the selected tokens). Replace the object in `DsaModel.sparse_attention` to run the same two steps
+through kernels that read the hierarchical cache; the signatures are the contract.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MlaKV:
+    """One layer's KV state: `latent` [B, capacity, kv_lora_rank + qk_rope_head_dim] (normalised
+    latent then roped key, V = the first kv_lora_rank values); `index_keys` [B, capacity,
+    index_head_dim] on anchor layers, None on shared layers. Positions >= the state's length are unused."""
+
+    latent: torch.Tensor
+    index_keys: torch.Tensor | None
+
+
+class TorchDsaAttention:
+    def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
+               length: int, topk: int, scale: float) -> torch.Tensor:
+        """Lightning indexer top-k for one new token per row.
+
+        index_q [B, Hi, Di] (roped), index_weights [B, Hi] (float32, already times Hi^-0.5):
+        score(s) = sum_h w_h * relu(scale * q_h . k_s) over the first `length` keys. Returns [B, topk]
+        int64 token ids in descending score order, -1 where fewer than topk tokens exist.
+        """
+        keys = kv.index_keys[:, :length].float()  # [B, T, Di]
+        scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), keys) * scale)
+        index_scores = torch.einsum("bh,bht->bt", index_weights, scores)
+        chosen = index_scores.topk(min(topk, length), dim=-1).indices
+        selection = chosen.new_full((chosen.shape[0], topk), -1)
+        selection[:, : chosen.shape[1]] = chosen
+        return selection
+
+    def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV, length: int,
+               selection: torch.Tensor, scale: float) -> torch.Tensor:
+        """Absorbed MLA over the selected tokens: q_latent [B, H, Dc], q_rope [B, H, Dr],
+        selection [B, k] (-1 pads). Returns the attention-weighted latent [B, H, Dc]."""
+        dc = q_latent.shape[-1]
+        valid = selection >= 0  # [B, k]
+        rows = kv.latent.gather(1, selection.clamp(min=0)[..., None].expand(-1, -1, kv.latent.shape[-1]))
+        q = torch.cat([q_latent, q_rope], dim=-1)  # [B, H, Dc + Dr]
+        scores = torch.einsum("bhd,bkd->bhk", q, rows) * scale
+        scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("bhk,bkc->bhc", probs, rows[..., :dc])

@@ -1,0 +1,129 @@
+"""Load a Hugging Face style checkpoint: `config.json` plus `*.safetensors` (sharded with
+`model.safetensors.index.json`). Parameter names are the Hugging Face ones; the only mapping is
+per-expert MoE weights onto the fused expert tensors. Every name and shape is checked before any
+tensor is read, and the model is returned only when all of it loaded: nothing half-built, nothing
+unpickled.
+"""
+import importlib
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hisparse.models.base import CausalLM
+from hisparse.models.config import ModelConfig, read_config
+from hisparse.models.layers import Rotary
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+_FAMILIES = {"deepseek_v32": "deepseek_v32.DsaModel", "glm_moe_dsa": "deepseek_v32.DsaModel",
+             "llama": "llama_quest.QuestModel", "qwen3": "llama_quest.QuestModel", "nsa": "nsa_model.NsaModel"}
+
+
+def build_model(config: ModelConfig) -> CausalLM:
+    module, cls = _FAMILIES[config.model_type].split(".")
+    return getattr(importlib.import_module(f"hisparse.models.{module}"), cls)(config)
+
+
+def checkpoint_layout(model: CausalLM) -> dict[str, tuple[str, tuple, tuple[int, ...]]]:
+    """Checkpoint tensor name -> (model parameter name, index into that parameter, shape)."""
+    layout = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        match = _EXPERT.match(name)
+        if match is None:
+            layout[name] = (name, (), tuple(tensor.shape))
+            continue
+        prefix, kind = match.groups()
+        experts, rows, cols = tensor.shape
+        for e in range(experts):
+            if kind == "down_proj":
+                layout[f"{prefix}.{e}.down_proj.weight"] = (name, (e,), (rows, cols))
+            else:
+                half = rows // 2
+                layout[f"{prefix}.{e}.gate_proj.weight"] = (name, (e, slice(0, half)), (half, cols))
+                layout[f"{prefix}.{e}.up_proj.weight"] = (name, (e, slice(half, rows)), (half, cols))
+    return layout
+
+
+def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (checkpoint_dir / s).is_file()]
+        if missing:
+            raise ValueError(f"{index} names shard files that do not exist: {missing}")
+        return [checkpoint_dir / s for s in shards]
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in checkpoint directory {checkpoint_dir}")
+    return files
+
+
+def _is_ignored(name: str, config: ModelConfig) -> bool:
+    """Tensors real checkpoints carry that we do not model: DeepSeek's multi-token-prediction layers
+    (indices >= num_hidden_layers) and stale rotary tables."""
+    layer = _LAYER.match(name)
+    return (layer is not None and int(layer.group(1)) >= config.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
+
+
+def _check_names_and_shapes(files: list[Path], layout: dict, config: ModelConfig) -> dict[str, Path]:
+    where, shapes = {}, {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                where[name], shapes[name] = path, tuple(f.get_slice(name).get_shape())
+    if any(name.endswith("weight_scale_inv") for name in where):
+        raise ValueError("FP8 block-quantized checkpoints (tensors named *.weight_scale_inv) are not supported; "
+                         "convert to bf16 first")
+    unexpected = sorted(n for n in where if n not in layout and not _is_ignored(n, config))
+    if unexpected:
+        raise ValueError(f"unexpected tensors for model_type {config.model_type!r}: {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)")
+    missing = sorted(n for n in layout if n not in where)
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                         f"({len(missing)} in all)")
+    for name, (_, _, shape) in layout.items():
+        if shapes[name] != shape:
+            raise ValueError(f"tensor {name} in {where[name].name} has shape {list(shapes[name])}, "
+                             f"expected {list(shape)} from config.json")
+    return where
+
+
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> CausalLM:
+    """The model of `checkpoint_dir` with its weights, in `dtype` (routing and indexer head weights
+    stay float32, as in transformers), on `device`, in eval mode."""
+    checkpoint_dir = Path(checkpoint_dir)
+    config = read_config(checkpoint_dir)
+    with torch.device("meta"):
+        model = build_model(config)
+    layout = checkpoint_layout(model)
+    where = _check_names_and_shapes(checkpoint_files(checkpoint_dir), layout, config)
+    targets = {}
+    for name, tensor in model.state_dict().items():
+        keep = any(part in name for part in getattr(model, "keep_in_float32", ()))
+        targets[name] = torch.empty(tensor.shape, dtype=torch.float32 if keep else dtype, device=device)
+    by_file: dict[Path, list[str]] = {}
+    for name in layout:
+        by_file.setdefault(where[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for name in names:
+                param, index, _ = layout[name]
+                targets[param][index] = f.get_tensor(name).to(device)
+    if config.tie_word_embeddings:
+        targets["lm_head.weight"] = targets["model.embed_tokens.weight"]
+    model.load_state_dict(targets, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.materialize(torch.device(device))
+    return model.eval()
