@@ -1,0 +1,186 @@
+"""Resolve benchmark: time per call, split into probe-and-scan (no-IO) and IO, with achieved fetch
+bandwidth beside the measured ceilings (DESIGN section 7). Writes rows to OUT/resolve.csv.
+
+Workload with an exact miss rate: each stream's selection has h = k - c "hot" units, the same every
+step (hits after the first step), and c = round(target_miss * k) "cold" units taken in turn from a
+ring of R = B + k units, in a random order fixed per stream. A cold unit comes back only after R
+insertions, so LRU has evicted it: every cold unit is a miss, and the context stays small
+(h + R <= B + 2k units). Misses land at random places in each stream's host region.
+
+Timing: S resolve calls with fresh selections are captured in one CUDA graph (as in a decode step);
+the median replay time over S is the time per call. No-IO runs the same graph without the copy.
+
+    python -m benchmarks.bench_resolve                 # the full H200 sweep
+    python -m benchmarks.bench_resolve --quick         # a tiny run (also on the CPU interpreter)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hisparse.resolve import CacheState, resolve
+from hisparse.results import append_rows
+
+PINNED_GBPS = 55.4          # pinned host <-> device copy, each way (DESIGN section 7)
+RANDOM_ROWS_MPS = 39.0      # random rows over a large pinned pool, millions per second
+STEPS_PER_GRAPH = 8
+
+
+@dataclass(frozen=True)
+class Point:
+    batch: int
+    k: int
+    cache_slots: int
+    target_miss: float
+    row_bytes: int
+
+    @property
+    def cold(self) -> int:
+        return max(1, round(self.target_miss * self.k))
+
+    @property
+    def context(self) -> int:
+        return (self.k - self.cold) + self.cache_slots + self.k
+
+
+def sweep(quick: bool) -> list[Point]:
+    if quick:
+        return [Point(b, 16, 32, m, 64) for b in (1, 4) for m in (0.25, 1.0)]
+    k = 2048
+    main = [Point(b, k, r * k, m, 1152) for b, r, m in
+            itertools.product((1, 4, 16, 64, 128), (1, 2, 3, 4), (0.001, 0.2, 1.0))]
+    rows = [Point(b, k, 2 * k, m, rb) for rb, b, m in
+            itertools.product((656, 8192, 40960), (8, 32), (0.2, 1.0))]
+    return main + rows
+
+
+class Workload:
+    """Selections with an exact miss rate for one point (see the module docstring)."""
+
+    def __init__(self, p: Point, device, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        perms = torch.stack([torch.randperm(p.context, generator=gen) for _ in range(p.batch)])
+        self.hot = perms[:, :p.k - p.cold].to(device)                     # [N, h]
+        self.ring = perms[:, p.k - p.cold:].to(device)                    # [N, R]
+        self.shuffle = torch.randperm(p.k, generator=gen).to(device)      # selection order
+        self.p, self.step = p, 0
+
+    def next(self, steps: int) -> torch.Tensor:
+        """Selections of the next `steps` steps: [steps, N, k] int32."""
+        p, ring = self.p, self.ring.shape[1]
+        t = torch.arange(self.step, self.step + steps, device=self.ring.device)
+        pos = (t[:, None] * p.cold + torch.arange(p.cold, device=t.device)) % ring        # [steps, c]
+        cold = self.ring[:, pos].permute(1, 0, 2)                                           # [steps, N, c]
+        sel = torch.cat([self.hot.expand(steps, -1, -1), cold], dim=2)[:, :, self.shuffle]
+        self.step += steps
+        return sel.to(torch.int32).contiguous()
+
+
+def time_point(p: Point, host: torch.Tensor, device, reps: int) -> dict:
+    """Median microseconds per resolve call, with and without the copy, and this point's misses.
+
+    host: the pool viewed as [p.batch * p.context, row elements]."""
+    row_elems = host.shape[1]
+    streams = torch.arange(p.batch, dtype=torch.int32, device=device)
+    cache = torch.empty(p.batch, p.cache_slots + 1, row_elems, dtype=host.dtype, device=device)
+    result = {}
+    for fetch in (False, True):
+        state = CacheState.empty(p.batch, p.cache_slots, host.shape[0], device)
+        state.host_base.copy_(torch.arange(p.batch, device=device) * p.context)
+        work = Workload(p, device)
+        sels = work.next(STEPS_PER_GRAPH)
+        scratch = torch.empty(2, p.batch, p.cache_slots, dtype=torch.int32, device=device)
+
+        def run():
+            outs = []
+            for i in range(STEPS_PER_GRAPH):
+                outs.append(resolve(state, streams, sels[i], host, cache, fetch=fetch, scratch=scratch))
+            return outs
+
+        outs = run()                        # warm-up: compiles, and fills the hot units
+        times = []
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = run()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(reps):
+                sels.copy_(work.next(STEPS_PER_GRAPH))
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / STEPS_PER_GRAPH)
+        else:
+            for _ in range(reps):
+                sels.copy_(work.next(STEPS_PER_GRAPH))
+                t0 = time.perf_counter()
+                outs = run()
+                times.append((time.perf_counter() - t0) * 1e6 / STEPS_PER_GRAPH)
+        counts = torch.stack([o.counts for o in outs]).sum((0, 1)).tolist()
+        result["total_us" if fetch else "noio_us"] = statistics.median(times)
+        result["miss_rate"] = counts[1] / max(1, counts[0] + counts[1])
+        result["misses_per_call"] = counts[1] / STEPS_PER_GRAPH
+    return result
+
+
+def rows_for(p: Point, r: dict) -> list[dict]:
+    # the copy's share of the call; not measurable when it drowns in timing noise
+    io_us = r["total_us"] - r["noio_us"]
+    io_us = io_us if io_us > 0.05 * r["total_us"] else float("nan")
+    moved = r["misses_per_call"] * p.row_bytes
+    metrics = {
+        "noio_us": (r["noio_us"], "us"),
+        "total_us": (r["total_us"], "us"),
+        "fetch_GBps": (moved / io_us / 1e3, "GB/s"),
+        "fetch_Mrows_per_s": (r["misses_per_call"] / io_us, "Mrows/s"),
+        "miss_rate": (r["miss_rate"], "fraction"),
+    }
+    params = dict(bench="resolve", family="", mode="hisparse", batch=p.batch, context=p.context, k=p.k,
+                  cache_slots=p.cache_slots, unit_bytes=p.row_bytes, target_miss=p.target_miss)
+    return [{**params, "metric": m, "value": v, "unit": u} for m, (v, u) in metrics.items()]
+
+
+def fill_random(flat: torch.Tensor, device) -> None:
+    """Random bits in the pool (never time copies of zeros), drawn on the device in 256 MiB chunks."""
+    chunk = 1 << 27
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk].view(torch.int16)
+        part.copy_(torch.randint(-30000, 30000, part.shape, dtype=torch.int16, device=device))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results", help="folder for resolve.csv (default: results)")
+    ap.add_argument("--quick", action="store_true", help="a tiny sweep, also runs on the CPU interpreter")
+    ap.add_argument("--reps", type=int, default=None, help="graph replays per point (default 20, quick 2)")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    points = sweep(args.quick)
+    reps = args.reps or (2 if args.quick else 20)
+    # one pinned pool for the whole sweep, sized for the largest point, viewed per row size
+    pool_bytes = max(p.batch * p.context * p.row_bytes for p in points)
+    print(f"# pinning a host pool of {pool_bytes / 2**30:.1f} GiB on {device}", flush=True)
+    flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=device.type == "cuda")
+    fill_random(flat, device)
+    print(f"{'batch':>5} {'B/k':>4} {'miss':>6} {'row B':>6} | {'noio us':>8} {'total us':>9} | "
+          f"{'fetch GB/s':>10} (limit {PINNED_GBPS}) {'Mrows/s':>8} (limit {RANDOM_ROWS_MPS:.0f})", flush=True)
+    for i, p in enumerate(points):
+        row_elems = p.row_bytes // 2
+        host = flat[:p.batch * p.context * row_elems].view(p.batch * p.context, row_elems)
+        r = time_point(p, host, device, reps)
+        out = append_rows(f"{args.out}/resolve.csv", rows_for(p, r))
+        gbps = out.loc[out.metric == "fetch_GBps", "value"].item()
+        mrows = out.loc[out.metric == "fetch_Mrows_per_s", "value"].item()
+        print(f"{p.batch:5d} {p.cache_slots / p.k:4.1f} {r['miss_rate']:6.3f} {p.row_bytes:6d} | "
+              f"{r['noio_us']:8.1f} {r['total_us']:9.1f} | {gbps:10.1f} {'':12} {mrows:8.1f}   "
+              f"[{i + 1}/{len(points)}]", flush=True)
+
+
+if __name__ == "__main__":
+    main()

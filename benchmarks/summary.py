@@ -1,0 +1,66 @@
+"""Short table of the headline figures in a results folder, each beside its target.
+
+    python -m benchmarks.summary results/
+"""
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+
+def latest(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the newest commit in the file (a results file accumulates runs)."""
+    return frame[frame.commit == frame.commit.iloc[-1]]
+
+
+def resolve_lines(frame: pd.DataFrame) -> list[str]:
+    f = latest(frame)
+    key = ["batch", "cache_slots", "target_miss", "unit_bytes"]
+    wide = f.pivot_table(index=key, columns="metric", values="value").reset_index()
+    lines = []
+    noio = wide[(wide.batch == 64) & (wide.cache_slots == 4096)]
+    if len(noio):
+        lines.append(f"resolve noio_us, batch 64, k 2048, B 4096: max {noio.noio_us.max():.1f} us "
+                     f"over miss rates (target <= 10)")
+    mid = wide[(wide.unit_bytes == 1152) & (wide.target_miss == 0.2) & (wide.batch >= 16)]
+    if len(mid):
+        lines.append(f"resolve fetch, 1152 B rows, 20% misses, batch >= 16: min {mid.fetch_GBps.min():.1f} "
+                     f"GB/s, max {mid.fetch_GBps.max():.1f} (target >= 40; pinned copy 55.4)")
+    big = wide[(wide.unit_bytes >= 8192) & (wide.target_miss >= 0.2)]
+    if len(big):
+        lines.append(f"resolve fetch, rows >= 8 KB: min {big.fetch_GBps.min():.1f} GB/s, max "
+                     f"{big.fetch_GBps.max():.1f} (target >= 45)")
+    return lines
+
+
+def attention_lines(frame: pd.DataFrame) -> list[str]:
+    f = latest(frame)
+    lines = []
+    for family, g in f.groupby("family"):
+        tri = g[(g["mode"] == "triton") & (g.metric == "roofline_frac")]
+        if len(tri):
+            at = tri[tri.batch >= 32]
+            lines.append(f"attention {family}: roofline_frac at batch >= 32 min {at.value.min():.2f} "
+                         f"median {at.value.median():.2f} (target >= 0.40)")
+        us = g[g.metric == "us"].pivot_table(index=["batch", "context"], columns="mode", values="value")
+        if {"triton", "torch_gather"} <= set(us.columns):
+            speed = (us.torch_gather / us.triton).dropna()
+            lines.append(f"attention {family}: speed-up over torch_gather min {speed.min():.1f}x "
+                         f"median {speed.median():.1f}x")
+    return lines
+
+
+SUMMARIES = {"resolve.csv": resolve_lines, "attention.csv": attention_lines}
+
+
+def main(folder: str) -> None:
+    print("== summary of", folder)
+    for name, fn in SUMMARIES.items():
+        path = Path(folder) / name
+        if path.exists():
+            for line in fn(pd.read_csv(path)):
+                print(line)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "results")

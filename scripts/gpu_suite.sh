@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU run, in one call: GPU-marked tests, then the benchmarks, results under $OUT, a short
+# table last. Run from the repository root on a CUDA machine:
+#   HISPARSE_COMMIT=$(git rev-parse --short=12 HEAD) OUT=out bash scripts/gpu_suite.sh [bench ...]
+# Benchmarks default to every benchmarks/bench_*.py; name some (e.g. `resolve`) to run fewer;
+# TESTS=path narrows the tests.
+# Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log="$OUT/gpu_log.txt"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  echo "commit ${HISPARSE_COMMIT:-unknown}"
+} 2>&1 | tee "$log"
+
+status=0
+python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee -a "$log" || status=1
+
+benches=("$@")
+if [ ${#benches[@]} -eq 0 ]; then
+  for f in benchmarks/bench_*.py; do b=${f#benchmarks/bench_}; benches+=("${b%.py}"); done
+fi
+for b in "${benches[@]}"; do
+  echo "== bench_$b" | tee -a "$log"
+  python3 -m "benchmarks.bench_$b" --out "$OUT" 2>&1 | tee -a "$log" || status=1
+done
+python3 -m benchmarks.summary "$OUT" 2>&1 | tee -a "$log"
+exit $status

@@ -1,0 +1,104 @@
+"""Resolve on the GPU at real sizes: k = 2048, B = 4096, batch 64, 1152-byte rows (576 bf16),
+eagerly and inside a CUDA graph captured once and replayed with changing selections. The
+reference runs on the CPU on a copy of the same state."""
+import pytest
+import torch
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.resolve import ResolveResult
+
+pytestmark = pytest.mark.gpu
+
+N, K, B, E, CONTEXT = 64, 2048, 4096, 576, 16384
+
+
+def selections(gen, steps):
+    """Each step keeps ~70% of the previous selection and draws the rest fresh; some rows pad."""
+    sel = torch.stack([torch.randperm(CONTEXT, generator=gen)[:K] for _ in range(N)])
+    out = []
+    for _ in range(steps):
+        fresh = torch.randint(0, CONTEXT, (N, K), generator=gen)
+        replace = torch.rand(N, K, generator=gen) < 0.3
+        cand = torch.where(replace, fresh, sel)
+        rows = []
+        for r in range(N):   # keep unique ids, in a new order, then pad some rows
+            u = torch.unique(cand[r])
+            u = u[torch.randperm(len(u), generator=gen)]
+            row = torch.full((K,), -1, dtype=torch.int64)
+            n = len(u) if r % 5 else len(u) // 2
+            row[:n] = u[:n]
+            rows.append(row)
+        sel = torch.stack(rows)
+        out.append(sel.to(torch.int32))
+    return out
+
+
+def build(device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(N, CONTEXT, E, generator=gen).to(torch.bfloat16)
+    cache = HierarchicalKVCache(N, B, host_rows=N * CONTEXT, row_elems=E, dtype=torch.bfloat16, device=device)
+    for r in range(N):
+        cache.append(cache.open_stream(CONTEXT), data[r])
+    return cache
+
+
+def check_step(gpu, cpu, streams, sel, res):
+    want = cpu.resolve_ref(streams.cpu(), sel.cpu(), mode="noio")
+    assert torch.equal(res.slots.cpu(), want.slots)
+    assert torch.equal(res.counts.cpu(), want.counts)
+    for name in ("slot_unit", "lru", "unit_slot", "stats"):
+        assert torch.equal(getattr(gpu.state, name).cpu(), getattr(cpu.state, name)), name
+    # every slot holds the host row of its unit, bit for bit
+    valid = sel >= 0
+    s_idx = streams[:, None].long().expand_as(sel)[valid]
+    got = gpu.slots[s_idx, res.slots[valid].long()]
+    host_rows = gpu.state.host_base[s_idx] + sel[valid].long()
+    want_rows = gpu.host.rows[host_rows.cpu()].to(got.device)
+    assert torch.equal(got.view(torch.int16), want_rows.view(torch.int16))
+
+
+def test_resolve_matches_reference_eager_and_graph():
+    device = torch.device("cuda")
+    gpu = build(device)
+    cpu = HierarchicalKVCache(N, B, host_rows=N * CONTEXT, row_elems=E, dtype=torch.bfloat16, device="cpu",
+                              pin=False)
+    for r in range(N):
+        cpu.open_stream(CONTEXT)
+        cpu.stream_len[r] = CONTEXT
+    gen = torch.Generator().manual_seed(1)
+    streams = torch.randperm(N, generator=gen).to(torch.int32).to(device)
+    steps = selections(gen, 12)
+
+    for sel in steps[:4]:                                   # eager, with value checks
+        res = gpu.resolve(streams, sel.to(device))
+        check_step(gpu, cpu, streams, sel.to(device), res)
+
+    static_sel = steps[4].to(device).clone()
+    out = ResolveResult(*(torch.full(s, -7, dtype=torch.int32, device=device)
+                          for s in ((N, K), (N, 2), (N, K), (N, K))))
+    scratch = torch.empty(2, N, B, dtype=torch.int32, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gpu.resolve(streams, static_sel, check_values=False, out=out, scratch=scratch)
+    for sel in steps[4:]:                                   # replayed with changing selections
+        static_sel.copy_(sel.to(device))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_step(gpu, cpu, streams, static_sel, out)
+    hits, misses = gpu.stats.sum(0).tolist()
+    assert hits > 0 and misses > 0
+
+
+def test_fetch_past_2_31_words_on_gpu():
+    """A 9 GiB pinned pool of 40 KiB rows: host offsets past 2**31 words must not wrap."""
+    device = torch.device("cuda")
+    e = 20480                                                # 40960-byte rows, 10240 int32 words
+    far_rows = (1 << 31) // (e // 2) + 64
+    cache = HierarchicalKVCache(2, 8, host_rows=far_rows + 64, row_elems=e, dtype=torch.bfloat16, device=device)
+    cache.open_stream(far_rows)
+    far = cache.open_stream(64)
+    rows = torch.randn(40, e).to(torch.bfloat16)
+    cache.append(far, rows)
+    sel = torch.tensor([[3, 39, 0, 17]], dtype=torch.int32, device=device)
+    res = cache.resolve(torch.tensor([far], dtype=torch.int32, device=device), sel)
+    assert torch.equal(cache.slots[far, res.slots[0].long()].cpu(), rows[sel[0].long().cpu()])
