@@ -169,7 +169,8 @@ class DecodeConfig:
     def __post_init__(self):
         for name in ("block_h", "block_k"):
             value = getattr(self, name)
-            _require(value >= 16 and value == triton.next_power_of_2(value), f"{name}={value}: expected a power of 2 >= 16")
+            _require(value >= 16 and value == triton.next_power_of_2(value),
+                     f"{name}={value}: expected a power of 2 >= 16")
         _require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
         _require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
 
@@ -181,12 +182,19 @@ def default_decode_config(num_heads: int, d_qk: int) -> DecodeConfig:
     return DecodeConfig(block_h=block_h, block_k=block_k, num_warps=8 if block_h * d_qk > 16384 else 4, num_stages=2)
 
 
-def default_num_splits(batch: int, head_blocks: int, k: int, block_k: int, device: torch.device) -> int:
-    """Split along k until the grid roughly fills the GPU (one program per SM); 1 off the GPU."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(k, block_k), sms // max(1, batch * head_blocks)))
+def split_plan(batch: int, heads: int, k: int, config: DecodeConfig, device: torch.device,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """(chunk, splits): split k into `splits` chunks of `chunk` rows (a multiple of block_k).
+
+    By default, split until the grid roughly fills the GPU (one program per SM); 1 off the GPU.
+    """
+    if num_splits is None:
+        programs = batch * triton.cdiv(heads, config.block_h)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        num_splits = max(1, sms // max(1, programs))
+    _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
+    chunk = triton.cdiv(triton.cdiv(k, num_splits), config.block_k) * config.block_k
+    return chunk, triton.cdiv(k, chunk)
 
 
 def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse) -> None:
@@ -232,11 +240,7 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_
     k = rows.shape[1]
     cfg = config or default_decode_config(h, d)
     head_blocks = triton.cdiv(h, cfg.block_h)
-    if num_splits is None:
-        num_splits = default_num_splits(n, head_blocks, k, cfg.block_k, q.device)
-    _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
-    chunk = triton.cdiv(triton.cdiv(k, num_splits), cfg.block_k) * cfg.block_k
-    splits = triton.cdiv(k, chunk)
+    chunk, splits = split_plan(n, h, k, cfg, q.device, num_splits)
     out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:

@@ -1,0 +1,202 @@
+"""DSA sparse MLA decode: the Triton kernel beside a torch gather baseline and dense attention.
+
+    python -m benchmarks.bench_attention_dsa [--out DIR] [--quick] [--tune]
+
+Modes, in one run: `triton` (hisparse.dsa.sparse_mla_decode over k selected rows of a resident pool),
+`torch_gather` (gather the selected rows, then matmul-softmax-matmul in torch) and `dense` (torch's
+scaled_dot_product_attention over the whole context, the 128 heads as 128 queries of one MQA head).
+Appends `us`, `TFLOPs`, `GBps` and `roofline_frac` rows (family `dsa`) to DIR/attention.csv.
+The sparse modes count the work of the ideal kernel: each selected row read once (N*k*1152 bytes
+plus q and out) and 2*N*H*k*(576+512) FLOPs; dense counts the whole context the same way. The
+roofline is the binding one of HBM 4.3 TB/s and bf16 matrix 790 TFLOP/s.
+`--tune` times decode configurations at one shape (no CSV rows), to choose the defaults.
+`--quick` runs a tiny configuration that also works on the CPU interpreter.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from hisparse import dsa  # noqa: E402
+from hisparse.results import append_rows  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+MMA_FLOPS_PER_S = 790e12
+D_QK, D_V = 576, 512
+SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3.2: qk head dim 192, YaRN factor 40
+FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072), heads=128, k=2048)
+QUICK = dict(batches=(1, 3), contexts=(256,), heads=16, k=61)
+
+
+def time_us(fn) -> tuple[float, float, float]:
+    """Median, p20 and p80 of fn's time in microseconds (do_bench on the GPU, wall clock on the CPU)."""
+    if torch.cuda.is_available():
+        median, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        return median * 1e3, p20 * 1e3, p80 * 1e3
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times), min(times), max(times)
+
+
+def torch_gather_decode(q, kv, rows, sm_scale):
+    """The torch baseline: gather the selected rows, matmul, softmax (float32), matmul."""
+    picked = kv[rows.clamp(min=0).long()]  # [N, k, D]
+    logits = torch.bmm(q, picked.transpose(1, 2)).float() * sm_scale  # [N, H, k]
+    logits.masked_fill_((rows < 0)[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    return torch.bmm(probs.to(q.dtype), picked[..., :D_V])  # [N, H, D_V]
+
+
+def dense_decode(q, kv_dense, sm_scale):
+    """Dense absorbed-MLA decode over the whole context: one MQA head, the H heads as H queries."""
+    out = F.scaled_dot_product_attention(q[:, None], kv_dense[:, None], kv_dense[:, None, :, :D_V], scale=sm_scale)
+    return out[:, 0]  # [N, H, D_V]
+
+
+def work(batch: int, heads: int, keys: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of an ideal decode of `heads` heads over `keys` rows per request."""
+    flops = 2.0 * batch * heads * keys * (D_QK + D_V)
+    nbytes = 2.0 * batch * (keys * D_QK + heads * (D_QK + D_V)) + 4.0 * batch * keys
+    return flops, nbytes
+
+
+def metric_rows(base: dict, us: float, flops: float, nbytes: float) -> list[dict]:
+    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
+    values = [("us", us, "us"), ("TFLOPs", flops / us * 1e-6, "TFLOP/s"), ("GBps", nbytes / us * 1e-3, "GB/s"),
+              ("roofline_frac", roofline_us / us, "fraction")]
+    return [{**base, "metric": m, "value": v, "unit": u} for m, v, u in values]
+
+
+def make_inputs(batch, context, heads, k, device, gen):
+    """Resident pool [batch*context, 576] bf16, q [batch, heads, 576], k distinct rows per request."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv = torch.randn(batch * context, D_QK, device=device, dtype=dtype, generator=gen)
+    q = torch.randn(batch, heads, D_QK, device=device, dtype=dtype, generator=gen)
+    tokens = torch.rand(batch, context, device=device, generator=gen).topk(k, dim=1).indices  # random order
+    rows = (tokens + torch.arange(batch, device=device)[:, None] * context).to(torch.int32)
+    return q, kv, rows
+
+
+def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
+    """Time the three modes at one shape; returns result rows and {mode: us}."""
+    q, kv, rows = make_inputs(batch, context, heads, k, device, gen)
+    out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE)
+    baseline = torch_gather_decode(q, kv, rows, SM_SCALE)
+    err = ((out.float() - baseline.float()).abs().max() / baseline.float().abs().max()).item()
+    if not err < 2e-2:
+        raise RuntimeError(f"triton and torch_gather disagree at batch={batch} context={context}: rel err {err:.3g}")
+    _, splits = dsa.split_plan(batch, heads, k, dsa.default_decode_config(heads, D_QK), device)
+    modes = {
+        "triton": (lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE), k),
+        "torch_gather": (lambda: torch_gather_decode(q, kv, rows, SM_SCALE), k),
+        "dense": (lambda: dense_decode(q, kv.view(batch, context, D_QK), SM_SCALE), context),
+    }
+    rows_out, times = [], {}
+    for mode, (fn, keys) in modes.items():
+        try:
+            us, p20, p80 = time_us(fn)
+        except torch.OutOfMemoryError:
+            print(f"  {mode:12s} batch={batch} context={context}: out of memory, skipped")
+            torch.cuda.empty_cache()
+            continue
+        times[mode] = us
+        flops, nbytes = work(batch, heads, keys)
+        base = {"bench": "attention", "family": "dsa", "mode": mode, "batch": batch, "context": context,
+                "k": k if mode != "dense" else "", "unit_bytes": D_QK * kv.element_size(), "heads": heads,
+                "num_splits": splits if mode == "triton" else "", "us_p20": p20, "us_p80": p80}
+        rows_out += metric_rows(base, us, flops, nbytes)
+    return rows_out, times
+
+
+def print_table(rows: list[dict], times: dict) -> None:
+    by_mode = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], {})[r["metric"]] = r["value"]
+    for mode, m in by_mode.items():
+        speedup = times.get("torch_gather", float("nan")) / times[mode]
+        r0 = next(r for r in rows if r["mode"] == mode)
+        print(f"{r0['batch']:6d} {r0['context']:8d} {mode:13s} {m['us']:10.1f} {m['TFLOPs']:8.1f}/790"
+              f" {m['GBps']:8.0f}/4300 {m['roofline_frac']:9.3f} {speedup:10.2f}")
+
+
+def sweep(cfg: dict, device: torch.device, out_dir: Path) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    print(f"DSA sparse MLA decode: heads={cfg['heads']} k={cfg['k']} D={D_QK} (V {D_V}) scale={SM_SCALE:.4f}"
+          f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}")
+    print(f"{'batch':>6s} {'context':>8s} {'mode':13s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
+          f" {'roofline':>9s} {'vs gather':>10s}")
+    for context in cfg["contexts"]:
+        for batch in cfg["batches"]:
+            rows, times = run_shape(batch, context, cfg["heads"], cfg["k"], device, gen)
+            print_table(rows, times)
+            append_rows(out_dir / "attention.csv", rows)
+            if batch == 64 and cfg["k"] == 2048 and {"triton", "torch_gather"} <= times.keys():
+                frac = next(r["value"] for r in rows if r["mode"] == "triton" and r["metric"] == "roofline_frac")
+                speedup = times["torch_gather"] / times["triton"]
+                print(f"  target (batch 64, k 2048): roofline_frac {frac:.2f} (>= 0.40: {frac >= 0.4}),"
+                      f" {speedup:.2f}x torch_gather (>= 3: {speedup >= 3})")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def tune(cfg: dict, device: torch.device, batch: int) -> None:
+    """Time every decode configuration at one shape, best last; prints only."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    heads, k = cfg["heads"], cfg["k"]
+    q, kv, rows = make_inputs(batch, cfg["contexts"][0], heads, k, device, gen)
+    ref = torch_gather_decode(q, kv, rows, SM_SCALE).float()
+    flops, nbytes = work(batch, heads, k)
+    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
+    results = []
+    for bh, bk, warps, stages in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
+        config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
+        try:
+            out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config)
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            us = time_us(lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config))[0]
+        except Exception as exc:  # a config that does not fit (shared memory, registers) is skipped
+            print(f"  {config}: {type(exc).__name__}")
+            continue
+        results.append((us, config, err))
+    print(f"tune at batch={batch} heads={heads} k={k}: roofline {roofline_us:.1f} us (default"
+          f" {dsa.default_decode_config(heads, D_QK)})")
+    for us, config, err in sorted(results, key=lambda r: -r[0]):
+        print(f"  {us:10.1f} us  roofline_frac {roofline_us / us:.3f}  rel err {err:.1e}  {config}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results"), help="directory of attention.csv")
+    parser.add_argument("--quick", action="store_true", help="a tiny configuration (CPU interpreter too)")
+    parser.add_argument("--tune", action="store_true", help="time decode configurations instead of the sweep")
+    parser.add_argument("--tune-batch", type=int, default=64, help="batch of --tune")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.quick:
+        raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
+    cfg = QUICK if args.quick else FULL
+    if args.tune:
+        tune(cfg, device, args.tune_batch)
+    else:
+        sweep(cfg, device, args.out)
+
+
+if __name__ == "__main__":
+    main()
