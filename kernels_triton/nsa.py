@@ -152,9 +152,10 @@ def _nsa_merge_kernel(
     b_w = tl.exp(b_m - b_max_use)  # [BLOCK_S]
     b_sum = tl.sum(b_w * b_l, 0)
     b_o = tl.sum(b_w[:, None] * b_acc, 0)  # [BLOCK_D]
-    b_o = tl.where(b_sum > 0, b_o / b_sum, 0.0)
+    b_sum_use = tl.where(b_sum > 0, b_sum, 1.0)  # no key at all: output 0, lse -inf
+    b_o = tl.where(b_sum > 0, b_o / b_sum_use, 0.0)
     tl.store(out + i_h * stride_out_h + o_d, b_o, mask=o_d < D)
-    tl.store(lse + i_h, tl.where(b_sum > 0, b_max_use + tl.log(b_sum), float("-inf")))
+    tl.store(lse + i_h, tl.where(b_sum > 0, b_max_use + tl.log(b_sum_use), float("-inf")))
 
 
 @triton.jit
@@ -187,6 +188,7 @@ def _nsa_select_kernel(
     for g in range(G):
         i_h = (i_n * KV_HEADS * G + i_kvh * G + g).to(tl.int64)
         b_lse = tl.load(lse + i_h)
+        b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse)  # no compressed block: all masked
         for m in tl.static_range(R):
             for p in tl.static_range(P):
                 o_i = R * o_j + m - p  # [BLOCK_NB] compressed block index

@@ -1,0 +1,376 @@
+"""NSA decode kernels against their torch references and against plain softmax attention.
+
+CPU tests run the kernels through Triton's interpreter on small odd shapes (float16/float32);
+GPU tests check bf16 at real shapes (32 query heads, 8 KV heads, head dim 128).
+"""
+import pytest
+import torch
+
+from hisparse import nsa
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+SCORE_TOL = 1e-5  # scores are fp32 sums of probabilities whatever the input dtype
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every float tensor from torch.empty starts as NaN (ints as -7): unwritten elements fail."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| over max |expected|; NaN in `actual` fails."""
+    actual, expected = actual.double(), expected.double()
+    assert not torch.isnan(actual).any(), "NaN in the output"
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
+
+
+class Case:
+    """Random inputs of one NSA decode step: dense per-branch tokens and their resident forms."""
+
+    def __init__(self, n, h, kv_heads, d, lengths, dtype, device="cpu", window=nsa.WINDOW, seed=0,
+                 weights=False):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        t = max(lengths)
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+        self.n, self.h, self.kv_heads, self.d, self.dtype = n, h, kv_heads, d, dtype
+        self.lengths = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.q = rnd(n, h, d)
+        self.k_cmp, self.v_cmp = rnd(n, kv_heads, t, d), rnd(n, kv_heads, t, d)
+        self.k_slc, self.v_slc = rnd(n, kv_heads, t, d), rnd(n, kv_heads, t, d)
+        self.k_win, self.v_win = rnd(n, kv_heads, t, d), rnd(n, kv_heads, t, d)
+        self.weight_k = rnd(d, d) * d ** -0.5 if weights else None
+        self.weight_v = rnd(d, d) * d ** -0.5 if weights else None
+        self.ck, self.cv = nsa.nsa_compress_ref(self.k_cmp, self.v_cmp, self.weight_k, self.weight_v)
+        self.pool = nsa.nsa_block_rows(self.k_slc, self.v_slc)
+        self.n_units = nsa.block_count(torch.tensor(t)).item()
+        self.win_k, self.win_v = nsa.nsa_window_ring(self.k_win, self.v_win, self.lengths, window)
+        self.gates = torch.rand(n, h, 3, generator=gen, device=device).to(dtype)
+
+
+def plain_attention(q, k, v):
+    """softmax(q k^T / sqrt(D)) v in float64 for one head: q [D], k, v [L, D]; zeros when L = 0."""
+    if k.shape[0] == 0:
+        return torch.zeros_like(q, dtype=torch.float64)
+    q, k, v = q.double(), k.double(), v.double()
+    return torch.softmax(k @ q * q.shape[0] ** -0.5, dim=0) @ v
+
+
+def plain_selected(case, blocks):
+    """The selected branch computed from the dense tokens of the selected blocks: [N, H, D]."""
+    out = torch.zeros(case.n, case.h, case.d, dtype=torch.float64)
+    g = case.h // case.kv_heads
+    for i in range(case.n):
+        length = case.lengths[i].item()
+        for kvh in range(case.kv_heads):
+            tok = [t for b in blocks[i, kvh].tolist() if b >= 0
+                   for t in range(b * nsa.SEL_BLOCK, min(b * nsa.SEL_BLOCK + nsa.SEL_BLOCK, length))]
+            for hq in range(kvh * g, kvh * g + g):
+                out[i, hq] = plain_attention(case.q[i, hq].cpu(), case.k_slc[i, kvh, tok].cpu(),
+                                             case.v_slc[i, kvh, tok].cpu())
+    return out
+
+
+def shuffled_cache(pool, gen, extra=7):
+    """A 'hot cache' holding every pool row at another position, garbage elsewhere: (cache, where)."""
+    r = pool.shape[0]
+    cache = torch.randn(r + extra, *pool.shape[1:], generator=gen, device=pool.device).to(pool.dtype)
+    where = torch.randperm(r + extra, generator=gen, device=pool.device)[:r]
+    cache[where] = pool
+    return cache, where.to(torch.int32)
+
+
+def to_cache_rows(rows, where):
+    return torch.where(rows >= 0, where[rows.clamp(min=0).long()], -1).to(torch.int32)
+
+
+DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
+CASES = [  # n, h, kv_heads, d, lengths
+    pytest.param(3, 6, 2, 27, [61, 453, 5], id="N3-H6-KV2-D27-L61,453,5"),
+    pytest.param(2, 4, 4, 32, [300, 129], id="N2-H4-KV4-D32-L300,129"),
+]
+N_SEL = 5  # small n keeps interpreter runs short; N_SELECT = 16 runs in test_decode_default_n_select
+
+
+# ---------------------------------------------------------------------------------------------
+# Compression
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", [False, True], ids=["mean", "mean+linear"])
+@pytest.mark.parametrize("t, d", [(61, 27), (96, 32)], ids=["T61-D27", "T96-D32"])
+def test_compress_matches_ref(t, d, weights, dtype, nan_empty):
+    case = Case(2, 2, 2, d, [t, t], dtype, weights=weights)
+    ck, cv = nsa.nsa_compress(case.k_cmp, case.v_cmp, case.weight_k, case.weight_v)
+    assert ck.shape == (2, 2, (t - 32) // 16 + 1, d)
+    assert rel_err(ck, case.ck) < TOL[dtype] and rel_err(cv, case.cv) < TOL[dtype]
+    block = case.k_cmp[1, 0, 16:48].float().mean(0)  # compressed block 1, by definition
+    if weights:
+        block = block @ case.weight_k.float()
+    assert rel_err(ck[1, 0, 1], block) < TOL[dtype]
+
+
+def test_compress_short_input_gives_no_blocks():
+    k = torch.randn(1, 2, 31, 16)
+    ck, cv = nsa.nsa_compress(k, k.clone())
+    assert ck.shape == (1, 2, 0, 16) and cv.shape == (1, 2, 0, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressed branch, selection scores, top-n
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, h, kv_heads, d, lengths", CASES)
+def test_compressed_attention_and_scores_match_ref(n, h, kv_heads, d, lengths, dtype, nan_empty):
+    case = Case(n, h, kv_heads, d, lengths, dtype)
+    out, lse, logits = nsa.nsa_compressed_attention(case.q, case.ck, case.cv, case.lengths)
+    ref_out, probs = nsa.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    n_cmp = nsa.compressed_count(case.lengths)
+    for i in range(n):  # probabilities exp(logit - lse) over the valid compressed blocks
+        if n_cmp[i] == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i])), "no compressed block: zero output"
+            continue
+        p = torch.exp(logits[i, :, :n_cmp[i]] - lse[i, :, None])
+        assert rel_err(p, probs[i].reshape(h, -1)[:, :n_cmp[i]]) < TOL[dtype]
+
+    blocks, scores = nsa.nsa_select(logits, lse, case.lengths, kv_heads, case.n_units, N_SEL)
+    ref_scores = nsa.nsa_selection_scores_ref(probs, case.n_units)
+    assert rel_err(scores, ref_scores) < SCORE_TOL
+    assert torch.equal(blocks, nsa.nsa_topn_ref(scores, case.lengths, N_SEL))
+
+
+def test_selection_scores_ref_is_stride_overlap():
+    """score[j] = sum_i p[i] * (16-token strides shared by compressed block i and selection block j)."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(2, 3, 2, 29, generator=gen)  # [N, KV, G, C]
+    n_blocks = 9
+    p_cmp = probs.sum(2)
+    expected = torch.zeros(2, 3, n_blocks)
+    for j in range(n_blocks):
+        for i in range(29):
+            shared = len({i, i + 1} & set(range(4 * j, 4 * j + 4)))
+            expected[..., j] += shared * p_cmp[..., i]
+    assert rel_err(nsa.nsa_selection_scores_ref(probs, n_blocks), expected) < 1e-6
+
+
+def test_topn_ref_forced_blocks_and_ties():
+    scores = torch.tensor([[[0.5, 0.1, 0.3, 0.3, 0.9, 0.2, 0.0, 0.0]], [[0.0] * 8]])
+    lengths = torch.tensor([8 * 64 - 10, 100])
+    blocks = nsa.nsa_topn_ref(scores, lengths, 5)
+    assert blocks.tolist() == [[[0, 6, 7, 4, 2]], [[0, 1, -1, -1, -1]]]
+
+
+@pytest.mark.parametrize("length", [1000, 700], ids=["L1000", "L700"])
+def test_select_uniform_logits_ties_go_to_lower_blocks(length, nan_empty):
+    """Equal logits make all interior blocks tie: forced blocks, then interior blocks by index."""
+    n_cmp = (length - 32) // 16 + 1
+    n_blk = -(-length // 64)
+    logits = torch.zeros(1, 4, n_cmp)
+    lse = torch.full((1, 4), float(torch.log(torch.tensor(float(n_cmp)))))
+    lengths = torch.tensor([length], dtype=torch.int32)
+    blocks, scores = nsa.nsa_select(logits, lse, lengths, 2, n_blk + 2, 8)
+    assert torch.equal(blocks, nsa.nsa_topn_ref(scores, lengths, 8))
+    assert blocks[0, 0].tolist() == [0, n_blk - 2, n_blk - 1, 1, 2, 3, 4, 5]
+    assert (scores[0, :, n_blk:] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Selected and window branches, gates
+# ---------------------------------------------------------------------------------------------
+
+def random_blocks(case, n_sel, gen):
+    """Distinct valid blocks per (request, KV head) in random order, some -1; -> blocks, rows."""
+    n_blk = nsa.block_count(case.lengths).tolist()
+    blocks = torch.full((case.n, case.kv_heads, n_sel), -1, dtype=torch.int32)
+    for i in range(case.n):
+        for kvh in range(case.kv_heads):
+            pick = torch.randperm(n_blk[i], generator=gen)[:n_sel]
+            blocks[i, kvh, :len(pick)] = pick.to(torch.int32)
+    blocks[0, 0, 1] = -1
+    return blocks, nsa.resident_rows(blocks, case.n_units)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, h, kv_heads, d, lengths", CASES)
+def test_selected_attention_matches_ref_and_plain(n, h, kv_heads, d, lengths, dtype, nan_empty):
+    case = Case(n, h, kv_heads, d, lengths, dtype)
+    blocks, rows = random_blocks(case, N_SEL, torch.Generator().manual_seed(4))
+    out = nsa.nsa_selected_attention(case.q, case.pool, rows, blocks, case.lengths)
+    assert rel_err(out, nsa.nsa_selected_attention_ref(case.q, case.pool, rows, blocks, case.lengths)) < TOL[dtype]
+    assert rel_err(out, plain_selected(case, blocks)) < TOL[dtype]
+    flat = nsa.nsa_selected_attention(case.q, case.pool.view(case.pool.shape[0], -1), rows, blocks, case.lengths)
+    assert torch.equal(out, flat)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, h, kv_heads, d, lengths", CASES)
+def test_hot_cache_and_resident_are_bitwise_equal(n, h, kv_heads, d, lengths, dtype):
+    case = Case(n, h, kv_heads, d, lengths, dtype)
+    gen = torch.Generator().manual_seed(5)
+    blocks, rows = random_blocks(case, N_SEL, gen)
+    cache, where = shuffled_cache(case.pool, gen)
+    resident = nsa.nsa_selected_attention(case.q, case.pool, rows, blocks, case.lengths)
+    hot = nsa.nsa_selected_attention(case.q, cache, to_cache_rows(rows, where), blocks, case.lengths)
+    assert torch.equal(resident, hot)
+
+    args = (case.q, case.ck, case.cv)
+    win = (case.win_k, case.win_v, case.lengths, case.gates)
+    out_res, blk_res = nsa.nsa_decode(*args, case.pool, *win, lambda b: nsa.resident_rows(b, case.n_units),
+                                      case.n_units, N_SEL)
+    out_hot, blk_hot = nsa.nsa_decode(*args, cache, *win,
+                                      lambda b: to_cache_rows(nsa.resident_rows(b, case.n_units), where),
+                                      case.n_units, N_SEL)
+    assert torch.equal(blk_res, blk_hot) and torch.equal(out_res, out_hot)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [96, 128], ids=["W96", "W128"])
+def test_window_attention_matches_ref_and_plain(window, dtype, nan_empty):
+    case = Case(3, 6, 2, 27, [61, 301, 5], dtype, window=window, seed=6)
+    out = nsa.nsa_window_attention(case.q, case.win_k, case.win_v, case.lengths)
+    assert rel_err(out, nsa.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)) < TOL[dtype]
+    plain = torch.zeros(3, 6, 27, dtype=torch.float64)
+    for i, length in enumerate(case.lengths.tolist()):
+        tok = torch.arange(max(0, length - window), length)
+        for hq in range(6):
+            plain[i, hq] = plain_attention(case.q[i, hq], case.k_win[i, hq // 3, tok], case.v_win[i, hq // 3, tok])
+    assert rel_err(out, plain) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_matches_ref(dtype, nan_empty):
+    gen = torch.Generator().manual_seed(7)
+    o = [torch.randn(3, 5, 27, generator=gen) for _ in range(3)]
+    gates = torch.rand(3, 5, 3, generator=gen).to(dtype)
+    out = nsa.nsa_gate(gates, *o, dtype)
+    assert out.dtype == dtype
+    assert rel_err(out, nsa.nsa_gate_ref(gates, *o)) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole decode step
+# ---------------------------------------------------------------------------------------------
+
+def check_decode(case, n_sel):
+    """nsa_decode vs the reference pipeline, branch by branch on the kernel's own selection."""
+    rows_of = lambda b: nsa.resident_rows(b, case.n_units)  # noqa: E731
+    out, blocks = nsa.nsa_decode(case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v,
+                                 case.lengths, case.gates, rows_of, case.n_units, n_sel)
+    o_cmp, probs = nsa.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
+    ref_scores = nsa.nsa_selection_scores_ref(probs, case.n_units)
+    _, lse, logits = nsa.nsa_compressed_attention(case.q, case.ck, case.cv, case.lengths)
+    _, scores = nsa.nsa_select(logits, lse, case.lengths, case.kv_heads, case.n_units, n_sel)
+    assert rel_err(scores, ref_scores) < SCORE_TOL
+    assert torch.equal(blocks, nsa.nsa_topn_ref(scores, case.lengths, n_sel))
+    o_slc = nsa.nsa_selected_attention_ref(case.q, case.pool, rows_of(blocks), blocks, case.lengths)
+    o_win = nsa.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)
+    ref = nsa.nsa_gate_ref(case.gates, o_cmp, o_slc, o_win)
+    assert out.dtype == case.dtype
+    assert rel_err(out, ref) < TOL[case.dtype]
+    return out, blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, h, kv_heads, d, lengths", CASES)
+def test_decode_matches_ref(n, h, kv_heads, d, lengths, dtype, nan_empty):
+    case = Case(n, h, kv_heads, d, lengths, dtype, window=128, seed=8, weights=True)
+    out, blocks = check_decode(case, N_SEL)
+    ref_out, ref_blocks = nsa.nsa_decode_ref(case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v,
+                                             case.lengths, case.gates, case.n_units, N_SEL)
+    assert torch.equal(blocks, ref_blocks)
+    assert rel_err(out, ref_out) < TOL[dtype]
+
+
+def test_decode_default_n_select(nan_empty):
+    case = Case(2, 4, 2, 16, [1203, 1090], torch.float32, window=nsa.WINDOW, seed=9)
+    _, blocks = check_decode(case, nsa.N_SELECT)
+    assert blocks.shape == (2, 2, nsa.N_SELECT) and (blocks >= 0).all()
+    assert blocks[0, :, :3].tolist() == [[0, 17, 18]] * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------
+
+def test_launchers_reject_bad_inputs():
+    case = Case(2, 4, 2, 16, [100, 70], torch.float32, window=64)
+    blocks, rows = random_blocks(case, 3, torch.Generator().manual_seed(10))
+    with pytest.raises(ValueError, match="rows.dtype"):
+        nsa.nsa_selected_attention(case.q, case.pool, rows.long(), blocks, case.lengths)
+    with pytest.raises(ValueError, match="blocks.shape"):
+        nsa.nsa_selected_attention(case.q, case.pool, rows, blocks[:, :, :2].contiguous(), case.lengths)
+    with pytest.raises(ValueError, match="kv_rows.dtype"):
+        nsa.nsa_selected_attention(case.q, case.pool.half(), rows, blocks, case.lengths)
+    with pytest.raises(ValueError, match="q.shape"):
+        nsa.nsa_window_attention(case.q[0], case.win_k, case.win_v, case.lengths)
+    with pytest.raises(ValueError, match="query heads"):
+        nsa.nsa_window_attention(case.q[:, :3], case.win_k, case.win_v, case.lengths)
+    with pytest.raises(ValueError, match="lengths.shape"):
+        nsa.nsa_compressed_attention(case.q, case.ck, case.cv, case.lengths[:1])
+    with pytest.raises(ValueError, match="cv.shape"):
+        nsa.nsa_compressed_attention(case.q, case.ck, case.cv[:, :, :1].contiguous(), case.lengths)
+    with pytest.raises(ValueError, match="n_select"):
+        nsa.nsa_select(torch.zeros(2, 4, 5), torch.zeros(2, 4), case.lengths, 2, 2, 2)
+    with pytest.raises(ValueError, match="gates.shape"):
+        o = torch.zeros(2, 4, 16)
+        nsa.nsa_gate(case.gates[..., :2], o, o, o, torch.float32)
+    with pytest.raises(ValueError, match="weights"):
+        nsa.nsa_compress(case.k_cmp, case.v_cmp, torch.eye(16), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: bf16 at real shapes
+# ---------------------------------------------------------------------------------------------
+
+GPU_LENGTHS = [8192, 5000, 16385, 777, 64, 12000]
+
+
+@pytest.mark.gpu
+def test_gpu_decode_bf16_real_shapes():
+    case = Case(6, 32, 8, 128, GPU_LENGTHS, torch.bfloat16, device="cuda", seed=11, weights=True)
+    ck, cv = nsa.nsa_compress(case.k_cmp, case.v_cmp, case.weight_k, case.weight_v)
+    assert rel_err(ck, case.ck) < TOL[torch.bfloat16] and rel_err(cv, case.cv) < TOL[torch.bfloat16]
+    check_decode(case, nsa.N_SELECT)
+
+
+@pytest.mark.gpu
+def test_gpu_hot_cache_and_resident_are_bitwise_equal():
+    case = Case(6, 32, 8, 128, GPU_LENGTHS, torch.bfloat16, device="cuda", seed=12)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    cache, where = shuffled_cache(case.pool, gen, extra=1000)
+    rows_res = lambda b: nsa.resident_rows(b, case.n_units)  # noqa: E731
+    rows_hot = lambda b: to_cache_rows(nsa.resident_rows(b, case.n_units), where)  # noqa: E731
+    args = (case.q, case.ck, case.cv)
+    win = (case.win_k, case.win_v, case.lengths, case.gates)
+    out_res, blk_res = nsa.nsa_decode(*args, case.pool, *win, rows_res, case.n_units)
+    out_hot, blk_hot = nsa.nsa_decode(*args, cache, *win, rows_hot, case.n_units)
+    assert torch.equal(blk_res, blk_hot) and torch.equal(out_res, out_hot)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_beyond_int32_offsets():
+    """Rows past 2**31 elements of the pool (64-bit addressing): 140000 rows of 16384 bf16."""
+    n, h, kvh, d = 2, 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    pool = torch.zeros(140_000, 2, nsa.SEL_BLOCK, d, dtype=torch.bfloat16, device="cuda")
+    assert pool.numel() > 2 ** 31
+    rows = (pool.shape[0] - 1 - torch.arange(n * kvh * 4, device="cuda")).view(n, kvh, 4).to(torch.int32)
+    pool[rows.flatten().long()] = torch.randn(rows.numel(), 2, nsa.SEL_BLOCK, d, generator=gen,
+                                              device="cuda").to(torch.bfloat16)
+    blocks = torch.arange(4, device="cuda", dtype=torch.int32).expand(n, kvh, 4).contiguous()
+    q = torch.randn(n, h, d, generator=gen, device="cuda").to(torch.bfloat16)
+    lengths = torch.tensor([256, 200], dtype=torch.int32, device="cuda")
+    out = nsa.nsa_selected_attention(q, pool, rows, blocks, lengths)
+    ref = nsa.nsa_selected_attention_ref(q, pool, rows, blocks, lengths)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
