@@ -1,0 +1,173 @@
+"""Synthetic selection traces with the locality of real sparse attention, and their named presets.
+
+The model, per request and layer, at decode step t with n_t = ceil((context + t + 1) / unit_size) units:
+- `sinks`: the first units are always selected (attention sinks).
+- `window`: the last units are always selected (the recent window, newest unit included).
+- the other h = k - sinks - window units are the top-h scores z(u) + noise * e_t(u) over the rest:
+  z(u) ~ N(0, 1) is how heavy a unit is, e_t(u) ~ N(0, 1) fresh every step. Units near the threshold
+  drop out and come back after gaps (reuse after gaps); larger `noise` means more churn per step.
+- `drift`: each step, each unit's z is redrawn with this probability, so the set of heavy hitters
+  drifts slowly: new heavy units appear, old ones fade (misses no cache size can avoid).
+- `layer_similarity`: each unit's z and e of a layer are, with this probability (drawn once per
+  unit), those of the previous layer; so adjacent layers share about that share of their selections.
+- `random_layers`: the first layers pick their h units uniformly at random every step.
+- `model_layers`: the layer count of the network the simulated layers stand for (random layers
+  count once, the other simulated layers share the rest equally); see `layer_weights`.
+
+Generation is vectorised over layers in torch (one top-h over all units per layer and step).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+import torch
+
+from hisparse.traces import Trace
+
+
+@dataclass(slots=True)
+class SyntheticConfig:
+    """Parameters of the generator (module docstring); sizes in units, k per selection."""
+    context: int
+    steps: int
+    k: int
+    layers: int
+    batch: int = 1
+    sinks: int = 4
+    window: int = 64
+    noise: float = 0.2
+    drift: float = 0.0
+    layer_similarity: float = 0.85
+    random_layers: int = 2
+    model_layers: int | None = None
+    unit_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("context", "steps", "k", "layers", "batch", "unit_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sinks < 0 or self.window < 0 or self.sinks + self.window >= self.k:
+            raise ValueError(f"sinks={self.sinks} and window={self.window} must be >= 0 and leave room in "
+                             f"k={self.k} for heavy hitters")
+        first_units = -(-(self.context + 1) // self.unit_size)
+        if first_units < self.k + self.sinks + self.window:
+            raise ValueError(f"context={self.context} tokens ({first_units} units at step 0) is too short "
+                             f"for k={self.k}: need at least k + sinks + window units")
+        if not 0 <= self.random_layers <= self.layers:
+            raise ValueError(f"random_layers={self.random_layers} must be in 0..layers={self.layers}")
+        if self.noise < 0 or not 0 <= self.drift <= 1 or not 0 <= self.layer_similarity <= 1:
+            raise ValueError(f"need noise >= 0 and drift, layer_similarity in [0, 1], got noise="
+                             f"{self.noise}, drift={self.drift}, layer_similarity={self.layer_similarity}")
+        if self.model_layers is not None and self.model_layers < self.layers:
+            raise ValueError(f"model_layers={self.model_layers} must be >= the simulated layers="
+                             f"{self.layers}")
+        if self.model_layers is not None and self.random_layers == self.layers < self.model_layers:
+            raise ValueError("with only random layers simulated, model_layers has no layers to stand for "
+                             "the rest")
+
+
+PRESETS = {
+    # DESIGN section 7's setting: DSA, k = 2048, a 100K-token prompt, 1000 decode steps; 8 simulated
+    # layers stand for the model's 61, of which the first 2 select almost at random. noise and drift
+    # come from `calibrate` on the two published miss rates (experiments/policies.py reruns it).
+    "dsa_100k": SyntheticConfig(context=100_000, steps=1000, k=2048, layers=8, random_layers=2,
+                                model_layers=61, noise=0.2, drift=0.0),
+    # the same shape at test size
+    "tiny": SyntheticConfig(context=400, steps=30, k=32, layers=4, random_layers=1, sinks=2, window=4),
+}
+
+
+def preset(name: str, **overrides) -> SyntheticConfig:
+    """A named preset, with fields replaced by `overrides`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+def layer_weights(cfg: SyntheticConfig) -> np.ndarray:
+    """float64 [layers]: how many of the model's layers each simulated layer stands for."""
+    weights = np.ones(cfg.layers)
+    if cfg.model_layers is not None:
+        regular = cfg.layers - cfg.random_layers
+        weights[cfg.random_layers:] = (cfg.model_layers - cfg.random_layers) / regular
+    return weights
+
+
+def generate(cfg: SyntheticConfig) -> Trace:
+    """A trace [steps, layers, batch, k] following `cfg`; the same config gives the same trace."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the per-step ops are small: intra-op threads only add contention
+    try:
+        sel = np.stack([_generate_request(cfg, cfg.seed * 1_000_003 + r) for r in range(cfg.batch)], axis=2)
+    finally:
+        torch.set_num_threads(threads)
+    return Trace(sel, "synthetic", cfg.unit_size, np.full(cfg.batch, cfg.context, dtype=np.int64),
+                 np.arange(cfg.layers), source=json.dumps({"generator": "hisparse.synthetic", **asdict(cfg)}))
+
+
+def _generate_request(cfg: SyntheticConfig, seed: int) -> np.ndarray:
+    """int32 [steps, layers, k] for one request."""
+    g_noise = torch.Generator().manual_seed(seed)
+    g_layers = torch.Generator().manual_seed(seed + 1)
+    rng = np.random.default_rng(seed + 2)
+    units = -(-(cfg.context + np.arange(cfg.steps) + 1) // cfg.unit_size)        # n_t, [steps]
+    total = int(units[-1])
+    regular = cfg.layers - cfg.random_layers
+    z = torch.randn(regular, total, generator=g_layers)
+    tied = torch.rand(regular, total, generator=g_layers) < cfg.layer_similarity
+    tied[:1] = False
+    _tie(z, tied)
+    out = np.empty((cfg.steps, cfg.layers, cfg.k), dtype=np.int32)
+    out[:, :, :cfg.sinks] = np.arange(cfg.sinks)
+    threshold = -np.inf
+    for t, n in enumerate(units.tolist()):
+        out[t, :, cfg.sinks:cfg.sinks + cfg.window] = np.arange(n - 1, n - cfg.window - 1, -1)
+        heavy = out[t, :, cfg.sinks + cfg.window:]                               # [layers, h]
+        for layer in range(cfg.random_layers):
+            heavy[layer] = cfg.sinks + rng.choice(n - cfg.sinks - cfg.window, heavy.shape[1], replace=False)
+        if not regular:
+            continue
+        if cfg.drift > 0:
+            redrawn = torch.from_numpy(rng.integers(0, total, (regular, rng.binomial(total, cfg.drift))))
+            z.scatter_(1, redrawn, torch.from_numpy(rng.standard_normal(redrawn.shape, dtype=np.float32)))
+            columns = redrawn.flatten()
+            z[:, columns] = _tie(z.index_select(1, columns), tied.index_select(1, columns))
+        heavy[cfg.random_layers:], threshold = _heavy_hitters(z, tied, cfg, n, threshold, g_noise)
+    return out
+
+
+_NOISE_CLIP = 5.0  # e is clipped to +-5: no effect on the statistics (p < 1e-6), lets units far
+                   # below the selection threshold skip their noise draw
+
+
+def _heavy_hitters(z, tied, cfg, n, threshold, g_noise):
+    """Top-h of z + noise * e over the eligible units [sinks, n - window) of each regular layer.
+
+    Only units with z above (last step's threshold - margin - noise * clip) in some layer draw noise;
+    if a layer's threshold falls below what skipped units could reach, the step reruns over all units.
+    Returns the selected units int [regular, h] (by score) and this step's lowest threshold.
+    """
+    h = cfg.k - cfg.sinks - cfg.window
+    eligible = z[:, cfg.sinks:n - cfg.window]
+    cut = threshold - 0.1 - cfg.noise * _NOISE_CLIP
+    for attempt in range(2):
+        cand = (eligible > cut).any(0).nonzero().squeeze(1) if attempt == 0 else torch.arange(eligible.shape[1])
+        if attempt == 0 and len(cand) < h:
+            continue
+        e = torch.randn(eligible.shape[0], len(cand), generator=g_noise).clamp_(-_NOISE_CLIP, _NOISE_CLIP)
+        _tie(e, tied.index_select(1, cfg.sinks + cand))
+        vals, pos = torch.topk(eligible.index_select(1, cand) + cfg.noise * e, h, dim=1)
+        lowest = float(vals[:, -1].min())
+        if attempt == 1 or lowest > cut + cfg.noise * _NOISE_CLIP:
+            return (cfg.sinks + cand[pos]).numpy(), lowest
+    raise AssertionError("unreachable")
+
+
+def _tie(x: torch.Tensor, tied: torch.Tensor) -> torch.Tensor:
+    """In place: layer l takes layer l-1's values where `tied[l]` (x, tied [layers, units]); returns x."""
+    for layer in range(1, x.shape[0]):
+        torch.where(tied[layer], x[layer - 1], x[layer], out=x[layer])
+    return x
