@@ -286,12 +286,21 @@ def _check_attention(q, kv, rows, pages, lengths):
     return kv, _group(hq, rows.shape[1])
 
 
-def _num_splits(n_streams: int, n_iters: int, device: torch.device) -> int:
-    """Splits of the page list so that about four programs per SM run (one on the CPU)."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_iters, triton.cdiv(4 * sms, n_streams)))
+def split_plan(n_streams: int, n_pages: int, device: torch.device, pages_per_iter: int = 4,
+               splits: int | None = None) -> tuple[int, int]:
+    """(splits, pages per split) of each page list. By default about four programs per SM run (one
+    split on the CPU). It depends only on shapes and the device, so hot-cache and resident runs over
+    the same selection split the same way."""
+    if pages_per_iter < 1 or pages_per_iter & (pages_per_iter - 1):
+        raise ValueError(f"pages_per_iter {pages_per_iter} must be a power of two")
+    n_iters = max(1, triton.cdiv(n_pages, pages_per_iter))
+    if splits is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        splits = max(1, min(n_iters, triton.cdiv(4 * sms, n_streams)))
+    if not 1 <= splits <= n_iters:
+        raise ValueError(f"splits {splits} must be in [1, {n_iters}] for {n_pages} pages, {pages_per_iter} per step")
+    pages_per_split = triton.cdiv(n_iters, splits) * pages_per_iter
+    return triton.cdiv(max(n_pages, 1), pages_per_split), pages_per_split
 
 
 def quest_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
@@ -306,14 +315,7 @@ def quest_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, pages
     kv, group = _check_attention(q, kv, rows, pages, lengths)
     n, hq, d = q.shape
     hkv, k = rows.shape[1], rows.shape[2]
-    if pages_per_iter < 1 or pages_per_iter & (pages_per_iter - 1):
-        raise ValueError(f"pages_per_iter {pages_per_iter} must be a power of two")
-    n_iters = max(1, triton.cdiv(k, pages_per_iter))
-    splits = splits if splits is not None else _num_splits(n * hkv, n_iters, q.device)
-    if not 1 <= splits <= n_iters:
-        raise ValueError(f"splits {splits} must be in [1, {n_iters}] for {k} pages, {pages_per_iter} per step")
-    pages_per_split = triton.cdiv(n_iters, splits) * pages_per_iter
-    splits = triton.cdiv(max(k, 1), pages_per_split)
+    splits, pages_per_split = split_plan(n * hkv, k, q.device, pages_per_iter, splits)
     scale = d ** -0.5 if scale is None else scale
     part_acc = torch.empty(n, hq, splits, d, device=q.device, dtype=torch.float32)
     part_max = torch.empty(n, hq, splits, device=q.device, dtype=torch.float32)
@@ -374,7 +376,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: 
     if lengths is not None:
         _expect(lengths, "lengths", (n,), (torch.int32,), q.device)
         mask = (torch.arange(k.shape[2], device=q.device) < lengths.view(n, 1)).view(n, 1, 1, -1)
-    out = F.scaled_dot_product_attention(q.view(n, k.shape[1], group, d), k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q.reshape(n, k.shape[1], group, d), k, v, attn_mask=mask, scale=scale)
     return out.reshape(n, hq, d)
 
 

@@ -86,7 +86,7 @@ def _quest_select_pages_kernel(
                   other=0.0)  # [BLOCK_P]
     b_s = tl.where(b_s == 0.0, 0.0, b_s)  # -0.0 and 0.0 tie, as in torch.sort
     b_bits = b_s.to(tl.int32, bitcast=True)
-    b_key = (b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # [BLOCK_P] in [0, 2^32)
+    b_key = (b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + tl.full([], 1 << 31, tl.int64)  # [0, 2^32)
     thr = tl.full([], 0, tl.int64)
     for bit in tl.static_range(32):
         cand = thr | (tl.full([], 1, tl.int64) << (31 - bit))
@@ -120,7 +120,7 @@ def _quest_attention_split_kernel(
     """
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    i_s = tl.program_id(2).to(tl.int64)
+    i_s = tl.program_id(2)
     HQ = tl.num_programs(1) * GROUP
     length = tl.load(len_ptr + i_n).to(tl.int64)
     o_g = tl.arange(0, BLOCK_G)
@@ -160,7 +160,7 @@ def _quest_attention_split_kernel(
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
         b_m = b_m_new
     o_hq = i_h * GROUP + o_g
-    o_part = (i_n * HQ + o_hq) * SPLITS + i_s  # [BLOCK_G]
+    o_part = (i_n * HQ + o_hq) * SPLITS + i_s  # [BLOCK_G], int64 through i_n
     tl.store(part_max_ptr + o_part, b_m, mask=m_g)
     tl.store(part_sum_ptr + o_part, b_l, mask=m_g)
     tl.store(part_acc_ptr + o_part[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
