@@ -86,10 +86,10 @@ def _quest_select_pages_kernel(
                   other=0.0)  # [BLOCK_P]
     b_s = tl.where(b_s == 0.0, 0.0, b_s)  # -0.0 and 0.0 tie, as in torch.sort
     b_bits = b_s.to(tl.int32, bitcast=True)
-    b_key = (b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + tl.full([], 1 << 31, tl.int64)  # [0, 2^32)
-    thr = tl.full([], 0, tl.int64)
+    b_key = (b_bits ^ ((b_bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)  # [BLOCK_P], float order
+    thr = tl.full([], 0, tl.uint32)
     for bit in tl.static_range(32):
-        cand = thr | (tl.full([], 1, tl.int64) << (31 - bit))
+        cand = thr | (tl.full([], 1, tl.uint32) << (31 - bit))
         count = tl.sum(((b_key >= cand) & m_cand).to(tl.int32), axis=0)
         thr = tl.where(count >= need, cand, thr)
     above = (b_key > thr) & m_cand
@@ -129,8 +129,7 @@ def _quest_attention_split_kernel(
     m_d = o_d < D
     p_q = q_ptr + i_n * stride_qn + (i_h * GROUP + o_g)[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    BLOCK_T: tl.constexpr = PAGES_PER_ITER * PAGE
-    o_t = tl.arange(0, BLOCK_T)
+    o_t = tl.arange(0, PAGES_PER_ITER * PAGE)  # [BLOCK_T]: PAGES_PER_ITER pages of PAGE tokens
     t_page = o_t // PAGE
     t_tok = (o_t % PAGE).to(tl.int64)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
