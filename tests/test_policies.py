@@ -1,0 +1,183 @@
+"""Policy simulator: LRU equal to the resolve kernel, Belady optimal, hand-checked small cases; the
+synthetic generator; the study's --quick run."""
+import functools
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from hisparse.policies import (POLICIES, adjacent_layer_overlap, consecutive_overlap, gap_quantiles,
+                               reuse_gaps, simulate, simulate_trace)
+from hisparse.synthetic import SyntheticConfig, generate, preset
+from hisparse.traces import Trace
+
+
+def local_trace(seed, steps, streams, k, units, pad=0.1):
+    """int32 [steps, S, k]: each step picks k ids from a window sliding over `units`, some set to -1."""
+    rng = np.random.default_rng(seed)
+    sel = np.empty((steps, streams, k), dtype=np.int32)
+    width = max(2 * k, units // 3)
+    for t, s in itertools.product(range(steps), range(streams)):
+        start = (t * (units - width)) // max(steps - 1, 1)
+        sel[t, s] = rng.choice(np.arange(start, start + width), k, replace=False)
+    sel[rng.random(sel.shape) < pad] = -1
+    return sel
+
+
+KERNEL_CASES = [pytest.param(8, 8, 3, 90, id="k8-B8"), pytest.param(16, 24, 3, 200, id="k16-B24"),
+                pytest.param(13, 40, 2, 150, id="k13-B40")]
+
+
+@pytest.mark.parametrize("k, cache_slots, streams, units", KERNEL_CASES)
+def test_lru_equals_resolve_kernel(k, cache_slots, streams, units):
+    from hisparse.cache import HierarchicalKVCache
+    sel = local_trace(seed=k + cache_slots, steps=24, streams=streams, k=k, units=units)
+    cache = HierarchicalKVCache(max_streams=streams, cache_slots=cache_slots, host_rows=streams * units,
+                                row_elems=4, dtype=torch.float16, device="cpu")
+    ids = [cache.open_stream(capacity=units) for _ in range(streams)]
+    for sid in ids:
+        cache.append(sid, torch.zeros(units, 4, dtype=torch.float16))
+    kernel_slots, kernel_misses = [], []
+    for step in sel:
+        res = cache.resolve(torch.tensor(ids, dtype=torch.int32), torch.from_numpy(step), mode="noio")
+        kernel_slots.append(res.slots.numpy().copy())
+        kernel_misses.append(res.misses.numpy().copy())
+    sim = simulate(sel, "lru", cache_slots, keep_slots=True)
+    np.testing.assert_array_equal(sim.misses, np.stack(kernel_misses))
+    np.testing.assert_array_equal(sim.slots, np.stack(kernel_slots))
+    hits = sim.accesses.sum(0) - sim.misses.sum(0)
+    np.testing.assert_array_equal(cache.stats[ids].numpy(), np.stack([hits, sim.misses.sum(0)], 1))
+    assert 0 < sim.misses.sum() < sim.accesses.sum()               # both hits and misses happen
+
+
+def brute_force_misses(sel, cache_slots):
+    """Fewest misses of any eviction choice, for one stream sel [steps, k] (exhaustive search)."""
+    @functools.cache
+    def best(t, resident):
+        if t == len(sel):
+            return 0
+        need = frozenset(int(u) for u in sel[t] if u >= 0)
+        others = sorted(resident - need)
+        keep = min(cache_slots - len(need), len(others))
+        return len(need - resident) + min(best(t + 1, need | frozenset(c))
+                                          for c in itertools.combinations(others, keep))
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("cache_slots", [2, 3, 4], ids=lambda b: f"B{b}-k2")
+def test_belady_equals_brute_force_optimum(cache_slots):
+    rng = np.random.default_rng(cache_slots)
+    for _ in range(25):
+        sel = np.stack([rng.choice(6, 2, replace=False) for _ in range(7)])[:, None, :]
+        assert int(simulate(sel, "belady", cache_slots).misses.sum()) == brute_force_misses(sel[:, 0], cache_slots)
+
+
+@pytest.mark.parametrize("seed, k, factor, units", [(0, 8, 1.5, 40), (1, 16, 2.0, 120), (2, 11, 3.0, 60)],
+                         ids=["k8-B12", "k16-B32", "k11-B33"])
+def test_belady_never_worse(seed, k, factor, units):
+    cache_slots = int(k * factor)
+    for sel in (local_trace(seed, 40, 4, k, units), np.random.default_rng(seed).permuted(
+            np.tile(np.arange(units), (40, 4, 1)), axis=2)[..., :k]):
+        belady = simulate(sel, "belady", cache_slots).misses.sum(0)
+        for policy in ("lru", "fifo", "random"):
+            assert (belady <= simulate(sel, policy, cache_slots, seed=seed).misses.sum(0)).all(), policy
+
+
+def test_fifo_and_lru_differ_as_defined():
+    # one slot-unit per step, B = 2: a b a c a
+    sel = np.array([0, 1, 0, 2, 0])[:, None, None]
+    assert simulate(sel, "lru", 2).misses[:, 0].tolist() == [1, 1, 0, 1, 0]   # c evicts b (LRU)
+    assert simulate(sel, "fifo", 2).misses[:, 0].tolist() == [1, 1, 0, 1, 1]  # c evicts a (oldest fill)
+    assert simulate(sel, "belady", 2).misses[:, 0].tolist() == [1, 1, 0, 1, 0]
+
+
+def test_last_keeps_only_the_previous_selection():
+    sel = np.array([[[1, 2, 3]], [[3, 4, -1]], [[1, 4, 3]]], dtype=np.int32)
+    res = simulate(sel, "last")
+    assert res.misses[:, 0].tolist() == [3, 1, 1]
+    assert res.accesses[:, 0].tolist() == [3, 2, 3]
+    np.testing.assert_allclose(consecutive_overlap(sel)[:, 0], [1 / 2, 2 / 3])
+
+
+def test_every_policy_equals_last_when_cache_holds_one_selection():
+    sel = local_trace(3, 30, 2, 10, 50, pad=0.0)
+    last = simulate(sel, "last").misses
+    for policy in ("lru", "fifo", "random", "belady"):
+        np.testing.assert_array_equal(simulate(sel, policy, 10).misses, last, err_msg=policy)
+
+
+def test_random_policy_is_deterministic_for_a_seed():
+    sel = local_trace(4, 30, 2, 8, 60)
+    np.testing.assert_array_equal(simulate(sel, "random", 12, seed=5).misses,
+                                  simulate(sel, "random", 12, seed=5).misses)
+
+
+def test_simulator_errors_name_the_values():
+    sel = np.zeros((2, 1, 4), dtype=np.int32) + np.arange(4)
+    with pytest.raises(ValueError, match="cache_slots B=3 is smaller than the selection size k=4"):
+        simulate(sel, "lru", 3)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        simulate(sel, "lfu", 8)
+    with pytest.raises(ValueError, match="cache_slots must be k=4 or None, got 8"):
+        simulate(sel, "last", 8)
+
+
+def test_shared_layers_get_their_anchors_counts():
+    sel = local_trace(5, 12, 3, 6, 40)                          # [steps, layers, k], one request
+    sel[:, 1] = sel[:, 0]
+    trace = Trace(sel[:, :, None], "dsa", 1, np.array([40]), np.array([0, 0, 2]))
+    res = simulate_trace(trace, "random", 9, seed=1)
+    np.testing.assert_array_equal(res.misses[:, 1], res.misses[:, 0])
+    np.testing.assert_array_equal(res.misses[:, [0, 2]], simulate(sel[:, [0, 2]], "random", 9, seed=1).misses)
+
+
+def test_reuse_gaps_and_overlaps_by_hand():
+    sel = np.array([[1, 2], [2, 3], [1, 3], [2, -1]], dtype=np.int32)[:, None, :]
+    gaps = reuse_gaps(sel)
+    assert gaps.tolist() == [3, 2, 2, 0]          # first touches 1, 2, 3; gaps 1 (2, 3) and 2 (1, 2)
+    assert gap_quantiles(gaps, [0.5, 1.0]).tolist() == [1, 2]
+    layers = np.array([[[1, 2, 3]], [[3, 2, 5]], [[7, 8, -1]]], dtype=np.int32)[None]   # [1, 3, 1, 3]
+    np.testing.assert_allclose(adjacent_layer_overlap(layers)[0, :, 0], [2 / 3, 0.0])
+
+
+def test_generator_is_deterministic_for_a_seed():
+    cfg = preset("tiny", drift=0.05)
+    a, b = generate(cfg).selections, generate(cfg).selections
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, generate(preset("tiny", drift=0.05, seed=1)).selections)
+
+
+def test_generator_follows_its_parameters():
+    cfg = SyntheticConfig(context=3000, steps=40, k=64, layers=4, random_layers=1, sinks=3, window=5,
+                          noise=0.1, drift=0.0, layer_similarity=0.9)
+    trace = generate(cfg)
+    sel = trace.selections[:, :, 0]                               # [steps, layers, k]
+    assert (sel[:, :, :3] == np.arange(3)).all()
+    newest = cfg.context + np.arange(cfg.steps)
+    np.testing.assert_array_equal(sel[:, :, 3], np.broadcast_to(newest[:, None], (40, 4)))
+    adjacent = adjacent_layer_overlap(trace.selections).mean((0, 2))
+    assert adjacent[0] < 0.3 and (adjacent[1:] > 0.8).all()       # random layer 0, tied layers 1..3
+    stream_sel, _ = trace.streams()
+    churn = simulate(stream_sel, "last").per_stream()
+    assert churn[0] > 0.8 and (churn[1:] < 0.3).all()
+
+
+def test_generator_rejects_a_context_too_short():
+    with pytest.raises(ValueError, match=r"context=50 tokens \(51 units at step 0\) is too short for k=128"):
+        SyntheticConfig(context=50, steps=2, k=128, layers=1)
+
+
+def test_quick_study_writes_every_policy(tmp_path):
+    from experiments.policies import main
+    main(["--quick", "--out", str(tmp_path)])
+    rows = pd.read_csv(tmp_path / "policies.csv")
+    overall = rows[(rows.metric == "miss_rate") & rows.layer.isna() & rows.step.isna()]
+    assert set(overall["mode"]) == set(POLICIES)
+    k = int(rows.k.iloc[0])
+    for policy in ("lru", "fifo", "random", "belady"):
+        assert sorted(overall[overall["mode"] == policy].cache_slots) == [k, 1.5 * k, 2 * k, 3 * k, 4 * k]
+    curve = rows[(rows["mode"] == "lru") & (rows.cache_slots == 2 * k) & rows.step.notna()]
+    assert len(curve) == preset("tiny").steps
+    assert {"consecutive_step", "adjacent_layer"} <= set(rows.scope.dropna())
