@@ -5,6 +5,7 @@ tests check bf16 at real shapes with GQA (32 query heads, 8 KV heads, head dim 1
 """
 import pytest
 import torch
+import triton
 
 from hisparse import quest
 from hisparse.quest import PAGE
@@ -272,6 +273,53 @@ def test_hot_cache_and_resident_are_bitwise_equal(splits, dtype):
                                          pages_per_iter=2)
     assert not resident.isnan().any()
     assert torch.equal(resident, hierarchical)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_steps_through_the_hierarchical_cache_equal_resident(dtype):
+    """Decode steps with the real cache core: the newest token's page grows (append or write-through),
+    metadata follows, the selection is resolved to slots, and attention through the slots is bitwise
+    that of the resident pool (and close to plain softmax over the selected tokens)."""
+    from hisparse.cache import HierarchicalKVCache
+    gen = torch.Generator().manual_seed(55)
+    n, hq, hkv, d, steps, budget_pages = 2, 4, 2, 16, 5, 3
+    prompt = torch.tensor([37, 46], dtype=torch.int32)
+    q_all, k, v, _ = make_tokens(n, hq, hkv, d, [int(prompt.max()) + steps] * n, dtype, gen)
+    max_pages = triton.cdiv(k.shape[2], PAGE)
+    cache = HierarchicalKVCache(max_streams=n * hkv, cache_slots=budget_pages + 1, host_rows=n * hkv * max_pages,
+                                row_elems=2 * PAGE * d, dtype=dtype, device="cpu", pin=False)
+    streams = torch.tensor([cache.open_stream(capacity=max_pages) for _ in range(n * hkv)], dtype=torch.int32)
+
+    def resident_pool(lengths):
+        past = (torch.arange(k.shape[2]) >= lengths.view(n, 1)).view(n, 1, -1, 1)
+        return quest.pages_from_tokens(k.masked_fill(past, 0), v.masked_fill(past, 0), max_pages)
+
+    lengths = prompt.clone()
+    pool = resident_pool(lengths)
+    for s in range(n * hkv):
+        cache.append(int(streams[s]), pool[s * max_pages: s * max_pages + int(n_pages_of(lengths)[s // hkv])].flatten(1))
+    kmin, kmax = quest.quest_metadata_from_keys(k, lengths, max_pages)
+    for step in range(steps):
+        positions = lengths.clone()
+        lengths = lengths + 1
+        quest.quest_metadata_append(kmin, kmax, k[torch.arange(n), :, positions.long()].contiguous(), positions)
+        pool = resident_pool(lengths)
+        for s in range(n * hkv):
+            page = int(positions[s // hkv]) // PAGE
+            row = pool[s * max_pages + page].flatten()
+            if page == cache.stream_len[int(streams[s])]:
+                cache.append(int(streams[s]), row[None])
+            else:
+                cache.write_unit(int(streams[s]), page, row)
+        q = torch.randn(n, hq, d, generator=gen).to(dtype)
+        pages = quest.quest_select(q, kmin, kmax, lengths, budget_pages * PAGE)
+        slots = cache.resolve(streams, pages.view(n * hkv, budget_pages)).slots
+        hot = cache.slot_rows(streams, slots).view(n, hkv, budget_pages)
+        out_hot = quest.quest_attention(q, cache.slots.view(-1, 2 * PAGE * d), hot, pages, lengths)
+        out_resident = quest.quest_attention(q, pool, quest.resident_rows(pages, max_pages), pages, lengths)
+        assert torch.equal(out_hot, out_resident), f"step {step}"
+        assert rel_err(out_hot, plain_attention_over_tokens(q, k, v, pages, lengths, d ** -0.5)) < TOL[dtype]
+    assert int(cache.stats[:, 1].sum()) > 0, "no miss: the test did not exercise fetches"
 
 
 def test_pipeline_append_select_attend(nan_empty):
