@@ -6,8 +6,9 @@ are in `kernels_triton/quest.py`. Semantics follow the Quest paper (DESIGN secti
 Layouts (PAGE = 16 tokens, D = head dim, HKV KV heads, HQ = GROUP * HKV query heads; query head
 `hq` reads KV head `hq // GROUP`, as Hugging Face's `repeat_kv`):
 - tokens: token t of a request lives in page t // PAGE at offset t % PAGE; `lengths [N]` (int32)
-  counts the request's tokens, the newest included. Length 0 marks a padded batch row: it selects
-  nothing and its sparse-attention output is zero.
+  counts the request's tokens, the newest included, at most P_MAX * PAGE (not checked: that would
+  need a host sync). Length 0 marks a padded batch row: it selects nothing and its sparse-attention
+  output is zero.
 - metadata: `kmin, kmax [N, HKV, P_MAX, D]`, the element-wise min and max of the post-RoPE keys of each
   page, in the keys' dtype (min and max are exact in any dtype). Only pages below
   ceil(length / PAGE) are meaningful; the last one may be partial and is updated on every append.
@@ -119,12 +120,14 @@ def _check_append(kmin, kmax, key, positions):
 def quest_metadata_append(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Tensor,
                           positions: torch.Tensor) -> None:
     """Fold the new token's key `key [N, HKV, D]` at `positions [N]` (int32, -1 = skip) into the metadata,
-    in place. A position opening a page (position % PAGE == 0) resets that page's min and max."""
+    in place. A position opening a page (position % PAGE == 0) resets that page's min and max.
+    Positions past the metadata's P_MAX pages are skipped (checking them would need a host sync)."""
     _check_append(kmin, kmax, key, positions)
     n, hkv, _, d = kmin.shape
     _quest_metadata_append_kernel[(n, hkv)](
         kmin, kmax, key, positions,
         kmin.stride(0), kmin.stride(1), kmin.stride(2), key.stride(0), key.stride(1),
+        kmin.shape[2],
         D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=PAGE,
     )
 
@@ -133,7 +136,7 @@ def quest_metadata_append_ref(kmin, kmax, key, positions) -> None:
     """Reference of `quest_metadata_append` (in place)."""
     _check_append(kmin, kmax, key, positions)
     for n, pos in enumerate(positions.tolist()):
-        if pos < 0:
+        if not 0 <= pos < kmin.shape[2] * PAGE:
             continue
         page = pos // PAGE
         if pos % PAGE == 0:

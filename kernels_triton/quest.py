@@ -11,15 +11,17 @@ import triton.language as tl
 def _quest_metadata_append_kernel(
     kmin_ptr, kmax_ptr, key_ptr, pos_ptr,
     stride_mn, stride_mh, stride_mp, stride_kn, stride_kh,
+    P_MAX,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
 ):
-    """One program per (request, KV head): fold the new key into its page's min/max."""
+    """One program per (request, KV head): fold the new key into its page's min/max (positions
+    below 0 or past P_MAX pages are skipped)."""
     i_n = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     pos = tl.load(pos_ptr + i_n).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     b_pos = tl.zeros([BLOCK_D], tl.int64) + pos  # [BLOCK_D]: vector masks (scalar & vector breaks the interpreter)
-    m_d = (o_d < D) & (b_pos >= 0)
+    m_d = (o_d < D) & (b_pos >= 0) & (b_pos < P_MAX * PAGE)
     b_key = tl.load(key_ptr + i_n * stride_kn + i_h * stride_kh + o_d, mask=m_d)  # [BLOCK_D]
     p_meta = i_n * stride_mn + i_h * stride_mh + (pos // PAGE) * stride_mp + o_d
     first = (b_pos % PAGE) == 0

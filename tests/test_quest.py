@@ -116,6 +116,10 @@ def test_metadata_append_matches_ref_and_prefill(n, hkv, d, lengths, dtype):
         key = keys[:, :, t].contiguous()
         quest.quest_metadata_append(kmin, kmax, key, positions)
         quest.quest_metadata_append_ref(kmin_ref, kmax_ref, key, positions)
+    before = kmin.clone()
+    past_capacity = torch.full((n,), max_pages * PAGE, dtype=torch.int32)
+    quest.quest_metadata_append(kmin, kmax, keys[:, :, 0].contiguous(), past_capacity)
+    assert torch.equal(kmin.nan_to_num(), before.nan_to_num()), "a position past capacity must be skipped"
     assert torch.equal(kmin.isnan(), kmin_ref.isnan()) and torch.equal(kmax.isnan(), kmax_ref.isnan())
     assert torch.equal(kmin.nan_to_num(), kmin_ref.nan_to_num())
     assert torch.equal(kmax.nan_to_num(), kmax_ref.nan_to_num())
