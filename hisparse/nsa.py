@@ -26,6 +26,8 @@ resident pool holding the same rows give bitwise-equal outputs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -40,8 +42,6 @@ CMP_STRIDE = 16
 SEL_BLOCK = 64
 N_SELECT = 16
 WINDOW = 512
-ENTRY_TOKENS = 64  # keys per entry of the contiguous branches (compressed, window)
-TARGET_PROGRAMS = 1024  # split entries until about this many programs (H200: 132 SMs)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -249,7 +249,7 @@ def _check_kv_pair(names, k, v, q, kv_heads=None):
 
 
 def _alloc(like, shape, dtype):
-    """Every output and workspace of the launchers comes from here (tests poison it)."""
+    """Every output and workspace of the launchers (torch.empty: tests poison it with NaN)."""
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
@@ -257,9 +257,9 @@ def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _split(n_entries, n_streams):
+def _split(n_entries, n_streams, target_programs):
     """(entries per split, splits): enough programs to fill the GPU; depends on shapes only."""
-    splits = max(1, min(n_entries, triton.cdiv(TARGET_PROGRAMS, n_streams)))
+    splits = max(1, min(n_entries, triton.cdiv(target_programs, n_streams)))
     per = triton.cdiv(max(n_entries, 1), splits)
     return per, triton.cdiv(max(n_entries, 1), per)
 
@@ -301,57 +301,103 @@ def nsa_compress(k, v, weight_k=None, weight_v=None):
     return ck, cv
 
 
-def _attend(q, k, v, lengths, scale, *, n_entries, max_valid, tokens, gather=None, valid_kind=0, logits=None):
-    """Partial attention over `n_entries` entries per stream, then the merge: -> out fp32 [N, H, D], lse."""
+@dataclass(frozen=True, slots=True)
+class NsaConfig:
+    """Launch choices of the attention partials (outputs depend on them only through the splits).
+
+    entry_tokens: keys per entry of the contiguous branches (compressed, window);
+    target_programs: entries are split until about this many programs run per branch."""
+    entry_tokens: int = 64
+    target_programs: int = 1024
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.entry_tokens < 16 or self.entry_tokens & (self.entry_tokens - 1):
+            _fail("NsaConfig.entry_tokens", self.entry_tokens, "a power of two >= 16")
+        if self.target_programs < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            _fail("NsaConfig", self, "target_programs >= 1, num_warps a power of two <= 16, num_stages >= 1")
+
+
+DEFAULT_CONFIG = NsaConfig()
+
+
+class _Partials:
+    """Per-split softmax states of one branch: m, l [N * H, S], acc [N * H, S, D] (fp32)."""
+
+    def __init__(self, like, rows, splits, d):
+        self.m = _alloc(like, (rows, splits), torch.float32)
+        self.l = _alloc(like, (rows, splits), torch.float32)
+        self.acc = _alloc(like, (rows, splits, d), torch.float32)
+        self.splits = splits
+
+    def args(self):
+        return self.m, self.l, self.acc
+
+    def strides(self):
+        return self.m.stride(0), self.acc.stride(0), self.acc.stride(1)
+
+
+def _partials(q, k, v, lengths, scale, config, *, n_entries, tokens, kv_heads, max_valid=0, valid_kind=0,
+              rows=None, blocks=None, n_units=0, logits=None):
+    """Launch the partial attention of one branch over `n_entries` entries per stream."""
     n, h, d = q.shape
-    kv_heads = k.shape[1] if gather is None else gather[0].shape[1]
-    g = h // kv_heads
-    per, splits = _split(n_entries, n * kv_heads)
-    part_m = _alloc(q, (n * h, splits), torch.float32)
-    part_l = _alloc(q, (n * h, splits), torch.float32)
-    part_acc = _alloc(q, (n * h, splits, d), torch.float32)
-    rows, blocks = gather if gather is not None else (lengths, lengths)
-    if gather is None:
-        stride_k, stride_v = k.stride(1), v.stride(1)  # one stream of [T, D] keys
-    else:
+    per, splits = _split(n_entries, n * kv_heads, config.target_programs)
+    part = _Partials(q, n * h, splits, d)
+    gather = blocks is not None
+    if gather:
         stride_k, stride_v = k.stride(0), v.stride(0)  # one row of [SEL_BLOCK, D] keys
-    block_d = triton.next_power_of_2(d)
+    else:
+        stride_k, stride_v = k.stride(1), v.stride(1)  # one stream of [T, D] keys
     _nsa_attention_partial_kernel[(n * kv_heads, splits)](
-        q, k, v, rows, blocks, lengths, part_m, part_l, part_acc, logits if logits is not None else part_m,
+        q, k, v, rows if rows is not None else lengths, blocks if gather else lengths, lengths, *part.args(),
+        logits if logits is not None else part.m,
         q.stride(0), q.stride(1),
         stride_k, k.stride(-2), stride_v, v.stride(-2),
-        rows.stride(1) if gather is not None else 0, logits.stride(1) if logits is not None else 0,
-        part_m.stride(0), part_acc.stride(0), part_acc.stride(1),
-        kv_heads, g, d, n_entries, per, max_valid, d ** -0.5 if scale is None else float(scale),
-        T=tokens, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
-        GATHER=gather is not None, VALID_KIND=valid_kind, CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE,
+        blocks.stride(1) if gather else 0, logits.stride(1) if logits is not None else 0,
+        part.m.stride(0), part.acc.stride(0), part.acc.stride(1),
+        kv_heads, h // kv_heads, d, n_entries, per, max_valid, n_units, d ** -0.5 if scale is None else float(scale),
+        T=tokens, BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)), BLOCK_D=triton.next_power_of_2(d),
+        GATHER=gather, RESIDENT=gather and rows is None, VALID_KIND=valid_kind,
+        CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE,
         STORE_LOGITS=logits is not None, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return part
+
+
+def _merge(q, part):
+    """Fold a branch's splits: -> out fp32 [N, H, D], lse fp32 [N, H]."""
+    n, h, d = q.shape
     out = _alloc(q, (n, h, d), torch.float32)
     lse = _alloc(q, (n, h), torch.float32)
     _nsa_merge_kernel[(n * h,)](
-        part_m, part_l, part_acc, out, lse,
-        part_m.stride(0), part_acc.stride(0), part_acc.stride(1), d,
-        splits, d,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=2,
+        *part.args(), out, lse, *part.strides(), out.stride(1), part.splits, d,
+        BLOCK_S=triton.next_power_of_2(part.splits), BLOCK_D=triton.next_power_of_2(d), num_warps=2,
     )
     return out, lse
 
 
-def nsa_compressed_attention(q, ck, cv, lengths, scale=None):
-    """Compressed branch: -> out fp32 [N, H, D], lse fp32 [N, H], logits fp32 [N, H, C].
-
-    logits (scaled q.k of each valid compressed block, unset beyond) and lse give the branch's
-    softmax probabilities exp(logits - lse), from which nsa_select scores the selection blocks."""
+def _compressed_partials(q, ck, cv, lengths, scale, config):
     _check_q(q)
     _check_kv_pair(("ck", "cv"), ck, cv, q)
     _check_lengths(lengths, q.shape[0], q.device)
     n, h, _ = q.shape
     n_cmp = ck.shape[2]
     logits = _alloc(q, (n, h, max(n_cmp, 1)), torch.float32)
-    out, lse = _attend(q, ck, cv, lengths, scale, n_entries=triton.cdiv(n_cmp, ENTRY_TOKENS),
-                       max_valid=n_cmp, tokens=ENTRY_TOKENS, valid_kind=0, logits=logits)
+    part = _partials(q, ck, cv, lengths, scale, config, n_entries=triton.cdiv(n_cmp, config.entry_tokens),
+                     tokens=config.entry_tokens, kv_heads=ck.shape[1], max_valid=n_cmp, valid_kind=0,
+                     logits=logits)
+    return part, logits
+
+
+def nsa_compressed_attention(q, ck, cv, lengths, scale=None, config=DEFAULT_CONFIG):
+    """Compressed branch over ck, cv [N, KV, C, D]: -> out fp32 [N, H, D], lse fp32 [N, H], logits fp32 [N, H, C].
+
+    logits (scaled q.k of each valid compressed block, unset beyond) and lse give the branch's
+    softmax probabilities exp(logits - lse), from which nsa_select scores the selection blocks."""
+    part, logits = _compressed_partials(q, ck, cv, lengths, scale, config)
+    out, lse = _merge(q, part)
     return out, lse, logits
 
 
@@ -367,8 +413,8 @@ def nsa_select(logits, lse, lengths, kv_heads, n_blocks, n_select=N_SELECT):
     n, h, n_cmp = logits.shape
     _check_shape("lse", lse, (n, h))
     _check_lengths(lengths, n, logits.device)
-    if lse.stride(0) != h:
-        _fail("lse layout", f"strides {lse.stride()}", "contiguous")
+    if lse.stride(0) != h or logits.stride(0) != h * logits.stride(1):
+        _fail("lse, logits layout", f"strides {lse.stride()}, {logits.stride()}", "contiguous heads")
     if kv_heads < 1 or h % kv_heads:
         _fail("kv_heads", kv_heads, f"a divisor of the {h} query heads")
     if n_blocks < 1:
@@ -388,9 +434,7 @@ def nsa_select(logits, lse, lengths, kv_heads, n_blocks, n_select=N_SELECT):
     return blocks, scores
 
 
-def nsa_selected_attention(q, kv_rows, rows, blocks, lengths, scale=None):
-    """Selected branch through rows: kv_rows [R, 2, SEL_BLOCK, D] or [R, 2 * SEL_BLOCK * D],
-    rows, blocks int32 [N, KV, n] (-1 = skip) -> out fp32 [N, H, D]. Rows are read in order."""
+def _selected_partials(q, kv_rows, rows, blocks, lengths, scale, config, n_units):
     _check_q(q)
     n, h, d = q.shape
     _check_float("kv_rows", kv_rows, q.device, q.dtype)
@@ -400,43 +444,49 @@ def nsa_selected_attention(q, kv_rows, rows, blocks, lengths, scale=None):
     if kv_rows.stride()[1:] != (SEL_BLOCK * d, d, 1):
         _fail("kv_rows layout", f"strides {kv_rows.stride()}", "contiguous rows [2, SEL_BLOCK, D]")
     for name, x in (("rows", rows), ("blocks", blocks)):
+        if x is None:
+            continue
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
             _fail(f"{name}.dtype", getattr(x, "dtype", type(x).__name__), "int32")
         if x.device != q.device:
             _fail(f"{name}.device", x.device, f"{q.device} (the device of q)")
         _check_shape(name, x, (n, None, None))
         _check_contiguous(name, x)
-    if rows.shape != blocks.shape:
+    if rows is not None and rows.shape != blocks.shape:
         _fail("blocks.shape", tuple(blocks.shape), f"{tuple(rows.shape)} (the shape of rows)")
-    if h % rows.shape[1]:
-        _fail("query heads", h, f"a multiple of the {rows.shape[1]} KV heads of rows")
+    if rows is None and (n_units < 1 or n * blocks.shape[1] * n_units > kv_rows.shape[0]):
+        _fail("n_units", n_units, f">= 1 with N * KV * n_units <= {kv_rows.shape[0]} pool rows")
+    if h % blocks.shape[1]:
+        _fail("query heads", h, f"a multiple of the {blocks.shape[1]} KV heads of blocks")
     _check_lengths(lengths, n, q.device)
-    out, _ = _attend(q, kv_rows[:, 0], kv_rows[:, 1], lengths, scale, n_entries=rows.shape[2],
-                     max_valid=0, tokens=SEL_BLOCK, gather=(rows, blocks))
-    return out
+    return _partials(q, kv_rows[:, 0], kv_rows[:, 1], lengths, scale, config, n_entries=blocks.shape[2],
+                     tokens=SEL_BLOCK, kv_heads=blocks.shape[1], rows=rows, blocks=blocks, n_units=n_units)
 
 
-def nsa_window_attention(q, win_k, win_v, lengths, scale=None):
-    """Window branch over ring buffers win_k, win_v [N, KV, W, D] (token t at t % W) -> fp32 [N, H, D]."""
+def nsa_selected_attention(q, kv_rows, rows, blocks, lengths, scale=None, config=DEFAULT_CONFIG, n_units=0):
+    """Selected branch through rows: kv_rows [R, 2, SEL_BLOCK, D] or [R, 2 * SEL_BLOCK * D],
+    rows, blocks int32 [N, KV, n] (-1 = skip) -> out fp32 [N, H, D]. Rows are read in order.
+
+    rows=None reads the resident pool directly: row = (n * KV + kv_head) * n_units + block."""
+    return _merge(q, _selected_partials(q, kv_rows, rows, blocks, lengths, scale, config, n_units))[0]
+
+
+def _window_partials(q, win_k, win_v, lengths, scale, config):
     _check_q(q)
     _check_kv_pair(("win_k", "win_v"), win_k, win_v, q)
     _check_lengths(lengths, q.shape[0], q.device)
     window = win_k.shape[2]
-    out, _ = _attend(q, win_k, win_v, lengths, scale, n_entries=triton.cdiv(window, ENTRY_TOKENS),
-                     max_valid=window, tokens=ENTRY_TOKENS, valid_kind=1)
-    return out
+    return _partials(q, win_k, win_v, lengths, scale, config, n_entries=triton.cdiv(window, config.entry_tokens),
+                     tokens=config.entry_tokens, kv_heads=win_k.shape[1], max_valid=window, valid_kind=1)
 
 
-def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
-    """out [N, H, D] = g0 * o_cmp + g1 * o_slc + g2 * o_win, gates [N, H, 3], branch outputs fp32."""
-    _check_float("o_cmp", o_cmp, o_cmp.device, torch.float32)
-    if o_cmp.dim() != 3:
-        _fail("o_cmp.shape", tuple(o_cmp.shape), "[N, H, D]")
+def nsa_window_attention(q, win_k, win_v, lengths, scale=None, config=DEFAULT_CONFIG):
+    """Window branch over ring buffers win_k, win_v [N, KV, W, D] (token t at t % W) -> fp32 [N, H, D]."""
+    return _merge(q, _window_partials(q, win_k, win_v, lengths, scale, config))[0]
+
+
+def _gate(gates, o_cmp, slc, win, out_dtype):
     n, h, d = o_cmp.shape
-    for name, x in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)):
-        _check_float(name, x, o_cmp.device, torch.float32)
-        _check_shape(name, x, (n, h, d))
-        _check_contiguous(name, x)
     _check_float("gates", gates, o_cmp.device)
     _check_shape("gates", gates, (n, h, 3))
     _check_contiguous("gates", gates)
@@ -444,21 +494,50 @@ def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
         _fail("out_dtype", out_dtype, "float16, bfloat16 or float32")
     out = _alloc(o_cmp, (n, h, d), out_dtype)
     _nsa_gate_kernel[(n * h,)](
-        o_cmp, o_slc, o_win, gates, out,
-        o_cmp.stride(1), gates.stride(1), out.stride(1), d,
+        o_cmp, *slc.args(), *win.args(), gates, out,
+        o_cmp.stride(1), *slc.strides(), *win.strides(), gates.stride(1), out.stride(1),
+        slc.splits, win.splits, d,
+        BLOCK_S_SLC=triton.next_power_of_2(slc.splits), BLOCK_S_WIN=triton.next_power_of_2(win.splits),
         BLOCK_D=triton.next_power_of_2(d), num_warps=1,
     )
     return out
 
 
-def nsa_decode(q, ck, cv, kv_rows, win_k, win_v, lengths, gates, rows_of, n_blocks,
-               n_select=N_SELECT, scale=None):
+class _Merged(_Partials):
+    """A branch output [N, H, D] fp32 as one split (m = 0, l = 1): the merge returns it exactly."""
+
+    def __init__(self, o):
+        n, h, d = o.shape
+        self.m = torch.zeros(n * h, 1, device=o.device)
+        self.l = torch.ones(n * h, 1, device=o.device)
+        self.acc = o.view(n * h, 1, d)
+        self.splits = 1
+
+
+def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
+    """out [N, H, D] = g0 * o_cmp + g1 * o_slc + g2 * o_win, gates [N, H, 3], branch outputs fp32."""
+    _check_float("o_cmp", o_cmp, o_cmp.device, torch.float32)
+    if o_cmp.dim() != 3:
+        _fail("o_cmp.shape", tuple(o_cmp.shape), "[N, H, D]")
+    for name, x in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)):
+        _check_float(name, x, o_cmp.device, torch.float32)
+        _check_shape(name, x, tuple(o_cmp.shape))
+        _check_contiguous(name, x)
+    return _gate(gates, o_cmp, _Merged(o_slc), _Merged(o_win), out_dtype)
+
+
+def nsa_decode(q, ck, cv, kv_rows, win_k, win_v, lengths, gates, n_blocks, rows_of=None,
+               n_select=N_SELECT, scale=None, config=DEFAULT_CONFIG):
     """One NSA decode step: -> out [N, H, D] (q's dtype), blocks int32 [N, KV, n_select].
 
-    rows_of(blocks) gives the rows of kv_rows holding the selected blocks: the resolve step of the
-    hot cache, or `lambda b: resident_rows(b, n_blocks)` for the resident pool."""
-    o_cmp, lse, logits = nsa_compressed_attention(q, ck, cv, lengths, scale)
+    Six launches: compressed partials, their merge, selection, selected partials, window partials,
+    gates (which merge the last two). rows_of(blocks) gives the rows of kv_rows holding the selected
+    blocks (the resolve step of the hot cache); None reads kv_rows as the resident pool of
+    n_blocks units per stream."""
+    part, logits = _compressed_partials(q, ck, cv, lengths, scale, config)
+    o_cmp, lse = _merge(q, part)
     blocks, _ = nsa_select(logits, lse, lengths, ck.shape[1], n_blocks, n_select)
-    o_slc = nsa_selected_attention(q, kv_rows, rows_of(blocks), blocks, lengths, scale)
-    o_win = nsa_window_attention(q, win_k, win_v, lengths, scale)
-    return nsa_gate(gates, o_cmp, o_slc, o_win, q.dtype), blocks
+    rows = rows_of(blocks) if rows_of is not None else None
+    slc = _selected_partials(q, kv_rows, rows, blocks, lengths, scale, config, n_blocks)
+    win = _window_partials(q, win_k, win_v, lengths, scale, config)
+    return _gate(gates, o_cmp, slc, win, q.dtype), blocks

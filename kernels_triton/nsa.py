@@ -57,16 +57,17 @@ def _nsa_attention_partial_kernel(
     stride_k_a, stride_k_t, stride_v_a, stride_v_t,
     stride_rows_s, stride_logits_h,
     stride_pm_h, stride_pacc_h, stride_pacc_s,
-    KV_HEADS, G, D, n_entries, entries_per_split, max_valid, scale,
+    KV_HEADS, G, D, n_entries, entries_per_split, max_valid, units_per_stream, scale,
     T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    GATHER: tl.constexpr, VALID_KIND: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
+    GATHER: tl.constexpr, RESIDENT: tl.constexpr, VALID_KIND: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Partial attention of the G query heads of stream s = n * KV_HEADS + kv_head over entries
     [split * entries_per_split, ...) of that stream.
 
-    GATHER: entry e is the row rows[s, e] of k / v (-1 = skip); its valid length is that of
-    selection block blocks[s, e] of a request of lengths[n] tokens (T = selection block size).
+    GATHER: entry e is the row rows[s, e] of k / v (-1 = skip), or with RESIDENT the row
+    s * units_per_stream + blocks[s, e] of the resident pool; its valid length is that of selection
+    block blocks[s, e] (-1 = skip) of a request of lengths[n] tokens (T = selection block size).
     Otherwise entry e holds keys [e * T, e * T + T) of stream s (k + s * stride_k_a), and the
     stream's valid key count is, by VALID_KIND: 0 = compressed blocks of lengths[n] tokens,
     1 = min(lengths[n], max_valid) (the window ring buffer). max_valid caps every count.
@@ -99,11 +100,14 @@ def _nsa_attention_partial_kernel(
     e_end = tl.minimum(e_start + entries_per_split, n_entries)
     for e in range(e_start, e_end):
         if GATHER:
-            i_row = tl.load(rows + i_s.to(tl.int64) * stride_rows_s + e)
             i_blk = tl.load(blocks + i_s.to(tl.int64) * stride_rows_s + e)
+            if RESIDENT:
+                i_row = i_s.to(tl.int64) * units_per_stream + i_blk
+            else:
+                i_row = tl.load(rows + i_s.to(tl.int64) * stride_rows_s + e).to(tl.int64)
             count = tl.where((i_row >= 0) & (i_blk >= 0), tl.minimum(length - i_blk * T, T), 0)
-            off_k = tl.maximum(i_row, 0).to(tl.int64) * stride_k_a
-            off_v = tl.maximum(i_row, 0).to(tl.int64) * stride_v_a
+            off_k = tl.maximum(i_row, 0) * stride_k_a
+            off_v = tl.maximum(i_row, 0) * stride_v_a
         else:
             count = tl.minimum(n_valid - e * T, T)
             off_k = i_s.to(tl.int64) * stride_k_a + e * T * stride_k_t  # within a stream: int32 is enough
@@ -132,14 +136,11 @@ def _nsa_attention_partial_kernel(
 
 
 @triton.jit
-def _nsa_merge_kernel(
-    part_m, part_l, part_acc, out, lse,
-    stride_pm_h, stride_pacc_h, stride_pacc_s, stride_out_h,
-    n_splits, D,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Fold the splits of one (request, query head) row in index order: out [D] fp32, lse."""
-    i_h = tl.program_id(0).to(tl.int64)  # flat (request, query head)
+def _merge_splits(part_m, part_l, part_acc, i_h, stride_pm_h, stride_pacc_h, stride_pacc_s, n_splits, D,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Fold the splits of flat (request, query head) i_h in index order: -> out [BLOCK_D], lse.
+
+    No key in any split: out 0, lse -inf."""
     o_sp = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
     m_sp = o_sp < n_splits
@@ -151,11 +152,26 @@ def _nsa_merge_kernel(
     b_max_use = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_w = tl.exp(b_m - b_max_use)  # [BLOCK_S]
     b_sum = tl.sum(b_w * b_l, 0)
-    b_o = tl.sum(b_w[:, None] * b_acc, 0)  # [BLOCK_D]
-    b_sum_use = tl.where(b_sum > 0, b_sum, 1.0)  # no key at all: output 0, lse -inf
-    b_o = tl.where(b_sum > 0, b_o / b_sum_use, 0.0)
+    b_sum_use = tl.where(b_sum > 0, b_sum, 1.0)
+    b_o = tl.where(b_sum > 0, tl.sum(b_w[:, None] * b_acc, 0) / b_sum_use, 0.0)  # [BLOCK_D]
+    b_lse = tl.where(b_sum > 0, b_max_use + tl.log(b_sum_use), float("-inf"))
+    return b_o, b_lse
+
+
+@triton.jit
+def _nsa_merge_kernel(
+    part_m, part_l, part_acc, out, lse,
+    stride_pm_h, stride_pacc_h, stride_pacc_s, stride_out_h,
+    n_splits, D,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out [D] fp32 and lse of one flat (request, query head) from its partials."""
+    i_h = tl.program_id(0).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    b_o, b_lse = _merge_splits(part_m, part_l, part_acc, i_h, stride_pm_h, stride_pacc_h, stride_pacc_s,
+                               n_splits, D, BLOCK_S, BLOCK_D)
     tl.store(out + i_h * stride_out_h + o_d, b_o, mask=o_d < D)
-    tl.store(lse + i_h, tl.where(b_sum > 0, b_max_use + tl.log(b_sum_use), float("-inf")))
+    tl.store(lse + i_h, b_lse)
 
 
 @triton.jit
@@ -210,18 +226,25 @@ def _nsa_select_kernel(
 
 @triton.jit
 def _nsa_gate_kernel(
-    o_cmp, o_slc, o_win, gates, out,
-    stride_o_h, stride_gates_h, stride_out_h, D,
-    BLOCK_D: tl.constexpr,
+    o_cmp, slc_m, slc_l, slc_acc, win_m, win_l, win_acc, gates, out,
+    stride_o_h, stride_slc_h, stride_slc_acc_h, stride_slc_acc_s,
+    stride_win_h, stride_win_acc_h, stride_win_acc_s, stride_gates_h, stride_out_h,
+    slc_splits, win_splits, D,
+    BLOCK_S_SLC: tl.constexpr, BLOCK_S_WIN: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """out[n, h] = g0 * o_cmp + g1 * o_slc + g2 * o_win for one flat (request, query head)."""
+    """out = g0 * o_cmp + g1 * o_slc + g2 * o_win for one flat (request, query head); the selected
+    and window outputs are merged here from their partials."""
     i_h = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
+    b_slc, _ = _merge_splits(slc_m, slc_l, slc_acc, i_h, stride_slc_h, stride_slc_acc_h, stride_slc_acc_s,
+                             slc_splits, D, BLOCK_S_SLC, BLOCK_D)
+    b_win, _ = _merge_splits(win_m, win_l, win_acc, i_h, stride_win_h, stride_win_acc_h, stride_win_acc_s,
+                             win_splits, D, BLOCK_S_WIN, BLOCK_D)
     b_g0 = tl.load(gates + i_h * stride_gates_h).to(tl.float32)
     b_g1 = tl.load(gates + i_h * stride_gates_h + 1).to(tl.float32)
     b_g2 = tl.load(gates + i_h * stride_gates_h + 2).to(tl.float32)
     b_o = b_g0 * tl.load(o_cmp + i_h * stride_o_h + o_d, mask=m_d, other=0.0)
-    b_o += b_g1 * tl.load(o_slc + i_h * stride_o_h + o_d, mask=m_d, other=0.0)
-    b_o += b_g2 * tl.load(o_win + i_h * stride_o_h + o_d, mask=m_d, other=0.0)
+    b_o += b_g1 * b_slc
+    b_o += b_g2 * b_win
     tl.store(out + i_h * stride_out_h + o_d, b_o.to(out.dtype.element_ty), mask=m_d)

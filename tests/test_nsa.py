@@ -32,9 +32,11 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 class Case:
-    """Random inputs of one NSA decode step: dense per-branch tokens and their resident forms."""
+    """Random inputs of one NSA decode step: dense per-branch tokens and their resident forms.
 
-    def __init__(self, n, h, kv_heads, d, lengths, dtype, device="cpu", window=nsa.WINDOW, seed=0,
+    The window defaults to 128 tokens (not 512) to keep interpreter runs short."""
+
+    def __init__(self, n, h, kv_heads, d, lengths, dtype, device="cpu", window=128, seed=0,
                  weights=False):
         gen = torch.Generator(device=device).manual_seed(seed)
         t = max(lengths)
@@ -224,14 +226,17 @@ def test_hot_cache_and_resident_are_bitwise_equal(n, h, kv_heads, d, lengths, dt
     hot = nsa.nsa_selected_attention(case.q, cache, to_cache_rows(rows, where), blocks, case.lengths)
     assert torch.equal(resident, hot)
 
+    direct = nsa.nsa_selected_attention(case.q, case.pool, None, blocks, case.lengths, n_units=case.n_units)
+    assert torch.equal(resident, direct)
+
     args = (case.q, case.ck, case.cv)
-    win = (case.win_k, case.win_v, case.lengths, case.gates)
-    out_res, blk_res = nsa.nsa_decode(*args, case.pool, *win, lambda b: nsa.resident_rows(b, case.n_units),
-                                      case.n_units, N_SEL)
+    win = (case.win_k, case.win_v, case.lengths, case.gates, case.n_units)
+    out_dir, blk_dir = nsa.nsa_decode(*args, case.pool, *win, None, N_SEL)
+    out_res, blk_res = nsa.nsa_decode(*args, case.pool, *win, lambda b: nsa.resident_rows(b, case.n_units), N_SEL)
     out_hot, blk_hot = nsa.nsa_decode(*args, cache, *win,
-                                      lambda b: to_cache_rows(nsa.resident_rows(b, case.n_units), where),
-                                      case.n_units, N_SEL)
-    assert torch.equal(blk_res, blk_hot) and torch.equal(out_res, out_hot)
+                                      lambda b: to_cache_rows(nsa.resident_rows(b, case.n_units), where), N_SEL)
+    assert torch.equal(blk_res, blk_hot) and torch.equal(blk_res, blk_dir)
+    assert torch.equal(out_res, out_hot) and torch.equal(out_res, out_dir)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -264,16 +269,16 @@ def test_gate_matches_ref(dtype, nan_empty):
 
 def check_decode(case, n_sel):
     """nsa_decode vs the reference pipeline, branch by branch on the kernel's own selection."""
-    rows_of = lambda b: nsa.resident_rows(b, case.n_units)  # noqa: E731
     out, blocks = nsa.nsa_decode(case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v,
-                                 case.lengths, case.gates, rows_of, case.n_units, n_sel)
+                                 case.lengths, case.gates, case.n_units, n_select=n_sel)
     o_cmp, probs = nsa.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
     ref_scores = nsa.nsa_selection_scores_ref(probs, case.n_units)
     _, lse, logits = nsa.nsa_compressed_attention(case.q, case.ck, case.cv, case.lengths)
     _, scores = nsa.nsa_select(logits, lse, case.lengths, case.kv_heads, case.n_units, n_sel)
     assert rel_err(scores, ref_scores) < SCORE_TOL
     assert torch.equal(blocks, nsa.nsa_topn_ref(scores, case.lengths, n_sel))
-    o_slc = nsa.nsa_selected_attention_ref(case.q, case.pool, rows_of(blocks), blocks, case.lengths)
+    rows = nsa.resident_rows(blocks, case.n_units)
+    o_slc = nsa.nsa_selected_attention_ref(case.q, case.pool, rows, blocks, case.lengths)
     o_win = nsa.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)
     ref = nsa.nsa_gate_ref(case.gates, o_cmp, o_slc, o_win)
     assert out.dtype == case.dtype
@@ -284,7 +289,7 @@ def check_decode(case, n_sel):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, h, kv_heads, d, lengths", CASES)
 def test_decode_matches_ref(n, h, kv_heads, d, lengths, dtype, nan_empty):
-    case = Case(n, h, kv_heads, d, lengths, dtype, window=128, seed=8, weights=True)
+    case = Case(n, h, kv_heads, d, lengths, dtype, seed=8, weights=True)
     out, blocks = check_decode(case, N_SEL)
     ref_out, ref_blocks = nsa.nsa_decode_ref(case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v,
                                              case.lengths, case.gates, case.n_units, N_SEL)
@@ -338,7 +343,7 @@ GPU_LENGTHS = [8192, 5000, 16385, 777, 64, 12000]
 
 @pytest.mark.gpu
 def test_gpu_decode_bf16_real_shapes():
-    case = Case(6, 32, 8, 128, GPU_LENGTHS, torch.bfloat16, device="cuda", seed=11, weights=True)
+    case = Case(6, 32, 8, 128, GPU_LENGTHS, torch.bfloat16, device="cuda", window=nsa.WINDOW, seed=11, weights=True)
     ck, cv = nsa.nsa_compress(case.k_cmp, case.v_cmp, case.weight_k, case.weight_v)
     assert rel_err(ck, case.ck) < TOL[torch.bfloat16] and rel_err(cv, case.cv) < TOL[torch.bfloat16]
     check_decode(case, nsa.N_SELECT)
@@ -346,15 +351,14 @@ def test_gpu_decode_bf16_real_shapes():
 
 @pytest.mark.gpu
 def test_gpu_hot_cache_and_resident_are_bitwise_equal():
-    case = Case(6, 32, 8, 128, GPU_LENGTHS, torch.bfloat16, device="cuda", seed=12)
+    case = Case(6, 32, 8, 128, GPU_LENGTHS, torch.bfloat16, device="cuda", window=nsa.WINDOW, seed=12)
     gen = torch.Generator(device="cuda").manual_seed(13)
     cache, where = shuffled_cache(case.pool, gen, extra=1000)
-    rows_res = lambda b: nsa.resident_rows(b, case.n_units)  # noqa: E731
     rows_hot = lambda b: to_cache_rows(nsa.resident_rows(b, case.n_units), where)  # noqa: E731
     args = (case.q, case.ck, case.cv)
-    win = (case.win_k, case.win_v, case.lengths, case.gates)
-    out_res, blk_res = nsa.nsa_decode(*args, case.pool, *win, rows_res, case.n_units)
-    out_hot, blk_hot = nsa.nsa_decode(*args, cache, *win, rows_hot, case.n_units)
+    win = (case.win_k, case.win_v, case.lengths, case.gates, case.n_units)
+    out_res, blk_res = nsa.nsa_decode(*args, case.pool, *win)
+    out_hot, blk_hot = nsa.nsa_decode(*args, cache, *win, rows_hot)
     assert torch.equal(blk_res, blk_hot) and torch.equal(out_res, out_hot)
 
 
