@@ -27,7 +27,7 @@ from hisparse.synthetic import SyntheticConfig, generate, layer_weights, preset
 PUBLISHED = {"last": 0.30, "lru": 0.134}   # DESIGN section 7: B = k and LRU at B = 2k = 4096
 SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
 SLOT_POLICIES = ("lru", "fifo", "random", "belady")
-CURVES = (("last", 1.0), ("lru", 1.0), ("lru", 2.0), ("lru", 4.0), ("belady", 2.0))
+CURVES = (("last", 1.0), ("lru", 1.5), ("lru", 2.0), ("lru", 4.0), ("belady", 2.0))
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -96,7 +96,9 @@ def weighted(rates: np.ndarray, weights: np.ndarray) -> float:
 def study(cfg: SyntheticConfig, workload: str, calibrated: bool) -> list[dict]:
     """Every row of the study for one workload (module docstring, point 3). With `calibrated`, the
     two fitted points are marked "fit" and every other miss rate "prediction"."""
+    start = time.perf_counter()
     trace = generate(cfg)
+    print(f"trace {tuple(trace.selections.shape)} generated [{time.perf_counter() - start:.1f} s]", flush=True)
     sel, stream_layer = trace.streams()
     weights = layer_weights(cfg)
     stream_w = weights[stream_layer]

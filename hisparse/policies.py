@@ -131,7 +131,7 @@ def _simulate_slots(sel, policy, cache_slots, rng, keep_slots) -> SimResult:
     unit_slot = np.full((streams, int(sel.max()) + 1), -1, dtype=np.int64)
     key = _EMPTY_KEY + np.broadcast_to(np.arange(cache_slots), (streams, cache_slots)).copy()
     rows = np.broadcast_to(np.arange(streams)[:, None], (streams, k))
-    order = np.arange(k)
+    order = np.broadcast_to(np.arange(k), (streams, k))
     upcoming = next_use(sel) if policy == "belady" else None
     misses = np.zeros((steps, streams), dtype=np.int64)
     slots_out = np.full(sel.shape, -1, dtype=np.int32) if keep_slots else None
@@ -155,11 +155,12 @@ def _simulate_slots(sel, policy, cache_slots, rng, keep_slots) -> SimResult:
             unit_slot[r[old >= 0], old[old >= 0]] = -1
             slot_unit[r, v] = u
             unit_slot[r, u] = v
-        if policy == "lru":
-            key[rows[miss], slot[miss]] = (2 * t * k + order)[None, :].repeat(streams, 0)[miss]
-            key[rows[hit], slot[hit]] = ((2 * t + 1) * k + order)[None, :].repeat(streams, 0)[hit]
-        elif policy == "fifo":
-            key[rows[miss], slot[miss]] = (t * k + order)[None, :].repeat(streams, 0)[miss]
+        stamp = 2 * t * k + order                                    # [S, k] selection order
+        if policy == "lru":                                          # misses, then hits, are newest
+            key[rows[miss], slot[miss]] = stamp[miss]
+            key[rows[hit], slot[hit]] = stamp[hit] + k
+        elif policy == "fifo":                                       # only a fill moves a slot
+            key[rows[miss], slot[miss]] = stamp[miss]
         elif policy == "belady":
             key[rows[valid], slot[valid]] = -upcoming[t][valid]
         if keep_slots:
