@@ -38,6 +38,7 @@ class Point:
     cache_slots: int
     target_miss: float
     row_bytes: int
+    sort_plan: bool = False     # fetch in host-address order (costs a sort of k keys per call)
 
     @property
     def cold(self) -> int:
@@ -56,7 +57,9 @@ def sweep(quick: bool) -> list[Point]:
             itertools.product((1, 4, 16, 64, 128), (1, 2, 3, 4), (0.001, 0.2, 1.0))]
     rows = [Point(b, k, 2 * k, m, rb) for rb, b, m in
             itertools.product((656, 8192, 40960), (8, 32), (0.2, 1.0))]
-    return main + rows
+    address_order = [Point(b, k, 2 * k, m, rb, sort_plan=True) for rb, b, m in
+                     itertools.product((656, 1152), (16, 64), (0.2, 1.0))]
+    return main + rows + address_order
 
 
 class Workload:
@@ -81,7 +84,7 @@ class Workload:
         return sel.to(torch.int32).contiguous()
 
 
-def time_point(p: Point, host: torch.Tensor, device, reps: int) -> dict:
+def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
     """Median microseconds per resolve call, with and without the copy, and this point's misses.
 
     host: the pool viewed as [p.batch * p.context, row elements]."""
@@ -99,7 +102,7 @@ def time_point(p: Point, host: torch.Tensor, device, reps: int) -> dict:
         def run():
             outs = []
             for i in range(STEPS_PER_GRAPH):
-                outs.append(resolve(state, streams, sels[i], host, cache, fetch=fetch, scratch=scratch))
+                outs.append(resolve(state, streams, sels[i], host, cache, fetch=fetch, scratch=scratch, **opts))
             return outs
 
         outs = run()                        # warm-up: compiles, and fills the hot units
@@ -142,7 +145,8 @@ def rows_for(p: Point, r: dict) -> list[dict]:
         "miss_rate": (r["miss_rate"], "fraction"),
     }
     params = dict(bench="resolve", family="", mode="hisparse", batch=p.batch, context=p.context, k=p.k,
-                  cache_slots=p.cache_slots, unit_bytes=p.row_bytes, target_miss=p.target_miss)
+                  cache_slots=p.cache_slots, unit_bytes=p.row_bytes, target_miss=p.target_miss,
+                  plan_order="address" if p.sort_plan else "miss")
     return [{**params, "metric": m, "value": v, "unit": u} for m, (v, u) in metrics.items()]
 
 
@@ -168,16 +172,17 @@ def main(argv=None):
     print(f"# pinning a host pool of {pool_bytes / 2**30:.1f} GiB on {device}", flush=True)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=device.type == "cuda")
     fill_random(flat, device)
-    print(f"{'batch':>5} {'B/k':>4} {'miss':>6} {'row B':>6} | {'noio us':>8} {'total us':>9} | "
+    print(f"{'batch':>5} {'B/k':>4} {'miss':>6} {'row B':>6} {'plan':>7} | {'noio us':>8} {'total us':>9} | "
           f"{'fetch GB/s':>10} (limit {PINNED_GBPS}) {'Mrows/s':>8} (limit {RANDOM_ROWS_MPS:.0f})", flush=True)
     for i, p in enumerate(points):
         row_elems = p.row_bytes // 2
         host = flat[:p.batch * p.context * row_elems].view(p.batch * p.context, row_elems)
-        r = time_point(p, host, device, reps)
+        r = time_point(p, host, device, reps, sort_plan=p.sort_plan)
         out = append_rows(f"{args.out}/resolve.csv", rows_for(p, r))
         gbps = out.loc[out.metric == "fetch_GBps", "value"].item()
         mrows = out.loc[out.metric == "fetch_Mrows_per_s", "value"].item()
-        print(f"{p.batch:5d} {p.cache_slots / p.k:4.1f} {r['miss_rate']:6.3f} {p.row_bytes:6d} | "
+        print(f"{p.batch:5d} {p.cache_slots / p.k:4.1f} {r['miss_rate']:6.3f} {p.row_bytes:6d} "
+              f"{'address' if p.sort_plan else 'miss':>7} | "
               f"{r['noio_us']:8.1f} {r['total_us']:9.1f} | {gbps:10.1f} {'':12} {mrows:8.1f}   "
               f"[{i + 1}/{len(points)}]", flush=True)
 

@@ -15,6 +15,7 @@ def latest(frame: pd.DataFrame) -> pd.DataFrame:
 
 def resolve_lines(frame: pd.DataFrame) -> list[str]:
     f = latest(frame)
+    f = f[f.plan_order != "address"] if "plan_order" in f else f
     key = ["batch", "cache_slots", "target_miss", "unit_bytes"]
     wide = f.pivot_table(index=key, columns="metric", values="value").reset_index()
     lines = []

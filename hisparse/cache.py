@@ -127,10 +127,12 @@ class HierarchicalKVCache:
         return resolve(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
                        **kwargs)
 
-    def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal") -> ResolveResult:
+    def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal",
+                    sort_plan: bool = False) -> ResolveResult:
         """The torch reference of `resolve`, on this cache's state (for tests and notebooks)."""
         check_resolve_inputs(self.state, streams, sel, torch.tensor(self.stream_len))
-        return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"))
+        return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
+                           sort_plan=sort_plan)
 
     def slot_rows(self, streams: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Row numbers into `self.slots.view(-1, E)` for attention kernels: stream * (B+1) + slot.

@@ -8,21 +8,27 @@ State of the cache, shared by the kernel and the reference (S streams, B slots, 
 - `unit_slot [R]` int32: for each host row, the slot holding its unit, -1 if not cached. Indexed by
   host row (host_base[stream] + unit), so it is one dense map for all streams: 4 bytes per unit.
 - `stats [S, 2]` int64: cumulative hits and misses per stream.
+- `slot_mark [S, B]`, `epoch [S]` int32: kernel bookkeeping. A slot hit in a call is marked with
+  that call's epoch, so the marks never need clearing.
 
 One call resolves a batch of N rows (stream, selection of k units) and returns the slot of every
-selected unit in selection order, this call's counts, and the miss plan: (unit, slot) pairs of the
-misses, sorted by unit so that the host pool is read in address order.
+selected unit in selection order, this call's counts, and the miss plan: the (unit, slot) pairs of
+the misses, in selection order, or sorted by unit (host-address order) with `sort_plan=True`.
+Sorting costs about 27 us per call on an H200 (a bitonic sort of k keys in one program) and bought
+no fetch bandwidth there: the fetch kernel has every chunk of every stream in flight at once, so the
+order inside one stream's plan does not reach the PCIe link (results/resolve.csv, `plan_order`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 
 from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel
 
-MAX_SLOTS = 1 << 20  # the miss plan packs a slot id into 20 bits while sorting
+MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
+MAX_K = (1 << 16) - 1  # the kernel packs hit and miss ranks into one 32-bit scan
 
 
 @dataclass
@@ -33,6 +39,8 @@ class CacheState:
     unit_slot: torch.Tensor   # [R] int32
     host_base: torch.Tensor   # [S] int64
     stats: torch.Tensor       # [S, 2] int64
+    slot_mark: torch.Tensor   # [S, B] int32
+    epoch: torch.Tensor       # [S] int32
 
     @classmethod
     def empty(cls, num_streams: int, cache_slots: int, host_rows: int, device) -> "CacheState":
@@ -42,11 +50,12 @@ class CacheState:
             unit_slot=torch.full((host_rows,), -1, dtype=torch.int32, device=device),
             host_base=torch.zeros(num_streams, dtype=torch.int64, device=device),
             stats=torch.zeros(num_streams, 2, dtype=torch.int64, device=device),
+            slot_mark=torch.zeros(num_streams, cache_slots, dtype=torch.int32, device=device),
+            epoch=torch.zeros(num_streams, dtype=torch.int32, device=device),
         )
 
     def clone(self) -> "CacheState":
-        return CacheState(*(t.clone() for t in (self.slot_unit, self.lru, self.unit_slot,
-                                                 self.host_base, self.stats)))
+        return CacheState(**{f.name: getattr(self, f.name).clone() for f in fields(self)})
 
     def reset_stream(self, stream: int, host_base: int, capacity: int) -> None:
         """Empty one stream's slots and point it at a host region of `capacity` rows."""
@@ -55,13 +64,15 @@ class CacheState:
         self.unit_slot[host_base:host_base + capacity] = -1
         self.host_base[stream] = host_base
         self.stats[stream] = 0
+        self.slot_mark[stream] = 0
+        self.epoch[stream] = 0
 
 
 @dataclass
 class ResolveResult:
     slots: torch.Tensor       # [N, k] int32 slot of each selected unit, -1 where the selection pads
     counts: torch.Tensor      # [N, 2] int32 hits, misses of this call
-    plan_unit: torch.Tensor   # [N, k] int32 missed units in address order (first counts[:, 1] valid)
+    plan_unit: torch.Tensor   # [N, k] int32 missed units, plan order (first counts[:, 1] valid)
     plan_slot: torch.Tensor   # [N, k] int32 their victim slots
 
     @property
@@ -102,6 +113,7 @@ def check_resolve_inputs(state: CacheState, streams: torch.Tensor, sel: torch.Te
     _expect(cache_slots >= k, f"cache_slots B={cache_slots} is smaller than the selection size k={k}: "
                               f"the cache must hold one whole selection (B >= k)")
     _expect(cache_slots <= MAX_SLOTS, f"cache_slots B={cache_slots} exceeds the supported {MAX_SLOTS}")
+    _expect(k <= MAX_K, f"selection size k={k} exceeds the supported {MAX_K}")
     _expect(streams.shape == (n,), f"streams must be [batch]=[{n}], got shape {tuple(streams.shape)}")
     for name, t in (("selection", sel), ("streams", streams)):
         _expect(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
@@ -159,15 +171,15 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
-            cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = True,
+            cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            scratch: torch.Tensor | None = None) -> ResolveResult:
+            scratch: torch.Tensor | None = None, num_warps: int | None = None) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
-    values too (a host sync); `out` and `scratch` ([2, >=N, B] int32) reuse buffers, so a captured
+    values too (a host sync); `out` and `scratch` ([>=N, B] int32) reuse buffers, so a captured
     CUDA graph sees static addresses and allocates nothing.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
@@ -181,13 +193,13 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
         out = ResolveResult(*(torch.empty(shape, dtype=torch.int32, device=sel.device)
                               for shape in ((n, k), (n, 2), (n, k), (n, k))))
     if scratch is None:
-        scratch = torch.empty(2, n, cache_slots, dtype=torch.int32, device=sel.device)
+        scratch = torch.empty(n, cache_slots, dtype=torch.int32, device=sel.device)
     k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
     _resolve_kernel[(n,)](
-        sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot,
-        out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats, scratch[0], scratch[1],
+        sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot, state.slot_mark,
+        state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats, scratch,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan,
-        num_warps=8 if b_pad >= 2048 else 4,
+        num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:
         fetch_rows(out.plan_unit, out.plan_slot, out.counts, streams, state.host_base, host, cache)
@@ -217,7 +229,7 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache) ->
 
 
 def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
-                cache: torch.Tensor, *, fetch: bool = True) -> ResolveResult:
+                cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False) -> ResolveResult:
     """The same resolve, one stream at a time in plain torch and Python, updating `state` in place."""
     n, k = sel.shape
     cache_slots = state.slot_unit.shape[1]
@@ -254,7 +266,8 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
         for i, u in enumerate(sel[row].tolist()):
             if u >= 0:
                 slots[row, i] = slot_of[u]
-        planned = sorted(zip(miss_units, victims))
+        planned = list(zip(miss_units, victims))
+        planned = sorted(planned) if sort_plan else planned
         plan_unit[row, :len(planned)] = torch.tensor([u for u, _ in planned], dtype=torch.int32)
         plan_slot[row, :len(planned)] = torch.tensor([s for _, s in planned], dtype=torch.int32)
         counts[row] = torch.tensor([len(hit_units), len(miss_units)])

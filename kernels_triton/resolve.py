@@ -21,12 +21,13 @@ def _resolve_kernel(
     slot_unit_ptr,   # [S, B] int32 unit held by each slot, -1 empty
     lru_ptr,         # [S, B] int32 slot ids, least recently used first
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
+    mark_ptr,        # [S, B] int32 epoch of the last call in which each slot hit
+    epoch_ptr,       # [S] int32 calls so far per stream
     slot_out_ptr,    # [N, K] int32 out: slot of each selected unit, -1 where sel is -1
-    plan_unit_ptr,   # [N, K] int32 out: missed units (host-address order when SORT_PLAN), then junk
+    plan_unit_ptr,   # [N, K] int32 out: missed units (miss order, or address order if SORT_PLAN)
     plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
-    mark_ptr,        # [N, B] int32 scratch: 1 on slots that hit this step
     victim_ptr,      # [N, B] int32 scratch: victim slots by miss rank
     K, B,
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
@@ -35,7 +36,6 @@ def _resolve_kernel(
     stream = tl.load(stream_ptr + i_n)
     live = stream >= 0
     i_s = tl.maximum(stream, 0).to(tl.int64)
-    host_base = tl.load(host_base_ptr + i_s)
 
     o_k = tl.arange(0, K_PAD)
     o_b = tl.arange(0, B_PAD)
@@ -45,31 +45,36 @@ def _resolve_kernel(
     # does not combine scalar and vector masks
     m_live_k = m_k & ((o_k * 0 + stream) >= 0)
     m_live_b = m_b & ((o_b * 0 + stream) >= 0)
-    p_mark = mark_ptr + i_n * B
-    p_victim = victim_ptr + i_n * B
     p_lru = lru_ptr + i_s * B
     p_slot_unit = slot_unit_ptr + i_s * B
+    p_mark = mark_ptr + i_s * B
+    p_victim = victim_ptr + i_n * B
+
+    # -- independent loads first, so their latencies overlap
+    host_base = tl.load(host_base_ptr + i_s)
+    epoch = tl.load(epoch_ptr + i_s) + 1
+    b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_live_k, other=-1)                 # [K_PAD]
+    b_order = tl.load(p_lru + o_b, mask=m_live_b, other=0)                             # [B_PAD] slots
+    b_order_unit = tl.load(p_slot_unit + b_order, mask=m_live_b, other=-1)             # [B_PAD]
 
     # -- hits: look each selected unit up in the stream's unit -> slot map
-    b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_live_k, other=-1)              # [K_PAD]
     m_sel = b_sel >= 0
     b_hit_slot = tl.load(unit_slot_ptr + host_base + b_sel.to(tl.int64), mask=m_sel, other=-1)
     m_hit = b_hit_slot >= 0
     m_miss = m_sel & (b_hit_slot < 0)
-    hit_rank = tl.cumsum(m_hit.to(tl.int32), 0) - 1
-    miss_rank = tl.cumsum(m_miss.to(tl.int32), 0) - 1
-    n_hit = tl.sum(m_hit.to(tl.int32), 0)
-    n_miss = tl.sum(m_miss.to(tl.int32), 0)
+    # one scan for both ranks: hits count in the low 16 bits, misses in the high ones (K < 2**16)
+    ranks = tl.cumsum(m_hit.to(tl.int32) | (m_miss.to(tl.int32) << 16), 0)
+    hit_rank = (ranks & 0xFFFF) - 1
+    miss_rank = (ranks >> 16) - 1
+    totals = tl.max(ranks, 0)
+    n_hit = totals & 0xFFFF
+    n_miss = totals >> 16
 
-    # -- mark hit slots, then read the marks in LRU order (a scatter through scratch memory)
-    tl.store(p_mark + o_b, tl.zeros([B_PAD], dtype=tl.int32), mask=m_b)
+    # -- mark hit slots with this call's epoch, then read the marks in LRU order
+    tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
     tl.debug_barrier()
-    tl.store(p_mark + b_hit_slot, tl.full([K_PAD], 1, dtype=tl.int32), mask=m_hit)
-    tl.debug_barrier()
-    b_order = tl.load(p_lru + o_b, mask=m_live_b, other=0)                          # [B_PAD] slots
-    b_order_unit = tl.load(p_slot_unit + b_order, mask=m_live_b, other=-1)          # [B_PAD]
-    b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=1)
-    m_free = m_b & (b_order_hit == 0)               # slots that may be victims, in LRU order
+    b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
+    m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
     free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
     m_victim = m_free & (free_rank < n_miss)
     m_untouched = m_free & (free_rank >= n_miss)
@@ -94,7 +99,7 @@ def _resolve_kernel(
     tl.store(unit_slot_ptr + host_base + b_sel.to(tl.int64), b_victim, mask=m_miss)
     tl.store(p_slot_unit + b_victim, b_sel, mask=m_miss)
 
-    # -- miss plan: (unit, slot) pairs, sorted by unit so the host pool is read in address order
+    # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
     if SORT_PLAN:
         BIG: tl.constexpr = 0x7FFFFFFFFFFFFFFF
         key = tl.where(m_miss, (b_sel.to(tl.int64) << 20) | b_victim.to(tl.int64), BIG)
@@ -110,6 +115,7 @@ def _resolve_kernel(
     tl.store(counts_ptr + i_n * 2, n_hit)
     tl.store(counts_ptr + i_n * 2 + 1, n_miss)
     if live:
+        tl.store(epoch_ptr + i_s, epoch)
         p_stats = stats_ptr + i_s * 2
         tl.store(p_stats, tl.load(p_stats) + n_hit.to(tl.int64))
         tl.store(p_stats + 1, tl.load(p_stats + 1) + n_miss.to(tl.int64))
