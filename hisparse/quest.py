@@ -50,7 +50,7 @@ from kernels_triton.quest import (
 
 PAGE = 16
 DENSE_LAYERS = 2
-MAX_SELECT_PAGES = 32768
+MAX_SELECT_PAGES = 16384  # 256K tokens; the selection holds all of a request's scores in registers
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -205,7 +205,8 @@ def _check_select(scores, lengths, budget_tokens):
 
 
 def quest_select_pages(scores: torch.Tensor, lengths: torch.Tensor, budget_tokens: int) -> torch.Tensor:
-    """Selected pages `[N, HKV, budget_tokens // PAGE]` int32 from `scores [N, HKV, P_MAX]` (see module doc)."""
+    """Selected pages `[N, HKV, budget_tokens // PAGE]` int32 from `scores [N, HKV, P_MAX]` (see module
+    doc; scores must not be NaN)."""
     k = _check_select(scores, lengths, budget_tokens)
     n, hkv, max_pages = scores.shape
     if max_pages > MAX_SELECT_PAGES:
@@ -329,16 +330,15 @@ def quest_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, pages
         q, kv, rows, pages, lengths, part_acc, part_max, part_sum,
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), rows.stride(1),
         pages.stride(0), pages.stride(1),
-        k, pages_per_split, scale * math.log2(math.e),
+        k, pages_per_split, splits, scale * math.log2(math.e),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-        PAGE=PAGE, PAGES_PER_ITER=pages_per_iter, SPLITS=splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGE=PAGE, PAGES_PER_ITER=pages_per_iter, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
     _quest_attention_combine_kernel[(n, hq)](
         part_acc, part_max, part_sum, out,
-        out.stride(0), out.stride(1),
-        D=d, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+        out.stride(0), out.stride(1), splits,
+        D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
     )
     return out
 

@@ -110,10 +110,9 @@ def _quest_select_pages_kernel(
 def _quest_attention_split_kernel(
     q_ptr, kv_ptr, rows_ptr, pages_ptr, len_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_qn, stride_qh, stride_kvr, stride_rn, stride_rh, stride_pn, stride_ph,
-    N_SEL, PAGES_PER_SPLIT, scale_log2,
+    N_SEL, PAGES_PER_SPLIT, SPLITS, scale_log2,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, PAGES_PER_ITER: tl.constexpr, SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, PAGES_PER_ITER: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program per (request, KV head, split): online softmax over a run of selected pages.
 
@@ -170,8 +169,8 @@ def _quest_attention_split_kernel(
 @triton.jit
 def _quest_attention_combine_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
-    stride_on, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_on, stride_oh, SPLITS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One program per (request, query head): merge the splits; no valid token gives zeros."""
     i_n = tl.program_id(0).to(tl.int64)
