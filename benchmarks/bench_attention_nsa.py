@@ -1,0 +1,304 @@
+"""NSA decode: the Triton kernels beside a torch gather baseline and dense attention.
+
+    python -m benchmarks.bench_attention_nsa [--out DIR] [--quick] [--cudagraph] [--breakdown] [--tune]
+
+Modes, in one run, per (batch, context), every request `context` tokens long:
+- `triton`: hisparse.nsa.nsa_decode over the resident pool (compressed branch, selection scores and
+  top-16 per KV head, selected blocks, window, gates: six launches);
+- `torch_gather`: hisparse.nsa.nsa_decode_ref in bf16 (the same step in torch: gather the selected
+  rows, then matmul-softmax-matmul per branch);
+- `dense`: torch's scaled_dot_product_attention over the whole context (the G query heads of a KV
+  head as G queries of one head).
+Appends `us`, `TFLOPs`, `GBps`, `roofline_frac` rows (family `nsa`) to DIR/attention.csv. The
+sparse modes count the work of an ideal NSA step: every key and value of the three branches read
+once (compressed blocks, 16 blocks of 64, the 512-token window), 4 * H * D FLOPs per key, plus q
+and out; the selection's own traffic (fp32 logits, a few % of the bytes) is not counted. Dense
+counts the whole context the same way. roofline_frac = max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s)
+over the measured time. `--cudagraph` times graph replays (as the decode loop runs), without the
+launch overhead of six launches; `--tune` times NsaConfig choices at one shape (prints only).
+`--quick` runs a tiny configuration that also works on the CPU interpreter.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from hisparse import nsa  # noqa: E402
+from hisparse.results import append_rows  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+MMA_FLOPS_PER_S = 790e12
+FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
+            heads=32, kv_heads=8, d=128, n_select=nsa.N_SELECT, window=nsa.WINDOW)
+QUICK = dict(batches=(1, 3), contexts=(300,), heads=4, kv_heads=2, d=32, n_select=4, window=128)
+
+
+def time_us(fn, cudagraph: bool) -> tuple[float, float, float]:
+    """Median, p20 and p80 of fn's time in microseconds (do_bench on the GPU, wall clock on the CPU)."""
+    if torch.cuda.is_available():
+        bench = triton.testing.do_bench_cudagraph if cudagraph else triton.testing.do_bench
+        median, p20, p80 = bench(fn, quantiles=[0.5, 0.2, 0.8])
+        return median * 1e3, p20 * 1e3, p80 * 1e3
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times), min(times), max(times)
+
+
+def sparse_keys(context: int, cfg: dict) -> int:
+    """Keys one query head attends over per request: compressed blocks + selected tokens + window."""
+    n_cmp = (context - nsa.CMP_BLOCK) // nsa.CMP_STRIDE + 1 if context >= nsa.CMP_BLOCK else 0
+    selected = min(context, cfg["n_select"] * nsa.SEL_BLOCK)
+    return n_cmp + selected + min(context, cfg["window"])
+
+
+def work(batch: int, keys: int, cfg: dict, elem: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of an ideal decode over `keys` keys and values per (request, KV head)."""
+    h, kvh, d = cfg["heads"], cfg["kv_heads"], cfg["d"]
+    flops = 4.0 * batch * h * d * keys
+    nbytes = elem * batch * (kvh * keys * 2 * d + 2 * h * d)
+    return flops, nbytes
+
+
+def metric_rows(base: dict, us: float, flops: float, nbytes: float) -> list[dict]:
+    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
+    values = [("us", us, "us"), ("TFLOPs", flops / us * 1e-6, "TFLOP/s"), ("GBps", nbytes / us * 1e-3, "GB/s"),
+              ("roofline_frac", roofline_us / us, "fraction")]
+    return [{**base, "metric": m, "value": v, "unit": u} for m, v, u in values]
+
+
+class Step:
+    """Inputs of one NSA decode step at (batch, context): resident pool, compressed KV, window."""
+
+    def __init__(self, batch, context, cfg, device, gen):
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        h, kvh, d = cfg["heads"], cfg["kv_heads"], cfg["d"]
+        self.cfg, self.batch, self.context = cfg, batch, context
+        self.n_units = triton.cdiv(context, nsa.SEL_BLOCK)
+        n_cmp = (context - nsa.CMP_BLOCK) // nsa.CMP_STRIDE + 1
+
+        def rnd(*shape):
+            return torch.randn(*shape, device=device, dtype=self.dtype, generator=gen)
+
+        self.q = rnd(batch, h, d)
+        self.pool = rnd(batch * kvh * self.n_units, 2, nsa.SEL_BLOCK, d)
+        self.ck, self.cv = rnd(batch, kvh, n_cmp, d), rnd(batch, kvh, n_cmp, d)
+        self.win_k, self.win_v = rnd(batch, kvh, cfg["window"], d), rnd(batch, kvh, cfg["window"], d)
+        self.gates = torch.rand(batch, h, 3, device=device, generator=gen).to(self.dtype)
+        self.lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def nbytes(batch, context, cfg, elem) -> int:
+        n_cmp = (context - nsa.CMP_BLOCK) // nsa.CMP_STRIDE + 1
+        per_stream = (triton.cdiv(context, nsa.SEL_BLOCK) * nsa.SEL_BLOCK + n_cmp + cfg["window"]) * 2 * cfg["d"]
+        return elem * batch * cfg["kv_heads"] * per_stream
+
+    def triton(self, config=nsa.DEFAULT_CONFIG):
+        return nsa.nsa_decode(self.q, self.ck, self.cv, self.pool, self.win_k, self.win_v, self.lengths,
+                              self.gates, self.n_units, n_select=self.cfg["n_select"], config=config)
+
+    def torch_gather(self, dtype=None, requests=None):
+        r = slice(None) if requests is None else slice(0, requests)
+        rows = slice(None) if requests is None else slice(0, requests * self.cfg["kv_heads"] * self.n_units)
+        return nsa.nsa_decode_ref(self.q[r], self.ck[r], self.cv[r], self.pool[rows], self.win_k[r], self.win_v[r],
+                                  self.lengths[r], self.gates[r], self.n_units, self.cfg["n_select"],
+                                  dtype=dtype or self.dtype)
+
+    def verify(self, out, blocks, requests=2):
+        """Triton vs the fp32 reference on the first requests: scores, top-n on those scores, output."""
+        r = min(requests, self.batch)
+        q, lengths = self.q[:r], self.lengths[:r]
+        _, lse, logits = nsa.nsa_compressed_attention(q, self.ck[:r], self.cv[:r], lengths)
+        _, scores = nsa.nsa_select(logits, lse, lengths, self.cfg["kv_heads"], self.n_units, self.cfg["n_select"])
+        o_cmp, probs = nsa.nsa_compressed_attention_ref(q, self.ck[:r], self.cv[:r], lengths)
+        ref_scores = nsa.nsa_selection_scores_ref(probs, self.n_units)
+        checks = {"scores": rel_err(scores, ref_scores)}
+        if not torch.equal(blocks[:r], nsa.nsa_topn_ref(scores, lengths, self.cfg["n_select"])):
+            raise RuntimeError(f"top-n of batch={self.batch} context={self.context} differs from nsa_topn_ref")
+        pool = self.pool[: r * self.cfg["kv_heads"] * self.n_units]
+        o_slc = nsa.nsa_selected_attention_ref(q, pool, nsa.resident_rows(blocks[:r], self.n_units), blocks[:r],
+                                               lengths)
+        o_win = nsa.nsa_window_attention_ref(q, self.win_k[:r], self.win_v[:r], lengths)
+        checks["out"] = rel_err(out[:r], nsa.nsa_gate_ref(self.gates[:r], o_cmp, o_slc, o_win))
+        for name, err in checks.items():
+            if not err < 2e-2:
+                raise RuntimeError(f"triton {name} at batch={self.batch} context={self.context}: rel err {err:.3g}")
+
+
+def rel_err(actual, expected) -> float:
+    actual, expected = actual.float(), expected.float()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
+
+
+def dense_decode(q, k, v):
+    """SDPA over the whole context: q [N, H, D] as [N, KV, G, D] against k, v [N, KV, T, D]."""
+    n, h, d = q.shape
+    return F.scaled_dot_product_attention(q.view(n, k.shape[1], h // k.shape[1], d), k, v).view(n, h, d)
+
+
+def fits(nbytes: int, device) -> bool:
+    return device.type != "cuda" or nbytes < 0.85 * torch.cuda.mem_get_info()[0]
+
+
+def run_shape(batch, context, cfg, device, gen, cudagraph) -> tuple[list[dict], dict]:
+    """Time the three modes at one shape; returns result rows and {mode: us}."""
+    elem = 2 if device.type == "cuda" else 4
+    base = {"bench": "attention", "family": "nsa", "batch": batch, "context": context, "heads": cfg["heads"],
+            "kv_heads": cfg["kv_heads"], "head_dim": cfg["d"], "timer": "cudagraph" if cudagraph else "do_bench"}
+    rows_out, times = [], {}
+
+    def timed(mode, fn, keys, extra):
+        try:
+            us, p20, p80 = time_us(fn, cudagraph)
+        except torch.OutOfMemoryError:
+            print(f"  {mode:12s} batch={batch} context={context}: out of memory, skipped")
+            return
+        times[mode] = us
+        flops, nbytes = work(batch, keys, cfg, elem)
+        rows_out.extend(metric_rows({**base, "mode": mode, **extra, "us_p20": p20, "us_p80": p80}, us, flops, nbytes))
+
+    sparse = {"k": cfg["n_select"], "unit_bytes": 2 * nsa.SEL_BLOCK * cfg["d"] * elem, "window": cfg["window"]}
+    if fits(Step.nbytes(batch, context, cfg, elem) * 1.1, device):
+        step = Step(batch, context, cfg, device, gen)
+        out, blocks = step.triton()
+        step.verify(out, blocks)
+        timed("triton", step.triton, sparse_keys(context, cfg), sparse)
+        timed("torch_gather", step.torch_gather, sparse_keys(context, cfg), sparse)
+        del step, out, blocks
+    else:
+        print(f"  batch={batch} context={context}: the resident pool does not fit, sparse modes skipped")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dense_bytes = elem * batch * cfg["kv_heads"] * context * 2 * cfg["d"]
+    if fits(dense_bytes * 1.1, device):
+        shape = (batch, cfg["kv_heads"], context, cfg["d"])
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        k = torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+        q = torch.randn(batch, cfg["heads"], cfg["d"], device=device, dtype=dtype, generator=gen)
+        timed("dense", lambda: dense_decode(q, k, v), context, {})
+        del k, v, q
+    else:
+        print(f"  batch={batch} context={context}: dense KV does not fit, dense skipped")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows_out, times
+
+
+def print_table(rows: list[dict], times: dict) -> None:
+    by_mode = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], {})[r["metric"]] = r["value"]
+    for mode, m in by_mode.items():
+        speedup = times.get("torch_gather", float("nan")) / times[mode]
+        r0 = next(r for r in rows if r["mode"] == mode)
+        print(f"{r0['batch']:6d} {r0['context']:8d} {mode:13s} {m['us']:10.1f} {m['TFLOPs']:8.1f}/790"
+              f" {m['GBps']:8.0f}/4300 {m['roofline_frac']:9.3f} {speedup:10.2f}")
+
+
+def breakdown(batch, context, cfg, device, gen, cudagraph) -> None:
+    """Time each launch group of the triton step (prints only)."""
+    step = Step(batch, context, cfg, device, gen)
+    q, lengths, kvh = step.q, step.lengths, cfg["kv_heads"]
+    _, lse, logits = nsa.nsa_compressed_attention(q, step.ck, step.cv, lengths)
+    blocks, _ = nsa.nsa_select(logits, lse, lengths, kvh, step.n_units, cfg["n_select"])
+    o = torch.zeros(batch, cfg["heads"], cfg["d"], device=device)
+    parts = {
+        "compressed": lambda: nsa.nsa_compressed_attention(q, step.ck, step.cv, lengths),
+        "select": lambda: nsa.nsa_select(logits, lse, lengths, kvh, step.n_units, cfg["n_select"]),
+        "selected": lambda: nsa.nsa_selected_attention(q, step.pool, None, blocks, lengths, n_units=step.n_units),
+        "window": lambda: nsa.nsa_window_attention(q, step.win_k, step.win_v, lengths),
+        "gate": lambda: nsa.nsa_gate(step.gates, o, o, o, q.dtype),
+        "whole step": step.triton,
+    }
+    print(f"  breakdown at batch={batch} context={context}:", end="")
+    for name, fn in parts.items():
+        print(f" {name} {time_us(fn, cudagraph)[0]:.1f} us;", end="")
+    print()
+
+
+def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool, with_breakdown: bool) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    print(f"NSA decode: heads={cfg['heads']} kv_heads={cfg['kv_heads']} D={cfg['d']} n={cfg['n_select']}"
+          f" blocks of {nsa.SEL_BLOCK}, compressed {nsa.CMP_BLOCK}/{nsa.CMP_STRIDE}, window {cfg['window']},"
+          f" timer {'cudagraph' if cudagraph else 'do_bench'}"
+          f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}")
+    print(f"{'batch':>6s} {'context':>8s} {'mode':13s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
+          f" {'roofline':>9s} {'vs gather':>10s}")
+    misses = []
+    for context in cfg["contexts"]:
+        for batch in cfg["batches"]:
+            rows, times = run_shape(batch, context, cfg, device, gen, cudagraph)
+            print_table(rows, times)
+            append_rows(out_dir / "attention.csv", rows)
+            frac = next((r["value"] for r in rows if r["mode"] == "triton" and r["metric"] == "roofline_frac"), None)
+            if batch >= 32 and frac is not None and frac < 0.4:
+                misses.append((batch, context, frac))
+            if with_breakdown and batch in (1, 32, 128):
+                breakdown(batch, context, cfg, device, gen, cudagraph)
+    if cfg is FULL:
+        print("target (batch >= 32): triton roofline_frac >= 0.40:",
+              "met everywhere" if not misses else f"missed at {[(b, c, round(f, 3)) for b, c, f in misses]}")
+
+
+def tune(cfg: dict, device: torch.device, batch: int, context: int, cudagraph: bool) -> None:
+    """Time NsaConfig choices at one shape, best last; prints only."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    step = Step(batch, context, cfg, device, gen)
+    flops, nbytes = work(batch, sparse_keys(context, cfg), cfg, step.q.element_size())
+    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
+    ref = step.triton()[0].float()
+    results = []
+    for entry, target, warps, stages in itertools.product((32, 64, 128), (256, 1024, 4096), (4, 8), (1, 2, 3)):
+        config = nsa.NsaConfig(entry_tokens=entry, target_programs=target, num_warps=warps, num_stages=stages)
+        try:
+            err = rel_err(step.triton(config)[0], ref)
+            us = time_us(lambda: step.triton(config), cudagraph)[0]
+        except Exception as exc:  # a config that does not fit (shared memory, registers) is skipped
+            print(f"  {config}: {type(exc).__name__}")
+            continue
+        results.append((us, config, err))
+    print(f"tune at batch={batch} context={context}: roofline {roofline_us:.1f} us (default {nsa.DEFAULT_CONFIG})")
+    for us, config, err in sorted(results, key=lambda r: -r[0]):
+        print(f"  {us:10.1f} us  roofline_frac {roofline_us / us:.3f}  rel err vs default {err:.1e}  {config}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results"), help="directory of attention.csv")
+    parser.add_argument("--quick", action="store_true", help="a tiny configuration (CPU interpreter too)")
+    parser.add_argument("--cudagraph", action="store_true", help="time CUDA graph replays (GPU only)")
+    parser.add_argument("--breakdown", action="store_true", help="also time each launch group at batch 1, 32, 128")
+    parser.add_argument("--tune", action="store_true", help="time NsaConfig choices instead of the sweep")
+    parser.add_argument("--tune-batch", type=int, default=32, help="batch of --tune")
+    parser.add_argument("--tune-context", type=int, default=32768, help="context of --tune")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.quick:
+        raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
+    if device.type == "cpu" and args.cudagraph:
+        raise SystemExit("--cudagraph needs a CUDA GPU")
+    cfg = QUICK if args.quick else FULL
+    if args.tune:
+        tune(cfg, device, args.tune_batch, cfg["contexts"][0] if args.quick else args.tune_context, args.cudagraph)
+    else:
+        sweep(cfg, device, args.out, args.cudagraph, args.breakdown)
+
+
+if __name__ == "__main__":
+    main()
