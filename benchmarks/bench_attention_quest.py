@@ -238,20 +238,24 @@ def sweep(cfg: dict, device, dtype, out_dir: Path) -> None:
 
 
 def tune(cfg: dict, device, dtype) -> None:
-    """Attention time for pages per step x splits at batch 32 and the largest context (no CSV rows)."""
+    """Attention time over pages per step x splits x warps at batch 32 (or the largest quick batch) and
+    the largest context, to choose the defaults (no CSV rows)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = Shape(cfg, min(32, max(cfg["batches"])), max(cfg["contexts"]), dtype)
+    shape = Shape(cfg, min(TARGET_BATCH, max(cfg["batches"])), max(cfg["contexts"]), dtype)
     x = sparse_inputs(shape, device, dtype, gen)
     attention_inputs = [x[key] for key in ("q", "kv", "rows", "pages", "lengths")]
     _, nbytes = shape.work("triton")
-    print(f"tune at batch={shape.batch} context={shape.context}: pages/step, splits, us, GB/s of 4300")
+    print(f"tune at batch={shape.batch} context={shape.context}: pages/step, splits, warps, us, GB/s of 4300")
     for ppi in (1, 2, 4, 8):
-        n_iters = triton.cdiv(shape.k, ppi)
-        for splits in sorted({1, 2, 4, 8, quest.split_plan(shape.batch * shape.hkv, shape.k, device, ppi)[0]}):
-            if splits > n_iters:
+        default = quest.split_plan(shape.batch * shape.hkv, shape.k, device, ppi)[0]
+        for splits in sorted({1, 2, 4, 8, default}):
+            if splits > triton.cdiv(shape.k, ppi):
                 continue
-            us, _, _ = time_us(lambda: quest.quest_attention(*attention_inputs, splits=splits, pages_per_iter=ppi))
-            print(f"  {ppi:3d} {splits:4d} {us:10.1f} {nbytes / us * 1e-3:8.0f}")
+            for warps in (4, 8):
+                us, _, _ = time_us(lambda: quest.quest_attention(*attention_inputs, splits=splits,
+                                                                 pages_per_iter=ppi, num_warps=warps))
+                mark = "  (default)" if (ppi, splits, warps) == (4, default, 4) else ""
+                print(f"  {ppi:3d} {splits:6d} {warps:5d} {us:10.1f} {nbytes / us * 1e-3:8.0f}{mark}")
 
 
 def main() -> None:

@@ -309,12 +309,13 @@ def split_plan(n_streams: int, n_pages: int, device: torch.device, pages_per_ite
 
 def quest_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
                     lengths: torch.Tensor, scale: float | None = None, splits: int | None = None,
-                    pages_per_iter: int = 4) -> torch.Tensor:
+                    pages_per_iter: int = 4, num_warps: int = 4) -> torch.Tensor:
     """Decode attention `[N, HQ, D]` of `q [N, HQ, D]` over the selected pages.
 
     `rows [N, HKV, K]` index `kv` (row buffer, see module doc), `pages` are the page ids (positions
     past `lengths` are masked). `splits` (default: by SM count) cuts each page list into runs
-    combined in a fixed order; any value gives the same result up to rounding.
+    combined in a fixed order; any value gives the same result up to rounding. `pages_per_iter`
+    pages are read per loop step by `num_warps` warps (tuning knobs: `bench_attention_quest --tune`).
     """
     kv, group = _check_attention(q, kv, rows, pages, lengths)
     n, hq, d = q.shape
@@ -333,7 +334,7 @@ def quest_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, pages
         k, pages_per_split, splits, scale * math.log2(math.e),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
         PAGE=PAGE, PAGES_PER_ITER=pages_per_iter, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )
     _quest_attention_combine_kernel[(n, hq)](
         part_acc, part_max, part_sum, out,
