@@ -11,7 +11,7 @@ from torch import nn
 
 from hisparse.models.base import CausalLM, DecoderLayer, Step
 from hisparse.models.config import DsaConfig
-from hisparse.models.dsa_decode import MlaKV, TorchDsaAttention
+from hisparse.models.dsa_decode import MlaKV, TorchDsaAttention, stable_topk
 from hisparse.models.layers import (GatedMLP, RMSNorm, Rotary, mla_softmax_scale, rope_half, rope_interleaved,
                                     softmax_attention)
 from hisparse.models.moe import MoE
@@ -46,7 +46,7 @@ class Indexer(nn.Module):
         scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.softmax_scale)
         index_scores = torch.matmul(weights[:, :, None, :], scores).squeeze(-2)  # [B, S, T]
         index_scores = index_scores.masked_fill(~causal, float("-inf"))
-        return index_scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        return stable_topk(index_scores, min(self.topk, keys.shape[1]))
 
 
 class MlaAttention(nn.Module):

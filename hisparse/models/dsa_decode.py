@@ -19,6 +19,12 @@ class MlaKV:
     index_keys: torch.Tensor | None
 
 
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids of the k largest scores along the last dim, best first, ties to the lower id (as
+    hisparse.dsa.topk_select; torch.topk leaves the order of ties unspecified)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 class TorchDsaAttention:
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
                length: int, topk: int, scale: float) -> torch.Tensor:
@@ -26,12 +32,13 @@ class TorchDsaAttention:
 
         index_q [B, Hi, Di] (roped), index_weights [B, Hi] (float32, already times Hi^-0.5):
         score(s) = sum_h w_h * relu(scale * q_h . k_s) over the first `length` keys. Returns [B, topk]
-        int64 token ids in descending score order, -1 where fewer than topk tokens exist.
+        int64 token ids in descending score order (ties to the lower id), -1 where fewer than topk
+        tokens exist.
         """
         keys = kv.index_keys[:, :length].float()  # [B, T, Di]
         scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), keys) * scale)
         index_scores = torch.einsum("bh,bht->bt", index_weights, scores)
-        chosen = index_scores.topk(min(topk, length), dim=-1).indices
+        chosen = stable_topk(index_scores, min(topk, length))
         selection = chosen.new_full((chosen.shape[0], topk), -1)
         selection[:, : chosen.shape[1]] = chosen
         return selection

@@ -1,10 +1,11 @@
 """Quest decode-step sparse attention in plain torch: the swappable part of the Quest model.
 
 Pages of `page_size` tokens; per page and KV head the element-wise min and max of the post-RoPE keys
-stay resident. A query head scores a page sum_i max(q_i * max_i, q_i * min_i); the heads of a GQA
-group add their scores, so there is one selection per KV head (a stream per (request, layer, KV head)).
-The page holding the newest token is always selected, first; then the best other pages, best first,
-up to `token_budget // page_size` pages.
+stay resident. A query head bounds a page by sum_i max(q_i * max_i, q_i * min_i); a KV head scores the page with
+the max of the bounds of its GQA group, so there is one selection per KV head (a stream per
+(request, layer, KV head)). The page holding the newest token is always selected, plus the best
+other pages (ties to the lower page) up to `token_budget // page_size` pages, output in ascending
+page order, -1 padding at the end: the semantics of hisparse/quest.py.
 """
 from dataclasses import dataclass
 
@@ -40,17 +41,17 @@ class TorchQuestAttention:
         self.token_budget = token_budget
 
     def select(self, layer_idx: int, q: torch.Tensor, kv: PagedKV, length: int, page_size: int) -> torch.Tensor:
-        """q [B, H, D] (roped) -> page ids [B, Hkv, budget pages] int64, -1 where fewer pages exist."""
+        """q [B, H, D] (roped) -> page ids [B, Hkv, budget pages] int64, ascending, -1 padding."""
         b, hkv = kv.keys.shape[:2]
         n_pages = (length + page_size - 1) // page_size
         n_select = max(self.token_budget // page_size, 1)
         qg = q.view(b, hkv, -1, 1, q.shape[-1]).float()  # [B, Hkv, G, 1, D]
         low, high = kv.page_min[:, :, None, :n_pages].float(), kv.page_max[:, :, None, :n_pages].float()
-        scores = torch.maximum(qg * low, qg * high).sum(-1).sum(2)  # [B, Hkv, n_pages]
+        scores = torch.maximum(qg * low, qg * high).sum(-1).amax(2)  # [B, Hkv, n_pages]
         current = n_pages - 1
-        scores[..., current] = float("-inf")
-        others = scores[..., :current].topk(min(n_select - 1, current), dim=-1).indices
-        chosen = torch.cat([others.new_full((b, hkv, 1), current), others], dim=-1)
+        others = torch.sort(scores[..., :current], dim=-1, descending=True, stable=True).indices
+        chosen = torch.cat([others[..., : n_select - 1], others.new_full((b, hkv, 1), current)], dim=-1)
+        chosen = chosen.sort(dim=-1).values
         selection = chosen.new_full((b, hkv, n_select), -1)
         selection[..., : chosen.shape[-1]] = chosen
         return selection
