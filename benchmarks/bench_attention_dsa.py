@@ -102,7 +102,7 @@ def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
     err = ((out.float() - baseline.float()).abs().max() / baseline.float().abs().max()).item()
     if not err < 2e-2:
         raise RuntimeError(f"triton and torch_gather disagree at batch={batch} context={context}: rel err {err:.3g}")
-    _, splits = dsa.split_plan(batch, heads, k, dsa.default_decode_config(heads, D_QK), device)
+    _, splits = dsa.split_plan(batch, heads, k, dsa.default_decode_config(heads, D_QK, q.dtype), device)
     modes = {
         "triton": (lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE), k),
         "torch_gather": (lambda: torch_gather_decode(q, kv, rows, SM_SCALE), k),
@@ -176,7 +176,7 @@ def tune(cfg: dict, device: torch.device, batch: int) -> None:
             continue
         results.append((us, config, err))
     print(f"tune at batch={batch} heads={heads} k={k}: roofline {roofline_us:.1f} us (default"
-          f" {dsa.default_decode_config(heads, D_QK)})")
+          f" {dsa.default_decode_config(heads, D_QK, q.dtype)})")
     for us, config, err in sorted(results, key=lambda r: -r[0]):
         print(f"  {us:10.1f} us  roofline_frac {roofline_us / us:.3f}  rel err {err:.1e}  {config}")
 

@@ -15,10 +15,12 @@ Every `*_ref` function is the plain-torch definition the kernels are tested agai
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import triton
+import triton.runtime.errors
 
 from kernels_triton.dsa import _indexer_scores_kernel, _sparse_mla_combine_kernel, _sparse_mla_decode_kernel
 
@@ -175,23 +177,39 @@ class DecodeConfig:
         _require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
 
 
-def default_decode_config(num_heads: int, d_qk: int) -> DecodeConfig:
-    """Fixed (never autotuned) so that the same shapes always accumulate in the same order."""
+def default_decode_config(num_heads: int, d_qk: int, dtype: torch.dtype) -> DecodeConfig:
+    """Fixed (never autotuned) so that the same shapes always accumulate in the same order.
+
+    bf16 at the model's shape (128 heads, D 576): 64 heads x 32 rows per step, 8 warps (two warp
+    groups), 2 stages: about 212 KiB of shared memory, no register spills (Triton 3.9, sm_90a).
+    """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    if dtype == torch.float32:
+        return DecodeConfig(block_h=min(block_h, 32), block_k=16, num_warps=4, num_stages=2)
     block_k = 32 if d_qk > 256 else 64
     return DecodeConfig(block_h=block_h, block_k=block_k, num_warps=8 if block_h * d_qk > 16384 else 4, num_stages=2)
+
+
+def _smaller_config(config: DecodeConfig) -> DecodeConfig | None:
+    """The next configuration to try when one does not fit the GPU's shared memory or registers."""
+    if config.block_k > 16:
+        return DecodeConfig(config.block_h, config.block_k // 2, config.num_warps, config.num_stages)
+    if config.block_h > 16:
+        return DecodeConfig(config.block_h // 2, config.block_k, config.num_warps, config.num_stages)
+    return None
 
 
 def split_plan(batch: int, heads: int, k: int, config: DecodeConfig, device: torch.device,
                num_splits: int | None = None) -> tuple[int, int]:
     """(chunk, splits): split k into `splits` chunks of `chunk` rows (a multiple of block_k).
 
-    By default, split until the grid roughly fills the GPU (one program per SM); 1 off the GPU.
+    By default, split until the grid roughly fills the GPU (one program per SM), keeping at least
+    4 tiles per split so the float32 partials stay small next to the rows read; 1 off the GPU.
     """
     if num_splits is None:
         programs = batch * triton.cdiv(heads, config.block_h)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        num_splits = max(1, sms // max(1, programs))
+        num_splits = max(1, min(sms // max(1, programs), k // (4 * config.block_k)))
     _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
     chunk = triton.cdiv(triton.cdiv(k, num_splits), config.block_k) * config.block_k
     return chunk, triton.cdiv(k, chunk)
@@ -224,6 +242,9 @@ def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse) -> None:
                  f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")
 
 
+_FITTED_CONFIGS: dict[tuple, DecodeConfig] = {}  # default configs that had to shrink to launch
+
+
 def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float, d_v: int = 512,
                       num_splits: int | None = None, config: DecodeConfig | None = None,
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
@@ -232,19 +253,41 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_
     q [N, H, D]; kv [R, D] (the hot cache or the resident pool viewed as rows; V = kv[:, :d_v]);
     rows [N, k] int32 in [-1, R), read in order (-1 skipped; not range-checked, that would sync).
     A request with no valid row gets zeros and lse -inf. The k axis is split into `num_splits`
-    chunks (default: enough to fill the GPU) merged by a combine kernel. Equal inputs in equal order
-    give bitwise-equal outputs whatever R and wherever the rows sit in kv.
+    chunks (default: `split_plan`) merged in order by a combine kernel. Equal inputs in equal order
+    give bitwise-equal outputs whatever R and wherever the rows sit in kv. Without `config`, the
+    default one is used; should it not fit this GPU, smaller tiles are tried and the one that
+    launches is kept for the rest of the process (so results stay reproducible within a run).
     """
     _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse)
     n, h, d = q.shape
-    k = rows.shape[1]
-    cfg = config or default_decode_config(h, d)
-    head_blocks = triton.cdiv(h, cfg.block_h)
-    chunk, splits = split_plan(n, h, k, cfg, q.device, num_splits)
     out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:
         return out, lse
+    if config is not None:
+        _launch_decode(q, kv, rows, out, lse, sm_scale, config, num_splits)
+        return out, lse
+    key = (h, d, d_v, q.dtype, q.device)
+    cfg = _FITTED_CONFIGS.get(key) or default_decode_config(h, d, q.dtype)
+    while True:
+        try:
+            _launch_decode(q, kv, rows, out, lse, sm_scale, cfg, num_splits)
+            break
+        except triton.runtime.errors.OutOfResources as exc:
+            smaller = _smaller_config(cfg)
+            if smaller is None:
+                raise
+            warnings.warn(f"sparse_mla_decode: {cfg} does not fit this GPU ({exc}); trying {smaller}")
+            cfg = smaller
+    _FITTED_CONFIGS[key] = cfg
+    return out, lse
+
+
+def _launch_decode(q, kv, rows, out, lse, sm_scale: float, cfg: DecodeConfig, num_splits: int | None) -> None:
+    n, h, d = q.shape
+    d_v = out.shape[2]
+    k = rows.shape[1]
+    chunk, splits = split_plan(n, h, k, cfg, q.device, num_splits)
     if splits == 1:
         part, part_lse = out, lse
         split_strides = (0, 0)
@@ -252,7 +295,7 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_
         part = torch.empty((n, h, splits, d_v), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
         split_strides = (part.stride(2), part_lse.stride(2))
-    _sparse_mla_decode_kernel[(n, head_blocks, splits)](
+    _sparse_mla_decode_kernel[(triton.cdiv(h, cfg.block_h), n, splits)](
         q, kv, rows, part, part_lse,
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
         split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
@@ -270,7 +313,6 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_
             D_V=d_v, BLOCK_S=triton.next_power_of_2(splits),
             num_warps=4,
         )
-    return out, lse
 
 
 def sparse_mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,

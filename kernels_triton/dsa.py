@@ -45,6 +45,34 @@ def _indexer_scores_kernel(
 
 
 @triton.jit
+def _mla_tile_logits(b_q_nope, b_q_rope, kv_ptr, p_rows, o_j, end, stride_kv, qk_scale_log2,
+                     D_V: tl.constexpr, D_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Logits (log2 domain) of one tile of selected rows, -inf where the row is -1 or j >= end; its rows."""
+    b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
+    m_j = b_row >= 0
+    p_kv = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv
+    b_k = tl.load(p_kv + tl.arange(0, D_V)[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_V]
+    b_kr = tl.load(p_kv + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_ROPE]
+    b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
+    b_s = tl.dot(b_q_nope, tl.trans(b_k), b_s, input_precision=DOT_PRECISION)
+    return tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf")), b_row
+
+
+@triton.jit
+def _mla_tile_accumulate(b_s, b_row, b_m, b_l, b_acc, kv_ptr, stride_kv,
+                         D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax step over one tile: logits b_s [BLOCK_H, BLOCK_K], values kv[b_row, :D_V]."""
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no (-inf) - (-inf)
+    b_alpha = tl.exp2(b_m - b_m_safe)
+    b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_K]
+    p_v = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv + tl.arange(0, D_V)[None, :]
+    b_v = tl.load(p_v, mask=(b_row >= 0)[:, None], other=0.0)  # [BLOCK_K, D_V]
+    b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
+    return b_m_new, b_l * b_alpha + tl.sum(b_p, axis=1), b_acc
+
+
+@triton.jit
 def _sparse_mla_decode_kernel(
     q_ptr, kv_ptr, rows_ptr, out_ptr, lse_ptr,
     stride_qn, stride_qh, stride_kv, stride_rn, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
@@ -55,45 +83,42 @@ def _sparse_mla_decode_kernel(
 ):
     """Absorbed-MLA attention of BLOCK_H query heads over one chunk of a request's selected rows.
 
-    Program (n, head block, split) reads rows[n, split*CHUNK : (split+1)*CHUNK] in order, BLOCK_K at a
+    Program (head block, n, split) reads rows[n, split*CHUNK : (split+1)*CHUNK] in order, BLOCK_K at a
     time; a row is kv[row, :D_V + D_ROPE], its first D_V values are V; row -1 is skipped. It stores the
     softmax-normalised output (zeros when no row is valid) and the natural-log sum-exp (-inf then) at
     split index `split` of out / lse: the final output when there is one split, else a float32 partial
     that `_sparse_mla_combine_kernel` merges.
+    Each iteration computes the logits of tile j and accumulates tile j-1, carrying the logits through
+    the loop: with no dot downstream of QK^T inside an iteration, Triton splits QK^T over both warp
+    groups instead of computing it twice (once per group, its layout for chained dots), and QK^T of
+    one tile can overlap the softmax of the previous one. The V rows of a tile are re-read (from L2)
+    when it is accumulated, which costs less shared memory and fewer registers than carrying them.
     """
-    i_n = tl.program_id(0).to(tl.int64)
-    i_hb = tl.program_id(1)
+    i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
+    i_n = tl.program_id(1).to(tl.int64)
     i_s = tl.program_id(2)
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_v = tl.arange(0, D_V)
-    o_r = tl.arange(0, D_ROPE)
+    o_k = tl.arange(0, BLOCK_K)
     p_q = q_ptr + i_n * stride_qn + o_h[:, None].to(tl.int64) * stride_qh
     b_q_nope = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_V]
-    b_q_rope = tl.load(p_q + D_V + o_r[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
+    b_q_rope = tl.load(p_q + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
+    p_rows = rows_ptr + i_n * stride_rn
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    b_s_prev = tl.full([BLOCK_H, BLOCK_K], float("-inf"), dtype=tl.float32)  # an empty tile
+    b_row_prev = tl.full([BLOCK_K], -1, dtype=tl.int32)
     start = i_s * CHUNK
     end = tl.minimum(start + CHUNK, K_SEL)
-    for j0 in range(start, end, BLOCK_K):
-        o_j = j0 + tl.arange(0, BLOCK_K)
-        b_row = tl.load(rows_ptr + i_n * stride_rn + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
-        m_j = b_row >= 0
-        p_kv = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv
-        b_kv = tl.load(p_kv + o_v[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_V]
-        b_kr = tl.load(p_kv + D_V + o_r[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_ROPE]
-        b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
-        b_s = tl.dot(b_q_nope, tl.trans(b_kv), b_s, input_precision=DOT_PRECISION)
-        b_s = tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no (-inf) - (-inf)
-        b_alpha = tl.exp2(b_m - b_m_safe)
-        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_K]
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = tl.dot(b_p.to(b_kv.dtype), b_kv, b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
-        b_m = b_m_new
+    for j0 in range(start, end + BLOCK_K, BLOCK_K):  # the last iteration only accumulates
+        b_s, b_row = _mla_tile_logits(b_q_nope, b_q_rope, kv_ptr, p_rows, j0 + o_k, end, stride_kv, qk_scale_log2,
+                                      D_V=D_V, D_ROPE=D_ROPE, DOT_PRECISION=DOT_PRECISION)
+        b_m, b_l, b_acc = _mla_tile_accumulate(b_s_prev, b_row_prev, b_m, b_l, b_acc, kv_ptr, stride_kv,
+                                               D_V=D_V, DOT_PRECISION=DOT_PRECISION)
+        b_s_prev, b_row_prev = b_s, b_row
 
     m_any = b_l > 0.0
     b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]  # [BLOCK_H, D_V]
@@ -110,7 +135,7 @@ def _sparse_mla_combine_kernel(
     stride_lh, SPLITS,
     D_V: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Merge the per-split partial outputs of one (request, head): weights exp(lse_s - max lse).
+    """Merge the per-split partial outputs of one (request, head), in split order: weights exp(lse_s - max).
 
     Splits without a valid row carry lse -inf and weight 0; a head with none at all gets zeros, lse -inf.
     """
@@ -118,17 +143,16 @@ def _sparse_mla_combine_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     o_v = tl.arange(0, D_V)
-    m_s = o_s < SPLITS
-    p_lse = part_lse_ptr + i_n * stride_pln + i_h * stride_plh + o_s * stride_pls
-    b_lse = tl.load(p_lse, mask=m_s, other=float("-inf"))  # [BLOCK_S]
-    b_max = tl.max(b_lse, axis=0)
-    b_max_safe = tl.where(b_max == float("-inf"), 0.0, b_max)
-    b_w = tl.exp(b_lse - b_max_safe)  # [BLOCK_S]
-    b_den = tl.sum(b_w, axis=0)
-    p_part = part_ptr + i_n * stride_pn + i_h * stride_ph + o_s[:, None] * stride_ps + o_v[None, :]
-    b_part = tl.load(p_part, mask=m_s[:, None], other=0.0)  # [BLOCK_S, D_V]
+    p_lse = part_lse_ptr + i_n * stride_pln + i_h * stride_plh
+    b_max = tl.max(tl.load(p_lse + o_s * stride_pls, mask=o_s < SPLITS, other=float("-inf")), axis=0)
+    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_acc = tl.zeros([D_V], dtype=tl.float32)
+    b_den = 0.0
+    p_part = part_ptr + i_n * stride_pn + i_h * stride_ph + o_v
+    for i_s in range(SPLITS):
+        b_w = tl.exp(tl.load(p_lse + i_s * stride_pls) - b_max)
+        b_acc += b_w * tl.load(p_part + i_s * stride_ps)  # [D_V]
+        b_den += b_w
     b_den_safe = tl.where(b_den > 0.0, b_den, 1.0)
-    b_out = tl.sum(b_part * b_w[:, None], axis=0) / b_den_safe  # [D_V]
-    tl.store(out_ptr + i_n * stride_on + i_h * stride_oh + o_v, b_out)
-    tl.store(lse_ptr + i_n * stride_ln + i_h * stride_lh,
-             tl.where(b_den > 0.0, b_max_safe + tl.log(b_den_safe), float("-inf")))
+    tl.store(out_ptr + i_n * stride_on + i_h * stride_oh + o_v, b_acc / b_den_safe)
+    tl.store(lse_ptr + i_n * stride_ln + i_h * stride_lh, tl.where(b_den > 0.0, b_max + tl.log(b_den_safe), float("-inf")))

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from hisparse import dsa
 
@@ -134,7 +135,7 @@ def decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen):
     return q, kv, random_rows(n, k, r, gen)
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
+@pytest.mark.parametrize("splits", [1, 3, 4], ids=["splits1", "splits3", "splits4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("n, h, d_v, d_rope, r, k", DECODE_CASES)
 def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, nan_empty):
@@ -206,6 +207,29 @@ def test_sparse_mla_decode_fills_given_buffers():
     assert got_out is out and got_lse is lse
     ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, 0.2, d_v=64)
     assert rel_err(out, ref_out) < TOL[torch.float32] and rel_err(lse, ref_lse) < 1e-5
+
+
+def test_default_config_shrinks_when_it_does_not_fit(monkeypatch):
+    """A default config the GPU cannot launch is replaced by smaller tiles, kept for later calls."""
+    launched = []
+    real_launch = dsa._launch_decode
+
+    def launch_small_only(q, kv, rows, out, lse, sm_scale, cfg, num_splits):
+        launched.append(cfg)
+        if cfg.block_k > 16:
+            raise triton.runtime.errors.OutOfResources(cfg.block_k * 7000, 232448, "shared memory")
+        real_launch(q, kv, rows, out, lse, sm_scale, cfg, num_splits)
+
+    monkeypatch.setattr(dsa, "_launch_decode", launch_small_only)
+    monkeypatch.setattr(dsa, "_FITTED_CONFIGS", {})
+    gen = torch.Generator().manual_seed(9)
+    q, kv, rows = decode_inputs(2, 5, 512, 64, 50, 27, torch.float16, gen)
+    with pytest.warns(UserWarning, match="does not fit"):
+        out, _ = dsa.sparse_mla_decode(q, kv, rows, 0.2)
+    assert [c.block_k for c in launched] == [32, 16]
+    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, 0.2)[0]) < TOL[torch.float16]
+    dsa.sparse_mla_decode(q, kv, rows, 0.2)
+    assert [c.block_k for c in launched] == [32, 16, 16], "the fitted config is kept"
 
 
 # ---------------------------------------------------------------------------------------------
