@@ -254,7 +254,7 @@ def tune(cfg: dict, device, dtype) -> None:
             for warps in (4, 8):
                 us, _, _ = time_us(lambda: quest.quest_attention(*attention_inputs, splits=splits,
                                                                  pages_per_iter=ppi, num_warps=warps))
-                mark = "  (default)" if (ppi, splits, warps) == (4, default, 4) else ""
+                mark = "  (default)" if (ppi, splits, warps) == (2, default, 4) else ""
                 print(f"  {ppi:3d} {splits:6d} {warps:5d} {us:10.1f} {nbytes / us * 1e-3:8.0f}{mark}")
 
 

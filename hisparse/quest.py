@@ -169,7 +169,7 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     n, hkv, max_pages, d = kmin.shape
     out = torch.empty(n, hkv, max_pages, device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(d)
-    block_p = min(triton.next_power_of_2(max_pages), max(1, 4096 // block_d))
+    block_p = min(triton.next_power_of_2(max_pages), max(1, 2048 // block_d))  # 16 x 128: 92 registers on sm_90
     _quest_page_scores_kernel[(n, hkv, triton.cdiv(max_pages, block_p))](
         q, kmin, kmax, lengths, out,
         q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2),
@@ -290,7 +290,7 @@ def _check_attention(q, kv, rows, pages, lengths):
     return kv, _group(hq, rows.shape[1])
 
 
-def split_plan(n_streams: int, n_pages: int, device: torch.device, pages_per_iter: int = 4,
+def split_plan(n_streams: int, n_pages: int, device: torch.device, pages_per_iter: int = 2,
                splits: int | None = None) -> tuple[int, int]:
     """(splits, pages per split) of each page list. By default about four programs per SM run (one
     split on the CPU). It depends only on shapes and the device, so hot-cache and resident runs over
@@ -309,13 +309,14 @@ def split_plan(n_streams: int, n_pages: int, device: torch.device, pages_per_ite
 
 def quest_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
                     lengths: torch.Tensor, scale: float | None = None, splits: int | None = None,
-                    pages_per_iter: int = 4, num_warps: int = 4) -> torch.Tensor:
+                    pages_per_iter: int = 2, num_warps: int = 4) -> torch.Tensor:
     """Decode attention `[N, HQ, D]` of `q [N, HQ, D]` over the selected pages.
 
     `rows [N, HKV, K]` index `kv` (row buffer, see module doc), `pages` are the page ids (positions
     past `lengths` are masked). `splits` (default: by SM count) cuts each page list into runs
     combined in a fixed order; any value gives the same result up to rounding. `pages_per_iter`
-    pages are read per loop step by `num_warps` warps (tuning knobs: `bench_attention_quest --tune`).
+    pages are read per loop step by `num_warps` warps (tuning knobs: `bench_attention_quest --tune`;
+    at D = 128 two pages per step need 138 registers on sm_90, four need 228, which halves occupancy).
     """
     kv, group = _check_attention(q, kv, rows, pages, lengths)
     n, hq, d = q.shape
