@@ -127,3 +127,78 @@ def test_rope_tables_match_transformers(params):
     ref, ref_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
     got, scale = rope_inv_freq(params, 64)
     assert torch.allclose(got, ref, rtol=1e-6, atol=0) and scale == pytest.approx(ref_scale, rel=1e-12)
+
+
+# The swappable decode-step attention against the kernel references it must be swappable with.
+
+def test_dsa_decode_step_matches_kernel_references():
+    from hisparse.dsa import indexer_scores_ref, sparse_mla_decode_ref, topk_select_ref
+    from hisparse.models.dsa_decode import MlaKV, TorchDsaAttention
+    g = torch.Generator().manual_seed(11)
+    n, length, capacity, heads, dc, dr, topk, scale = 3, 61, 64, 5, 32, 16, 16, 0.3
+    kv = MlaKV(latent=torch.randn(n, capacity, dc + dr, generator=g),
+               index_keys=torch.randn(n, capacity, 24, generator=g))
+    index_q, index_w = torch.randn(n, 4, 24, generator=g), torch.randn(n, 4, generator=g)
+    backend = TorchDsaAttention()
+    selection = backend.select(0, index_q, index_w, kv, length, topk, scale)
+    lengths = torch.full((n,), length)
+    ref_scores = indexer_scores_ref(index_q, index_w * scale, kv.index_keys, lengths)
+    assert torch.equal(selection, topk_select_ref(ref_scores, lengths, topk).long())
+    q_latent, q_rope = torch.randn(n, heads, dc, generator=g), torch.randn(n, heads, dr, generator=g)
+    selection[1, 9:] = -1  # padded entries are skipped
+    out = backend.attend(0, q_latent, q_rope, kv, length, selection, scale)
+    rows = torch.where(selection >= 0, selection + capacity * torch.arange(n)[:, None], -1)
+    ref, _ = sparse_mla_decode_ref(torch.cat([q_latent, q_rope], -1), kv.latent.reshape(n * capacity, -1), rows,
+                                   scale, d_v=dc)
+    assert rel_err(out, ref) < 1e-6
+
+
+@pytest.mark.parametrize("length,budget", [(61, 32), (16, 64), (5, 32)], ids=["L61-budget32", "L16-budget64", "L5"])
+def test_quest_decode_step_matches_kernel_references(length, budget):
+    from hisparse.quest import (pages_from_tokens, quest_attention_ref, quest_metadata_from_keys,
+                                quest_page_scores_ref, quest_select_pages_ref, resident_rows)
+    from hisparse.models.quest_decode import PagedKV, TorchQuestAttention
+    g = torch.Generator().manual_seed(12)
+    n, hkv, group, d, capacity, page = 2, 2, 3, 8, 64, 16
+    keys, values = torch.randn(n, hkv, capacity, d, generator=g), torch.randn(n, hkv, capacity, d, generator=g)
+    kv = PagedKV(keys, values, torch.zeros(n, hkv, 4, d), torch.zeros(n, hkv, 4, d))
+    kv.update_pages(0, length, page)
+    lengths = torch.full((n,), length, dtype=torch.int32)
+    kmin, kmax = quest_metadata_from_keys(keys[:, :, :length], lengths, 4)
+    pages = -(-length // page)
+    assert torch.equal(kv.page_min[:, :, :pages], kmin[:, :, :pages])
+    assert torch.equal(kv.page_max[:, :, :pages], kmax[:, :, :pages])
+    q = torch.randn(n, hkv * group, d, generator=g)
+    backend = TorchQuestAttention(budget)
+    selection = backend.select(2, q, kv, length, page)
+    ref_selection = quest_select_pages_ref(quest_page_scores_ref(q, kmin, kmax, lengths), lengths, budget)
+    assert torch.equal(selection, ref_selection.long())
+    out = backend.attend(2, q, kv, length, selection, page, d ** -0.5)
+    ref = quest_attention_ref(q, pages_from_tokens(keys, values, 4), resident_rows(ref_selection, 4),
+                              ref_selection, lengths)
+    assert rel_err(out, ref) < 1e-6
+
+
+def test_nsa_decode_step_matches_kernel_references():
+    from hisparse.nsa import nsa_block_rows, nsa_compress_ref, nsa_decode_ref, nsa_window_ring
+    g = torch.Generator().manual_seed(13)
+    model = build_model(config_from_dict(TINY_CONFIGS["nsa"]))  # the paper's block sizes, as the kernels
+    randomize_(model, 13)
+    attention = model.model.layers[0].self_attn
+    n, length, d = 2, 1111, attention.head_dim  # > 16 blocks of 64: the selection is a real choice
+    kv = attention.new_kv(n, length, "cpu", torch.float32)
+    kv.keys.copy_(torch.randn(kv.keys.shape, generator=g))
+    kv.values.copy_(torch.randn(kv.values.shape, generator=g))
+    with torch.no_grad():
+        attention._compress(kv, 0, length)
+    q, gates = torch.randn(n, attention.n_heads, d, generator=g), torch.rand(n, attention.n_heads, 3, generator=g)
+    out = model.sparse_attention.decode(0, q, gates, kv, length)
+    ck, cv = nsa_compress_ref(kv.keys, kv.values, attention.compress_k.weight.T, attention.compress_v.weight.T)
+    assert rel_err(kv.compressed_keys, ck) < 1e-6 and rel_err(kv.compressed_values, cv) < 1e-6
+    lengths = torch.full((n,), length, dtype=torch.int32)
+    win_k, win_v = nsa_window_ring(kv.keys, kv.values, lengths)
+    ref, ref_blocks = nsa_decode_ref(q, ck, cv, nsa_block_rows(kv.keys, kv.values), win_k, win_v, lengths, gates,
+                                     n_units=-(-length // 64))
+    assert rel_err(out, ref) < 1e-5
+    _, probs = model.sparse_attention.compressed(0, q.view(n, attention.n_kv_heads, -1, d), kv, length)
+    assert torch.equal(model.sparse_attention.select(0, probs, length), ref_blocks.long())
