@@ -173,14 +173,14 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            scratch: torch.Tensor | None = None, num_warps: int | None = None) -> ResolveResult:
+            num_warps: int | None = None) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
-    values too (a host sync); `out` and `scratch` ([>=N, B] int32) reuse buffers, so a captured
-    CUDA graph sees static addresses and allocates nothing.
+    values too (a host sync); `out` reuses result buffers, so a captured CUDA graph sees static
+    addresses and allocates nothing.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -192,12 +192,10 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     if out is None:
         out = ResolveResult(*(torch.empty(shape, dtype=torch.int32, device=sel.device)
                               for shape in ((n, k), (n, 2), (n, k), (n, k))))
-    if scratch is None:
-        scratch = torch.empty(n, cache_slots, dtype=torch.int32, device=sel.device)
     k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
     _resolve_kernel[(n,)](
         sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot, state.slot_mark,
-        state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats, scratch,
+        state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan,
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )

@@ -28,7 +28,6 @@ def _resolve_kernel(
     plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
-    victim_ptr,      # [N, B] int32 scratch: victim slots by miss rank
     K, B,
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
 ):
@@ -48,7 +47,6 @@ def _resolve_kernel(
     p_lru = lru_ptr + i_s * B
     p_slot_unit = slot_unit_ptr + i_s * B
     p_mark = mark_ptr + i_s * B
-    p_victim = victim_ptr + i_n * B
 
     # -- independent loads first, so their latencies overlap
     host_base = tl.load(host_base_ptr + i_s)
@@ -79,18 +77,17 @@ def _resolve_kernel(
     m_victim = m_free & (free_rank < n_miss)
     m_untouched = m_free & (free_rank >= n_miss)
 
-    # -- miss m takes the m-th least recently used free slot (stable compaction, no sort)
-    tl.store(p_victim + free_rank, b_order, mask=m_victim)
-    tl.debug_barrier()
-    b_victim = tl.load(p_victim + miss_rank, mask=m_miss, other=-1)                   # [K_PAD]
-    b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
-    tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
-
-    # -- new LRU order: untouched (old order), misses (selection order), hits (selection order)
+    # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).
+    # Miss m takes the m-th least recently used free slot, which lands at n_untouched + m of the new
+    # order: scatter the victims there (stable compaction, no sort), then read them back by miss rank.
     n_untouched = B - n_hit - n_miss
     tl.store(p_lru + free_rank - n_miss, b_order, mask=m_untouched & m_live_b)
-    tl.store(p_lru + n_untouched + miss_rank, b_victim, mask=m_miss)
+    tl.store(p_lru + n_untouched + free_rank, b_order, mask=m_victim & m_live_b)
     tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
+    tl.debug_barrier()
+    b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)         # [K_PAD]
+    b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
+    tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
 
     # -- maps: evicted units leave, missed units enter (the two sets are disjoint)
     m_evict = m_victim & (b_order_unit >= 0) & m_live_b
@@ -116,9 +113,9 @@ def _resolve_kernel(
     tl.store(counts_ptr + i_n * 2 + 1, n_miss)
     if live:
         tl.store(epoch_ptr + i_s, epoch)
-        p_stats = stats_ptr + i_s * 2
-        tl.store(p_stats, tl.load(p_stats) + n_hit.to(tl.int64))
-        tl.store(p_stats + 1, tl.load(p_stats + 1) + n_miss.to(tl.int64))
+        # atomics whose result is unused compile to fire-and-forget reductions: no round trip
+        tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64))
+        tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64))
 
 
 @triton.jit

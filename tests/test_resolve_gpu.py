@@ -76,10 +76,9 @@ def test_resolve_matches_reference_eager_and_graph():
     static_sel = steps[4].to(device).clone()
     out = ResolveResult(*(torch.full(s, -7, dtype=torch.int32, device=device)
                           for s in ((N, K), (N, 2), (N, K), (N, K))))
-    scratch = torch.empty(2, N, B, dtype=torch.int32, device=device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gpu.resolve(streams, static_sel, check_values=False, out=out, scratch=scratch)
+        gpu.resolve(streams, static_sel, check_values=False, out=out)
     for sel in steps[4:]:                                   # replayed with changing selections
         static_sel.copy_(sel.to(device))
         graph.replay()
