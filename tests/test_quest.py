@@ -301,7 +301,8 @@ def test_decode_steps_through_the_hierarchical_cache_equal_resident(dtype):
     lengths = prompt.clone()
     pool = resident_pool(lengths)
     for s in range(n * hkv):
-        cache.append(int(streams[s]), pool[s * max_pages: s * max_pages + int(n_pages_of(lengths)[s // hkv])].flatten(1))
+        prompt_pages = int(n_pages_of(lengths)[s // hkv])
+        cache.append(int(streams[s]), pool[s * max_pages: s * max_pages + prompt_pages].flatten(1))
     kmin, kmax = quest.quest_metadata_from_keys(k, lengths, max_pages)
     for step in range(steps):
         positions = lengths.clone()
