@@ -57,7 +57,8 @@ def _check_indexer_inputs(q, weights, keys, lengths, key_scale) -> None:
     if keys.dtype == FP8:
         _require(key_scale is not None, "fp8 keys need key_scale [N, T] float32")
         _require(key_scale.shape == keys.shape[:2] and key_scale.dtype == torch.float32,
-                 f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: expected float32 {tuple(keys.shape[:2])}")
+                 f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: "
+                 f"expected float32 {tuple(keys.shape[:2])}")
     else:
         _require(key_scale is None, f"key_scale is only for fp8 keys, keys are {keys.dtype}")
     tensors = {"q": q, "weights": weights, "keys": keys, "lengths": lengths, "key_scale": key_scale}
@@ -113,7 +114,8 @@ def _check_topk_inputs(scores, lengths, k) -> None:
     _require(scores.dim() == 2 and scores.dtype == torch.float32,
              f"scores must be float32 [N, T], got {scores.dtype} {tuple(scores.shape)}")
     _require(lengths.shape == (scores.shape[0],) and lengths.dtype in (torch.int32, torch.int64),
-             f"lengths must be int32/int64 of shape {(scores.shape[0],)}, got {lengths.dtype} {tuple(lengths.shape)}")
+             f"lengths must be int32/int64 of shape {(scores.shape[0],)}, "
+             f"got {lengths.dtype} {tuple(lengths.shape)}")
     _require(lengths.device == scores.device, f"lengths on {lengths.device}, scores on {scores.device}")
     _require(isinstance(k, int) and k >= 1, f"k must be a positive int, got {k!r}")
 
@@ -187,7 +189,8 @@ def default_decode_config(num_heads: int, d_qk: int, dtype: torch.dtype) -> Deco
     if dtype == torch.float32:
         return DecodeConfig(block_h=min(block_h, 32), block_k=16, num_warps=4, num_stages=2)
     block_k = 32 if d_qk > 256 else 64
-    return DecodeConfig(block_h=block_h, block_k=block_k, num_warps=8 if block_h * d_qk > 16384 else 4, num_stages=2)
+    num_warps = 8 if block_h * d_qk > 16384 else 4
+    return DecodeConfig(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=2)
 
 
 def _smaller_config(config: DecodeConfig) -> DecodeConfig | None:
@@ -210,7 +213,8 @@ def split_plan(batch: int, heads: int, k: int, config: DecodeConfig, device: tor
         programs = batch * triton.cdiv(heads, config.block_h)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         num_splits = max(1, min(sms // max(1, programs), k // (4 * config.block_k)))
-    _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
+    _require(isinstance(num_splits, int) and num_splits >= 1,
+             f"num_splits={num_splits!r}: expected an int >= 1")
     chunk = triton.cdiv(triton.cdiv(k, num_splits), config.block_k) * config.block_k
     return chunk, triton.cdiv(k, chunk)
 
@@ -221,7 +225,8 @@ def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse) -> None:
     _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
     _require(0 < d_v < d, f"d_v={d_v}: expected 0 < d_v < D={d}")
     for name, size in (("d_v", d_v), ("D - d_v", d - d_v)):
-        _require(size >= 16 and size == triton.next_power_of_2(size), f"{name}={size}: expected a power of 2 >= 16")
+        _require(size >= 16 and size == triton.next_power_of_2(size),
+                 f"{name}={size}: expected a power of 2 >= 16")
     _require(kv.dim() == 2 and kv.shape[1] == d, f"kv shape {tuple(kv.shape)}: expected [R, D={d}]")
     _require(kv.dtype == q.dtype, f"kv dtype {kv.dtype}: expected {q.dtype} (as q)")
     _require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
@@ -236,7 +241,7 @@ def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse) -> None:
             _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
     if out is not None:
         _require(out.shape == (n, h, d_v) and out.dtype == q.dtype and out.stride(-1) == 1,
-                 f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, d_v)} with a contiguous last dim")
+                 f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, d_v)}, contiguous last dim")
     if lse is not None:
         _require(lse.shape == (n, h) and lse.dtype == torch.float32,
                  f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")

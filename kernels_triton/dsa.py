@@ -52,7 +52,7 @@ def _mla_tile_logits(b_q_nope, b_q_rope, kv_ptr, p_rows, o_j, end, stride_kv, qk
     m_j = b_row >= 0
     p_kv = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv
     b_k = tl.load(p_kv + tl.arange(0, D_V)[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_V]
-    b_kr = tl.load(p_kv + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_ROPE]
+    b_kr = tl.load(p_kv + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, ROPE]
     b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
     b_s = tl.dot(b_q_nope, tl.trans(b_k), b_s, input_precision=DOT_PRECISION)
     return tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf")), b_row
@@ -103,7 +103,7 @@ def _sparse_mla_decode_kernel(
     o_k = tl.arange(0, BLOCK_K)
     p_q = q_ptr + i_n * stride_qn + o_h[:, None].to(tl.int64) * stride_qh
     b_q_nope = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_V]
-    b_q_rope = tl.load(p_q + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
+    b_q_rope = tl.load(p_q + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, ROPE]
     p_rows = rows_ptr + i_n * stride_rn
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -114,8 +114,8 @@ def _sparse_mla_decode_kernel(
     start = i_s * CHUNK
     end = tl.minimum(start + CHUNK, K_SEL)
     for j0 in range(start, end + BLOCK_K, BLOCK_K):  # the last iteration only accumulates
-        b_s, b_row = _mla_tile_logits(b_q_nope, b_q_rope, kv_ptr, p_rows, j0 + o_k, end, stride_kv, qk_scale_log2,
-                                      D_V=D_V, D_ROPE=D_ROPE, DOT_PRECISION=DOT_PRECISION)
+        b_s, b_row = _mla_tile_logits(b_q_nope, b_q_rope, kv_ptr, p_rows, j0 + o_k, end, stride_kv,
+                                      qk_scale_log2, D_V=D_V, D_ROPE=D_ROPE, DOT_PRECISION=DOT_PRECISION)
         b_m, b_l, b_acc = _mla_tile_accumulate(b_s_prev, b_row_prev, b_m, b_l, b_acc, kv_ptr, stride_kv,
                                                D_V=D_V, DOT_PRECISION=DOT_PRECISION)
         b_s_prev, b_row_prev = b_s, b_row
@@ -155,4 +155,5 @@ def _sparse_mla_combine_kernel(
         b_den += b_w
     b_den_safe = tl.where(b_den > 0.0, b_den, 1.0)
     tl.store(out_ptr + i_n * stride_on + i_h * stride_oh + o_v, b_acc / b_den_safe)
-    tl.store(lse_ptr + i_n * stride_ln + i_h * stride_lh, tl.where(b_den > 0.0, b_max + tl.log(b_den_safe), float("-inf")))
+    b_lse = tl.where(b_den > 0.0, b_max + tl.log(b_den_safe), float("-inf"))
+    tl.store(lse_ptr + i_n * stride_ln + i_h * stride_lh, b_lse)

@@ -292,7 +292,8 @@ def test_gpu_sparse_mla_decode_real_shapes(context):
 @pytest.mark.parametrize("batch", [2, 64], ids=["N2-split", "N64"])
 def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch):
     gen = torch.Generator().manual_seed(11)
-    kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(batch, 8192, 4096, 2048, 576, torch.bfloat16, gen)
+    kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(batch, 8192, 4096, 2048, 576, torch.bfloat16,
+                                                                gen)
     q = torch.randn(batch, 128, 576, generator=gen).to(torch.bfloat16).cuda()
     out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE)
     out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE)
