@@ -59,10 +59,11 @@ INDEXER_CASES = [
 
 
 def indexer_inputs(n, h, d, t, dtype, gen):
+    """Keys are a strided view into a larger pool; lengths: one past T (clamped), one 0, one partial."""
     q = torch.randn(n, h, d, generator=gen).to(dtype)
     weights = torch.randn(n, h, generator=gen) * h ** -0.5
-    keys = torch.randn(n, t, d, generator=gen).to(dtype)
-    lengths = torch.tensor([t, 0, t // 2 + 1][:n] + [t] * max(0, n - 3), dtype=torch.int32)
+    keys = torch.randn(n, t + 9, d, generator=gen).to(dtype)[:, 4:4 + t]
+    lengths = torch.tensor([t + 3, 0, t // 2 + 1][:n] + [t] * max(0, n - 3), dtype=torch.int32)
     return q, weights, keys, lengths
 
 
