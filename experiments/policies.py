@@ -1,4 +1,6 @@
-"""Replacement policies on a calibrated synthetic workload: python -m experiments.policies [--out DIR] [--quick]
+"""Replacement policies on a calibrated synthetic workload.
+
+    python -m experiments.policies [--out DIR] [--quick]
 
 1. Calibrate the "dsa_100k" preset's two free parameters (noise, drift) on the two published miss
    rates of DESIGN section 7 (k = 2048, 100K-token prompt, 1000 steps, averaged over the model's
@@ -98,52 +100,76 @@ def study(cfg: SyntheticConfig, workload: str, calibrated: bool) -> list[dict]:
     two fitted points are marked "fit" and every other miss rate "prediction"."""
     start = time.perf_counter()
     trace = generate(cfg)
-    print(f"trace {tuple(trace.selections.shape)} generated [{time.perf_counter() - start:.1f} s]", flush=True)
-    sel, stream_layer = trace.streams()
-    weights = layer_weights(cfg)
-    stream_w = weights[stream_layer]
+    elapsed = time.perf_counter() - start
+    print(f"trace {tuple(trace.selections.shape)} generated [{elapsed:.1f} s]", flush=True)
     common = {"bench": "policies", "family": "synthetic", "workload": workload, "batch": cfg.batch,
               "context": cfg.context, "k": cfg.k, "steps": cfg.steps, "layers": cfg.layers,
               "model_layers": cfg.model_layers or cfg.layers, "noise": cfg.noise, "drift": cfg.drift}
+    return (miss_rows(trace, cfg, common, calibrated) + overlap_rows(trace, cfg, common)
+            + reuse_rows(trace, common))
+
+
+def miss_rows(trace, cfg: SyntheticConfig, common: dict, calibrated: bool) -> list[dict]:
+    """Miss rate of every policy and B: layer-weighted overall, per layer, and per step for CURVES."""
+    sel, stream_layer = trace.streams()
+    stream_w = layer_weights(cfg)[stream_layer]
     rows = []
-    runs = [("last", 1.0)] + [(p, f) for p in SLOT_POLICIES for f in SLOT_FACTORS]
-    for policy, factor in runs:
+    for policy, factor in [("last", 1.0)] + [(p, f) for p in SLOT_POLICIES for f in SLOT_FACTORS]:
         slots = int(factor * cfg.k)
         start = time.perf_counter()
         res = simulate(sel, policy, None if policy == "last" else slots)
         elapsed = time.perf_counter() - start
         overall = res.miss_rate(stream_w)
-        role = {("last", 1.0): "fit", ("lru", 2.0): "fit"}.get((policy, factor), "prediction") if calibrated else None
+        role = None
+        if calibrated:
+            role = "fit" if (policy, factor) in (("last", 1.0), ("lru", 2.0)) else "prediction"
         base = {**common, "mode": policy, "cache_slots": slots, "metric": "miss_rate", "unit": "fraction"}
         rows.append({**base, "value": overall, "calibration": role,
-                     "published": PUBLISHED.get(policy) if role == "fit" else None})
-        rows += [{**base, "value": rate, "layer": layer} for layer, rate in enumerate(res.per_layer(stream_layer))]
+                     "published": PUBLISHED[policy] if role == "fit" else None})
+        rows += [{**base, "value": rate, "layer": layer}
+                 for layer, rate in enumerate(res.per_layer(stream_layer))]
         if (policy, factor) in CURVES:
             per_step = (res.misses * stream_w).sum(1) / (res.accesses * stream_w).sum(1)
             rows += [{**base, "value": rate, "step": step} for step, rate in enumerate(per_step)]
         note = f" (published {PUBLISHED[policy]})" if role == "fit" else f" ({role})" if role else ""
         print(f"{policy:>6} B={slots:>6}: miss rate {overall:.4f}{note} [{elapsed:.1f} s]", flush=True)
+    return rows
+
+
+def overlap_rows(trace, cfg: SyntheticConfig, common: dict) -> list[dict]:
+    """Consecutive-step overlap (layer-weighted and per layer) and adjacent-layer overlap per layer."""
+    sel, stream_layer = trace.streams()
+    stream_w = layer_weights(cfg)[stream_layer]
+    base = {**common, "metric": "overlap", "unit": "fraction"}
     consecutive = consecutive_overlap(sel).mean(0)                              # [S]
-    consecutive_all = float((consecutive * stream_w).sum() / stream_w.sum())
-    rows.append({**common, "metric": "overlap", "scope": "consecutive_step", "unit": "fraction",
-                 "value": consecutive_all})
-    rows += [{**common, "metric": "overlap", "scope": "consecutive_step", "unit": "fraction", "layer": l,
-              "value": float(consecutive[stream_layer == l].mean())} for l in range(cfg.layers)]
-    adjacent = adjacent_layer_overlap(trace.selections).reshape(cfg.steps, cfg.layers - 1, -1).mean((0, 2))
-    rows += [{**common, "metric": "overlap", "scope": "adjacent_layer", "unit": "fraction", "layer": l + 1,
-              "value": float(adjacent[l])} for l in range(cfg.layers - 1)]
-    for layer in range(cfg.layers):
+    overall = float((consecutive * stream_w).sum() / stream_w.sum())
+    rows = [{**base, "scope": "consecutive_step", "value": overall}]
+    rows += [{**base, "scope": "consecutive_step", "layer": layer,
+              "value": float(consecutive[stream_layer == layer].mean())} for layer in range(trace.layers)]
+    adjacent = adjacent_layer_overlap(trace.selections)
+    adjacent = adjacent.reshape(trace.steps, trace.layers - 1, -1).mean((0, 2))     # [layers - 1]
+    rows += [{**base, "scope": "adjacent_layer", "layer": layer + 1, "value": float(adjacent[layer])}
+             for layer in range(trace.layers - 1)]
+    print(f"overlap: consecutive steps {overall:.4f}, adjacent layers (l-1, l) for l >= 1: "
+          f"{np.round(adjacent, 3).tolist()}")
+    return rows
+
+
+def reuse_rows(trace, common: dict) -> list[dict]:
+    """Per layer: share of first touches and quantiles of the step gap between reuses."""
+    sel, stream_layer = trace.streams()
+    rows = []
+    for layer in range(trace.layers):
         gaps = reuse_gaps(sel[:, stream_layer == layer])
         rows.append({**common, "metric": "first_touch_frac", "unit": "fraction", "layer": layer,
                      "value": gaps[0] / gaps.sum()})
         rows += [{**common, "metric": "reuse_gap", "unit": "steps", "layer": layer, "quantile": q,
                   "value": int(v)} for q, v in zip(QUANTILES, gap_quantiles(gaps, QUANTILES))]
-    print(f"overlap: consecutive steps {consecutive_all:.4f}, adjacent layers {np.round(adjacent, 3).tolist()}")
     return rows
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results", help="directory for policies.csv (default results/)")
     parser.add_argument("--quick", action="store_true", help="tiny preset, no calibration (seconds)")
     args = parser.parse_args(argv)

@@ -51,8 +51,9 @@ class Trace:
         validate(self)
 
     def __repr__(self) -> str:
-        return (f"Trace({self.family}, unit_size={self.unit_size}, selections {tuple(self.selections.shape)}, "
-                f"context {self.context.tolist()[:4]}{'...' if self.batch > 4 else ''})")
+        more = "..." if self.batch > 4 else ""
+        return (f"Trace({self.family}, unit_size={self.unit_size}, "
+                f"selections {tuple(self.selections.shape)}, context {self.context.tolist()[:4]}{more})")
 
     @property
     def steps(self) -> int:

@@ -71,7 +71,8 @@ def test_belady_equals_brute_force_optimum(cache_slots):
     rng = np.random.default_rng(cache_slots)
     for _ in range(25):
         sel = np.stack([rng.choice(6, 2, replace=False) for _ in range(7)])[:, None, :]
-        assert int(simulate(sel, "belady", cache_slots).misses.sum()) == brute_force_misses(sel[:, 0], cache_slots)
+        belady = int(simulate(sel, "belady", cache_slots).misses.sum())
+        assert belady == brute_force_misses(sel[:, 0], cache_slots)
 
 
 @pytest.mark.parametrize("seed, k, factor, units", [(0, 8, 1.5, 40), (1, 16, 2.0, 120), (2, 11, 3.0, 60)],

@@ -41,7 +41,8 @@ def test_writer_save_load_round_trip(tmp_path, heads):
     assert sel.shape == (5, 3 * per_layer, 7)
     np.testing.assert_array_equal(stream_layer, np.repeat([0, 1, 2], per_layer))
     last = (1, 1, 2) if heads else (1, 1)        # layer 1, request 1, (KV head 2)
-    np.testing.assert_array_equal(sel[:, np.ravel_multi_index(last, steps.shape[1:-1])], steps[(slice(None), *last)])
+    stream = np.ravel_multi_index(last, steps.shape[1:-1])
+    np.testing.assert_array_equal(sel[:, stream], steps[(slice(None), *last)])
 
 
 def test_units_available_follow_unit_size():
@@ -83,7 +84,8 @@ MALFORMED = [
     ("shared-layer-differs", lambda t, m: _set(t, "selections", (1, 1, 0, 0), 3),
      "layer 1 shares layer 0's selection but differs from it at step 1"),
     ("anchor-ahead", lambda t, m: t.update(layer_anchor=np.array([0, 2, 2])), "layer 1 has anchor 2"),
-    ("context-shape", lambda t, m: t.update(context=np.array([3, 3])), "context must be integers [batch] = [1]"),
+    ("context-shape", lambda t, m: t.update(context=np.array([3, 3])),
+     "context must be integers [batch] = [1]"),
 ]
 
 
