@@ -97,27 +97,28 @@ def make_inputs(batch, context, heads, k, device, gen):
 
 
 def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
-    """Time the three modes at one shape; returns result rows and {mode: us}."""
+    """Time the three modes at one shape; returns result rows and {mode: us}.
+
+    A mode that fails (out of memory, an unsupported backend, a kernel that disagrees with the
+    baseline) is reported and skipped, so the other modes' rows are still recorded.
+    """
     q, kv, rows = make_inputs(batch, context, heads, k, device, gen)
-    out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE)
-    baseline = torch_gather_decode(q, kv, rows, SM_SCALE)
-    err = ((out.float() - baseline.float()).abs().max() / baseline.float().abs().max()).item()
-    if not err < 2e-2:
-        raise RuntimeError(f"triton and torch_gather disagree at batch={batch} context={context}: "
-                           f"rel err {err:.3g}")
     _, splits = dsa.split_plan(batch, heads, k, dsa.default_decode_config(heads, D_QK, q.dtype), device)
     modes = {
-        "triton": (lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE), k),
+        "triton": (lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE)[0], k),
         "torch_gather": (lambda: torch_gather_decode(q, kv, rows, SM_SCALE), k),
         "dense": (lambda: dense_decode(q, kv.view(batch, context, D_QK), SM_SCALE), context),
     }
-    rows_out, times = [], {}
+    rows_out, times, outputs = [], {}, {}
     for mode, (fn, keys) in modes.items():
         try:
+            outputs[mode] = fn().float()
             us, p20, p80 = time_us(fn)
-        except torch.OutOfMemoryError:
-            print(f"  {mode:12s} batch={batch} context={context}: out of memory, skipped")
-            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 -- keep the other modes' rows
+            print(f"  {mode:12s} batch={batch} context={context}: skipped, "
+                  f"{type(exc).__name__}: {str(exc)[:300]}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         times[mode] = us
         flops, nbytes = work(batch, heads, keys)
@@ -125,6 +126,14 @@ def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
                 "k": k if mode != "dense" else "", "unit_bytes": D_QK * kv.element_size(), "heads": heads,
                 "num_splits": splits if mode == "triton" else "", "us_p20": p20, "us_p80": p80}
         rows_out += metric_rows(base, us, flops, nbytes)
+    if {"triton", "torch_gather"} <= times.keys():
+        baseline = outputs["torch_gather"]
+        err = ((outputs["triton"] - baseline).abs().max() / baseline.abs().max()).item()
+        if not err < 2e-2:
+            print(f"  triton disagrees with torch_gather at batch={batch} context={context} (rel err {err:.3g}):"
+                  " its rows are dropped")
+            rows_out = [r for r in rows_out if r["mode"] != "triton"]
+            del times["triton"]
     return rows_out, times
 
 
@@ -147,7 +156,12 @@ def sweep(cfg: dict, device: torch.device, out_dir: Path) -> None:
           f" {'roofline':>9s} {'vs gather':>10s}")
     for context in cfg["contexts"]:
         for batch in cfg["batches"]:
-            rows, times = run_shape(batch, context, cfg["heads"], cfg["k"], device, gen)
+            try:
+                rows, times = run_shape(batch, context, cfg["heads"], cfg["k"], device, gen)
+            except torch.OutOfMemoryError:
+                print(f"  batch={batch} context={context}: inputs do not fit in memory, skipped")
+                torch.cuda.empty_cache()
+                continue
             print_table(rows, times)
             append_rows(out_dir / "attention.csv", rows)
             if batch == 64 and cfg["k"] == 2048 and {"triton", "torch_gather"} <= times.keys():
