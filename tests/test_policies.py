@@ -31,24 +31,25 @@ KERNEL_CASES = [pytest.param(8, 8, 3, 90, id="k8-B8"), pytest.param(16, 24, 3, 2
 
 
 @pytest.mark.parametrize("k, cache_slots, streams, units", KERNEL_CASES)
-def test_lru_equals_resolve_kernel(k, cache_slots, streams, units):
+def test_lru_equals_resolve_kernel(device, k, cache_slots, streams, units):
     from hisparse.cache import HierarchicalKVCache
     sel = local_trace(seed=k + cache_slots, steps=24, streams=streams, k=k, units=units)
     cache = HierarchicalKVCache(max_streams=streams, cache_slots=cache_slots, host_rows=streams * units,
-                                row_elems=4, dtype=torch.float16, device="cpu")
+                                row_elems=4, dtype=torch.float16, device=device)
     ids = [cache.open_stream(capacity=units) for _ in range(streams)]
     for sid in ids:
         cache.append(sid, torch.zeros(units, 4, dtype=torch.float16))
+    stream_ids = torch.tensor(ids, dtype=torch.int32, device=device)
     kernel_slots, kernel_misses = [], []
     for step in sel:
-        res = cache.resolve(torch.tensor(ids, dtype=torch.int32), torch.from_numpy(step), mode="noio")
-        kernel_slots.append(res.slots.numpy().copy())
-        kernel_misses.append(res.misses.numpy().copy())
+        res = cache.resolve(stream_ids, torch.from_numpy(step).to(device), mode="noio")
+        kernel_slots.append(res.slots.cpu().numpy())
+        kernel_misses.append(res.misses.cpu().numpy())
     sim = simulate(sel, "lru", cache_slots, keep_slots=True)
     np.testing.assert_array_equal(sim.misses, np.stack(kernel_misses))
     np.testing.assert_array_equal(sim.slots, np.stack(kernel_slots))
     hits = sim.accesses.sum(0) - sim.misses.sum(0)
-    np.testing.assert_array_equal(cache.stats[ids].numpy(), np.stack([hits, sim.misses.sum(0)], 1))
+    np.testing.assert_array_equal(cache.stats[ids].cpu().numpy(), np.stack([hits, sim.misses.sum(0)], 1))
     assert 0 < sim.misses.sum() < sim.accesses.sum()               # both hits and misses happen
 
 
