@@ -29,14 +29,15 @@ def build_model(config: ModelConfig) -> CausalLM:
     return getattr(importlib.import_module(f"hisparse.models.{module}"), cls)(config)
 
 
-def checkpoint_layout(model: CausalLM) -> dict[str, tuple[str, tuple, tuple[int, ...]]]:
-    """Checkpoint tensor name -> (model parameter name, index into that parameter, shape)."""
+def checkpoint_layout(model: CausalLM, fused: frozenset = frozenset()) -> dict[str, tuple[str, tuple, tuple]]:
+    """Checkpoint tensor name -> (model parameter name, index into that parameter, shape). Expert
+    weights are per expert, as transformers saves them, unless their fused name is in `fused`."""
     layout = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         match = _EXPERT.match(name)
-        if match is None:
+        if match is None or name in fused:
             layout[name] = (name, (), tuple(tensor.shape))
             continue
         prefix, kind = match.groups()
@@ -72,12 +73,18 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     return (layer is not None and int(layer.group(1)) >= config.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
 
 
-def _check_names_and_shapes(files: list[Path], layout: dict, config: ModelConfig) -> dict[str, Path]:
+def _read_headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
     where, shapes = {}, {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
+                if name in where:
+                    raise ValueError(f"tensor {name} is in both {where[name].name} and {path.name}")
                 where[name], shapes[name] = path, tuple(f.get_slice(name).get_shape())
+    return where, shapes
+
+
+def _check_names_and_shapes(where: dict, shapes: dict, layout: dict, config: ModelConfig) -> None:
     if any(name.endswith("weight_scale_inv") for name in where):
         raise ValueError("FP8 block-quantized checkpoints (tensors named *.weight_scale_inv) are not supported; "
                          "convert to bf16 first")
@@ -93,7 +100,6 @@ def _check_names_and_shapes(files: list[Path], layout: dict, config: ModelConfig
         if shapes[name] != shape:
             raise ValueError(f"tensor {name} in {where[name].name} has shape {list(shapes[name])}, "
                              f"expected {list(shape)} from config.json")
-    return where
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -104,8 +110,9 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     config = read_config(checkpoint_dir)
     with torch.device("meta"):
         model = build_model(config)
-    layout = checkpoint_layout(model)
-    where = _check_names_and_shapes(checkpoint_files(checkpoint_dir), layout, config)
+    where, shapes = _read_headers(checkpoint_files(checkpoint_dir))
+    layout = checkpoint_layout(model, fused=frozenset(where))
+    _check_names_and_shapes(where, shapes, layout, config)
     targets = {}
     for name, tensor in model.state_dict().items():
         keep = any(part in name for part in getattr(model, "keep_in_float32", ()))

@@ -1,0 +1,226 @@
+"""Checkpoint loading: round trips of every family, sharding, fused experts, dtypes, and clear errors
+(naming the tensor, the key or the model_type) raised before any tensor data is read."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hisparse.models.loading as loading
+from hisparse.make_tiny import main as make_tiny
+from hisparse.models.config import config_from_dict, read_config
+from hisparse.models.loading import build_model, load_model
+from hisparse.models.tiny import TINY_CONFIGS, randomize_, save_checkpoint, write_tiny_checkpoint
+
+FAMILIES = sorted(TINY_CONFIGS)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_model(family: str, seed: int = 0, **overrides):
+    model = build_model(config_from_dict(dict(TINY_CONFIGS[family], **overrides)))
+    randomize_(model, seed)
+    return model
+
+
+def assert_same_weights(loaded, model):
+    expected = model.state_dict()
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("shards", [1, 3], ids=["one-file", "3-shards"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip(family, shards, tmp_path):
+    model = random_model(family, seed=1)
+    save_checkpoint(model, tmp_path, shards=shards)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (shards > 1)
+    loaded = load_model(tmp_path)
+    assert_same_weights(loaded, model)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(loaded(ids), model(ids))
+
+
+def test_fused_expert_tensors_load_as_well(tmp_path):
+    model = random_model("deepseek_v32", seed=3)
+    write_tiny_checkpoint("deepseek_v32", tmp_path)
+    save_file(dict(model.state_dict()), tmp_path / "model.safetensors")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(tmp_path / "model.safetensors")
+    assert_same_weights(load_model(tmp_path), model)
+
+
+def test_tied_embeddings_need_no_lm_head(tmp_path):
+    model = random_model("llama", seed=4, tie_word_embeddings=True)
+    save_checkpoint(model, tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    loaded = load_model(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_same_weights(loaded, model)
+
+
+def test_bfloat16_keeps_routing_and_indexer_weights_in_float32(tmp_path):
+    loaded = load_model(write_tiny_checkpoint("glm_moe_dsa", tmp_path), dtype=torch.bfloat16)
+    dtypes = {name: t.dtype for name, t in loaded.state_dict().items()}
+    assert dtypes["model.layers.1.mlp.gate.weight"] == torch.float32
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
+    assert dtypes["model.layers.0.self_attn.indexer.weights_proj.weight"] == torch.float32
+    assert dtypes["model.layers.1.mlp.experts.gate_up_proj"] == torch.bfloat16
+    assert dtypes["model.layers.0.self_attn.kv_b_proj.weight"] == torch.bfloat16
+    logits = loaded(torch.tensor([[3, 1, 4, 1, 5]]))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def rewrite(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+@pytest.fixture
+def tensor_reads(monkeypatch):
+    """Counts tensors read through safetensors by the loader."""
+    reads = []
+    real_open = loading.safe_open
+
+    class CountingOpen:
+        def __init__(self, *args, **kwargs):
+            self.inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self.inner.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(loading, "safe_open", CountingOpen)
+    return reads
+
+
+BAD_TENSORS = {
+    "missing": (lambda t: t.pop("model.layers.1.self_attn.kv_b_proj.weight"),
+                r"lacks tensors: \['model\.layers\.1\.self_attn\.kv_b_proj\.weight'\]"),
+    "missing-expert": (lambda t: t.pop("model.layers.2.mlp.experts.3.up_proj.weight"),
+                       r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"),
+    "misshaped": (lambda t: t.update({"model.layers.0.self_attn.q_b_proj.weight": torch.zeros(160, 47)}),
+                  r"tensor model\.layers\.0\.self_attn\.q_b_proj\.weight .* shape \[160, 47\], expected \[160, 48\]"),
+    "unexpected": (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}),
+                   r"unexpected tensors .*'model\.layers\.0\.self_attn\.q_proj\.weight'"),
+    "fp8-scales": (lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.zeros(1, 1)}),
+                   r"FP8 block-quantized"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TENSORS))
+def test_bad_tensors_are_named_before_anything_is_read(case, tmp_path, tensor_reads):
+    edit, message = BAD_TENSORS[case]
+    write_tiny_checkpoint("deepseek_v32", tmp_path)
+    rewrite(tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path)
+    assert tensor_reads == []
+
+
+def test_the_counting_fixture_sees_reads(tmp_path, tensor_reads):
+    load_model(write_tiny_checkpoint("llama", tmp_path))
+    assert "model.norm.weight" in tensor_reads
+
+
+def test_multi_token_prediction_layers_are_ignored(tmp_path):
+    """DeepSeek checkpoints carry an extra layer (index num_hidden_layers) for multi-token prediction."""
+    write_tiny_checkpoint("deepseek_v32", tmp_path)
+    rewrite(tmp_path, lambda t: t.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128)}))
+    load_model(tmp_path)
+
+
+def test_duplicate_tensor_across_shards_is_named(tmp_path):
+    write_tiny_checkpoint("nsa", tmp_path, shards=2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    second = sorted(set(index["weight_map"].values()))[1]
+    tensors = load_file(tmp_path / second)
+    tensors["model.norm.weight"] = torch.ones(64)
+    save_file(tensors, tmp_path / second)
+    with pytest.raises(ValueError, match=r"tensor model\.norm\.weight is in both"):
+        load_model(tmp_path)
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    write_tiny_checkpoint("qwen3", tmp_path, shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"shard files that do not exist: \['model-00002-of-00002\.safetensors'\]"):
+        load_model(tmp_path)
+
+
+def test_pickled_weights_are_refused(tmp_path, monkeypatch):
+    write_tiny_checkpoint("llama", tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save({"model.norm.weight": torch.ones(64)}, tmp_path / "pytorch_model.bin")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called"))
+    with pytest.raises(ValueError, match=r"no \*\.safetensors files"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"model_type": "mistral"}, r"unsupported model_type 'mistral'"),
+    ({"model_type": None}, r"unsupported model_type None"),
+    ({"hidden_size": None}, r"lacks required keys \['hidden_size'\]"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads 4 must be a multiple of num_key_value_heads 3"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_type 'longrope' is not supported"),
+], ids=["unknown-type", "no-type", "missing-key", "bad-gqa", "bad-act", "bad-rope"])
+def test_bad_config_is_named(edit, message, tmp_path):
+    write_tiny_checkpoint("llama", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(edit)
+    raw = {k: v for k, v in raw.items() if v is not None or k == "model_type"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"indexer_types": ["full", "shared"]}, r"indexer_types must list 3 values"),
+    ({"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\] must be 'full'"),
+    ({"model_type": "deepseek_v32", "indexer_types": ["full", "shared", "full"]}, r"deepseek_v32 has no shared"),
+    ({"n_group": 3}, r"n_routed_experts 4 must be a multiple of n_group 3"),
+], ids=["short-indexer-types", "shared-first", "shared-in-v32", "bad-groups"])
+def test_bad_dsa_config_is_named(edit, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_dict(dict(TINY_CONFIGS["glm_moe_dsa"], **edit))
+
+
+def test_legacy_rope_keys_are_read(tmp_path):
+    write_tiny_checkpoint("deepseek_v32", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["rope_parameters"]
+    raw["rope_theta"] = 5000.0
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "mscale": 1.0, "mscale_all_dim": 1.0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    params = read_config(tmp_path).rope_parameters
+    assert params["rope_type"] == "yarn" and params["rope_theta"] == 5000.0 and params["factor"] == 4.0
+    model = load_model(tmp_path)
+    assert model.model.layers[0].self_attn.scaling == pytest.approx(40 ** -0.5 * (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
+
+
+def test_make_tiny_cli(tmp_path, capsys):
+    make_tiny(["--family", "nsa", "--out", str(tmp_path / "nsa"), "--shards", "2"])
+    assert "wrote a tiny nsa checkpoint" in capsys.readouterr().out
+    assert load_model(tmp_path / "nsa").config.model_type == "nsa"
+    with pytest.raises(SystemExit):
+        make_tiny(["--family", "mistral", "--out", str(tmp_path / "x")])
