@@ -105,6 +105,14 @@ def test_decode_steps_match_prefill(family, overrides, total, budget, tmp_path):
         assert err < TOLERANCE
 
 
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "qwen3", "nsa"])
+def test_chunked_prefill_equals_one_shot(family, tmp_path):
+    model = load_model(write_tiny_checkpoint(family, tmp_path, seed=9, **(NSA_SMALL if family == "nsa" else {})))
+    ids = torch.randint(0, 97, (2, 53), generator=torch.Generator().manual_seed(10))
+    chunked = model.prefill(ids, model.new_state(2, 53), chunk_size=7)
+    assert rel_err(chunked, model(ids)) < TOLERANCE
+
+
 def test_quest_single_page_context_selects_the_current_page(tmp_path):
     model = load_model(write_tiny_checkpoint("llama", tmp_path, seed=7))
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(8))

@@ -78,9 +78,13 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x))
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """input_ids [B, S] appended to `state` (causal over everything held): logits [B, S, V]."""
-        return self._run(input_ids, state, decode=False)
+    def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk_size: int | None = None) -> torch.Tensor:
+        """input_ids [B, S] appended to `state` (causal over everything held): logits [B, S, V].
+        With `chunk_size`, the prompt goes through in chunks (same result, memory linear in S)."""
+        if chunk_size is None:
+            return self._run(input_ids, state, decode=False)
+        chunks = input_ids.split(chunk_size, dim=1)
+        return torch.cat([self._run(chunk, state, decode=False) for chunk in chunks], dim=1)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:

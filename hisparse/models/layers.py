@@ -50,11 +50,11 @@ def rope_inv_freq(params: dict, dim: int) -> tuple[torch.Tensor, float]:
     factor = params["factor"]
     old_len = params["original_max_position_embeddings"]
     if kind == "llama3":
-        low_wavelen = old_len / params["low_freq_factor"]
-        high_wavelen = old_len / params["high_freq_factor"]
+        low_factor, high_factor = params["low_freq_factor"], params["high_freq_factor"]
+        low_wavelen, high_wavelen = old_len / low_factor, old_len / high_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - params["low_freq_factor"]) / (params["high_freq_factor"] - params["low_freq_factor"])
+        smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0

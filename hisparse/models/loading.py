@@ -70,7 +70,8 @@ def _is_ignored(name: str, config: ModelConfig) -> bool:
     """Tensors real checkpoints carry that we do not model: DeepSeek's multi-token-prediction layers
     (indices >= num_hidden_layers) and stale rotary tables."""
     layer = _LAYER.match(name)
-    return (layer is not None and int(layer.group(1)) >= config.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
+    beyond_last_layer = layer is not None and int(layer.group(1)) >= config.num_hidden_layers
+    return beyond_last_layer or name.endswith("rotary_emb.inv_freq")
 
 
 def _read_headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
