@@ -67,10 +67,12 @@ def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
     equal PUBLISHED. The random layers do not depend on either parameter: they are measured once and
     their share taken off the targets; the two parameters are then fit on one regular layer."""
     lru_slots = 2 * base.k
-    randoms = replace(base, layers=base.random_layers, model_layers=None)
-    r_last = layer_rates(randoms, "last", None).mean()
-    r_lru = layer_rates(randoms, "lru", lru_slots).mean()
     total, n_random = base.model_layers or base.layers, base.random_layers
+    r_last = r_lru = 0.0
+    if n_random:
+        randoms = replace(base, layers=n_random, model_layers=None)
+        r_last = layer_rates(randoms, "last", None).mean()
+        r_lru = layer_rates(randoms, "lru", lru_slots).mean()
     goal_last = (PUBLISHED["last"] * total - n_random * r_last) / (total - n_random)
     goal_lru = (PUBLISHED["lru"] * total - n_random * r_lru) / (total - n_random)
     print(f"random layers: last {r_last:.4f}, LRU@{lru_slots} {r_lru:.4f}; regular-layer goals: last "

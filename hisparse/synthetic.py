@@ -6,8 +6,9 @@ The model, per request and layer, at decode step t with n_t = ceil((context + t 
 - the other h = k - sinks - window units are the top-h scores z(u) + noise * e_t(u) over the rest:
   z(u) ~ N(0, 1) is how heavy a unit is, e_t(u) ~ N(0, 1) fresh every step. Units near the threshold
   drop out and come back after gaps (reuse after gaps); larger `noise` means more churn per step.
-- `drift`: each step, each unit's z is redrawn with this probability, so the set of heavy hitters
-  drifts slowly: new heavy units appear, old ones fade (misses no cache size can avoid).
+- `drift`: each step, each unit's z is redrawn with (about) this probability, so the set of heavy
+  hitters drifts: new heavy units appear, old ones fade; a heavy hitter lives 1 / drift steps on
+  average, and its arrival is a miss that no cache size avoids.
 - `layer_similarity`: each unit's z and e of a layer are, with this probability (drawn once per
   unit), those of the previous layer; so adjacent layers share about that share of their selections.
 - `random_layers`: the first layers pick their h units uniformly at random every step.
