@@ -10,6 +10,9 @@ The sparse modes count the work of the ideal kernel: each selected row read once
 plus q and out) and 2*N*H*k*(576+512) FLOPs; dense counts the whole context the same way. The
 roofline is the binding one of HBM 4.3 TB/s and bf16 matrix 790 TFLOP/s.
 `--tune` times decode configurations at one shape (no CSV rows), to choose the defaults.
+`--indexer` times the selection instead and appends to DIR/indexer.csv: lightning-indexer scores over
+every resident indexer key (64 heads x 128 dims, `triton` with bf16 keys, `triton_fp8` with fp8 keys
+and a per-token scale, `torch` an einsum in bf16) and the top-k (`topk`, hisparse.dsa.topk_select).
 `--quick` runs a tiny configuration that also works on the CPU interpreter.
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3.2: qk head
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=128, k=2048)
 QUICK = dict(batches=(1, 3), contexts=(256,), heads=16, k=61)
+INDEX_HEADS, INDEX_DIM = 64, 128
 
 
 def time_us(fn) -> tuple[float, float, float]:
@@ -199,12 +203,72 @@ def tune(cfg: dict, device: torch.device, batch: int) -> None:
         print(f"  {us:10.1f} us  roofline_frac {roofline_us / us:.3f}  rel err {err:.1e}  {config}")
 
 
+def indexer_modes(batch: int, context: int, k: int, device: torch.device, gen) -> dict:
+    """{mode: (fn, FLOPs, bytes)} of the selection step at one shape, every request at full length."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(batch, INDEX_HEADS, INDEX_DIM, device=device, generator=gen).to(dtype)
+    weights = torch.randn(batch, INDEX_HEADS, device=device, generator=gen) * INDEX_HEADS ** -0.5
+    keys = torch.randn(batch, context, INDEX_DIM, device=device, generator=gen).to(dtype)
+    scale = torch.rand(batch, context, device=device, generator=gen) + 0.5
+    keys8 = keys.to(dsa.FP8)
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    scores = dsa.indexer_scores(q, weights, keys, lengths)
+    flops = 2.0 * batch * INDEX_HEADS * context * INDEX_DIM
+    key_bytes = batch * context * INDEX_DIM * keys.element_size() + 4.0 * batch * context  # + scores out
+
+    def torch_scores():
+        logits = torch.einsum("nhd,ntd->nht", q, keys).relu_()  # [N, H, T]
+        return torch.einsum("nht,nh->nt", logits, weights.to(dtype)).float()
+
+    return {
+        "triton": (lambda: dsa.indexer_scores(q, weights, keys, lengths), flops, key_bytes),
+        "triton_fp8": (lambda: dsa.indexer_scores(q, weights, keys8, lengths, key_scale=scale), flops,
+                       batch * context * (INDEX_DIM + 8.0)),
+        "torch": (torch_scores, flops, key_bytes),
+        "topk": (lambda: dsa.topk_select(scores, lengths, k), 0.0, 4.0 * batch * context),
+    }
+
+
+def sweep_indexer(cfg: dict, device: torch.device, out_dir: Path) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    print(f"DSA selection: indexer {INDEX_HEADS} heads x {INDEX_DIM}, top-{cfg['k']}")
+    print(f"{'batch':>6s} {'context':>8s} {'mode':11s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
+          f" {'roofline':>9s}")
+    for context in cfg["contexts"]:
+        for batch in cfg["batches"]:
+            rows = []
+            try:
+                modes = indexer_modes(batch, context, cfg["k"], device, gen)
+            except torch.OutOfMemoryError:
+                print(f"  batch={batch} context={context}: inputs do not fit in memory, skipped")
+                torch.cuda.empty_cache()
+                continue
+            for mode, (fn, flops, nbytes) in modes.items():
+                try:
+                    us = time_us(fn)[0]
+                except Exception as exc:  # noqa: BLE001 -- keep the other modes' rows
+                    print(f"  {mode:11s} batch={batch} context={context}: skipped, {type(exc).__name__}")
+                    continue
+                base = {"bench": "indexer", "family": "dsa", "mode": mode, "batch": batch, "context": context,
+                        "k": cfg["k"], "heads": INDEX_HEADS}
+                new = metric_rows(base, us, flops, nbytes)
+                m = {r["metric"]: r["value"] for r in new}
+                print(f"{batch:6d} {context:8d} {mode:11s} {us:10.1f} {m['TFLOPs']:8.1f}/790"
+                      f" {m['GBps']:8.0f}/4300 {m['roofline_frac']:9.3f}")
+                rows += new
+            append_rows(out_dir / "indexer.csv", rows)
+            del modes
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("results"), help="directory of attention.csv")
+    parser.add_argument("--out", type=Path, default=Path("results"), help="directory of the result CSVs")
     parser.add_argument("--quick", action="store_true", help="a tiny configuration (CPU interpreter too)")
     parser.add_argument("--tune", action="store_true", help="time decode configurations instead of the sweep")
     parser.add_argument("--tune-batch", type=int, default=64, help="batch of --tune")
+    parser.add_argument("--indexer", action="store_true", help="time indexer scores and top-k instead")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
@@ -212,6 +276,8 @@ def main() -> None:
     cfg = QUICK if args.quick else FULL
     if args.tune:
         tune(cfg, device, args.tune_batch)
+    elif args.indexer:
+        sweep_indexer(cfg, device, args.out)
     else:
         sweep(cfg, device, args.out)
 
