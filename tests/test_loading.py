@@ -205,6 +205,18 @@ def test_bad_dsa_config_is_named(edit, message):
         config_from_dict(dict(TINY_CONFIGS["glm_moe_dsa"], **edit))
 
 
+@pytest.mark.parametrize("keys,expected", [
+    ({"index_topk_freq": 2, "index_skip_topk_offset": 1, "num_hidden_layers": 5},
+     ["full", "shared", "full", "shared", "full"]),
+    ({"index_topk_pattern": "FFS", "num_hidden_layers": 3}, ["full", "full", "shared"]),
+    ({"num_hidden_layers": 3}, ["full", "full", "full"]),
+], ids=["freq2-offset1", "pattern", "default"])
+def test_glm_shared_indexer_keys_as_transformers(keys, expected):
+    """The expected lists are those transformers' GlmMoeDsaConfig builds from the same keys."""
+    raw = {k: v for k, v in TINY_CONFIGS["glm_moe_dsa"].items() if k != "indexer_types"}
+    assert config_from_dict(dict(raw, **keys)).indexer_types == expected
+
+
 def test_legacy_rope_keys_are_read(tmp_path):
     write_tiny_checkpoint("deepseek_v32", tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())

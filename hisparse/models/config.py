@@ -186,6 +186,16 @@ CONFIG_CLASSES = {"deepseek_v32": DsaConfig, "glm_moe_dsa": DsaConfig, "llama": 
 ModelConfig = DsaConfig | LlamaConfig | NsaConfig
 
 
+def _glm_indexer_types(raw: dict) -> list[str]:
+    """GLM-5's older keys for shared indexers, expanded as transformers' GlmMoeDsaConfig does."""
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq = max(raw.get("index_topk_freq", 1), 1)
+    offset = raw.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(raw["num_hidden_layers"])]
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in CONFIG_CLASSES:
@@ -194,6 +204,8 @@ def config_from_dict(raw: dict) -> ModelConfig:
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in raw.items() if k in names}
     values["rope_parameters"] = _rope_parameters(raw)
+    if model_type == "glm_moe_dsa" and raw.get("indexer_types") is None and "num_hidden_layers" in raw:
+        values["indexer_types"] = _glm_indexer_types(raw)
     missing = [f.name for f in dataclasses.fields(cls)
                if f.name not in values and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
