@@ -50,7 +50,7 @@ class Indexer(nn.Module):
 
 
 class MlaAttention(nn.Module):
-    def __init__(self, config: DsaConfig, layer_idx: int, rotary: Rotary, backend: "DsaModel"):
+    def __init__(self, config: DsaConfig, layer_idx: int, rotary: Rotary, owner: "DsaModel"):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads = config.num_attention_heads
@@ -67,7 +67,7 @@ class MlaAttention(nn.Module):
         self.indexer = Indexer(config) if config.indexer_types[layer_idx] == "full" else None
         self.scaling = mla_softmax_scale(config.rope_parameters, self.dn + self.dr)
         self._rotary = (rotary,)  # a tuple: shared by every layer, not a submodule
-        self._backend = (backend,)
+        self._owner = (owner,)
 
     def new_kv(self, batch: int, capacity: int, device, dtype) -> MlaKV:
         latent = torch.zeros(batch, capacity, self.dc + self.dr, device=device, dtype=dtype)
@@ -90,7 +90,7 @@ class MlaAttention(nn.Module):
             kv.index_keys[:, start:end] = index_k
         if step.decode:
             if self.indexer is not None:
-                step.shared["selection"] = self._backend[0].sparse_attention.select(
+                step.shared["selection"] = self._owner[0].sparse_attention.select(
                     self.layer_idx, index_q[:, 0], index_w[:, 0], kv, end, self.indexer.topk,
                     self.indexer.softmax_scale)
             out = self._decode_attention(q_nope[:, 0], q_rot[:, 0], kv, end, step.shared["selection"])
@@ -117,7 +117,7 @@ class MlaAttention(nn.Module):
         """Absorbed MLA for one token: q_nope [B, H, Dn] -> [B, 1, H, Dv]."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.dc)
         q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w[:, : self.dn])
-        out_latent = self._backend[0].sparse_attention.attend(self.layer_idx, q_latent, q_rot, kv, length,
+        out_latent = self._owner[0].sparse_attention.attend(self.layer_idx, q_latent, q_rot, kv, length,
                                                               selection, self.scaling)
         return torch.einsum("bhc,hvc->bhv", out_latent, w[:, self.dn:])[:, None]
 
