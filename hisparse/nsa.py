@@ -12,8 +12,9 @@ Selection scores (NSA paper eq. 9 for l' = 64, l = 32, d = 16): with p_cmp[i] th
 softmax probabilities summed over the query heads of a GQA group,
     score[j] = sum_{m=0..3} sum_{p=0..1} p_cmp[4 j + m - p]        (indices outside [0, n_cmp) skipped)
 that is, compressed block i weighs on selection block j by the number of 16-token strides they
-share: blocks 4j-1 and 4j+3 count once, 4j .. 4j+2 twice. The paper writes p_cmp[4j - m - n]; its
-compressed index is ours shifted by one selection block, and the weights 1, 2, 2, 2, 1 are the same.
+share: blocks 4j-1 and 4j+3 count once, 4j .. 4j+2 twice. The paper writes p_cmp[4j - m - n], the
+same weights 1, 2, 2, 2, 1 over indices 4j-4 .. 4j; with compressed block i starting at token 16 i,
+the blocks that overlap selection block j are 4j-1 .. 4j+3, so we apply the weights there (m - p).
 Block 0 and the two newest blocks are always selected (score +inf); the others by descending score,
 ties to the lower block index; the selection is in that order, -1 pads when a request has fewer
 blocks. The newest, partial block is attended over its valid tokens only.
@@ -253,6 +254,10 @@ def _alloc(like, shape, dtype):
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
+def _block_d(d):
+    return max(16, triton.next_power_of_2(d))  # tl.dot needs tiles of at least 16
+
+
 def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -295,7 +300,7 @@ def nsa_compress(k, v, weight_k=None, weight_v=None):
         k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         ck.stride(1), ck.stride(2), cv.stride(1), cv.stride(2),
         n_cmp, d,
-        CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, BLOCK_C=block_c, BLOCK_D=triton.next_power_of_2(d),
+        CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, BLOCK_C=block_c, BLOCK_D=_block_d(d),
         HAS_WEIGHT=has_weight, DOT_PRECISION=_dot_precision(torch.float32),
     )
     return ck, cv
@@ -357,7 +362,7 @@ def _partials(q, k, v, lengths, scale, config, *, n_entries, tokens, kv_heads, m
         blocks.stride(1) if gather else 0, logits.stride(1) if logits is not None else 0,
         part.m.stride(0), part.acc.stride(0), part.acc.stride(1),
         kv_heads, h // kv_heads, d, n_entries, per, max_valid, n_units, d ** -0.5 if scale is None else float(scale),
-        T=tokens, BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)), BLOCK_D=triton.next_power_of_2(d),
+        T=tokens, BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)), BLOCK_D=_block_d(d),
         GATHER=gather, RESIDENT=gather and rows is None, VALID_KIND=valid_kind,
         CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE,
         STORE_LOGITS=logits is not None, DOT_PRECISION=_dot_precision(q.dtype),
@@ -373,7 +378,7 @@ def _merge(q, part):
     lse = _alloc(q, (n, h), torch.float32)
     _nsa_merge_kernel[(n * h,)](
         *part.args(), out, lse, *part.strides(), out.stride(1), part.splits, d,
-        BLOCK_S=triton.next_power_of_2(part.splits), BLOCK_D=triton.next_power_of_2(d), num_warps=2,
+        BLOCK_S=triton.next_power_of_2(part.splits), BLOCK_D=_block_d(d), num_warps=2,
     )
     return out, lse
 
@@ -498,7 +503,7 @@ def _gate(gates, o_cmp, slc, win, out_dtype):
         o_cmp.stride(1), *slc.strides(), *win.strides(), gates.stride(1), out.stride(1),
         slc.splits, win.splits, d,
         BLOCK_S_SLC=triton.next_power_of_2(slc.splits), BLOCK_S_WIN=triton.next_power_of_2(win.splits),
-        BLOCK_D=triton.next_power_of_2(d), num_warps=1,
+        BLOCK_D=_block_d(d), num_warps=1,
     )
     return out
 

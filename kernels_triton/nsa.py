@@ -185,7 +185,7 @@ def _nsa_select_kernel(
     """Selection of one (request, KV head) stream.
 
     score[j] = sum over the G heads of the group, m < SEL_BLOCK / STRIDE, p < CMP_BLOCK / STRIDE of
-    p_cmp[h, R * j + m - p] (R = SEL_BLOCK / STRIDE), p_cmp = exp(logit - lse) the compressed-branch
+    p_cmp[h, 4 j + m - p] (4 = SEL_BLOCK / STRIDE), p_cmp = exp(logit - lse) the compressed-branch
     probabilities. Block 0 and the two newest blocks are forced (score +inf); the top N_SELECT
     blocks are taken by descending score, ties to the lower block index; -1 pads.
     """
@@ -196,8 +196,6 @@ def _nsa_select_kernel(
     n_cmp = tl.where(length >= CMP_BLOCK, (length - CMP_BLOCK) // CMP_STRIDE + 1, 0)
     n_cmp = tl.minimum(n_cmp, n_cmp_max)
     n_blk = tl.minimum(tl.cdiv(length, SEL_BLOCK), n_blocks_max)
-    R: tl.constexpr = SEL_BLOCK // CMP_STRIDE
-    P: tl.constexpr = CMP_BLOCK // CMP_STRIDE
 
     o_j = tl.arange(0, BLOCK_NB)
     b_score = tl.zeros([BLOCK_NB], dtype=tl.float32)
@@ -205,9 +203,9 @@ def _nsa_select_kernel(
         i_h = (i_n * KV_HEADS * G + i_kvh * G + g).to(tl.int64)
         b_lse = tl.load(lse + i_h)
         b_lse = tl.where(b_lse == float("-inf"), 0.0, b_lse)  # no compressed block: all masked
-        for m in tl.static_range(R):
-            for p in tl.static_range(P):
-                o_i = R * o_j + m - p  # [BLOCK_NB] compressed block index
+        for m in tl.static_range(SEL_BLOCK // CMP_STRIDE):
+            for p in tl.static_range(CMP_BLOCK // CMP_STRIDE):
+                o_i = (SEL_BLOCK // CMP_STRIDE) * o_j + m - p  # [BLOCK_NB] compressed block index
                 m_i = (o_i >= 0) & (o_i < n_cmp)
                 b_lg = tl.load(logits + i_h * stride_logits_h + o_i, mask=m_i, other=float("-inf"))
                 b_score += tl.where(m_i, tl.exp(b_lg - b_lse), 0.0)
