@@ -40,17 +40,21 @@ def layer_rates(cfg: SyntheticConfig, policy: str, cache_slots: int | None) -> n
     return simulate(sel, policy, cache_slots).per_layer(stream_layer)
 
 
-def solve_increasing(f, lo: float, hi: float, target: float, tol: float, max_evals: int = 16) -> float:
-    """x in [lo, hi] with f(x) ~= target for an increasing f (Illinois regula falsi); clamps at the ends."""
+def solve_increasing(f, lo: float, hi: float, target: float, tol: float,
+                     max_evals: int = 16) -> tuple[float, float]:
+    """(x, f(x)) with x in [lo, hi] and f(x) ~= target, for an increasing f (Illinois regula falsi).
+
+    Where the target lies outside [f(lo), f(hi)] the nearer end is returned: the caller checks f(x).
+    """
     f_lo, f_hi = f(lo) - target, f(hi) - target
     if f_lo >= 0 or f_hi <= 0:
-        return lo if f_lo >= 0 else hi
+        return (lo, f_lo + target) if f_lo >= 0 else (hi, f_hi + target)
     side = 0
     for _ in range(max_evals):
         x = hi - f_hi * (hi - lo) / (f_hi - f_lo)
         fx = f(x) - target
         if abs(fx) < tol:
-            return x
+            break
         if fx < 0:
             lo, f_lo = x, fx
             f_hi = f_hi / 2 if side == -1 else f_hi
@@ -59,13 +63,14 @@ def solve_increasing(f, lo: float, hi: float, target: float, tol: float, max_eva
             hi, f_hi = x, fx
             f_lo = f_lo / 2 if side == 1 else f_lo
             side = 1
-    return x
+    return x, fx + target
 
 
 def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
     """`base` with noise and drift fit so the layer-weighted "last" (B = k) and LRU (B = 2k) miss rates
     equal PUBLISHED. The random layers do not depend on either parameter: they are measured once and
-    their share taken off the targets; the two parameters are then fit on one regular layer."""
+    their share taken off the targets; the two parameters are then fit on one regular layer.
+    Raises ValueError when the model cannot reach the targets (noise in [0, 1], drift in [0, 0.2])."""
     lru_slots = 2 * base.k
     total, n_random = base.model_layers or base.layers, base.random_layers
     r_last = r_lru = 0.0
@@ -78,23 +83,23 @@ def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
     print(f"random layers: last {r_last:.4f}, LRU@{lru_slots} {r_lru:.4f}; regular-layer goals: last "
           f"{goal_last:.4f}, LRU@{lru_slots} {goal_lru:.4f}")
     one = replace(base, layers=1, random_layers=0, model_layers=None)
-    noise_at = {}
+    fits = {}                                                  # drift -> (noise, last miss)
 
     def lru_miss(drift: float) -> float:
         last_miss = lambda noise: layer_rates(replace(one, noise=noise, drift=drift), "last", None)[0]
-        noise_at[drift] = solve_increasing(last_miss, 0.0, 1.0, goal_last, tol)
-        miss = layer_rates(replace(one, noise=noise_at[drift], drift=drift), "lru", lru_slots)[0]
-        print(f"  drift {drift:.5f}: noise {noise_at[drift]:.4f} -> LRU@{lru_slots} {miss:.4f}", flush=True)
+        fits[drift] = solve_increasing(last_miss, 0.0, 1.0, goal_last, tol)
+        miss = layer_rates(replace(one, noise=fits[drift][0], drift=drift), "lru", lru_slots)[0]
+        print(f"  drift {drift:.5f}: noise {fits[drift][0]:.4f} -> last {fits[drift][1]:.4f}, "
+              f"LRU@{lru_slots} {miss:.4f}", flush=True)
         return miss
 
-    drift = solve_increasing(lru_miss, 0.0, 0.2, goal_lru, tol)
-    if drift not in noise_at:
-        lru_miss(drift)
-    return replace(base, noise=round(noise_at[drift], 5), drift=round(drift, 6))
-
-
-def weighted(rates: np.ndarray, weights: np.ndarray) -> float:
-    return float((rates * weights).sum() / weights.sum())
+    drift, lru = solve_increasing(lru_miss, 0.0, 0.2, goal_lru, tol)
+    noise, last = fits[drift]
+    if abs(last - goal_last) > 4 * tol or abs(lru - goal_lru) > 4 * tol:
+        raise ValueError(f"{base} cannot reach the regular-layer goals last {goal_last:.4f}, LRU@{lru_slots} "
+                         f"{goal_lru:.4f}: the closest fit (noise {noise:.4f}, drift {drift:.5f}) gives "
+                         f"{last:.4f}, {lru:.4f}")
+    return replace(base, noise=round(noise, 5), drift=round(drift, 6))
 
 
 def study(cfg: SyntheticConfig, workload: str, calibrated: bool) -> list[dict]:

@@ -183,3 +183,17 @@ def test_quick_study_writes_every_policy(tmp_path):
     curve = rows[(rows["mode"] == "lru") & (rows.cache_slots == 2 * k) & rows.step.notna()]
     assert len(curve) == preset("tiny").steps
     assert {"consecutive_step", "adjacent_layer"} <= set(rows.scope.dropna())
+
+
+def test_solve_increasing_finds_the_root_or_the_nearer_end():
+    from experiments.policies import solve_increasing
+    x, fx = solve_increasing(lambda v: v ** 3, 0.0, 2.0, 2.0, 1e-9)
+    assert abs(x - 2 ** (1 / 3)) < 1e-6 and abs(fx - 2.0) < 1e-9
+    assert solve_increasing(lambda v: v, 0.0, 1.0, 5.0, 1e-9) == (1.0, 1.0)
+
+
+def test_calibration_refuses_unreachable_targets():
+    from experiments.policies import calibrate
+    # 1 of 3 layers random and unweighted: the random layer alone exceeds 30% misses on average
+    with pytest.raises(ValueError, match="cannot reach the regular-layer goals"):
+        calibrate(preset("tiny", steps=20, layers=3))
