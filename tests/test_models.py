@@ -65,6 +65,17 @@ def test_logits_agree_with_transformers(family, tmp_path):
     assert rel_err(decode_logits(ours, ids), ref[:, PROMPT - 1: -1]) < TOLERANCE
 
 
+@pytest.mark.parametrize("family", list(HF_CLASSES))
+def test_transformers_reads_our_tiny_checkpoints(family, tmp_path):
+    if not hasattr(transformers, f"{HF_CLASSES[family]}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} lacks {family}")
+    ours = load_model(write_tiny_checkpoint(family, tmp_path, seed=14))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(ids).logits) < TOLERANCE
+
+
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
 def test_dsa_selection_changes_the_logits(family, tmp_path):
     """index_topk (8) < context (27): a dense model would not agree, so the agreement above checks

@@ -48,6 +48,8 @@ def save_checkpoint(model, out_dir: str | Path, shards: int = 1) -> Path:
     tensors = {name: params[param][index].contiguous().clone()
                for name, (param, index, _) in checkpoint_layout(model).items()}
     raw = {k: v for k, v in config_to_dict(model.config).items() if v is not None}
+    if raw["model_type"] in ("deepseek_v32", "glm_moe_dsa"):
+        raw["num_key_value_heads"] = raw["num_attention_heads"]  # for transformers (its default is 128)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     names = sorted(tensors)
     if shards == 1:
