@@ -99,7 +99,7 @@ def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
         raise ValueError(f"{base} cannot reach the regular-layer goals last {goal_last:.4f}, LRU@{lru_slots} "
                          f"{goal_lru:.4f}: the closest fit (noise {noise:.4f}, drift {drift:.5f}) gives "
                          f"{last:.4f}, {lru:.4f}")
-    return replace(base, noise=round(noise, 5), drift=round(drift, 6))
+    return replace(base, noise=round(float(noise), 5), drift=round(float(drift), 6))
 
 
 def study(cfg: SyntheticConfig, workload: str, calibrated: bool) -> list[dict]:
