@@ -84,10 +84,10 @@ class MlaAttention(nn.Module):
         q = self.q_b_proj(q_resid).view(b, s, self.n_heads, self.dn + self.dr)
         q_nope, q_rot = q[..., : self.dn], rope_interleaved(q[..., self.dn:], cos[:, None], sin[:, None])
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.dc, self.dr], dim=-1)
-        kv.latent[:, start:end] = torch.cat([self.kv_a_layernorm(c), rope_interleaved(k_rot, cos, sin)], dim=-1)
+        index_k = None
         if self.indexer is not None:
             index_q, index_k, index_w = self.indexer.project(x, q_resid, cos, sin)
-            kv.index_keys[:, start:end] = index_k
+        kv.write(start, torch.cat([self.kv_a_layernorm(c), rope_interleaved(k_rot, cos, sin)], dim=-1), index_k)
         if step.decode:
             if self.indexer is not None:
                 step.shared["selection"] = self._owner[0].sparse_attention.select(

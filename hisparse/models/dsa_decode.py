@@ -18,6 +18,13 @@ class MlaKV:
     latent: torch.Tensor
     index_keys: torch.Tensor | None
 
+    def write(self, start: int, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Store the rows of positions start .. start + S - 1: latent [B, S, Dc + Dr], index_keys
+        [B, S, Di] or None (a hierarchical state overrides this to write its host pool too)."""
+        self.latent[:, start: start + latent.shape[1]] = latent
+        if index_keys is not None:
+            self.index_keys[:, start: start + index_keys.shape[1]] = index_keys
+
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Ids of the k largest scores along the last dim, best first, ties to the lower id (as

@@ -51,9 +51,8 @@ class GqaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self._rotary[0](step.positions, x.dtype)
         q = rope_half(q, cos[:, None], sin[:, None]).transpose(1, 2)  # [B, H, S, D]
-        kv.keys[:, :, start:end] = rope_half(k, cos[:, None], sin[:, None]).transpose(1, 2)
-        kv.values[:, :, start:end] = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        kv.update_pages(start, end, self.page_size)
+        kv.write(start, rope_half(k, cos[:, None], sin[:, None]).transpose(1, 2),
+                 self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2), self.page_size)
         if step.decode and self.quest:
             quest = self._owner[0].sparse_attention
             selection = quest.select(self.layer_idx, q[:, :, 0], kv, end, self.page_size)

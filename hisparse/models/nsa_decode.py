@@ -29,6 +29,17 @@ class NsaKV:
     compressed_keys: torch.Tensor
     compressed_values: torch.Tensor
 
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys, values [B, Hkv, S, D] at positions start .. start + S - 1 (a hierarchical
+        state overrides this to write its host pool too)."""
+        self.keys[:, :, start: start + keys.shape[2]] = keys
+        self.values[:, :, start: start + values.shape[2]] = values
+
+    def write_compressed(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store compressed blocks first .. first + C - 1: keys, values [B, Hkv, C, D]."""
+        self.compressed_keys[:, :, first: first + keys.shape[2]] = keys
+        self.compressed_values[:, :, first: first + values.shape[2]] = values
+
 
 def compressed_count(length: int, config: NsaConfig) -> int:
     size, stride = config.compress_block_size, config.compress_block_stride

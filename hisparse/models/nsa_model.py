@@ -43,8 +43,7 @@ class NsaAttention(nn.Module):
         cos, sin = self._rotary[0](step.positions, x.dtype)
         q = rope_half(self.q_proj(x).view(b, s, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
         k = rope_half(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim), cos[:, None], sin[:, None])
-        kv.keys[:, :, start:end] = k.transpose(1, 2)
-        kv.values[:, :, start:end] = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        kv.write(start, k.transpose(1, 2), self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2))
         self._compress(kv, start, end)
         gates = torch.sigmoid(self.g_proj(x)).view(b, s, self.n_heads, 3)
         if step.decode:
@@ -60,10 +59,9 @@ class NsaAttention(nn.Module):
             return
         stride, size = self.config.compress_block_stride, self.config.compress_block_size
         span = slice(first * stride, (last - 1) * stride + size)
-        for source, proj, target in ((kv.keys, self.compress_k, kv.compressed_keys),
-                                     (kv.values, self.compress_v, kv.compressed_values)):
-            means = source[:, :, span].float().unfold(2, size, stride).mean(-1).to(source.dtype)
-            target[:, :, first:last] = proj(means)
+        compressed = [proj(source[:, :, span].float().unfold(2, size, stride).mean(-1).to(source.dtype))
+                      for source, proj in ((kv.keys, self.compress_k), (kv.values, self.compress_v))]
+        kv.write_compressed(first, *compressed)
 
     def _prefill(self, q, gates, kv: NsaKV, positions, end) -> torch.Tensor:
         """The three gated branches for every query (positions [S]) over tokens < its position + 1."""

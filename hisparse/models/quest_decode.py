@@ -24,6 +24,14 @@ class PagedKV:
     page_min: torch.Tensor
     page_max: torch.Tensor
 
+    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+        """Store keys, values [B, Hkv, S, D] at positions start .. start + S - 1 and update the
+        bounds of their pages (a hierarchical state overrides this to write its host pool too)."""
+        end = start + keys.shape[2]
+        self.keys[:, :, start:end] = keys
+        self.values[:, :, start:end] = values
+        self.update_pages(start, end, page_size)
+
     def update_pages(self, start: int, end: int, page_size: int) -> None:
         """Recompute the bounds of the pages holding positions start .. end - 1."""
         first, last = start // page_size, (end - 1) // page_size + 1
