@@ -238,3 +238,19 @@ def test_make_tiny_cli(tmp_path, capsys):
     assert load_model(tmp_path / "nsa").config.model_type == "nsa"
     with pytest.raises(SystemExit):
         make_tiny(["--family", "mistral", "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.parametrize("prefix", ["DeepseekV32", "GlmMoeDsa", "Llama", "Qwen3"])
+def test_real_size_names_and_shapes_equal_transformers(prefix):
+    """At the real models' sizes (the transformers config defaults: DeepSeek-V3.2, GLM-5, Llama-2-7B,
+    Qwen3-8B), built on the meta device: our parameters are transformers' parameters, name for name
+    and shape for shape, and our config reads the config.json transformers writes."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, f"{prefix}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {prefix}ForCausalLM")
+    hf_config = getattr(transformers, f"{prefix}Config")()
+    with torch.device("meta"):
+        hf = getattr(transformers, f"{prefix}ForCausalLM")._from_config(hf_config)
+        ours = build_model(config_from_dict(json.loads(hf_config.to_json_string())))
+    expected = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
+    assert {name: tuple(t.shape) for name, t in ours.state_dict().items()} == expected
