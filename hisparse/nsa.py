@@ -43,6 +43,7 @@ CMP_STRIDE = 16
 SEL_BLOCK = 64
 N_SELECT = 16
 WINDOW = 512
+COMPRESS_TILE = 16  # compressed blocks per program of nsa_compress
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -281,29 +282,62 @@ def nsa_compress(k, v, weight_k=None, weight_v=None):
     _check_shape("v", v, tuple(k.shape))
     for name, x in (("k", k), ("v", v)):
         _check_contiguous(name, x)
-    if (weight_k is None) != (weight_v is None):
-        _fail("weights", "only one of weight_k, weight_v", "both or neither")
-    for name, w in (("weight_k", weight_k), ("weight_v", weight_v)):
-        if w is not None:
-            _check_float(name, w, k.device)
-            _check_shape(name, w, (d, d))
-            _check_contiguous(name, w)
+    _check_weights(weight_k, weight_v, d, k.device)
     n_cmp = (t - CMP_BLOCK) // CMP_STRIDE + 1 if t >= CMP_BLOCK else 0
     ck = _alloc(k, (n, kvh, n_cmp, d), k.dtype)
     cv = _alloc(v, (n, kvh, n_cmp, d), v.dtype)
     if n * kvh * n_cmp == 0:
         return ck, cv
-    block_c = 16
+    _launch_compress(k, v, ck, cv, weight_k, weight_v, grid=(n * kvh, triton.cdiv(n_cmp, COMPRESS_TILE)))
+    return ck, cv
+
+
+def nsa_compress_newest(win_k, win_v, lengths, ck, cv, weight_k=None, weight_v=None):
+    """In place: write into ck, cv [N, KV, C, D] the compressed block that each request's newest
+    token completes (when lengths[n] >= 32 and lengths[n] - 32 is a multiple of 16: block
+    (lengths[n] - 32) // 16), from the window ring buffers win_k, win_v [N, KV, W, D] that already
+    hold that token. The same sums in the same order as nsa_compress over the dense tokens: bitwise
+    equal without weights."""
+    _check_float("win_k", win_k, win_k.device if isinstance(win_k, torch.Tensor) else None)
+    if win_k.dim() != 4:
+        _fail("win_k.shape", tuple(win_k.shape), "[N, KV, W, D]")
+    n, kvh, window, d = win_k.shape
+    if window < CMP_BLOCK:
+        _fail("window", window, f">= {CMP_BLOCK} tokens (one compressed block)")
+    for name, x, shape in (("win_v", win_v, (n, kvh, window, d)), ("ck", ck, (n, kvh, None, d)),
+                           ("cv", cv, (n, kvh, ck.shape[2], d))):
+        _check_float(name, x, win_k.device, win_k.dtype)
+        _check_shape(name, x, shape)
+    for name, x in (("win_k", win_k), ("win_v", win_v), ("ck", ck), ("cv", cv)):
+        _check_contiguous(name, x)
+    _check_lengths(lengths, n, win_k.device)
+    _check_weights(weight_k, weight_v, d, win_k.device)
+    if n * kvh * ck.shape[2]:
+        _launch_compress(win_k, win_v, ck, cv, weight_k, weight_v, grid=(n * kvh, 1), lengths=lengths)
+
+
+def _check_weights(weight_k, weight_v, d, device):
+    if (weight_k is None) != (weight_v is None):
+        _fail("weights", "only one of weight_k, weight_v", "both or neither")
+    for name, w in (("weight_k", weight_k), ("weight_v", weight_v)):
+        if w is not None:
+            _check_float(name, w, device)
+            _check_shape(name, w, (d, d))
+            _check_contiguous(name, w)
+
+
+def _launch_compress(k, v, ck, cv, weight_k, weight_v, grid, lengths=None):
+    """Dense tokens k, v; with `lengths`, ring buffers and only each request's newest block."""
     has_weight = weight_k is not None
-    _nsa_compress_kernel[(n * kvh, triton.cdiv(n_cmp, block_c))](
-        k, v, weight_k if has_weight else k, weight_v if has_weight else v, ck, cv,
+    ring = lengths is not None
+    _nsa_compress_kernel[grid](
+        k, v, weight_k if has_weight else k, weight_v if has_weight else v, ck, cv, lengths if ring else k,
         k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         ck.stride(1), ck.stride(2), cv.stride(1), cv.stride(2),
-        n_cmp, d,
-        CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, BLOCK_C=block_c, BLOCK_D=_block_d(d),
-        HAS_WEIGHT=has_weight, DOT_PRECISION=_dot_precision(torch.float32),
+        ck.shape[2], k.shape[3], k.shape[1], k.shape[2],
+        CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, BLOCK_C=COMPRESS_TILE, BLOCK_D=_block_d(k.shape[3]),
+        HAS_WEIGHT=has_weight, RING=ring, DOT_PRECISION=_dot_precision(torch.float32),
     )
-    return ck, cv
 
 
 @dataclass(frozen=True, slots=True)

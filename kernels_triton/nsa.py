@@ -14,26 +14,39 @@ import triton.language as tl
 
 @triton.jit
 def _nsa_compress_kernel(
-    k, v, wk, wv, ck, cv,
+    k, v, wk, wv, ck, cv, lengths,
     stride_k_s, stride_k_t, stride_v_s, stride_v_t,
     stride_ck_s, stride_ck_c, stride_cv_s, stride_cv_c,
-    n_cmp, D,
+    n_cmp, D, KV_HEADS, ring,
     CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, RING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Compressed block c = mean(tokens [c * STRIDE, c * STRIDE + BLOCK)) (@ W when given)."""
+    """Compressed block c = mean(tokens [c * STRIDE, c * STRIDE + BLOCK)) (@ W when given), the
+    tokens summed in order. Stream s = n * KV_HEADS + kv_head; program (s, i) writes blocks
+    [i * BLOCK_C, ...) from dense tokens; with RING, program (s, 0) writes only the block that the
+    newest token of a request of lengths[n] tokens completes, from a ring of `ring` tokens (t at t % ring)."""
     i_s = tl.program_id(0).to(tl.int64)
-    i_c = tl.program_id(1)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    o_lane = tl.arange(0, BLOCK_C)
+    if RING:
+        length = tl.load(lengths + i_s // KV_HEADS).to(tl.int32)
+        completes = (length >= CMP_BLOCK) & ((length - CMP_BLOCK) % CMP_STRIDE == 0)
+        o_c = (length - CMP_BLOCK) // CMP_STRIDE + o_lane
+        n_write = tl.where(completes, n_cmp, 0)  # scalar bounds, not scalar masks (interpreter)
+        m_c = (o_lane == 0) & (o_c >= 0) & (o_c < n_write)
+    else:
+        o_c = tl.program_id(1) * BLOCK_C + o_lane
+        m_c = o_c < n_cmp
     o_d = tl.arange(0, BLOCK_D)
-    m_c = o_c < n_cmp
     m_cd = m_c[:, None] & (o_d[None, :] < D)
     o_tok = (o_c * CMP_STRIDE).to(tl.int64)
     b_k = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     b_v = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     for t in range(CMP_BLOCK):
-        p_k = k + i_s * stride_k_s + (o_tok + t)[:, None] * stride_k_t + o_d[None, :]
-        p_v = v + i_s * stride_v_s + (o_tok + t)[:, None] * stride_v_t + o_d[None, :]
+        o_t = o_tok + t  # [BLOCK_C]
+        if RING:
+            o_t = o_t % ring
+        p_k = k + i_s * stride_k_s + o_t[:, None] * stride_k_t + o_d[None, :]
+        p_v = v + i_s * stride_v_s + o_t[:, None] * stride_v_t + o_d[None, :]
         b_k += tl.load(p_k, mask=m_cd, other=0.0).to(tl.float32)  # [BLOCK_C, BLOCK_D]
         b_v += tl.load(p_v, mask=m_cd, other=0.0).to(tl.float32)
     b_k = b_k / CMP_BLOCK

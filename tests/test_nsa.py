@@ -127,6 +127,28 @@ def test_compress_short_input_gives_no_blocks():
     assert ck.shape == (1, 2, 0, 16) and cv.shape == (1, 2, 0, 16)
 
 
+@pytest.mark.parametrize("weights, dtype", [
+    pytest.param(False, torch.float16, id="mean-fp16"), pytest.param(True, torch.float32, id="mean+linear-fp32")])
+def test_compress_newest_from_ring_matches_full_compression(weights, dtype):
+    """Decode steps grow requests token by token; each step writes the block its token completes."""
+    case = Case(3, 2, 2, 27, [66, 66, 66], dtype, window=48, seed=15, weights=weights)
+    ck = torch.full_like(case.ck, float("nan"))
+    cv = torch.full_like(case.cv, float("nan"))
+    for step in range(29, 66):
+        lengths = torch.tensor([step, step + 1, step - 17], dtype=torch.int32)
+        win_k, win_v = nsa.nsa_window_ring(case.k_cmp, case.v_cmp, lengths, 48)
+        nsa.nsa_compress_newest(win_k, win_v, lengths, ck, cv, case.weight_k, case.weight_v)
+    n_cmp = nsa.compressed_count(torch.tensor([65, 66, 48])).tolist()
+    for i, c in enumerate(n_cmp):
+        assert torch.isnan(ck[i, :, c:]).all() and torch.isnan(cv[i, :, c:]).all(), "a block written too early"
+        if weights:
+            assert rel_err(ck[i, :, :c], case.ck[i, :, :c]) < TOL[dtype]
+            assert rel_err(cv[i, :, :c], case.cv[i, :, :c]) < TOL[dtype]
+        else:
+            full_k, full_v = nsa.nsa_compress(case.k_cmp, case.v_cmp)
+            assert torch.equal(ck[i, :, :c], full_k[i, :, :c]) and torch.equal(cv[i, :, :c], full_v[i, :, :c])
+
+
 # ---------------------------------------------------------------------------------------------
 # Compressed branch, selection scores, top-n
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +354,8 @@ def test_launchers_reject_bad_inputs():
         nsa.nsa_gate(case.gates[..., :2], o, o, o, torch.float32)
     with pytest.raises(ValueError, match="weights"):
         nsa.nsa_compress(case.k_cmp, case.v_cmp, torch.eye(16), None)
+    with pytest.raises(ValueError, match="window"):
+        nsa.nsa_compress_newest(case.win_k[:, :, :16], case.win_v[:, :, :16], case.lengths, case.ck, case.cv)
 
 
 # ---------------------------------------------------------------------------------------------
