@@ -32,6 +32,7 @@ class SimResult:
     misses: np.ndarray           # int64 [steps, S]
     accesses: np.ndarray         # int64 [steps, S]: selected units (padding excluded)
     slots: np.ndarray | None     # int32 [steps, S, k] slot of each selected unit (-1 pads), if kept
+    missed: np.ndarray | None = None  # bool [steps, S, k] whether each selected unit missed, if kept
 
     def miss_rate(self, stream_weights=None) -> float:
         """Misses over accesses, streams weighted by `stream_weights` [S] (default: all 1)."""
@@ -67,7 +68,7 @@ def simulate(sel, policy: str, cache_slots: int | None = None, *, seed: int = 0,
     """Run `policy` with `cache_slots` slots per stream over sel [steps, S, k] (module docstring).
 
     `cache_slots` (B >= k) is required except for "last", where it may be omitted or equal k.
-    `seed` drives "random" only. `keep_slots` records each selected unit's slot.
+    `seed` drives "random" only. `keep_slots` records each selected unit's slot and hit or miss.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -135,6 +136,7 @@ def _simulate_slots(sel, policy, cache_slots, rng, keep_slots) -> SimResult:
     upcoming = next_use(sel) if policy == "belady" else None
     misses = np.zeros((steps, streams), dtype=np.int64)
     slots_out = np.full(sel.shape, -1, dtype=np.int32) if keep_slots else None
+    missed = np.zeros(sel.shape, dtype=bool) if keep_slots else None
     for t in range(steps):
         s, valid = sel[t], sel[t] >= 0
         slot = np.where(valid, unit_slot[rows, s.clip(0)], -1)
@@ -164,8 +166,8 @@ def _simulate_slots(sel, policy, cache_slots, rng, keep_slots) -> SimResult:
         elif policy == "belady":
             key[rows[valid], slot[valid]] = -upcoming[t][valid]
         if keep_slots:
-            slots_out[t] = slot
-    return SimResult(misses, (sel >= 0).sum(2), slots_out)
+            slots_out[t], missed[t] = slot, miss
+    return SimResult(misses, (sel >= 0).sum(2), slots_out, missed)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,14 +40,13 @@ def test_lru_equals_resolve_kernel(device, k, cache_slots, streams, units):
     for sid in ids:
         cache.append(sid, torch.zeros(units, 4, dtype=torch.float16))
     stream_ids = torch.tensor(ids, dtype=torch.int32, device=device)
-    kernel_slots, kernel_misses = [], []
-    for step in sel:
-        res = cache.resolve(stream_ids, torch.from_numpy(step).to(device), mode="noio")
-        kernel_slots.append(res.slots.cpu().numpy())
-        kernel_misses.append(res.misses.cpu().numpy())
     sim = simulate(sel, "lru", cache_slots, keep_slots=True)
-    np.testing.assert_array_equal(sim.misses, np.stack(kernel_misses))
-    np.testing.assert_array_equal(sim.slots, np.stack(kernel_slots))
+    for t, step in enumerate(sel):
+        res = cache.resolve(stream_ids, torch.from_numpy(step).to(device), mode="noio")
+        np.testing.assert_array_equal(res.misses.cpu().numpy(), sim.misses[t])
+        np.testing.assert_array_equal(res.slots.cpu().numpy(), sim.slots[t])
+        for row in range(streams):                 # which units missed: the kernel's miss plan
+            assert sorted(u for u, _ in res.plan(row)) == sorted(step[row][sim.missed[t, row]].tolist())
     hits = sim.accesses.sum(0) - sim.misses.sum(0)
     np.testing.assert_array_equal(cache.stats[ids].cpu().numpy(), np.stack([hits, sim.misses.sum(0)], 1))
     assert 0 < sim.misses.sum() < sim.accesses.sum()               # both hits and misses happen
