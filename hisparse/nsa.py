@@ -259,6 +259,11 @@ def _block_d(d):
     return max(16, triton.next_power_of_2(d))  # tl.dot needs tiles of at least 16
 
 
+def _tile_warps(elements):
+    """Warps for a merge tile of `elements` fp32 values: about 32 per thread."""
+    return max(1, min(8, elements // 1024))
+
+
 def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -337,6 +342,7 @@ def _launch_compress(k, v, ck, cv, weight_k, weight_v, grid, lengths=None):
         ck.shape[2], k.shape[3], k.shape[1], k.shape[2],
         CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE, BLOCK_C=COMPRESS_TILE, BLOCK_D=_block_d(k.shape[3]),
         HAS_WEIGHT=has_weight, RING=ring, DOT_PRECISION=_dot_precision(torch.float32),
+        num_warps=8 if has_weight else 4,
     )
 
 
@@ -412,7 +418,8 @@ def _merge(q, part):
     lse = _alloc(q, (n, h), torch.float32)
     _nsa_merge_kernel[(n * h,)](
         *part.args(), out, lse, *part.strides(), out.stride(1), part.splits, d,
-        BLOCK_S=triton.next_power_of_2(part.splits), BLOCK_D=_block_d(d), num_warps=2,
+        BLOCK_S=triton.next_power_of_2(part.splits), BLOCK_D=_block_d(d),
+        num_warps=_tile_warps(triton.next_power_of_2(part.splits) * _block_d(d)),
     )
     return out, lse
 
@@ -537,7 +544,8 @@ def _gate(gates, o_cmp, slc, win, out_dtype):
         o_cmp.stride(1), *slc.strides(), *win.strides(), gates.stride(1), out.stride(1),
         slc.splits, win.splits, d,
         BLOCK_S_SLC=triton.next_power_of_2(slc.splits), BLOCK_S_WIN=triton.next_power_of_2(win.splits),
-        BLOCK_D=_block_d(d), num_warps=1,
+        BLOCK_D=_block_d(d),
+        num_warps=_tile_warps(triton.next_power_of_2(max(slc.splits, win.splits)) * _block_d(d)),
     )
     return out
 

@@ -72,7 +72,8 @@ def _nsa_attention_partial_kernel(
     stride_pm_h, stride_pacc_h, stride_pacc_s,
     KV_HEADS, G, D, n_entries, entries_per_split, max_valid, units_per_stream, scale,
     T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    GATHER: tl.constexpr, RESIDENT: tl.constexpr, VALID_KIND: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
+    GATHER: tl.constexpr, RESIDENT: tl.constexpr, VALID_KIND: tl.constexpr,
+    CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Partial attention of the G query heads of stream s = n * KV_HEADS + kv_head over entries

@@ -402,3 +402,18 @@ def test_gpu_rows_beyond_int32_offsets():
     out = nsa.nsa_selected_attention(q, pool, rows, blocks, lengths)
     ref = nsa.nsa_selected_attention_ref(q, pool, rows, blocks, lengths)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_gpu_compress_newest_bf16():
+    """Three decode steps at real shapes: blocks completed from the ring equal full compression."""
+    case = Case(4, 32, 8, 128, [4096, 4096, 4096, 4096], torch.bfloat16, device="cuda", window=nsa.WINDOW, seed=16)
+    full_k, full_v = nsa.nsa_compress(case.k_cmp, case.v_cmp)
+    ck, cv = torch.full_like(full_k, float("nan")), torch.full_like(full_v, float("nan"))
+    for step in (4080, 4081, 4096):  # 4080 and 4096 complete blocks 253 and 254; 4081 none
+        lengths = torch.full((4,), step, dtype=torch.int32, device="cuda")
+        win_k, win_v = nsa.nsa_window_ring(case.k_cmp, case.v_cmp, lengths, nsa.WINDOW)
+        nsa.nsa_compress_newest(win_k, win_v, lengths, ck, cv)
+    assert torch.equal(ck[:, :, 253:255], full_k[:, :, 253:255])
+    assert torch.equal(cv[:, :, 253:255], full_v[:, :, 253:255])
+    assert torch.isnan(ck[:, :, :253]).all() and torch.isnan(ck[:, :, 255:]).all()
