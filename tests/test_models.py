@@ -4,6 +4,7 @@ hisparse.dsa / hisparse.quest / hisparse.nsa."""
 import pytest
 import torch
 
+from hisparse.models.base import stack_states
 from hisparse.models.config import config_from_dict
 from hisparse.models.layers import rope_inv_freq
 from hisparse.models.loading import build_model, load_model
@@ -14,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 HF_CLASSES = {"deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "llama": "Llama", "qwen3": "Qwen3"}
 PROMPT, TOTAL = 11, 27  # prefill 11 tokens, then decode up to 27
 TOLERANCE = 1e-4
+FAMILIES_ALL = ["deepseek_v32", "glm_moe_dsa", "llama", "qwen3", "nsa"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -124,13 +126,34 @@ def test_chunked_prefill_equals_one_shot(family, tmp_path):
     assert rel_err(chunked, model(ids)) < TOLERANCE
 
 
+@pytest.mark.parametrize("family", FAMILIES_ALL)
+def test_rows_of_different_lengths_decode_as_alone(family, tmp_path):
+    """Prompts of 11 and 17 tokens prefilled apart, stacked, decoded together: each row's logits are
+    those of its sequence decoded alone (lengths per row, no shared host-side position)."""
+    model = load_model(write_tiny_checkpoint(family, tmp_path, seed=16, **(NSA_SMALL if family == "nsa" else {})))
+    if family in ("llama", "qwen3"):
+        model.sparse_attention.token_budget = 32
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(17))
+    prompts, capacity = (11, 17), 48
+    alone, states = [], []
+    for row, prompt in enumerate(prompts):
+        state = model.new_state(1, capacity)
+        model.prefill(ids[row:row + 1, :prompt], state)
+        states.append(stack_states([state]))  # a copy to decode with the other row
+        alone.append(torch.cat([model.decode(ids[row:row + 1, t], state) for t in range(prompt, prompt + 20)]))
+    together = stack_states(states)
+    steps = [model.decode(torch.stack([ids[0, 11 + i], ids[1, 17 + i]]), together) for i in range(20)]
+    assert together.lengths.tolist() == [31, 37]
+    assert rel_err(torch.stack(steps, dim=1), torch.stack(alone)) < TOLERANCE
+
+
 def test_quest_single_page_context_selects_the_current_page(tmp_path):
     model = load_model(write_tiny_checkpoint("llama", tmp_path, seed=7))
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(8))
     state = model.new_state(1, 9)
     model.prefill(ids[:, :5], state)
     q = torch.randn(1, 4, 16)
-    selection = model.sparse_attention.select(2, q, state.layers[2], 5, 16)
+    selection = model.sparse_attention.select(2, q, state.layers[2], torch.tensor([5]), 16)
     assert selection[..., 0].tolist() == [[0, 0]] and (selection[..., 1:] == -1).all()
 
 
@@ -159,13 +182,13 @@ def test_dsa_decode_step_matches_kernel_references():
                index_keys=torch.randn(n, capacity, 24, generator=g))
     index_q, index_w = torch.randn(n, 4, 24, generator=g), torch.randn(n, 4, generator=g)
     backend = TorchDsaAttention()
-    selection = backend.select(0, index_q, index_w, kv, length, topk, scale)
     lengths = torch.full((n,), length)
+    selection = backend.select(0, index_q, index_w, kv, lengths, topk, scale)
     ref_scores = indexer_scores_ref(index_q, index_w * scale, kv.index_keys, lengths)
     assert torch.equal(selection, topk_select_ref(ref_scores, lengths, topk).long())
     q_latent, q_rope = torch.randn(n, heads, dc, generator=g), torch.randn(n, heads, dr, generator=g)
     selection[1, 9:] = -1  # padded entries are skipped
-    out = backend.attend(0, q_latent, q_rope, kv, length, selection, scale)
+    out = backend.attend(0, q_latent, q_rope, kv, lengths, selection, scale)
     rows = torch.where(selection >= 0, selection + capacity * torch.arange(n)[:, None], -1)
     ref, _ = sparse_mla_decode_ref(torch.cat([q_latent, q_rope], -1), kv.latent.reshape(n * capacity, -1), rows,
                                    scale, d_v=dc)
@@ -180,8 +203,8 @@ def test_quest_decode_step_matches_kernel_references(length, budget):
     g = torch.Generator().manual_seed(12)
     n, hkv, group, d, capacity, page = 2, 2, 3, 8, 64, 16
     keys, values = torch.randn(n, hkv, capacity, d, generator=g), torch.randn(n, hkv, capacity, d, generator=g)
-    kv = PagedKV(keys, values, torch.zeros(n, hkv, 4, d), torch.zeros(n, hkv, 4, d))
-    kv.update_pages(0, length, page)
+    kv = PagedKV(torch.zeros_like(keys), torch.zeros_like(values), torch.zeros(n, hkv, 4, d), torch.zeros(n, hkv, 4, d))
+    kv.write(torch.arange(length).expand(n, -1), keys[:, :, :length], values[:, :, :length], page)
     lengths = torch.full((n,), length, dtype=torch.int32)
     kmin, kmax = quest_metadata_from_keys(keys[:, :, :length], lengths, 4)
     pages = -(-length // page)
@@ -189,10 +212,10 @@ def test_quest_decode_step_matches_kernel_references(length, budget):
     assert torch.equal(kv.page_max[:, :, :pages], kmax[:, :, :pages])
     q = torch.randn(n, hkv * group, d, generator=g)
     backend = TorchQuestAttention(budget)
-    selection = backend.select(2, q, kv, length, page)
+    selection = backend.select(2, q, kv, lengths.long(), page)
     ref_selection = quest_select_pages_ref(quest_page_scores_ref(q, kmin, kmax, lengths), lengths, budget)
     assert torch.equal(selection, ref_selection.long())
-    out = backend.attend(2, q, kv, length, selection, page, d ** -0.5)
+    out = backend.attend(2, q, kv, lengths.long(), selection, page, d ** -0.5)
     ref = quest_attention_ref(q, pages_from_tokens(keys, values, 4), resident_rows(ref_selection, 4),
                               ref_selection, lengths)
     assert rel_err(out, ref) < 1e-6
@@ -211,13 +234,13 @@ def test_nsa_decode_step_matches_kernel_references():
     with torch.no_grad():
         attention._compress(kv, 0, length)
     q, gates = torch.randn(n, attention.n_heads, d, generator=g), torch.rand(n, attention.n_heads, 3, generator=g)
-    out = model.sparse_attention.decode(0, q, gates, kv, length)
+    lengths = torch.full((n,), length)
+    out = model.sparse_attention.decode(0, q, gates, kv, lengths)
     ck, cv = nsa_compress_ref(kv.keys, kv.values, attention.compress_k.weight.T, attention.compress_v.weight.T)
     assert rel_err(kv.compressed_keys, ck) < 1e-6 and rel_err(kv.compressed_values, cv) < 1e-6
-    lengths = torch.full((n,), length, dtype=torch.int32)
-    win_k, win_v = nsa_window_ring(kv.keys, kv.values, lengths)
-    ref, ref_blocks = nsa_decode_ref(q, ck, cv, nsa_block_rows(kv.keys, kv.values), win_k, win_v, lengths, gates,
-                                     n_units=-(-length // 64))
+    win_k, win_v = nsa_window_ring(kv.keys, kv.values, lengths.int())
+    ref, ref_blocks = nsa_decode_ref(q, ck, cv, nsa_block_rows(kv.keys, kv.values), win_k, win_v, lengths.int(),
+                                     gates, n_units=-(-length // 64))
     assert rel_err(out, ref) < 1e-5
-    _, probs = model.sparse_attention.compressed(0, q.view(n, attention.n_kv_heads, -1, d), kv, length)
-    assert torch.equal(model.sparse_attention.select(0, probs, length), ref_blocks.long())
+    _, probs = model.sparse_attention.compressed(0, q.view(n, attention.n_kv_heads, -1, d), kv, lengths)
+    assert torch.equal(model.sparse_attention.select(0, probs, lengths, -(-length // 64)), ref_blocks.long())

@@ -4,6 +4,11 @@
     state = model.new_state(batch, capacity)          # per-layer KV, plain tensors
     logits = model.prefill(prompt_ids, state)          # [B, S, V]; chunk_size=... for long prompts
     logits = model.decode(next_tokens, state)          # [B, V], one token per row
+    batch = stack_states([state_a, state_b])           # rows prefilled apart, any lengths
+
+Decode reads positions and lengths from device tensors (`state.lengths`), never from the host, so
+once the sparse attention is a kernel the step can be captured in a CUDA graph; the one exception
+left is the MoE expert loop (`moe.Experts`), which asks the host which experts were routed to.
 
 Prefill has the family's exact semantics (DSA: per-query indexer top-k as transformers; Quest:
 dense; NSA: the three gated branches). Decode calls `model.sparse_attention`, a plain object with the
@@ -11,7 +16,8 @@ family's sparse step (dsa_decode.TorchDsaAttention, quest_decode.TorchQuestAtten
 nsa_decode.TorchNsaAttention); assign another object with the same methods to run kernels that read
 through the hierarchical cache.
 """
+from hisparse.models.base import DecodeState, stack_states
 from hisparse.models.loading import build_model, load_model
 from hisparse.models.tiny import write_tiny_checkpoint
 
-__all__ = ["build_model", "load_model", "write_tiny_checkpoint"]
+__all__ = ["DecodeState", "build_model", "load_model", "stack_states", "write_tiny_checkpoint"]

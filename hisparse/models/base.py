@@ -1,11 +1,15 @@
 """The causal-LM skeleton shared by the families: embeddings, pre-norm decoder layers, head,
 prefill and single-token decode over a per-layer KV state.
 
-Each family supplies an attention module with `forward(x, step, kv)`: in prefill `x` is [B, S, H]
-for positions `step.start .. step.start + S - 1`; in decode `x` is [B, 1, H] for position
-`step.start`. The attention writes its new KV into `kv` (its own plain-tensor state object, created
-by `new_kv`) and may leave per-step data for later layers in `step` (DSA's anchor selection).
+Each family supplies an attention module with `forward(x, step, kv)`, x [B, S, H] for the tokens at
+`step.positions` [B, S]. It writes their KV into `kv` (its own plain-tensor state object, created by
+`new_kv`, written through `kv.write`) and may leave per-step data for later layers in
+`step.shared` (DSA's anchor selection). Prefill runs on rows of equal length (`step.start`, a
+Python int); decode takes one token per row, rows of any lengths, and depends on no host value
+(positions and lengths are device tensors), so a decode step can be captured in a CUDA graph once
+the sparse attention and the MoE routing are capture-safe.
 """
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -18,19 +22,35 @@ from hisparse.models.layers import RMSNorm
 class Step:
     """Per-step metadata shared by every layer of one forward."""
 
-    start: int
+    positions: torch.Tensor  # [B, S] position of each new token
+    lengths: torch.Tensor  # [B] tokens held per row once this step's tokens are written
     decode: bool
-    positions: torch.Tensor
+    start: int | None = None  # prefill: the first position, the same for every row
     shared: dict = field(default_factory=dict)
 
 
 @dataclass
 class DecodeState:
-    """KV of every layer for a batch of equal-length sequences; `length` tokens are held."""
+    """KV of every layer; row b holds `lengths[b]` tokens (int64, on the model's device).
+    `max_length` is a host-side bound on the lengths, kept to refuse overflowing the capacity."""
 
     layers: list
     capacity: int
-    length: int = 0
+    lengths: torch.Tensor
+    max_length: int = 0
+
+
+def stack_states(states: list[DecodeState]) -> DecodeState:
+    """One batch from states prefilled separately (prompts of different lengths), same capacity."""
+    if len({s.capacity for s in states}) != 1:
+        raise ValueError(f"states to stack must share one capacity, found {[s.capacity for s in states]}")
+    layers = []
+    for kvs in zip(*(s.layers for s in states)):
+        fields = {f.name: [getattr(kv, f.name) for kv in kvs] for f in dataclasses.fields(kvs[0])}
+        layers.append(type(kvs[0])(**{name: None if parts[0] is None else torch.cat(parts)
+                                      for name, parts in fields.items()}))
+    return DecodeState(layers=layers, capacity=states[0].capacity, lengths=torch.cat([s.lengths for s in states]),
+                       max_length=max(s.max_length for s in states))
 
 
 class DecoderLayer(nn.Module):
@@ -63,33 +83,44 @@ class CausalLM(nn.Module):
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         weight = self.model.embed_tokens.weight
         kvs = [layer.self_attn.new_kv(batch, capacity, weight.device, weight.dtype) for layer in self.model.layers]
-        return DecodeState(layers=kvs, capacity=capacity)
+        lengths = torch.zeros(batch, dtype=torch.int64, device=weight.device)
+        return DecodeState(layers=kvs, capacity=capacity, lengths=lengths)
 
-    def _run(self, input_ids: torch.Tensor, state: DecodeState, decode: bool) -> torch.Tensor:
-        seq = input_ids.shape[1]
-        if state.length + seq > state.capacity:
-            raise ValueError(f"state capacity {state.capacity} cannot hold {state.length} + {seq} tokens")
-        positions = torch.arange(state.length, state.length + seq, device=input_ids.device)
-        step = Step(start=state.length, decode=decode, positions=positions)
+    def _run(self, input_ids: torch.Tensor, step: Step, state: DecodeState) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, state.layers):
             x = layer(x, step, kv)
-        state.length += seq
+        state.lengths.copy_(step.lengths)
         return self.lm_head(self.model.norm(x))
+
+    def _prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        start = int(state.lengths.max())
+        if start != int(state.lengths.min()):
+            raise ValueError(f"prefill needs rows of equal length, found lengths {state.lengths.tolist()}; "
+                             f"prefill rows separately and join them with stack_states")
+        if start + seq > state.capacity:
+            raise ValueError(f"state capacity {state.capacity} cannot hold {start} + {seq} tokens")
+        positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
+        state.max_length = start + seq
+        return self._run(input_ids, Step(positions, state.lengths + seq, decode=False, start=start), state)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk_size: int | None = None) -> torch.Tensor:
         """input_ids [B, S] appended to `state` (causal over everything held): logits [B, S, V].
         With `chunk_size`, the prompt goes through in chunks (same result, memory linear in S)."""
         if chunk_size is None:
-            return self._run(input_ids, state, decode=False)
-        chunks = input_ids.split(chunk_size, dim=1)
-        return torch.cat([self._run(chunk, state, decode=False) for chunk in chunks], dim=1)
+            return self._prefill(input_ids, state)
+        return torch.cat([self._prefill(chunk, state) for chunk in input_ids.split(chunk_size, dim=1)], dim=1)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """One new token per row, tokens [B]: logits [B, V], through the family's sparse attention."""
-        return self._run(tokens[:, None], state, decode=True)[:, 0]
+        if state.max_length + 1 > state.capacity:
+            raise ValueError(f"state capacity {state.capacity} is full ({state.max_length} tokens)")
+        state.max_length += 1
+        step = Step(state.lengths[:, None], state.lengths + 1, decode=True)
+        return self._run(tokens[:, None], step, state)[:, 0]
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ class Indexer(nn.Module):
     def project(self, x, q_resid, cos, sin):
         """Roped queries [B, S, Hi, Di], roped keys [B, S, Di], float32 head weights [B, S, Hi]."""
         b, s, _ = x.shape
-        q = self._roped(self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
+        q = self._roped(self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
         k = self._roped(self.k_norm(self.wk(x)), cos, sin)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
         return q, k, weights
@@ -78,24 +78,25 @@ class MlaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, kv: MlaKV) -> torch.Tensor:
         b, s, _ = x.shape
-        start, end = step.start, step.start + s
-        cos, sin = self._rotary[0](step.positions, x.dtype)
+        cos, sin = self._rotary[0](step.positions, x.dtype)  # [B, S, Dr]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(b, s, self.n_heads, self.dn + self.dr)
-        q_nope, q_rot = q[..., : self.dn], rope_interleaved(q[..., self.dn:], cos[:, None], sin[:, None])
+        q_nope, q_rot = q[..., : self.dn], rope_interleaved(q[..., self.dn:], cos[:, :, None], sin[:, :, None])
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.dc, self.dr], dim=-1)
         index_k = None
         if self.indexer is not None:
             index_q, index_k, index_w = self.indexer.project(x, q_resid, cos, sin)
-        kv.write(start, torch.cat([self.kv_a_layernorm(c), rope_interleaved(k_rot, cos, sin)], dim=-1), index_k)
+        latent = torch.cat([self.kv_a_layernorm(c), rope_interleaved(k_rot, cos, sin)], dim=-1)
+        kv.write(step.positions, latent, index_k)
         if step.decode:
             if self.indexer is not None:
                 step.shared["selection"] = self._owner[0].sparse_attention.select(
-                    self.layer_idx, index_q[:, 0], index_w[:, 0], kv, end, self.indexer.topk,
+                    self.layer_idx, index_q[:, 0], index_w[:, 0], kv, step.lengths, self.indexer.topk,
                     self.indexer.softmax_scale)
-            out = self._decode_attention(q_nope[:, 0], q_rot[:, 0], kv, end, step.shared["selection"])
+            out = self._decode_attention(q_nope[:, 0], q_rot[:, 0], kv, step.lengths, step.shared["selection"])
         else:
-            causal = step.positions[:, None] >= torch.arange(end, device=x.device)[None, :]  # [S, T]
+            end = step.start + s
+            causal = step.positions[0, :, None] >= torch.arange(end, device=x.device)[None, :]  # [S, T]
             if self.indexer is not None:
                 step.shared["selection"] = self.indexer.prefill_topk(index_q, kv.index_keys[:, :end], index_w, causal)
             out = self._prefill_attention(q_nope, q_rot, kv.latent[:, :end], causal, step.shared["selection"])
@@ -113,11 +114,11 @@ class MlaAttention(nn.Module):
         out = softmax_attention(query, keys, v.transpose(1, 2), self.scaling, mask[:, None])
         return out.transpose(1, 2)
 
-    def _decode_attention(self, q_nope, q_rot, kv: MlaKV, length: int, selection):
+    def _decode_attention(self, q_nope, q_rot, kv: MlaKV, lengths, selection):
         """Absorbed MLA for one token: q_nope [B, H, Dn] -> [B, 1, H, Dv]."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.dc)
         q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w[:, : self.dn])
-        out_latent = self._owner[0].sparse_attention.attend(self.layer_idx, q_latent, q_rot, kv, length,
+        out_latent = self._owner[0].sparse_attention.attend(self.layer_idx, q_latent, q_rot, kv, lengths,
                                                               selection, self.scaling)
         return torch.einsum("bhc,hvc->bhv", out_latent, w[:, self.dn:])[:, None]
 

@@ -18,12 +18,13 @@ class MlaKV:
     latent: torch.Tensor
     index_keys: torch.Tensor | None
 
-    def write(self, start: int, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
-        """Store the rows of positions start .. start + S - 1: latent [B, S, Dc + Dr], index_keys
+    def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Store the rows of the tokens at positions [B, S]: latent [B, S, Dc + Dr], index_keys
         [B, S, Di] or None (a hierarchical state overrides this to write its host pool too)."""
-        self.latent[:, start: start + latent.shape[1]] = latent
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.latent[rows, positions] = latent
         if index_keys is not None:
-            self.index_keys[:, start: start + index_keys.shape[1]] = index_keys
+            self.index_keys[rows, positions] = index_keys
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -34,23 +35,22 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 class TorchDsaAttention:
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
-               length: int, topk: int, scale: float) -> torch.Tensor:
+               lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
         """Lightning indexer top-k for one new token per row.
 
         index_q [B, Hi, Di] (roped), index_weights [B, Hi] (float32, already times Hi^-0.5):
-        score(s) = sum_h w_h * relu(scale * q_h . k_s) over the first `length` keys. Returns [B, topk]
-        int64 token ids in descending score order (ties to the lower id), -1 where fewer than topk
-        tokens exist.
+        score(s) = sum_h w_h * relu(scale * q_h . k_s) over the first lengths[b] keys of row b. Returns
+        [B, topk] int64 token ids in descending score order (ties to the lower id), -1 where a row has
+        fewer than topk tokens.
         """
-        keys = kv.index_keys[:, :length].float()  # [B, T, Di]
-        scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), keys) * scale)
+        scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), kv.index_keys.float()) * scale)
         index_scores = torch.einsum("bh,bht->bt", index_weights, scores)
-        chosen = stable_topk(index_scores, min(topk, length))
-        selection = chosen.new_full((chosen.shape[0], topk), -1)
-        selection[:, : chosen.shape[1]] = chosen
-        return selection
+        valid = torch.arange(index_scores.shape[1], device=lengths.device)[None, :] < lengths[:, None]
+        chosen = stable_topk(index_scores.masked_fill(~valid, float("-inf")), topk)
+        chosen = torch.where(valid.gather(1, chosen), chosen, -1)
+        return torch.nn.functional.pad(chosen, (0, topk - chosen.shape[1]), value=-1)
 
-    def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV, length: int,
+    def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV, lengths: torch.Tensor,
                selection: torch.Tensor, scale: float) -> torch.Tensor:
         """Absorbed MLA over the selected tokens: q_latent [B, H, Dc], q_rope [B, H, Dr],
         selection [B, k] (-1 pads). Returns the attention-weighted latent [B, H, Dc]."""

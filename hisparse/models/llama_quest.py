@@ -44,30 +44,35 @@ class GqaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, kv: PagedKV) -> torch.Tensor:
         b, s, _ = x.shape
-        start, end = step.start, step.start + s
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self._rotary[0](step.positions, x.dtype)
-        q = rope_half(q, cos[:, None], sin[:, None]).transpose(1, 2)  # [B, H, S, D]
-        kv.write(start, rope_half(k, cos[:, None], sin[:, None]).transpose(1, 2),
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        q = rope_half(q, cos, sin).transpose(1, 2)  # [B, H, S, D]
+        kv.write(step.positions, rope_half(k, cos, sin).transpose(1, 2),
                  self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2), self.page_size)
         if step.decode and self.quest:
             quest = self._owner[0].sparse_attention
-            selection = quest.select(self.layer_idx, q[:, :, 0], kv, end, self.page_size)
-            out = quest.attend(self.layer_idx, q[:, :, 0], kv, end, selection, self.page_size, self.scaling)
+            selection = quest.select(self.layer_idx, q[:, :, 0], kv, step.lengths, self.page_size)
+            out = quest.attend(self.layer_idx, q[:, :, 0], kv, step.lengths, selection, self.page_size, self.scaling)
             out = out[:, None]
         else:
-            out = self._dense(q, kv, step.positions, end).transpose(1, 2)
+            out = self._dense(q, kv, step).transpose(1, 2)
         return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
-    def _dense(self, q: torch.Tensor, kv: PagedKV, positions: torch.Tensor, end: int) -> torch.Tensor:
-        """Causal GQA attention of q [B, H, S, D] over the first `end` positions: [B, H, S, D]."""
+    def _dense(self, q: torch.Tensor, kv: PagedKV, step: Step) -> torch.Tensor:
+        """Causal GQA attention of q [B, H, S, D] over every token held: [B, H, S, D]."""
         b, _, s, d = q.shape
-        causal = positions[:, None] >= torch.arange(end, device=q.device)[None, :]
+        if step.decode:
+            tokens = torch.arange(kv.keys.shape[2], device=q.device)
+            mask, end = (tokens < step.lengths[:, None])[:, None, None, :], kv.keys.shape[2]  # [B, 1, 1, T]
+        else:
+            end = step.start + s
+            causal = step.positions[0, :, None] >= torch.arange(end, device=q.device)[None, :]
+            mask = causal.repeat(self.n_heads // self.n_kv_heads, 1)
         qg = q.reshape(b, self.n_kv_heads, -1, d)  # [B, Hkv, G * S, D]
-        mask = causal.repeat(self.n_heads // self.n_kv_heads, 1)
         out = softmax_attention(qg, kv.keys[:, :, :end], kv.values[:, :, :end], self.scaling, mask)
         return out.view(b, self.n_heads, s, d)
 

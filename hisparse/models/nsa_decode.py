@@ -29,20 +29,25 @@ class NsaKV:
     compressed_keys: torch.Tensor
     compressed_values: torch.Tensor
 
-    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store keys, values [B, Hkv, S, D] at positions start .. start + S - 1 (a hierarchical
-        state overrides this to write its host pool too)."""
-        self.keys[:, :, start: start + keys.shape[2]] = keys
-        self.values[:, :, start: start + values.shape[2]] = values
+    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys, values [B, Hkv, S, D] of the tokens at positions [B, S] (a hierarchical state
+        overrides this to write its host pool too)."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.keys[rows, :, positions] = keys.transpose(1, 2)
+        self.values[rows, :, positions] = values.transpose(1, 2)
 
-    def write_compressed(self, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store compressed blocks first .. first + C - 1: keys, values [B, Hkv, C, D]."""
-        self.compressed_keys[:, :, first: first + keys.shape[2]] = keys
-        self.compressed_values[:, :, first: first + values.shape[2]] = values
+    def write_compressed(self, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store compressed blocks blocks [B, C]: keys, values [B, Hkv, C, D]."""
+        rows = torch.arange(blocks.shape[0], device=blocks.device)[:, None]
+        self.compressed_keys[rows, :, blocks] = keys.transpose(1, 2)
+        self.compressed_values[rows, :, blocks] = values.transpose(1, 2)
 
 
-def compressed_count(length: int, config: NsaConfig) -> int:
+def compressed_count(length, config: NsaConfig):
+    """Complete compressed blocks among `length` tokens (an int, or a tensor of lengths)."""
     size, stride = config.compress_block_size, config.compress_block_stride
+    if isinstance(length, torch.Tensor):
+        return torch.where(length >= size, (length - size) // stride + 1, 0)
     return 0 if length < size else (length - size) // stride + 1
 
 
@@ -83,41 +88,42 @@ class TorchNsaAttention:
         self.config = config
         self.scale = config.head_dim ** -0.5
 
-    def decode(self, layer_idx: int, q: torch.Tensor, gates: torch.Tensor, kv: NsaKV, length: int) -> torch.Tensor:
-        """q [B, H, D] (roped), gates [B, H, 3] (sigmoid-ed) -> out [B, H, D]."""
+    def decode(self, layer_idx: int, q: torch.Tensor, gates: torch.Tensor, kv: NsaKV,
+               lengths: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D] (roped), gates [B, H, 3] (sigmoid-ed), rows of lengths [B] -> out [B, H, D]."""
         b, h, d = q.shape
         qg = q.view(b, kv.keys.shape[1], -1, d)
-        o_cmp, probs = self.compressed(layer_idx, qg, kv, length)
-        blocks = self.select(layer_idx, probs, length)
-        o_slc = self.selected(layer_idx, qg, kv, length, blocks)
-        o_win = self.window(layer_idx, qg, kv, length)
+        o_cmp, probs = self.compressed(layer_idx, qg, kv, lengths)
+        blocks = self.select(layer_idx, probs, lengths, -(-kv.keys.shape[2] // self.config.selection_block_size))
+        o_slc = self.selected(layer_idx, qg, kv, lengths, blocks)
+        o_win = self.window(layer_idx, qg, kv, lengths)
         g = gates.view(b, kv.keys.shape[1], -1, 3).to(q.dtype)
         out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
         return out.reshape(b, h, d)
 
-    def compressed(self, layer_idx, qg, kv: NsaKV, length: int):
-        n = compressed_count(length, self.config)
-        mask = torch.ones(1, 1, 1, n, dtype=torch.bool, device=qg.device)
-        return grouped_attention(qg, kv.compressed_keys[:, :, :n], kv.compressed_values[:, :, :n], mask, self.scale)
+    def compressed(self, layer_idx, qg, kv: NsaKV, lengths: torch.Tensor):
+        blocks = torch.arange(kv.compressed_keys.shape[2], device=qg.device)
+        mask = (blocks[None, :] < compressed_count(lengths, self.config)[:, None])[:, None, None, :]
+        return grouped_attention(qg, kv.compressed_keys, kv.compressed_values, mask, self.scale)
 
-    def select(self, layer_idx, probs: torch.Tensor, length: int) -> torch.Tensor:
-        """Compressed probs [B, Hkv, G, C] -> selection blocks [B, Hkv, num_selected_blocks] int64."""
-        n_blocks = -(-length // self.config.selection_block_size)
+    def select(self, layer_idx, probs: torch.Tensor, lengths: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """Compressed probs [B, Hkv, G, C] -> selection blocks [B, Hkv, num_selected_blocks] int64,
+        among the first `n_blocks` blocks (those of the capacity)."""
+        size = self.config.selection_block_size
         weights = block_score_map(probs.shape[-1], n_blocks, self.config, probs.device)
         scores = probs.sum(2) @ weights  # [B, Hkv, nb]
-        return top_blocks(scores, n_blocks, self.config.num_selected_blocks)
+        return top_blocks(scores, ((lengths + size - 1) // size)[:, None, None], self.config.num_selected_blocks)
 
-    def selected(self, layer_idx, qg, kv: NsaKV, length: int, blocks: torch.Tensor) -> torch.Tensor:
+    def selected(self, layer_idx, qg, kv: NsaKV, lengths: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         size = self.config.selection_block_size
         tokens = (blocks[..., None] * size + torch.arange(size, device=qg.device)).flatten(2)  # [B, Hkv, n * size]
-        valid = (tokens >= 0) & (tokens < length) & (blocks >= 0).repeat_interleave(size, dim=-1)
+        valid = (tokens >= 0) & (tokens < lengths[:, None, None]) & (blocks >= 0).repeat_interleave(size, dim=-1)
         index = tokens.clamp(0, kv.keys.shape[2] - 1)[..., None].expand(-1, -1, -1, qg.shape[-1])
         out, _ = grouped_attention(qg, kv.keys.gather(2, index), kv.values.gather(2, index), valid[:, :, None],
                                    self.scale)
         return out
 
-    def window(self, layer_idx, qg, kv: NsaKV, length: int) -> torch.Tensor:
-        start = max(0, length - self.config.sliding_window)
-        keys, values = kv.keys[:, :, start:length], kv.values[:, :, start:length]
-        mask = torch.ones(1, 1, 1, keys.shape[2], dtype=torch.bool, device=qg.device)
-        return grouped_attention(qg, keys, values, mask, self.scale)[0]
+    def window(self, layer_idx, qg, kv: NsaKV, lengths: torch.Tensor) -> torch.Tensor:
+        tokens = torch.arange(kv.keys.shape[2], device=qg.device)[None, :]
+        mask = (tokens < lengths[:, None]) & (tokens >= lengths[:, None] - self.config.sliding_window)
+        return grouped_attention(qg, kv.keys, kv.values, mask[:, None, None, :], self.scale)[0]

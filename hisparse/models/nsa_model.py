@@ -39,29 +39,55 @@ class NsaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, kv: NsaKV) -> torch.Tensor:
         b, s, _ = x.shape
-        start, end = step.start, step.start + s
         cos, sin = self._rotary[0](step.positions, x.dtype)
-        q = rope_half(self.q_proj(x).view(b, s, self.n_heads, self.head_dim), cos[:, None], sin[:, None])
-        k = rope_half(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim), cos[:, None], sin[:, None])
-        kv.write(start, k.transpose(1, 2), self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2))
-        self._compress(kv, start, end)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        q = rope_half(self.q_proj(x).view(b, s, self.n_heads, self.head_dim), cos, sin)
+        k = rope_half(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim), cos, sin)
+        kv.write(step.positions, k.transpose(1, 2), self.v_proj(x).view(b, s, self.n_kv_heads, -1).transpose(1, 2))
         gates = torch.sigmoid(self.g_proj(x)).view(b, s, self.n_heads, 3)
         if step.decode:
-            out = self._owner[0].sparse_attention.decode(self.layer_idx, q[:, 0], gates[:, 0], kv, end)[:, None]
+            self._compress_newest(kv, step.lengths)
+            out = self._owner[0].sparse_attention.decode(self.layer_idx, q[:, 0], gates[:, 0], kv, step.lengths)
+            out = out[:, None]
         else:
-            out = self._prefill(q, gates, kv, step.positions, end)
+            end = step.start + s
+            self._compress(kv, step.start, end)
+            out = self._prefill(q, gates, kv, step.positions[0], end)
         return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
+    def _compressed(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
+        """Compressed keys, values [..., C, D] of blocks given as [..., C, D, block] token windows."""
+        pairs = ((keys, self.compress_k), (values, self.compress_v))
+        return [proj(x.float().mean(-1).to(x.dtype)) for x, proj in pairs]
+
     def _compress(self, kv: NsaKV, start: int, end: int) -> None:
-        """Compressed keys/values of the blocks completed by tokens start .. end - 1."""
+        """Prefill: the compressed blocks completed by tokens start .. end - 1 (every row)."""
         first, last = compressed_count(start, self.config), compressed_count(end, self.config)
         if last == first:
             return
         stride, size = self.config.compress_block_stride, self.config.compress_block_size
         span = slice(first * stride, (last - 1) * stride + size)
-        compressed = [proj(source[:, :, span].float().unfold(2, size, stride).mean(-1).to(source.dtype))
-                      for source, proj in ((kv.keys, self.compress_k), (kv.values, self.compress_v))]
-        kv.write_compressed(first, *compressed)
+        keys, values = (x[:, :, span].unfold(2, size, stride) for x in (kv.keys, kv.values))
+        blocks = torch.arange(first, last, device=kv.keys.device).expand(kv.keys.shape[0], -1)
+        kv.write_compressed(blocks, *self._compressed(keys, values))
+
+    def _compress_newest(self, kv: NsaKV, lengths: torch.Tensor) -> None:
+        """Decode: the compressed block the newest token completes, in the rows where it completes one."""
+        stride, size = self.config.compress_block_stride, self.config.compress_block_size
+        b, h, _, d = kv.keys.shape
+        complete = (lengths >= size) & ((lengths - size) % stride == 0)  # [B]
+        block = compressed_count(lengths, self.config).clamp(min=1) - 1  # [B]
+        tokens = (block[:, None] * stride + torch.arange(size, device=lengths.device)).clamp(max=kv.keys.shape[2] - 1)
+        index = tokens[:, None, :, None].expand(b, h, size, d)
+        # [B, H, 1, D, size]: one block per row, tokens last as unfold lays them out
+        keys, values = (x.gather(2, index).transpose(2, 3)[:, :, None] for x in (kv.keys, kv.values))
+        new_keys, new_values = self._compressed(keys, values)
+        rows = torch.arange(b, device=lengths.device)
+        keep = ~complete[:, None, None, None]
+        old_keys = kv.compressed_keys[rows, :, block][:, :, None]  # [B, H, 1, D]
+        old_values = kv.compressed_values[rows, :, block][:, :, None]
+        kv.write_compressed(block[:, None], torch.where(keep, old_keys, new_keys),
+                            torch.where(keep, old_values, new_values))
 
     def _prefill(self, q, gates, kv: NsaKV, positions, end) -> torch.Tensor:
         """The three gated branches for every query (positions [S]) over tokens < its position + 1."""

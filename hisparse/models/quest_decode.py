@@ -24,16 +24,19 @@ class PagedKV:
     page_min: torch.Tensor
     page_max: torch.Tensor
 
-    def write(self, start: int, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
-        """Store keys, values [B, Hkv, S, D] at positions start .. start + S - 1 and update the
-        bounds of their pages (a hierarchical state overrides this to write its host pool too)."""
-        end = start + keys.shape[2]
-        self.keys[:, :, start:end] = keys
-        self.values[:, :, start:end] = values
-        self.update_pages(start, end, page_size)
+    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+        """Store keys, values [B, Hkv, S, D] of the tokens at positions [B, S] and update the bounds
+        of their pages (a hierarchical state overrides this to write its host pool too)."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.keys[rows, :, positions] = keys.transpose(1, 2)
+        self.values[rows, :, positions] = values.transpose(1, 2)
+        if positions.shape[1] == 1:
+            self._update_newest_pages(positions[:, 0] + 1, page_size)
+        else:  # prefill: every row at the same positions
+            self._update_pages(int(positions[0, 0]), int(positions[0, -1]) + 1, page_size)
 
-    def update_pages(self, start: int, end: int, page_size: int) -> None:
-        """Recompute the bounds of the pages holding positions start .. end - 1."""
+    def _update_pages(self, start: int, end: int, page_size: int) -> None:
+        """Recompute the bounds of the pages holding positions start .. end - 1 (every row)."""
         first, last = start // page_size, (end - 1) // page_size + 1
         keys = self.keys[:, :, first * page_size: end]
         pad = last * page_size - end
@@ -43,34 +46,47 @@ class PagedKV:
         self.page_min[:, :, first:last] = low.amin(dim=3)
         self.page_max[:, :, first:last] = high.amax(dim=3)
 
+    def _update_newest_pages(self, lengths: torch.Tensor, page_size: int) -> None:
+        """Recompute the bounds of each row's newest page, rows holding lengths [B] tokens."""
+        b, h, _, d = self.keys.shape
+        page = (lengths - 1) // page_size  # [B]
+        tokens = page[:, None] * page_size + torch.arange(page_size, device=lengths.device)  # [B, P]
+        keys = self.keys.gather(2, tokens.clamp(max=self.keys.shape[2] - 1)[:, None, :, None].expand(b, h, -1, d))
+        valid = (tokens < lengths[:, None])[:, None, :, None]
+        rows = torch.arange(b, device=lengths.device)
+        self.page_min[rows, :, page] = torch.where(valid, keys, float("inf")).amin(dim=2)
+        self.page_max[rows, :, page] = torch.where(valid, keys, float("-inf")).amax(dim=2)
+
 
 class TorchQuestAttention:
     def __init__(self, token_budget: int = 4096):
         self.token_budget = token_budget
 
-    def select(self, layer_idx: int, q: torch.Tensor, kv: PagedKV, length: int, page_size: int) -> torch.Tensor:
+    def select(self, layer_idx: int, q: torch.Tensor, kv: PagedKV, lengths: torch.Tensor,
+               page_size: int) -> torch.Tensor:
         """q [B, H, D] (roped) -> page ids [B, Hkv, budget pages] int64, ascending, -1 padding."""
-        b, hkv = kv.keys.shape[:2]
-        n_pages = (length + page_size - 1) // page_size
+        b, hkv, max_pages, d = kv.page_min.shape
         n_select = max(self.token_budget // page_size, 1)
-        qg = q.view(b, hkv, -1, 1, q.shape[-1]).float()  # [B, Hkv, G, 1, D]
-        low, high = kv.page_min[:, :, None, :n_pages].float(), kv.page_max[:, :, None, :n_pages].float()
-        scores = torch.maximum(qg * low, qg * high).sum(-1).amax(2)  # [B, Hkv, n_pages]
-        current = n_pages - 1
-        others = torch.sort(scores[..., :current], dim=-1, descending=True, stable=True).indices
-        chosen = torch.cat([others[..., : n_select - 1], others.new_full((b, hkv, 1), current)], dim=-1)
-        chosen = chosen.sort(dim=-1).values
-        selection = chosen.new_full((b, hkv, n_select), -1)
-        selection[..., : chosen.shape[-1]] = chosen
-        return selection
+        qg = q.view(b, hkv, -1, 1, d).float()  # [B, Hkv, G, 1, D]
+        low, high = kv.page_min[:, :, None].float(), kv.page_max[:, :, None].float()
+        scores = torch.maximum(qg * low, qg * high).sum(-1).amax(2)  # [B, Hkv, max_pages]
+        pages = torch.arange(max_pages, device=q.device)
+        current = ((lengths - 1) // page_size)[:, None, None]
+        scores = torch.where(pages == current, float("inf"), scores)
+        scores = torch.where(pages > current, float("-inf"), scores)
+        values, chosen = torch.sort(scores, dim=-1, descending=True, stable=True)
+        chosen = torch.where(values > float("-inf"), chosen, max_pages)[..., :n_select].sort(dim=-1).values
+        chosen = torch.where(chosen == max_pages, -1, chosen)
+        return torch.nn.functional.pad(chosen, (0, n_select - chosen.shape[-1]), value=-1)
 
-    def attend(self, layer_idx: int, q: torch.Tensor, kv: PagedKV, length: int, selection: torch.Tensor,
+    def attend(self, layer_idx: int, q: torch.Tensor, kv: PagedKV, lengths: torch.Tensor, selection: torch.Tensor,
                page_size: int, scale: float) -> torch.Tensor:
         """Attention of q [B, H, D] over the tokens of the selected pages -> [B, H, D]."""
         b, hkv, _, d = kv.keys.shape
         offsets = torch.arange(page_size, device=q.device)
         tokens = (selection[..., None] * page_size + offsets).flatten(2)  # [B, Hkv, n_select * P]
-        valid = (selection[..., None] >= 0).expand(-1, -1, -1, page_size).flatten(2) & (tokens < length)
+        valid = (selection[..., None] >= 0).expand(-1, -1, -1, page_size).flatten(2)
+        valid = valid & (tokens < lengths[:, None, None])
         index = tokens.clamp(0, kv.keys.shape[2] - 1)[..., None].expand(-1, -1, -1, d)
         keys, values = kv.keys.gather(2, index), kv.values.gather(2, index)
         qg = q.view(b, hkv, -1, d)  # [B, Hkv, G, D]
