@@ -13,7 +13,7 @@ import torch
 class MlaKV:
     """One layer's KV state: `latent` [B, capacity, kv_lora_rank + qk_rope_head_dim] (normalised
     latent then roped key, V = the first kv_lora_rank values); `index_keys` [B, capacity,
-    index_head_dim] on anchor layers, None on shared layers. Positions >= the state's length are unused."""
+    index_head_dim] on anchor layers, None on shared layers. Positions >= a row's length are unused."""
 
     latent: torch.Tensor
     index_keys: torch.Tensor | None

@@ -22,7 +22,7 @@ from hisparse.models.config import NsaConfig
 @dataclass
 class NsaKV:
     """One layer's KV: keys (roped), values [B, Hkv, capacity, D]; compressed_keys,
-    compressed_values [B, Hkv, compressed capacity, D]. Entries beyond the state's length are unused."""
+    compressed_values [B, Hkv, compressed capacity, D]. Entries beyond a row's length are unused."""
 
     keys: torch.Tensor
     values: torch.Tensor

@@ -17,7 +17,7 @@ from hisparse.models.layers import softmax_attention
 @dataclass
 class PagedKV:
     """One layer's KV: keys, values [B, Hkv, capacity, D] (keys after RoPE); page_min, page_max
-    [B, Hkv, ceil(capacity / page_size), D]. Positions >= the state's length are unused."""
+    [B, Hkv, ceil(capacity / page_size), D]. Positions >= a row's length are unused."""
 
     keys: torch.Tensor
     values: torch.Tensor
