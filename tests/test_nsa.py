@@ -3,6 +3,11 @@
 CPU tests run the kernels through Triton's interpreter on small odd shapes (float16/float32);
 GPU tests check bf16 at real shapes (32 query heads, 8 KV heads, head dim 128).
 """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -357,6 +362,49 @@ def test_launchers_reject_bad_inputs():
         nsa.nsa_compress(case.k_cmp, case.v_cmp, torch.eye(16), None)
     with pytest.raises(ValueError, match="window"):
         nsa.nsa_compress_newest(case.win_k[:, :, :16], case.win_v[:, :, :16], case.lengths, case.ck, case.cv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled mode without a GPU: every kernel variant compiles for sm_90 (the interpreter runs none)
+# ---------------------------------------------------------------------------------------------
+
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels_triton import nsa as K
+
+def compile_sm90(fn, types, consts, **options):
+    signature = {name: types.get(name, "i32") for name in fn.arg_names}
+    signature.update({name: "constexpr" for name in consts})
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+bf16 = {name: "*bf16" for name in ("q", "k", "v", "wk", "wv", "ck", "cv", "gates", "out")}
+fp32 = {name: "*fp32" for name in ("part_m", "part_l", "part_acc", "logits", "lse", "scores", "o_cmp", "slc_m",
+                                   "slc_l", "slc_acc", "win_m", "win_l", "win_acc")}
+ints = {name: "*i32" for name in ("rows", "blocks", "lengths")}
+types = {**bf16, **fp32, **ints, "scale": "fp32"}
+for gather, resident, store in ((False, False, True), (True, True, False), (True, False, False)):
+    compile_sm90(K._nsa_attention_partial_kernel, types, dict(
+        T=64, BLOCK_G=16, BLOCK_D=128, GATHER=gather, RESIDENT=resident, VALID_KIND=0, CMP_BLOCK=32,
+        CMP_STRIDE=16, STORE_LOGITS=store, DOT_PRECISION="tf32"), num_warps=4, num_stages=2)
+compile_sm90(K._nsa_merge_kernel, types, dict(BLOCK_S=128, BLOCK_D=128), num_warps=8)
+compile_sm90(K._nsa_select_kernel, types, dict(CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16,
+                                               BLOCK_NB=2048), num_warps=8)
+compile_sm90(K._nsa_gate_kernel, types, dict(BLOCK_S_SLC=4, BLOCK_S_WIN=2, BLOCK_D=128), num_warps=1)
+compile_sm90(K._nsa_compress_kernel, types, dict(CMP_BLOCK=32, CMP_STRIDE=16, BLOCK_C=16, BLOCK_D=128,
+                                                 HAS_WEIGHT=True, RING=True, DOT_PRECISION="ieee"), num_warps=8)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the GPU tests compile and run the kernels")
+def test_kernels_compile_for_sm90():
+    """The interpreter never compiles: build each kernel variant for Hopper in a process without it."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=Path(__file__).resolve().parent.parent,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 # ---------------------------------------------------------------------------------------------
