@@ -1,0 +1,327 @@
+"""Figures drawn from the long-format CSVs under results/ alone (DESIGN section 9); no kernel runs.
+
+    python -m experiments.figures [--results DIR] [--out DIR]     # default results/, results/figures/
+
+Every figure is written as PNG and PDF. A CSV accumulates runs: each figure plots, per bench, the rows
+of the newest run's commit and GPU, and names them in its title. A figure whose file or metrics are
+not there yet is skipped with one printed line. Figures are built with matplotlib's object API (no
+pyplot, no GUI backend): PNGs are rendered by Agg, PDFs by the PDF backend. Each figure function takes
+a DataFrame of rows and returns a `matplotlib.figure.Figure`, so notebooks can call them too.
+"""
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+MODE_LABELS = {
+    "resident": "resident", "hisparse": "hierarchical", "sync": "hierarchical",
+    "prefetch": "hierarchical + prefetch", "noio": "no-IO oracle",
+    "triton": "triton", "torch_gather": "torch gather", "dense": "dense (all keys)",
+    "lru": "LRU", "fifo": "FIFO", "random": "random", "belady": "Belady (offline optimum)",
+    "last": "last selection only (B = k)",
+}
+DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
+ATTENTION_MODES = ("triton", "torch_gather", "dense")
+
+
+class MissingData(Exception):
+    """The rows a figure needs are not in the results: the figure is skipped."""
+
+
+# ----------------------------------------------------------------------------------------------
+# rows
+
+
+def newest(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per bench, the rows of the commit and GPU of the newest row (by timestamp)."""
+    stamp = pd.to_datetime(frame["timestamp"], utc=True, format="ISO8601")
+    keep = pd.Series(False, index=frame.index)
+    for _, rows in frame.groupby("bench", sort=False):
+        last = frame.loc[stamp[rows.index].idxmax()]
+        keep |= (frame["bench"] == last["bench"]) & (frame["commit"] == last["commit"]) & (
+            frame["gpu"] == last["gpu"])
+    return frame[keep]
+
+
+def read_results(results: Path, names: tuple[str, ...]) -> pd.DataFrame:
+    """The newest run's rows of each CSV in `names` that exists under `results`, concatenated."""
+    frames = [newest(pd.read_csv(results / name)) for name in names if (results / name).exists()]
+    if not frames:
+        raise MissingData(f"{' and '.join(str(results / n) for n in names)} not found")
+    return pd.concat(frames, ignore_index=True)
+
+
+def select(frame: pd.DataFrame, metrics, modes=None) -> pd.DataFrame:
+    """Rows of `metrics` (and of `modes`, if given); MissingData names whatever is absent."""
+    rows = frame[frame["metric"].isin(metrics)]
+    if modes is not None:
+        rows = rows[rows["mode"].isin(modes)]
+    absent = [m for m in metrics if m not in set(rows["metric"])]
+    if absent:
+        scope = f" for modes {', '.join(modes)}" if modes is not None else ""
+        raise MissingData(f"no rows of metric {', '.join(absent)}{scope}")
+    return rows
+
+
+def without(rows: pd.DataFrame, *columns: str) -> pd.DataFrame:
+    """Rows where each of `columns` is empty (an overall value, not a per-layer or per-step one)."""
+    for column in columns:
+        if column in rows:
+            rows = rows[rows[column].isna()]
+    return rows
+
+
+def provenance(rows: pd.DataFrame) -> str:
+    """'GPU, commit C' of every (gpu, commit) pair in `rows`."""
+    pairs = rows[["gpu", "commit"]].drop_duplicates().itertuples(index=False)
+    return "; ".join(f"{gpu}, commit {commit}" for gpu, commit in pairs)
+
+
+# ----------------------------------------------------------------------------------------------
+# drawing helpers
+
+
+def new_figure(title: str, rows: pd.DataFrame, nrows: int, ncols: int) -> tuple[Figure, list]:
+    fig = Figure(figsize=(4.3 * ncols, 3.3 * nrows + 0.6), layout="constrained")
+    fig.suptitle(f"{title}\n{provenance(rows)}", fontsize=10)
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def tokens(n: float) -> str:
+    return f"{n / 1024:g}K" if n >= 1024 else f"{n:g}"
+
+
+def describe(column: str, value) -> str:
+    if column == "mode":
+        return MODE_LABELS.get(value, value)
+    if column == "context":
+        return f"context {tokens(value)}"
+    if column == "cache_slots":
+        return f"B={int(value)}"
+    return f"{column} {value}"
+
+
+def plot_lines(ax, rows: pd.DataFrame, x: str, keys: tuple[str, ...], marker: str = "o") -> None:
+    """One line of value vs `x` per combination of `keys` (medians of repeated rows); only keys
+    that vary appear in the labels. A line of one point gets a larger marker."""
+    keys = [k for k in keys if k in rows and rows[k].nunique(dropna=False) > 1]
+    points = rows.groupby(keys + [x], dropna=False)["value"].median().reset_index()
+    groups = points.groupby(keys, dropna=False) if keys else [((), points)]
+    for key, line in groups:
+        label = ", ".join(describe(k, v) for k, v in zip(keys, key)) or None
+        single = len(line) == 1
+        ax.plot(line[x], line["value"], marker="o" if single else marker, markersize=8 if single else 3,
+                linewidth=1.5 if marker else 0.8, label=label)
+    if keys:
+        ax.legend(fontsize=7)
+
+
+def log2_axis(ax, values, labels=str) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(values))
+    ax.set_xticks(ticks, [labels(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def panels_by(rows: pd.DataFrame, column: str) -> list:
+    """(value, rows) per distinct value of `column`, or one panel of all rows when it is absent."""
+    if column not in rows or rows[column].isna().all():
+        return [(None, rows)]
+    return list(rows.groupby(column, sort=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# figures
+
+
+def throughput_vs_context(frame: pd.DataFrame) -> Figure:
+    """Peak generation throughput (best batch) vs input length, resident vs hierarchical."""
+    rows = select(frame, ["tokens_per_s"], ("resident", "hisparse"))
+    peak = rows.groupby(["family", "mode", "context"], dropna=False)["value"].max().reset_index()
+    families = panels_by(peak, "family")
+    fig, axes = new_figure("Peak throughput (best batch) vs input length", rows, 1, len(families))
+    for ax, (family, part) in zip(axes[0], families):
+        plot_lines(ax, part, "context", ("mode",))
+        wide = part.pivot_table(index="context", columns="mode", values="value")
+        if {"resident", "hisparse"} <= set(wide.columns):
+            for context, line in wide.dropna().iterrows():
+                ax.annotate(f"{line.hisparse / line.resident:.1f}x", (context, line.hisparse),
+                            textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        log2_axis(ax, part["context"], tokens)
+        ax.set(title=family or "", xlabel="input length (tokens)", ylabel="tokens / s")
+    return fig
+
+
+def memory_per_request(frame: pd.DataFrame) -> Figure:
+    """GPU memory per request vs context length."""
+    rows = select(frame, ["hbm_bytes_per_request"], DECODE_MODES)
+    rows = rows.assign(value=rows["value"] / 2**30)
+    fig, axes = new_figure("GPU memory per request vs context length", rows, 1, 1)
+    ax = axes[0][0]
+    plot_lines(ax, rows, "context", ("family", "mode"))
+    log2_axis(ax, rows["context"], tokens)
+    ax.set_yscale("log")
+    ax.set(xlabel="context (tokens)", ylabel="HBM per request (GiB)")
+    return fig
+
+
+def tpot_and_throughput(frame: pd.DataFrame) -> Figure:
+    """Time per output token and throughput vs batch: resident, hierarchical, with prefetch, no-IO."""
+    rows = select(frame, ["tpot_ms", "tokens_per_s"], DECODE_MODES)
+    contexts = panels_by(rows, "context")
+    fig, axes = new_figure("Time per output token and throughput vs batch", rows, 2, len(contexts))
+    for col, (context, part) in enumerate(contexts):
+        for ax, metric, label in zip(axes[:, col], ("tpot_ms", "tokens_per_s"), ("ms / token", "tokens / s")):
+            mine = part[part["metric"] == metric]
+            plot_lines(ax, mine, "batch", ("family", "mode"))
+            log2_axis(ax, mine["batch"])
+            ax.set(title=f"context {tokens(context)}" if context else "", xlabel="batch", ylabel=label)
+    return fig
+
+
+def prefetch_hiding(frame: pd.DataFrame) -> Figure:
+    """Miss IO left exposed per token and the share prefetch hides, vs batch."""
+    rows = select(frame, ["exposed_io_ms_per_token", "hidden_frac"])
+    fig, axes = new_figure("Layer-wise prefetch: exposed IO and hidden share", rows, 1, 2)
+    for ax, metric, label in zip(axes[0], ("exposed_io_ms_per_token", "hidden_frac"),
+                                 ("exposed IO (ms / token)", "share of miss IO hidden")):
+        mine = rows[rows["metric"] == metric]
+        plot_lines(ax, mine, "batch", ("family", "mode", "context"))
+        log2_axis(ax, mine["batch"])
+        ax.set(xlabel="batch", ylabel=label)
+    return fig
+
+
+def resolve_split(frame: pd.DataFrame) -> Figure:
+    """Resolve time per call split into probe-and-scan (no-IO) and IO, vs B/k and vs batch, one
+    column per miss rate. Rows: the most common row size, fetch in miss order."""
+    rows = select(frame, ["noio_us", "total_us"])
+    if "target_miss" not in rows:
+        raise MissingData("resolve rows lack the target_miss column")
+    if "plan_order" in rows:
+        rows = rows[rows["plan_order"].fillna("miss") == "miss"]
+    rows = rows[rows["unit_bytes"] == rows["unit_bytes"].mode()[0]]
+    wide = rows.pivot_table(index=["batch", "k", "cache_slots", "target_miss"], columns="metric",
+                            values="value").reset_index()
+    wide["io_us"] = (wide["total_us"] - wide["noio_us"]).clip(lower=0)
+    wide["ratio"] = wide["cache_slots"] / wide["k"]
+    batch, ratio = wide["batch"].max(), 2.0 if (wide["ratio"] == 2).any() else wide["ratio"].min()
+    misses = sorted(wide["target_miss"].unique())
+    fig, axes = new_figure(f"Resolve time per call: probe-and-scan and IO (k={int(wide['k'].iloc[0])}, "
+                           f"{int(rows['unit_bytes'].iloc[0])} B rows)", rows, 2, len(misses))
+    for col, miss in enumerate(misses):
+        at = wide[wide["target_miss"] == miss]
+        for ax, x, fixed, title in ((axes[0][col], "ratio", at["batch"] == batch, f"batch {batch}"),
+                                    (axes[1][col], "batch", at["ratio"] == ratio, f"B = {ratio:g}k")):
+            bars = at[fixed].sort_values(x)
+            where = range(len(bars))
+            ax.bar(where, bars["noio_us"], label="probe and scan (no-IO)")
+            ax.bar(where, bars["io_us"], bottom=bars["noio_us"], label="IO (total - no-IO)")
+            ax.set_xticks(where, [f"{v:g}" for v in bars[x]])
+            ax.set(title=f"miss {miss:.1%}, {title}", xlabel="B / k" if x == "ratio" else "batch",
+                   ylabel="us per call")
+    axes[0][0].legend(fontsize=7)
+    return fig
+
+
+def attention_kernels(frame: pd.DataFrame, metric: str = "us") -> Figure:
+    """Attention kernels vs batch per family, triton vs torch gather vs dense, at the longest context
+    the triton kernel was measured at."""
+    rows = select(frame, [metric], ATTENTION_MODES)
+    families = panels_by(rows, "family")
+    fig, axes = new_figure(f"Sparse attention decode: {metric} vs batch", rows, 1, len(families))
+    for ax, (family, part) in zip(axes[0], families):
+        context = part.loc[part["mode"] == "triton", "context"].max()
+        part = part[part["context"] == (context if pd.notna(context) else part["context"].max())]
+        plot_lines(ax, part, "batch", ("mode",))
+        log2_axis(ax, part["batch"])
+        if metric == "us":
+            ax.set_yscale("log")
+        ax.set(title=f"{family}, context {tokens(part['context'].iloc[0])}", xlabel="batch", ylabel=metric)
+    return fig
+
+
+def policy_miss_rates(frame: pd.DataFrame) -> Figure:
+    """Miss rate vs cache size B / k per replacement policy, with the published points (fits)."""
+    rows = without(select(frame, ["miss_rate"]), "layer", "step")
+    rows = rows.assign(ratio=rows["cache_slots"] / rows["k"])
+    workloads = panels_by(rows, "workload")
+    fig, axes = new_figure("Miss rate vs cache size per policy", rows, 1, len(workloads))
+    for ax, (workload, part) in zip(axes[0], workloads):
+        plot_lines(ax, part, "ratio", ("mode",))
+        if "published" in part and part["published"].notna().any():
+            fits = part[part["published"].notna()]
+            ax.scatter(fits["ratio"], fits["published"], marker="x", color="black", zorder=3,
+                       label="published (fit)")
+            ax.legend(fontsize=7)
+        ax.set(title=f"{workload or ''} k={int(part['k'].iloc[0])}", xlabel="B / k", ylabel="miss rate")
+    return fig
+
+
+def miss_rate_vs_step(frame: pd.DataFrame) -> Figure:
+    """Miss rate per decode step for several policies and cache sizes (step 0 starts empty)."""
+    rows = select(frame, ["miss_rate"])
+    if "step" not in rows or rows["step"].isna().all():
+        raise MissingData("no per-step miss_rate rows (column step)")
+    rows = rows[rows["step"].notna()]
+    workloads = panels_by(rows, "workload")
+    fig, axes = new_figure("Miss rate per decode step", rows, 1, len(workloads))
+    for ax, (workload, part) in zip(axes[0], workloads):
+        plot_lines(ax, part, "step", ("mode", "cache_slots"), marker="")
+        ax.set_yscale("log")
+        ax.set(title=workload or "", xlabel="decode step", ylabel="miss rate")
+    return fig
+
+
+# name -> (CSV files it reads, function of their newest rows)
+FIGURES = {
+    "throughput_vs_context": (("throughput.csv",), throughput_vs_context),
+    "memory_per_request": (("throughput.csv",), memory_per_request),
+    "tpot_and_throughput": (("throughput.csv", "prefetch.csv"), tpot_and_throughput),
+    "prefetch_hiding": (("prefetch.csv",), prefetch_hiding),
+    "resolve_split": (("resolve.csv",), resolve_split),
+    "attention_us": (("attention.csv",), partial(attention_kernels, metric="us")),
+    "attention_roofline": (("attention.csv",), partial(attention_kernels, metric="roofline_frac")),
+    "policy_miss_rates": (("policies.csv",), policy_miss_rates),
+    "miss_rate_vs_step": (("policies.csv",), miss_rate_vs_step),
+}
+
+
+def draw(name: str, results: str | Path = "results") -> Figure:
+    """Figure `name` of FIGURES from the CSVs under `results`; MissingData when its rows are absent."""
+    files, function = FIGURES[name]
+    return function(read_results(Path(results), files))
+
+
+def draw_all(results: str | Path = "results", out: str | Path = "results/figures") -> list[Path]:
+    """Write every figure that has its rows as OUT/NAME.png and .pdf; print a line per figure."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in FIGURES:
+        try:
+            fig = draw(name, results)
+        except MissingData as why:
+            print(f"skipped {name}: {why}")
+            continue
+        for suffix in (".png", ".pdf"):
+            fig.savefig(out / f"{name}{suffix}", dpi=150)
+            written.append(out / f"{name}{suffix}")
+        print(f"wrote {out / name}.png and .pdf")
+    return written
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="results", help="folder of the result CSVs (default results/)")
+    parser.add_argument("--out", default=None, help="folder for the figures (default RESULTS/figures/)")
+    args = parser.parse_args(argv)
+    draw_all(args.results, args.out or Path(args.results) / "figures")
+
+
+if __name__ == "__main__":
+    main()
