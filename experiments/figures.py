@@ -24,6 +24,9 @@ MODE_LABELS = {
     "lru": "LRU", "fifo": "FIFO", "random": "random", "belady": "Belady (offline optimum)",
     "last": "last selection only (B = k)",
 }
+_LABELS = list(dict.fromkeys(MODE_LABELS.values()))
+MODE_COLORS = {mode: f"C{_LABELS.index(label) % 10}" for mode, label in MODE_LABELS.items()}
+LINE_STYLES = ("-", "--", ":", "-.")
 DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
 ATTENTION_MODES = ("triton", "torch_gather", "dense")
 
@@ -105,17 +108,26 @@ def describe(column: str, value) -> str:
     return f"{column} {value}"
 
 
-def plot_lines(ax, rows: pd.DataFrame, x: str, keys: tuple[str, ...], marker: str = "o") -> None:
+def plot_lines(ax, rows: pd.DataFrame, x: str, keys: tuple[str, ...], marker: str = "o",
+               by_mode: bool = True) -> None:
     """One line of value vs `x` per combination of `keys` (medians of repeated rows); only keys
-    that vary appear in the labels. A line of one point gets a larger marker."""
+    that vary appear in the labels. With `by_mode` a mode keeps its colour in every figure and the
+    other keys change the line style. A line of one point gets a larger marker."""
     keys = [k for k in keys if k in rows and rows[k].nunique(dropna=False) > 1]
     points = rows.groupby(keys + [x], dropna=False)["value"].median().reset_index()
     groups = points.groupby(keys, dropna=False) if keys else [((), points)]
+    styles = {}
     for key, line in groups:
-        label = ", ".join(describe(k, v) for k, v in zip(keys, key)) or None
+        values = dict(zip(keys, key))
+        label = ", ".join(describe(k, v) for k, v in values.items()) or None
+        style = {}
+        if by_mode:
+            rest = tuple(v for k, v in values.items() if k != "mode")
+            style["linestyle"] = styles.setdefault(rest, LINE_STYLES[len(styles) % len(LINE_STYLES)])
+            style["color"] = MODE_COLORS.get(values.get("mode"))
         single = len(line) == 1
         ax.plot(line[x], line["value"], marker="o" if single else marker, markersize=8 if single else 3,
-                linewidth=1.5 if marker else 0.8, label=label)
+                linewidth=1.5 if marker else 0.8, label=label, **style)
     if keys:
         ax.legend(fontsize=7)
 
@@ -271,7 +283,7 @@ def miss_rate_vs_step(frame: pd.DataFrame) -> Figure:
     workloads = panels_by(rows, "workload")
     fig, axes = new_figure("Miss rate per decode step", rows, 1, len(workloads))
     for ax, (workload, part) in zip(axes[0], workloads):
-        plot_lines(ax, part, "step", ("mode", "cache_slots"), marker="")
+        plot_lines(ax, part, "step", ("mode", "cache_slots"), marker="", by_mode=False)
         ax.set_yscale("log")
         ax.set(title=workload or "", xlabel="decode step", ylabel="miss rate")
     return fig

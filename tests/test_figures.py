@@ -1,0 +1,181 @@
+"""Figures from results/: every figure function on small long-format frames built here, the choice of
+the newest run, and the command line (skip lines, PNG and PDF files)."""
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from experiments import figures
+from experiments.figures import MissingData
+
+ENV = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "commit": "c0ffee",
+       "timestamp": "2026-11-29T12:00:00+00:00"}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def frame(bench: str, records: list[dict], **env) -> pd.DataFrame:
+    """Long-format rows of `bench`: each record holds at least metric and value."""
+    return pd.DataFrame([{"bench": bench, "unit": "", **ENV, **env, **r} for r in records])
+
+
+def lines(ax) -> dict[str, tuple[list, list]]:
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+
+
+def decode_frame(modes, metrics, contexts=(8192, 32768), batches=(1, 8)) -> pd.DataFrame:
+    """Decode rows whose value encodes its parameters: value = 1000 * mode number + batch + context / 1024."""
+    return frame("throughput", [
+        {"family": "dsa", "mode": mode, "batch": b, "context": c, "metric": m, "value": 1000 * i + b + c / 1024}
+        for (i, mode), c, b, m in itertools.product(enumerate(modes, 1), contexts, batches, metrics)])
+
+
+def test_newest_keeps_each_bench_newest_commit_and_gpu():
+    old = frame("resolve", [{"metric": "noio_us", "value": 1.0}], commit="old",
+                timestamp="2026-11-28T10:00:00+00:00")
+    new = frame("resolve", [{"metric": "noio_us", "value": 2.0}], commit="new", gpu="NVIDIA H100",
+                timestamp="2026-11-29T10:00:00+00:00")
+    other = frame("attention", [{"metric": "us", "value": 3.0}], commit="old",
+                  timestamp="2026-11-27T10:00:00+00:00")
+    # the older run listed last: the choice goes by timestamp, per bench
+    picked = figures.newest(pd.concat([new, old, other], ignore_index=True))
+    assert sorted(picked["value"]) == [2.0, 3.0]
+    assert figures.provenance(picked[picked.bench == "resolve"]) == "NVIDIA H100, commit new"
+
+
+def test_select_names_what_is_missing():
+    rows = decode_frame(["resident"], ["tokens_per_s"])
+    with pytest.raises(MissingData, match="tpot_ms for modes resident, hisparse"):
+        figures.select(rows, ["tokens_per_s", "tpot_ms"], ("resident", "hisparse"))
+    with pytest.raises(MissingData, match="tokens_per_s"):
+        figures.throughput_vs_context(decode_frame(["noio"], ["tokens_per_s"]))
+
+
+def test_throughput_vs_context_plots_the_best_batch_and_the_gain():
+    fig = figures.throughput_vs_context(decode_frame(["resident", "hisparse"], ["tokens_per_s", "tpot_ms"]))
+    ax = fig.axes[0]
+    got = lines(ax)
+    assert got["resident"] == ([8192, 32768], [1016.0, 1040.0])       # batch 8 is the best
+    assert got["hierarchical"] == ([8192, 32768], [2016.0, 2040.0])
+    assert [t.get_text() for t in ax.texts] == ["2.0x", "2.0x"]
+    assert "NVIDIA H200, commit c0ffee" in fig.get_suptitle()
+
+
+def test_memory_per_request_in_gib():
+    rows = decode_frame(["resident", "hisparse"], ["hbm_bytes_per_request"], batches=(1,))
+    rows["value"] = rows["context"] * 2.0**20 * np.where(rows["mode"] == "resident", 1, 0.5)
+    got = lines(figures.memory_per_request(rows).axes[0])
+    assert got["resident"] == ([8192, 32768], [8.0, 32.0])
+    assert got["hierarchical"] == ([8192, 32768], [4.0, 16.0])
+
+
+def test_tpot_and_throughput_one_column_per_context_one_line_per_mode():
+    modes = ["resident", "hisparse", "prefetch", "noio"]
+    fig = figures.tpot_and_throughput(decode_frame(modes, ["tpot_ms", "tokens_per_s", "max_batch"]))
+    assert len(fig.axes) == 4                                         # 2 metrics x 2 contexts
+    got = lines(fig.axes[0])
+    assert set(got) == {"resident", "hierarchical", "hierarchical + prefetch", "no-IO oracle"}
+    assert got["no-IO oracle"] == ([1, 8], [4009.0, 4016.0])
+    colors = {line.get_label(): line.get_color() for line in fig.axes[0].lines}
+    assert len(set(colors.values())) == 4 and colors["resident"] == figures.MODE_COLORS["resident"]
+    assert fig.axes[1].get_title() == "context 32K"
+
+
+def test_prefetch_hiding():
+    rows = decode_frame(["sync", "prefetch"], ["exposed_io_ms_per_token"], contexts=(32768,))
+    hidden = decode_frame(["prefetch"], ["hidden_frac"], contexts=(32768,)).assign(value=0.5)
+    fig = figures.prefetch_hiding(pd.concat([rows, hidden]))
+    assert set(lines(fig.axes[0])) == {"hierarchical", "hierarchical + prefetch"}
+    assert list(lines(fig.axes[1]).values()) == [([1, 8], [0.5, 0.5])]
+
+
+def resolve_frame() -> pd.DataFrame:
+    records = []
+    for batch, ratio, miss, row_bytes, order in itertools.product(
+            (1, 16, 64), (1, 2, 4), (0.2, 1.0), (1152, 8192), ("miss", "address")):
+        if row_bytes == 8192 and ratio != 2 or order == "address" and row_bytes == 8192:
+            continue
+        noio = 30.0 + ratio
+        total = noio + batch * miss * 10 + (1000 if order == "address" or row_bytes == 8192 else 0)
+        params = {"family": None, "mode": "hisparse", "batch": batch, "k": 2048, "cache_slots": 2048 * ratio,
+                  "unit_bytes": row_bytes, "target_miss": miss, "plan_order": order}
+        records += [{**params, "metric": "noio_us", "value": noio}, {**params, "metric": "total_us", "value": total},
+                    {**params, "metric": "fetch_GBps", "value": 50.0}]
+    return frame("resolve", records)
+
+
+def test_resolve_split_stacks_probe_and_io():
+    fig = figures.resolve_split(resolve_frame())
+    by_ratio, by_batch = fig.axes[0], fig.axes[2]                     # miss 0.2: vs B/k, vs batch
+    assert by_ratio.get_title() == "miss 20.0%, batch 64"
+    assert by_batch.get_title() == "miss 20.0%, B = 2k"
+    heights = lambda ax: [round(p.get_height(), 6) for p in ax.patches]
+    # bars: probe-and-scan for each x, then IO on top; address-order and 8 KB rows left out
+    assert heights(by_ratio) == [31.0, 32.0, 34.0, 128.0, 128.0, 128.0]
+    assert heights(by_batch) == [32.0, 32.0, 32.0, 2.0, 32.0, 128.0]
+    assert [t.get_text() for t in by_batch.get_xticklabels()] == ["1", "16", "64"]
+
+
+def test_attention_kernels_per_family_at_the_longest_triton_context():
+    records = [{"family": family, "mode": mode, "batch": b, "context": c, "metric": m, "value": b * c}
+               for family in ("dsa", "quest") for mode in ("triton", "torch_gather", "dense", "triton_step")
+               for b in (1, 4) for c in (8192, 65536) for m in ("us", "roofline_frac")
+               if not (mode == "triton" and c == 65536 and family == "quest")]
+    for metric in ("us", "roofline_frac"):
+        fig = figures.attention_kernels(frame("attention", records), metric=metric)
+        dsa, quest = fig.axes
+        assert dsa.get_title() == "dsa, context 64K" and quest.get_title() == "quest, context 8K"
+        assert set(lines(dsa)) == {"triton", "torch gather", "dense (all keys)"}
+        assert lines(quest)["triton"] == ([1, 4], [8192, 4 * 8192])
+        assert dsa.get_ylabel() == metric
+
+
+def policies_frame() -> pd.DataFrame:
+    common = {"family": "synthetic", "workload": "tiny", "k": 32, "metric": "miss_rate"}
+    records = [{**common, "mode": "last", "cache_slots": 32, "value": 0.3, "published": 0.3}]
+    records += [{**common, "mode": policy, "cache_slots": 32 * f, "value": rate / f}
+                for policy, rate in (("lru", 0.2), ("belady", 0.1)) for f in (1, 2)]
+    records += [{**common, "mode": "lru", "cache_slots": 64, "layer": 0, "value": 0.9}]
+    records += [{**common, "mode": "lru", "cache_slots": 64, "step": s, "value": 1 / (s + 1)} for s in range(5)]
+    records += [{**common, "metric": "overlap", "scope": "consecutive_step", "value": 0.8}]
+    return frame("policies", records)
+
+
+def test_policy_miss_rates_uses_only_overall_rows():
+    fig = figures.policy_miss_rates(policies_frame())
+    got = lines(fig.axes[0])
+    assert got["LRU"] == ([1.0, 2.0], [0.2, 0.1])                      # not the per-layer or per-step rows
+    assert got["last selection only (B = k)"] == ([1.0], [0.3])
+    assert fig.axes[0].get_title() == "tiny k=32"
+
+
+def test_miss_rate_vs_step():
+    got = lines(figures.miss_rate_vs_step(policies_frame()).axes[0])
+    assert list(got.values()) == [([0, 1, 2, 3, 4], [1, 1 / 2, 1 / 3, 1 / 4, 1 / 5])]
+    with pytest.raises(MissingData, match="per-step"):
+        figures.miss_rate_vs_step(policies_frame().drop(columns="step"))
+
+
+def test_command_line_writes_what_it_can_and_says_what_it_skips(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    policies_frame().to_csv(results / "policies.csv", index=False)
+    figures.main(["--results", str(results)])
+    out = capsys.readouterr().out.splitlines()
+    assert f"skipped resolve_split: {results / 'resolve.csv'} not found" in out
+    assert sum(line.startswith("skipped") for line in out) == len(figures.FIGURES) - 2
+    written = sorted(p.name for p in (results / "figures").iterdir())
+    assert written == ["miss_rate_vs_step.pdf", "miss_rate_vs_step.png", "policy_miss_rates.pdf",
+                       "policy_miss_rates.png"]
+    assert (results / "figures" / "policy_miss_rates.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_committed_results_draw(tmp_path, capsys):
+    """Every figure is drawn or skipped for a reason; the committed policy study is drawn."""
+    written = figures.draw_all(REPO / "results", tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == len(figures.FIGURES)
+    for name, line in zip(figures.FIGURES, out):
+        assert line.startswith((f"wrote {tmp_path / name}.png", f"skipped {name}: ")), line
+    assert {tmp_path / "policy_miss_rates.pdf", tmp_path / "miss_rate_vs_step.png"} <= set(written)
