@@ -28,6 +28,7 @@ _LABELS = list(dict.fromkeys(MODE_LABELS.values()))
 MODE_COLORS = {mode: f"C{_LABELS.index(label) % 10}" for mode, label in MODE_LABELS.items()}
 LINE_STYLES = ("-", "--", ":", "-.")
 DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
+DECODE_KEYS = ("family", "mode", "cache_slots")   # what tells decode lines apart
 ATTENTION_MODES = ("triton", "torch_gather", "dense")
 
 
@@ -99,6 +100,9 @@ def tokens(n: float) -> str:
 
 
 def describe(column: str, value) -> str:
+    """A key value as a legend reads it; empty where the parameter does not apply."""
+    if pd.isna(value):
+        return ""
     if column == "mode":
         return MODE_LABELS.get(value, value)
     if column == "context":
@@ -119,7 +123,7 @@ def plot_lines(ax, rows: pd.DataFrame, x: str, keys: tuple[str, ...], marker: st
     styles = {}
     for key, line in groups:
         values = dict(zip(keys, key))
-        label = ", ".join(describe(k, v) for k, v in values.items()) or None
+        label = ", ".join(filter(None, (describe(k, v) for k, v in values.items()))) or None
         style = {}
         if by_mode:
             rest = tuple(v for k, v in values.items() if k != "mode")
@@ -151,14 +155,16 @@ def panels_by(rows: pd.DataFrame, column: str) -> list:
 
 
 def throughput_vs_context(frame: pd.DataFrame) -> Figure:
-    """Peak generation throughput (best batch) vs input length, resident vs hierarchical."""
+    """Peak generation throughput (best batch) vs input length, resident vs hierarchical (per cache
+    size B where several were run); the gain printed is the best hierarchical over resident."""
     rows = select(frame, ["tokens_per_s"], ("resident", "hisparse"))
-    peak = rows.groupby(["family", "mode", "context"], dropna=False)["value"].max().reset_index()
+    keys = [k for k in DECODE_KEYS if k in rows] + ["context"]
+    peak = rows.groupby(keys, dropna=False)["value"].max().reset_index()
     families = panels_by(peak, "family")
     fig, axes = new_figure("Peak throughput (best batch) vs input length", rows, 1, len(families))
     for ax, (family, part) in zip(axes[0], families):
-        plot_lines(ax, part, "context", ("mode",))
-        wide = part.pivot_table(index="context", columns="mode", values="value")
+        plot_lines(ax, part, "context", ("mode", "cache_slots"))
+        wide = part.pivot_table(index="context", columns="mode", values="value", aggfunc="max")
         if {"resident", "hisparse"} <= set(wide.columns):
             for context, line in wide.dropna().iterrows():
                 ax.annotate(f"{line.hisparse / line.resident:.1f}x", (context, line.hisparse),
@@ -174,7 +180,7 @@ def memory_per_request(frame: pd.DataFrame) -> Figure:
     rows = rows.assign(value=rows["value"] / 2**30)
     fig, axes = new_figure("GPU memory per request vs context length", rows, 1, 1)
     ax = axes[0][0]
-    plot_lines(ax, rows, "context", ("family", "mode"))
+    plot_lines(ax, rows, "context", DECODE_KEYS)
     log2_axis(ax, rows["context"], tokens)
     ax.set_yscale("log")
     ax.set(xlabel="context (tokens)", ylabel="HBM per request (GiB)")
@@ -189,7 +195,7 @@ def tpot_and_throughput(frame: pd.DataFrame) -> Figure:
     for col, (context, part) in enumerate(contexts):
         for ax, metric, label in zip(axes[:, col], ("tpot_ms", "tokens_per_s"), ("ms / token", "tokens / s")):
             mine = part[part["metric"] == metric]
-            plot_lines(ax, mine, "batch", ("family", "mode"))
+            plot_lines(ax, mine, "batch", DECODE_KEYS)
             log2_axis(ax, mine["batch"])
             ax.set(title=f"context {tokens(context)}" if context else "", xlabel="batch", ylabel=label)
     return fig
@@ -202,7 +208,7 @@ def prefetch_hiding(frame: pd.DataFrame) -> Figure:
     for ax, metric, label in zip(axes[0], ("exposed_io_ms_per_token", "hidden_frac"),
                                  ("exposed IO (ms / token)", "share of miss IO hidden")):
         mine = rows[rows["metric"] == metric]
-        plot_lines(ax, mine, "batch", ("family", "mode", "context"))
+        plot_lines(ax, mine, "batch", DECODE_KEYS + ("context",))
         log2_axis(ax, mine["batch"])
         ax.set(xlabel="batch", ylabel=label)
     return fig

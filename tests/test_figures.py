@@ -62,6 +62,17 @@ def test_throughput_vs_context_plots_the_best_batch_and_the_gain():
     assert "NVIDIA H200, commit c0ffee" in fig.get_suptitle()
 
 
+def test_decode_lines_per_cache_size_and_the_gain_of_the_best():
+    resident = decode_frame(["resident"], ["tokens_per_s", "tpot_ms"])            # no cache_slots column
+    small = decode_frame(["resident", "hisparse"], ["tokens_per_s", "tpot_ms"]).query("mode == 'hisparse'")
+    small = small.assign(cache_slots=2048)
+    rows = pd.concat([resident, small, small.assign(cache_slots=4096, value=2 * small["value"])])
+    fig = figures.tpot_and_throughput(rows)
+    assert set(lines(fig.axes[0])) == {"resident", "hierarchical, B=2048", "hierarchical, B=4096"}
+    ax = figures.throughput_vs_context(rows).axes[0]
+    assert [t.get_text() for t in ax.texts] == ["4.0x", "3.9x"]
+
+
 def test_memory_per_request_in_gib():
     rows = decode_frame(["resident", "hisparse"], ["hbm_bytes_per_request"], batches=(1,))
     rows["value"] = rows["context"] * 2.0**20 * np.where(rows["mode"] == "resident", 1, 0.5)
