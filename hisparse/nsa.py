@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from kernels_triton.nsa import (
     _nsa_attention_partial_kernel, _nsa_compress_kernel, _nsa_gate_kernel, _nsa_merge_kernel,
@@ -49,6 +48,16 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ----------------------------------------------------------------------------- helpers
 
+# triton.cdiv and triton.next_power_of_2 are constexpr functions in recent Triton, costing several
+# microseconds per call from Python; a decode step makes about 20 such calls.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
 def compressed_count(lengths: torch.Tensor) -> torch.Tensor:
     """Number of complete compressed blocks of requests of `lengths` tokens."""
     return torch.where(lengths >= CMP_BLOCK, (lengths - CMP_BLOCK) // CMP_STRIDE + 1, 0)
@@ -62,7 +71,7 @@ def block_count(lengths: torch.Tensor) -> torch.Tensor:
 def nsa_block_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Resident pool [N * KV * U, 2, SEL_BLOCK, D] from dense k, v [N, KV, T, D] (zero padded)."""
     n, kvh, t, d = k.shape
-    units = triton.cdiv(t, SEL_BLOCK)
+    units = _cdiv(t, SEL_BLOCK)
     pad = units * SEL_BLOCK - t
     kb = F.pad(k, (0, 0, 0, pad)).view(n, kvh, units, 1, SEL_BLOCK, d)
     vb = F.pad(v, (0, 0, 0, pad)).view(n, kvh, units, 1, SEL_BLOCK, d)
@@ -256,7 +265,7 @@ def _alloc(like, shape, dtype):
 
 
 def _block_d(d):
-    return max(16, triton.next_power_of_2(d))  # tl.dot needs tiles of at least 16
+    return max(16, _next_pow2(d))  # tl.dot needs tiles of at least 16
 
 
 def _tile_warps(elements):
@@ -270,9 +279,9 @@ def _dot_precision(dtype):
 
 def _split(n_entries, n_streams, target_programs):
     """(entries per split, splits): enough programs to fill the GPU; depends on shapes only."""
-    splits = max(1, min(n_entries, triton.cdiv(target_programs, n_streams)))
-    per = triton.cdiv(max(n_entries, 1), splits)
-    return per, triton.cdiv(max(n_entries, 1), per)
+    splits = max(1, min(n_entries, _cdiv(target_programs, n_streams)))
+    per = _cdiv(max(n_entries, 1), splits)
+    return per, _cdiv(max(n_entries, 1), per)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -293,7 +302,7 @@ def nsa_compress(k, v, weight_k=None, weight_v=None):
     cv = _alloc(v, (n, kvh, n_cmp, d), v.dtype)
     if n * kvh * n_cmp == 0:
         return ck, cv
-    _launch_compress(k, v, ck, cv, weight_k, weight_v, grid=(n * kvh, triton.cdiv(n_cmp, COMPRESS_TILE)))
+    _launch_compress(k, v, ck, cv, weight_k, weight_v, grid=(n * kvh, _cdiv(n_cmp, COMPRESS_TILE)))
     return ck, cv
 
 
@@ -368,19 +377,14 @@ DEFAULT_CONFIG = NsaConfig()
 
 
 class _Partials:
-    """Per-split softmax states of one branch: m, l [N * H, S], acc [N * H, S, D] (fp32)."""
+    """Per-split softmax states of one branch: part [N * H, S, D + 2] fp32 = (acc [D], m, l)."""
 
-    def __init__(self, like, rows, splits, d):
-        self.m = _alloc(like, (rows, splits), torch.float32)
-        self.l = _alloc(like, (rows, splits), torch.float32)
-        self.acc = _alloc(like, (rows, splits, d), torch.float32)
-        self.splits = splits
-
-    def args(self):
-        return self.m, self.l, self.acc
+    def __init__(self, part):
+        self.part = part
+        self.splits = part.shape[1]
 
     def strides(self):
-        return self.m.stride(0), self.acc.stride(0), self.acc.stride(1)
+        return self.part.stride(0), self.part.stride(1)
 
 
 def _partials(q, k, v, lengths, scale, config, *, n_entries, tokens, kv_heads, max_valid=0, valid_kind=0,
@@ -388,27 +392,27 @@ def _partials(q, k, v, lengths, scale, config, *, n_entries, tokens, kv_heads, m
     """Launch the partial attention of one branch over `n_entries` entries per stream."""
     n, h, d = q.shape
     per, splits = _split(n_entries, n * kv_heads, config.target_programs)
-    part = _Partials(q, n * h, splits, d)
+    part = _alloc(q, (n * h, splits, d + 2), torch.float32)
     gather = blocks is not None
     if gather:
         stride_k, stride_v = k.stride(0), v.stride(0)  # one row of [SEL_BLOCK, D] keys
     else:
         stride_k, stride_v = k.stride(1), v.stride(1)  # one stream of [T, D] keys
     _nsa_attention_partial_kernel[(n * kv_heads, splits)](
-        q, k, v, rows if rows is not None else lengths, blocks if gather else lengths, lengths, *part.args(),
-        logits if logits is not None else part.m,
+        q, k, v, rows if rows is not None else lengths, blocks if gather else lengths, lengths, part,
+        logits if logits is not None else part,
         q.stride(0), q.stride(1),
         stride_k, k.stride(-2), stride_v, v.stride(-2),
         blocks.stride(1) if gather else 0, logits.stride(1) if logits is not None else 0,
-        part.m.stride(0), part.acc.stride(0), part.acc.stride(1),
+        part.stride(0), part.stride(1),
         kv_heads, h // kv_heads, d, n_entries, per, max_valid, n_units, d ** -0.5 if scale is None else float(scale),
-        T=tokens, BLOCK_G=max(16, triton.next_power_of_2(h // kv_heads)), BLOCK_D=_block_d(d),
+        T=tokens, BLOCK_G=max(16, _next_pow2(h // kv_heads)), BLOCK_D=_block_d(d),
         GATHER=gather, RESIDENT=gather and rows is None, VALID_KIND=valid_kind,
         CMP_BLOCK=CMP_BLOCK, CMP_STRIDE=CMP_STRIDE,
         STORE_LOGITS=logits is not None, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return part
+    return _Partials(part)
 
 
 def _merge(q, part):
@@ -417,9 +421,9 @@ def _merge(q, part):
     out = _alloc(q, (n, h, d), torch.float32)
     lse = _alloc(q, (n, h), torch.float32)
     _nsa_merge_kernel[(n * h,)](
-        *part.args(), out, lse, *part.strides(), out.stride(1), part.splits, d,
-        BLOCK_S=triton.next_power_of_2(part.splits), BLOCK_D=_block_d(d),
-        num_warps=_tile_warps(triton.next_power_of_2(part.splits) * _block_d(d)),
+        part.part, out, lse, *part.strides(), out.stride(1), part.splits, d,
+        BLOCK_S=_next_pow2(part.splits), BLOCK_D=_block_d(d),
+        num_warps=_tile_warps(_next_pow2(part.splits) * _block_d(d)),
     )
     return out, lse
 
@@ -431,7 +435,7 @@ def _compressed_partials(q, ck, cv, lengths, scale, config):
     n, h, _ = q.shape
     n_cmp = ck.shape[2]
     logits = _alloc(q, (n, h, max(n_cmp, 1)), torch.float32)
-    part = _partials(q, ck, cv, lengths, scale, config, n_entries=triton.cdiv(n_cmp, config.entry_tokens),
+    part = _partials(q, ck, cv, lengths, scale, config, n_entries=_cdiv(n_cmp, config.entry_tokens),
                      tokens=config.entry_tokens, kv_heads=ck.shape[1], max_valid=n_cmp, valid_kind=0,
                      logits=logits)
     return part, logits
@@ -469,7 +473,7 @@ def nsa_select(logits, lse, lengths, kv_heads, n_blocks, n_select=N_SELECT):
         _fail("n_select", n_select, ">= 3 (block 0 and the two newest are forced)")
     blocks = _alloc(logits, (n, kv_heads, n_select), torch.int32)
     scores = _alloc(logits, (n, kv_heads, n_blocks), torch.float32)
-    block_nb = triton.next_power_of_2(n_blocks)
+    block_nb = _next_pow2(n_blocks)
     _nsa_select_kernel[(n * kv_heads,)](
         logits, lse, lengths, scores, blocks,
         logits.stride(1), scores.stride(1), blocks.stride(1),
@@ -522,7 +526,7 @@ def _window_partials(q, win_k, win_v, lengths, scale, config):
     _check_kv_pair(("win_k", "win_v"), win_k, win_v, q)
     _check_lengths(lengths, q.shape[0], q.device)
     window = win_k.shape[2]
-    return _partials(q, win_k, win_v, lengths, scale, config, n_entries=triton.cdiv(window, config.entry_tokens),
+    return _partials(q, win_k, win_v, lengths, scale, config, n_entries=_cdiv(window, config.entry_tokens),
                      tokens=config.entry_tokens, kv_heads=win_k.shape[1], max_valid=window, valid_kind=1)
 
 
@@ -540,25 +544,23 @@ def _gate(gates, o_cmp, slc, win, out_dtype):
         _fail("out_dtype", out_dtype, "float16, bfloat16 or float32")
     out = _alloc(o_cmp, (n, h, d), out_dtype)
     _nsa_gate_kernel[(n * h,)](
-        o_cmp, *slc.args(), *win.args(), gates, out,
+        o_cmp, slc.part, win.part, gates, out,
         o_cmp.stride(1), *slc.strides(), *win.strides(), gates.stride(1), out.stride(1),
         slc.splits, win.splits, d,
-        BLOCK_S_SLC=triton.next_power_of_2(slc.splits), BLOCK_S_WIN=triton.next_power_of_2(win.splits),
+        BLOCK_S_SLC=_next_pow2(slc.splits), BLOCK_S_WIN=_next_pow2(win.splits),
         BLOCK_D=_block_d(d),
-        num_warps=_tile_warps(triton.next_power_of_2(max(slc.splits, win.splits)) * _block_d(d)),
+        num_warps=_tile_warps(_next_pow2(max(slc.splits, win.splits)) * _block_d(d)),
     )
     return out
 
 
-class _Merged(_Partials):
-    """A branch output [N, H, D] fp32 as one split (m = 0, l = 1): the merge returns it exactly."""
-
-    def __init__(self, o):
-        n, h, d = o.shape
-        self.m = torch.zeros(n * h, 1, device=o.device)
-        self.l = torch.ones(n * h, 1, device=o.device)
-        self.acc = o.view(n * h, 1, d)
-        self.splits = 1
+def _as_one_split(o):
+    """A branch output [N, H, D] fp32 as partials of one split (m = 0, l = 1): merged, it is o exactly."""
+    n, h, d = o.shape
+    part = torch.zeros(n * h, 1, d + 2, device=o.device)
+    part[:, 0, :d] = o.reshape(n * h, d)
+    part[:, 0, d + 1] = 1.0
+    return _Partials(part)
 
 
 def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
@@ -570,7 +572,7 @@ def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
         _check_float(name, x, o_cmp.device, torch.float32)
         _check_shape(name, x, tuple(o_cmp.shape))
         _check_contiguous(name, x)
-    return _gate(gates, o_cmp, _Merged(o_slc), _Merged(o_win), out_dtype)
+    return _gate(gates, o_cmp, _as_one_split(o_slc), _as_one_split(o_win), out_dtype)
 
 
 def nsa_decode(q, ck, cv, kv_rows, win_k, win_v, lengths, gates, n_blocks, rows_of=None,

@@ -65,11 +65,10 @@ def _nsa_compress_kernel(
 
 @triton.jit
 def _nsa_attention_partial_kernel(
-    q, k, v, rows, blocks, lengths, part_m, part_l, part_acc, logits,
+    q, k, v, rows, blocks, lengths, part, logits,
     stride_q_n, stride_q_h,
     stride_k_a, stride_k_t, stride_v_a, stride_v_t,
-    stride_rows_s, stride_logits_h,
-    stride_pm_h, stride_pacc_h, stride_pacc_s,
+    stride_rows_s, stride_logits_h, stride_part_h, stride_part_s,
     KV_HEADS, G, D, n_entries, entries_per_split, max_valid, units_per_stream, scale,
     T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     GATHER: tl.constexpr, RESIDENT: tl.constexpr, VALID_KIND: tl.constexpr,
@@ -85,6 +84,7 @@ def _nsa_attention_partial_kernel(
     Otherwise entry e holds keys [e * T, e * T + T) of stream s (k + s * stride_k_a), and the
     stream's valid key count is, by VALID_KIND: 0 = compressed blocks of lengths[n] tokens,
     1 = min(lengths[n], max_valid) (the window ring buffer). max_valid caps every count.
+    Writes part[n * H + h, split] = (acc [D], m, l) of each query head h of the group.
     """
     i_s = tl.program_id(0)
     i_split = tl.program_id(1)
@@ -143,25 +143,24 @@ def _nsa_attention_partial_kernel(
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
         b_m = b_m_new
 
-    tl.store(part_m + o_hf * stride_pm_h + i_split, b_m, mask=m_g)
-    tl.store(part_l + o_hf * stride_pm_h + i_split, b_l, mask=m_g)
-    p_acc = part_acc + o_hf[:, None] * stride_pacc_h + i_split * stride_pacc_s + o_d[None, :]
-    tl.store(p_acc, b_acc, mask=m_g[:, None] & m_d[None, :])
+    p_part = part + o_hf * stride_part_h + i_split * stride_part_s  # [BLOCK_G]
+    tl.store(p_part[:, None] + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
+    tl.store(p_part + D, b_m, mask=m_g)
+    tl.store(p_part + D + 1, b_l, mask=m_g)
 
 
 @triton.jit
-def _merge_splits(part_m, part_l, part_acc, i_h, stride_pm_h, stride_pacc_h, stride_pacc_s, n_splits, D,
+def _merge_splits(part, i_h, stride_part_h, stride_part_s, n_splits, D,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Fold the splits of flat (request, query head) i_h in index order: -> out [BLOCK_D], lse.
-
-    No key in any split: out 0, lse -inf."""
+    """Fold the splits part[i_h, split] = (acc [D], m, l) of flat (request, query head) i_h in
+    index order: -> out [BLOCK_D], lse. No key in any split: out 0, lse -inf."""
     o_sp = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
     m_sp = o_sp < n_splits
-    b_m = tl.load(part_m + i_h * stride_pm_h + o_sp, mask=m_sp, other=float("-inf"))  # [BLOCK_S]
-    b_l = tl.load(part_l + i_h * stride_pm_h + o_sp, mask=m_sp, other=0.0)
-    p_acc = part_acc + i_h * stride_pacc_h + o_sp[:, None] * stride_pacc_s + o_d[None, :]
-    b_acc = tl.load(p_acc, mask=m_sp[:, None] & (o_d[None, :] < D), other=0.0)  # [BLOCK_S, BLOCK_D]
+    p_part = part + i_h * stride_part_h + o_sp * stride_part_s  # [BLOCK_S]
+    b_m = tl.load(p_part + D, mask=m_sp, other=float("-inf"))  # [BLOCK_S]
+    b_l = tl.load(p_part + D + 1, mask=m_sp, other=0.0)
+    b_acc = tl.load(p_part[:, None] + o_d[None, :], mask=m_sp[:, None] & (o_d[None, :] < D), other=0.0)
     b_max = tl.max(b_m, 0)
     b_max_use = tl.where(b_max == float("-inf"), 0.0, b_max)
     b_w = tl.exp(b_m - b_max_use)  # [BLOCK_S]
@@ -174,16 +173,15 @@ def _merge_splits(part_m, part_l, part_acc, i_h, stride_pm_h, stride_pacc_h, str
 
 @triton.jit
 def _nsa_merge_kernel(
-    part_m, part_l, part_acc, out, lse,
-    stride_pm_h, stride_pacc_h, stride_pacc_s, stride_out_h,
+    part, out, lse,
+    stride_part_h, stride_part_s, stride_out_h,
     n_splits, D,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out [D] fp32 and lse of one flat (request, query head) from its partials."""
     i_h = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
-    b_o, b_lse = _merge_splits(part_m, part_l, part_acc, i_h, stride_pm_h, stride_pacc_h, stride_pacc_s,
-                               n_splits, D, BLOCK_S, BLOCK_D)
+    b_o, b_lse = _merge_splits(part, i_h, stride_part_h, stride_part_s, n_splits, D, BLOCK_S, BLOCK_D)
     tl.store(out + i_h * stride_out_h + o_d, b_o, mask=o_d < D)
     tl.store(lse + i_h, b_lse)
 
@@ -238,9 +236,8 @@ def _nsa_select_kernel(
 
 @triton.jit
 def _nsa_gate_kernel(
-    o_cmp, slc_m, slc_l, slc_acc, win_m, win_l, win_acc, gates, out,
-    stride_o_h, stride_slc_h, stride_slc_acc_h, stride_slc_acc_s,
-    stride_win_h, stride_win_acc_h, stride_win_acc_s, stride_gates_h, stride_out_h,
+    o_cmp, slc, win, gates, out,
+    stride_o_h, stride_slc_h, stride_slc_s, stride_win_h, stride_win_s, stride_gates_h, stride_out_h,
     slc_splits, win_splits, D,
     BLOCK_S_SLC: tl.constexpr, BLOCK_S_WIN: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -249,10 +246,8 @@ def _nsa_gate_kernel(
     i_h = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    b_slc, _ = _merge_splits(slc_m, slc_l, slc_acc, i_h, stride_slc_h, stride_slc_acc_h, stride_slc_acc_s,
-                             slc_splits, D, BLOCK_S_SLC, BLOCK_D)
-    b_win, _ = _merge_splits(win_m, win_l, win_acc, i_h, stride_win_h, stride_win_acc_h, stride_win_acc_s,
-                             win_splits, D, BLOCK_S_WIN, BLOCK_D)
+    b_slc, _ = _merge_splits(slc, i_h, stride_slc_h, stride_slc_s, slc_splits, D, BLOCK_S_SLC, BLOCK_D)
+    b_win, _ = _merge_splits(win, i_h, stride_win_h, stride_win_s, win_splits, D, BLOCK_S_WIN, BLOCK_D)
     b_g0 = tl.load(gates + i_h * stride_gates_h).to(tl.float32)
     b_g1 = tl.load(gates + i_h * stride_gates_h + 1).to(tl.float32)
     b_g2 = tl.load(gates + i_h * stride_gates_h + 2).to(tl.float32)

@@ -381,8 +381,7 @@ def compile_sm90(fn, types, consts, **options):
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 bf16 = {name: "*bf16" for name in ("q", "k", "v", "wk", "wv", "ck", "cv", "gates", "out")}
-fp32 = {name: "*fp32" for name in ("part_m", "part_l", "part_acc", "logits", "lse", "scores", "o_cmp", "slc_m",
-                                   "slc_l", "slc_acc", "win_m", "win_l", "win_acc")}
+fp32 = {name: "*fp32" for name in ("part", "logits", "lse", "scores", "o_cmp", "slc", "win")}
 ints = {name: "*i32" for name in ("rows", "blocks", "lengths")}
 types = {**bf16, **fp32, **ints, "scale": "fp32"}
 for gather, resident, store in ((False, False, True), (True, True, False), (True, False, False)):
