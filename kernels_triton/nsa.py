@@ -3,10 +3,11 @@ selection, gates. Launchers and torch references: hisparse/nsa.py.
 
 All attention branches run through one kernel, `_nsa_attention_partial_kernel`: a program owns one
 (request, KV head) stream and one split of its entries, an entry being a tile of T consecutive keys
-and values. It reads the entries in the order given and writes a partial softmax state (m, l, acc)
-per query head of the GQA group; `_nsa_merge_kernel` folds the splits in index order. With the same
-entries in the same order every floating-point operation has the same inputs, so hot-cache and
-resident runs are bitwise equal.
+and values. It reads the entries in the order given and writes a partial softmax state (acc, m, l)
+per query head of the GQA group; `_merge_splits` folds the splits in index order (in
+`_nsa_merge_kernel` for the compressed branch, in `_nsa_gate_kernel` for the other two). The split
+plan depends only on shapes, so with the same entries in the same order every floating-point
+operation has the same inputs: hot-cache and resident runs are bitwise equal.
 """
 import triton
 import triton.language as tl
