@@ -103,7 +103,7 @@ def to_cache_rows(rows, where):
 
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
 CASES = [  # n, h, kv_heads, d, lengths
-    pytest.param(3, 6, 2, 27, [61, 453, 5], id="N3-H6-KV2-D27-L61,453,5"),
+    pytest.param(4, 6, 2, 27, [61, 453, 5, 0], id="N4-H6-KV2-D27-L61,453,5,0"),  # 0: a padded batch row
     pytest.param(2, 4, 4, 32, [300, 129], id="N2-H4-KV4-D32-L300,129"),
 ]
 N_SEL = 5  # small n keeps interpreter runs short; N_SELECT = 16 runs in test_decode_default_n_select
