@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hisparse.host_pool import HostPool
-from hisparse.resolve import CacheState, ResolveResult, check_resolve_inputs, resolve, resolve_ref
+from hisparse.resolve import CacheState, ResolveResult, check_resolve_inputs, resolve, resolve_ref, write_rows
 
 MODES = ("normal", "noio")
 
@@ -106,6 +106,24 @@ class HierarchicalKVCache:
             self.slots[stream, slot] = row
         if unit == self.stream_len[stream] - 1:
             self.slots[stream, self.reserved_slot] = row
+
+    def write_newest(self, streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor) -> None:
+        """The decode step's write, on the device with no host sync (capturable): rows [N, E] become
+        unit units[n] of stream streams[n] (int32, -1 skips) in the host pool, in the reserved slot,
+        and in the unit's cached copy if it has one. The caller records the new units on the host
+        first (`advance`, which checks capacity); the units must lie inside the streams' regions."""
+        write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
+                   self.host.rows, self.slots, to_reserved=True)
+
+    def advance(self, streams: list[int], n: int = 1) -> None:
+        """Record on the host that each stream gets `n` more units (written by `write_newest`)."""
+        for s in streams:
+            self._check_open(s)
+            if self.stream_len[s] + n > self.stream_capacity[s]:
+                raise ValueError(f"stream {s} holds {self.stream_len[s]} of {self.stream_capacity[s]} units; "
+                                 f"{n} more would exceed its host region")
+        for s in streams:
+            self.stream_len[s] += n
 
     # -- resolve -----------------------------------------------------------------------------
 

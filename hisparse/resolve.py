@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel
+from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel, _write_rows_kernel
 
 MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
 MAX_K = (1 << 16) - 1  # the kernel packs hit and miss ranks into one 32-bit scan
@@ -219,6 +219,27 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache) ->
     _fetch_rows_kernel[grid](
         plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, k, cache.shape[1],
         ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=4,
+    )
+
+
+def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host_base: torch.Tensor,
+               unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor, to_reserved: bool) -> None:
+    """Store rows [M, E] (device) as unit units[m] of stream streams[m]: into the host pool, into the
+    cached copy if the unit is cached, and with `to_reserved` into the stream's reserved slot (at
+    most one row per stream then). streams [M] int32 (-1 skips), units [M] int64. No host sync."""
+    _check_rows(host, cache)
+    _expect(rows.dim() == 2 and rows.shape[1] == host.shape[1] and rows.dtype == host.dtype,
+            f"rows must be [M, {host.shape[1]}] {host.dtype}, got {tuple(rows.shape)} {rows.dtype}")
+    _expect(streams.shape == units.shape == rows.shape[:1], f"streams {tuple(streams.shape)} and units "
+            f"{tuple(units.shape)} must be [M] = [{rows.shape[0]}]")
+    _expect(streams.dtype == torch.int32 and units.dtype == torch.int64,
+            f"streams must be int32 and units int64, got {streams.dtype} and {units.dtype}")
+    rows_w = as_words(rows.contiguous())
+    row_words = rows_w.shape[1]
+    _write_rows_kernel[(rows.shape[0],)](
+        rows_w, streams.contiguous(), units.contiguous(), host_base, unit_slot, as_words(host),
+        as_words(cache), cache.shape[1], ROW_WORDS=row_words,
+        BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved,
     )
 
 

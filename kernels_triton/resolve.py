@@ -6,6 +6,8 @@ Two kernels, launched back to back (both capture into a CUDA graph: static shape
 - `_fetch_rows_kernel`, one program per (stream, chunk of the miss plan): copies the missed rows from
   the host pool (a pinned host pointer, read zero-copy) into their victim slots. The same kernel
   replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
+And `_write_rows_kernel`, which stores new rows (the decode step's newest token) into the host pool
+from the device, write-through to a cached copy, and optionally into the reserved newest-token slot.
 
 The semantics are DESIGN section 3; `hisparse.resolve.resolve_ref` is the same algorithm in torch.
 """
@@ -147,3 +149,34 @@ def _fetch_rows_kernel(
             m = m_m[:, None] & (o_w < ROW_WORDS)[None, :]
             b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)           # [CHUNK, BLOCK_W]
             tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
+
+
+@triton.jit
+def _write_rows_kernel(
+    src_ptr,         # [M, ROW_WORDS] new rows (on the device)
+    stream_ptr,      # [M] int32 stream of each row, -1 = skip
+    unit_ptr,        # [M] int64 unit index of each row within its stream
+    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
+    unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
+    host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
+    cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows; slot SLOTS - 1 is the reserved one
+    SLOTS,
+    ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, TO_RESERVED: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)
+    stream = tl.load(stream_ptr + i_m)
+    if stream >= 0:
+        i_s = stream.to(tl.int64)
+        host_row = tl.load(host_base_ptr + i_s) + tl.load(unit_ptr + i_m).to(tl.int64)
+        slot = tl.load(unit_slot_ptr + host_row)
+        p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW_WORDS
+        p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW_WORDS
+        for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
+            o_w = w + tl.arange(0, BLOCK_W)
+            m_w = o_w < ROW_WORDS
+            b_row = tl.load(src_ptr + i_m * ROW_WORDS + o_w, mask=m_w)                   # [BLOCK_W]
+            tl.store(host_ptr + host_row * ROW_WORDS + o_w, b_row, mask=m_w)
+            # write-through: a cached copy of the unit never goes stale
+            tl.store(p_cached + o_w, b_row, mask=m_w & ((o_w * 0 + slot) >= 0))
+            if TO_RESERVED:
+                tl.store(p_reserved + o_w, b_row, mask=m_w)

@@ -1,0 +1,77 @@
+"""The DSA decode step through the Triton kernels, with the MLA latents resident or hierarchical.
+
+`KernelDsaAttention` replaces `DsaModel.sparse_attention` (the torch reference step in
+`hisparse.models.dsa_decode`). Both modes run the same indexer, the same top-k and the same
+`sparse_mla_decode`, reading the same rows in the same order; only where the rows sit differs:
+- `resident`: every latent of every request on the GPU (`MlaKV.latent [B, capacity, D]`);
+- `hisparse` / `noio`: latents in the host pool of a `HierarchicalKVCache`, one stream per
+  (request, layer); each step resolves the selection to GPU slots first (`noio` skips the copy:
+  the oracle, whose outputs are wrong but whose time is the upper bound).
+The indexer keys stay resident in every mode (DESIGN section 5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.dsa import dsa_select, sparse_mla_decode
+from hisparse.models.dsa_decode import MlaKV
+
+KV_MODES = ("resident", "hisparse", "noio")
+
+
+@dataclass
+class HierMlaKV(MlaKV):
+    """A layer's KV with the latents in the hierarchical cache: `latent` is None; `streams [B]`
+    int32 are the rows' streams in `cache`; `index_keys [B, capacity, Di]` stay resident."""
+
+    streams: torch.Tensor | None = None
+    cache: HierarchicalKVCache | None = None
+
+    def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Decode-step write (positions [B, 1]): the latent goes to the host pool, the reserved slot
+        and any cached copy; the indexer key stays on the GPU."""
+        if positions.shape[1] != 1:
+            raise ValueError("a hierarchical state takes one token per row; prefill runs on a resident state")
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        if index_keys is not None:
+            self.index_keys[rows, positions] = index_keys
+        self.cache.write_newest(self.streams, positions[:, 0], latent[:, 0].contiguous())
+
+
+class KernelDsaAttention:
+    """`select` and `attend` of the DSA decode step (the contract of `TorchDsaAttention`).
+
+    check_values: validate selections against stream lengths before each resolve (a host sync;
+    off inside a captured CUDA graph). Per-call resolve counters accumulate in `cache.stats`.
+    """
+
+    def __init__(self, mode: str = "resident", check_values: bool = True):
+        if mode not in KV_MODES:
+            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        self.mode = mode
+        self.check_values = check_values
+
+    def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
+               lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
+        return dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
+
+    def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV,
+               lengths: torch.Tensor, selection: torch.Tensor, scale: float) -> torch.Tensor:
+        q = torch.cat([q_latent, q_rope], dim=-1)                            # [B, H, Dc + Dr]
+        selection = selection.to(torch.int32)
+        if isinstance(kv, HierMlaKV):
+            res = kv.cache.resolve(kv.streams, selection, mode="noio" if self.mode == "noio" else "normal",
+                                   check_values=self.check_values)
+            rows = kv.cache.slot_rows(kv.streams, res.slots)
+            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+        else:
+            batch, capacity, _ = kv.latent.shape
+            base = torch.arange(batch, dtype=torch.int32, device=selection.device)[:, None] * capacity
+            rows = torch.where(selection >= 0, base + selection, -1)
+            pool = kv.latent.view(-1, kv.latent.shape[-1])
+        out, _ = sparse_mla_decode(q, pool, rows, scale, d_v=q_latent.shape[-1])
+        return out

@@ -1,0 +1,193 @@
+"""Batched greedy decoding with the KV resident or hierarchical: prefill, decode, CUDA graph.
+
+    engine = Engine(model, mode="hisparse", cache_slots=4096, max_context=131072)
+    out = engine.generate([prompt_a, prompt_b], new_tokens=64)   # prompts of any lengths
+    out.tokens, out.logits, out.hits, out.misses
+
+Prefill runs each prompt on its own through the model's dense prefill (chunked for long prompts),
+on a temporary resident state; its latents then move to where the mode keeps them (the resident
+pool, or the host pool of a `HierarchicalKVCache`, one stream per (request, layer)), and its
+indexer keys to the resident index. Decode runs every request together, one token per step; with
+`graph=True` the whole step (all layers) is captured once in a CUDA graph and replayed.
+
+Families: DSA (`deepseek_v32`, `glm_moe_dsa`) for now.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.dsa_runtime import KV_MODES, HierMlaKV, KernelDsaAttention
+from hisparse.models.base import DecodeState
+from hisparse.models.deepseek_v32 import DsaModel
+from hisparse.models.dsa_decode import MlaKV
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor                      # [B, new_tokens] int64, greedy
+    logits: list[torch.Tensor] = field(default_factory=list)   # per step [B, V] (prefill's last first)
+    hits: int = 0                             # resolve counters over the decode steps (hisparse modes)
+    misses: int = 0
+    decode_s: float = 0.0                     # wall time of the timed decode steps
+    timed_steps: int = 0                      # decode steps timed (the first warms up when graphed)
+    kv_bytes_per_request: float = 0.0         # GPU bytes of KV state per request (latents, slots, index)
+
+    @property
+    def miss_rate(self) -> float:
+        return self.misses / max(1, self.hits + self.misses)
+
+
+class Engine:
+    def __init__(self, model: DsaModel, mode: str = "resident", cache_slots: int | None = None,
+                 max_context: int | None = None, chunk_size: int | None = None):
+        if not isinstance(model, DsaModel):
+            raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa) for now, got "
+                             f"{type(model).__name__}")
+        if mode not in KV_MODES:
+            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        topk = model.config.index_topk
+        if mode != "resident":
+            if cache_slots is None:
+                raise ValueError(f"mode {mode!r} needs cache_slots (B >= k = {topk})")
+            if cache_slots < topk:
+                raise ValueError(f"cache_slots B={cache_slots} is smaller than the selection size "
+                                 f"k={topk} (index_topk): the cache must hold one whole selection")
+        self.model, self.mode, self.cache_slots = model, mode, cache_slots
+        self.max_context, self.chunk_size = max_context, chunk_size
+        self.cache: HierarchicalKVCache | None = None
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def _prefill(self, prompts: list[torch.Tensor], capacity: int) -> tuple[DecodeState, torch.Tensor]:
+        """Prefill each prompt alone, then gather the batch state. Returns (state, last logits [B, V])."""
+        model, device = self.model, self.model.model.embed_tokens.weight.device
+        singles, last = [], []
+        for prompt in prompts:
+            state = model.new_state(1, len(prompt))
+            logits = model.prefill(prompt.to(device)[None], state, self.chunk_size)
+            singles.append(state)
+            last.append(logits[0, -1])
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
+        layers = [self._gather_layer(i, [s.layers[i] for s in singles], lengths, capacity)
+                  for i in range(len(model.model.layers))]
+        return DecodeState(layers, capacity, lengths, int(lengths.max())), torch.stack(last)
+
+    def _gather_layer(self, layer: int, kvs: list[MlaKV], lengths, capacity: int) -> MlaKV:
+        batch, latent = len(kvs), kvs[0].latent
+        index_keys = None
+        if kvs[0].index_keys is not None:
+            index_keys = latent.new_zeros(batch, capacity, kvs[0].index_keys.shape[-1])
+            for b, kv in enumerate(kvs):
+                index_keys[b, :lengths[b]] = kv.index_keys[0]
+        if self.mode == "resident":
+            pool = latent.new_zeros(batch, capacity, latent.shape[-1])
+            for b, kv in enumerate(kvs):
+                pool[b, :lengths[b]] = kv.latent[0]
+            return MlaKV(latent=pool, index_keys=index_keys)
+        streams = []
+        for b, kv in enumerate(kvs):
+            stream = self.cache.open_stream(capacity)
+            self.cache.append(stream, kv.latent[0])
+            streams.append(stream)
+        streams = torch.tensor(streams, dtype=torch.int32, device=latent.device)
+        return HierMlaKV(latent=None, index_keys=index_keys, streams=streams, cache=self.cache)
+
+    def _new_cache(self, batch: int, capacity: int) -> HierarchicalKVCache:
+        cfg, weight = self.model.config, self.model.model.embed_tokens.weight
+        layers = cfg.num_hidden_layers
+        return HierarchicalKVCache(max_streams=batch * layers, cache_slots=self.cache_slots,
+                                   host_rows=batch * layers * capacity,
+                                   row_elems=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                   dtype=weight.dtype, device=weight.device)
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def generate(self, prompts, new_tokens: int, graph: bool = False, keep_logits: bool = True) -> Generation:
+        """Greedy-decode `new_tokens` tokens for each prompt (token-id sequences of any lengths)."""
+        prompts = [torch.as_tensor(p, dtype=torch.int64) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt, each of at least one token")
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+        longest = max(len(p) for p in prompts)
+        capacity = self.max_context or longest + new_tokens
+        if longest + new_tokens - 1 > capacity:
+            raise ValueError(f"a prompt of {longest} tokens plus {new_tokens} new ones exceeds "
+                             f"max_context={capacity}")
+        if graph and not torch.cuda.is_available():
+            raise ValueError("graph=True needs a CUDA GPU")
+        vocab = self.model.config.vocab_size
+        bad = [int(t) for p in prompts for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} out of range: the vocabulary has {vocab} ids")
+
+        batch = len(prompts)
+        if self.mode != "resident":
+            self.cache = self._new_cache(batch, capacity)
+        self.model.sparse_attention = KernelDsaAttention(self.mode, check_values=not graph)
+        state, logits = self._prefill(prompts, capacity)
+        out = Generation(tokens=torch.empty(0))
+        tokens = logits.argmax(-1)
+        generated = [tokens]
+        if keep_logits:
+            out.logits.append(logits.float().cpu())
+        out.kv_bytes_per_request = self._kv_bytes(state) / batch
+
+        step = lambda toks: self.model.decode(toks, state)                     # noqa: E731
+        timed_from = 2 if graph else 1          # step 1 warms up (compiles) before any capture
+        for t in range(1, new_tokens):
+            if t == timed_from:
+                if graph:
+                    step = self._graphed_step(tokens, state)
+                self._sync()
+                start = time.perf_counter()
+            if self.cache is not None:     # the step writes each stream's next unit
+                self.cache.advance(sorted(self.cache._open), 1)
+            logits = step(tokens)
+            tokens = logits.argmax(-1)
+            generated.append(tokens)
+            if keep_logits:
+                out.logits.append(logits.float().cpu())
+        self._sync()
+        if new_tokens > timed_from:
+            out.decode_s = time.perf_counter() - start
+            out.timed_steps = new_tokens - timed_from
+        out.tokens = torch.stack(generated, dim=1).cpu()
+        if self.cache is not None:
+            out.hits, out.misses = (int(x) for x in self.cache.stats.sum(0).tolist())
+        return out
+
+    def _sync(self) -> None:
+        if self.model.model.embed_tokens.weight.is_cuda:
+            torch.cuda.synchronize()
+
+    def _graphed_step(self, tokens: torch.Tensor, state: DecodeState):
+        """Capture one decode step (all layers) in a CUDA graph; returns a replaying step function.
+
+        Capturing records without executing, so the model's host-side length bound is put back."""
+        static_tokens = tokens.clone()
+        graph = torch.cuda.CUDAGraph()
+        max_length = state.max_length
+        with torch.cuda.graph(graph):
+            static_logits = self.model.decode(static_tokens, state)
+        state.max_length = max_length
+
+        def step(new_tokens: torch.Tensor) -> torch.Tensor:
+            static_tokens.copy_(new_tokens)
+            graph.replay()
+            state.max_length += 1
+            return static_logits
+
+        return step
+
+    def _kv_bytes(self, state: DecodeState) -> float:
+        """GPU bytes of the per-request KV state: resident latents, or the hot slots; plus the index."""
+        total = sum(kv.index_keys.numel() * kv.index_keys.element_size()
+                    for kv in state.layers if kv.index_keys is not None)
+        if self.cache is not None:
+            return total + self.cache.slots.numel() * self.cache.slots.element_size()
+        return total + sum(kv.latent.numel() * kv.latent.element_size() for kv in state.layers)

@@ -1,0 +1,96 @@
+"""The decode loop: hierarchical KV gives bitwise the resident run's logits and tokens, on tiny
+checkpoints through the Triton kernels (the interpreter on a CPU)."""
+import functools
+import tempfile
+
+import pytest
+import torch
+
+from hisparse.engine import Engine
+from hisparse.models.dsa_decode import TorchDsaAttention
+from hisparse.models.loading import load_model
+from hisparse.models.tiny import write_tiny_checkpoint
+
+PROMPT_LENGTHS = (27, 5)   # requests of different lengths, one shorter than k (few: the interpreter is slow)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.cache
+def tiny_model(family: str):
+    path = write_tiny_checkpoint(family, tempfile.mkdtemp(prefix=family), seed=3)
+    return load_model(path, dtype=torch.float32, device=DEVICE)
+
+
+@functools.cache
+def resident_run(family: str):
+    return Engine(tiny_model(family), "resident").generate(prompts(), new_tokens=65)
+
+
+@pytest.fixture(params=["deepseek_v32", "glm_moe_dsa"])
+def model(request):
+    return tiny_model(request.param)
+
+
+def prompts(seed=0, vocab=97):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
+
+
+@pytest.mark.parametrize("family,slots_per_k", [("deepseek_v32", 1), ("deepseek_v32", 2), ("glm_moe_dsa", 1)],
+                         ids=["dsv32-B=k", "dsv32-B=2k", "glm-B=k"])
+def test_hisparse_is_bitwise_resident(family, slots_per_k):
+    """64 decode steps; glm_moe_dsa has a shared layer reusing its anchor's selection."""
+    model, resident = tiny_model(family), resident_run(family)
+    k = model.config.index_topk
+    out = Engine(model, "hisparse", cache_slots=slots_per_k * k).generate(prompts(), new_tokens=65)
+    assert len(out.logits) == 65
+    for step, (a, b) in enumerate(zip(resident.logits, out.logits)):
+        assert torch.equal(a, b), f"logits differ at step {step}"
+    assert torch.equal(resident.tokens, out.tokens)
+    assert out.misses > 0 and out.hits > 0
+    if slots_per_k == 1:
+        assert out.miss_rate > 0.2, "B = k must evict heavily"
+
+
+def test_noio_resolves_the_same_but_copies_nothing(model):
+    k = model.config.index_topk
+    full = Engine(model, "hisparse", cache_slots=k).generate(prompts(), new_tokens=6)
+    noio = Engine(model, "noio", cache_slots=k)
+    out = noio.generate(prompts(), new_tokens=2)    # one decode step: the selection is the same
+    first = Engine(model, "hisparse", cache_slots=k).generate(prompts(), new_tokens=2)
+    assert (out.hits, out.misses) == (first.hits, first.misses)
+    assert noio.cache.slots[:, :-1].abs().sum() == 0, "no-IO must leave the LRU slots unwritten"
+    assert full.misses >= first.misses
+
+
+def test_kernel_step_agrees_with_the_torch_reference_step(model):
+    """The kernels' decode step against the model's torch step (transformers' semantics)."""
+    engine = Engine(model, "resident")
+    ours = engine.generate(prompts(), new_tokens=6)
+    model.sparse_attention = TorchDsaAttention()
+    state, _ = engine._prefill([p.to(model.model.embed_tokens.weight.device) for p in prompts()],
+                               capacity=max(PROMPT_LENGTHS) + 6)
+    tokens = ours.tokens[:, 0].to(state.lengths.device)
+    for step in range(1, 6):
+        logits = model.decode(tokens, state).float().cpu()
+        err = (logits - ours.logits[step]).norm() / ours.logits[step].norm()
+        assert err < 1e-4, f"step {step}: relative error {err:.2e}"
+        tokens = ours.tokens[:, step].to(state.lengths.device)
+
+
+def test_bad_inputs_are_refused_before_any_state(model):
+    k = model.config.index_topk
+    with pytest.raises(ValueError, match=rf"cache_slots B={k - 1} is smaller than the selection size k={k}"):
+        Engine(model, "hisparse", cache_slots=k - 1)
+    with pytest.raises(ValueError, match="needs cache_slots"):
+        Engine(model, "hisparse")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Engine(model, "offload", cache_slots=k)
+    engine = Engine(model, "hisparse", cache_slots=k, max_context=20)
+    with pytest.raises(ValueError, match="a prompt of 27 tokens plus 4 new ones exceeds max_context=20"):
+        engine.generate(prompts(), new_tokens=4)
+    assert engine.cache is None, "nothing may be allocated for a refused call"
+    with pytest.raises(ValueError, match="token id 97 out of range"):
+        engine.generate([[1, 2, 97]], new_tokens=2)
