@@ -3,7 +3,7 @@
 # table last. Run from the repository root on a CUDA machine:
 #   HISPARSE_COMMIT=$(git rev-parse --short=12 HEAD) OUT=out bash scripts/gpu_suite.sh [bench ...]
 # Benchmarks default to every benchmarks/bench_*.py; name some (e.g. `resolve`) to run fewer;
-# TESTS=path narrows the tests.
+# TESTS=path narrows the tests (TESTS=none skips them); BENCH_TIMEOUT caps each benchmark (s).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -17,7 +17,9 @@ log="$OUT/gpu_log.txt"
 } 2>&1 | tee "$log"
 
 status=0
-python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee -a "$log" || status=1
+if [ "${TESTS:-tests}" != none ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${TESTS:-tests} 2>&1 | tee -a "$log" || status=1
+fi
 
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
@@ -25,7 +27,7 @@ if [ ${#benches[@]} -eq 0 ]; then
 fi
 for b in "${benches[@]}"; do
   echo "== bench_$b" | tee -a "$log"
-  python3 -m "benchmarks.bench_$b" --out "$OUT" 2>&1 | tee -a "$log" || status=1
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m "benchmarks.bench_$b" --out "$OUT" 2>&1 | tee -a "$log" || status=1
 done
 python3 -m benchmarks.summary "$OUT" 2>&1 | tee -a "$log"
 exit $status
