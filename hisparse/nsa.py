@@ -210,15 +210,15 @@ def _fail(what, got, expected):
     raise ValueError(f"{what}: got {got}, expected {expected}")
 
 
-def _check_float(name, x, device, dtype=None):
+def _check_float(name, x, device, dtype=None, ref="q"):
     if not isinstance(x, torch.Tensor):
         _fail(name, type(x).__name__, "a torch.Tensor")
     if x.dtype not in FLOAT_DTYPES:
         _fail(f"{name}.dtype", x.dtype, "float16, bfloat16 or float32")
     if dtype is not None and x.dtype != dtype:
-        _fail(f"{name}.dtype", x.dtype, f"{dtype} (the dtype of q)")
+        _fail(f"{name}.dtype", x.dtype, f"{dtype} (the dtype of {ref})")
     if x.device != device:
-        _fail(f"{name}.device", x.device, f"{device} (the device of q)")
+        _fail(f"{name}.device", x.device, f"{device} (the device of {ref})")
 
 
 def _check_shape(name, x, expected):
@@ -247,15 +247,15 @@ def _check_lengths(lengths, n, device):
         _fail("lengths.device", lengths.device, f"{device} (the device of q)")
 
 
-def _check_kv_pair(names, k, v, q, kv_heads=None):
+def _check_kv_pair(names, k, v, q):
     n, h, d = q.shape
     for name, x in zip(names, (k, v)):
         _check_float(name, x, q.device, q.dtype)
-        _check_shape(name, x, (n, kv_heads, None, d))
+        _check_shape(name, x, (n, None, None, d))
         _check_contiguous(name, x)
     if k.shape != v.shape:
         _fail(f"{names[1]}.shape", tuple(v.shape), f"{tuple(k.shape)} (the shape of {names[0]})")
-    if h % k.shape[1]:
+    if k.shape[1] == 0 or h % k.shape[1]:
         _fail("query heads", h, f"a multiple of the {k.shape[1]} KV heads")
 
 
@@ -292,7 +292,7 @@ def nsa_compress(k, v, weight_k=None, weight_v=None):
     if k.dim() != 4:
         _fail("k.shape", tuple(k.shape), "[N, KV, T, D]")
     n, kvh, t, d = k.shape
-    _check_float("v", v, k.device, k.dtype)
+    _check_float("v", v, k.device, k.dtype, ref="k")
     _check_shape("v", v, tuple(k.shape))
     for name, x in (("k", k), ("v", v)):
         _check_contiguous(name, x)
@@ -320,7 +320,7 @@ def nsa_compress_newest(win_k, win_v, lengths, ck, cv, weight_k=None, weight_v=N
         _fail("window", window, f">= {CMP_BLOCK} tokens (one compressed block)")
     for name, x, shape in (("win_v", win_v, (n, kvh, window, d)), ("ck", ck, (n, kvh, None, d)),
                            ("cv", cv, (n, kvh, ck.shape[2], d))):
-        _check_float(name, x, win_k.device, win_k.dtype)
+        _check_float(name, x, win_k.device, win_k.dtype, ref="win_k")
         _check_shape(name, x, shape)
     for name, x in (("win_k", win_k), ("win_v", win_v), ("ck", ck), ("cv", cv)):
         _check_contiguous(name, x)
@@ -335,7 +335,7 @@ def _check_weights(weight_k, weight_v, d, device):
         _fail("weights", "only one of weight_k, weight_v", "both or neither")
     for name, w in (("weight_k", weight_k), ("weight_v", weight_v)):
         if w is not None:
-            _check_float(name, w, device)
+            _check_float(name, w, device, ref="k")
             _check_shape(name, w, (d, d))
             _check_contiguous(name, w)
 
@@ -537,7 +537,7 @@ def nsa_window_attention(q, win_k, win_v, lengths, scale=None, config=DEFAULT_CO
 
 def _gate(gates, o_cmp, slc, win, out_dtype):
     n, h, d = o_cmp.shape
-    _check_float("gates", gates, o_cmp.device)
+    _check_float("gates", gates, o_cmp.device, ref="o_cmp")
     _check_shape("gates", gates, (n, h, 3))
     _check_contiguous("gates", gates)
     if out_dtype not in FLOAT_DTYPES:
@@ -565,11 +565,13 @@ def _as_one_split(o):
 
 def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
     """out [N, H, D] = g0 * o_cmp + g1 * o_slc + g2 * o_win, gates [N, H, 3], branch outputs fp32."""
-    _check_float("o_cmp", o_cmp, o_cmp.device, torch.float32)
+    _check_float("o_cmp", o_cmp, o_cmp.device if isinstance(o_cmp, torch.Tensor) else None)
     if o_cmp.dim() != 3:
         _fail("o_cmp.shape", tuple(o_cmp.shape), "[N, H, D]")
     for name, x in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)):
-        _check_float(name, x, o_cmp.device, torch.float32)
+        _check_float(name, x, o_cmp.device, ref="o_cmp")
+        if x.dtype != torch.float32:
+            _fail(f"{name}.dtype", x.dtype, "torch.float32 (branch outputs are fp32)")
         _check_shape(name, x, tuple(o_cmp.shape))
         _check_contiguous(name, x)
     return _gate(gates, o_cmp, _as_one_split(o_slc), _as_one_split(o_win), out_dtype)
