@@ -84,7 +84,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, l
         return out
     scale = key_scale if key_scale is not None else out  # never read without HAS_SCALE
     block_t = 128 if q.is_cuda else 32
-    _indexer_scores_kernel[(n, triton.cdiv(t, block_t))](
+    _indexer_scores_kernel[(triton.cdiv(t, block_t), n)](
         q, weights, keys, scale, lengths, out,
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), keys.stride(1),
         scale.stride(0), scale.stride(1), out.stride(0),

@@ -21,8 +21,8 @@ def _indexer_scores_kernel(
     One program per (request, block of BLOCK_T tokens); blocks past the request's length store -inf
     without reading keys.
     """
-    i_n = tl.program_id(0).to(tl.int64)
-    i_t = tl.program_id(1)
+    i_t = tl.program_id(0)  # token blocks on axis 0: it allows 2**31 - 1 programs, axis 1 only 65535
+    i_n = tl.program_id(1).to(tl.int64)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     length = tl.minimum(tl.load(len_ptr + i_n).to(tl.int32), T)
     m_t = o_t < length
