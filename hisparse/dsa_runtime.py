@@ -8,6 +8,10 @@
   (request, layer); each step resolves the selection to GPU slots first (`noio` skips the copy:
   the oracle, whose outputs are wrong but whose time is the upper bound).
 The indexer keys stay resident in every mode (DESIGN section 5).
+
+Selections can be recorded (`recorded`, filled by every layer's `attend`) and replayed from a
+trace instead of the indexer (`replay`): the system does not depend on where selections come from,
+so a trace with realistic locality drives it with realistic hit rates.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa import dsa_select, sparse_mla_decode
 from hisparse.models.dsa_decode import MlaKV
+from hisparse.traces import Trace
 
 KV_MODES = ("resident", "hisparse", "noio")
 
@@ -46,16 +51,23 @@ class KernelDsaAttention:
 
     check_values: validate selections against stream lengths before each resolve (a host sync;
     off inside a captured CUDA graph). Per-call resolve counters accumulate in `cache.stats`.
+    replay: a trace whose selections replace the indexer's; `step` says which decode step runs.
+    `recorded[layer]` holds the selection each layer attended over in the last step.
     """
 
-    def __init__(self, mode: str = "resident", check_values: bool = True):
+    def __init__(self, mode: str = "resident", check_values: bool = True, replay: Trace | None = None):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         self.mode = mode
         self.check_values = check_values
+        self.replay = replay
+        self.step = 0
+        self.recorded: dict[int, torch.Tensor] = {}
 
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
                lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        if self.replay is not None:
+            return torch.from_numpy(self.replay.selections[self.step, layer_idx]).to(index_q.device)
         # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
         return dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
 
@@ -63,6 +75,7 @@ class KernelDsaAttention:
                lengths: torch.Tensor, selection: torch.Tensor, scale: float) -> torch.Tensor:
         q = torch.cat([q_latent, q_rope], dim=-1)                            # [B, H, Dc + Dr]
         selection = selection.to(torch.int32)
+        self.recorded[layer_idx] = selection
         if isinstance(kv, HierMlaKV):
             res = kv.cache.resolve(kv.streams, selection, mode="noio" if self.mode == "noio" else "normal",
                                    check_values=self.check_values)

@@ -24,6 +24,7 @@ from hisparse.dsa_runtime import KV_MODES, HierMlaKV, KernelDsaAttention
 from hisparse.models.base import DecodeState
 from hisparse.models.deepseek_v32 import DsaModel
 from hisparse.models.dsa_decode import MlaKV
+from hisparse.traces import Trace, TraceWriter
 
 
 @dataclass
@@ -35,6 +36,8 @@ class Generation:
     decode_s: float = 0.0                     # wall time of the timed decode steps
     timed_steps: int = 0                      # decode steps timed (the first warms up when graphed)
     kv_bytes_per_request: float = 0.0         # GPU bytes of KV state per request (latents, slots, index)
+
+    misses_per_step: list[int] = field(default_factory=list)   # with replay, in hisparse modes
 
     @property
     def miss_rate(self) -> float:
@@ -106,8 +109,14 @@ class Engine:
 
     # -- decode ------------------------------------------------------------------------------
 
-    def generate(self, prompts, new_tokens: int, graph: bool = False, keep_logits: bool = True) -> Generation:
-        """Greedy-decode `new_tokens` tokens for each prompt (token-id sequences of any lengths)."""
+    def generate(self, prompts, new_tokens: int, graph: bool = False, keep_logits: bool = True,
+                 record: TraceWriter | None = None, replay: Trace | None = None) -> Generation:
+        """Greedy-decode `new_tokens` tokens for each prompt (token-id sequences of any lengths).
+
+        record: a TraceWriter that receives every decode step's selections [layers, batch, k]
+        (`trace_writer` makes one with this run's metadata). replay: a trace whose selections
+        replace the indexer's (recorded from the same prompts, or synthetic). Both run eagerly.
+        `misses_per_step` then holds each step's misses (hisparse modes)."""
         prompts = [torch.as_tensor(p, dtype=torch.int64) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, each of at least one token")
@@ -120,6 +129,10 @@ class Engine:
                              f"max_context={capacity}")
         if graph and not torch.cuda.is_available():
             raise ValueError("graph=True needs a CUDA GPU")
+        if graph and (record is not None or replay is not None):
+            raise ValueError("recording and replaying selections run eagerly: pass graph=False")
+        if replay is not None:
+            self._check_replay(replay, prompts, new_tokens)
         vocab = self.model.config.vocab_size
         bad = [int(t) for p in prompts for t in p if not 0 <= t < vocab]
         if bad:
@@ -128,7 +141,8 @@ class Engine:
         batch = len(prompts)
         if self.mode != "resident":
             self.cache = self._new_cache(batch, capacity)
-        self.model.sparse_attention = KernelDsaAttention(self.mode, check_values=not graph)
+        attention = KernelDsaAttention(self.mode, check_values=not graph, replay=replay)
+        self.model.sparse_attention = attention
         state, logits = self._prefill(prompts, capacity)
         out = Generation(tokens=torch.empty(0))
         tokens = logits.argmax(-1)
@@ -147,7 +161,12 @@ class Engine:
                 start = time.perf_counter()
             if self.cache is not None:     # the step writes each stream's next unit
                 self.cache.advance(sorted(self.cache._open), 1)
+            attention.step = t - 1
             logits = step(tokens)
+            if record is not None:
+                record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
+            if replay is not None and self.cache is not None:
+                out.misses_per_step.append(int(self.cache.stats[:, 1].sum()) - sum(out.misses_per_step))
             tokens = logits.argmax(-1)
             generated.append(tokens)
             if keep_logits:
@@ -160,6 +179,28 @@ class Engine:
         if self.cache is not None:
             out.hits, out.misses = (int(x) for x in self.cache.stats.sum(0).tolist())
         return out
+
+    def trace_writer(self, prompts, source: str = "") -> TraceWriter:
+        """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""
+        cfg = self.model.config
+        anchors, last_full = [], 0
+        for i, kind in enumerate(cfg.indexer_types):
+            last_full = i if kind == "full" else last_full
+            anchors.append(last_full)
+        return TraceWriter("dsa", 1, [len(p) for p in prompts], anchors, source or cfg.model_type)
+
+    def _check_replay(self, trace: Trace, prompts, new_tokens: int) -> None:
+        cfg = self.model.config
+        want = {"layers": cfg.num_hidden_layers, "batch": len(prompts), "k": cfg.index_topk}
+        got = {"layers": trace.layers, "batch": trace.batch, "k": trace.k}
+        if want != got or trace.kv_heads is not None or trace.unit_size != 1:
+            raise ValueError(f"trace {trace} does not fit this run: expected {want}, one token per unit "
+                             f"and no KV-head axis")
+        if list(trace.context) != [len(p) for p in prompts]:
+            raise ValueError(f"trace context {trace.context.tolist()} differs from the prompt lengths "
+                             f"{[len(p) for p in prompts]}")
+        if trace.steps < new_tokens - 1:
+            raise ValueError(f"trace has {trace.steps} steps, {new_tokens} new tokens need {new_tokens - 1}")
 
     def _sync(self) -> None:
         if self.model.model.embed_tokens.weight.is_cuda:

@@ -10,6 +10,10 @@ from hisparse.engine import Engine
 from hisparse.models.dsa_decode import TorchDsaAttention
 from hisparse.models.loading import load_model
 from hisparse.models.tiny import write_tiny_checkpoint
+from hisparse.policies import simulate_trace
+from hisparse.synthetic import SyntheticConfig
+from hisparse.synthetic import generate as generate_trace
+from hisparse.traces import load_trace
 
 PROMPT_LENGTHS = (27, 5)   # requests of different lengths, one shorter than k (few: the interpreter is slow)
 
@@ -94,3 +98,40 @@ def test_bad_inputs_are_refused_before_any_state(model):
     assert engine.cache is None, "nothing may be allocated for a refused call"
     with pytest.raises(ValueError, match="token id 97 out of range"):
         engine.generate([[1, 2, 97]], new_tokens=2)
+
+
+def test_recorded_selections_replay_to_the_same_run(tmp_path):
+    """Record a run's selections, save and load them, replay them in place of the indexer."""
+    model = tiny_model("glm_moe_dsa")
+    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk)
+    writer = engine.trace_writer(prompts())
+    recorded = engine.generate(prompts(), new_tokens=9, record=writer)
+    writer.save(tmp_path / "run.safetensors")
+    trace = load_trace(tmp_path / "run.safetensors")
+    assert trace.selections.shape == (8, 3, len(PROMPT_LENGTHS), model.config.index_topk)
+    assert (trace.layer_anchor == [0, 0, 2]).all()       # the shared layer reuses layer 0's selection
+    replayed = Engine(model, "hisparse", cache_slots=model.config.index_topk).generate(
+        prompts(), new_tokens=9, replay=trace)
+    assert torch.equal(recorded.tokens, replayed.tokens)
+    assert all(torch.equal(a, b) for a, b in zip(recorded.logits, replayed.logits))
+    assert (recorded.hits, recorded.misses) == (replayed.hits, replayed.misses)
+
+
+def test_replayed_trace_misses_equal_the_simulator():
+    """A synthetic trace with locality drives the decode loop; its measured misses, step by step,
+    are the LRU simulator's on the same trace."""
+    model = tiny_model("deepseek_v32")
+    k = model.config.index_topk
+    cfg = SyntheticConfig(context=20, steps=24, k=k, layers=3, batch=2, sinks=1, window=2, random_layers=1)
+    trace = generate_trace(cfg)
+    equal_prompts = [torch.arange(20) % 97, (torch.arange(20) * 7) % 97]
+    for cache_slots in (k, 2 * k):
+        out = Engine(model, "hisparse", cache_slots=cache_slots).generate(equal_prompts, new_tokens=25,
+                                                                           replay=trace)
+        simulated = simulate_trace(trace, "lru", cache_slots)
+        assert out.misses_per_step == simulated.misses.sum(1).tolist()
+        assert out.miss_rate == pytest.approx(simulated.miss_rate())
+    with pytest.raises(ValueError, match="trace has 24 steps, 30 new tokens need 29"):
+        Engine(model, "hisparse", cache_slots=k).generate(equal_prompts, new_tokens=30, replay=trace)
+    with pytest.raises(ValueError, match=r"trace context \[20, 20\] differs from the prompt lengths"):
+        Engine(model, "hisparse", cache_slots=k).generate(prompts(), new_tokens=3, replay=trace)
