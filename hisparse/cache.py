@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from hisparse.host_pool import HostPool
-from hisparse.resolve import CacheState, ResolveResult, check_resolve_inputs, resolve, resolve_ref, write_rows
+from hisparse.resolve import (CacheState, ResolveResult, check_resolve_inputs, fetch_rows, resolve, resolve_ref,
+                              write_rows)
 
 MODES = ("normal", "noio")
 
@@ -107,13 +108,21 @@ class HierarchicalKVCache:
         if unit == self.stream_len[stream] - 1:
             self.slots[stream, self.reserved_slot] = row
 
-    def write_newest(self, streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor) -> None:
+    def write_newest(self, streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor,
+                     map_streams: torch.Tensor | None = None) -> None:
         """The decode step's write, on the device with no host sync (capturable): rows [N, E] become
         unit units[n] of stream streams[n] (int32, -1 skips) in the host pool, in the reserved slot,
         and in the unit's cached copy if it has one. The caller records the new units on the host
-        first (`advance`, which checks capacity); the units must lie inside the streams' regions."""
+        first (`advance`, which checks capacity); the units must lie inside the streams' regions.
+        map_streams: the streams whose slot maps place the rows (a shared layer's anchor streams)."""
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
-                   self.host.rows, self.slots, to_reserved=True)
+                   self.host.rows, self.slots, to_reserved=True, map_streams=map_streams)
+
+    def replay_plan(self, plan: ResolveResult, streams: torch.Tensor) -> None:
+        """Copy an anchor's miss plan into other streams (a shared layer's, in lockstep with the
+        anchor): each planned unit's row from their host regions into the same slots. No sync."""
+        fetch_rows(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.state.host_base,
+                   self.host.rows, self.slots)
 
     def advance(self, streams: list[int], n: int = 1) -> None:
         """Record on the host that each stream gets `n` more units (written by `write_newest`)."""

@@ -10,6 +10,10 @@ pool, or the host pool of a `HierarchicalKVCache`, one stream per (request, laye
 indexer keys to the resident index. Decode runs every request together, one token per step; with
 `graph=True` the whole step (all layers) is captured once in a CUDA graph and replayed.
 
+Layers that share an anchor's selection (`glm_moe_dsa`'s "shared" layers) move in lockstep with
+the anchor: they do no resolve of their own and replay its miss plan, in line or, with
+`prefetch=True`, on a side stream while the layers in between compute (DESIGN section 4).
+
 Families: DSA (`deepseek_v32`, `glm_moe_dsa`) for now.
 """
 from __future__ import annotations
@@ -45,13 +49,20 @@ class Generation:
 
 
 class Engine:
+    """prefetch: shared layers' copies overlap the layers after their anchor (hisparse mode on a GPU).
+    prefill: "model" runs the model's prefill; "random" fills the prompt's KV with random rows and
+    feeds the prompt's last token first (for timing decode at long contexts; outputs are noise)."""
+
     def __init__(self, model: DsaModel, mode: str = "resident", cache_slots: int | None = None,
-                 max_context: int | None = None, chunk_size: int | None = None):
+                 max_context: int | None = None, chunk_size: int | None = None, prefetch: bool = False,
+                 prefill: str = "model"):
         if not isinstance(model, DsaModel):
             raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa) for now, got "
                              f"{type(model).__name__}")
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        if prefill not in ("model", "random"):
+            raise ValueError(f"prefill must be 'model' or 'random', got {prefill!r}")
         topk = model.config.index_topk
         if mode != "resident":
             if cache_slots is None:
@@ -61,43 +72,81 @@ class Engine:
                                  f"k={topk} (index_topk): the cache must hold one whole selection")
         self.model, self.mode, self.cache_slots = model, mode, cache_slots
         self.max_context, self.chunk_size = max_context, chunk_size
+        self.prefetch, self.prefill = prefetch, prefill
         self.cache: HierarchicalKVCache | None = None
+
+    @property
+    def anchors(self) -> list[int]:
+        """The layer whose selection each layer uses: itself, or the last "full" layer before it."""
+        anchors, last_full = [], 0
+        for i, kind in enumerate(self.model.config.indexer_types):
+            last_full = i if kind == "full" else last_full
+            anchors.append(last_full)
+        return anchors
 
     # -- prefill -----------------------------------------------------------------------------
 
     def _prefill(self, prompts: list[torch.Tensor], capacity: int) -> tuple[DecodeState, torch.Tensor]:
-        """Prefill each prompt alone, then gather the batch state. Returns (state, last logits [B, V])."""
+        """Prefill each prompt alone, then gather the batch state. Returns (state, first tokens [B])."""
         model, device = self.model, self.model.model.embed_tokens.weight.device
-        singles, last = [], []
-        for prompt in prompts:
-            state = model.new_state(1, len(prompt))
-            logits = model.prefill(prompt.to(device)[None], state, self.chunk_size)
-            singles.append(state)
-            last.append(logits[0, -1])
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
-        layers = [self._gather_layer(i, [s.layers[i] for s in singles], lengths, capacity)
-                  for i in range(len(model.model.layers))]
-        return DecodeState(layers, capacity, lengths, int(lengths.max())), torch.stack(last)
+        if self.prefill == "random":
+            first = torch.stack([p[-1] for p in prompts]).to(device)
+            rows = self._random_rows(prompts, device)
+        else:
+            singles, last = [], []
+            for prompt in prompts:
+                state = model.new_state(1, len(prompt))
+                logits = model.prefill(prompt.to(device)[None], state, self.chunk_size)
+                singles.append(state)
+                last.append(logits[0, -1])
+            first = torch.stack(last)
+            rows = lambda b, i: (singles[b].layers[i].latent[0], singles[b].layers[i].index_keys)  # noqa: E731
+        layers = []
+        for i, anchor in enumerate(self.anchors):
+            layers.append(self._gather_layer(i, rows, lengths, capacity, layers[anchor] if anchor != i else None))
+        return DecodeState(layers, capacity, lengths, int(lengths.max())), first
 
-    def _gather_layer(self, layer: int, kvs: list[MlaKV], lengths, capacity: int) -> MlaKV:
-        batch, latent = len(kvs), kvs[0].latent
+    def _random_rows(self, prompts, device):
+        cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+        def rows(b: int, layer: int):
+            n = len(prompts[b])
+            keys = None
+            if cfg.indexer_types[layer] == "full":
+                keys = torch.randn(1, n, cfg.index_head_dim, device=device, dtype=dtype)
+            return torch.randn(n, width, device=device, dtype=dtype), keys
+
+        return rows
+
+    def _gather_layer(self, layer: int, rows, lengths, capacity: int, anchor: MlaKV | None) -> MlaKV:
+        """One layer's batch state; rows(b, layer) -> (latents [len, D], index keys [1, len, Di] | None)."""
+        batch = len(lengths)
+        parts = [rows(b, layer) for b in range(batch)]
+        latent, keys = parts[0]
         index_keys = None
-        if kvs[0].index_keys is not None:
-            index_keys = latent.new_zeros(batch, capacity, kvs[0].index_keys.shape[-1])
-            for b, kv in enumerate(kvs):
-                index_keys[b, :lengths[b]] = kv.index_keys[0]
+        if keys is not None:
+            index_keys = latent.new_zeros(batch, capacity, keys.shape[-1])
+            for b, (_, k) in enumerate(parts):
+                index_keys[b, :lengths[b]] = k[0]
         if self.mode == "resident":
             pool = latent.new_zeros(batch, capacity, latent.shape[-1])
-            for b, kv in enumerate(kvs):
-                pool[b, :lengths[b]] = kv.latent[0]
+            for b, (lat, _) in enumerate(parts):
+                pool[b, :lengths[b]] = lat
             return MlaKV(latent=pool, index_keys=index_keys)
         streams = []
-        for b, kv in enumerate(kvs):
+        for lat, _ in parts:
             stream = self.cache.open_stream(capacity)
-            self.cache.append(stream, kv.latent[0])
+            self.cache.append(stream, lat)
             streams.append(stream)
-        streams = torch.tensor(streams, dtype=torch.int32, device=latent.device)
-        return HierMlaKV(latent=None, index_keys=index_keys, streams=streams, cache=self.cache)
+        kv = HierMlaKV(latent=None, index_keys=index_keys, cache=self.cache,
+                       streams=torch.tensor(streams, dtype=torch.int32, device=latent.device))
+        if anchor is not None:
+            kv.anchor_layer, kv.anchor_streams = self.anchors[layer], anchor.streams
+            if self.prefetch and self.mode == "hisparse" and latent.is_cuda:
+                kv.prefetched = torch.cuda.Event()
+        return kv
 
     def _new_cache(self, batch: int, capacity: int) -> HierarchicalKVCache:
         cfg, weight = self.model.config, self.model.model.embed_tokens.weight
@@ -115,8 +164,8 @@ class Engine:
 
         record: a TraceWriter that receives every decode step's selections [layers, batch, k]
         (`trace_writer` makes one with this run's metadata). replay: a trace whose selections
-        replace the indexer's (recorded from the same prompts, or synthetic). Both run eagerly.
-        `misses_per_step` then holds each step's misses (hisparse modes)."""
+        replace the indexer's (recorded from the same prompts, or synthetic); with it,
+        `misses_per_step` holds each step's misses (hisparse modes; eager only)."""
         prompts = [torch.as_tensor(p, dtype=torch.int64) for p in prompts]
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, each of at least one token")
@@ -129,8 +178,8 @@ class Engine:
                              f"max_context={capacity}")
         if graph and not torch.cuda.is_available():
             raise ValueError("graph=True needs a CUDA GPU")
-        if graph and (record is not None or replay is not None):
-            raise ValueError("recording and replaying selections run eagerly: pass graph=False")
+        if graph and record is not None:
+            raise ValueError("recording selections runs eagerly: pass graph=False")
         if replay is not None:
             self._check_replay(replay, prompts, new_tokens)
         vocab = self.model.config.vocab_size
@@ -141,19 +190,30 @@ class Engine:
         batch = len(prompts)
         if self.mode != "resident":
             self.cache = self._new_cache(batch, capacity)
-        attention = KernelDsaAttention(self.mode, check_values=not graph, replay=replay)
+        state, first = self._prefill(prompts, capacity)
+        shared = {}
+        for kv in state.layers:
+            if isinstance(kv, HierMlaKV) and kv.anchor_layer is not None:
+                shared.setdefault(kv.anchor_layer, []).append(kv)
+        attention = KernelDsaAttention(self.mode, check_values=not graph, prefetch=self.prefetch, shared=shared)
+        if replay is not None:     # the whole trace on the device: each step copies its slice
+            replay_steps = torch.from_numpy(replay.selections[:new_tokens - 1]).to(first.device)
+            attention.replay_sel = torch.empty_like(replay_steps[0])
         self.model.sparse_attention = attention
-        state, logits = self._prefill(prompts, capacity)
         out = Generation(tokens=torch.empty(0))
-        tokens = logits.argmax(-1)
+        if first.dim() == 2:                       # the model's prefill: its last logits
+            if keep_logits:
+                out.logits.append(first.float().cpu())
+            first = first.argmax(-1)
+        tokens = first
         generated = [tokens]
-        if keep_logits:
-            out.logits.append(logits.float().cpu())
         out.kv_bytes_per_request = self._kv_bytes(state) / batch
 
         step = lambda toks: self.model.decode(toks, state)                     # noqa: E731
         timed_from = 2 if graph else 1          # step 1 warms up (compiles) before any capture
         for t in range(1, new_tokens):
+            if replay is not None:
+                attention.replay_sel.copy_(replay_steps[t - 1])
             if t == timed_from:
                 if graph:
                     step = self._graphed_step(tokens, state)
@@ -161,11 +221,10 @@ class Engine:
                 start = time.perf_counter()
             if self.cache is not None:     # the step writes each stream's next unit
                 self.cache.advance(sorted(self.cache._open), 1)
-            attention.step = t - 1
             logits = step(tokens)
             if record is not None:
                 record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
-            if replay is not None and self.cache is not None:
+            if replay is not None and self.cache is not None and not graph:
                 out.misses_per_step.append(int(self.cache.stats[:, 1].sum()) - sum(out.misses_per_step))
             tokens = logits.argmax(-1)
             generated.append(tokens)
@@ -182,12 +241,8 @@ class Engine:
 
     def trace_writer(self, prompts, source: str = "") -> TraceWriter:
         """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""
-        cfg = self.model.config
-        anchors, last_full = [], 0
-        for i, kind in enumerate(cfg.indexer_types):
-            last_full = i if kind == "full" else last_full
-            anchors.append(last_full)
-        return TraceWriter("dsa", 1, [len(p) for p in prompts], anchors, source or cfg.model_type)
+        return TraceWriter("dsa", 1, [len(p) for p in prompts], self.anchors,
+                           source or self.model.config.model_type)
 
     def _check_replay(self, trace: Trace, prompts, new_tokens: int) -> None:
         cfg = self.model.config

@@ -223,10 +223,13 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache) ->
 
 
 def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host_base: torch.Tensor,
-               unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor, to_reserved: bool) -> None:
+               unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor, to_reserved: bool,
+               map_streams: torch.Tensor | None = None) -> None:
     """Store rows [M, E] (device) as unit units[m] of stream streams[m]: into the host pool, into the
     cached copy if the unit is cached, and with `to_reserved` into the stream's reserved slot (at
-    most one row per stream then). streams [M] int32 (-1 skips), units [M] int64. No host sync."""
+    most one row per stream then). streams [M] int32 (-1 skips), units [M] int64. No host sync.
+    map_streams [M] int32: whose unit -> slot map says where the unit is cached (default: streams;
+    a shared layer, moving in lockstep with its anchor, passes the anchor's streams)."""
     _check_rows(host, cache)
     _expect(rows.dim() == 2 and rows.shape[1] == host.shape[1] and rows.dtype == host.dtype,
             f"rows must be [M, {host.shape[1]}] {host.dtype}, got {tuple(rows.shape)} {rows.dtype}")
@@ -234,10 +237,14 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
             f"{tuple(units.shape)} must be [M] = [{rows.shape[0]}]")
     _expect(streams.dtype == torch.int32 and units.dtype == torch.int64,
             f"streams must be int32 and units int64, got {streams.dtype} and {units.dtype}")
+    map_streams = streams if map_streams is None else map_streams
+    _expect(map_streams.shape == streams.shape and map_streams.dtype == torch.int32,
+            f"map_streams must be int32 {tuple(streams.shape)}, got {map_streams.dtype} {tuple(map_streams.shape)}")
     rows_w = as_words(rows.contiguous())
     row_words = rows_w.shape[1]
     _write_rows_kernel[(rows.shape[0],)](
-        rows_w, streams.contiguous(), units.contiguous(), host_base, unit_slot, as_words(host),
+        rows_w, streams.contiguous(), map_streams.contiguous(), units.contiguous(), host_base, unit_slot,
+        as_words(host),
         as_words(cache), cache.shape[1], ROW_WORDS=row_words,
         BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved,
     )

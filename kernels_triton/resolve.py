@@ -155,6 +155,7 @@ def _fetch_rows_kernel(
 def _write_rows_kernel(
     src_ptr,         # [M, ROW_WORDS] new rows (on the device)
     stream_ptr,      # [M] int32 stream of each row, -1 = skip
+    map_stream_ptr,  # [M] int32 stream whose unit -> slot map places the row (a shared layer's anchor)
     unit_ptr,        # [M] int64 unit index of each row within its stream
     host_base_ptr,   # [S] int64 host row of unit 0 of each stream
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
@@ -167,8 +168,10 @@ def _write_rows_kernel(
     stream = tl.load(stream_ptr + i_m)
     if stream >= 0:
         i_s = stream.to(tl.int64)
-        host_row = tl.load(host_base_ptr + i_s) + tl.load(unit_ptr + i_m).to(tl.int64)
-        slot = tl.load(unit_slot_ptr + host_row)
+        unit = tl.load(unit_ptr + i_m).to(tl.int64)
+        host_row = tl.load(host_base_ptr + i_s) + unit
+        map_stream = tl.load(map_stream_ptr + i_m).to(tl.int64)
+        slot = tl.load(unit_slot_ptr + tl.load(host_base_ptr + map_stream) + unit)
         p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW_WORDS
         p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW_WORDS
         for w in tl.static_range(0, ROW_WORDS, BLOCK_W):

@@ -43,3 +43,23 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
     assert runs["hisparse-B=k"].misses > 0
     # the hot slots per request do not grow with the context; the resident latents do
     assert runs["hisparse-B=k"].kv_bytes_per_request < base.kv_bytes_per_request
+
+
+def test_prefetch_bitwise_with_shared_layers_graphed():
+    """glm_moe_dsa with shared layers: prefetch on (side stream, inside the CUDA graph), off, and
+    resident give bitwise-equal logits and tokens."""
+    types = ["full", "shared", "shared", "full", "shared"]
+    m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=5,
+                                          first_k_dense_replace=5, indexer_types=types)))
+    randomize_(m, seed=1)
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
+    base = Engine(m, "resident", chunk_size=1024).generate(prompts, 65, graph=True)
+    for prefetch in (False, True):
+        out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch).generate(
+            prompts, 65, graph=True)
+        assert torch.equal(out.tokens, base.tokens), f"prefetch={prefetch}"
+        for step, (a, b) in enumerate(zip(base.logits, out.logits)):
+            assert torch.equal(a, b), f"prefetch={prefetch}: logits differ at step {step}"
+        assert out.misses > 0

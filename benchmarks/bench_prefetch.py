@@ -1,0 +1,112 @@
+"""Layer-wise prefetch benchmark: time per output token of the graphed decode step for `resident`,
+`sync` (shared layers replay their anchor's miss plan in line), `prefetch` (on a side stream while
+the layers in between compute) and `noio` (the oracle). Writes OUT/prefetch.csv.
+
+Model: glm_moe_dsa with DSA's real KV geometry (128 heads, 512 + 64 latents, k = 2048, a 64 x 128
+indexer) and a small rest (hidden 1024, dense MLPs of 2048), 8 layers of which 2 run the indexer
+and 6 share it (1 full : 3 shared). Selections replay the calibrated synthetic workload
+(`hisparse.synthetic` preset dsa_100k at this context), the same selections for every request,
+so miss rates are realistic; the prompt's KV is random (`prefill="random"`).
+
+exposed_io_ms_per_token = tpot - tpot(noio). hidden_frac estimates the share of the shared layers'
+miss time that prefetch hides: (exposed(sync) - exposed(prefetch)) / shared_io, with shared_io =
+exposed(sync) x shared layers / layers (every layer moves the same rows: its anchor's plan).
+
+    python -m benchmarks.bench_prefetch [--out DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from hisparse.engine import Engine
+from hisparse.models.config import config_from_dict
+from hisparse.models.loading import build_model
+from hisparse.models.tiny import randomize_
+from hisparse.results import append_rows
+from hisparse.synthetic import generate, preset
+from hisparse.traces import Trace
+
+TYPES = ["full", "shared", "shared", "shared"] * 2
+GEOMETRY = dict(model_type="glm_moe_dsa", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
+                moe_intermediate_size=256, num_hidden_layers=len(TYPES), first_k_dense_replace=len(TYPES),
+                indexer_types=TYPES, num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536,
+                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_topk=2048,
+                index_head_dim=128, index_n_heads=64, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=1, topk_group=1)
+QUICK = dict(GEOMETRY, hidden_size=64, intermediate_size=96, num_attention_heads=4, kv_lora_rank=32,
+             q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, index_topk=8,
+             index_head_dim=32, index_n_heads=8)
+MODES = {"resident": ("resident", False), "sync": ("hisparse", False), "prefetch": ("hisparse", True),
+         "noio": ("noio", False)}
+
+
+def workload(context: int, steps: int, k: int, batch: int, quick: bool) -> Trace:
+    """One request's calibrated synthetic selections, repeated for every request of the batch."""
+    cfg = (preset("tiny", context=context, steps=steps, k=k, layers=len(TYPES), sinks=1, window=2) if quick
+           else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES)))
+    one = generate(cfg)
+    sel = np.repeat(one.selections, batch, axis=2)
+    return Trace(sel, "dsa", 1, np.full(batch, context), np.arange(len(TYPES)), source=one.source)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results", help="folder for prefetch.csv (default: results)")
+    ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (no graphs): smoke test")
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--context", type=int, default=32768, help="prompt tokens per request (default 32768)")
+    ap.add_argument("--cache-slots", type=int, default=4096, help="B (default 4096 = 2k)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.quick
+    if args.quick:
+        args.batches, args.context, args.cache_slots, args.steps = [2], 40, 16, 4
+    geometry = QUICK if args.quick else GEOMETRY
+    model = build_model(config_from_dict(dict(geometry)))
+    randomize_(model, seed=0)
+    model = model.to(device="cuda" if gpu else "cpu", dtype=torch.bfloat16 if gpu else torch.float32)
+    k, layers, shared = geometry["index_topk"], len(TYPES), TYPES.count("shared")
+    print(f"glm_moe_dsa-like: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
+          f"{args.context}, hidden {geometry['hidden_size']}; on {'GPU' if gpu else 'CPU'}")
+    print(f"{'batch':>5} {'mode':>9} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'hidden':>7} "
+          f"{'miss':>6} {'vs noio':>8}")
+    for batch in args.batches:
+        trace = workload(args.context, args.steps + 1, k, batch, args.quick)
+        prompts = [torch.zeros(args.context, dtype=torch.int64)] * batch
+        tpot, misses = {}, {}
+        for name, (mode, prefetch) in MODES.items():
+            engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
+                            prefetch=prefetch, prefill="random")
+            out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)
+            tpot[name] = out.decode_s / out.timed_steps * 1e3
+            misses[name] = out.miss_rate
+            del engine, out
+            if gpu:
+                torch.cuda.empty_cache()
+        rows = []
+        for name in MODES:
+            exposed = tpot[name] - tpot["noio"]
+            hidden = float("nan")
+            if name == "prefetch":
+                shared_io = (tpot["sync"] - tpot["noio"]) * shared / layers
+                hidden = (tpot["sync"] - tpot["prefetch"]) / shared_io if shared_io > 0 else float("nan")
+            metrics = {"tpot_ms": (tpot[name], "ms"), "tokens_per_s": (batch / tpot[name] * 1e3, "tokens/s"),
+                       "exposed_io_ms_per_token": (exposed, "ms"), "miss_rate": (misses[name], "fraction")}
+            if name == "prefetch":
+                metrics["hidden_frac"] = (hidden, "fraction")
+            rows += [dict(bench="prefetch", family="dsa", mode=name, batch=batch, context=args.context, k=k,
+                          cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=1152,
+                          layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
+                          workload="dsa_100k" if not args.quick else "tiny", metric=m, value=v, unit=u)
+                     for m, (v, u) in metrics.items()]
+            print(f"{batch:5d} {name:>9} | {tpot[name]:8.2f} {batch / tpot[name] * 1e3:9.0f} {exposed:13.2f} "
+                  f"{hidden:7.2f} {misses[name]:6.3f} {tpot['noio'] / tpot[name]:8.2f}", flush=True)
+        append_rows(f"{args.out}/prefetch.csv", rows)
+    print("targets: hidden_frac >= 0.5 and prefetch throughput >= 0.85 of noio ('vs noio' column)")
+
+
+if __name__ == "__main__":
+    main()
