@@ -118,11 +118,12 @@ class HierarchicalKVCache:
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
                    self.host.rows, self.slots, to_reserved=True, map_streams=map_streams)
 
-    def replay_plan(self, plan: ResolveResult, streams: torch.Tensor) -> None:
+    def replay_plan(self, plan: ResolveResult, streams: torch.Tensor, max_programs: int | None = None) -> None:
         """Copy an anchor's miss plan into other streams (a shared layer's, in lockstep with the
-        anchor): each planned unit's row from their host regions into the same slots. No sync."""
+        anchor): each planned unit's row from their host regions into the same slots. No sync.
+        max_programs: see `fetch_rows` (a side-stream copy leaves SMs to the compute)."""
         fetch_rows(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.state.host_base,
-                   self.host.rows, self.slots)
+                   self.host.rows, self.slots, max_programs)
 
     def advance(self, streams: list[int], n: int = 1) -> None:
         """Record on the host that each stream gets `n` more units (written by `write_newest`)."""

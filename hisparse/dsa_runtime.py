@@ -15,6 +15,7 @@ from, so a trace with realistic locality drives it with realistic hit rates.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from hisparse.dsa import dsa_select, sparse_mla_decode
 from hisparse.models.dsa_decode import MlaKV
 
 KV_MODES = ("resident", "hisparse", "noio")
+PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
 
 
 @dataclass
@@ -78,6 +80,9 @@ class KernelDsaAttention:
         self.check_values = check_values
         self.shared = shared or {}
         self.side = torch.cuda.Stream() if prefetch and torch.cuda.is_available() else None
+        # a copy from pinned host memory needs few programs to keep PCIe busy; more would crowd
+        # out the layers it overlaps with
+        self.prefetch_programs = PREFETCH_PROGRAMS
         self.replay_sel: torch.Tensor | None = None
         self.recorded: dict[int, torch.Tensor] = {}
         self._resolved: dict[int, ResolveResult] = {}
@@ -121,6 +126,6 @@ class KernelDsaAttention:
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 for shared in self.shared.get(layer_idx, []):
-                    kv.cache.replay_plan(plan, shared.streams)
+                    kv.cache.replay_plan(plan, shared.streams, self.prefetch_programs)
                     shared.prefetched.record(self.side)
         return plan.slots

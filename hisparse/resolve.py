@@ -204,10 +204,13 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     return out
 
 
-def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache) -> None:
+def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
+               max_programs: int | None = None) -> None:
     """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
 
     Also replays an anchor layer's plan into a shared layer: pass the shared layer's streams.
+    max_programs caps the copy's programs (each then loops over several chunks), so that a copy
+    on a side stream leaves multiprocessors to the kernels it should overlap with.
     """
     _check_rows(host, cache)
     n, k = plan_unit.shape
@@ -215,7 +218,10 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache) ->
     row_words = host_w.shape[1]
     block_w = min(triton.next_power_of_2(row_words), 1024)
     chunk = max(1, min(32, 4096 // block_w))
-    grid = (n, triton.cdiv(k, chunk))
+    per_row = triton.cdiv(k, chunk)
+    if max_programs is not None:
+        per_row = max(1, min(per_row, max_programs // max(n, 1)))
+    grid = (n, per_row)
     _fetch_rows_kernel[grid](
         plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, k, cache.shape[1],
         ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=4,

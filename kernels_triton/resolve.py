@@ -132,13 +132,16 @@ def _fetch_rows_kernel(
     K, SLOTS,
     ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
+    # grid (N, P): program (n, c) copies chunks c, c + P, c + 2P, ... of row n's plan
     i_n = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
+    n_progs = tl.num_programs(1)
     stream = tl.load(stream_ptr + i_n)
     n_plan = tl.load(counts_ptr + i_n * 2 + 1)
-    if (stream >= 0) & (i_c * CHUNK < n_plan):
-        i_s = stream.to(tl.int64)
-        o_m = i_c * CHUNK + tl.arange(0, CHUNK)
+    n_plan = tl.where(stream >= 0, n_plan, 0)
+    i_s = tl.maximum(stream, 0).to(tl.int64)
+    for start in range(i_c * CHUNK, n_plan, n_progs * CHUNK):
+        o_m = start + tl.arange(0, CHUNK)
         m_m = o_m < n_plan
         b_unit = tl.load(plan_unit_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
         b_slot = tl.load(plan_slot_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)

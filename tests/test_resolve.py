@@ -266,3 +266,18 @@ def test_write_unit_writes_through_to_cached_copy(device):
     res2 = cache.resolve(s0, _i32([[4]], device))
     assert res2.counts.tolist() == [[1, 0]]
     assert torch.equal(cache.slots[0, int(res2.slots[0, 0])].cpu(), new)
+
+
+def test_fetch_with_few_programs_copies_every_planned_row(device):
+    """A capped copy (each program loops over several chunks) moves the same rows as a full one."""
+    from hisparse.resolve import fetch_rows
+    gen = torch.Generator().manual_seed(11)
+    lengths = [300, 120]
+    cache, _ = make_pair(2, 96, 8, torch.float16, device, lengths, seed=9)
+    sel = next_selection(None, lengths, 96, gen, pad=0.0)
+    streams = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    res = cache.resolve(streams, sel.to(device), mode="noio")
+    assert int(res.misses.min()) > 64, "the plan must span several chunks"
+    fetch_rows(res.plan_unit, res.plan_slot, res.counts, streams, cache.state.host_base, cache.host.rows,
+               cache.slots, max_programs=1)
+    assert_slots_hold_units(cache, streams, sel.to(device), res.slots)
