@@ -1,0 +1,271 @@
+"""Greedy generation from a checkpoint through the decode engine, with timing, miss rate and KV memory.
+
+    python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny
+    python -m hisparse.generate --model /tmp/tiny --prompt-len 24 --new-tokens 8 --batch 2 \\
+        --mode hisparse --cache-slots 16
+
+Prints the configuration, each request's prompt and generated token ids, tokens/s (batch x timed decode
+steps / decode time), the time per output token, the miss rate (hisparse and noio modes) and the
+GPU bytes of KV state per request. Without a GPU the Triton kernels run through Triton's
+interpreter (slow: use tiny checkpoints and short prompts).
+
+The engine runs DSA checkpoints (model_type deepseek_v32, glm_moe_dsa) for now.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+MODES = ("resident", "hisparse", "noio")            # hisparse.dsa_runtime.KV_MODES (not imported here)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_PROMPT_LEN = 32
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    values = []
+    for part in text.split(","):
+        try:
+            values.append(int(part.strip()))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} {part.strip()!r} in {text!r} is not an integer") from None
+    return values
+
+
+def _prompt_ids(text: str) -> list[list[int]]:
+    prompts = [_int_list(part, "token id") for part in text.split(";")]
+    negative = [t for p in prompts for t in p if t < 0]
+    if negative:
+        raise argparse.ArgumentTypeError(f"token id {negative[0]} in {text!r} is negative")
+    return prompts
+
+
+def _prompt_lens(text: str) -> list[int]:
+    lengths = _int_list(text, "length")
+    bad = [n for n in lengths if n < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"prompt length {bad[0]} in {text!r} must be >= 1")
+    return lengths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m hisparse.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, metavar="DIR",
+                    help="checkpoint directory: config.json plus *.safetensors (Hugging Face layout), "
+                         "e.g. one written by `python -m hisparse.make_tiny`")
+    prompt = ap.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt-len", type=_positive, metavar="N",
+                        help=f"random prompts of N token ids each, drawn with --seed; each request gets its "
+                             f"own (default {DEFAULT_PROMPT_LEN} when no prompt option is given)")
+    prompt.add_argument("--prompt-lens", type=_prompt_lens, metavar="A,B,...",
+                        help="random prompts of these lengths, one request per length (sets the batch)")
+    prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="IDS",
+                        help="explicit prompt token ids, comma-separated, e.g. '1,2,3'; one prompt is "
+                             "repeated for every request of --batch; several prompts separated by ';' "
+                             "('1,2,3;4,5') give one request each")
+    ap.add_argument("--new-tokens", type=_positive, default=16, metavar="N",
+                    help="tokens generated per request, the first from the prefill's logits (default 16); "
+                         "timing needs N >= 2 (N >= 3 with --graph: the first decode step warms up)")
+    ap.add_argument("--batch", type=_positive, default=None, metavar="N",
+                    help="number of requests decoded together (default 1, or the number of --prompt-lens / "
+                         "';'-separated --prompt-ids)")
+    ap.add_argument("--mode", choices=MODES, default="resident",
+                    help="where the MLA latents live: resident (all on the GPU, the baseline), hisparse "
+                         "(host pool + --cache-slots GPU slots per (request, layer), exact), noio (hisparse "
+                         "without the copies: wrong outputs, the time's upper bound) (default resident)")
+    ap.add_argument("--cache-slots", type=_positive, default=None, metavar="B",
+                    help="GPU slots per (request, layer) stream; required for hisparse and noio, at least the "
+                         "model's selection size k (index_topk); ignored in resident mode")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="hisparse mode: copy the shared layers' rows (glm_moe_dsa) on a side stream while "
+                         "the layers in between compute (on a GPU; in line on a CPU)")
+    ap.add_argument("--graph", action="store_true",
+                    help="capture the whole decode step in a CUDA graph and replay it (needs a CUDA GPU)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
+    ap.add_argument("--device", default=None,
+                    help="torch device, e.g. cuda, cuda:1 or cpu (default cuda when a GPU is present, else "
+                         "cpu through the Triton interpreter)")
+    ap.add_argument("--chunk-size", type=_positive, default=None, metavar="N",
+                    help="prefill long prompts in chunks of N tokens (default: the whole prompt at once)")
+    ap.add_argument("--max-context", type=_positive, default=None, metavar="N",
+                    help="KV capacity per request in tokens (default: longest prompt + new tokens)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    ap.add_argument("--show-tokens", type=_positive, default=32, metavar="N",
+                    help="print at most N prompt ids and N generated ids per request (default 32)")
+    return ap
+
+
+def _device(ap: argparse.ArgumentParser, text: str | None) -> torch.device:
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        ap.error(f"argument --device: unknown device {text!r}; expected e.g. cuda, cuda:0 or cpu")
+    if device.type not in ("cuda", "cpu"):
+        ap.error(f"argument --device: {text!r} is neither a CUDA device nor the CPU")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            ap.error(f"argument --device: {text!r} needs a CUDA GPU and none is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            ap.error(f"argument --device: {text!r} does not exist ({torch.cuda.device_count()} GPUs)")
+    return device
+
+
+def _use_interpreter_on_cpu(ap: argparse.ArgumentParser) -> None:
+    """The CPU runs the kernels through Triton's interpreter, chosen when a kernel module is imported."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if any(name.startswith("kernels_triton") for name in sys.modules):
+        ap.error("argument --device: cpu needs Triton's interpreter, but the kernels were already compiled "
+                 "for the GPU in this process; run in a fresh process")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _prompts(ap, args, vocab: int) -> list[torch.Tensor]:
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
+        if len(ids) > 1 and args.batch not in (None, len(ids)):
+            ap.error(f"argument --batch: {args.batch} differs from the {len(ids)} prompts of --prompt-ids")
+        if any(len(p) == 0 for p in ids):
+            ap.error("argument --prompt-ids: a prompt is empty")
+        if len(ids) == 1:
+            ids = ids * (args.batch or 1)
+        bad = [t for p in ids for t in p if t >= vocab]
+        if bad:
+            ap.error(f"argument --prompt-ids: token id {bad[0]} is out of range: the vocabulary has {vocab} ids")
+        return [torch.tensor(p, dtype=torch.int64) for p in ids]
+    if args.prompt_lens is not None:
+        lengths = args.prompt_lens
+        if args.batch not in (None, len(lengths)):
+            ap.error(f"argument --batch: {args.batch} differs from the {len(lengths)} lengths of --prompt-lens")
+    else:
+        lengths = [args.prompt_len or DEFAULT_PROMPT_LEN] * (args.batch or 1)
+    gen = torch.Generator().manual_seed(args.seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+
+
+def _fmt_tokens(tokens: list[int], show: int) -> str:
+    if len(tokens) <= show:
+        return " ".join(map(str, tokens))
+    return " ".join(map(str, tokens[:show])) + f" ... (+{len(tokens) - show} more)"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.3f} MiB ({nbytes:,.0f} bytes)"
+
+
+def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    device = _device(ap, args.device)
+    if args.graph:
+        if not torch.cuda.is_available():
+            ap.error("argument --graph: CUDA graphs need a CUDA GPU and none is available")
+        if device.type != "cuda":
+            ap.error(f"argument --graph: CUDA graphs need a CUDA device, got --device {args.device}")
+    if args.prefetch and args.mode != "hisparse":
+        ap.error(f"argument --prefetch: applies to --mode hisparse, got --mode {args.mode}")
+    if device.type == "cpu":
+        _use_interpreter_on_cpu(ap)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+
+    config_path = Path(args.model) / "config.json"
+    if not config_path.is_file():
+        ap.error(f"argument --model: no config.json in checkpoint directory {args.model!r}")
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (ValueError, AttributeError) as e:
+        ap.error(f"argument --model: cannot read {config_path}: {e}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        ap.error(f"argument --model: checkpoint {args.model!r} has model_type {model_type!r}; the engine runs "
+                 f"only {', '.join(SUPPORTED_MODEL_TYPES)} (DSA) for now")
+
+    from hisparse.engine import Engine                  # after the interpreter choice
+    from hisparse.models.loading import load_model
+
+    try:
+        model = load_model(args.model, dtype=dtype, device=device)
+    except (ValueError, OSError) as e:
+        ap.error(f"argument --model: cannot load checkpoint {args.model!r}: {e}")
+    cfg = model.config
+    k = cfg.index_topk
+    if args.mode != "resident" and args.cache_slots is None:
+        ap.error(f"argument --mode: {args.mode} needs --cache-slots B with B >= k = {k} (index_topk)")
+    prompts = _prompts(ap, args, cfg.vocab_size)
+    longest = max(len(p) for p in prompts)
+    if args.max_context is not None and longest + args.new_tokens - 1 > args.max_context:
+        ap.error(f"argument --max-context: {args.max_context} is too small for a prompt of {longest} tokens "
+                 f"plus {args.new_tokens} new ones (needs >= {longest + args.new_tokens - 1})")
+    try:
+        engine = Engine(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
+                        max_context=args.max_context, chunk_size=args.chunk_size, prefetch=args.prefetch)
+    except ValueError as e:
+        ap.error(f"argument --cache-slots: {e}")
+
+    interp = " (Triton interpreter)" if device.type == "cpu" else ""
+    capacity = args.max_context or longest + args.new_tokens
+    print(f"model       {args.model} ({model_type}, {cfg.num_hidden_layers} layers, k={k}, vocab {cfg.vocab_size})")
+    print(f"device      {device}{interp}, {str(dtype).removeprefix('torch.')}")
+    slots = (f", cache slots B={args.cache_slots} ({args.cache_slots / k:g}k)" if args.mode != "resident" else "")
+    print(f"mode        {args.mode}{slots}{', prefetch' if args.prefetch else ''}, "
+          f"{'CUDA graph' if args.graph else 'eager'}")
+    print(f"requests    {len(prompts)}, prompt lengths {[len(p) for p in prompts]}, {args.new_tokens} new tokens, "
+          f"capacity {capacity} tokens{f', prefill chunks of {args.chunk_size}' if args.chunk_size else ''}, "
+          f"seed {args.seed}")
+
+    start = time.perf_counter()
+    out = engine.generate(prompts, args.new_tokens, graph=args.graph, keep_logits=False)
+    wall = time.perf_counter() - start
+
+    for b, (prompt, row) in enumerate(zip(prompts, out.tokens.tolist())):
+        print(f"request {b}: prompt [{_fmt_tokens(prompt.tolist(), args.show_tokens)}] -> "
+              f"[{_fmt_tokens(row, args.show_tokens)}]")
+    batch = len(prompts)
+    if out.timed_steps > 0 and out.decode_s > 0:
+        print(f"tokens/s    {batch * out.timed_steps / out.decode_s:.2f} "
+              f"({batch} requests x {out.timed_steps} timed decode steps in {out.decode_s:.3f} s)")
+        print(f"TPOT        {1000 * out.decode_s / out.timed_steps:.3f} ms per output token (per step)")
+    else:
+        need = 3 if args.graph else 2
+        print(f"tokens/s    n/a (no timed decode step: needs --new-tokens >= {need})")
+        print("TPOT        n/a")
+    if args.mode != "resident":
+        print(f"miss rate   {out.miss_rate:.4f} ({out.misses} misses, {out.hits} hits over "
+              f"{args.new_tokens - 1} decode steps)")
+    print(f"KV on GPU   {_mib(out.kv_bytes_per_request)} per request")
+    if device.type == "cuda":
+        print(f"GPU memory  {_mib(torch.cuda.max_memory_allocated(device))} peak allocated (all, weights included)")
+    print(f"wall time   {wall:.3f} s (prefill + decode)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    try:
+        return run(ap, ap.parse_args(argv))
+    except SystemExit as e:               # argparse errors (2) and --help (0) as a return code
+        return e.code if isinstance(e.code, int) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

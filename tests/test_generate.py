@@ -1,0 +1,153 @@
+"""The command-line interface `python -m hisparse.generate`: its tokens are the engine's, it reports
+timing, miss rate and KV memory, and bad inputs fail with argparse errors naming the value."""
+import re
+
+import pytest
+import torch
+
+from hisparse.engine import Engine
+from hisparse.generate import build_parser, main
+from hisparse.models.loading import load_model
+from hisparse.models.tiny import write_tiny_checkpoint
+
+HAS_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_GPU else "cpu"
+K = 8                                   # index_topk of the tiny DSA checkpoints
+REQUEST = re.compile(r"^request (\d+): prompt \[([\d ]*)\] -> \[([\d ]*)\]$", re.M)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_checkpoint("deepseek_v32", tmp_path_factory.mktemp("dsv32"), seed=1))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    return load_model(tiny, dtype=torch.float32, device=DEVICE)
+
+
+def cli(capsys, *args):
+    """Run the CLI in-process (float32 so the engine run below is comparable on any device)."""
+    rc = main([*args, "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def requests(out):
+    """[(prompt ids, generated ids)] as printed."""
+    rows = REQUEST.findall(out)
+    assert [int(b) for b, _, _ in rows] == list(range(len(rows))), out
+    return [([int(t) for t in p.split()], [int(t) for t in g.split()]) for _, p, g in rows]
+
+
+def field(out, name):
+    match = re.search(rf"^{name}\s+(\S+)", out, re.M)
+    assert match, f"no {name!r} line in:\n{out}"
+    return match.group(1)
+
+
+def test_resident_tokens_equal_the_engine_with_explicit_prompt_ids(tiny, tiny_model, capsys):
+    ids = [[5, 17, 3, 9, 60, 2, 8, 1, 44, 90], [7, 7]]    # one longer than k, one shorter
+    rc, out, err = cli(capsys, "--model", tiny, "--prompt-ids", "5,17,3,9,60,2,8,1,44,90;7,7",
+                       "--new-tokens", "3", "--mode", "resident")
+    assert rc == 0, err
+    printed = requests(out)
+    assert [p for p, _ in printed] == ids
+    want = Engine(tiny_model, "resident").generate(ids, new_tokens=3, keep_logits=False)
+    assert [g for _, g in printed] == want.tokens.tolist()
+    assert float(field(out, "tokens/s")) > 0 and float(field(out, "TPOT")) > 0
+    assert "2 requests x 2 timed decode steps" in out
+    assert "miss rate" not in out
+    assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
+
+
+def test_hisparse_tokens_equal_the_engine_and_miss_rate_is_printed(tiny, tiny_model, capsys):
+    rc, out, err = cli(capsys, "--model", tiny, "--prompt-lens", "11,4", "--seed", "3", "--new-tokens", "4",
+                       "--mode", "hisparse", "--cache-slots", str(K))
+    assert rc == 0, err
+    printed = requests(out)
+    prompts = [p for p, _ in printed]
+    assert [len(p) for p in prompts] == [11, 4]
+    assert all(0 <= t < tiny_model.config.vocab_size for p in prompts for t in p)
+    want = Engine(tiny_model, "hisparse", cache_slots=K).generate(prompts, new_tokens=4, keep_logits=False)
+    assert [g for _, g in printed] == want.tokens.tolist()
+    assert want.misses > 0 and want.hits > 0
+    assert field(out, "miss rate") == f"{want.miss_rate:.4f}"
+    assert f"({want.misses} misses, {want.hits} hits over 3 decode steps)" in out
+    assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
+    assert "2 requests x 3 timed decode steps" in out
+    assert f"cache slots B={K} (1k)" in out
+
+
+def test_random_prompts_are_seeded_and_per_request(tiny, capsys):
+    """One new token: prefill only, no timed step."""
+    runs = {}
+    for seed in (1, 1, 2):
+        rc, out, err = cli(capsys, "--model", tiny, "--prompt-len", "6", "--batch", "2", "--new-tokens", "1",
+                           "--seed", str(seed))
+        assert rc == 0, err
+        prompts = [p for p, _ in requests(out)]
+        assert [len(p) for p in prompts] == [6, 6] and prompts[0] != prompts[1]
+        runs.setdefault(seed, []).append(prompts)
+    assert runs[1][0] == runs[1][1] != runs[2][0]
+    assert "tokens/s    n/a" in out
+
+
+def test_one_prompt_is_repeated_over_the_batch_and_long_lists_are_truncated(tiny, capsys):
+    rc, out, err = cli(capsys, "--model", tiny, "--prompt-ids", ",".join(map(str, range(20))), "--batch", "3",
+                       "--new-tokens", "1", "--show-tokens", "4")
+    assert rc == 0, err
+    assert out.count("request ") == 3
+    assert out.count("prompt [0 1 2 3 ... (+16 more)]") == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mode", "hisparse", "--cache-slots", "4"], "cache_slots B=4 is smaller than the selection size k=8"),
+    (["--mode", "noio"], "noio needs --cache-slots B with B >= k = 8"),
+    (["--prompt-len", "4", "--prompt-ids", "1,2"], "argument --prompt-ids: not allowed with argument --prompt-len"),
+    (["--prompt-ids", "1,x"], "token id 'x' in '1,x' is not an integer"),
+    (["--prompt-ids", "1,97"], "token id 97 is out of range: the vocabulary has 97 ids"),
+    (["--prompt-lens", "3,4", "--batch", "3"], "--batch: 3 differs from the 2 lengths of --prompt-lens"),
+    (["--new-tokens", "0"], "argument --new-tokens: must be a positive integer, got '0'"),
+    (["--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
+    (["--prompt-len", "10", "--new-tokens", "4", "--max-context", "12"], "--max-context: 12 is too small"),
+    (["--prefetch"], "--prefetch: applies to --mode hisparse, got --mode resident"),
+], ids=["slots<k", "no-slots", "both-prompts", "bad-id", "id>=vocab", "batch-mismatch", "zero-tokens",
+        "bad-mode", "max-context", "prefetch-resident"])
+def test_bad_arguments_fail_with_argparse_errors(tiny, capsys, args, message):
+    rc, out, err = cli(capsys, "--model", tiny, *args)
+    assert rc == 2
+    assert message in err and "usage: python -m hisparse.generate" in err
+    assert "request 0" not in out and "Traceback" not in err
+
+
+def test_unsupported_family_names_the_model_type(tmp_path, capsys):
+    llama = write_tiny_checkpoint("llama", tmp_path / "llama")
+    rc, out, err = cli(capsys, "--model", str(llama))
+    assert rc == 2
+    assert "model_type 'llama'" in err and "deepseek_v32, glm_moe_dsa" in err
+    rc, out, err = cli(capsys, "--model", str(tmp_path / "absent"))
+    assert rc == 2 and "no config.json in checkpoint directory" in err
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the error without a GPU")
+def test_graph_and_cuda_need_a_gpu(tiny, capsys):
+    rc, out, err = cli(capsys, "--model", tiny, "--graph")
+    assert rc == 2 and "argument --graph: CUDA graphs need a CUDA GPU" in err
+    rc, out, err = cli(capsys, "--model", tiny, "--device", "cuda")
+    assert rc == 2 and "argument --device: 'cuda' needs a CUDA GPU" in err
+
+
+def test_help_explains_every_option(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny" in out
+    assert "python -m hisparse.generate --model /tmp/tiny" in out
+    for action in build_parser()._actions:
+        assert action.help and len(action.help) > 10, action.option_strings
+        for option in action.option_strings:
+            assert option in out
+    for option in ("--model", "--prompt-len", "--prompt-ids", "--prompt-lens", "--new-tokens", "--batch", "--mode",
+                   "--cache-slots", "--prefetch", "--graph", "--dtype", "--device", "--chunk-size", "--max-context",
+                   "--seed"):
+        assert option in out
