@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
 
 from hisparse.engine import Engine
@@ -26,7 +25,7 @@ from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import randomize_
 from hisparse.results import append_rows
-from hisparse.synthetic import generate, preset
+from hisparse.synthetic import generate, preset, repeat_request
 from hisparse.traces import Trace
 
 TYPES = ["full", "shared", "shared", "shared"] * 2
@@ -47,9 +46,7 @@ def workload(context: int, steps: int, k: int, batch: int, quick: bool) -> Trace
     """One request's calibrated synthetic selections, repeated for every request of the batch."""
     cfg = (preset("tiny", context=context, steps=steps, k=k, layers=len(TYPES), sinks=1, window=2) if quick
            else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES)))
-    one = generate(cfg)
-    sel = np.repeat(one.selections, batch, axis=2)
-    return Trace(sel, "dsa", 1, np.full(batch, context), np.arange(len(TYPES)), source=one.source)
+    return repeat_request(generate(cfg), batch)
 
 
 def main(argv=None) -> None:

@@ -177,3 +177,11 @@ def _tie(x: torch.Tensor, tied: torch.Tensor) -> torch.Tensor:
     for layer in range(1, x.shape[0]):
         torch.where(tied[layer], x[layer - 1], x[layer], out=x[layer])
     return x
+
+
+def repeat_request(trace: Trace, batch: int) -> Trace:
+    """A trace of `batch` requests that all replay request 0's selections (a batch-sized workload
+    at the cost of generating one request)."""
+    sel = np.repeat(trace.selections[:, :, :1], batch, axis=2)
+    return Trace(sel, trace.family, trace.unit_size, np.full(batch, trace.context[0]), trace.layer_anchor,
+                 source=trace.source)

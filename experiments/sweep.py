@@ -1,0 +1,303 @@
+"""Run every point of a sweep config and append long-format rows to results/ (DESIGN section 9).
+
+    python -m experiments.sweep                                  # experiments/configs/default.toml
+    python -m experiments.sweep --config experiments/configs/h200.toml --out results/
+    python -m experiments.sweep --dry-run                        # list the points, run nothing
+
+A config is a list of `[[study]]` tables; each `kind` has its own keys (see KEYS below and the
+shipped configs). Every point is validated before anything runs; points whose rows are already in
+the output (same parameters, same GPU) are skipped unless --force, so an interrupted sweep resumes.
+
+kinds:
+- policies:   replacement policies on a synthetic workload preset  -> policies.csv
+- decode:     the decode loop, per mode x cache slots x context x batch -> decode.csv
+- throughput: per context, the largest batch whose KV fits a GPU (and host) memory budget, in each
+              mode, and decode tokens/s at that batch (the paper's peak generation throughput) -> throughput.csv
+
+Models: "tiny:<family>" (a small random model of a hisparse.models.tiny family), "dsa" (DSA's real KV
+geometry: 128 heads, 512 + 64 latents, k = 2048, a 64 x 128 indexer; `layers` and `hidden` set the
+rest, which is smaller than the real model), or a checkpoint directory. Selections come from the
+model's indexer (workload = "model") or replay a synthetic preset (`hisparse.synthetic.PRESETS`)
+with realistic locality; decode and throughput runs fill the prompt's KV with random rows.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
+
+import pandas as pd  # noqa: E402
+
+from hisparse.dsa_runtime import KV_MODES  # noqa: E402
+from hisparse.engine import Engine  # noqa: E402
+from hisparse.models.config import config_from_dict  # noqa: E402
+from hisparse.models.loading import build_model, load_model  # noqa: E402
+from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
+from hisparse.results import append_rows, environment  # noqa: E402
+from hisparse.synthetic import PRESETS, generate, preset, repeat_request  # noqa: E402
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
+KEYS = {
+    "policies": {"kind", "workload"},
+    "decode": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "batches", "new_tokens",
+               "workload", "graph", "prefetch"},
+    "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
+                   "host_budget_gib", "max_batch", "new_tokens", "workload", "graph"},
+}
+REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
+            "throughput": {"model", "modes", "contexts", "kv_budget_gib"}}
+DSA_GEOMETRY = dict(model_type="deepseek_v32", vocab_size=1024, num_attention_heads=128, kv_lora_rank=512,
+                    q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_topk=2048,
+                    index_head_dim=128, index_n_heads=64, moe_intermediate_size=256, n_routed_experts=8,
+                    n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# -- config ----------------------------------------------------------------------------------
+
+def model_config(study: dict) -> dict:
+    """The model's config dict (no weights): what validation needs to know k and the layer count."""
+    spec, where = study["model"], f"study {study['_index']} ({study['kind']})"
+    if spec.startswith("tiny:"):
+        family = spec.split(":", 1)[1]
+        if family not in ("deepseek_v32", "glm_moe_dsa"):
+            raise ConfigError(f"{where}: model {spec!r}: the decode loop runs DSA families; expected "
+                              f"tiny:deepseek_v32 or tiny:glm_moe_dsa")
+        raw = dict(TINY_CONFIGS[family])
+    elif spec == "dsa":
+        layers, hidden = study.get("layers", 61), study.get("hidden", 1024)
+        raw = dict(DSA_GEOMETRY, num_hidden_layers=layers, first_k_dense_replace=layers, hidden_size=hidden,
+                   intermediate_size=2 * hidden)
+    elif (Path(spec) / "config.json").exists():
+        import json
+        raw = json.loads((Path(spec) / "config.json").read_text())
+    else:
+        raise ConfigError(f"{where}: model {spec!r} is neither tiny:<family>, dsa, nor a checkpoint directory")
+    if "layers" in study and spec.startswith("tiny:"):
+        raw["num_hidden_layers"] = study["layers"]
+    return raw
+
+
+def _positive_ints(study: dict, key: str, where: str) -> list[int]:
+    value = study.get(key)
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise ConfigError(f"{where}: {key} = {value!r}: expected a positive integer or a list of them")
+    return values
+
+
+def validate(studies: list[dict]) -> None:
+    """Every key and value of every study, before anything runs; errors name the study and key."""
+    if not studies:
+        raise ConfigError("the config has no [[study]] tables")
+    for i, study in enumerate(studies):
+        study["_index"] = i
+        kind = study.get("kind")
+        where = f"study {i} ({kind})"
+        if kind not in KEYS:
+            raise ConfigError(f"study {i}: kind = {kind!r}: expected one of {sorted(KEYS)}")
+        unknown = set(study) - KEYS[kind] - {"_index"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; allowed: {sorted(KEYS[kind])}")
+        missing = REQUIRED[kind] - set(study)
+        if missing:
+            raise ConfigError(f"{where}: missing key {sorted(missing)[0]!r}")
+        workload = study.get("workload", "model")
+        if workload not in PRESETS and not (kind != "policies" and workload == "model"):
+            raise ConfigError(f"{where}: workload = {workload!r}: expected 'model' or a preset of "
+                              f"{sorted(PRESETS)}")
+        if kind == "policies":
+            continue
+        bad = [m for m in study["modes"] if m not in KV_MODES]
+        if bad or not study["modes"]:
+            raise ConfigError(f"{where}: modes = {study['modes']!r}: expected a list of {KV_MODES}")
+        raw = model_config(study)
+        _positive_ints(study, "contexts", where)
+        study.setdefault("new_tokens", 8)
+        _positive_ints(study, "new_tokens", where)
+        if kind == "decode":
+            _positive_ints(study, "batches", where)
+        if any(m != "resident" for m in study["modes"]):
+            slots = _positive_ints(study, "cache_slots", where)
+            k = raw["index_topk"]
+            if min(slots) < k:
+                raise ConfigError(f"{where}: cache_slots {min(slots)} is smaller than the model's k = {k}")
+        if kind == "throughput":
+            for key in ("kv_budget_gib", "host_budget_gib"):
+                if key in study and not (isinstance(study[key], (int, float)) and study[key] > 0):
+                    raise ConfigError(f"{where}: {key} = {study[key]!r}: expected a positive number")
+            study.setdefault("max_batch", 256)
+            _positive_ints(study, "max_batch", where)
+
+
+# -- points ----------------------------------------------------------------------------------
+
+def points(study: dict) -> list[dict]:
+    """The points of one study: parameter dicts (their keys become result columns)."""
+    kind = study["kind"]
+    if kind == "policies":
+        return [{"bench": "policies", "workload": study["workload"]}]
+    base = {"family": "dsa", "workload": study.get("workload", "model"), "model": study["model"]}
+    slots = study.get("cache_slots", [None])
+    slots = slots if isinstance(slots, list) else [slots]
+    out = []
+    for mode, context in itertools.product(study["modes"], study["contexts"]):
+        for b in (slots if mode != "resident" else [None]):
+            if kind == "decode":
+                out += [dict(base, bench="decode", mode=mode, context=context, batch=batch, cache_slots=b)
+                        for batch in study["batches"]]
+            else:
+                out.append(dict(base, bench="throughput", mode=mode, context=context, cache_slots=b))
+    return out
+
+
+def done_points(path: Path) -> pd.DataFrame | None:
+    return pd.read_csv(path) if path.exists() else None
+
+
+def already_done(done: pd.DataFrame | None, point: dict, gpu: str) -> bool:
+    if done is None or done.empty:
+        return False
+    mask = done.gpu == gpu
+    for key, value in point.items():
+        if key not in done:
+            return False
+        col = done[key]
+        if value is None:
+            mask &= col.isna()
+        elif isinstance(value, (int, float)):
+            mask &= pd.to_numeric(col, errors="coerce") == value
+        else:
+            mask &= col.astype(str) == value
+    return bool(mask.any())
+
+
+# -- running ---------------------------------------------------------------------------------
+
+def build(study: dict, device: torch.device) -> torch.nn.Module:
+    spec = study["model"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not spec.startswith("tiny:") and spec != "dsa":
+        return load_model(spec, dtype=dtype, device=device)
+    model = build_model(config_from_dict(model_config(study)))
+    randomize_(model, seed=0)
+    return model.to(device=device, dtype=dtype)
+
+
+def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False):
+    cfg = model.config
+    context, workload = point["context"], point["workload"]
+    replay = None
+    if workload != "model":
+        over = dict(context=context, steps=new_tokens, k=cfg.index_topk, layers=cfg.num_hidden_layers)
+        if workload == "tiny":
+            over.update(sinks=1, window=2)
+        replay = repeat_request(generate(preset(workload, **over)), batch)
+    prompts = [torch.zeros(context, dtype=torch.int64)] * batch
+    engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefetch=prefetch, prefill="random")
+    return engine.generate(prompts, new_tokens + 1, graph=graph, keep_logits=False, replay=replay)
+
+
+def decode_rows(point: dict, out, batch: int) -> list[dict]:
+    tpot = out.decode_s / max(out.timed_steps, 1)
+    metrics = {"tokens_per_s": (batch / tpot, "tokens/s"), "tpot_ms": (tpot * 1e3, "ms"),
+               "hbm_bytes_per_request": (out.kv_bytes_per_request, "bytes")}
+    if point["mode"] != "resident":
+        metrics["miss_rate"] = (out.miss_rate, "fraction")
+    return [dict(point, metric=m, value=v, unit=u) for m, (v, u) in metrics.items()]
+
+
+def kv_bytes_per_request(model, mode: str, context: int, cache_slots: int | None) -> tuple[float, float]:
+    """(GPU, host) bytes of one request's KV at `context` tokens: latents resident, or B + 1 slots
+    per layer with every latent on the host; plus the resident indexer keys."""
+    cfg, elem = model.config, model.model.embed_tokens.weight.element_size()
+    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    index = sum(1 for t in cfg.indexer_types if t == "full") * context * cfg.index_head_dim * elem
+    if mode == "resident":
+        return cfg.num_hidden_layers * context * row + index, 0.0
+    return cfg.num_hidden_layers * (cache_slots + 1) * row + index, cfg.num_hidden_layers * context * row
+
+
+def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
+    cfg = model.config
+    row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.model.embed_tokens.weight.element_size()
+    point = dict(point, k=cfg.index_topk, unit_bytes=row_bytes, layers=cfg.num_hidden_layers,
+                 hidden=cfg.hidden_size)
+    if point["bench"] == "decode":
+        out = run_decode(model, point, point["batch"], study["new_tokens"], graph, study.get("prefetch", False))
+        return decode_rows(point, out, point["batch"])
+    gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], point["context"], point["cache_slots"])
+    fits = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
+    if host_bytes and "host_budget_gib" in study:
+        fits = min(fits, int(study["host_budget_gib"] * 2**30 // host_bytes))
+    batch = min(fits, study["max_batch"])
+    row = dict(point, batch=batch)
+    if batch < 1:
+        return [dict(row, metric="max_batch", value=0, unit="requests")]
+    out = run_decode(model, dict(point, batch=batch), batch, study["new_tokens"], graph)
+    return [dict(row, metric="max_batch", value=batch, unit="requests")] + decode_rows(row, out, batch)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep config (TOML); default: %(default)s")
+    ap.add_argument("--out", default="results", help="folder for the result CSVs (default: results)")
+    ap.add_argument("--force", action="store_true", help="rerun points already in the results")
+    ap.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
+    args = ap.parse_args(argv)
+    try:
+        studies = tomllib.loads(Path(args.config).read_text()).get("study", [])
+        validate(studies)
+    except (OSError, tomllib.TOMLDecodeError, ConfigError) as exc:
+        print(f"error: {args.config}: {exc}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu, out_dir = environment()["gpu"], Path(args.out)
+    todo = []
+    for study in studies:
+        done = done_points(out_dir / f"{points(study)[0]['bench']}.csv")
+        for point in points(study):
+            if args.force or not already_done(done, point, gpu):
+                todo.append((study, point))
+    total = sum(len(points(s)) for s in studies)
+    print(f"{args.config}: {total} points, {total - len(todo)} already in {out_dir}/, {len(todo)} to run on {gpu}")
+    if args.dry_run:
+        for study, point in todo:
+            print("  ", point)
+        return 0
+    start, models = time.perf_counter(), {}
+    for i, (study, point) in enumerate(todo):
+        t0 = time.perf_counter()
+        if point["bench"] == "policies":
+            from experiments.policies import study as policy_study
+            rows = policy_study(preset(point["workload"]), point["workload"], calibrated=False)
+        else:
+            key = (study["model"], study.get("layers"), study.get("hidden"))
+            if key not in models:
+                models.clear()
+                models[key] = build(study, device)
+            rows = run_point(models[key], study, point, graph=study.get("graph", False) and device.type == "cuda")
+        append_rows(out_dir / f"{point['bench']}.csv", rows)
+        elapsed = time.perf_counter() - start
+        eta = elapsed / (i + 1) * (len(todo) - i - 1)
+        shown = {k: v for k, v in point.items() if k not in ("bench", "family") and v is not None}
+        print(f"[{i + 1}/{len(todo)}] {point['bench']} {shown}: {time.perf_counter() - t0:.1f} s "
+              f"(elapsed {elapsed:.0f} s, about {eta:.0f} s left)", flush=True)
+    print(f"done: rows appended under {out_dir}/; draw figures with python -m experiments.figures")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

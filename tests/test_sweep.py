@@ -1,0 +1,92 @@
+"""experiments.sweep: configs validated before anything runs, rows appended, interrupted sweeps resume."""
+import re
+import textwrap
+
+import pandas as pd
+import pytest
+
+from experiments import sweep
+
+TINY = """
+[[study]]
+kind = "decode"
+model = "tiny:deepseek_v32"
+modes = ["resident", "hisparse"]
+cache_slots = 8
+contexts = [24]
+batches = [2]
+new_tokens = 3
+workload = "tiny"
+
+[[study]]
+kind = "throughput"
+model = "tiny:deepseek_v32"
+modes = ["resident", "hisparse"]
+cache_slots = 8
+contexts = [24]
+kv_budget_gib = 0.0001
+max_batch = 3
+new_tokens = 2
+workload = "tiny"
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "sweep.toml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_runs_appends_and_resumes(tmp_path, capsys):
+    config, out = write(tmp_path, TINY), str(tmp_path / "results")
+    assert sweep.main(["--config", config, "--out", out]) == 0
+    decode = pd.read_csv(tmp_path / "results" / "decode.csv")
+    assert set(decode["mode"]) == {"resident", "hisparse"}
+    assert {"tokens_per_s", "tpot_ms", "hbm_bytes_per_request", "miss_rate"} <= set(decode.metric)
+    assert (decode.k == 8).all() and decode.commit.notna().all() and (decode.gpu == "cpu").all()
+    tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
+    batches = tput[tput.metric == "max_batch"].set_index("mode").value
+    assert batches["hisparse"] >= batches["resident"], "hot slots must fit at least as many requests"
+    rows = len(decode)
+    capsys.readouterr()
+    assert sweep.main(["--config", config, "--out", out]) == 0          # resumed: nothing left to run
+    assert "4 points, 4 already in" in capsys.readouterr().out
+    assert len(pd.read_csv(tmp_path / "results" / "decode.csv")) == rows
+    assert sweep.main(["--config", config, "--out", out, "--force"]) == 0
+    assert len(pd.read_csv(tmp_path / "results" / "decode.csv")) == 2 * rows
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("kind = \"decode\"", "kind = \"decodes\""), "study 0: kind = 'decodes': expected one of"),
+    (("batches = [2]", "batches = [2]\nbatch_size = 4"), "study 0 \\(decode\\): unknown key 'batch_size'"),
+    (("modes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts",
+      "modes = [\"resident\", \"offload\"]\ncache_slots = 8\ncontexts"), "modes = \\['resident', 'offload'\\]"),
+    (("cache_slots = 8\ncontexts = [24]\nbatches", "cache_slots = 4\ncontexts = [24]\nbatches"),
+     "cache_slots 4 is smaller than the model's k = 8"),
+    (("contexts = [24]\nbatches", "contexts = [0]\nbatches"), "contexts = \\[0\\]: expected a positive integer"),
+    (("workload = \"tiny\"\n\n", "workload = \"zipf\"\n\n"), "workload = 'zipf': expected 'model' or a preset"),
+    (("model = \"tiny:deepseek_v32\"\nmodes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts = [24]\nb",
+      "model = \"tiny:llama\"\nmodes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts = [24]\nb"),
+     "model 'tiny:llama': the decode loop runs DSA families"),
+], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "family"])
+def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
+    old, new = edit
+    assert old in TINY
+    config = write(tmp_path, TINY.replace(old, new, 1))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 2
+    assert not list(tmp_path.glob("results/*.csv")), "nothing may run or be written"
+
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_dry_run_lists_points_and_runs_nothing(tmp_path, capsys):
+    assert sweep.main(["--config", write(tmp_path, TINY), "--out", str(tmp_path / "r"), "--dry-run"]) == 0
+    assert "4 points, 0 already in" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()
+
+
+def test_default_config_is_valid():
+    studies = sweep.tomllib.loads(sweep.DEFAULT_CONFIG.read_text())["study"]
+    sweep.validate(studies)
+    h200 = sweep.tomllib.loads((sweep.DEFAULT_CONFIG.parent / "h200.toml").read_text())["study"]
+    sweep.validate(h200)
