@@ -44,6 +44,7 @@ from hisparse.models.loading import build_model, load_model  # noqa: E402
 from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
 from hisparse.results import append_rows, environment  # noqa: E402
 from hisparse.synthetic import PRESETS, generate, preset, repeat_request  # noqa: E402
+from hisparse.traces import with_anchors  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
@@ -201,13 +202,16 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
     context, workload = point["context"], point["workload"]
     replay = None
     if workload != "model":
-        over = dict(context=context, steps=new_tokens, k=cfg.index_topk, layers=cfg.num_hidden_layers)
+        # new_tokens timed decode steps, plus the untimed warm-up step
+        over = dict(context=context, steps=new_tokens + 1, k=cfg.index_topk, layers=cfg.num_hidden_layers)
         if workload == "tiny":
             over.update(sinks=1, window=2)
         replay = repeat_request(generate(preset(workload, **over)), batch)
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
-    engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefetch=prefetch, prefill="random")
-    return engine.generate(prompts, new_tokens + 1, graph=graph, keep_logits=False, replay=replay)
+    engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
+                    prefetch=prefetch and point["mode"] == "hisparse")
+    replay = replay and with_anchors(replay, engine.anchors)
+    return engine.generate(prompts, new_tokens + 2, graph=graph, keep_logits=False, replay=replay)
 
 
 def decode_rows(point: dict, out, batch: int) -> list[dict]:

@@ -28,7 +28,7 @@ from hisparse.dsa_runtime import KV_MODES, HierMlaKV, KernelDsaAttention
 from hisparse.models.base import DecodeState
 from hisparse.models.deepseek_v32 import DsaModel
 from hisparse.models.dsa_decode import MlaKV
-from hisparse.traces import Trace, TraceWriter
+from hisparse.traces import Trace, TraceWriter, validate
 
 
 @dataclass
@@ -38,10 +38,11 @@ class Generation:
     hits: int = 0                             # resolve counters over the decode steps (hisparse modes)
     misses: int = 0
     decode_s: float = 0.0                     # wall time of the timed decode steps
-    timed_steps: int = 0                      # decode steps timed (the first warms up when graphed)
+    timed_steps: int = 0                      # decode steps timed (the first one warms up)
     kv_bytes_per_request: float = 0.0         # GPU bytes of KV state per request (latents, slots, index)
 
     misses_per_step: list[int] = field(default_factory=list)   # with replay, in hisparse modes
+    prefetched_layers: int = 0                # shared layers whose copies ran on the side stream
 
     @property
     def miss_rate(self) -> float:
@@ -61,6 +62,8 @@ class Engine:
                              f"{type(model).__name__}")
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        if prefetch and mode != "hisparse":
+            raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
         if prefill not in ("model", "random"):
             raise ValueError(f"prefill must be 'model' or 'random', got {prefill!r}")
         topk = model.config.index_topk
@@ -208,9 +211,10 @@ class Engine:
         tokens = first
         generated = [tokens]
         out.kv_bytes_per_request = self._kv_bytes(state) / batch
+        out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
 
         step = lambda toks: self.model.decode(toks, state)                     # noqa: E731
-        timed_from = 2 if graph else 1          # step 1 warms up (compiles) before any capture
+        timed_from = 2                          # step 1 warms up: compiles, and precedes any capture
         for t in range(1, new_tokens):
             if replay is not None:
                 attention.replay_sel.copy_(replay_steps[t - 1])
@@ -225,7 +229,7 @@ class Engine:
             if record is not None:
                 record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
             if replay is not None and self.cache is not None and not graph:
-                out.misses_per_step.append(int(self.cache.stats[:, 1].sum()) - sum(out.misses_per_step))
+                out.misses_per_step.append(self._counts(state)[1] - sum(out.misses_per_step))
             tokens = logits.argmax(-1)
             generated.append(tokens)
             if keep_logits:
@@ -236,8 +240,15 @@ class Engine:
             out.timed_steps = new_tokens - timed_from
         out.tokens = torch.stack(generated, dim=1).cpu()
         if self.cache is not None:
-            out.hits, out.misses = (int(x) for x in self.cache.stats.sum(0).tolist())
+            out.hits, out.misses = self._counts(state)
         return out
+
+    def _counts(self, state: DecodeState) -> tuple[int, int]:
+        """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""
+        stats = self.cache.stats
+        total = sum(stats[kv.streams if kv.anchor_streams is None else kv.anchor_streams].sum(0)
+                    for kv in state.layers)
+        return int(total[0]), int(total[1])
 
     def trace_writer(self, prompts, source: str = "") -> TraceWriter:
         """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""
@@ -245,6 +256,11 @@ class Engine:
                            source or self.model.config.model_type)
 
     def _check_replay(self, trace: Trace, prompts, new_tokens: int) -> None:
+        validate(trace, "replayed trace")       # ids in range: decode steps run without value checks
+        if trace.layer_anchor.tolist() != self.anchors:
+            raise ValueError(f"trace layer anchors {trace.layer_anchor.tolist()} differ from the model's "
+                             f"{self.anchors} (shared layers reuse their anchor's selection); "
+                             f"hisparse.traces.with_anchors makes a trace fit")
         cfg = self.model.config
         want = {"layers": cfg.num_hidden_layers, "batch": len(prompts), "k": cfg.index_topk}
         got = {"layers": trace.layers, "batch": trace.batch, "k": trace.k}
@@ -281,9 +297,11 @@ class Engine:
         return step
 
     def _kv_bytes(self, state: DecodeState) -> float:
-        """GPU bytes of the per-request KV state: resident latents, or the hot slots; plus the index."""
+        """GPU bytes of the KV state of the whole batch: resident latents, or the hot slots with their
+        LRU state and unit -> slot map (4 bytes per unit); plus the resident indexer keys."""
         total = sum(kv.index_keys.numel() * kv.index_keys.element_size()
                     for kv in state.layers if kv.index_keys is not None)
         if self.cache is not None:
-            return total + self.cache.slots.numel() * self.cache.slots.element_size()
+            cache_state = sum(t.numel() * t.element_size() for t in vars(self.cache.state).values())
+            return total + self.cache.slots.numel() * self.cache.slots.element_size() + cache_state
         return total + sum(kv.latent.numel() * kv.latent.element_size() for kv in state.layers)

@@ -28,7 +28,7 @@ import triton
 from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel, _write_rows_kernel
 
 MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
-MAX_K = (1 << 16) - 1  # the kernel packs hit and miss ranks into one 32-bit scan
+MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan (16 + 15 bits)
 
 
 @dataclass
@@ -189,9 +189,16 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     _expect(cache.shape[:2] == (state.slot_unit.shape[0], cache_slots + 1),
             f"cache must be [streams, B+1, E] = [{state.slot_unit.shape[0]}, {cache_slots + 1}, E], "
             f"got {tuple(cache.shape)}")
+    _expect(state.unit_slot.numel() >= host.shape[0], f"the slot map has {state.unit_slot.numel()} entries "
+            f"for a host pool of {host.shape[0]} rows")
+    shapes = ((n, k), (n, 2), (n, k), (n, k))
     if out is None:
-        out = ResolveResult(*(torch.empty(shape, dtype=torch.int32, device=sel.device)
-                              for shape in ((n, k), (n, 2), (n, k), (n, k))))
+        out = ResolveResult(*(torch.empty(shape, dtype=torch.int32, device=sel.device) for shape in shapes))
+    for name, t, shape in zip(("slots", "counts", "plan_unit", "plan_slot"),
+                              (out.slots, out.counts, out.plan_unit, out.plan_slot), shapes):
+        _expect(t.shape == shape and t.dtype == torch.int32 and t.device == sel.device and t.is_contiguous(),
+                f"out.{name} must be a contiguous int32 {list(shape)} on {sel.device}, got "
+                f"{t.dtype} {list(t.shape)} on {t.device}")
     k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
     _resolve_kernel[(n,)](
         sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot, state.slot_mark,
@@ -209,11 +216,15 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
     """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
 
     Also replays an anchor layer's plan into a shared layer: pass the shared layer's streams.
-    max_programs caps the copy's programs (each then loops over several chunks), so that a copy
-    on a side stream leaves multiprocessors to the kernels it should overlap with.
+    max_programs caps the copy's programs at max(max_programs, N) (one at least per row; each
+    loops over several chunks), so a copy on a side stream leaves multiprocessors to the kernels
+    it should overlap with.
     """
     _check_rows(host, cache)
     n, k = plan_unit.shape
+    _expect(plan_slot.shape == (n, k) and counts.shape == (n, 2) and streams.shape == (n,),
+            f"a plan of {n} rows needs plan_slot [{n}, {k}], counts [{n}, 2] and streams [{n}]; got "
+            f"{list(plan_slot.shape)}, {list(counts.shape)} and {list(streams.shape)}")
     host_w, cache_w = as_words(host), as_words(cache)
     row_words = host_w.shape[1]
     block_w = min(triton.next_power_of_2(row_words), 1024)
@@ -264,7 +275,6 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
                 cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False) -> ResolveResult:
     """The same resolve, one stream at a time in plain torch and Python, updating `state` in place."""
     n, k = sel.shape
-    cache_slots = state.slot_unit.shape[1]
     slots = torch.full((n, k), -1, dtype=torch.int32)
     counts = torch.zeros(n, 2, dtype=torch.int32)
     plan_unit = torch.full((n, k), -1, dtype=torch.int32)
@@ -294,7 +304,6 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
         slot_of = {**cached, **dict(zip(miss_units, victims))}
         state.lru[stream] = torch.tensor(untouched + victims + [cached[u] for u in hit_units],
                                          dtype=torch.int32)
-        assert len(state.lru[stream]) == cache_slots
         for i, u in enumerate(sel[row].tolist()):
             if u >= 0:
                 slots[row, i] = slot_of[u]

@@ -64,7 +64,9 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     new = pd.DataFrame([{**env, **row} for row in rows])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = pd.read_csv(path) if path.exists() else pd.DataFrame(columns=COLUMNS)
+    # old rows as the text they are, so a rewrite never reformats them (4096 -> 4096.0)
+    old = (pd.read_csv(path, dtype=str, keep_default_na=False) if path.exists()
+           else pd.DataFrame(columns=COLUMNS))
     frame = pd.concat([old, new], ignore_index=True) if len(old) else new
     ordered = COLUMNS + [c for c in frame.columns if c not in COLUMNS]
     frame = frame.reindex(columns=ordered)

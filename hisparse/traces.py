@@ -240,3 +240,13 @@ class TraceWriter:
 
     def save(self, path: str | os.PathLike) -> None:
         save_trace(self.trace(), path)
+
+
+def with_anchors(trace: Trace, layer_anchor) -> Trace:
+    """The trace as a model whose layer l reuses layer layer_anchor[l]'s selection would see it:
+    each shared layer's selections replaced by its anchor's."""
+    anchor = np.asarray(layer_anchor, dtype=np.int64)
+    if anchor.shape != (trace.layers,):
+        raise ValueError(f"layer_anchor must list the anchor of each of the trace's {trace.layers} layers, "
+                         f"got {anchor.tolist()}")
+    return Trace(trace.selections[:, anchor], trace.family, trace.unit_size, trace.context, anchor, trace.source)

@@ -173,8 +173,9 @@ def _write_rows_kernel(
         i_s = stream.to(tl.int64)
         unit = tl.load(unit_ptr + i_m).to(tl.int64)
         host_row = tl.load(host_base_ptr + i_s) + unit
-        map_stream = tl.load(map_stream_ptr + i_m).to(tl.int64)
-        slot = tl.load(unit_slot_ptr + tl.load(host_base_ptr + map_stream) + unit)
+        map_stream = tl.load(map_stream_ptr + i_m)          # -1: no write-through
+        map_base = tl.load(host_base_ptr + tl.maximum(map_stream, 0).to(tl.int64))
+        slot = tl.load(unit_slot_ptr + map_base + unit, mask=map_stream >= 0, other=-1)
         p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW_WORDS
         p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW_WORDS
         for w in tl.static_range(0, ROW_WORDS, BLOCK_W):

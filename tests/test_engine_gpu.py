@@ -63,3 +63,4 @@ def test_prefetch_bitwise_with_shared_layers_graphed():
         for step, (a, b) in enumerate(zip(base.logits, out.logits)):
             assert torch.equal(a, b), f"prefetch={prefetch}: logits differ at step {step}"
         assert out.misses > 0
+        assert out.prefetched_layers == (3 if prefetch else 0), "prefetch must run on the side stream"

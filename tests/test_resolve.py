@@ -281,3 +281,28 @@ def test_fetch_with_few_programs_copies_every_planned_row(device):
     fetch_rows(res.plan_unit, res.plan_slot, res.counts, streams, cache.state.host_base, cache.host.rows,
                cache.slots, max_programs=1)
     assert_slots_hold_units(cache, streams, sel.to(device), res.slots)
+
+
+def test_limits_and_result_buffers_are_checked(device):
+    cache = _small_cache(device, cache_slots=1 << 15)
+    with pytest.raises(ValueError, match="selection size k=32768 exceeds the supported 32767"):
+        resolve(cache.state, _i32([0], device), torch.full((1, 1 << 15), -1, dtype=torch.int32, device=device),
+                cache.host.rows, cache.slots)
+    small = _small_cache(device)
+    out = ResolveResult(*(torch.empty(s, dtype=torch.int32, device=device) for s in ((1, 2), (1, 2), (1, 2), (1, 3))))
+    with pytest.raises(ValueError, match=r"out.plan_slot must be a contiguous int32 \[1, 2\]"):
+        small.resolve(_i32([0], device), _i32([[1, 2]], device), out=out)
+
+
+def test_write_without_a_map_stream_skips_write_through(device):
+    """map_streams = -1: the row goes to the host pool and the reserved slot only."""
+    from hisparse.resolve import write_rows
+    cache = _small_cache(device)
+    res = cache.resolve(_i32([0], device), _i32([[4]], device))
+    row = torch.randn(1, 4).to(device)
+    write_rows(_i32([0], device), torch.tensor([4], device=device), row, cache.state.host_base,
+               cache.state.unit_slot, cache.host.rows, cache.slots, to_reserved=True,
+               map_streams=_i32([-1], device))
+    assert torch.equal(cache.host.rows[4], row[0].cpu())
+    assert torch.equal(cache.slots[0, cache.reserved_slot].cpu(), row[0].cpu())
+    assert not torch.equal(cache.slots[0, int(res.slots[0, 0])].cpu(), row[0].cpu())

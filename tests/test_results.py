@@ -1,0 +1,24 @@
+"""Result rows: appends keep what is stored, verbatim."""
+import pandas as pd
+import pytest
+
+from hisparse.results import COLUMNS, append_rows
+
+
+def test_append_keeps_old_rows_verbatim(tmp_path):
+    path = tmp_path / "bench.csv"
+    append_rows(path, [dict(bench="b", mode="m", cache_slots=4096, metric="us", value=1.5, unit="us")])
+    first = path.read_text().splitlines()
+    append_rows(path, [dict(bench="b", mode="m", metric="us", value=2.5, unit="us", extra="x")])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith(first[1]) and ",4096," in lines[1], "an old row must not be reformatted"
+    frame = pd.read_csv(path)
+    assert list(frame.columns[:len(COLUMNS)]) == COLUMNS and frame.extra.tolist()[1] == "x"
+
+
+def test_rows_without_required_columns_are_refused_and_nothing_is_written(tmp_path):
+    path = tmp_path / "bench.csv"
+    with pytest.raises(ValueError, match=r"lacks the columns \['unit'\]"):
+        append_rows(path, [dict(bench="b", metric="us", value=1.0)])
+    assert not path.exists()
