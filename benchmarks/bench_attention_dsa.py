@@ -21,8 +21,6 @@ import argparse
 import itertools
 import math
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,33 +29,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
 
 from hisparse import dsa  # noqa: E402
+from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12
-MMA_FLOPS_PER_S = 790e12
 D_QK, D_V = 576, 512
 SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3.2: qk head dim 192, YaRN factor 40
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=128, k=2048)
 QUICK = dict(batches=(1, 3), contexts=(256,), heads=16, k=61)
 INDEX_HEADS, INDEX_DIM = 64, 128
-
-
-def time_us(fn) -> tuple[float, float, float]:
-    """Median, p20 and p80 of fn's time in microseconds (do_bench on the GPU, wall clock on the CPU)."""
-    if torch.cuda.is_available():
-        median, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
-        return median * 1e3, p20 * 1e3, p80 * 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times), min(times), max(times)
 
 
 def torch_gather_decode(q, kv, rows, sm_scale):

@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -37,28 +35,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from hisparse import nsa  # noqa: E402
+from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
-HBM_BYTES_PER_S = 4.3e12
-MMA_FLOPS_PER_S = 790e12
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=32, kv_heads=8, d=128, n_select=nsa.N_SELECT, window=nsa.WINDOW)
 QUICK = dict(batches=(1, 3), contexts=(300,), heads=4, kv_heads=2, d=32, n_select=4, window=128)
-
-
-def time_us(fn, cudagraph: bool) -> tuple[float, float, float]:
-    """Median, p20 and p80 of fn's time in microseconds (do_bench on the GPU, wall clock on the CPU)."""
-    if torch.cuda.is_available():
-        bench = triton.testing.do_bench_cudagraph if cudagraph else triton.testing.do_bench
-        median, p20, p80 = bench(fn, quantiles=[0.5, 0.2, 0.8])
-        return median * 1e3, p20 * 1e3, p80 * 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times), min(times), max(times)
 
 
 def sparse_keys(context: int, cfg: dict) -> int:

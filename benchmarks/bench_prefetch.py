@@ -24,6 +24,7 @@ import argparse
 
 import torch
 
+from benchmarks.common import PINNED_BYTES_PER_S
 from hisparse.engine import Engine
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
@@ -42,7 +43,6 @@ GEOMETRY = dict(model_type="glm_moe_dsa", vocab_size=1024, hidden_size=1024, int
 QUICK = dict(GEOMETRY, hidden_size=64, intermediate_size=96, num_attention_heads=4, kv_lora_rank=32,
              q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, index_topk=8,
              index_head_dim=32, index_n_heads=8)
-PINNED_BYTES_PER_S = 55.4e9      # pinned host -> device copy (DESIGN section 7)
 MODES = {"resident": ("resident", False), "sync": ("hisparse", False), "prefetch": ("hisparse", True),
          "noio": ("noio", False)}
 

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.common import PINNED_BYTES_PER_S
 from hisparse.resolve import CacheState, resolve
 from hisparse.results import append_rows
 
-PINNED_GBPS = 55.4          # pinned host <-> device copy, each way (DESIGN section 7)
+PINNED_GBPS = PINNED_BYTES_PER_S / 1e9
 RANDOM_ROWS_MPS = 39.0      # random rows over a large pinned pool, millions per second
 STEPS_PER_GRAPH = 8
 

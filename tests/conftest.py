@@ -26,3 +26,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every float tensor from torch.empty starts as NaN (ints as -7), so an element no kernel
+    writes fails the comparison."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)

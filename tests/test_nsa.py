@@ -18,18 +18,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 SCORE_TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-4}
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Every float tensor from torch.empty starts as NaN (ints as -7): unwritten elements fail."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| over max |expected|; NaN in `actual` fails."""
     actual, expected = actual.double(), expected.double()

@@ -14,18 +14,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Every float tensor from torch.empty starts as NaN (ints as -7), so an unwritten element fails."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-
-
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| over max |expected| on finite entries; infinities must coincide, no NaN."""
     actual, expected = actual.float(), expected.float()
