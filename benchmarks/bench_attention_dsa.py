@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from hisparse import dsa  # noqa: E402
-from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us  # noqa: E402
+from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, print_table, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 D_QK, D_V = 576, 512
@@ -121,17 +121,6 @@ def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
             rows_out = [r for r in rows_out if r["mode"] != "triton"]
             del times["triton"]
     return rows_out, times
-
-
-def print_table(rows: list[dict], times: dict) -> None:
-    by_mode = {}
-    for r in rows:
-        by_mode.setdefault(r["mode"], {})[r["metric"]] = r["value"]
-    for mode, m in by_mode.items():
-        speedup = times.get("torch_gather", float("nan")) / times[mode]
-        r0 = next(r for r in rows if r["mode"] == mode)
-        print(f"{r0['batch']:6d} {r0['context']:8d} {mode:13s} {m['us']:10.1f} {m['TFLOPs']:8.1f}/790"
-              f" {m['GBps']:8.0f}/4300 {m['roofline_frac']:9.3f} {speedup:10.2f}")
 
 
 def sweep(cfg: dict, device: torch.device, out_dir: Path) -> None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from hisparse import nsa  # noqa: E402
-from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us  # noqa: E402
+from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, print_table, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
@@ -178,17 +178,6 @@ def run_shape(batch, context, cfg, device, gen, cudagraph) -> tuple[list[dict], 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows_out, times
-
-
-def print_table(rows: list[dict], times: dict) -> None:
-    by_mode = {}
-    for r in rows:
-        by_mode.setdefault(r["mode"], {})[r["metric"]] = r["value"]
-    for mode, m in by_mode.items():
-        speedup = times.get("torch_gather", float("nan")) / times[mode]
-        r0 = next(r for r in rows if r["mode"] == mode)
-        print(f"{r0['batch']:6d} {r0['context']:8d} {mode:13s} {m['us']:10.1f} {m['TFLOPs']:8.1f}/790"
-              f" {m['GBps']:8.0f}/4300 {m['roofline_frac']:9.3f} {speedup:10.2f}")
 
 
 def breakdown(batch, context, cfg, device, gen, cudagraph) -> None:

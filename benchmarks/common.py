@@ -25,3 +25,17 @@ def time_us(fn, cudagraph: bool = False) -> tuple[float, float, float]:
         fn()
         times.append((time.perf_counter() - start) * 1e6)
     return statistics.median(times), min(times), max(times)
+
+
+def print_table(rows: list[dict], times: dict) -> None:
+    """One line per mode of an attention point: time, TFLOP/s and GB/s beside the ceilings, the
+    roofline fraction, and the speed-up over torch_gather. rows: one point's metric rows."""
+    by_mode = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], {})[r["metric"]] = r["value"]
+    for mode, m in by_mode.items():
+        speedup = times.get("torch_gather", float("nan")) / times[mode]
+        r0 = next(r for r in rows if r["mode"] == mode)
+        print(f"{r0['batch']:6d} {r0['context']:8d} {mode:13s} {m['us']:10.1f} "
+              f"{m['TFLOPs']:8.1f}/{MMA_FLOPS_PER_S / 1e12:.0f} {m['GBps']:8.0f}/{HBM_BYTES_PER_S / 1e9:.0f} "
+              f"{m['roofline_frac']:9.3f} {speedup:10.2f}")
