@@ -14,7 +14,10 @@ Layers that share an anchor's selection (`glm_moe_dsa`'s "shared" layers) move i
 the anchor: they do no resolve of their own and replay its miss plan, in line or, with
 `prefetch=True`, on a side stream while the layers in between compute (DESIGN section 4).
 
-Families: DSA (`deepseek_v32`, `glm_moe_dsa`) for now.
+Families: DSA (`deepseek_v32`, `glm_moe_dsa`) and Quest (`llama`, `qwen3`: every layer but the
+first `quest_dense_layers` selects 16-token pages per KV head, one stream per (request, layer, KV
+head); hisparse/quest_runtime.py). Quest runs have no shared layers, hence no prefetch, and no
+selection traces yet.
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hisparse import quest_runtime
 from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa_runtime import KV_MODES, HierMlaKV, KernelDsaAttention
 from hisparse.models.base import DecodeState
 from hisparse.models.deepseek_v32 import DsaModel
 from hisparse.models.dsa_decode import MlaKV
+from hisparse.models.llama_quest import QuestModel
 from hisparse.traces import Trace, TraceWriter, validate
 
 
@@ -52,27 +57,38 @@ class Generation:
 class Engine:
     """prefetch: shared layers' copies overlap the layers after their anchor (hisparse mode on a GPU).
     prefill: "model" runs the model's prefill; "random" fills the prompt's KV with random rows and
-    feeds the prompt's last token first (for timing decode at long contexts; outputs are noise)."""
+    feeds the prompt's last token first (for timing decode at long contexts; outputs are noise).
+    token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16
+    pages; default the model's `sparse_attention.token_budget`."""
 
-    def __init__(self, model: DsaModel, mode: str = "resident", cache_slots: int | None = None,
+    def __init__(self, model: DsaModel | QuestModel, mode: str = "resident", cache_slots: int | None = None,
                  max_context: int | None = None, chunk_size: int | None = None, prefetch: bool = False,
-                 prefill: str = "model"):
-        if not isinstance(model, DsaModel):
-            raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa) for now, got "
-                             f"{type(model).__name__}")
+                 prefill: str = "model", token_budget: int | None = None):
+        self.quest = isinstance(model, QuestModel)
+        if not self.quest and not isinstance(model, DsaModel):
+            raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa) and Quest models "
+                             f"(llama, qwen3), got {type(model).__name__}")
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefetch and mode != "hisparse":
             raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
         if prefill not in ("model", "random"):
             raise ValueError(f"prefill must be 'model' or 'random', got {prefill!r}")
-        topk = model.config.index_topk
+        if self.quest:
+            if prefetch:
+                raise ValueError("prefetch replays an anchor's miss plan in shared layers; Quest models have none")
+            self.token_budget = token_budget or model.sparse_attention.token_budget
+            topk, what = quest_runtime.selection_size(model, self.token_budget), "token_budget // 16 pages"
+        else:
+            if token_budget is not None:
+                raise ValueError("token_budget applies to Quest models; a DSA model selects index_topk tokens")
+            topk, what = model.config.index_topk, "index_topk"
         if mode != "resident":
             if cache_slots is None:
                 raise ValueError(f"mode {mode!r} needs cache_slots (B >= k = {topk})")
             if cache_slots < topk:
                 raise ValueError(f"cache_slots B={cache_slots} is smaller than the selection size "
-                                 f"k={topk} (index_topk): the cache must hold one whole selection")
+                                 f"k={topk} ({what}): the cache must hold one whole selection")
         self.model, self.mode, self.cache_slots = model, mode, cache_slots
         self.max_context, self.chunk_size = max_context, chunk_size
         self.prefetch, self.prefill = prefetch, prefill
@@ -81,6 +97,8 @@ class Engine:
     @property
     def anchors(self) -> list[int]:
         """The layer whose selection each layer uses: itself, or the last "full" layer before it."""
+        if self.quest:
+            return list(range(self.model.config.num_hidden_layers))
         anchors, last_full = [], 0
         for i, kind in enumerate(self.model.config.indexer_types):
             last_full = i if kind == "full" else last_full
@@ -95,7 +113,8 @@ class Engine:
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
         if self.prefill == "random":
             first = torch.stack([p[-1] for p in prompts]).to(device)
-            rows = self._random_rows(prompts, device)
+            rows = (quest_runtime.random_rows(model, prompts, device) if self.quest
+                    else self._random_rows(prompts, device))
         else:
             singles, last = [], []
             for prompt in prompts:
@@ -105,6 +124,13 @@ class Engine:
                 last.append(logits[0, -1])
             first = torch.stack(last)
             rows = lambda b, i: (singles[b].layers[i].latent[0], singles[b].layers[i].index_keys)  # noqa: E731
+            if self.quest:
+                rows = lambda b, i: (singles[b].layers[i].keys[0], singles[b].layers[i].values[0])  # noqa: E731
+        if self.quest:
+            layers = [quest_runtime.gather_layer(model, self.mode, self.cache, i,
+                                                 [rows(b, i) for b in range(len(prompts))], lengths, capacity)
+                      for i in range(model.config.num_hidden_layers)]
+            return DecodeState(layers, capacity, lengths, int(lengths.max())), first
         layers = []
         for i, anchor in enumerate(self.anchors):
             layers.append(self._gather_layer(i, rows, lengths, capacity, layers[anchor] if anchor != i else None))
@@ -183,6 +209,8 @@ class Engine:
             raise ValueError("graph=True needs a CUDA GPU")
         if graph and record is not None:
             raise ValueError("recording selections runs eagerly: pass graph=False")
+        if self.quest and (record is not None or replay is not None):
+            raise ValueError("selection traces (record, replay) are DSA-only for now; Quest selects per KV head")
         if replay is not None:
             self._check_replay(replay, prompts, new_tokens)
         vocab = self.model.config.vocab_size
@@ -192,13 +220,17 @@ class Engine:
 
         batch = len(prompts)
         if self.mode != "resident":
-            self.cache = self._new_cache(batch, capacity)
+            self.cache = (quest_runtime.new_cache(self.model, batch, capacity, self.cache_slots) if self.quest
+                          else self._new_cache(batch, capacity))
         state, first = self._prefill(prompts, capacity)
         shared = {}
         for kv in state.layers:
             if isinstance(kv, HierMlaKV) and kv.anchor_layer is not None:
                 shared.setdefault(kv.anchor_layer, []).append(kv)
-        attention = KernelDsaAttention(self.mode, check_values=not graph, prefetch=self.prefetch, shared=shared)
+        if self.quest:
+            attention = quest_runtime.KernelQuestAttention(self.mode, self.token_budget, check_values=not graph)
+        else:
+            attention = KernelDsaAttention(self.mode, check_values=not graph, prefetch=self.prefetch, shared=shared)
         if replay is not None:     # the whole trace on the device: each step copies its slice
             replay_steps = torch.from_numpy(replay.selections[:new_tokens - 1]).to(first.device)
             attention.replay_sel = torch.empty_like(replay_steps[0])
@@ -223,7 +255,9 @@ class Engine:
                     step = self._graphed_step(tokens, state)
                 self._sync()
                 start = time.perf_counter()
-            if self.cache is not None:     # the step writes each stream's next unit
+            if self.cache is not None and self.quest:     # a step opening a page adds a unit
+                quest_runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
+            elif self.cache is not None:     # the step writes each stream's next unit
                 self.cache.advance(sorted(self.cache._open), 1)
             logits = step(tokens)
             if record is not None:
@@ -245,6 +279,8 @@ class Engine:
 
     def _counts(self, state: DecodeState) -> tuple[int, int]:
         """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""
+        if self.quest:
+            return quest_runtime.hier_counts(self.cache, state.layers)
         stats = self.cache.stats
         total = sum(stats[kv.streams if kv.anchor_streams is None else kv.anchor_streams].sum(0)
                     for kv in state.layers)
@@ -252,6 +288,8 @@ class Engine:
 
     def trace_writer(self, prompts, source: str = "") -> TraceWriter:
         """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""
+        if self.quest:
+            raise ValueError("selection traces (record, replay) are DSA-only for now")
         return TraceWriter("dsa", 1, [len(p) for p in prompts], self.anchors,
                            source or self.model.config.model_type)
 
@@ -298,7 +336,10 @@ class Engine:
 
     def _kv_bytes(self, state: DecodeState) -> float:
         """GPU bytes of the KV state of the whole batch: resident latents, or the hot slots with their
-        LRU state and unit -> slot map (4 bytes per unit); plus the resident indexer keys."""
+        LRU state and unit -> slot map (4 bytes per unit); plus the resident indexer keys.
+        Quest: see `quest_runtime.kv_bytes`."""
+        if self.quest:
+            return quest_runtime.kv_bytes(state.layers, self.cache)
         total = sum(kv.index_keys.numel() * kv.index_keys.element_size()
                     for kv in state.layers if kv.index_keys is not None)
         if self.cache is not None:

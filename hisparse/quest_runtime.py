@@ -1,0 +1,254 @@
+"""The Quest decode step through the Triton kernels, with the KV pages resident or hierarchical.
+
+`KernelQuestAttention` replaces `QuestModel.sparse_attention` (the torch reference step in
+`hisparse.models.quest_decode`) on the Quest layers (every layer but the first
+`quest_dense_layers`). Every mode runs the same metadata append, the same page scores and top-page
+selection and the same `quest_attention`, reading the same rows in the same order (DESIGN section 6);
+only where the rows sit differs:
+- `resident`: every page of every (request, KV head) on the GPU (`QuestKV.pool`, the row layout of
+  `hisparse/quest.py`: row = (n * HKV + h) * P_MAX + page, each `[2, PAGE, D]`, keys then values);
+- `hisparse` / `noio`: pages in the host pool of a `HierarchicalKVCache`, one stream per (request,
+  layer, KV head) whose units are 16-token pages and whose rows are those same `[2, PAGE, D]`; each
+  step resolves the selection to GPU slots first (`noio` skips the copy: the oracle).
+The page min/max metadata (`kmin`, `kmax [N, HKV, P_MAX, D]`) stays resident in every mode, and
+the dense layers keep the model's own resident `PagedKV` in every mode.
+
+The newest page grows every step. Its row is rewritten whole: the stream's reserved slot always
+holds the newest page (prefill's `append` leaves the last, possibly partial page there), so each
+step reads that row on the device, clears it when the token opens a new page, puts the token's
+key and value at its offset, and `write_newest` stores the whole row into the host pool, back into
+the reserved slot and, write-through, into the page's cached copy when one exists (unit -> slot
+map). No host sync, so the step can be captured in a CUDA graph. The caller records on the host
+which streams gain a page (`advance_streams`, before the step that opens it). A whole row is
+2 * 16 * D elements (8 KiB at D = 128 in bf16) per (request, layer, KV head) per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.dsa_runtime import KV_MODES
+from hisparse.models.quest_decode import PagedKV
+from hisparse.quest import (PAGE, pages_from_tokens, quest_attention, quest_metadata_append,
+                            quest_metadata_from_keys, quest_select, resident_rows)
+
+
+@dataclass
+class QuestKV:
+    """A Quest layer's KV, resident: `pool [N * HKV * P_MAX, 2, PAGE, D]` (None when hierarchical),
+    `kmin, kmax [N, HKV, P_MAX, D]` the page bounds of the post-RoPE keys (always resident)."""
+
+    pool: torch.Tensor | None
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+
+    @property
+    def max_pages(self) -> int:
+        return self.kmin.shape[2]
+
+    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+        """Decode-step write (positions [N, 1]) of keys, values [N, HKV, 1, D]: the token's slot in
+        its page's row, then its key folded into the page bounds."""
+        if positions.shape[1] != 1:
+            raise ValueError("a Quest decode state takes one token per row; prefill runs on the model's state")
+        if page_size != PAGE:
+            raise ValueError(f"the Quest kernels use {PAGE}-token pages, the model {page_size}")
+        pos = positions[:, 0]
+        key = keys[:, :, 0].contiguous()
+        self._write_row(pos, key, values[:, :, 0])
+        quest_metadata_append(self.kmin, self.kmax, key, pos.to(torch.int32))
+
+    def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        n, hkv, _ = key.shape
+        heads = torch.arange(n * hkv, device=pos.device).view(n, hkv)
+        rows = heads * self.max_pages + (pos // PAGE)[:, None]               # [N, HKV]
+        offset = (pos % PAGE)[:, None].expand(n, hkv)
+        self.pool[rows, 0, offset] = key
+        self.pool[rows, 1, offset] = value
+
+
+@dataclass
+class HierQuestKV(QuestKV):
+    """A Quest layer's KV with its pages in the hierarchical cache: `pool` is None; `streams [N, HKV]`
+    int32 are the streams of `cache` (unit = page, row = [2, PAGE, D] flattened); `host_streams[n]`
+    the same ids of request n, on the host (for `advance_streams`)."""
+
+    streams: torch.Tensor | None = None
+    cache: HierarchicalKVCache | None = None
+    host_streams: list[list[int]] = field(default_factory=list)
+
+    def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The newest page's whole row: the reserved slot's copy (cleared when the token opens a new
+        page) with the token added, into host pool, reserved slot and cached copy (write-through)."""
+        n, hkv, d = key.shape
+        flat = self.streams.view(-1)
+        newest = self.cache.slots[flat.long(), self.cache.reserved_slot].view(n, hkv, 2, PAGE, d)
+        newest = torch.where((pos % PAGE == 0).view(n, 1, 1, 1, 1), torch.zeros_like(newest), newest)
+        reqs = torch.arange(n, device=pos.device)[:, None]
+        heads = torch.arange(hkv, device=pos.device)[None, :]
+        offset = (pos % PAGE)[:, None].expand(n, hkv)
+        newest[reqs, heads, 0, offset] = key
+        newest[reqs, heads, 1, offset] = value
+        units = (pos // PAGE)[:, None].expand(n, hkv).reshape(-1)
+        self.cache.write_newest(flat, units, newest.view(n * hkv, -1))
+
+
+class KernelQuestAttention:
+    """`select` and `attend` of the Quest decode step (the contract of `TorchQuestAttention`).
+
+    token_budget: tokens read per KV head and step, K = token_budget // PAGE pages (the current one
+    included). check_values: validate selections against stream lengths before each resolve (a
+    host sync; off inside a captured CUDA graph). Resolve counters accumulate in `cache.stats`.
+    `recorded[layer]` holds the pages [N, HKV, K] each Quest layer attended over in the last step.
+    """
+
+    def __init__(self, mode: str = "resident", token_budget: int = 4096, check_values: bool = True):
+        if mode not in KV_MODES:
+            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        if token_budget < PAGE:
+            raise ValueError(f"token_budget {token_budget} is under one page ({PAGE} tokens)")
+        self.mode, self.token_budget, self.check_values = mode, token_budget, check_values
+        self.recorded: dict[int, torch.Tensor] = {}
+
+    def select(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+        """q [N, HQ, D] (roped) -> pages [N, HKV, K] int32, ascending, -1 padding."""
+        return quest_select(q.contiguous(), kv.kmin, kv.kmax, lengths.to(torch.int32), self.token_budget)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
+               selection: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+        """Attention of q [N, HQ, D] over the selected pages -> [N, HQ, D]."""
+        selection = selection.to(torch.int32).contiguous()
+        self.recorded[layer_idx] = selection
+        n, hkv, k = selection.shape
+        if isinstance(kv, HierQuestKV):
+            flat = kv.streams.view(-1)
+            res = kv.cache.resolve(flat, selection.view(n * hkv, k),
+                                   mode="normal" if self.mode != "noio" else "noio",
+                                   check_values=self.check_values)
+            rows = kv.cache.slot_rows(flat, res.slots).view(n, hkv, k)
+            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+        else:
+            rows, pool = resident_rows(selection, kv.max_pages), kv.pool
+        return quest_attention(q.contiguous(), pool, rows, selection, lengths.to(torch.int32), scale)
+
+
+# -- the engine's Quest side: checks, cache, prefill gathering, page bookkeeping, sizes -------------
+
+def quest_layers(model) -> list[int]:
+    return [i for i, layer in enumerate(model.model.layers) if layer.self_attn.quest]
+
+
+def selection_size(model, token_budget: int) -> int:
+    """K pages per KV head and step for `token_budget`; checks the model fits the Quest kernels."""
+    cfg = model.config
+    if cfg.quest_page_size != PAGE:
+        raise ValueError(f"the Quest kernels use {PAGE}-token pages, the model's quest_page_size is "
+                         f"{cfg.quest_page_size}")
+    if token_budget < PAGE:
+        raise ValueError(f"token_budget {token_budget} is under one page ({PAGE} tokens)")
+    return token_budget // PAGE
+
+
+def new_cache(model, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+    """One stream per (request, Quest layer, KV head), each with a host region of P_MAX pages."""
+    cfg, weight = model.config, model.model.embed_tokens.weight
+    layers = len(quest_layers(model))
+    if layers == 0:
+        raise ValueError(f"the model has no Quest layer (all {cfg.num_hidden_layers} are dense): "
+                         f"use mode 'resident'")
+    streams = batch * layers * cfg.num_key_value_heads
+    return HierarchicalKVCache(max_streams=streams, cache_slots=cache_slots,
+                               host_rows=streams * triton.cdiv(capacity, PAGE),
+                               row_elems=2 * PAGE * cfg.head_dim, dtype=weight.dtype, device=weight.device)
+
+
+def random_rows(model, prompts, device):
+    """rows(b, layer) -> random (keys, values) [HKV, len, D] (prefill="random": timing only)."""
+    cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
+
+    def rows(b: int, layer: int):
+        shape = (cfg.num_key_value_heads, len(prompts[b]), cfg.head_dim)
+        return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
+
+    return rows
+
+
+def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int, parts, lengths: torch.Tensor,
+                 capacity: int):
+    """One layer's batch state from per-request (keys, values) [HKV, len, D]: the model's PagedKV on
+    a dense layer (every mode), `QuestKV` (resident) or `HierQuestKV` (pages into the host pool)."""
+    attn = model.model.layers[layer].self_attn
+    keys0 = parts[0][0]
+    hkv, d, batch = keys0.shape[0], keys0.shape[-1], len(parts)
+    device, dtype = keys0.device, keys0.dtype
+    max_pages = triton.cdiv(capacity, PAGE)
+    if not attn.quest:
+        kv = attn.new_kv(batch, capacity, device, dtype)
+        for b, (k, v) in enumerate(parts):
+            kv.keys[b, :, :k.shape[1]] = k
+            kv.values[b, :, :k.shape[1]] = v
+        kv.page_min, kv.page_max = quest_metadata_from_keys(kv.keys, lengths.to(torch.int32), kv.page_min.shape[2])
+        return kv
+    kmin = keys0.new_zeros(batch, hkv, max_pages, d)
+    kmax = keys0.new_zeros(batch, hkv, max_pages, d)
+    pages = []
+    for b, (k, v) in enumerate(parts):
+        n_pages = triton.cdiv(k.shape[1], PAGE)
+        length = torch.tensor([k.shape[1]], dtype=torch.int32, device=device)
+        lo, hi = quest_metadata_from_keys(k[None], length, n_pages)
+        kmin[b, :, :n_pages], kmax[b, :, :n_pages] = lo[0], hi[0]
+        pages.append(pages_from_tokens(k[None], v[None], n_pages).view(hkv, n_pages, 2, PAGE, d))
+    if mode == "resident":
+        pool = keys0.new_zeros(batch, hkv, max_pages, 2, PAGE, d)
+        for b, rows in enumerate(pages):
+            pool[b, :, :rows.shape[1]] = rows
+        return QuestKV(pool=pool.view(-1, 2, PAGE, d), kmin=kmin, kmax=kmax)
+    host_streams = []
+    for rows in pages:
+        ids = []
+        for h in range(hkv):
+            stream = cache.open_stream(max_pages)
+            cache.append(stream, rows[h].reshape(rows.shape[1], -1))
+            ids.append(stream)
+        host_streams.append(ids)
+    return HierQuestKV(pool=None, kmin=kmin, kmax=kmax, cache=cache, host_streams=host_streams,
+                       streams=torch.tensor(host_streams, dtype=torch.int32, device=device))
+
+
+def advance_streams(cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
+    """Before a decode step writing position positions[n] of each request n: a position that opens
+    a page gives each of the request's streams (every Quest layer, every KV head) one more unit."""
+    opening = [n for n, pos in enumerate(positions) if pos % PAGE == 0]
+    streams = [s for kv in layers if isinstance(kv, HierQuestKV) for n in opening for s in kv.host_streams[n]]
+    if streams:
+        cache.advance(streams, 1)
+
+
+def hier_counts(cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
+    """(hits, misses) summed over every Quest stream."""
+    streams = [kv.streams.view(-1) for kv in layers if isinstance(kv, HierQuestKV)]
+    if not streams:
+        return 0, 0
+    total = cache.stats[torch.cat(streams).long()].sum(0)
+    return int(total[0]), int(total[1])
+
+
+def kv_bytes(layers: list, cache: HierarchicalKVCache | None) -> float:
+    """GPU bytes of the KV state of the whole batch: the dense layers' keys, values and bounds, the
+    Quest layers' bounds, and their resident pages or the hot slots with the cache state."""
+    def nbytes(*ts):
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    total = 0
+    for kv in layers:
+        if isinstance(kv, PagedKV):
+            total += nbytes(kv.keys, kv.values, kv.page_min, kv.page_max)
+        else:
+            total += nbytes(kv.pool, kv.kmin, kv.kmax)
+    if cache is not None:
+        total += nbytes(cache.slots, *vars(cache.state).values())
+    return total

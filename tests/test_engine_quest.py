@@ -1,0 +1,151 @@
+"""The decode loop for Quest models (llama, qwen3): hierarchical pages give bitwise the resident
+run's logits and tokens, on tiny checkpoints through the Triton kernels (the interpreter on a CPU).
+
+The tiny models have 3 layers: two dense (resident KV in every mode) and one Quest layer with 2 KV
+heads, so 2 streams per request. A 48-token budget selects K = 3 pages per KV head; the prompts
+(64 and 21 tokens) grow to 128 and 85 tokens over 64 decode steps, so pages are really selected,
+evicted and fetched again, a page opens at the first step, and the short request selects fewer
+than K pages for a while (padding)."""
+import functools
+import tempfile
+
+import pytest
+import torch
+
+from hisparse.engine import Engine
+from hisparse.models.base import stack_states
+from hisparse.models.loading import load_model
+from hisparse.models.quest_decode import PagedKV, TorchQuestAttention
+from hisparse.models.tiny import write_tiny_checkpoint
+from hisparse.quest import PAGE
+from hisparse.quest_runtime import HierQuestKV, QuestKV, new_cache
+
+PROMPT_LENGTHS = (64, 21)
+BUDGET = 48                      # tokens: K = 3 pages per KV head
+K = BUDGET // PAGE
+STEPS = 65                       # new tokens: the prefill's token, then 64 decode steps
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.cache
+def tiny_model(family: str):
+    path = write_tiny_checkpoint(family, tempfile.mkdtemp(prefix=family), seed=3)
+    return load_model(path, dtype=torch.float32, device=DEVICE)
+
+
+def prompts(seed=0, vocab=97):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
+
+
+@functools.cache
+def resident_run(family: str, new_tokens: int):
+    return Engine(tiny_model(family), "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
+
+
+def assert_bitwise(base, out):
+    assert len(out.logits) == len(base.logits)
+    for step, (a, b) in enumerate(zip(base.logits, out.logits)):
+        assert torch.equal(a, b), f"logits differ at step {step}"
+    assert torch.equal(base.tokens, out.tokens)
+
+
+def assert_newest_pages_written_through(cache):
+    """Each stream's newest page: host row == reserved slot == its cached copy, if cached."""
+    for stream in sorted(cache._open):
+        base, unit = int(cache.state.host_base[stream]), cache.stream_len[stream] - 1
+        host = cache.host.rows[base + unit].to(cache.slots.device)
+        assert torch.equal(cache.slots[stream, cache.reserved_slot], host), f"stream {stream}: reserved slot"
+        slot = int(cache.state.unit_slot[base + unit])
+        if slot >= 0:
+            assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
+
+
+@pytest.mark.parametrize("family,slots_per_k,new_tokens", [("llama", 1, STEPS), ("llama", 2, STEPS),
+                                                           ("qwen3", 1, 33)],
+                         ids=["llama-B=k", "llama-B=2k", "qwen3-B=k"])
+def test_hisparse_is_bitwise_resident(family, slots_per_k, new_tokens):
+    model, base = tiny_model(family), resident_run(family, new_tokens)
+    engine = Engine(model, "hisparse", cache_slots=slots_per_k * K, token_budget=BUDGET)
+    out = engine.generate(prompts(), new_tokens)
+    assert_bitwise(base, out)
+    state_pages = [-(-(n + new_tokens - 1) // PAGE) for n in PROMPT_LENGTHS]   # pages per request at the end
+    assert engine.cache.stream_len == [p for p in state_pages for _ in range(2)]   # (request, KV head) streams
+    assert out.hits > 0 and out.misses > 0
+    if slots_per_k == 1:       # more fetches than pages: pages were evicted and fetched again
+        assert out.misses > 2 * sum(state_pages)
+    assert_newest_pages_written_through(engine.cache)
+
+
+def test_dense_layers_stay_resident_and_noio_copies_nothing():
+    model = tiny_model("llama")
+    noio = Engine(model, "noio", cache_slots=K, token_budget=BUDGET)
+    out = noio.generate(prompts(), new_tokens=2)           # one decode step: the same selection
+    first = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
+    ref = first.generate(prompts(), new_tokens=2)
+    assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
+    assert noio.cache.slots[:, :-1].abs().sum() == 0, "no-IO must fetch no row"
+    assert first.cache.slots[:, :-1].abs().sum() > 0
+    # one stream per (request, Quest layer, KV head); the two dense layers are not in the cache
+    assert first.cache.max_streams == len(PROMPT_LENGTHS) * 1 * model.config.num_key_value_heads
+    capacity = max(PROMPT_LENGTHS) + 2
+    first.cache = new_cache(model, len(PROMPT_LENGTHS), capacity, K)
+    state, _ = first._prefill(prompts(), capacity)
+    assert [type(kv) for kv in state.layers] == [PagedKV, PagedKV, HierQuestKV]
+    resident, _ = Engine(model, "resident", token_budget=BUDGET)._prefill(prompts(), capacity)
+    assert [type(kv) for kv in resident.layers] == [PagedKV, PagedKV, QuestKV]
+    assert torch.equal(state.layers[2].kmin, resident.layers[2].kmin)        # bounds stay resident
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kernel_step_agrees_with_the_torch_quest_step(family):
+    """The kernels' decode step against the model's torch Quest step (hisparse.models.quest_decode)."""
+    model, ours = tiny_model(family), resident_run(family, {"llama": STEPS, "qwen3": 33}[family])
+    steps = 8
+    model.sparse_attention = TorchQuestAttention(BUDGET)
+    capacity = max(PROMPT_LENGTHS) + steps
+    singles = []
+    for prompt in prompts():
+        state = model.new_state(1, capacity)
+        model.prefill(prompt.to(DEVICE)[None], state)
+        singles.append(state)
+    state = stack_states(singles)
+    tokens = ours.tokens[:, 0].to(DEVICE)
+    for step in range(1, steps):
+        logits = model.decode(tokens, state).float().cpu()
+        err = (logits - ours.logits[step]).norm() / ours.logits[step].norm()
+        assert err < 1e-4, f"step {step}: relative error {err:.2e}"
+        tokens = ours.tokens[:, step].to(DEVICE)
+
+
+def test_random_prefill_runs():
+    out = Engine(tiny_model("qwen3"), "hisparse", cache_slots=K, token_budget=BUDGET,
+                 prefill="random").generate(prompts(), new_tokens=3)
+    assert out.tokens.shape == (2, 3) and out.misses > 0
+
+
+def test_bad_inputs_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=rf"cache_slots B={K - 1} is smaller than the selection size k={K} "
+                                         r"\(token_budget // 16 pages\)"):
+        Engine(model, "hisparse", cache_slots=K - 1, token_budget=BUDGET)
+    with pytest.raises(ValueError, match="needs cache_slots"):
+        Engine(model, "hisparse", token_budget=BUDGET)
+    with pytest.raises(ValueError, match="token_budget 8 is under one page"):
+        Engine(model, "resident", token_budget=8)
+    with pytest.raises(ValueError, match="Quest models have none"):
+        Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=True)
+    engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
+    with pytest.raises(ValueError, match="DSA-only"):
+        engine.trace_writer(prompts())
+    with pytest.raises(ValueError, match="token_budget applies to Quest models"):
+        Engine(tiny_model_dsa(), "resident", token_budget=BUDGET)
+    dense = load_model(write_tiny_checkpoint("llama", tempfile.mkdtemp(), num_hidden_layers=2),
+                       dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="no Quest layer"):
+        Engine(dense, "hisparse", cache_slots=K, token_budget=BUDGET).generate(prompts(), 2)
+
+
+def tiny_model_dsa():
+    path = write_tiny_checkpoint("deepseek_v32", tempfile.mkdtemp(prefix="dsa"), seed=3)
+    return load_model(path, dtype=torch.float32, device=DEVICE)
