@@ -77,7 +77,7 @@ class Engine:
         if self.quest:
             if prefetch:
                 raise ValueError("prefetch replays an anchor's miss plan in shared layers; Quest models have none")
-            self.token_budget = token_budget or model.sparse_attention.token_budget
+            self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
             topk, what = quest_runtime.selection_size(model, self.token_budget), "token_budget // 16 pages"
         else:
             if token_budget is not None:

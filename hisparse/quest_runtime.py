@@ -32,8 +32,15 @@ import triton
 from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa_runtime import KV_MODES
 from hisparse.models.quest_decode import PagedKV
-from hisparse.quest import (PAGE, pages_from_tokens, quest_attention, quest_metadata_append,
-                            quest_metadata_from_keys, quest_select, resident_rows)
+from hisparse.quest import (
+    PAGE,
+    pages_from_tokens,
+    quest_attention,
+    quest_metadata_append,
+    quest_metadata_from_keys,
+    quest_select,
+    resident_rows,
+)
 
 
 @dataclass
