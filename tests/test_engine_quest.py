@@ -62,8 +62,8 @@ def assert_newest_pages_written_through(cache):
 
 
 @pytest.mark.parametrize("family,slots_per_k,new_tokens", [("llama", 1, STEPS), ("llama", 2, STEPS),
-                                                           ("qwen3", 1, 33)],
-                         ids=["llama-B=k", "llama-B=2k", "qwen3-B=k"])
+                                                           ("qwen3", 1, 33), ("qwen3", 2, 33)],
+                         ids=["llama-B=k", "llama-B=2k", "qwen3-B=k", "qwen3-B=2k"])
 def test_hisparse_is_bitwise_resident(family, slots_per_k, new_tokens):
     model, base = tiny_model(family), resident_run(family, new_tokens)
     engine = Engine(model, "hisparse", cache_slots=slots_per_k * K, token_budget=BUDGET)
