@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from hisparse import dsa  # noqa: E402
-from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, print_table, time_us  # noqa: E402
+from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, metric_rows, print_table, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 D_QK, D_V = 576, 512
@@ -63,13 +63,6 @@ def work(batch: int, heads: int, keys: int) -> tuple[float, float]:
     flops = 2.0 * batch * heads * keys * (D_QK + D_V)
     nbytes = 2.0 * batch * (keys * D_QK + heads * (D_QK + D_V)) + 4.0 * batch * keys
     return flops, nbytes
-
-
-def metric_rows(base: dict, us: float, flops: float, nbytes: float) -> list[dict]:
-    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
-    values = [("us", us, "us"), ("TFLOPs", flops / us * 1e-6, "TFLOP/s"), ("GBps", nbytes / us * 1e-3, "GB/s"),
-              ("roofline_frac", roofline_us / us, "fraction")]
-    return [{**base, "metric": m, "value": v, "unit": u} for m, v, u in values]
 
 
 def make_inputs(batch, context, heads, k, device, gen):

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from hisparse import nsa  # noqa: E402
-from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, print_table, time_us  # noqa: E402
+from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, metric_rows, print_table, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
@@ -56,13 +56,6 @@ def work(batch: int, keys: int, cfg: dict, elem: int) -> tuple[float, float]:
     flops = 4.0 * batch * h * d * keys
     nbytes = elem * batch * (kvh * keys * 2 * d + 2 * h * d)
     return flops, nbytes
-
-
-def metric_rows(base: dict, us: float, flops: float, nbytes: float) -> list[dict]:
-    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
-    values = [("us", us, "us"), ("TFLOPs", flops / us * 1e-6, "TFLOP/s"), ("GBps", nbytes / us * 1e-3, "GB/s"),
-              ("roofline_frac", roofline_us / us, "fraction")]
-    return [{**base, "metric": m, "value": v, "unit": u} for m, v, u in values]
 
 
 class Step:

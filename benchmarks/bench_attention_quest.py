@@ -32,7 +32,8 @@ import triton  # noqa: E402
 
 from hisparse import quest  # noqa: E402
 from hisparse.quest import PAGE  # noqa: E402
-from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us  # noqa: E402
+from benchmarks.common import time_us  # noqa: E402
+from benchmarks.common import metric_rows as common_metric_rows  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
@@ -66,10 +67,7 @@ def random_pages(batch, kv_heads, n_pages, k, device, gen):
 
 
 def metric_rows(base: dict, us: float, p20: float, p80: float, flops: float, nbytes: float) -> list[dict]:
-    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
-    values = [("us", us, "us"), ("TFLOPs", flops / us * 1e-6, "TFLOP/s"), ("GBps", nbytes / us * 1e-3, "GB/s"),
-              ("roofline_frac", roofline_us / us, "fraction")]
-    return [{**base, "metric": m, "value": v, "unit": u, "us_p20": p20, "us_p80": p80} for m, v, u in values]
+    return [dict(row, us_p20=p20, us_p80=p80) for row in common_metric_rows(base, us, flops, nbytes)]
 
 
 class Shape:

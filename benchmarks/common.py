@@ -39,3 +39,12 @@ def print_table(rows: list[dict], times: dict) -> None:
         print(f"{r0['batch']:6d} {r0['context']:8d} {mode:13s} {m['us']:10.1f} "
               f"{m['TFLOPs']:8.1f}/{MMA_FLOPS_PER_S / 1e12:.0f} {m['GBps']:8.0f}/{HBM_BYTES_PER_S / 1e9:.0f} "
               f"{m['roofline_frac']:9.3f} {speedup:10.2f}")
+
+
+def metric_rows(base: dict, us: float, flops: float, nbytes: float) -> list[dict]:
+    """The attention metrics of one measurement: us, TFLOP/s, GB/s and roofline_frac, the roofline
+    being the larger of FLOPs at the matrix rate and bytes at the HBM rate."""
+    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
+    values = [("us", us, "us"), ("TFLOPs", flops / us * 1e-6, "TFLOP/s"), ("GBps", nbytes / us * 1e-3, "GB/s"),
+              ("roofline_frac", roofline_us / us, "fraction")]
+    return [{**base, "metric": m, "value": v, "unit": u} for m, v, u in values]
