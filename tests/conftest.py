@@ -39,3 +39,12 @@ def nan_empty(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
 
     monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: one thread is many times faster than two on the shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,11 +17,8 @@ FAMILIES = sorted(TINY_CONFIGS)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def random_model(family: str, seed: int = 0, **overrides):

@@ -23,12 +23,8 @@ FAMILIES_ALL = ["deepseek_v32", "glm_moe_dsa", "llama", "qwen3", "nsa"]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is many times faster than two on the shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
