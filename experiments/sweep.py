@@ -160,7 +160,8 @@ def points(study: dict) -> list[dict]:
                 out += [dict(base, bench="decode", mode=mode, context=context, batch=batch, cache_slots=b)
                         for batch in study["batches"]]
             else:
-                out.append(dict(base, bench="throughput", mode=mode, context=context, cache_slots=b))
+                out.append(dict(base, bench="throughput", mode=mode, context=context, cache_slots=b,
+                                kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib")))
     return out
 
 
@@ -243,15 +244,19 @@ def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
         out = run_decode(model, point, point["batch"], study["new_tokens"], graph, study.get("prefetch", False))
         return decode_rows(point, out, point["batch"])
     gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], point["context"], point["cache_slots"])
-    fits = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
+    fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
+    fits = fits_gpu
     if host_bytes and "host_budget_gib" in study:
         fits = min(fits, int(study["host_budget_gib"] * 2**30 // host_bytes))
     batch = min(fits, study["max_batch"])
     row = dict(point, batch=batch)
+    sizes = [dict(row, metric="max_batch", value=batch, unit="requests"),
+             dict(row, metric="max_batch_gpu_budget", value=fits_gpu, unit="requests"),
+             dict(row, metric="host_bytes_per_request", value=host_bytes, unit="bytes")]
     if batch < 1:
-        return [dict(row, metric="max_batch", value=0, unit="requests")]
+        return sizes
     out = run_decode(model, dict(point, batch=batch), batch, study["new_tokens"], graph)
-    return [dict(row, metric="max_batch", value=batch, unit="requests")] + decode_rows(row, out, batch)
+    return sizes + decode_rows(row, out, batch)
 
 
 def main(argv=None) -> int:
@@ -260,10 +265,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results", help="folder for the result CSVs (default: results)")
     ap.add_argument("--force", action="store_true", help="rerun points already in the results")
     ap.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
+    ap.add_argument("--kind", choices=sorted(KEYS), action="append",
+                    help="run only the studies of this kind (repeatable; default: every study)")
     args = ap.parse_args(argv)
     try:
         studies = tomllib.loads(Path(args.config).read_text()).get("study", [])
         validate(studies)
+        if args.kind:
+            studies = [s for s in studies if s["kind"] in args.kind]
+            if not studies:
+                raise ConfigError(f"no study of kind {args.kind} in the config")
     except (OSError, tomllib.TOMLDecodeError, ConfigError) as exc:
         print(f"error: {args.config}: {exc}", file=sys.stderr)
         return 2

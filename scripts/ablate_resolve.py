@@ -1,6 +1,6 @@
 """Place the resolve kernel's no-IO time: time copies of it that stop after each stage (GPU only).
 
-    python scripts/ablate_resolve.py
+    python -m scripts.ablate_resolve
 
 `_ablate_kernel` is `kernels_triton/resolve.py`'s `_resolve_kernel` (miss-order plan) with an exit
 after stage STOP, each exit storing a value that depends on the stage's results so the compiler

@@ -1,6 +1,6 @@
 """Time resolve variants (kernel options) at one point, to place the no-IO time. GPU only.
 
-    python scripts/tune_resolve.py
+    python -m scripts.tune_resolve
 """
 import itertools
 

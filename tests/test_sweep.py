@@ -47,10 +47,16 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
     batches = tput[tput.metric == "max_batch"].set_index("mode").value
     assert batches["hisparse"] >= batches["resident"], "hot slots must fit at least as many requests"
+    by_gpu = tput[tput.metric == "max_batch_gpu_budget"].set_index("mode").value
+    assert (by_gpu >= batches).all() and (tput.kv_budget_gib == 0.0001).all()
+    host = tput[tput.metric == "host_bytes_per_request"].set_index("mode").value
+    assert host["resident"] == 0 and host["hisparse"] > 0
     rows = len(decode)
     capsys.readouterr()
     assert sweep.main(["--config", config, "--out", out]) == 0          # resumed: nothing left to run
     assert "4 points, 4 already in" in capsys.readouterr().out
+    assert sweep.main(["--config", config, "--out", out, "--kind", "decode", "--dry-run"]) == 0
+    assert "2 points, 2 already in" in capsys.readouterr().out      # the decode study alone
     assert len(pd.read_csv(tmp_path / "results" / "decode.csv")) == rows
     assert sweep.main(["--config", config, "--out", out, "--force"]) == 0
     assert len(pd.read_csv(tmp_path / "results" / "decode.csv")) == 2 * rows
