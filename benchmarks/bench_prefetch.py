@@ -7,8 +7,10 @@ indexer) and a small rest (hidden 1024, dense MLPs of 2048), 8 layers of which 2
 and 6 share it (1 full : 3 shared). Selections replay the calibrated synthetic workload
 (`hisparse.synthetic` preset dsa_100k at this context; the same selections for every request),
 each shared layer reusing its anchor's. The preset's first layers select almost at random, as the
-first layers of real models do, and layer 0 is an anchor here: so the anchors miss far more often
-(about 50%) than the preset's 13.4% average. The prompt's KV is random (`prefill="random"`).
+first 2 of the real model's 61 do; by default (`--random-layers 0`) the 8 layers stand for the
+layers past those, so the anchors miss at about the preset's average rate. With `--random-layers 2`
+layer 0, an anchor, selects at random and the anchors miss about 50% of the time (the rows of
+earlier runs without a `random_layers` column). The prompt's KV is random (`prefill="random"`).
 `io floor` is the time the rows copied per token take at the pinned-copy rate (55.4 GB/s): every
 layer copies its anchor's misses, so it bounds tpot(sync) - tpot(noio) from below.
 
@@ -47,10 +49,11 @@ MODES = {"resident": ("resident", False), "sync": ("hisparse", False), "prefetch
          "noio": ("noio", False)}
 
 
-def workload(context: int, steps: int, k: int, batch: int, quick: bool) -> Trace:
+def workload(context: int, steps: int, k: int, batch: int, quick: bool, random_layers: int) -> Trace:
     """One request's calibrated synthetic selections, repeated for every request of the batch."""
-    cfg = (preset("tiny", context=context, steps=steps, k=k, layers=len(TYPES), sinks=1, window=2) if quick
-           else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES)))
+    cfg = (preset("tiny", context=context, steps=steps, k=k, layers=len(TYPES), random_layers=random_layers,
+                  sinks=1, window=2) if quick
+           else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES), random_layers=random_layers))
     anchors = [max(j for j in range(i + 1) if TYPES[j] == "full") for i in range(len(TYPES))]
     return with_anchors(repeat_request(generate(cfg), batch), anchors)
 
@@ -59,10 +62,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results", help="folder for prefetch.csv (default: results)")
     ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (no graphs): smoke test")
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64, 128])
     ap.add_argument("--context", type=int, default=32768, help="prompt tokens per request (default 32768)")
     ap.add_argument("--cache-slots", type=int, default=4096, help="B (default 4096 = 2k)")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
+    ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
+                    help="how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.quick
     if args.quick:
@@ -77,7 +82,7 @@ def main(argv=None) -> None:
     print(f"{'batch':>5} {'mode':>9} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8}")
     for batch in args.batches:
-        trace = workload(args.context, args.steps + 1, k, batch, args.quick)
+        trace = workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
         prompts = [torch.zeros(args.context, dtype=torch.int64)] * batch
         tpot, misses = {}, {}
         for name, (mode, prefetch) in MODES.items():
@@ -104,7 +109,8 @@ def main(argv=None) -> None:
             rows += [dict(bench="prefetch", family="dsa", mode=name, batch=batch, context=args.context, k=k,
                           cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=1152,
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
-                          workload="dsa_100k" if not args.quick else "tiny", metric=m, value=v, unit=u)
+                          workload="dsa_100k" if not args.quick else "tiny", random_layers=args.random_layers,
+                          metric=m, value=v, unit=u)
                      for m, (v, u) in metrics.items()]
             row_bytes = (geometry["kv_lora_rank"] + geometry["qk_rope_head_dim"]) * (2 if gpu else 4)
             floor = misses[name] * k * row_bytes * batch * layers / PINNED_BYTES_PER_S * 1e3
