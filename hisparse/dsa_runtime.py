@@ -16,23 +16,26 @@ from, so a trace with realistic locality drives it with realistic hit rates.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hisparse.cache import HierarchicalKVCache
-from hisparse.resolve import ResolveResult
 from hisparse.dsa import dsa_select, sparse_mla_decode
+from hisparse.models.base import DecodeState
 from hisparse.models.dsa_decode import MlaKV
+from hisparse.resolve import ResolveResult
+from hisparse.runtime import KV_MODES, Rows, cache_bytes, nbytes
 
-KV_MODES = ("resident", "hisparse", "noio")
+__all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
 PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
 
 
 @dataclass
 class HierMlaKV(MlaKV):
     """A layer's KV with the latents in the hierarchical cache: `latent` is None; `streams [B]`
-    int32 are the rows' streams in `cache`; `index_keys [B, capacity, Di]` stay resident.
+    int32 are the rows' streams in `cache` (`host_streams` the same ids on the host);
+    `index_keys [B, capacity, Di]` stay resident.
 
     A shared layer (one that reuses an anchor layer's selection) moves in lockstep with its anchor:
     `anchor_layer` and `anchor_streams` name the anchor, whose slot maps place its rows too, and
@@ -40,6 +43,7 @@ class HierMlaKV(MlaKV):
 
     streams: torch.Tensor | None = None
     cache: HierarchicalKVCache | None = None
+    host_streams: list[int] = field(default_factory=list)
     anchor_layer: int | None = None
     anchor_streams: torch.Tensor | None = None
     prefetched: torch.cuda.Event | None = None
@@ -129,3 +133,115 @@ class KernelDsaAttention:
                     kv.cache.replay_plan(plan, shared.streams, self.prefetch_programs)
                     shared.prefetched.record(self.side)
         return plan.slots
+
+
+# -- the engine's DSA side (a `hisparse.runtime.FamilyRuntime`) -------------------------------------
+
+class DsaRuntime:
+    """DSA models (deepseek_v32, glm_moe_dsa) in the engine: one stream per (request, layer) whose
+    units are tokens (rows: the 576-value MLA latent at DeepSeek's sizes), k = index_topk. A
+    "shared" layer (glm_moe_dsa) reuses its anchor's selection: its streams move in lockstep with
+    the anchor's (no resolve of their own) and replay its miss plan, in line or, with prefetch, on
+    a side stream."""
+
+    family = "DSA"
+    selection_name = "index_topk"
+    shared_layers = True
+    traces = True
+
+    def __init__(self, model, token_budget: int | None = None):
+        if token_budget is not None:
+            raise ValueError("token_budget applies to Quest models; a DSA model selects index_topk tokens")
+        self.model = model
+        self.selection_size = model.config.index_topk
+        self.anchors, last_full = [], 0
+        for i, kind in enumerate(model.config.indexer_types):
+            last_full = i if kind == "full" else last_full
+            self.anchors.append(last_full)
+
+    def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
+        """rows(b, layer) -> random (latents [len, D], index keys [1, len, Di] on anchor layers, else None)."""
+        cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+        def rows(b: int, layer: int):
+            n = len(prompts[b])
+            keys = None
+            if cfg.indexer_types[layer] == "full":
+                keys = torch.randn(1, n, cfg.index_head_dim, device=device, dtype=dtype)
+            return torch.randn(n, width, device=device, dtype=dtype), keys
+
+        return rows
+
+    def prefilled_rows(self, states: list[DecodeState]) -> Rows:
+        return lambda b, i: (states[b].layers[i].latent[0], states[b].layers[i].index_keys)
+
+    def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+        cfg, weight = self.model.config, self.model.model.embed_tokens.weight
+        layers = cfg.num_hidden_layers
+        return HierarchicalKVCache(max_streams=batch * layers, cache_slots=cache_slots,
+                                   host_rows=batch * layers * capacity,
+                                   row_elems=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                   dtype=weight.dtype, device=weight.device)
+
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
+        layers = []
+        for i, anchor in enumerate(self.anchors):
+            parts = [rows(b, i) for b in range(len(lengths))]
+            layers.append(self._gather_layer(mode, cache, i, parts, lengths, capacity,
+                                             layers[anchor] if anchor != i else None, prefetch))
+        return layers
+
+    def _gather_layer(self, mode, cache, layer: int, parts, lengths, capacity: int, anchor: MlaKV | None,
+                      prefetch: bool) -> MlaKV:
+        """One layer's batch state from per-request (latents [len, D], index keys [1, len, Di] | None)."""
+        batch = len(lengths)
+        latent, keys = parts[0]
+        index_keys = None
+        if keys is not None:
+            index_keys = latent.new_zeros(batch, capacity, keys.shape[-1])
+            for b, (_, k) in enumerate(parts):
+                index_keys[b, :lengths[b]] = k[0]
+        if mode == "resident":
+            pool = latent.new_zeros(batch, capacity, latent.shape[-1])
+            for b, (lat, _) in enumerate(parts):
+                pool[b, :lengths[b]] = lat
+            return MlaKV(latent=pool, index_keys=index_keys)
+        streams = []
+        for lat, _ in parts:
+            stream = cache.open_stream(capacity)
+            cache.append(stream, lat)
+            streams.append(stream)
+        kv = HierMlaKV(latent=None, index_keys=index_keys, cache=cache, host_streams=streams,
+                       streams=torch.tensor(streams, dtype=torch.int32, device=latent.device))
+        if anchor is not None:
+            kv.anchor_layer, kv.anchor_streams = self.anchors[layer], anchor.streams
+            if prefetch and mode == "hisparse" and latent.is_cuda:
+                kv.prefetched = torch.cuda.Event()
+        return kv
+
+    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool) -> KernelDsaAttention:
+        shared = {}
+        for kv in layers:
+            if isinstance(kv, HierMlaKV) and kv.anchor_layer is not None:
+                shared.setdefault(kv.anchor_layer, []).append(kv)
+        return KernelDsaAttention(mode, check_values=check_values, prefetch=prefetch, shared=shared)
+
+    def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
+        """Every step writes one more token, a unit, into every stream."""
+        cache.advance([s for kv in layers for s in kv.host_streams], 1)
+
+    def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
+        """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""
+        stats = cache.stats
+        total = sum(stats[kv.streams if kv.anchor_streams is None else kv.anchor_streams].sum(0)
+                    for kv in layers)
+        return int(total[0]), int(total[1])
+
+    def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
+        """The resident indexer keys, plus the resident latents or the hot slots with their LRU
+        state and unit -> slot map (4 bytes per unit)."""
+        total = sum(nbytes(kv.index_keys) for kv in layers)
+        if cache is not None:
+            return total + cache_bytes(cache)
+        return total + sum(nbytes(kv.latent) for kv in layers)

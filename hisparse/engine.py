@@ -4,20 +4,23 @@
     out = engine.generate([prompt_a, prompt_b], new_tokens=64)   # prompts of any lengths
     out.tokens, out.logits, out.hits, out.misses
 
-Prefill runs each prompt on its own through the model's dense prefill (chunked for long prompts),
-on a temporary resident state; its latents then move to where the mode keeps them (the resident
-pool, or the host pool of a `HierarchicalKVCache`, one stream per (request, layer)), and its
-indexer keys to the resident index. Decode runs every request together, one token per step; with
-`graph=True` the whole step (all layers) is captured once in a CUDA graph and replayed.
+Prefill runs each prompt on its own through the model's prefill (chunked for long prompts), on a
+temporary resident state; its KV then moves to where the mode keeps the selectable units (the
+resident pool, or the host pool of a `HierarchicalKVCache`), and the family's always-resident
+parts (DSA's indexer keys, Quest's page bounds, NSA's compressed blocks and window) to the GPU.
+Decode runs every request together, one token per step; with `graph=True` the whole step (all
+layers) is captured once in a CUDA graph and replayed.
 
 Layers that share an anchor's selection (`glm_moe_dsa`'s "shared" layers) move in lockstep with
 the anchor: they do no resolve of their own and replay its miss plan, in line or, with
 `prefetch=True`, on a side stream while the layers in between compute (DESIGN section 4).
 
-Families: DSA (`deepseek_v32`, `glm_moe_dsa`) and Quest (`llama`, `qwen3`: every layer but the
-first `quest_dense_layers` selects 16-token pages per KV head, one stream per (request, layer, KV
-head); hisparse/quest_runtime.py). Quest runs have no shared layers, hence no prefetch, and no
-selection traces yet.
+Families: DSA (`deepseek_v32`, `glm_moe_dsa`: one stream per (request, layer), token units),
+Quest (`llama`, `qwen3`: 16-token pages on every layer but the first `quest_dense_layers`) and NSA
+(`nsa`: 64-token selection blocks; compressed blocks and the sliding window stay resident), the
+last two with one stream per (request, layer, KV head). What differs between them sits behind one
+`hisparse.runtime.FamilyRuntime` (dsa_runtime.py, quest_runtime.py, nsa_runtime.py). Only DSA has
+shared layers (prefetch) and selection traces so far.
 """
 from __future__ import annotations
 
@@ -26,14 +29,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hisparse import quest_runtime
 from hisparse.cache import HierarchicalKVCache
-from hisparse.dsa_runtime import KV_MODES, HierMlaKV, KernelDsaAttention
+from hisparse.dsa_runtime import DsaRuntime
 from hisparse.models.base import DecodeState
 from hisparse.models.deepseek_v32 import DsaModel
-from hisparse.models.dsa_decode import MlaKV
 from hisparse.models.llama_quest import QuestModel
+from hisparse.models.nsa_model import NsaModel
+from hisparse.nsa_runtime import NsaRuntime
+from hisparse.quest_runtime import QuestRuntime
+from hisparse.runtime import KV_MODES, FamilyRuntime
 from hisparse.traces import Trace, TraceWriter, validate
+
+RUNTIMES = {DsaModel: DsaRuntime, QuestModel: QuestRuntime, NsaModel: NsaRuntime}
+
+
+def family_runtime(model, token_budget: int | None = None) -> FamilyRuntime:
+    """The runtime of the model's family; checks the model fits its kernels. token_budget: Quest only."""
+    runtime = RUNTIMES.get(type(model))
+    if runtime is None:
+        raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa), Quest models (llama, qwen3) "
+                         f"and NSA models (nsa), got {type(model).__name__}")
+    return runtime(model, token_budget)
 
 
 @dataclass
@@ -61,34 +77,27 @@ class Engine:
     token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16
     pages; default the model's `sparse_attention.token_budget`."""
 
-    def __init__(self, model: DsaModel | QuestModel, mode: str = "resident", cache_slots: int | None = None,
-                 max_context: int | None = None, chunk_size: int | None = None, prefetch: bool = False,
-                 prefill: str = "model", token_budget: int | None = None):
-        self.quest = isinstance(model, QuestModel)
-        if not self.quest and not isinstance(model, DsaModel):
-            raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa) and Quest models "
-                             f"(llama, qwen3), got {type(model).__name__}")
+    def __init__(self, model: DsaModel | QuestModel | NsaModel, mode: str = "resident",
+                 cache_slots: int | None = None, max_context: int | None = None, chunk_size: int | None = None,
+                 prefetch: bool = False, prefill: str = "model", token_budget: int | None = None):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefetch and mode != "hisparse":
             raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
         if prefill not in ("model", "random"):
             raise ValueError(f"prefill must be 'model' or 'random', got {prefill!r}")
-        if self.quest:
-            if prefetch:
-                raise ValueError("prefetch replays an anchor's miss plan in shared layers; Quest models have none")
-            self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
-            topk, what = quest_runtime.selection_size(model, self.token_budget), "token_budget // 16 pages"
-        else:
-            if token_budget is not None:
-                raise ValueError("token_budget applies to Quest models; a DSA model selects index_topk tokens")
-            topk, what = model.config.index_topk, "index_topk"
+        self.runtime = family_runtime(model, token_budget)
+        if prefetch and not self.runtime.shared_layers:
+            raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
+                             f"{self.runtime.family} models have none")
+        topk = self.runtime.selection_size
         if mode != "resident":
             if cache_slots is None:
                 raise ValueError(f"mode {mode!r} needs cache_slots (B >= k = {topk})")
             if cache_slots < topk:
                 raise ValueError(f"cache_slots B={cache_slots} is smaller than the selection size "
-                                 f"k={topk} ({what}): the cache must hold one whole selection")
+                                 f"k={topk} ({self.runtime.selection_name}): the cache must hold one whole "
+                                 f"selection")
         self.model, self.mode, self.cache_slots = model, mode, cache_slots
         self.max_context, self.chunk_size = max_context, chunk_size
         self.prefetch, self.prefill = prefetch, prefill
@@ -97,24 +106,18 @@ class Engine:
     @property
     def anchors(self) -> list[int]:
         """The layer whose selection each layer uses: itself, or the last "full" layer before it."""
-        if self.quest:
-            return list(range(self.model.config.num_hidden_layers))
-        anchors, last_full = [], 0
-        for i, kind in enumerate(self.model.config.indexer_types):
-            last_full = i if kind == "full" else last_full
-            anchors.append(last_full)
-        return anchors
+        return self.runtime.anchors
 
     # -- prefill -----------------------------------------------------------------------------
 
     def _prefill(self, prompts: list[torch.Tensor], capacity: int) -> tuple[DecodeState, torch.Tensor]:
-        """Prefill each prompt alone, then gather the batch state. Returns (state, first tokens [B])."""
+        """Prefill each prompt alone, then gather the batch state. Returns (state, first tokens [B]
+        or, after the model's prefill, the last logits [B, V])."""
         model, device = self.model, self.model.model.embed_tokens.weight.device
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
         if self.prefill == "random":
             first = torch.stack([p[-1] for p in prompts]).to(device)
-            rows = (quest_runtime.random_rows(model, prompts, device) if self.quest
-                    else self._random_rows(prompts, device))
+            rows = self.runtime.random_rows(prompts, device)
         else:
             singles, last = [], []
             for prompt in prompts:
@@ -123,67 +126,9 @@ class Engine:
                 singles.append(state)
                 last.append(logits[0, -1])
             first = torch.stack(last)
-            rows = lambda b, i: (singles[b].layers[i].latent[0], singles[b].layers[i].index_keys)  # noqa: E731
-            if self.quest:
-                rows = lambda b, i: (singles[b].layers[i].keys[0], singles[b].layers[i].values[0])  # noqa: E731
-        if self.quest:
-            layers = [quest_runtime.gather_layer(model, self.mode, self.cache, i,
-                                                 [rows(b, i) for b in range(len(prompts))], lengths, capacity)
-                      for i in range(model.config.num_hidden_layers)]
-            return DecodeState(layers, capacity, lengths, int(lengths.max())), first
-        layers = []
-        for i, anchor in enumerate(self.anchors):
-            layers.append(self._gather_layer(i, rows, lengths, capacity, layers[anchor] if anchor != i else None))
+            rows = self.runtime.prefilled_rows(singles)
+        layers = self.runtime.gather_layers(self.mode, self.cache, rows, lengths, capacity, self.prefetch)
         return DecodeState(layers, capacity, lengths, int(lengths.max())), first
-
-    def _random_rows(self, prompts, device):
-        cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
-        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-
-        def rows(b: int, layer: int):
-            n = len(prompts[b])
-            keys = None
-            if cfg.indexer_types[layer] == "full":
-                keys = torch.randn(1, n, cfg.index_head_dim, device=device, dtype=dtype)
-            return torch.randn(n, width, device=device, dtype=dtype), keys
-
-        return rows
-
-    def _gather_layer(self, layer: int, rows, lengths, capacity: int, anchor: MlaKV | None) -> MlaKV:
-        """One layer's batch state; rows(b, layer) -> (latents [len, D], index keys [1, len, Di] | None)."""
-        batch = len(lengths)
-        parts = [rows(b, layer) for b in range(batch)]
-        latent, keys = parts[0]
-        index_keys = None
-        if keys is not None:
-            index_keys = latent.new_zeros(batch, capacity, keys.shape[-1])
-            for b, (_, k) in enumerate(parts):
-                index_keys[b, :lengths[b]] = k[0]
-        if self.mode == "resident":
-            pool = latent.new_zeros(batch, capacity, latent.shape[-1])
-            for b, (lat, _) in enumerate(parts):
-                pool[b, :lengths[b]] = lat
-            return MlaKV(latent=pool, index_keys=index_keys)
-        streams = []
-        for lat, _ in parts:
-            stream = self.cache.open_stream(capacity)
-            self.cache.append(stream, lat)
-            streams.append(stream)
-        kv = HierMlaKV(latent=None, index_keys=index_keys, cache=self.cache,
-                       streams=torch.tensor(streams, dtype=torch.int32, device=latent.device))
-        if anchor is not None:
-            kv.anchor_layer, kv.anchor_streams = self.anchors[layer], anchor.streams
-            if self.prefetch and self.mode == "hisparse" and latent.is_cuda:
-                kv.prefetched = torch.cuda.Event()
-        return kv
-
-    def _new_cache(self, batch: int, capacity: int) -> HierarchicalKVCache:
-        cfg, weight = self.model.config, self.model.model.embed_tokens.weight
-        layers = cfg.num_hidden_layers
-        return HierarchicalKVCache(max_streams=batch * layers, cache_slots=self.cache_slots,
-                                   host_rows=batch * layers * capacity,
-                                   row_elems=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                   dtype=weight.dtype, device=weight.device)
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -209,8 +154,9 @@ class Engine:
             raise ValueError("graph=True needs a CUDA GPU")
         if graph and record is not None:
             raise ValueError("recording selections runs eagerly: pass graph=False")
-        if self.quest and (record is not None or replay is not None):
-            raise ValueError("selection traces (record, replay) are DSA-only for now; Quest selects per KV head")
+        if not self.runtime.traces and (record is not None or replay is not None):
+            raise ValueError(f"selection traces (record, replay) are DSA-only for now; "
+                             f"{self.runtime.family} selects per KV head")
         if replay is not None:
             self._check_replay(replay, prompts, new_tokens)
         vocab = self.model.config.vocab_size
@@ -220,17 +166,9 @@ class Engine:
 
         batch = len(prompts)
         if self.mode != "resident":
-            self.cache = (quest_runtime.new_cache(self.model, batch, capacity, self.cache_slots) if self.quest
-                          else self._new_cache(batch, capacity))
+            self.cache = self.runtime.new_cache(batch, capacity, self.cache_slots)
         state, first = self._prefill(prompts, capacity)
-        shared = {}
-        for kv in state.layers:
-            if isinstance(kv, HierMlaKV) and kv.anchor_layer is not None:
-                shared.setdefault(kv.anchor_layer, []).append(kv)
-        if self.quest:
-            attention = quest_runtime.KernelQuestAttention(self.mode, self.token_budget, check_values=not graph)
-        else:
-            attention = KernelDsaAttention(self.mode, check_values=not graph, prefetch=self.prefetch, shared=shared)
+        attention = self.runtime.attention(self.mode, state.layers, check_values=not graph, prefetch=self.prefetch)
         if replay is not None:     # the whole trace on the device: each step copies its slice
             replay_steps = torch.from_numpy(replay.selections[:new_tokens - 1]).to(first.device)
             attention.replay_sel = torch.empty_like(replay_steps[0])
@@ -242,10 +180,10 @@ class Engine:
             first = first.argmax(-1)
         tokens = first
         generated = [tokens]
-        out.kv_bytes_per_request = self._kv_bytes(state) / batch
+        out.kv_bytes_per_request = self.runtime.kv_bytes(state.layers, self.cache) / batch
         out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
 
-        step = lambda toks: self.model.decode(toks, state)                     # noqa: E731
+        step = lambda toks: self.model.decode(toks, state)
         timed_from = 2                          # step 1 warms up: compiles, and precedes any capture
         for t in range(1, new_tokens):
             if replay is not None:
@@ -255,15 +193,13 @@ class Engine:
                     step = self._graphed_step(tokens, state)
                 self._sync()
                 start = time.perf_counter()
-            if self.cache is not None and self.quest:     # a step opening a page adds a unit
-                quest_runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
-            elif self.cache is not None:     # the step writes each stream's next unit
-                self.cache.advance(sorted(self.cache._open), 1)
+            if self.cache is not None:         # the units this step opens, recorded on the host
+                self.runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
             logits = step(tokens)
             if record is not None:
                 record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
             if replay is not None and self.cache is not None and not graph:
-                out.misses_per_step.append(self._counts(state)[1] - sum(out.misses_per_step))
+                out.misses_per_step.append(self.runtime.counts(self.cache, state.layers)[1] - sum(out.misses_per_step))
             tokens = logits.argmax(-1)
             generated.append(tokens)
             if keep_logits:
@@ -274,22 +210,14 @@ class Engine:
             out.timed_steps = new_tokens - timed_from
         out.tokens = torch.stack(generated, dim=1).cpu()
         if self.cache is not None:
-            out.hits, out.misses = self._counts(state)
+            out.hits, out.misses = self.runtime.counts(self.cache, state.layers)
         return out
-
-    def _counts(self, state: DecodeState) -> tuple[int, int]:
-        """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""
-        if self.quest:
-            return quest_runtime.hier_counts(self.cache, state.layers)
-        stats = self.cache.stats
-        total = sum(stats[kv.streams if kv.anchor_streams is None else kv.anchor_streams].sum(0)
-                    for kv in state.layers)
-        return int(total[0]), int(total[1])
 
     def trace_writer(self, prompts, source: str = "") -> TraceWriter:
         """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""
-        if self.quest:
-            raise ValueError("selection traces (record, replay) are DSA-only for now")
+        if not self.runtime.traces:
+            raise ValueError(f"selection traces (record, replay) are DSA-only for now; "
+                             f"{self.runtime.family} selects per KV head")
         return TraceWriter("dsa", 1, [len(p) for p in prompts], self.anchors,
                            source or self.model.config.model_type)
 
@@ -300,7 +228,7 @@ class Engine:
                              f"{self.anchors} (shared layers reuse their anchor's selection); "
                              f"hisparse.traces.with_anchors makes a trace fit")
         cfg = self.model.config
-        want = {"layers": cfg.num_hidden_layers, "batch": len(prompts), "k": cfg.index_topk}
+        want = {"layers": cfg.num_hidden_layers, "batch": len(prompts), "k": self.runtime.selection_size}
         got = {"layers": trace.layers, "batch": trace.batch, "k": trace.k}
         if want != got or trace.kv_heads is not None or trace.unit_size != 1:
             raise ValueError(f"trace {trace} does not fit this run: expected {want}, one token per unit "
@@ -333,16 +261,3 @@ class Engine:
             return static_logits
 
         return step
-
-    def _kv_bytes(self, state: DecodeState) -> float:
-        """GPU bytes of the KV state of the whole batch: resident latents, or the hot slots with their
-        LRU state and unit -> slot map (4 bytes per unit); plus the resident indexer keys.
-        Quest: see `quest_runtime.kv_bytes`."""
-        if self.quest:
-            return quest_runtime.kv_bytes(state.layers, self.cache)
-        total = sum(kv.index_keys.numel() * kv.index_keys.element_size()
-                    for kv in state.layers if kv.index_keys is not None)
-        if self.cache is not None:
-            cache_state = sum(t.numel() * t.element_size() for t in vars(self.cache.state).values())
-            return total + self.cache.slots.numel() * self.cache.slots.element_size() + cache_state
-        return total + sum(kv.latent.numel() * kv.latent.element_size() for kv in state.layers)

@@ -18,8 +18,9 @@ holds the newest page (prefill's `append` leaves the last, possibly partial page
 step reads that row on the device, clears it when the token opens a new page, puts the token's
 key and value at its offset, and `write_newest` stores the whole row into the host pool, back into
 the reserved slot and, write-through, into the page's cached copy when one exists (unit -> slot
-map). No host sync, so the step can be captured in a CUDA graph. The caller records on the host
-which streams gain a page (`advance_streams`, before the step that opens it). A whole row is
+map; `hisparse.runtime.write_newest_unit`). No host sync, so the step can be captured in a CUDA
+graph. The engine records on the host which streams gain a page (`QuestRuntime.advance_streams`,
+before the step that opens it). A whole row is
 2 * 16 * D elements (8 KiB at D = 128 in bf16) per (request, layer, KV head) per step.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import triton
 
 from hisparse.cache import HierarchicalKVCache
-from hisparse.dsa_runtime import KV_MODES
+from hisparse.models.base import DecodeState
 from hisparse.models.quest_decode import PagedKV
 from hisparse.quest import (
     PAGE,
@@ -40,6 +41,16 @@ from hisparse.quest import (
     quest_metadata_from_keys,
     quest_select,
     resident_rows,
+)
+from hisparse.runtime import (
+    KV_MODES,
+    Rows,
+    advance_unit_streams,
+    cache_bytes,
+    nbytes,
+    open_unit_streams,
+    stream_counts,
+    write_newest_unit,
 )
 
 
@@ -88,19 +99,8 @@ class HierQuestKV(QuestKV):
     host_streams: list[list[int]] = field(default_factory=list)
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The newest page's whole row: the reserved slot's copy (cleared when the token opens a new
-        page) with the token added, into host pool, reserved slot and cached copy (write-through)."""
-        n, hkv, d = key.shape
-        flat = self.streams.view(-1)
-        newest = self.cache.slots[flat.long(), self.cache.reserved_slot].view(n, hkv, 2, PAGE, d)
-        newest = torch.where((pos % PAGE == 0).view(n, 1, 1, 1, 1), torch.zeros_like(newest), newest)
-        reqs = torch.arange(n, device=pos.device)[:, None]
-        heads = torch.arange(hkv, device=pos.device)[None, :]
-        offset = (pos % PAGE)[:, None].expand(n, hkv)
-        newest[reqs, heads, 0, offset] = key
-        newest[reqs, heads, 1, offset] = value
-        units = (pos // PAGE)[:, None].expand(n, hkv).reshape(-1)
-        self.cache.write_newest(flat, units, newest.view(n * hkv, -1))
+        """The newest page's whole row into host pool, reserved slot and cached copy (write-through)."""
+        write_newest_unit(self.cache, self.streams, pos, key, value, PAGE)
 
 
 class KernelQuestAttention:
@@ -143,7 +143,7 @@ class KernelQuestAttention:
         return quest_attention(q.contiguous(), pool, rows, selection, lengths.to(torch.int32), scale)
 
 
-# -- the engine's Quest side: checks, cache, prefill gathering, page bookkeeping, sizes -------------
+# -- the engine's Quest side (a `hisparse.runtime.FamilyRuntime`) -----------------------------------
 
 def quest_layers(model) -> list[int]:
     return [i for i, layer in enumerate(model.model.layers) if layer.self_attn.quest]
@@ -173,17 +173,6 @@ def new_cache(model, batch: int, capacity: int, cache_slots: int) -> Hierarchica
                                row_elems=2 * PAGE * cfg.head_dim, dtype=weight.dtype, device=weight.device)
 
 
-def random_rows(model, prompts, device):
-    """rows(b, layer) -> random (keys, values) [HKV, len, D] (prefill="random": timing only)."""
-    cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-
-    def rows(b: int, layer: int):
-        shape = (cfg.num_key_value_heads, len(prompts[b]), cfg.head_dim)
-        return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
-
-    return rows
-
-
 def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int, parts, lengths: torch.Tensor,
                  capacity: int):
     """One layer's batch state from per-request (keys, values) [HKV, len, D]: the model's PagedKV on
@@ -191,10 +180,10 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
     attn = model.model.layers[layer].self_attn
     keys0 = parts[0][0]
     hkv, d, batch = keys0.shape[0], keys0.shape[-1], len(parts)
-    device, dtype = keys0.device, keys0.dtype
+    device = keys0.device
     max_pages = triton.cdiv(capacity, PAGE)
     if not attn.quest:
-        kv = attn.new_kv(batch, capacity, device, dtype)
+        kv = attn.new_kv(batch, capacity, device, keys0.dtype)
         for b, (k, v) in enumerate(parts):
             kv.keys[b, :, :k.shape[1]] = k
             kv.values[b, :, :k.shape[1]] = v
@@ -214,48 +203,65 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
         for b, rows in enumerate(pages):
             pool[b, :, :rows.shape[1]] = rows
         return QuestKV(pool=pool.view(-1, 2, PAGE, d), kmin=kmin, kmax=kmax)
-    host_streams = []
-    for rows in pages:
-        ids = []
-        for h in range(hkv):
-            stream = cache.open_stream(max_pages)
-            cache.append(stream, rows[h].reshape(rows.shape[1], -1))
-            ids.append(stream)
-        host_streams.append(ids)
+    host_streams = [open_unit_streams(cache, rows, max_pages) for rows in pages]
     return HierQuestKV(pool=None, kmin=kmin, kmax=kmax, cache=cache, host_streams=host_streams,
                        streams=torch.tensor(host_streams, dtype=torch.int32, device=device))
 
 
-def advance_streams(cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
-    """Before a decode step writing position positions[n] of each request n: a position that opens
-    a page gives each of the request's streams (every Quest layer, every KV head) one more unit."""
-    opening = [n for n, pos in enumerate(positions) if pos % PAGE == 0]
-    streams = [s for kv in layers if isinstance(kv, HierQuestKV) for n in opening for s in kv.host_streams[n]]
-    if streams:
-        cache.advance(streams, 1)
+class QuestRuntime:
+    """Quest models (llama, qwen3) in the engine: `token_budget` tokens per KV head and step
+    (default the model's), k = token_budget // 16 pages; the first `quest_dense_layers` stay dense
+    and resident in every mode."""
 
+    family = "Quest"
+    selection_name = "token_budget // 16 pages"
+    shared_layers = False
+    traces = False
 
-def hier_counts(cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
-    """(hits, misses) summed over every Quest stream."""
-    streams = [kv.streams.view(-1) for kv in layers if isinstance(kv, HierQuestKV)]
-    if not streams:
-        return 0, 0
-    total = cache.stats[torch.cat(streams).long()].sum(0)
-    return int(total[0]), int(total[1])
+    def __init__(self, model, token_budget: int | None = None):
+        self.model = model
+        self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
+        self.selection_size = selection_size(model, self.token_budget)
+        self.anchors = list(range(model.config.num_hidden_layers))
 
+    def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
+        """rows(b, layer) -> random (keys, values) [HKV, len, D]."""
+        cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
 
-def kv_bytes(layers: list, cache: HierarchicalKVCache | None) -> float:
-    """GPU bytes of the KV state of the whole batch: the dense layers' keys, values and bounds, the
-    Quest layers' bounds, and their resident pages or the hot slots with the cache state."""
-    def nbytes(*ts):
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        def rows(b: int, layer: int):
+            shape = (cfg.num_key_value_heads, len(prompts[b]), cfg.head_dim)
+            return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
 
-    total = 0
-    for kv in layers:
-        if isinstance(kv, PagedKV):
-            total += nbytes(kv.keys, kv.values, kv.page_min, kv.page_max)
-        else:
-            total += nbytes(kv.pool, kv.kmin, kv.kmax)
-    if cache is not None:
-        total += nbytes(cache.slots, *vars(cache.state).values())
-    return total
+        return rows
+
+    def prefilled_rows(self, states: list[DecodeState]) -> Rows:
+        return lambda b, i: (states[b].layers[i].keys[0], states[b].layers[i].values[0])
+
+    def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+        return new_cache(self.model, batch, capacity, cache_slots)
+
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
+        return [gather_layer(self.model, mode, cache, i, [rows(b, i) for b in range(len(lengths))], lengths, capacity)
+                for i in range(self.model.config.num_hidden_layers)]
+
+    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool) -> KernelQuestAttention:
+        return KernelQuestAttention(mode, self.token_budget, check_values=check_values)
+
+    def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
+        """A position opening a page adds a unit to each of its request's streams."""
+        hier = [kv.host_streams for kv in layers if isinstance(kv, HierQuestKV)]
+        advance_unit_streams(cache, hier, positions, PAGE)
+
+    def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
+        return stream_counts(cache, [kv.streams for kv in layers if isinstance(kv, HierQuestKV)])
+
+    def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
+        """The dense layers' keys, values and bounds, the Quest layers' bounds, and their resident
+        pages or the hot slots with the cache state."""
+        total = 0
+        for kv in layers:
+            if isinstance(kv, PagedKV):
+                total += nbytes(kv.keys, kv.values, kv.page_min, kv.page_max)
+            else:
+                total += nbytes(kv.pool, kv.kmin, kv.kmax)
+        return total + cache_bytes(cache)

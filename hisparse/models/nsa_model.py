@@ -12,8 +12,14 @@ from torch import nn
 from hisparse.models.base import CausalLM, DecoderLayer, Step
 from hisparse.models.config import NsaConfig
 from hisparse.models.layers import GatedMLP, Rotary, rope_half
-from hisparse.models.nsa_decode import (NsaKV, TorchNsaAttention, block_score_map, compressed_count,
-                                        grouped_attention, top_blocks)
+from hisparse.models.nsa_decode import (
+    NsaKV,
+    TorchNsaAttention,
+    block_score_map,
+    compressed_count,
+    grouped_attention,
+    top_blocks,
+)
 
 
 class NsaAttention(nn.Module):
@@ -46,7 +52,8 @@ class NsaAttention(nn.Module):
         kv.write(step.positions, k.transpose(1, 2), self.v_proj(x).view(b, s, self.n_kv_heads, -1).transpose(1, 2))
         gates = torch.sigmoid(self.g_proj(x)).view(b, s, self.n_heads, 3)
         if step.decode:
-            self._compress_newest(kv, step.lengths)
+            if isinstance(kv, NsaKV):  # a kernel state (hisparse.nsa_runtime) compresses in its own write
+                self._compress_newest(kv, step.lengths)
             out = self._owner[0].sparse_attention.decode(self.layer_idx, q[:, 0], gates[:, 0], kv, step.lengths)
             out = out[:, None]
         else:

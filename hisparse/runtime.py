@@ -1,0 +1,118 @@
+"""What the decode loop needs from a model family, and the pieces the per-KV-head families share.
+
+`Engine` (hisparse/engine.py) runs every family through one `FamilyRuntime`: DSA
+(hisparse/dsa_runtime.py), Quest (quest_runtime.py) and NSA (nsa_runtime.py). A runtime knows its
+family's selection size, how prefilled (or random) KV becomes each layer's decode state in a mode
+(resident pool, or host pool + hot cache), which sparse-attention object the model calls, how its
+streams grow, and how to count hits, misses and GPU bytes. The engine keeps the loop itself:
+prefill, decode steps, CUDA graph, timing, traces.
+
+Quest and NSA select per KV head with a unit of several tokens (a 16-token page, a 64-token block):
+one stream per (request, layer, KV head), rows `[2, T, D]` (the unit's keys, then its values). The
+newest unit grows every step and is rewritten whole (`write_newest_unit`), so a cached copy is never
+stale; `advance_unit_streams` records on the host which streams gain a unit.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.models.base import DecodeState
+
+KV_MODES = ("resident", "hisparse", "noio")
+
+Rows = Callable[[int, int], tuple]     # rows(request, layer) -> that request's prefilled KV of the layer
+
+
+class FamilyRuntime(Protocol):
+    family: str                # "DSA", "Quest", "NSA" (for messages)
+    selection_size: int        # k: units each stream selects per step (the cache needs B >= k)
+    selection_name: str        # where k comes from, e.g. "index_topk" (for messages)
+    anchors: list[int]         # the layer whose selection each layer uses
+    shared_layers: bool        # layers may replay an anchor's miss plan (layer-wise prefetch applies)
+    traces: bool               # selections can be recorded and replayed (one [layers, B, k] per step)
+
+    def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
+        """Random KV rows for prompts of these lengths (prefill="random": timing only)."""
+
+    def prefilled_rows(self, states: list[DecodeState]) -> Rows:
+        """The KV rows of requests prefilled one by one by the model (one state each)."""
+
+    def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+        """The hierarchical cache of `batch` requests of up to `capacity` tokens."""
+
+    def gather_layers(self, mode: str, cache: HierarchicalKVCache | None, rows: Rows, lengths: torch.Tensor,
+                      capacity: int, prefetch: bool) -> list:
+        """Every layer's batch decode state in `mode` (cache is None in resident mode)."""
+
+    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool):
+        """The object to put in `model.sparse_attention` for decoding over `layers`."""
+
+    def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
+        """Before a decode step writing position positions[n] of each request n: record new units."""
+
+    def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
+        """(hits, misses) of every resolve so far."""
+
+    def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
+        """GPU bytes of the KV state of the whole batch."""
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def cache_bytes(cache: HierarchicalKVCache | None) -> int:
+    """GPU bytes of a cache: the hot slots plus the LRU state and unit -> slot maps."""
+    return 0 if cache is None else nbytes(cache.slots, *vars(cache.state).values())
+
+
+def write_newest_unit(cache: HierarchicalKVCache, streams: torch.Tensor, pos: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, unit_tokens: int) -> None:
+    """Decode-step write of token pos[n] (key, value [N, HKV, D]) into the newest unit of streams
+    [N, HKV]: the reserved slot's copy of that unit (cleared when the token opens a new unit) with the
+    token added goes whole into the host pool, the reserved slot and the unit's cached copy
+    (write-through). No host sync."""
+    n, hkv, d = key.shape
+    flat = streams.view(-1)
+    newest = cache.slots[flat.long(), cache.reserved_slot].view(n, hkv, 2, unit_tokens, d)
+    opens = (pos % unit_tokens == 0).view(n, 1, 1, 1, 1)
+    newest = torch.where(opens, torch.zeros_like(newest), newest)
+    reqs = torch.arange(n, device=pos.device)[:, None]
+    heads = torch.arange(hkv, device=pos.device)[None, :]
+    offset = (pos % unit_tokens)[:, None].expand(n, hkv)
+    newest[reqs, heads, 0, offset] = key
+    newest[reqs, heads, 1, offset] = value
+    units = (pos // unit_tokens)[:, None].expand(n, hkv).reshape(-1)
+    cache.write_newest(flat, units, newest.view(n * hkv, -1))
+
+
+def open_unit_streams(cache: HierarchicalKVCache, units: torch.Tensor, capacity_units: int) -> list[int]:
+    """One stream per KV head of one request, each holding its rows: units [HKV, n, 2, T, D]."""
+    streams = []
+    for head_units in units:
+        stream = cache.open_stream(capacity_units)
+        cache.append(stream, head_units.reshape(head_units.shape[0], -1))
+        streams.append(stream)
+    return streams
+
+
+def advance_unit_streams(cache: HierarchicalKVCache, host_streams: list[list[list[int]]], positions: list[int],
+                         unit_tokens: int) -> None:
+    """A position that opens a unit gives each of its request's streams one more unit.
+    host_streams[layer][n]: the streams (one per KV head) of request n in each hierarchical layer."""
+    opening = [n for n, pos in enumerate(positions) if pos % unit_tokens == 0]
+    streams = [s for layer in host_streams for n in opening for s in layer[n]]
+    if streams:
+        cache.advance(streams, 1)
+
+
+def stream_counts(cache: HierarchicalKVCache, streams: list[torch.Tensor]) -> tuple[int, int]:
+    """(hits, misses) summed over these streams (device tensors of stream ids)."""
+    if not streams:
+        return 0, 0
+    total = cache.stats[torch.cat([s.view(-1) for s in streams]).long()].sum(0)
+    return int(total[0]), int(total[1])

@@ -1,0 +1,145 @@
+"""The decode loop for NSA models: hierarchical selection blocks give bitwise the resident run's
+logits and tokens, on a tiny checkpoint through the Triton kernels (the interpreter on a CPU).
+
+The tiny model has one NSA layer with 2 KV heads (2 streams per request), the kernels' block sizes
+(compressed 32 / stride 16, selection blocks of 64), 4 selected blocks per KV head and a 64-token
+window (short, to keep interpreter runs fast). The long prompt (450 tokens, 8 blocks, 9 at the end)
+leaves a real choice besides the forced blocks (0 and the two newest), so blocks are evicted and
+fetched again at B = k; it opens a block at position 512. The short one (20 tokens) starts with no
+compressed block and one selection block (the selection is padded with -1), completes its first
+compressed blocks and opens its second block during the 64 decode steps."""
+import functools
+import tempfile
+
+import pytest
+import torch
+
+from hisparse.engine import Engine
+from hisparse.models.base import stack_states
+from hisparse.models.loading import load_model
+from hisparse.models.nsa_decode import TorchNsaAttention
+from hisparse.models.tiny import write_tiny_checkpoint
+from hisparse.nsa import SEL_BLOCK
+from hisparse.nsa_runtime import HierNsaKV, NsaBlocksKV
+
+PROMPT_LENGTHS = (450, 20)
+N_SELECT = 4                     # k: selection blocks per KV head and step
+TINY = dict(num_hidden_layers=1, num_selected_blocks=N_SELECT, sliding_window=64)
+STEPS = 65                       # new tokens: the prefill's token, then 64 decode steps
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.cache
+def tiny_model(**overrides):
+    path = write_tiny_checkpoint("nsa", tempfile.mkdtemp(prefix="nsa"), seed=3, **dict(TINY, **overrides))
+    return load_model(path, dtype=torch.float32, device=DEVICE)
+
+
+def prompts(seed=0, vocab=97):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
+
+
+@functools.cache
+def resident_run():
+    return Engine(tiny_model(), "resident").generate(prompts(), STEPS)
+
+
+def assert_bitwise(base, out):
+    assert len(out.logits) == len(base.logits) == STEPS
+    for step, (a, b) in enumerate(zip(base.logits, out.logits)):
+        assert torch.equal(a, b), f"logits differ at step {step}"
+    assert torch.equal(base.tokens, out.tokens)
+
+
+def assert_newest_blocks_written_through(cache):
+    """Each stream's newest block: host row == reserved slot == its cached copy, if cached."""
+    for stream in sorted(cache._open):
+        base, unit = int(cache.state.host_base[stream]), cache.stream_len[stream] - 1
+        host = cache.host.rows[base + unit].to(cache.slots.device)
+        assert torch.equal(cache.slots[stream, cache.reserved_slot], host), f"stream {stream}: reserved slot"
+        slot = int(cache.state.unit_slot[base + unit])
+        if slot >= 0:
+            assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
+
+
+@pytest.mark.parametrize("slots_per_k", [1, 2], ids=["B=k", "B=2k"])
+def test_hisparse_is_bitwise_resident(slots_per_k):
+    engine = Engine(tiny_model(), "hisparse", cache_slots=slots_per_k * N_SELECT)
+    out = engine.generate(prompts(), STEPS)
+    assert_bitwise(resident_run(), out)
+    blocks = [-(-(n + STEPS - 1) // SEL_BLOCK) for n in PROMPT_LENGTHS]       # per request at the end: 9, 2
+    assert engine.cache.stream_len == [b for b in blocks for _ in range(2)]   # (request, KV head) streams
+    assert out.hits > 0 and out.misses > 0
+    if slots_per_k == 1:       # more fetches than blocks: blocks were evicted and fetched again
+        assert out.misses > 2 * sum(blocks)
+    assert_newest_blocks_written_through(engine.cache)
+
+
+def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident():
+    model = tiny_model()
+    noio = Engine(model, "noio", cache_slots=N_SELECT)
+    out = noio.generate(prompts(), new_tokens=2)           # one decode step: the same selection
+    first = Engine(model, "hisparse", cache_slots=N_SELECT)
+    ref = first.generate(prompts(), new_tokens=2)
+    assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
+    assert noio.cache.slots[:, :-1].abs().sum() == 0, "no-IO must fetch no row"
+    assert first.cache.slots[:, :-1].abs().sum() > 0
+    assert first.cache.max_streams == len(PROMPT_LENGTHS) * model.config.num_key_value_heads
+    capacity = max(PROMPT_LENGTHS) + 2
+    first.cache = first.runtime.new_cache(len(PROMPT_LENGTHS), capacity, N_SELECT)
+    hier, _ = first._prefill(prompts(), capacity)
+    resident, _ = Engine(model, "resident")._prefill(prompts(), capacity)
+    assert [type(kv) for kv in hier.layers] == [HierNsaKV] and [type(kv) for kv in resident.layers] == [NsaBlocksKV]
+    for name in ("window_keys", "window_values", "compressed_keys", "compressed_values"):
+        assert torch.equal(getattr(hier.layers[0], name), getattr(resident.layers[0], name)), name
+    assert hier.layers[0].pool is None
+    assert out.kv_bytes_per_request < Engine(model, "resident").generate(prompts(), 2).kv_bytes_per_request
+
+
+def test_kernel_step_agrees_with_the_torch_nsa_step():
+    """The kernels' decode step against the model's torch NSA step (hisparse.models.nsa_decode)."""
+    model, ours = tiny_model(), resident_run()
+    steps = 8
+    model.sparse_attention = TorchNsaAttention(model.config)
+    capacity = max(PROMPT_LENGTHS) + STEPS                 # the engine's: the same selection blocks
+    singles = []
+    for prompt in prompts():
+        state = model.new_state(1, capacity)
+        model.prefill(prompt.to(DEVICE)[None], state)
+        singles.append(state)
+    state = stack_states(singles)
+    tokens = ours.tokens[:, 0].to(DEVICE)
+    for step in range(1, steps):
+        logits = model.decode(tokens, state).float().cpu()
+        err = (logits - ours.logits[step]).norm() / ours.logits[step].norm()
+        assert err < 1e-4, f"step {step}: relative error {err:.2e}"
+        tokens = ours.tokens[:, step].to(DEVICE)
+
+
+def test_random_prefill_runs():
+    out = Engine(tiny_model(), "hisparse", cache_slots=N_SELECT, prefill="random").generate(prompts(), 3)
+    assert out.tokens.shape == (2, 3) and out.misses > 0
+
+
+def test_bad_inputs_are_refused_before_anything_is_built():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=rf"cache_slots B={N_SELECT - 1} is smaller than the selection size "
+                                         rf"k={N_SELECT} \(num_selected_blocks\)"):
+        Engine(model, "hisparse", cache_slots=N_SELECT - 1)
+    with pytest.raises(ValueError, match="needs cache_slots"):
+        Engine(model, "noio")
+    with pytest.raises(ValueError, match="token_budget applies to Quest models; an NSA model"):
+        Engine(model, "resident", token_budget=64)
+    with pytest.raises(ValueError, match="NSA models have none"):
+        Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=True)
+    engine = Engine(model, "hisparse", cache_slots=N_SELECT)
+    with pytest.raises(ValueError, match="DSA-only for now; NSA selects per KV head"):
+        engine.trace_writer(prompts())
+    assert engine.cache is None
+    with pytest.raises(ValueError, match="built for selection_block_size 64, the model's is 32"):
+        Engine(tiny_model(selection_block_size=32), "resident")
+    with pytest.raises(ValueError, match="sliding_window must be >= 32, the model's is 16"):
+        Engine(tiny_model(sliding_window=16), "resident")
