@@ -3,13 +3,22 @@
     python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny
     python -m hisparse.generate --model /tmp/tiny --prompt-len 24 --new-tokens 8 --batch 2 \\
         --mode hisparse --cache-slots 16
+    python -m hisparse.make_tiny --family llama --out /tmp/tiny-llama
+    python -m hisparse.generate --model /tmp/tiny-llama --prompt-lens 60,30 --new-tokens 8 \\
+        --mode hisparse --token-budget 48 --cache-slots 6
+    python -m hisparse.make_tiny --family nsa --out /tmp/tiny-nsa
+    python -m hisparse.generate --model /tmp/tiny-nsa --prompt-len 1200 --new-tokens 4 \\
+        --mode hisparse --cache-slots 16
 
 Prints the configuration, each request's prompt and generated token ids, tokens/s (batch x timed decode
 steps / decode time), the time per output token, the miss rate (hisparse and noio modes) and the
 GPU bytes of KV state per request. Without a GPU the Triton kernels run through Triton's
 interpreter (slow: use tiny checkpoints and short prompts).
 
-The engine runs DSA checkpoints (model_type deepseek_v32, glm_moe_dsa) for now.
+Every family runs: DSA (model_type deepseek_v32, glm_moe_dsa: k = index_topk tokens per (request,
+layer)), Quest (llama, qwen3: k = token_budget // 16 pages per (request, layer, KV head)) and NSA
+(nsa: k = num_selected_blocks 64-token blocks per (request, layer, KV head)). The cache holds
+B >= k units per stream.
 """
 from __future__ import annotations
 
@@ -25,8 +34,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
-MODES = ("resident", "hisparse", "noio")            # hisparse.dsa_runtime.KV_MODES (not imported here)
+FAMILIES = {"deepseek_v32": "DSA", "glm_moe_dsa": "DSA", "llama": "Quest", "qwen3": "Quest", "nsa": "NSA"}
+QUEST_PAGE = 16                                     # hisparse.quest.PAGE (not imported here)
+MODES = ("resident", "hisparse", "noio")            # hisparse.runtime.KV_MODES (not imported here)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT_LEN = 32
 
@@ -90,15 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="number of requests decoded together (default 1, or the number of --prompt-lens / "
                          "';'-separated --prompt-ids)")
     ap.add_argument("--mode", choices=MODES, default="resident",
-                    help="where the MLA latents live: resident (all on the GPU, the baseline), hisparse "
-                         "(host pool + --cache-slots GPU slots per (request, layer), exact), noio (hisparse "
-                         "without the copies: wrong outputs, the time's upper bound) (default resident)")
+                    help="where the selectable KV units live (DSA's MLA latents, Quest's pages, NSA's selection "
+                         "blocks): resident (all on the GPU, the baseline), hisparse (host pool + --cache-slots GPU "
+                         "slots per stream, exact), noio (hisparse without the copies: wrong outputs, the time's "
+                         "upper bound) (default resident)")
     ap.add_argument("--cache-slots", type=_positive, default=None, metavar="B",
-                    help="GPU slots per (request, layer) stream; required for hisparse and noio, at least the "
-                         "model's selection size k (index_topk); ignored in resident mode")
+                    help="GPU slots per stream ((request, layer) for DSA, (request, layer, KV head) for Quest and "
+                         "NSA); required for hisparse and noio, at least the model's selection size k (DSA: "
+                         "index_topk tokens; Quest: token_budget // 16 pages; NSA: num_selected_blocks blocks); "
+                         "ignored in resident mode")
+    ap.add_argument("--token-budget", type=_positive, default=None, metavar="T",
+                    help="Quest checkpoints (llama, qwen3) only: tokens each KV head reads per decode step, "
+                         f"k = T // {QUEST_PAGE} pages, the current page included (at least {QUEST_PAGE}; "
+                         "default 4096, the model's)")
     ap.add_argument("--prefetch", action="store_true",
-                    help="hisparse mode: copy the shared layers' rows (glm_moe_dsa) on a side stream while "
-                         "the layers in between compute (on a GPU; in line on a CPU)")
+                    help="hisparse mode, glm_moe_dsa checkpoints: copy the shared layers' rows on a side stream "
+                         "while the layers in between compute (on a GPU; in line on a CPU)")
     ap.add_argument("--graph", action="store_true",
                     help="capture the whole decode step in a CUDA graph and replay it (needs a CUDA GPU)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -196,11 +213,21 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         model_type = json.loads(config_path.read_text()).get("model_type")
     except (ValueError, AttributeError) as e:
         ap.error(f"argument --model: cannot read {config_path}: {e}")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in FAMILIES:
         ap.error(f"argument --model: checkpoint {args.model!r} has model_type {model_type!r}; the engine runs "
-                 f"only {', '.join(SUPPORTED_MODEL_TYPES)} (DSA) for now")
+                 f"{', '.join(FAMILIES)}")
+    family = FAMILIES[model_type]
+    if args.token_budget is not None:
+        if family != "Quest":
+            ap.error(f"argument --token-budget: applies to Quest checkpoints (llama, qwen3), not model_type "
+                     f"{model_type!r}")
+        if args.token_budget < QUEST_PAGE:
+            ap.error(f"argument --token-budget: {args.token_budget} is under one page ({QUEST_PAGE} tokens)")
+    if args.prefetch and family != "DSA":
+        ap.error(f"argument --prefetch: replays an anchor's miss plan in shared layers (glm_moe_dsa); "
+                 f"model_type {model_type!r} has none")
 
-    from hisparse.engine import Engine                  # after the interpreter choice
+    from hisparse.engine import Engine, family_runtime  # after the interpreter choice
     from hisparse.models.loading import load_model
 
     try:
@@ -208,9 +235,13 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         ap.error(f"argument --model: cannot load checkpoint {args.model!r}: {e}")
     cfg = model.config
-    k = cfg.index_topk
+    try:
+        runtime = family_runtime(model, args.token_budget)
+    except ValueError as e:
+        ap.error(f"argument --model: checkpoint {args.model!r} does not fit the {family} kernels: {e}")
+    k = runtime.selection_size
     if args.mode != "resident" and args.cache_slots is None:
-        ap.error(f"argument --mode: {args.mode} needs --cache-slots B with B >= k = {k} (index_topk)")
+        ap.error(f"argument --mode: {args.mode} needs --cache-slots B with B >= k = {k} ({runtime.selection_name})")
     prompts = _prompts(ap, args, cfg.vocab_size)
     longest = max(len(p) for p in prompts)
     if args.max_context is not None and longest + args.new_tokens - 1 > args.max_context:
@@ -218,13 +249,15 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                  f"plus {args.new_tokens} new ones (needs >= {longest + args.new_tokens - 1})")
     try:
         engine = Engine(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
-                        max_context=args.max_context, chunk_size=args.chunk_size, prefetch=args.prefetch)
+                        max_context=args.max_context, chunk_size=args.chunk_size, prefetch=args.prefetch,
+                        token_budget=args.token_budget)
     except ValueError as e:
         ap.error(f"argument --cache-slots: {e}")
 
     interp = " (Triton interpreter)" if device.type == "cpu" else ""
     capacity = args.max_context or longest + args.new_tokens
-    print(f"model       {args.model} ({model_type}, {cfg.num_hidden_layers} layers, k={k}, vocab {cfg.vocab_size})")
+    print(f"model       {args.model} ({model_type}, {family}, {cfg.num_hidden_layers} layers, "
+          f"k={k} ({runtime.selection_name}), vocab {cfg.vocab_size})")
     print(f"device      {device}{interp}, {str(dtype).removeprefix('torch.')}")
     slots = (f", cache slots B={args.cache_slots} ({args.cache_slots / k:g}k)" if args.mode != "resident" else "")
     print(f"mode        {args.mode}{slots}{', prefetch' if args.prefetch else ''}, "

@@ -13,7 +13,7 @@ from hisparse.models.tiny import write_tiny_checkpoint
 HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
 K = 8                                   # index_topk of the tiny DSA checkpoints
-REQUEST = re.compile(r"^request (\d+): prompt \[([\d ]*)\] -> \[([\d ]*)\]$", re.M)
+REQUEST = re.compile(r"^request (\d+): prompt \[([\d ]*)\] -> \[([\d ]*)\]$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def requests(out):
 
 
 def field(out, name):
-    match = re.search(rf"^{name}\s+(\S+)", out, re.M)
+    match = re.search(rf"^{name}\s+(\S+)", out, re.MULTILINE)
     assert match, f"no {name!r} line in:\n{out}"
     return match.group(1)
 
@@ -112,8 +112,10 @@ def test_one_prompt_is_repeated_over_the_batch_and_long_lists_are_truncated(tiny
     (["--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
     (["--prompt-len", "10", "--new-tokens", "4", "--max-context", "12"], "--max-context: 12 is too small"),
     (["--prefetch"], "--prefetch: applies to --mode hisparse, got --mode resident"),
+    (["--token-budget", "48"], ("--token-budget: applies to Quest checkpoints (llama, qwen3), not model_type "
+                               "'deepseek_v32'")),
 ], ids=["slots<k", "no-slots", "both-prompts", "bad-id", "id>=vocab", "batch-mismatch", "zero-tokens",
-        "bad-mode", "max-context", "prefetch-resident"])
+        "bad-mode", "max-context", "prefetch-resident", "budget-dsa"])
 def test_bad_arguments_fail_with_argparse_errors(tiny, capsys, args, message):
     rc, out, err = cli(capsys, "--model", tiny, *args)
     assert rc == 2
@@ -122,19 +124,21 @@ def test_bad_arguments_fail_with_argparse_errors(tiny, capsys, args, message):
 
 
 def test_unsupported_family_names_the_model_type(tmp_path, capsys):
-    llama = write_tiny_checkpoint("llama", tmp_path / "llama")
-    rc, out, err = cli(capsys, "--model", str(llama))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2"}')
+    rc, _, err = cli(capsys, "--model", str(gpt2))
     assert rc == 2
-    assert "model_type 'llama'" in err and "deepseek_v32, glm_moe_dsa" in err
-    rc, out, err = cli(capsys, "--model", str(tmp_path / "absent"))
+    assert "model_type 'gpt2'" in err and "deepseek_v32, glm_moe_dsa, llama, qwen3, nsa" in err
+    rc, _, err = cli(capsys, "--model", str(tmp_path / "absent"))
     assert rc == 2 and "no config.json in checkpoint directory" in err
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the error without a GPU")
 def test_graph_and_cuda_need_a_gpu(tiny, capsys):
-    rc, out, err = cli(capsys, "--model", tiny, "--graph")
+    rc, _, err = cli(capsys, "--model", tiny, "--graph")
     assert rc == 2 and "argument --graph: CUDA graphs need a CUDA GPU" in err
-    rc, out, err = cli(capsys, "--model", tiny, "--device", "cuda")
+    rc, _, err = cli(capsys, "--model", tiny, "--device", "cuda")
     assert rc == 2 and "argument --device: 'cuda' needs a CUDA GPU" in err
 
 
@@ -151,3 +155,75 @@ def test_help_explains_every_option(capsys):
                    "--cache-slots", "--prefetch", "--graph", "--dtype", "--device", "--chunk-size", "--max-context",
                    "--seed"):
         assert option in out
+
+
+# -- Quest and NSA checkpoints ------------------------------------------------------------------
+
+QUEST_BUDGET = 48                       # tokens: k = 3 pages per KV head
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return str(write_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"), seed=1))
+
+
+@pytest.fixture(scope="module")
+def tiny_nsa(tmp_path_factory):
+    """make_tiny's NSA: the kernels' block sizes, k = 16 blocks, a 512-token window, 2 layers."""
+    return str(write_tiny_checkpoint("nsa", tmp_path_factory.mktemp("nsa"), seed=1))
+
+
+def test_quest_tokens_equal_the_engine_with_a_token_budget(tiny_llama, capsys):
+    rc, out, err = cli(capsys, "--model", tiny_llama, "--prompt-lens", "40,21", "--new-tokens", "3", "--show-tokens", "40",
+                       "--mode", "hisparse", "--token-budget", str(QUEST_BUDGET), "--cache-slots", "3")
+    assert rc == 0, err
+    printed = requests(out)
+    model = load_model(tiny_llama, dtype=torch.float32, device=DEVICE)
+    want = Engine(model, "hisparse", cache_slots=3, token_budget=QUEST_BUDGET).generate(
+        [p for p, _ in printed], new_tokens=3, keep_logits=False)
+    assert [g for _, g in printed] == want.tokens.tolist()
+    assert want.misses > 0
+    assert field(out, "miss rate") == f"{want.miss_rate:.4f}"
+    assert "(llama, Quest, 3 layers, k=3 (token_budget // 16 pages)" in out
+
+
+def test_nsa_tokens_equal_the_engine(tiny_nsa, capsys):
+    rc, out, err = cli(capsys, "--model", tiny_nsa, "--prompt-lens", "70,20", "--new-tokens", "3", "--show-tokens", "70",
+                       "--mode", "hisparse", "--cache-slots", "16")
+    assert rc == 0, err
+    printed = requests(out)
+    model = load_model(tiny_nsa, dtype=torch.float32, device=DEVICE)
+    want = Engine(model, "hisparse", cache_slots=16).generate([p for p, _ in printed], new_tokens=3,
+                                                              keep_logits=False)
+    assert [g for _, g in printed] == want.tokens.tolist()
+    assert want.misses > 0
+    assert field(out, "miss rate") == f"{want.miss_rate:.4f}"
+    assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
+    assert "(nsa, NSA, 2 layers, k=16 (num_selected_blocks)" in out
+
+
+@pytest.mark.parametrize("family,args,message", [
+    ("llama", ["--mode", "hisparse", "--cache-slots", "2", "--token-budget", "48"],
+     "cache_slots B=2 is smaller than the selection size k=3 (token_budget // 16 pages)"),
+    ("llama", ["--mode", "noio", "--token-budget", "48"], "noio needs --cache-slots B with B >= k = 3"),
+    ("llama", ["--token-budget", "8"], "argument --token-budget: 8 is under one page (16 tokens)"),
+    ("llama", ["--mode", "hisparse", "--cache-slots", "3", "--prefetch"],
+     "argument --prefetch: replays an anchor's miss plan in shared layers (glm_moe_dsa); model_type 'llama'"),
+    ("nsa", ["--mode", "hisparse", "--cache-slots", "15"],
+     "cache_slots B=15 is smaller than the selection size k=16 (num_selected_blocks)"),
+    ("nsa", ["--token-budget", "64"], ("--token-budget: applies to Quest checkpoints (llama, qwen3), not "
+                                      "model_type 'nsa'")),
+], ids=["quest-slots<k", "quest-no-slots", "quest-budget<page", "quest-prefetch", "nsa-slots<k", "nsa-budget"])
+def test_bad_quest_and_nsa_arguments_fail_with_argparse_errors(tiny_llama, tiny_nsa, capsys, family, args,
+                                                              message):
+    rc, out, err = cli(capsys, "--model", {"llama": tiny_llama, "nsa": tiny_nsa}[family], *args)
+    assert rc == 2
+    assert message in err and "usage: python -m hisparse.generate" in err
+    assert "request 0" not in out and "Traceback" not in err
+
+
+def test_nsa_checkpoint_off_the_kernel_sizes_is_refused(tmp_path, capsys):
+    nsa = write_tiny_checkpoint("nsa", tmp_path / "nsa", selection_block_size=32)
+    rc, _, err = cli(capsys, "--model", str(nsa))
+    assert rc == 2
+    assert "does not fit the NSA kernels: the NSA kernels are built for selection_block_size 64" in err
