@@ -60,7 +60,7 @@ class Generation:
     misses: int = 0
     decode_s: float = 0.0                     # wall time of the timed decode steps
     timed_steps: int = 0                      # decode steps timed (the first one warms up)
-    kv_bytes_per_request: float = 0.0         # GPU bytes of KV state per request (latents, slots, index)
+    kv_bytes_per_request: float = 0.0         # GPU bytes of KV state per request (pool or slots, the rest)
 
     misses_per_step: list[int] = field(default_factory=list)   # with replay, in hisparse modes
     prefetched_layers: int = 0                # shared layers whose copies ran on the side stream
