@@ -28,6 +28,7 @@ import torch
 
 from benchmarks.common import PINNED_BYTES_PER_S
 from hisparse.engine import Engine
+from hisparse.host_pool import release_cached_memory
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import randomize_
@@ -92,9 +93,7 @@ def main(argv=None) -> None:
             tpot[name] = out.decode_s / out.timed_steps * 1e3
             misses[name] = out.miss_rate
             del engine, out
-            if gpu:      # give back the pinned host pool too, or the next one may not fit
-                torch.cuda.empty_cache()
-                getattr(torch._C, "_host_emptyCache", lambda: None)()
+            release_cached_memory()      # the next mode's host pool must fit
         rows = []
         for name in MODES:
             exposed = tpot[name] - tpot["noio"]

@@ -39,6 +39,7 @@ import pandas as pd  # noqa: E402
 
 from hisparse.dsa_runtime import KV_MODES  # noqa: E402
 from hisparse.engine import Engine  # noqa: E402
+from hisparse.host_pool import release_cached_memory  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model, load_model  # noqa: E402
 from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
@@ -212,7 +213,10 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
                     prefetch=prefetch and point["mode"] == "hisparse")
     replay = replay and with_anchors(replay, engine.anchors)
-    return engine.generate(prompts, new_tokens + 2, graph=graph, keep_logits=False, replay=replay)
+    out = engine.generate(prompts, new_tokens + 2, graph=graph, keep_logits=False, replay=replay)
+    del engine
+    release_cached_memory()          # the next point's host pool must fit beside nothing
+    return out
 
 
 def decode_rows(point: dict, out, batch: int) -> list[dict]:

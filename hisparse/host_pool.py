@@ -71,3 +71,13 @@ class HostPool:
             raise ValueError(f"rows {first_row}..{first_row + values.shape[0] - 1} are outside the host "
                              f"pool of {self.capacity} rows")
         self.rows[first_row:first_row + values.shape[0]].copy_(values, non_blocking=values.is_cuda)
+
+
+def release_cached_memory() -> None:
+    """Give back the device and pinned host blocks PyTorch keeps cached after their tensors died.
+
+    A freed host pool stays in PyTorch's pinned-memory cache, so the next large pool of a sweep
+    would not fit beside it; call this between runs (after dropping the engine)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
