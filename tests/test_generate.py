@@ -169,8 +169,9 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_nsa(tmp_path_factory):
-    """make_tiny's NSA: the kernels' block sizes, k = 16 blocks, a 512-token window, 2 layers."""
-    return str(write_tiny_checkpoint("nsa", tmp_path_factory.mktemp("nsa"), seed=1))
+    """The kernels' block sizes, k = 4 blocks, a 64-token window, one layer (short interpreter runs)."""
+    return str(write_tiny_checkpoint("nsa", tmp_path_factory.mktemp("nsa"), seed=1, num_hidden_layers=1,
+                                     num_selected_blocks=4, sliding_window=64))
 
 
 def test_quest_tokens_equal_the_engine_with_a_token_budget(tiny_llama, capsys):
@@ -188,18 +189,18 @@ def test_quest_tokens_equal_the_engine_with_a_token_budget(tiny_llama, capsys):
 
 
 def test_nsa_tokens_equal_the_engine(tiny_nsa, capsys):
-    rc, out, err = cli(capsys, "--model", tiny_nsa, "--prompt-lens", "70,20", "--new-tokens", "3", "--show-tokens", "70",
-                       "--mode", "hisparse", "--cache-slots", "16")
+    rc, out, err = cli(capsys, "--model", tiny_nsa, "--prompt-lens", "330,20", "--new-tokens", "3", "--show-tokens", "330",
+                       "--mode", "hisparse", "--cache-slots", "4")
     assert rc == 0, err
     printed = requests(out)
     model = load_model(tiny_nsa, dtype=torch.float32, device=DEVICE)
-    want = Engine(model, "hisparse", cache_slots=16).generate([p for p, _ in printed], new_tokens=3,
+    want = Engine(model, "hisparse", cache_slots=4).generate([p for p, _ in printed], new_tokens=3,
                                                               keep_logits=False)
     assert [g for _, g in printed] == want.tokens.tolist()
     assert want.misses > 0
     assert field(out, "miss rate") == f"{want.miss_rate:.4f}"
     assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
-    assert "(nsa, NSA, 2 layers, k=16 (num_selected_blocks)" in out
+    assert "(nsa, NSA, 1 layers, k=4 (num_selected_blocks)" in out
 
 
 @pytest.mark.parametrize("family,args,message", [
@@ -209,8 +210,8 @@ def test_nsa_tokens_equal_the_engine(tiny_nsa, capsys):
     ("llama", ["--token-budget", "8"], "argument --token-budget: 8 is under one page (16 tokens)"),
     ("llama", ["--mode", "hisparse", "--cache-slots", "3", "--prefetch"],
      "argument --prefetch: replays an anchor's miss plan in shared layers (glm_moe_dsa); model_type 'llama'"),
-    ("nsa", ["--mode", "hisparse", "--cache-slots", "15"],
-     "cache_slots B=15 is smaller than the selection size k=16 (num_selected_blocks)"),
+    ("nsa", ["--mode", "hisparse", "--cache-slots", "3"],
+     "cache_slots B=3 is smaller than the selection size k=4 (num_selected_blocks)"),
     ("nsa", ["--token-budget", "64"], ("--token-budget: applies to Quest checkpoints (llama, qwen3), not "
                                       "model_type 'nsa'")),
 ], ids=["quest-slots<k", "quest-no-slots", "quest-budget<page", "quest-prefetch", "nsa-slots<k", "nsa-budget"])
