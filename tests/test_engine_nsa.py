@@ -24,7 +24,7 @@ from hisparse.nsa_runtime import HierNsaKV, NsaBlocksKV
 
 PROMPT_LENGTHS = (450, 20)
 N_SELECT = 4                     # k: selection blocks per KV head and step
-TINY = dict(num_hidden_layers=1, num_selected_blocks=N_SELECT, sliding_window=64)
+TINY = {"num_hidden_layers": 1, "num_selected_blocks": N_SELECT, "sliding_window": 64}
 STEPS = 65                       # new tokens: the prefill's token, then 64 decode steps
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
