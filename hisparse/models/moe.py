@@ -47,12 +47,26 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids and weights [N, top_k] -> [N, H]: the routed experts' outputs, weighted."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.every_expert(x, ids, weights)
         out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
+        for expert in ids.unique().tolist():     # a host sync: not inside a CUDA graph
             token, slot = torch.where(ids == expert)
             gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def every_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The same sum with every expert run on every token, weight 0 where it is not routed: no
+        data-dependent shapes or host syncs, so a CUDA graph can hold it, at E times the expert
+        FLOPs (decode batches are small). Experts are added in the same ascending order."""
+        out = torch.zeros_like(x)
+        for expert in range(self.gate_up_proj.shape[0]):
+            routed = (weights * (ids == expert)).sum(dim=-1)                        # [N], 0 if not routed
+            gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            out += (F.linear(F.silu(gate) * up, self.down_proj[expert]) * routed[:, None]).to(out.dtype)
         return out
 
 
