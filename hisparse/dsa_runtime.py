@@ -146,7 +146,6 @@ class DsaRuntime:
 
     family = "DSA"
     selection_name = "index_topk"
-    shared_layers = True
     traces = True
 
     def __init__(self, model, token_budget: int | None = None):
@@ -154,6 +153,7 @@ class DsaRuntime:
             raise ValueError("token_budget applies to Quest models; a DSA model selects index_topk tokens")
         self.model = model
         self.selection_size = model.config.index_topk
+        self.shared_layers = "shared" in model.config.indexer_types     # prefetch has layers to serve
         self.anchors, last_full = [], 0
         for i, kind in enumerate(model.config.indexer_types):
             last_full = i if kind == "full" else last_full

@@ -89,7 +89,7 @@ class Engine:
         self.runtime = family_runtime(model, token_budget)
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
-                             f"{self.runtime.family} models have none")
+                             f"this {self.runtime.family} model ({type(model).__name__}) has none")
         topk = self.runtime.selection_size
         if mode != "resident":
             if cache_slots is None:
@@ -164,54 +164,63 @@ class Engine:
         if bad:
             raise ValueError(f"token id {bad[0]} out of range: the vocabulary has {vocab} ids")
 
-        batch = len(prompts)
-        if self.mode != "resident":
-            self.cache = self.runtime.new_cache(batch, capacity, self.cache_slots)
-        state, first = self._prefill(prompts, capacity)
-        attention = self.runtime.attention(self.mode, state.layers, check_values=not graph, prefetch=self.prefetch)
-        if replay is not None:     # the whole trace on the device: each step copies its slice
-            replay_steps = torch.from_numpy(replay.selections[:new_tokens - 1]).to(first.device)
-            attention.replay_sel = torch.empty_like(replay_steps[0])
-        self.model.sparse_attention = attention
-        out = Generation(tokens=torch.empty(0))
-        if first.dim() == 2:                       # the model's prefill: its last logits
-            if keep_logits:
-                out.logits.append(first.float().cpu())
-            first = first.argmax(-1)
-        tokens = first
-        generated = [tokens]
-        out.kv_bytes_per_request = self.runtime.kv_bytes(state.layers, self.cache) / batch
-        out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
+        previous_attention = self.model.sparse_attention
+        self.cache = None               # the last run's host pool goes before a new one is pinned
+        try:
+            batch = len(prompts)
+            if self.mode != "resident":
+                self.cache = self.runtime.new_cache(batch, capacity, self.cache_slots)
+            state, first = self._prefill(prompts, capacity)
+            attention = self.runtime.attention(self.mode, state.layers, check_values=not graph, prefetch=self.prefetch)
+            if replay is not None:     # the whole trace on the device: each step copies its slice
+                replay_steps = torch.from_numpy(replay.selections[:new_tokens - 1]).to(first.device)
+                attention.replay_sel = torch.empty_like(replay_steps[0])
+            self.model.sparse_attention = attention
+            out = Generation(tokens=torch.empty(0))
+            if first.dim() == 2:                       # the model's prefill: its last logits
+                if keep_logits:
+                    out.logits.append(first.float().cpu())
+                first = first.argmax(-1)
+            tokens = first
+            generated = [tokens]
+            out.kv_bytes_per_request = self.runtime.kv_bytes(state.layers, self.cache) / batch
+            out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
 
-        step = lambda toks: self.model.decode(toks, state)
-        timed_from = 2                          # step 1 warms up: compiles, and precedes any capture
-        for t in range(1, new_tokens):
-            if replay is not None:
-                attention.replay_sel.copy_(replay_steps[t - 1])
-            if t == timed_from:
-                if graph:
-                    step = self._graphed_step(tokens, state)
-                self._sync()
-                start = time.perf_counter()
-            if self.cache is not None:         # the units this step opens, recorded on the host
-                self.runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
-            logits = step(tokens)
-            if record is not None:
-                record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
-            if replay is not None and self.cache is not None and not graph:
-                out.misses_per_step.append(self.runtime.counts(self.cache, state.layers)[1] - sum(out.misses_per_step))
-            tokens = logits.argmax(-1)
-            generated.append(tokens)
-            if keep_logits:
-                out.logits.append(logits.float().cpu())
-        self._sync()
-        if new_tokens > timed_from:
-            out.decode_s = time.perf_counter() - start
-            out.timed_steps = new_tokens - timed_from
-        out.tokens = torch.stack(generated, dim=1).cpu()
-        if self.cache is not None:
-            out.hits, out.misses = self.runtime.counts(self.cache, state.layers)
-        return out
+            step = lambda toks: self.model.decode(toks, state)
+            timed_from = 2                          # step 1 warms up: compiles, and precedes any capture
+            for t in range(1, new_tokens):
+                if replay is not None:
+                    attention.replay_sel.copy_(replay_steps[t - 1])
+                if t == timed_from:
+                    if graph:
+                        step = self._graphed_step(tokens, state)
+                    self._sync()
+                    start = time.perf_counter()
+                if self.cache is not None:         # the units this step opens, recorded on the host
+                    self.runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
+                logits = step(tokens)
+                if record is not None:
+                    record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
+                if replay is not None and self.cache is not None and not graph:
+                    out.misses_per_step.append(self.runtime.counts(self.cache, state.layers)[1] - sum(out.misses_per_step))
+                tokens = logits.argmax(-1)
+                generated.append(tokens)
+                if keep_logits:
+                    out.logits.append(logits.float().cpu())
+            self._sync()
+            if new_tokens > timed_from:
+                out.decode_s = time.perf_counter() - start
+                out.timed_steps = new_tokens - timed_from
+            out.tokens = torch.stack(generated, dim=1).cpu()
+            if self.cache is not None:
+                out.hits, out.misses = self.runtime.counts(self.cache, state.layers)
+            return out
+        except BaseException:
+            self.cache = None           # nothing half-built is kept
+            raise
+        finally:
+            # the run's attention holds its layers, hence the cache: put the model's own back
+            self.model.sparse_attention = previous_attention
 
     def trace_writer(self, prompts, source: str = "") -> TraceWriter:
         """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""

@@ -240,6 +240,9 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as e:
         ap.error(f"argument --model: checkpoint {args.model!r} does not fit the {family} kernels: {e}")
     k = runtime.selection_size
+    if args.prefetch and not runtime.shared_layers:
+        ap.error(f"argument --prefetch: replays an anchor's miss plan in shared layers; checkpoint "
+                 f"{args.model!r} ({model_type}) has none (indexer_types has no 'shared' layer)")
     if args.mode != "resident" and args.cache_slots is None:
         ap.error(f"argument --mode: {args.mode} needs --cache-slots B with B >= k = {k} ({runtime.selection_name})")
     prompts = _prompts(ap, args, cfg.vocab_size)

@@ -71,11 +71,11 @@ def test_noio_resolves_the_same_but_copies_nothing(model):
     assert noio.cache.slots[anchor_streams, :-1].abs().sum() == 0, "no-IO must fetch no row"
 
 
-def test_kernel_step_agrees_with_the_torch_reference_step(model):
+def test_kernel_step_agrees_with_the_torch_reference_step(model, monkeypatch):
     """The kernels' decode step against the model's torch step (transformers' semantics)."""
     engine = Engine(model, "resident")
     ours = engine.generate(prompts(), new_tokens=6)
-    model.sparse_attention = TorchDsaAttention()
+    monkeypatch.setattr(model, "sparse_attention", TorchDsaAttention())    # restored after the test
     state, _ = engine._prefill([p.to(model.model.embed_tokens.weight.device) for p in prompts()],
                                capacity=max(PROMPT_LENGTHS) + 6)
     tokens = ours.tokens[:, 0].to(state.lengths.device)
@@ -96,12 +96,31 @@ def test_bad_inputs_are_refused_before_any_state(model):
         Engine(model, "offload", cache_slots=k)
     with pytest.raises(ValueError, match="prefetch applies to mode 'hisparse'"):
         Engine(model, "resident", prefetch=True)
+    if "shared" not in model.config.indexer_types:
+        with pytest.raises(ValueError, match="this DSA model .* has none"):
+            Engine(model, "hisparse", cache_slots=k, prefetch=True)
     engine = Engine(model, "hisparse", cache_slots=k, max_context=20)
     with pytest.raises(ValueError, match="a prompt of 27 tokens plus 4 new ones exceeds max_context=20"):
         engine.generate(prompts(), new_tokens=4)
     assert engine.cache is None, "nothing may be allocated for a refused call"
     with pytest.raises(ValueError, match="token id 97 out of range"):
         engine.generate([[1, 2, 97]], new_tokens=2)
+
+
+def test_a_failed_run_keeps_no_cache_and_restores_the_models_attention(model, monkeypatch):
+    own = model.sparse_attention
+    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk)
+    engine.generate(prompts(), new_tokens=2)
+    assert engine.cache is not None and model.sparse_attention is own
+
+    def failing_prefill(*args, **kwargs):
+        assert engine.cache is not None, "the cache is built before the prefill"
+        raise RuntimeError("prefill failed")
+    monkeypatch.setattr(engine, "_prefill", failing_prefill)
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        engine.generate(prompts(), new_tokens=2)
+    assert engine.cache is None, "a half-built cache (and its pinned host pool) must not be kept"
+    assert model.sparse_attention is own
 
 
 def test_recorded_selections_replay_to_the_same_run(tmp_path):

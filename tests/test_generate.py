@@ -112,10 +112,12 @@ def test_one_prompt_is_repeated_over_the_batch_and_long_lists_are_truncated(tiny
     (["--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
     (["--prompt-len", "10", "--new-tokens", "4", "--max-context", "12"], "--max-context: 12 is too small"),
     (["--prefetch"], "--prefetch: applies to --mode hisparse, got --mode resident"),
+    (["--mode", "hisparse", "--cache-slots", "8", "--prefetch"],
+     "(deepseek_v32) has none (indexer_types has no 'shared' layer)"),
     (["--token-budget", "48"], ("--token-budget: applies to Quest checkpoints (llama, qwen3), not model_type "
                                "'deepseek_v32'")),
 ], ids=["slots<k", "no-slots", "both-prompts", "bad-id", "id>=vocab", "batch-mismatch", "zero-tokens",
-        "bad-mode", "max-context", "prefetch-resident", "budget-dsa"])
+        "bad-mode", "max-context", "prefetch-resident", "prefetch-no-shared-layers", "budget-dsa"])
 def test_bad_arguments_fail_with_argparse_errors(tiny, capsys, args, message):
     rc, out, err = cli(capsys, "--model", tiny, *args)
     assert rc == 2
