@@ -3,7 +3,8 @@
     python -m experiments.figures [--results DIR] [--out DIR]     # default results/, results/figures/
 
 Every figure is written as PNG and PDF. A CSV accumulates runs: each figure plots, per bench, the rows
-of the newest run's commit and GPU, and names them in its title. A figure whose file or metrics are
+of the newest run's commit and GPU (for the sweep's resumable decode and throughput files, the newest
+row of every point on the newest row's GPU), and names them in its title. A figure whose file or metrics are
 not there yet is skipped with one printed line. Figures are built with matplotlib's object API (no
 pyplot, no GUI backend): PNGs are rendered by Agg, PDFs by the PDF backend. Each figure function takes
 a DataFrame of rows and returns a `matplotlib.figure.Figure`, so notebooks can call them too.
@@ -51,9 +52,25 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[keep]
 
 
+RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton")   # what a rerun of a point changes
+RESUMABLE = ("decode.csv", "throughput.csv")     # written by the sweep, which resumes across commits
+
+
+def newest_per_point(frame: pd.DataFrame) -> pd.DataFrame:
+    """On the GPU of the newest row, the newest row of every point and metric: a sweep resumed at a
+    later commit adds its points to the ones already there, and a rerun replaces a point."""
+    stamp = pd.to_datetime(frame["timestamp"], utc=True, format="ISO8601")
+    frame = frame[frame["gpu"] == frame.loc[stamp.idxmax(), "gpu"]]
+    point = [c for c in frame.columns if c not in RUN_COLUMNS]
+    order = stamp[frame.index].sort_values(kind="stable").index
+    return frame.loc[order].drop_duplicates(point, keep="last").sort_index()
+
+
 def read_results(results: Path, names: tuple[str, ...]) -> pd.DataFrame:
-    """The newest run's rows of each CSV in `names` that exists under `results`, concatenated."""
-    frames = [newest(pd.read_csv(results / name)) for name in names if (results / name).exists()]
+    """The rows of each CSV in `names` that exists under `results`, concatenated: the newest run's
+    (`newest`), or for the sweep's resumable files the newest row of each point (`newest_per_point`)."""
+    frames = [(newest_per_point if name in RESUMABLE else newest)(pd.read_csv(results / name))
+              for name in names if (results / name).exists()]
     if not frames:
         raise MissingData(f"{' and '.join(str(results / n) for n in names)} not found")
     return pd.concat(frames, ignore_index=True)
@@ -188,22 +205,38 @@ def memory_per_request(frame: pd.DataFrame) -> Figure:
 
 
 def tpot_and_throughput(frame: pd.DataFrame) -> Figure:
-    """Time per output token and throughput vs batch: resident, hierarchical, with prefetch, no-IO."""
+    """Time per output token and throughput vs batch: resident, hierarchical, with prefetch, no-IO;
+    one column per model size (`layers`, when the rows have it) and context."""
     rows = select(frame, ["tpot_ms", "tokens_per_s"], DECODE_MODES)
-    contexts = panels_by(rows, "context")
-    fig, axes = new_figure("Time per output token and throughput vs batch", rows, 2, len(contexts))
-    for col, (context, part) in enumerate(contexts):
+    by = [c for c in ("layers", "context") if c in rows and rows[c].notna().any()]
+    panels = list(rows.groupby(by, sort=True)) if by else [((), rows)]
+    fig, axes = new_figure("Time per output token and throughput vs batch", rows, 2, len(panels))
+    for col, (key, part) in enumerate(panels):
+        values = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+        title = ", ".join(f"{int(v)} layers" if c == "layers" else f"context {tokens(v)}" for c, v in values.items())
         for ax, metric, label in zip(axes[:, col], ("tpot_ms", "tokens_per_s"), ("ms / token", "tokens / s")):
             mine = part[part["metric"] == metric]
             plot_lines(ax, mine, "batch", DECODE_KEYS)
             log2_axis(ax, mine["batch"])
-            ax.set(title=f"context {tokens(context)}" if context else "", xlabel="batch", ylabel=label)
+            ax.set(title=title, xlabel="batch", ylabel=label)
     return fig
 
 
+MEASURABLE_IO = 0.05    # benchmarks/bench_prefetch.py: no hidden share below this exposed(sync) / tpot(noio)
+
+
 def prefetch_hiding(frame: pd.DataFrame) -> Figure:
-    """Miss IO left exposed per token and the share prefetch hides, vs batch."""
+    """Miss IO left exposed per token and the share prefetch hides, vs batch; a share is drawn only
+    where the in-line copies cost at least 5% of the no-IO step (older rows computed it anyway)."""
     rows = select(frame, ["exposed_io_ms_per_token", "hidden_frac"])
+    if "tpot_ms" in set(frame["metric"]):
+        at = ["batch", "context"]
+        sync = frame[(frame["metric"] == "exposed_io_ms_per_token") & (frame["mode"] == "sync")]
+        noio = frame[(frame["metric"] == "tpot_ms") & (frame["mode"] == "noio")]
+        share = sync.merge(noio, on=at, suffixes=("", "_noio")).assign(
+            ok=lambda t: t["value"] >= MEASURABLE_IO * t["value_noio"])
+        ok = rows[at].merge(share[at + ["ok"]], on=at, how="left")["ok"].fillna(True).to_numpy(bool)
+        rows = rows[(rows["metric"] != "hidden_frac").to_numpy() | ok]
     fig, axes = new_figure("Layer-wise prefetch: exposed IO and hidden share", rows, 1, 2)
     for ax, metric, label in zip(axes[0], ("exposed_io_ms_per_token", "hidden_frac"),
                                  ("exposed IO (ms / token)", "share of miss IO hidden")):
@@ -299,7 +332,7 @@ def miss_rate_vs_step(frame: pd.DataFrame) -> Figure:
 FIGURES = {
     "throughput_vs_context": (("throughput.csv",), throughput_vs_context),
     "memory_per_request": (("throughput.csv",), memory_per_request),
-    "tpot_and_throughput": (("throughput.csv", "prefetch.csv"), tpot_and_throughput),
+    "tpot_and_throughput": (("decode.csv", "prefetch.csv"), tpot_and_throughput),
     "prefetch_hiding": (("prefetch.csv",), prefetch_hiding),
     "resolve_split": (("resolve.csv",), resolve_split),
     "attention_us": (("attention.csv",), partial(attention_kernels, metric="us")),

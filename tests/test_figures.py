@@ -44,6 +44,19 @@ def test_newest_keeps_each_bench_newest_commit_and_gpu():
     assert figures.provenance(picked[picked.bench == "resolve"]) == "NVIDIA H100, commit new"
 
 
+def test_newest_per_point_keeps_a_resumed_sweeps_points_and_a_reruns_newest_row():
+    first = frame("decode", [{"mode": "resident", "batch": b, "metric": "tpot_ms", "value": float(b)}
+                             for b in (8, 16)], commit="a", timestamp="2026-11-29T10:00:00+00:00")
+    resumed = frame("decode", [{"mode": "resident", "batch": 16, "metric": "tpot_ms", "value": 99.0},
+                               {"mode": "noio", "batch": 8, "metric": "tpot_ms", "value": 7.0}],
+                    commit="b", timestamp="2026-11-29T11:00:00+00:00")
+    cpu = frame("decode", [{"mode": "noio", "batch": 4, "metric": "tpot_ms", "value": 1.0}], gpu="cpu",
+                timestamp="2026-11-28T09:00:00+00:00")
+    picked = figures.newest_per_point(pd.concat([resumed, cpu, first], ignore_index=True))
+    got = {(r.mode, r.batch): (r.value, r.commit) for r in picked.itertuples()}
+    assert got == {("resident", 8): (8.0, "a"), ("resident", 16): (99.0, "b"), ("noio", 8): (7.0, "b")}
+
+
 def test_select_names_what_is_missing():
     rows = decode_frame(["resident"], ["tokens_per_s"])
     with pytest.raises(MissingData, match="tpot_ms for modes resident, hisparse"):
@@ -99,6 +112,12 @@ def test_prefetch_hiding():
     fig = figures.prefetch_hiding(pd.concat([rows, hidden]))
     assert set(lines(fig.axes[0])) == {"hierarchical", "hierarchical + prefetch"}
     assert list(lines(fig.axes[1]).values()) == [([1, 8], [0.5, 0.5])]
+    # with the no-IO step's time known, a share whose in-line copies cost under 5% of it is not drawn:
+    # exposed(sync) = 1033 at batch 1 and 1040 at batch 8 (decode_frame's values) against tpot(noio)
+    noio = decode_frame(["noio"], ["tpot_ms"], contexts=(32768,))
+    noio["value"] = noio["batch"].map({1: 1033 / 0.04, 8: 1040 / 0.06})
+    fig = figures.prefetch_hiding(pd.concat([rows, hidden, noio]))
+    assert list(lines(fig.axes[1]).values()) == [([8], [0.5])]
 
 
 def resolve_frame() -> pd.DataFrame:
