@@ -113,7 +113,7 @@ def study(cfg: SyntheticConfig, workload: str, calibrated: bool) -> list[dict]:
               "context": cfg.context, "k": cfg.k, "steps": cfg.steps, "layers": cfg.layers,
               "model_layers": cfg.model_layers or cfg.layers, "noise": cfg.noise, "drift": cfg.drift}
     return (miss_rows(trace, cfg, common, calibrated) + overlap_rows(trace, cfg, common)
-            + reuse_rows(trace, common))
+            + reuse_rows(trace, common) + newest_rows(trace, cfg, common))
 
 
 def miss_rows(trace, cfg: SyntheticConfig, common: dict, calibrated: bool) -> list[dict]:
@@ -173,6 +173,38 @@ def reuse_rows(trace, common: dict) -> list[dict]:
         rows += [{**common, "metric": "reuse_gap", "unit": "steps", "layer": layer, "quantile": q,
                   "value": int(v)} for q, v in zip(QUANTILES, gap_quantiles(gaps, QUANTILES))]
     return rows
+
+
+def newest_units(trace) -> np.ndarray:
+    """int64 [steps, S]: the unit of the newest token of each stream at each step (streams as
+    `Trace.streams()` orders them: layer, request, KV head)."""
+    steps = np.arange(trace.steps)[:, None]
+    newest = -(-(trace.context[None, :] + steps + 1) // trace.unit_size) - 1               # [steps, batch]
+    per_request = trace.selections.shape[3] if trace.selections.ndim == 5 else 1
+    return np.tile(np.repeat(newest, per_request, axis=1), (1, trace.layers))
+
+
+def newest_miss_share(trace, cache_slots: int, layer_w) -> float:
+    """The share of LRU's misses (B = cache_slots, layers weighted by layer_w [layers]) that are the
+    newest unit of their stream and step."""
+    sel, stream_layer = trace.streams()
+    stream_w = np.asarray(layer_w, float)[stream_layer]
+    res = simulate(sel, "lru", cache_slots, keep_slots=True)
+    newest_missed = (res.missed & (sel == newest_units(trace)[:, :, None])).sum(-1)        # [steps, S]
+    return float((newest_missed * stream_w).sum() / (res.misses * stream_w).sum())
+
+
+def newest_rows(trace, cfg: SyntheticConfig, common: dict) -> list[dict]:
+    """What the newest-token policy knob (DESIGN section 3) can save, measured with LRU at B = 2k.
+
+    The decode step writes the newest token's row to the host pool (and the reserved slot), then
+    resolves the selection like any other: a selected newest unit misses once and is fetched back.
+    Inserting it on write (write-allocate, served from the reserved slot) leaves the LRU state as it
+    is and saves exactly those misses: their share of all misses is the knob's whole gain."""
+    share = newest_miss_share(trace, 2 * cfg.k, layer_weights(cfg))
+    print(f"newest token: {share:.4%} of LRU's misses at B={2 * cfg.k} (what write-allocate would save)")
+    return [{**common, "bench": "newest_token", "mode": "lru", "cache_slots": 2 * cfg.k,
+             "metric": "newest_miss_share", "unit": "fraction", "value": share}]
 
 
 def main(argv=None) -> None:

@@ -182,6 +182,21 @@ def test_quick_study_writes_every_policy(tmp_path):
     curve = rows[(rows["mode"] == "lru") & (rows.cache_slots == 2 * k) & rows.step.notna()]
     assert len(curve) == preset("tiny").steps
     assert {"consecutive_step", "adjacent_layer"} <= set(rows.scope.dropna())
+    newest = rows[rows.bench == "newest_token"]
+    assert list(newest.metric) == ["newest_miss_share"] and 0 < newest.value.item() < 1
+
+
+def test_newest_token_share_of_misses_by_hand():
+    from experiments.policies import newest_miss_share
+    # one request, two layers, k = 2: each step selects its newest token (context + t) and unit 0 in
+    # layer 0, and the newest token and unit 1 + t (always new) in layer 1
+    steps, context = 5, 10
+    sel = np.array([[[[context + t, 0]], [[context + t, 1 + t]]] for t in range(steps)], dtype=np.int32)
+    trace = Trace(sel, "synthetic", 1, np.array([context]), np.arange(2))
+    # layer 0: 2 misses at step 0, then the newest only: 6 misses, 5 newest; layer 1: 10 misses, 5 newest
+    assert newest_miss_share(trace, 4, [1, 0]) == pytest.approx(5 / 6)
+    assert newest_miss_share(trace, 4, [1, 1]) == pytest.approx(10 / 16)
+    assert newest_miss_share(trace, 4, [0, 1]) == pytest.approx(5 / 10)
 
 
 def test_solve_increasing_finds_the_root_or_the_nearer_end():
