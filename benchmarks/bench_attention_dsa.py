@@ -75,7 +75,7 @@ def make_inputs(batch, context, heads, k, device, gen):
     return q, kv, rows
 
 
-def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
+def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False) -> tuple[list[dict], dict]:
     """Time the three modes at one shape; returns result rows and {mode: us}.
 
     A mode that fails (out of memory, an unsupported backend, a kernel that disagrees with the
@@ -92,7 +92,7 @@ def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
     for mode, (fn, keys) in modes.items():
         try:
             outputs[mode] = fn().float()
-            us, p20, p80 = time_us(fn)
+            us, p20, p80 = time_us(fn, cudagraph)
         except Exception as exc:  # noqa: BLE001 -- keep the other modes' rows
             print(f"  {mode:12s} batch={batch} context={context}: skipped, "
                   f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -103,7 +103,8 @@ def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
         flops, nbytes = work(batch, heads, keys)
         base = {"bench": "attention", "family": "dsa", "mode": mode, "batch": batch, "context": context,
                 "k": k if mode != "dense" else "", "unit_bytes": D_QK * kv.element_size(), "heads": heads,
-                "num_splits": splits if mode == "triton" else "", "us_p20": p20, "us_p80": p80}
+                "num_splits": splits if mode == "triton" else "", "us_p20": p20, "us_p80": p80,
+                "timer": "cudagraph" if cudagraph else "do_bench"}
         rows_out += metric_rows(base, us, flops, nbytes)
     if {"triton", "torch_gather"} <= times.keys():
         baseline = outputs["torch_gather"]
@@ -116,16 +117,17 @@ def run_shape(batch, context, heads, k, device, gen) -> tuple[list[dict], dict]:
     return rows_out, times
 
 
-def sweep(cfg: dict, device: torch.device, out_dir: Path) -> None:
+def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = False) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     print(f"DSA sparse MLA decode: heads={cfg['heads']} k={cfg['k']} D={D_QK} (V {D_V}) scale={SM_SCALE:.4f}"
-          f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}")
+          f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'},"
+          f" timer {'cudagraph' if cudagraph else 'do_bench'}")
     print(f"{'batch':>6s} {'context':>8s} {'mode':13s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
           f" {'roofline':>9s} {'vs gather':>10s}")
     for context in cfg["contexts"]:
         for batch in cfg["batches"]:
             try:
-                rows, times = run_shape(batch, context, cfg["heads"], cfg["k"], device, gen)
+                rows, times = run_shape(batch, context, cfg["heads"], cfg["k"], device, gen, cudagraph)
             except torch.OutOfMemoryError:
                 print(f"  batch={batch} context={context}: inputs do not fit in memory, skipped")
                 torch.cuda.empty_cache()
@@ -233,17 +235,21 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="time decode configurations instead of the sweep")
     parser.add_argument("--tune-batch", type=int, default=64, help="batch of --tune")
     parser.add_argument("--indexer", action="store_true", help="time indexer scores and top-k instead")
+    parser.add_argument("--cudagraph", action="store_true",
+                        help="time CUDA graph replays, as the decode loop runs (no host launch overhead)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
         raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
+    if device.type == "cpu" and args.cudagraph:
+        raise SystemExit("--cudagraph needs a CUDA GPU")
     cfg = QUICK if args.quick else FULL
     if args.tune:
         tune(cfg, device, args.tune_batch)
     elif args.indexer:
         sweep_indexer(cfg, device, args.out)
     else:
-        sweep(cfg, device, args.out)
+        sweep(cfg, device, args.out, args.cudagraph)
 
 
 if __name__ == "__main__":

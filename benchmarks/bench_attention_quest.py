@@ -154,18 +154,18 @@ def dense_mode(shape: Shape, device, dtype, gen) -> dict:
     return {"dense": lambda: quest.dense_attention(q, k, v)}
 
 
-def run_shape(cfg: dict, batch: int, context: int, device, dtype, gen) -> list[dict]:
+def run_shape(cfg: dict, batch: int, context: int, device, dtype, gen, cudagraph: bool = False) -> list[dict]:
     shape = Shape(cfg, batch, context, dtype)
     splits, _ = quest.split_plan(batch * shape.hkv, shape.k, device)
     base = {"bench": "attention", "family": "quest", "batch": batch, "context": context,
             "unit_bytes": shape.row_bytes, "heads": shape.hq, "kv_heads": shape.hkv, "head_dim": shape.d,
-            "budget_tokens": shape.k * PAGE}
+            "budget_tokens": shape.k * PAGE, "timer": "cudagraph" if cudagraph else "do_bench"}
     rows = []
     for make in (sparse_modes, dense_mode):
         try:
             modes = make(shape, device, dtype, gen)
             for mode, fn in modes.items():
-                us, p20, p80 = time_us(fn)
+                us, p20, p80 = time_us(fn, cudagraph)
                 extra = {"mode": mode, "k": "" if mode == "dense" else shape.k,
                          "num_splits": splits if mode in ("triton", "triton_step") else ""}
                 rows += metric_rows({**base, **extra}, us, p20, p80, *shape.work(mode))
@@ -201,17 +201,18 @@ def check_target(all_rows: list[dict]) -> None:
           f" (worst {worst[2]:.3f} at batch={worst[0]} context={worst[1]})")
 
 
-def sweep(cfg: dict, device, dtype, out_dir: Path) -> None:
+def sweep(cfg: dict, device, dtype, out_dir: Path, cudagraph: bool = False) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     print(f"Quest decode: HQ={cfg['heads']} HKV={cfg['kv_heads']} D={cfg['head_dim']} budget={cfg['budget']}"
-          f" tokens ({cfg['budget'] // PAGE} pages of {PAGE}) {dtype} on {name}")
+          f" tokens ({cfg['budget'] // PAGE} pages of {PAGE}) {dtype} on {name},"
+          f" timer {'cudagraph' if cudagraph else 'do_bench'}")
     print(f"{'batch':>6s} {'context':>8s} {'mode':14s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
           f" {'roofline':>9s} {'vs gather':>10s}")
     all_rows = []
     for context in cfg["contexts"]:
         for batch in cfg["batches"]:
-            rows = run_shape(cfg, batch, context, device, dtype, gen)
+            rows = run_shape(cfg, batch, context, device, dtype, gen, cudagraph)
             print_rows(rows)
             append_rows(out_dir / "attention.csv", rows)
             all_rows += rows
@@ -244,14 +245,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder of attention.csv")
     parser.add_argument("--quick", action="store_true", help="tiny configuration (works on the CPU interpreter)")
     parser.add_argument("--tune", action="store_true", help="time attention configurations, write nothing")
+    parser.add_argument("--cudagraph", action="store_true",
+                        help="time CUDA graph replays, as the decode loop runs (no host launch overhead)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.cudagraph:
+        raise SystemExit("--cudagraph needs a CUDA GPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = QUICK if args.quick or device.type != "cuda" else FULL
     if args.tune:
         tune(cfg, device, dtype)
     else:
-        sweep(cfg, device, dtype, args.out)
+        sweep(cfg, device, dtype, args.out, args.cudagraph)
 
 
 if __name__ == "__main__":

@@ -24,18 +24,22 @@ left empty (NaN) when exposed(sync) is under 5% of tpot(noio), within timing noi
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
-from benchmarks.common import PINNED_BYTES_PER_S
-from hisparse.engine import Engine
-from hisparse.host_pool import release_cached_memory
-from hisparse.models.config import config_from_dict
-from hisparse.models.loading import build_model
-from hisparse.models.tiny import randomize_
-from hisparse.results import append_rows
-from hisparse.synthetic import generate, preset, repeat_request
-from hisparse.traces import Trace, with_anchors
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+from benchmarks.common import PINNED_BYTES_PER_S  # noqa: E402
+from hisparse.engine import Engine  # noqa: E402
+from hisparse.host_pool import release_cached_memory  # noqa: E402
+from hisparse.models.config import config_from_dict  # noqa: E402
+from hisparse.models.loading import build_model  # noqa: E402
+from hisparse.models.tiny import randomize_  # noqa: E402
+from hisparse.results import append_rows  # noqa: E402
+from hisparse.synthetic import generate, preset, repeat_request  # noqa: E402
+from hisparse.traces import Trace, with_anchors  # noqa: E402
 
 TYPES = ["full", "shared", "shared", "shared"] * 2
 GEOMETRY = dict(model_type="glm_moe_dsa", vocab_size=1024, hidden_size=1024, intermediate_size=2048,

@@ -1,0 +1,30 @@
+"""Every benchmark's --quick run (tiny shapes through the interpreter) works from a fresh process and
+writes its rows: the CSV columns the figures and the README read."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = {   # benchmark -> (CSV it writes, metrics it must hold)
+    "resolve": ("resolve.csv", {"noio_us", "total_us", "fetch_GBps", "miss_rate"}),
+    "attention_dsa": ("attention.csv", {"us", "TFLOPs", "GBps", "roofline_frac"}),
+    "attention_nsa": ("attention.csv", {"us", "roofline_frac"}),
+    "attention_quest": ("attention.csv", {"us", "roofline_frac"}),
+    "prefetch": ("prefetch.csv", {"tpot_ms", "tokens_per_s", "exposed_io_ms_per_token", "hidden_frac"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_quick_run_writes_its_rows(name, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # the benchmark sets it itself
+    run = subprocess.run([sys.executable, "-m", f"benchmarks.bench_{name}", "--quick", "--out", str(tmp_path)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    csv, metrics = CASES[name]
+    rows = pd.read_csv(tmp_path / csv)
+    assert metrics <= set(rows.metric), f"{name}: missing {metrics - set(rows.metric)}"
+    assert rows.value.notna().any() and (rows.gpu == "cpu").all() and rows.commit.notna().all()
