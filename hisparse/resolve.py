@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel, _write_rows_kernel
+from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _write_rows_kernel
 
 MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
 MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan (16 + 15 bits)
@@ -173,14 +173,15 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None) -> ResolveResult:
+            num_warps: int | None = None, flat_layout: bool = False) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
     values too (a host sync); `out` reuses result buffers, so a captured CUDA graph sees static
-    addresses and allocates nothing.
+    addresses and allocates nothing. `num_warps` and `flat_layout` (the kernel compiled without size
+    specialisation: one layout throughout, see kernels_triton/resolve.py) are tuning knobs.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -200,7 +201,8 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
                 f"out.{name} must be a contiguous int32 {list(shape)} on {sel.device}, got "
                 f"{t.dtype} {list(t.shape)} on {t.device}")
     k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
-    _resolve_kernel[(n,)](
+    kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
+    kernel[(n,)](
         sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan,

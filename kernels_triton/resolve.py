@@ -115,9 +115,20 @@ def _resolve_kernel(
     tl.store(counts_ptr + i_n * 2 + 1, n_miss)
     if live:
         tl.store(epoch_ptr + i_s, epoch)
-        # atomics whose result is unused compile to fire-and-forget reductions: no round trip
-        tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64))
-        tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64))
+        # relaxed atomics whose result is unused compile to fire-and-forget reductions (RED); the
+        # default acq_rel ordering would add a block barrier and a GPU-wide fence around each
+        tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64), sem="relaxed")
+        tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
+
+
+# The same kernel with K and B left unspecialised (Triton specialises integer arguments divisible by
+# 16). Unable to prove the selection and LRU rows 16-byte aligned, Triton loads them one element per
+# thread, the layout the scattered accesses take anyway, so no tensor changes layout. Specialised,
+# the contiguous loads are vectorised (4 elements per thread) and each scattered access converts
+# through shared memory: Triton 3.9 for sm_90 at k = 2048, B = 4096 and 8 warps emits 17 layout
+# conversions and 61 block barriers there, 6 barriers here (scripts/sass_resolve.py). Which one runs
+# faster is for scripts/tune_resolve.py to measure.
+_resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.fn)
 
 
 @triton.jit
