@@ -230,18 +230,19 @@ def prefetch_hiding(frame: pd.DataFrame) -> Figure:
     where the in-line copies cost at least 5% of the no-IO step (older rows computed it anyway)."""
     rows = select(frame, ["exposed_io_ms_per_token", "hidden_frac"])
     if "tpot_ms" in set(frame["metric"]):
-        at = ["batch", "context"]
+        at = [c for c in frame.columns if c not in RUN_COLUMNS + ("metric", "mode", "cache_slots")]  # the point
         sync = frame[(frame["metric"] == "exposed_io_ms_per_token") & (frame["mode"] == "sync")]
         noio = frame[(frame["metric"] == "tpot_ms") & (frame["mode"] == "noio")]
         share = sync.merge(noio, on=at, suffixes=("", "_noio")).assign(
             ok=lambda t: t["value"] >= MEASURABLE_IO * t["value_noio"])
         ok = rows[at].merge(share[at + ["ok"]], on=at, how="left")["ok"].fillna(True).to_numpy(bool)
+        assert len(ok) == len(rows), "one sync and one noio row per point"
         rows = rows[(rows["metric"] != "hidden_frac").to_numpy() | ok]
     fig, axes = new_figure("Layer-wise prefetch: exposed IO and hidden share", rows, 1, 2)
     for ax, metric, label in zip(axes[0], ("exposed_io_ms_per_token", "hidden_frac"),
                                  ("exposed IO (ms / token)", "share of miss IO hidden")):
         mine = rows[rows["metric"] == metric]
-        plot_lines(ax, mine, "batch", DECODE_KEYS + ("context",))
+        plot_lines(ax, mine, "batch", DECODE_KEYS + ("context", "layers", "workload", "random_layers"))
         log2_axis(ax, mine["batch"])
         ax.set(xlabel="batch", ylabel=label)
     return fig

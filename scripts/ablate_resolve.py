@@ -74,7 +74,8 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, slot_unit_ptr, lru_ptr, u
     m_victim = m_free & (free_rank < n_miss)
     m_untouched = m_free & (free_rank >= n_miss)
     if STOP == 3:
-        tl.store(counts_ptr + i_n * 2, n_hit + tl.sum(b_order_unit, 0) + tl.sum(free_rank, 0) + tl.sum(hit_rank + miss_rank, 0))
+        kept = tl.sum(b_order_unit, 0) + tl.sum(free_rank, 0) + tl.sum(hit_rank + miss_rank, 0)
+        tl.store(counts_ptr + i_n * 2, n_hit + kept)
         return
     n_untouched = B - n_hit - n_miss
     tl.store(p_lru + free_rank - n_miss, b_order, mask=m_untouched & m_live_b)

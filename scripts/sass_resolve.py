@@ -15,6 +15,7 @@ import collections
 import os
 import re
 import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -22,13 +23,11 @@ from triton.compiler import ASTSource
 
 from kernels_triton.resolve import _resolve_kernel, _resolve_kernel_flat
 
-SIGNATURE = {"sel_ptr": "*i32", "stream_ptr": "*i32", "host_base_ptr": "*i64", "slot_unit_ptr": "*i32",
-             "lru_ptr": "*i32", "unit_slot_ptr": "*i32", "mark_ptr": "*i32", "epoch_ptr": "*i32",
-             "slot_out_ptr": "*i32", "plan_unit_ptr": "*i32", "plan_slot_ptr": "*i32", "counts_ptr": "*i32",
-             "stats_ptr": "*i64", "K": "i32", "B": "i32",
-             "K_PAD": "constexpr", "B_PAD": "constexpr", "SORT_PLAN": "constexpr"}
+SIZES_ARGS = ("K", "B")
+SIGNATURE = {name: ("*i64" if name in ("host_base_ptr", "stats_ptr") else "*i32") if name.endswith("_ptr")
+             else "i32" if name in SIZES_ARGS else "constexpr" for name in _resolve_kernel.arg_names}
 POINTERS = [i for i, t in enumerate(SIGNATURE.values()) if t.startswith("*")]
-SIZES = [list(SIGNATURE).index("K"), list(SIGNATURE).index("B")]
+SIZES = [list(SIGNATURE).index(name) for name in SIZES_ARGS]
 SHOWN = ("LDG", "STG", "BAR", "LDS", "STS", "SHFL", "MEMBAR", "ATOMG", "REDG")
 
 
@@ -38,11 +37,10 @@ def compile_counts(kernel, divisible: list[int], k_pad: int, b_pad: int, warps: 
                     constexprs={"K_PAD": k_pad, "B_PAD": b_pad, "SORT_PLAN": False})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    path = f"/tmp/hisparse_resolve_{os.getpid()}.cubin"
-    with open(path, "wb") as f:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
-    sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
-    os.remove(path)
+        f.flush()
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter()
     for line in sass.splitlines():
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)

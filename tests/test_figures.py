@@ -118,6 +118,10 @@ def test_prefetch_hiding():
     noio["value"] = noio["batch"].map({1: 1033 / 0.04, 8: 1040 / 0.06})
     fig = figures.prefetch_hiding(pd.concat([rows, hidden, noio]))
     assert list(lines(fig.axes[1]).values()) == [([8], [0.5])]
+    # two runs of one commit at the same batches (another workload): each point is judged on its own
+    other = [t.assign(workload="other") for t in (rows, hidden, noio.assign(value=noio["value"] / 100))]
+    fig = figures.prefetch_hiding(pd.concat([rows, hidden, noio, *other]))
+    assert sorted(lines(fig.axes[1]).values()) == [([1, 8], [0.5, 0.5]), ([8], [0.5])]
 
 
 def resolve_frame() -> pd.DataFrame:
