@@ -6,6 +6,9 @@
 # TESTS=path narrows the tests (TESTS=none skips them); BENCH_TIMEOUT caps each benchmark (s);
 # HOST_GROW_GIB (default 64, 0 = off) pins and frees that much host memory first: the lent machines'
 # RAM grows as it is used (3 s per 8 GiB), so a large host pool then finds it there.
+# ATTENTION_TIMER=cudagraph passes --cudagraph to the attention benchmarks (graph replays, as the
+# decode loop runs them; default do_bench); TUNE=1 first times the resolve variants
+# (scripts/tune_resolve.py) into $OUT/tune_resolve.txt.
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -32,9 +35,15 @@ benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
   for f in benchmarks/bench_*.py; do b=${f#benchmarks/bench_}; benches+=("${b%.py}"); done
 fi
+if [ "${TUNE:-0}" = 1 ]; then
+  echo "== tune_resolve" | tee -a "$log"
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.tune_resolve 2>&1 | tee "$OUT/tune_resolve.txt" | tee -a "$log" || status=1
+fi
 for b in "${benches[@]}"; do
   echo "== bench_$b" | tee -a "$log"
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m "benchmarks.bench_$b" --out "$OUT" 2>&1 | tee -a "$log" || status=1
+  extra=()
+  if [[ "$b" == attention_* && "${ATTENTION_TIMER:-do_bench}" == cudagraph ]]; then extra=(--cudagraph); fi
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m "benchmarks.bench_$b" --out "$OUT" "${extra[@]}" 2>&1 | tee -a "$log" || status=1
 done
 python3 -m benchmarks.summary "$OUT" 2>&1 | tee -a "$log"
 exit $status
