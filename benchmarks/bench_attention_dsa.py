@@ -30,8 +30,14 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.common import (  # noqa: E402
+    HBM_BYTES_PER_S,
+    MMA_FLOPS_PER_S,
+    metric_rows,
+    print_table,
+    time_us,
+)
 from hisparse import dsa  # noqa: E402
-from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, metric_rows, print_table, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 D_QK, D_V = 576, 512

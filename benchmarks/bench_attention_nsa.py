@@ -34,8 +34,14 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.common import (  # noqa: E402
+    HBM_BYTES_PER_S,
+    MMA_FLOPS_PER_S,
+    metric_rows,
+    print_table,
+    time_us,
+)
 from hisparse import nsa  # noqa: E402
-from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, metric_rows, print_table, time_us  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
@@ -140,6 +146,9 @@ def run_shape(batch, context, cfg, device, gen, cudagraph) -> tuple[list[dict], 
             us, p20, p80 = time_us(fn, cudagraph)
         except torch.OutOfMemoryError:
             print(f"  {mode:12s} batch={batch} context={context}: out of memory, skipped")
+            return
+        except Exception as exc:  # noqa: BLE001 -- e.g. a mode that cannot be captured: keep the others
+            print(f"  {mode:12s} batch={batch} context={context}: skipped, {type(exc).__name__}: {str(exc)[:300]}")
             return
         times[mode] = us
         flops, nbytes = work(batch, keys, cfg, elem)

@@ -30,10 +30,10 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
+from benchmarks.common import metric_rows as common_metric_rows  # noqa: E402
+from benchmarks.common import time_us  # noqa: E402
 from hisparse import quest  # noqa: E402
 from hisparse.quest import PAGE  # noqa: E402
-from benchmarks.common import time_us  # noqa: E402
-from benchmarks.common import metric_rows as common_metric_rows  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
@@ -165,7 +165,14 @@ def run_shape(cfg: dict, batch: int, context: int, device, dtype, gen, cudagraph
         try:
             modes = make(shape, device, dtype, gen)
             for mode, fn in modes.items():
-                us, p20, p80 = time_us(fn, cudagraph)
+                try:
+                    us, p20, p80 = time_us(fn, cudagraph)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 -- e.g. a mode that cannot be captured: keep the others
+                    print(f"  {mode} at batch={batch} context={context}: skipped, {type(exc).__name__}: "
+                          f"{str(exc)[:300]}")
+                    continue
                 extra = {"mode": mode, "k": "" if mode == "dense" else shape.k,
                          "num_splits": splits if mode in ("triton", "triton_step") else ""}
                 rows += metric_rows({**base, **extra}, us, p20, p80, *shape.work(mode))
