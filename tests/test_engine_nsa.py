@@ -13,9 +13,9 @@ import tempfile
 
 import pytest
 import torch
+from engine_checks import assert_bitwise, assert_torch_steps_agree
 
 from hisparse.engine import Engine
-from hisparse.models.base import stack_states
 from hisparse.models.loading import load_model
 from hisparse.models.nsa_decode import TorchNsaAttention
 from hisparse.models.tiny import write_tiny_checkpoint
@@ -45,13 +45,6 @@ def prompts(seed=0, vocab=97):
 @functools.cache
 def resident_run():
     return Engine(tiny_model(), "resident").generate(prompts(), STEPS)
-
-
-def assert_bitwise(base, out):
-    assert len(out.logits) == len(base.logits) == STEPS
-    for step, (a, b) in enumerate(zip(base.logits, out.logits)):
-        assert torch.equal(a, b), f"logits differ at step {step}"
-    assert torch.equal(base.tokens, out.tokens)
 
 
 def assert_newest_blocks_written_through(cache):
@@ -105,18 +98,7 @@ def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
     steps = 8
     monkeypatch.setattr(model, "sparse_attention", TorchNsaAttention(model.config))    # restored after the test
     capacity = max(PROMPT_LENGTHS) + STEPS                 # the engine's: the same selection blocks
-    singles = []
-    for prompt in prompts():
-        state = model.new_state(1, capacity)
-        model.prefill(prompt.to(DEVICE)[None], state)
-        singles.append(state)
-    state = stack_states(singles)
-    tokens = ours.tokens[:, 0].to(DEVICE)
-    for step in range(1, steps):
-        logits = model.decode(tokens, state).float().cpu()
-        err = (logits - ours.logits[step]).norm() / ours.logits[step].norm()
-        assert err < 1e-4, f"step {step}: relative error {err:.2e}"
-        tokens = ours.tokens[:, step].to(DEVICE)
+    assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
 
 
 def test_random_prefill_runs():

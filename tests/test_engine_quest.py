@@ -11,9 +11,9 @@ import tempfile
 
 import pytest
 import torch
+from engine_checks import assert_bitwise, assert_torch_steps_agree
 
 from hisparse.engine import Engine
-from hisparse.models.base import stack_states
 from hisparse.models.loading import load_model
 from hisparse.models.quest_decode import PagedKV, TorchQuestAttention
 from hisparse.models.tiny import write_tiny_checkpoint
@@ -41,13 +41,6 @@ def prompts(seed=0, vocab=97):
 @functools.cache
 def resident_run(family: str, new_tokens: int):
     return Engine(tiny_model(family), "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
-
-
-def assert_bitwise(base, out):
-    assert len(out.logits) == len(base.logits)
-    for step, (a, b) in enumerate(zip(base.logits, out.logits)):
-        assert torch.equal(a, b), f"logits differ at step {step}"
-    assert torch.equal(base.tokens, out.tokens)
 
 
 def assert_newest_pages_written_through(cache):
@@ -104,18 +97,7 @@ def test_kernel_step_agrees_with_the_torch_quest_step(family, monkeypatch):
     steps = 8
     monkeypatch.setattr(model, "sparse_attention", TorchQuestAttention(BUDGET))    # restored after the test
     capacity = max(PROMPT_LENGTHS) + steps
-    singles = []
-    for prompt in prompts():
-        state = model.new_state(1, capacity)
-        model.prefill(prompt.to(DEVICE)[None], state)
-        singles.append(state)
-    state = stack_states(singles)
-    tokens = ours.tokens[:, 0].to(DEVICE)
-    for step in range(1, steps):
-        logits = model.decode(tokens, state).float().cpu()
-        err = (logits - ours.logits[step]).norm() / ours.logits[step].norm()
-        assert err < 1e-4, f"step {step}: relative error {err:.2e}"
-        tokens = ours.tokens[:, step].to(DEVICE)
+    assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
 
 
 def test_random_prefill_runs():

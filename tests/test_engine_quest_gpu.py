@@ -4,6 +4,7 @@ bf16) with a small rest (4 layers: 2 dense, 2 Quest; hidden 1024): resident, his
 run's logits and tokens."""
 import pytest
 import torch
+from engine_checks import check_hisparse_against_resident_on_gpu
 
 from hisparse.engine import Engine
 from hisparse.models.config import config_from_dict
@@ -25,34 +26,12 @@ def quest_model(family: str, seed: int):
     return m.to(device="cuda", dtype=torch.bfloat16)
 
 
-def assert_bitwise(base, runs):
-    for name, out in runs.items():
-        assert torch.equal(out.tokens, base.tokens), name
-        for step, (a, b) in enumerate(zip(base.logits, out.logits)):
-            assert torch.equal(a, b), f"{name}: logits differ at step {step}"
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_quest_hisparse_bitwise_resident_eager_and_graph(family):
     model = quest_model(family, seed=0)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in LENGTHS]
 
-    def engine(mode, slots=None):
+    def engine(mode, slots):
         return Engine(model, mode, cache_slots=slots, chunk_size=1024, token_budget=BUDGET)
-
-    base = engine("resident").generate(prompts, 65)
-    runs = {
-        "resident-graph": engine("resident").generate(prompts, 65, graph=True),
-        "hisparse-B=k": engine("hisparse", K).generate(prompts, 65),
-        "hisparse-B=2k-graph": engine("hisparse", 2 * K).generate(prompts, 65, graph=True),
-        "hisparse-B=k-graph": engine("hisparse", K).generate(prompts, 65, graph=True),
-    }
-    assert_bitwise(base, runs)
-    hier = runs["hisparse-B=k"]
-    assert hier.misses > 0 and hier.hits > 0
-    assert (runs["hisparse-B=k-graph"].hits, runs["hisparse-B=k-graph"].misses) == (hier.hits, hier.misses)
-    # hot pages per request do not grow with the context; the resident pages do
-    assert hier.kv_bytes_per_request < base.kv_bytes_per_request
-    noio = engine("noio", K).generate(prompts, 65, graph=True)
-    assert noio.tokens.shape == base.tokens.shape and noio.misses > 0
+    check_hisparse_against_resident_on_gpu(engine, prompts, K)

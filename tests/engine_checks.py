@@ -1,0 +1,50 @@
+"""Checks shared by the decode-loop tests of the families (imported by tests/test_engine_*.py)."""
+import torch
+
+from hisparse.models.base import stack_states
+
+
+def assert_bitwise(base, out, name: str = "") -> None:
+    """`out` has exactly `base`'s tokens and, step by step, logits."""
+    assert len(out.logits) == len(base.logits), name
+    for step, (a, b) in enumerate(zip(base.logits, out.logits)):
+        assert torch.equal(a, b), f"{name}: logits differ at step {step}"
+    assert torch.equal(base.tokens, out.tokens), name
+
+
+def assert_torch_steps_agree(model, ours, prompts, capacity: int, steps: int, device) -> None:
+    """Decode `steps - 1` steps with the model's own torch attention (set by the caller) after a
+    per-request prefill, feeding `ours`' tokens: each step's logits within 1e-4 of `ours`'."""
+    singles = []
+    for prompt in prompts:
+        state = model.new_state(1, capacity)
+        model.prefill(prompt.to(device)[None], state)
+        singles.append(state)
+    state = stack_states(singles)
+    tokens = ours.tokens[:, 0].to(device)
+    for step in range(1, steps):
+        logits = model.decode(tokens, state).float().cpu()
+        err = (logits - ours.logits[step]).norm() / ours.logits[step].norm()
+        assert err < 1e-4, f"step {step}: relative error {err:.2e}"
+        tokens = ours.tokens[:, step].to(device)
+
+
+def check_hisparse_against_resident_on_gpu(engine, prompts, k: int, new_tokens: int = 65) -> None:
+    """engine(mode, slots) -> Engine. hisparse (B = k and 2k, eager and graphed) and a graphed resident
+    run give the eager resident run's logits and tokens bitwise; B = k both hits and misses, the same
+    counts eager and graphed; the hot state per request is smaller than the resident one; noio runs."""
+    base = engine("resident", None).generate(prompts, new_tokens)
+    runs = {
+        "resident-graph": engine("resident", None).generate(prompts, new_tokens, graph=True),
+        "hisparse-B=k": engine("hisparse", k).generate(prompts, new_tokens),
+        "hisparse-B=2k-graph": engine("hisparse", 2 * k).generate(prompts, new_tokens, graph=True),
+        "hisparse-B=k-graph": engine("hisparse", k).generate(prompts, new_tokens, graph=True),
+    }
+    for name, out in runs.items():
+        assert_bitwise(base, out, name)
+    hier, graphed = runs["hisparse-B=k"], runs["hisparse-B=k-graph"]
+    assert hier.misses > 0 and hier.hits > 0
+    assert (graphed.hits, graphed.misses) == (hier.hits, hier.misses)
+    assert hier.kv_bytes_per_request < base.kv_bytes_per_request      # hot units do not grow with context
+    noio = engine("noio", k).generate(prompts, new_tokens, graph=True)
+    assert noio.tokens.shape == base.tokens.shape and noio.misses > 0
