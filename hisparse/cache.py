@@ -16,7 +16,7 @@ import torch
 
 from hisparse.host_pool import HostPool
 from hisparse.resolve import (CacheState, ResolveResult, check_resolve_inputs, fetch_rows, resolve, resolve_ref,
-                              write_rows)
+                              write_rows, write_unit_token)
 
 MODES = ("normal", "noio")
 
@@ -117,6 +117,15 @@ class HierarchicalKVCache:
         map_streams: the streams whose slot maps place the rows (a shared layer's anchor streams)."""
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
                    self.host.rows, self.slots, to_reserved=True, map_streams=map_streams)
+
+    def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           unit_tokens: int) -> None:
+        """The decode step's write when a unit holds `unit_tokens` tokens (rows [2, T, D]): token
+        pos[n]'s keys and values [N, HKV, D] join the newest unit of streams [N * HKV] (-1 skips),
+        whose whole row goes to the host pool, the reserved slot and any cached copy. One launch, no
+        host sync (capturable); the caller records opened units first (`advance`)."""
+        write_unit_token(streams, pos, keys, values, self.state.host_base, self.state.unit_slot, self.host.rows,
+                         self.slots, unit_tokens)
 
     def replay_plan(self, plan: ResolveResult, streams: torch.Tensor, max_programs: int | None = None) -> None:
         """Copy an anchor's miss plan into other streams (a shared layer's, in lockstep with the

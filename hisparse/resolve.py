@@ -25,7 +25,9 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _write_rows_kernel
+from kernels_triton.resolve import (
+    _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _write_rows_kernel, _write_unit_token_kernel,
+)
 
 MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
 MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan (16 + 15 bits)
@@ -269,6 +271,38 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
     )
 
 
+def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int) -> None:
+    _check_rows(host, cache)
+    _expect(keys.dim() == 3 and values.shape == keys.shape, f"keys and values must be [N, HKV, D] of one "
+            f"shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
+    n, hkv, d = keys.shape
+    _expect(keys.dtype == values.dtype == host.dtype and keys.stride(2) == values.stride(2) == 1,
+            f"keys and values must be {host.dtype} with unit stride in D, got {keys.dtype} and {values.dtype}")
+    _expect(host.shape[1] == 2 * unit_tokens * d, f"a unit of {unit_tokens} tokens of D={d} is a row of "
+            f"{2 * unit_tokens * d} elements, the host pool's rows have {host.shape[1]}")
+    _expect(streams.shape == (n * hkv,) and streams.dtype == torch.int32 and streams.is_contiguous(),
+            f"streams must be contiguous int32 [N * HKV] = [{n * hkv}], got {streams.dtype} {tuple(streams.shape)}")
+    _expect(pos.shape == (n,) and pos.dtype == torch.int64, f"pos must be int64 [N] = [{n}], got {pos.dtype} "
+            f"{tuple(pos.shape)}")
+
+
+def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     host_base: torch.Tensor, unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor,
+                     unit_tokens: int) -> None:
+    """The decode step's write for units of `unit_tokens` tokens (Quest pages, NSA blocks), one launch,
+    no host sync: token pos[n]'s keys and values [N, HKV, D] join the newest unit of streams
+    [N * HKV] (request-major, -1 skips), read from the reserved slot (empty when the token opens the
+    unit), and that row [2, T, D] goes whole into the host pool, the reserved slot and the unit's
+    cached copy if any. See `write_unit_token_ref`."""
+    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens)
+    n, hkv, d = keys.shape
+    _write_unit_token_kernel[(n * hkv,)](
+        keys, values, streams, pos.contiguous(), host_base, unit_slot, host, cache,
+        keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), hkv, cache.shape[1],
+        D=d, T=unit_tokens, BLOCK=min(triton.next_power_of_2(2 * unit_tokens * d), 1024),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # torch reference
 
@@ -316,3 +350,23 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
         counts[row] = torch.tensor([len(hit_units), len(miss_units)])
         state.stats[stream] += counts[row].to(state.stats)
     return ResolveResult(slots, counts, plan_unit, plan_slot)
+
+
+def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host, cache, unit_tokens: int) -> None:
+    """`write_unit_token` in torch, in place."""
+    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens)
+    n, hkv, d = keys.shape
+    for m, stream in enumerate(streams.tolist()):
+        if stream < 0:
+            continue
+        req, head, p = m // hkv, m % hkv, int(pos[m // hkv])
+        row = cache[stream, -1].clone().view(2, unit_tokens, d)
+        if p % unit_tokens == 0:
+            row.zero_()
+        row[0, p % unit_tokens], row[1, p % unit_tokens] = keys[req, head], values[req, head]
+        host_row = int(host_base[stream]) + p // unit_tokens
+        host[host_row] = row.view(-1).to(host.device)
+        cache[stream, -1] = row.view(-1)
+        slot = int(unit_slot[host_row])
+        if slot >= 0:
+            cache[stream, slot] = row.view(-1)

@@ -73,21 +73,10 @@ def cache_bytes(cache: HierarchicalKVCache | None) -> int:
 def write_newest_unit(cache: HierarchicalKVCache, streams: torch.Tensor, pos: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, unit_tokens: int) -> None:
     """Decode-step write of token pos[n] (key, value [N, HKV, D]) into the newest unit of streams
-    [N, HKV]: the reserved slot's copy of that unit (cleared when the token opens a new unit) with the
+    [N, HKV]: the reserved slot's copy of that unit (empty when the token opens a new unit) with the
     token added goes whole into the host pool, the reserved slot and the unit's cached copy
-    (write-through). No host sync."""
-    n, hkv, d = key.shape
-    flat = streams.view(-1)
-    newest = cache.slots[flat.long(), cache.reserved_slot].view(n, hkv, 2, unit_tokens, d)
-    opens = (pos % unit_tokens == 0).view(n, 1, 1, 1, 1)
-    newest = torch.where(opens, torch.zeros_like(newest), newest)
-    reqs = torch.arange(n, device=pos.device)[:, None]
-    heads = torch.arange(hkv, device=pos.device)[None, :]
-    offset = (pos % unit_tokens)[:, None].expand(n, hkv)
-    newest[reqs, heads, 0, offset] = key
-    newest[reqs, heads, 1, offset] = value
-    units = (pos // unit_tokens)[:, None].expand(n, hkv).reshape(-1)
-    cache.write_newest(flat, units, newest.view(n * hkv, -1))
+    (write-through). One launch (`write_unit_token`), no host sync."""
+    cache.write_newest_token(streams.reshape(-1), pos, key, value, unit_tokens)
 
 
 def open_unit_streams(cache: HierarchicalKVCache, units: torch.Tensor, capacity_units: int) -> list[int]:

@@ -6,8 +6,10 @@ Two kernels, launched back to back (both capture into a CUDA graph: static shape
 - `_fetch_rows_kernel`, one program per (stream, chunk of the miss plan): copies the missed rows from
   the host pool (a pinned host pointer, read zero-copy) into their victim slots. The same kernel
   replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
-And `_write_rows_kernel`, which stores new rows (the decode step's newest token) into the host pool
-from the device, write-through to a cached copy, and optionally into the reserved newest-token slot.
+And the decode step's writes, from the device: `_write_rows_kernel` stores new rows (DSA's newest
+token) into the host pool, write-through to a cached copy, and optionally into the reserved slot;
+`_write_unit_token_kernel` adds one token to the newest unit of several tokens (Quest's page, NSA's
+block), held in the reserved slot, and stores that unit's row the same three ways.
 
 The semantics are DESIGN section 3; `hisparse.resolve.resolve_ref` is the same algorithm in torch.
 """
@@ -198,3 +200,52 @@ def _write_rows_kernel(
             tl.store(p_cached + o_w, b_row, mask=m_w & ((o_w * 0 + slot) >= 0))
             if TO_RESERVED:
                 tl.store(p_reserved + o_w, b_row, mask=m_w)
+
+
+@triton.jit
+def _write_unit_token_kernel(
+    key_ptr,         # [N, HKV, D] the step's key per (request, KV head), in the rows' dtype
+    value_ptr,       # [N, HKV, D] its value
+    stream_ptr,      # [N * HKV] int32 stream of each (request, KV head), -1 = skip
+    pos_ptr,         # [N] int64 the token's position in its request
+    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
+    unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
+    host_ptr,        # [R, 2 * T * D] host pool rows (pinned host memory on a GPU machine)
+    cache_ptr,       # [S, SLOTS, 2 * T * D] device cache rows; slot SLOTS - 1 is the reserved one
+    stride_kn, stride_kh, stride_vn, stride_vh, HKV, SLOTS,
+    D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Add one token to the newest unit of T tokens of each stream, and store that unit whole.
+
+    A unit is one row [2, T, D]: its T keys, then its T values. The reserved slot holds the newest
+    unit as written so far; a token at offset 0 opens a new unit, which starts empty. The row, with
+    the token's key and value at its offset, goes into the host pool, back into the reserved slot,
+    and into the unit's cached copy if it has one (write-through), so no stale copy is ever read.
+    Program m handles stream m of request m // HKV.
+    """
+    ROW: tl.constexpr = 2 * T * D
+    i_m = tl.program_id(0).to(tl.int64)
+    stream = tl.load(stream_ptr + i_m)
+    if stream >= 0:
+        i_s = stream.to(tl.int64)
+        i_n, i_h = i_m // HKV, i_m % HKV
+        pos = tl.load(pos_ptr + i_n)
+        offset = pos % T
+        host_row = tl.load(host_base_ptr + i_s) + pos // T
+        slot = tl.load(unit_slot_ptr + host_row)
+        p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW
+        p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW
+        for w in range(0, ROW, BLOCK):
+            o = w + tl.arange(0, BLOCK)
+            m_o = o < ROW
+            # vector masks throughout: the interpreter does not combine scalar and vector masks
+            b_row = tl.load(p_reserved + o, mask=m_o & ((o * 0 + offset) > 0), other=0.0)   # [BLOCK]
+            is_value = o >= T * D
+            dim = o % D
+            m_tok = m_o & ((o // D) % T == offset)
+            b_key = tl.load(key_ptr + i_n * stride_kn + i_h * stride_kh + dim, mask=m_tok & ~is_value, other=0.0)
+            b_value = tl.load(value_ptr + i_n * stride_vn + i_h * stride_vh + dim, mask=m_tok & is_value, other=0.0)
+            b_row = tl.where(m_tok, tl.where(is_value, b_value, b_key), b_row)
+            tl.store(host_ptr + host_row * ROW + o, b_row, mask=m_o)
+            tl.store(p_reserved + o, b_row, mask=m_o)
+            tl.store(p_cached + o, b_row, mask=m_o & ((o * 0 + slot) >= 0))

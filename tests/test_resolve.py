@@ -308,3 +308,39 @@ def test_write_without_a_map_stream_skips_write_through(device):
     assert torch.equal(cache.host.rows[4], row[0].cpu())
     assert torch.equal(cache.slots[0, cache.reserved_slot].cpu(), row[0].cpu())
     assert not torch.equal(cache.slots[0, int(res.slots[0, 0])].cpu(), row[0].cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_unit_token_matches_reference(dtype, device):
+    """Adding the step's token to each stream's newest unit: opening a unit, continuing one, cached
+    and uncached units, a skipped stream; the kernel and its torch reference write the same bytes."""
+    from hisparse.resolve import write_unit_token, write_unit_token_ref
+    gen = torch.Generator().manual_seed(5)
+    n, hkv, d, t, slots, units = 3, 2, 5, 4, 6, 10                  # T = 4 tokens per unit
+    streams = torch.tensor([0, 1, 2, -1, 4, 5], dtype=torch.int32)  # request r's heads: streams 2r, 2r + 1
+    pos = torch.tensor([8, 13, 6], dtype=torch.int64)              # units 2, 3, 1 at offsets 0 (opens), 1, 2
+    host_base = torch.arange(6, dtype=torch.int64) * units
+    unit_slot = torch.full((6 * units,), -1, dtype=torch.int32)
+    unit_slot[int(host_base[2]) + 3] = 3                           # request 1, head 0: its unit in slot 3
+    unit_slot[int(host_base[5]) + 1] = 0                           # request 2, head 1: in slot 0
+    host = torch.randn(6 * units, 2 * t * d, generator=gen).to(dtype)
+    cache = torch.randn(6, slots + 1, 2 * t * d, generator=gen).to(dtype)
+    keys = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    values = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    want_host, want_cache = host.clone(), cache.clone()
+    write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t)
+    got_host, got_cache = host.to(device), cache.to(device)
+    write_unit_token(streams.to(device), pos.to(device), keys.to(device), values.to(device), host_base.to(device),
+                     unit_slot.to(device), got_host, got_cache, t)
+    assert torch.equal(got_host.cpu(), want_host) and torch.equal(got_cache.cpu(), want_cache)
+    # what the reference did, by hand. Request 0, head 0 (stream 0): a fresh unit 2 holding the token
+    row = want_host[int(host_base[0]) + 2].view(2, t, d)
+    assert torch.equal(row[0, 0], keys[0, 0]) and torch.equal(row[1, 0], values[0, 0])
+    assert (row[:, 1:] == 0).all() and torch.equal(want_cache[0, -1], want_host[int(host_base[0]) + 2])
+    # request 1, head 0 (stream 2): the reserved row continued at offset 1, written through to slot 3
+    row = want_host[int(host_base[2]) + 3].view(2, t, d)
+    kept = cache[2, -1].view(2, t, d)
+    assert torch.equal(row[:, 0], kept[:, 0]) and torch.equal(row[:, 2:], kept[:, 2:])
+    assert torch.equal(row[0, 1], keys[1, 0]) and torch.equal(want_cache[2, 3], want_host[int(host_base[2]) + 3])
+    assert torch.equal(want_cache[5, 0], want_host[int(host_base[5]) + 1])
+    assert torch.equal(want_host[30:40], host[30:40]) and torch.equal(want_cache[3], cache[3])   # skipped
