@@ -293,7 +293,8 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
     no host sync: token pos[n]'s keys and values [N, HKV, D] join the newest unit of streams
     [N * HKV] (request-major, -1 skips), read from the reserved slot (empty when the token opens the
     unit), and that row [2, T, D] goes whole into the host pool, the reserved slot and the unit's
-    cached copy if any. See `write_unit_token_ref`."""
+    cached copy if any. keys and values must already be in the rows' dtype (unit stride in D) and
+    pos int64: nothing is converted on the way. See `write_unit_token_ref`."""
     _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens)
     n, hkv, d = keys.shape
     _write_unit_token_kernel[(n * hkv,)](

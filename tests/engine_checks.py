@@ -6,7 +6,8 @@ from hisparse.models.base import stack_states
 
 def assert_bitwise(base, out, name: str = "") -> None:
     """`out` has exactly `base`'s tokens and, step by step, logits."""
-    assert len(out.logits) == len(base.logits), name
+    assert len(out.logits) == len(base.logits) > 0, f"{name}: {len(out.logits)} steps of logits, want "\
+                                                     f"{len(base.logits)}"
     for step, (a, b) in enumerate(zip(base.logits, out.logits)):
         assert torch.equal(a, b), f"{name}: logits differ at step {step}"
     assert torch.equal(base.tokens, out.tokens), name

@@ -344,3 +344,28 @@ def test_write_unit_token_matches_reference(dtype, device):
     assert torch.equal(row[0, 1], keys[1, 0]) and torch.equal(want_cache[2, 3], want_host[int(host_base[2]) + 3])
     assert torch.equal(want_cache[5, 0], want_host[int(host_base[5]) + 1])
     assert torch.equal(want_host[30:40], host[30:40]) and torch.equal(want_cache[3], cache[3])   # skipped
+
+
+def test_write_unit_token_long_rows_and_strided_inputs(device):
+    """Rows longer than one kernel block (2 x 8 x 96 = 1536 elements: a second, partly masked pass) and
+    keys and values with different strides (a transposed view): the same bytes as the reference."""
+    from hisparse.resolve import write_unit_token, write_unit_token_ref
+    gen = torch.Generator().manual_seed(6)
+    n, hkv, d, t, units = 2, 3, 96, 8, 4
+    streams = torch.arange(n * hkv, dtype=torch.int32).flip(0).contiguous()
+    pos = torch.tensor([16, 29], dtype=torch.int64)                # opens unit 2; offset 5 of unit 3
+    host_base = torch.arange(n * hkv, dtype=torch.int64) * units
+    unit_slot = torch.full((n * hkv * units,), -1, dtype=torch.int32)
+    unit_slot[int(host_base[1]) + 3] = 1
+    host = torch.randn(n * hkv * units, 2 * t * d, generator=gen)
+    cache = torch.randn(n * hkv, 3, 2 * t * d, generator=gen)
+    keys = torch.randn(n, hkv, d, generator=gen)
+    values = torch.randn(hkv, n, d, generator=gen).transpose(0, 1)  # strides differ from the keys'
+    want_host, want_cache = host.clone(), cache.clone()
+    write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t)
+    got_host, got_cache = host.to(device), cache.to(device)
+    write_unit_token(streams.to(device), pos.to(device), keys.to(device), values.to(device), host_base.to(device),
+                     unit_slot.to(device), got_host, got_cache, t)
+    assert torch.equal(got_host.cpu(), want_host) and torch.equal(got_cache.cpu(), want_cache)
+    row = want_host[int(host_base[1]) + 3].view(2, t, d)            # stream 1 = request 1, head 1
+    assert torch.equal(row[1, 5], values[1, 1]) and torch.equal(want_cache[1, 1], row.view(-1))
