@@ -13,6 +13,17 @@ def assert_bitwise(base, out, name: str = "") -> None:
     assert torch.equal(base.tokens, out.tokens), name
 
 
+def assert_newest_units_written_through(cache) -> None:
+    """Each stream's newest unit (page, block): host row == reserved slot == its cached copy, if cached."""
+    for stream in sorted(cache._open):
+        base, unit = int(cache.state.host_base[stream]), cache.stream_len[stream] - 1
+        host = cache.host.rows[base + unit].to(cache.slots.device)
+        assert torch.equal(cache.slots[stream, cache.reserved_slot], host), f"stream {stream}: reserved slot"
+        slot = int(cache.state.unit_slot[base + unit])
+        if slot >= 0:
+            assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
+
+
 def assert_torch_steps_agree(model, ours, prompts, capacity: int, steps: int, device) -> None:
     """Decode `steps - 1` steps with the model's own torch attention (set by the caller) after a
     per-request prefill, feeding `ours`' tokens: each step's logits within 1e-4 of `ours`'."""

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_bitwise, assert_torch_steps_agree
+from engine_checks import assert_bitwise, assert_newest_units_written_through, assert_torch_steps_agree
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
@@ -47,17 +47,6 @@ def resident_run():
     return Engine(tiny_model(), "resident").generate(prompts(), STEPS)
 
 
-def assert_newest_blocks_written_through(cache):
-    """Each stream's newest block: host row == reserved slot == its cached copy, if cached."""
-    for stream in sorted(cache._open):
-        base, unit = int(cache.state.host_base[stream]), cache.stream_len[stream] - 1
-        host = cache.host.rows[base + unit].to(cache.slots.device)
-        assert torch.equal(cache.slots[stream, cache.reserved_slot], host), f"stream {stream}: reserved slot"
-        slot = int(cache.state.unit_slot[base + unit])
-        if slot >= 0:
-            assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
-
-
 @pytest.mark.parametrize("slots_per_k", [1, 2], ids=["B=k", "B=2k"])
 def test_hisparse_is_bitwise_resident(slots_per_k):
     engine = Engine(tiny_model(), "hisparse", cache_slots=slots_per_k * N_SELECT)
@@ -68,7 +57,7 @@ def test_hisparse_is_bitwise_resident(slots_per_k):
     assert out.hits > 0 and out.misses > 0
     if slots_per_k == 1:       # more fetches than blocks: blocks were evicted and fetched again
         assert out.misses > 2 * sum(blocks)
-    assert_newest_blocks_written_through(engine.cache)
+    assert_newest_units_written_through(engine.cache)
 
 
 def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident():

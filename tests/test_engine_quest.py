@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_bitwise, assert_torch_steps_agree
+from engine_checks import assert_bitwise, assert_newest_units_written_through, assert_torch_steps_agree
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
@@ -43,17 +43,6 @@ def resident_run(family: str, new_tokens: int):
     return Engine(tiny_model(family), "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
 
 
-def assert_newest_pages_written_through(cache):
-    """Each stream's newest page: host row == reserved slot == its cached copy, if cached."""
-    for stream in sorted(cache._open):
-        base, unit = int(cache.state.host_base[stream]), cache.stream_len[stream] - 1
-        host = cache.host.rows[base + unit].to(cache.slots.device)
-        assert torch.equal(cache.slots[stream, cache.reserved_slot], host), f"stream {stream}: reserved slot"
-        slot = int(cache.state.unit_slot[base + unit])
-        if slot >= 0:
-            assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
-
-
 @pytest.mark.parametrize("family,slots_per_k,new_tokens", [("llama", 1, STEPS), ("llama", 2, STEPS),
                                                            ("qwen3", 1, 33), ("qwen3", 2, 33)],
                          ids=["llama-B=k", "llama-B=2k", "qwen3-B=k", "qwen3-B=2k"])
@@ -67,7 +56,7 @@ def test_hisparse_is_bitwise_resident(family, slots_per_k, new_tokens):
     assert out.hits > 0 and out.misses > 0
     if slots_per_k == 1:       # more fetches than pages: pages were evicted and fetched again
         assert out.misses > 2 * sum(state_pages)
-    assert_newest_pages_written_through(engine.cache)
+    assert_newest_units_written_through(engine.cache)
 
 
 def test_dense_layers_stay_resident_and_noio_copies_nothing():

@@ -310,11 +310,23 @@ def test_write_without_a_map_stream_skips_write_through(device):
     assert not torch.equal(cache.slots[0, int(res.slots[0, 0])].cpu(), row[0].cpu())
 
 
+def write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache, t, device):
+    """Run the kernel (on `device`) and its torch reference on copies of host and cache; assert they
+    wrote the same bytes; return the reference's (host, cache)."""
+    from hisparse.resolve import write_unit_token, write_unit_token_ref
+    want_host, want_cache = host.clone(), cache.clone()
+    write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t)
+    got_host, got_cache = host.to(device), cache.to(device)
+    write_unit_token(streams.to(device), pos.to(device), keys.to(device), values.to(device), host_base.to(device),
+                     unit_slot.to(device), got_host, got_cache, t)
+    assert torch.equal(got_host.cpu(), want_host) and torch.equal(got_cache.cpu(), want_cache)
+    return want_host, want_cache
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_write_unit_token_matches_reference(dtype, device):
     """Adding the step's token to each stream's newest unit: opening a unit, continuing one, cached
     and uncached units, a skipped stream; the kernel and its torch reference write the same bytes."""
-    from hisparse.resolve import write_unit_token, write_unit_token_ref
     gen = torch.Generator().manual_seed(5)
     n, hkv, d, t, slots, units = 3, 2, 5, 4, 6, 10                  # T = 4 tokens per unit
     streams = torch.tensor([0, 1, 2, -1, 4, 5], dtype=torch.int32)  # request r's heads: streams 2r, 2r + 1
@@ -327,12 +339,8 @@ def test_write_unit_token_matches_reference(dtype, device):
     cache = torch.randn(6, slots + 1, 2 * t * d, generator=gen).to(dtype)
     keys = torch.randn(n, hkv, d, generator=gen).to(dtype)
     values = torch.randn(n, hkv, d, generator=gen).to(dtype)
-    want_host, want_cache = host.clone(), cache.clone()
-    write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t)
-    got_host, got_cache = host.to(device), cache.to(device)
-    write_unit_token(streams.to(device), pos.to(device), keys.to(device), values.to(device), host_base.to(device),
-                     unit_slot.to(device), got_host, got_cache, t)
-    assert torch.equal(got_host.cpu(), want_host) and torch.equal(got_cache.cpu(), want_cache)
+    want_host, want_cache = write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache,
+                                                  t, device)
     # what the reference did, by hand. Request 0, head 0 (stream 0): a fresh unit 2 holding the token
     row = want_host[int(host_base[0]) + 2].view(2, t, d)
     assert torch.equal(row[0, 0], keys[0, 0]) and torch.equal(row[1, 0], values[0, 0])
@@ -349,7 +357,6 @@ def test_write_unit_token_matches_reference(dtype, device):
 def test_write_unit_token_long_rows_and_strided_inputs(device):
     """Rows longer than one kernel block (2 x 8 x 96 = 1536 elements: a second, partly masked pass) and
     keys and values with different strides (a transposed view): the same bytes as the reference."""
-    from hisparse.resolve import write_unit_token, write_unit_token_ref
     gen = torch.Generator().manual_seed(6)
     n, hkv, d, t, units = 2, 3, 96, 8, 4
     streams = torch.arange(n * hkv, dtype=torch.int32).flip(0).contiguous()
@@ -361,11 +368,7 @@ def test_write_unit_token_long_rows_and_strided_inputs(device):
     cache = torch.randn(n * hkv, 3, 2 * t * d, generator=gen)
     keys = torch.randn(n, hkv, d, generator=gen)
     values = torch.randn(hkv, n, d, generator=gen).transpose(0, 1)  # strides differ from the keys'
-    want_host, want_cache = host.clone(), cache.clone()
-    write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t)
-    got_host, got_cache = host.to(device), cache.to(device)
-    write_unit_token(streams.to(device), pos.to(device), keys.to(device), values.to(device), host_base.to(device),
-                     unit_slot.to(device), got_host, got_cache, t)
-    assert torch.equal(got_host.cpu(), want_host) and torch.equal(got_cache.cpu(), want_cache)
+    want_host, want_cache = write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache,
+                                                  t, device)
     row = want_host[int(host_base[1]) + 3].view(2, t, d)            # stream 1 = request 1, head 1
     assert torch.equal(row[1, 5], values[1, 1]) and torch.equal(want_cache[1, 1], row.view(-1))
