@@ -175,15 +175,16 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None, flat_layout: bool = False) -> ResolveResult:
+            num_warps: int | None = None, flat_layout: bool = True) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
     values too (a host sync); `out` reuses result buffers, so a captured CUDA graph sees static
-    addresses and allocates nothing. `num_warps` and `flat_layout` (the kernel compiled without size
-    specialisation: one layout throughout, see kernels_triton/resolve.py) are tuning knobs.
+    addresses and allocates nothing. `num_warps` and `flat_layout` are tuning knobs: the default flat
+    layout (the kernel compiled without size specialisation: one layout throughout, see
+    kernels_triton/resolve.py) measured faster at every point of scripts/tune_resolve.py on the H200.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)

@@ -128,8 +128,9 @@ def _resolve_kernel(
 # thread, the layout the scattered accesses take anyway, so no tensor changes layout. Specialised,
 # the contiguous loads are vectorised (4 elements per thread) and each scattered access converts
 # through shared memory: Triton 3.9 for sm_90 at k = 2048, B = 4096 and 8 warps emits 17 layout
-# conversions and 61 block barriers there, 6 barriers here (scripts/sass_resolve.py). Which one runs
-# faster is for scripts/tune_resolve.py to measure.
+# conversions and 61 block barriers there, 6 barriers here (scripts/sass_resolve.py). This one is the
+# default: on the H200 (Triton 3.6) it took 7.3 / 8.2 / 12.4 us against 9.2 / 10.1 / 13.7 at 0.1 / 20
+# / 100% misses (no IO, batch 64, k = 2048, B = 4096; scripts/tune_resolve.py).
 _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.fn)
 
 
