@@ -15,6 +15,10 @@ def time_us(fn, cudagraph: bool = False) -> tuple[float, float, float]:
     """Median, p20 and p80 of fn's time in microseconds (do_bench on the GPU, wall clock on the CPU).
     cudagraph: time graph replays (do_bench_cudagraph), which leaves out host launch overhead."""
     if torch.cuda.is_available():
+        # do_bench_cudagraph runs fn on a stream of its own, which does not wait for the inputs being
+        # made on the current one: unfinished rows read as garbage indices (an illegal address on the
+        # H200 at DSA batch 128)
+        torch.cuda.synchronize()
         bench = triton.testing.do_bench_cudagraph if cudagraph else triton.testing.do_bench
         median, p20, p80 = bench(fn, quantiles=[0.5, 0.2, 0.8])
         return median * 1e3, p20 * 1e3, p80 * 1e3
