@@ -6,7 +6,32 @@ limited by the number of rows per second, while rows kept close together stream 
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+# cudaHostRegister flags: pinned for every context (portable), and mapped into the device's address
+# space, so kernels read it zero-copy through the host pointer
+_REGISTER_PORTABLE_MAPPED = 1 | 2
+
+
+def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised [rows, row_elems] host tensor, page-locked with cudaHostRegister.
+
+    Not `torch.empty(..., pin_memory=True)`: PyTorch's pinned allocator rounds each block up to a
+    power of two, so an 88 GiB pool would ask for 128 GiB (out of memory on a 128 GiB machine).
+    The caller unregisters it (`unpin`) before the last reference goes."""
+    t = torch.empty(rows, row_elems, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED)
+    if int(err) != 0:
+        raise MemoryError(f"could not pin a host pool of {nbytes / 2**30:.1f} GiB ({rows} rows x "
+                          f"{row_elems} elements): cudaHostRegister returned {err}")
+    return t
+
+
+def unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
 class HostPool:
@@ -16,7 +41,11 @@ class HostPool:
             raise ValueError(f"host pool needs positive capacity_rows and row_elems, got "
                              f"{capacity_rows} and {row_elems}")
         pin = torch.cuda.is_available() if pin is None else pin
-        self.rows = torch.empty(capacity_rows, row_elems, dtype=dtype, pin_memory=pin)   # [R, E]
+        if pin:
+            self.rows = pinned_empty(capacity_rows, row_elems, dtype)                      # [R, E]
+            weakref.finalize(self, unpin, self.rows)   # unpinned when the pool goes, then freed
+        else:
+            self.rows = torch.empty(capacity_rows, row_elems, dtype=dtype)
         self._free: list[tuple[int, int]] = [(0, capacity_rows)]   # (start, length), sorted by start
         self._regions: dict[int, int] = {}                          # start -> length
 
