@@ -53,7 +53,9 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton")   # what a rerun of a point changes
-RESUMABLE = ("decode.csv", "throughput.csv")     # written by the sweep, which resumes across commits
+# files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
+# a few batches or with another timer), read per point rather than per run
+PER_POINT = ("decode.csv", "throughput.csv", "prefetch.csv", "attention.csv")
 
 
 def newest_per_point(frame: pd.DataFrame) -> pd.DataFrame:
@@ -68,8 +70,8 @@ def newest_per_point(frame: pd.DataFrame) -> pd.DataFrame:
 
 def read_results(results: Path, names: tuple[str, ...]) -> pd.DataFrame:
     """The rows of each CSV in `names` that exists under `results`, concatenated: the newest run's
-    (`newest`), or for the sweep's resumable files the newest row of each point (`newest_per_point`)."""
-    frames = [(newest_per_point if name in RESUMABLE else newest)(pd.read_csv(results / name))
+    (`newest`), or for PER_POINT files the newest row of each point (`newest_per_point`)."""
+    frames = [(newest_per_point if name in PER_POINT else newest)(pd.read_csv(results / name))
               for name in names if (results / name).exists()]
     if not frames:
         raise MissingData(f"{' and '.join(str(results / n) for n in names)} not found")
@@ -289,6 +291,8 @@ def attention_kernels(frame: pd.DataFrame, metric: str = "us") -> Figure:
     for ax, (family, part) in zip(axes[0], families):
         context = part.loc[part["mode"] == "triton", "context"].max()
         part = part[part["context"] == (context if pd.notna(context) else part["context"].max())]
+        if "timer" in part and part["timer"].nunique() > 1:      # graph replays, as the decode loop runs
+            part = part[part["timer"] == "cudagraph"]
         plot_lines(ax, part, "batch", ("mode",))
         log2_axis(ax, part["batch"])
         if metric == "us":
