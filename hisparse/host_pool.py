@@ -43,7 +43,7 @@ class HostPool:
         pin = torch.cuda.is_available() if pin is None else pin
         if pin:
             self.rows = pinned_empty(capacity_rows, row_elems, dtype)                      # [R, E]
-            weakref.finalize(self, unpin, self.rows)   # unpinned when the pool goes, then freed
+            self._unpin = weakref.finalize(self, unpin, self.rows)   # when the pool goes, then freed
         else:
             self.rows = torch.empty(capacity_rows, row_elems, dtype=dtype)
         self._free: list[tuple[int, int]] = [(0, capacity_rows)]   # (start, length), sorted by start

@@ -165,6 +165,30 @@ def test_attention_kernels_per_family_at_the_longest_triton_context():
         assert dsa.get_ylabel() == metric
 
 
+def test_attention_kernels_prefer_graph_replays_where_both_timers_ran():
+    records = [{"family": "nsa", "mode": mode, "batch": b, "context": 8192, "metric": "us", "timer": timer,
+                "value": b * (1 if timer == "cudagraph" else 10)}
+               for mode in ("triton", "torch_gather") for b in (1, 4) for timer in ("do_bench", "cudagraph")]
+    only_do_bench = [dict(r, family="dsa") for r in records if r["timer"] == "do_bench"]
+    fig = figures.attention_kernels(frame("attention", records + only_do_bench), metric="us")
+    dsa, nsa = fig.axes
+    assert lines(nsa)["triton"] == ([1, 4], [1, 4])
+    assert lines(dsa)["triton"] == ([1, 4], [10, 40])
+
+
+def test_read_results_keeps_earlier_points_of_a_benchmark_rerun_at_a_few_batches(tmp_path):
+    """A rerun of one batch adds to the earlier run's rows (attention, prefetch), where the resolve
+    sweep, always rerun whole, shows its newest run only."""
+    first = frame("prefetch", [{"mode": "sync", "batch": b, "metric": "tpot_ms", "value": b} for b in (8, 32)])
+    rerun = frame("prefetch", [{"mode": "sync", "batch": 128, "metric": "tpot_ms", "value": 128}],
+                  commit="beef", timestamp="2026-11-29T13:00:00+00:00")
+    pd.concat([first, rerun]).to_csv(tmp_path / "prefetch.csv", index=False)
+    pd.concat([first.assign(bench="resolve"), rerun.assign(bench="resolve")]).to_csv(
+        tmp_path / "resolve.csv", index=False)
+    assert sorted(figures.read_results(tmp_path, ("prefetch.csv",))["batch"]) == [8, 32, 128]
+    assert sorted(figures.read_results(tmp_path, ("resolve.csv",))["batch"]) == [128]
+
+
 def policies_frame() -> pd.DataFrame:
     common = {"family": "synthetic", "workload": "tiny", "k": 32, "metric": "miss_rate"}
     records = [{**common, "mode": "last", "cache_slots": 32, "value": 0.3, "published": 0.3}]
