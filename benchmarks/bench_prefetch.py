@@ -3,8 +3,10 @@
 the layers in between compute) and `noio` (the oracle). Writes OUT/prefetch.csv.
 
 Model: glm_moe_dsa with DSA's real KV geometry (128 heads, 512 + 64 latents, k = 2048, a 64 x 128
-indexer) and a small rest (hidden 1024, dense MLPs of 2048), 8 layers of which 2 run the indexer
-and 6 share it (1 full : 3 shared). Selections replay the calibrated synthetic workload
+indexer) and a small rest (by default hidden 1024, dense MLPs of 2048), 8 layers of which 2 run the
+indexer and 6 share it (1 full : 3 shared). Prefetch hides copies behind the layers in between, so
+how much it can hide depends on their compute: `--hidden 7168 --intermediate 18432` gives the layers
+DeepSeek-V3's hidden size and dense-MLP width (about 0.9 GB of weights per layer). Selections replay the calibrated synthetic workload
 (`hisparse.synthetic` preset dsa_100k at this context; the same selections for every request),
 each shared layer reusing its anchor's. The preset's first layers select almost at random, as the
 first 2 of the real model's 61 do; by default (`--random-layers 0`) the 8 layers stand for the
@@ -73,19 +75,22 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=32768, help="prompt tokens per request (default 32768)")
     ap.add_argument("--cache-slots", type=int, default=4096, help="B (default 4096 = 2k)")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
                     help="how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.quick
     if args.quick:
         args.batches, args.context, args.cache_slots, args.steps = [2], 40, 16, 4
-    geometry = QUICK if args.quick else GEOMETRY
+    geometry = QUICK if args.quick else dict(GEOMETRY, hidden_size=args.hidden, intermediate_size=args.intermediate)
     model = build_model(config_from_dict(dict(geometry)))
     randomize_(model, seed=0)
     model = model.to(device="cuda" if gpu else "cpu", dtype=torch.bfloat16 if gpu else torch.float32)
     k, layers, shared = geometry["index_topk"], len(TYPES), TYPES.count("shared")
     print(f"glm_moe_dsa-like: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
-          f"{args.context}, hidden {geometry['hidden_size']}; on {'GPU' if gpu else 'CPU'}")
+          f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}; "
+          f"on {'GPU' if gpu else 'CPU'}")
     print(f"{'batch':>5} {'mode':>9} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8}")
     for batch in args.batches:
@@ -116,6 +121,7 @@ def main(argv=None) -> None:
             rows += [dict(bench="prefetch", family="dsa", mode=name, batch=batch, context=args.context, k=k,
                           cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=1152,
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
+                          intermediate=geometry["intermediate_size"],
                           workload="dsa_100k" if not args.quick else "tiny", random_layers=args.random_layers,
                           metric=m, value=v, unit=u)
                      for m, (v, u) in metrics.items()]

@@ -30,6 +30,7 @@ MODE_COLORS = {mode: f"C{_LABELS.index(label) % 10}" for mode, label in MODE_LAB
 LINE_STYLES = ("-", "--", ":", "-.")
 DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
 DECODE_KEYS = ("family", "mode", "cache_slots")   # what tells decode lines apart
+PREFETCH_MODEL_KEYS = ("random_layers", "hidden", "intermediate")   # the prefetch benchmark's model options
 ATTENTION_MODES = ("triton", "torch_gather", "dense")
 
 
@@ -128,6 +129,8 @@ def describe(column: str, value) -> str:
         return f"context {tokens(value)}"
     if column == "cache_slots":
         return f"B={int(value)}"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)                    # a column with empty cells reads as floats
     return f"{column} {value}"
 
 
@@ -218,7 +221,7 @@ def tpot_and_throughput(frame: pd.DataFrame) -> Figure:
         title = ", ".join(f"{int(v)} layers" if c == "layers" else f"context {tokens(v)}" for c, v in values.items())
         for ax, metric, label in zip(axes[:, col], ("tpot_ms", "tokens_per_s"), ("ms / token", "tokens / s")):
             mine = part[part["metric"] == metric]
-            plot_lines(ax, mine, "batch", DECODE_KEYS)
+            plot_lines(ax, mine, "batch", DECODE_KEYS + PREFETCH_MODEL_KEYS)
             log2_axis(ax, mine["batch"])
             ax.set(title=title, xlabel="batch", ylabel=label)
     return fig
@@ -244,7 +247,7 @@ def prefetch_hiding(frame: pd.DataFrame) -> Figure:
     for ax, metric, label in zip(axes[0], ("exposed_io_ms_per_token", "hidden_frac"),
                                  ("exposed IO (ms / token)", "share of miss IO hidden")):
         mine = rows[rows["metric"] == metric]
-        plot_lines(ax, mine, "batch", DECODE_KEYS + ("context", "layers", "workload", "random_layers"))
+        plot_lines(ax, mine, "batch", DECODE_KEYS + ("context", "layers", "workload") + PREFETCH_MODEL_KEYS)
         log2_axis(ax, mine["batch"])
         ax.set(xlabel="batch", ylabel=label)
     return fig
