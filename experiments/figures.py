@@ -53,7 +53,8 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[keep]
 
 
-RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton")   # what a rerun of a point changes
+# what a rerun of a point changes (the sweep's timed and warm-up steps too)
+RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps")
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
 # a few batches or with another timer), read per point rather than per run
 PER_POINT = ("decode.csv", "throughput.csv", "prefetch.csv", "attention.csv")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
 import time
 import tomllib
@@ -51,9 +52,9 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
     "policies": {"kind", "workload"},
     "decode": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "batches", "new_tokens",
-               "workload", "graph", "prefetch"},
+               "warmup_steps", "workload", "graph", "prefetch"},
     "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
-                   "host_budget_gib", "max_batch", "new_tokens", "workload", "graph"},
+                   "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"}}
@@ -100,6 +101,12 @@ def _positive_ints(study: dict, key: str, where: str) -> list[int]:
     return values
 
 
+def _positive_int(study: dict, key: str, where: str) -> int:
+    if isinstance(study.get(key), list):
+        raise ConfigError(f"{where}: {key} = {study[key]!r}: expected one positive integer")
+    return _positive_ints(study, key, where)[0]
+
+
 def validate(studies: list[dict]) -> None:
     """Every key and value of every study, before anything runs; errors name the study and key."""
     if not studies:
@@ -128,7 +135,9 @@ def validate(studies: list[dict]) -> None:
         raw = model_config(study)
         _positive_ints(study, "contexts", where)
         study.setdefault("new_tokens", 8)
-        _positive_ints(study, "new_tokens", where)
+        _positive_int(study, "new_tokens", where)
+        study.setdefault("warmup_steps", 1)
+        _positive_int(study, "warmup_steps", where)
         if kind == "decode":
             _positive_ints(study, "batches", where)
         if any(m != "resident" for m in study["modes"]):
@@ -199,13 +208,14 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
     return model.to(device=device, dtype=dtype)
 
 
-def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False):
+def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
+               warmup_steps: int = 1):
     cfg = model.config
     context, workload = point["context"], point["workload"]
     replay = None
     if workload != "model":
-        # new_tokens timed decode steps, plus the untimed warm-up step
-        over = dict(context=context, steps=new_tokens + 1, k=cfg.index_topk, layers=cfg.num_hidden_layers)
+        # new_tokens timed decode steps, after the untimed warm-up steps
+        over = dict(context=context, steps=new_tokens + warmup_steps, k=cfg.index_topk, layers=cfg.num_hidden_layers)
         if workload == "tiny":
             over.update(sinks=1, window=2)
         replay = repeat_request(generate(preset(workload, **over)), batch)
@@ -213,7 +223,8 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
                     prefetch=prefetch and point["mode"] == "hisparse")
     replay = replay and with_anchors(replay, engine.anchors)
-    out = engine.generate(prompts, new_tokens + 2, graph=graph, keep_logits=False, replay=replay)
+    out = engine.generate(prompts, new_tokens + warmup_steps + 1, graph=graph, keep_logits=False, replay=replay,
+                          warmup_steps=warmup_steps)
     del engine
     release_cached_memory()          # the next point's host pool must fit beside nothing
     return out
@@ -223,6 +234,8 @@ def decode_rows(point: dict, out, batch: int) -> list[dict]:
     tpot = out.decode_s / max(out.timed_steps, 1)
     metrics = {"tokens_per_s": (batch / tpot, "tokens/s"), "tpot_ms": (tpot * 1e3, "ms"),
                "hbm_bytes_per_request": (out.kv_bytes_per_request, "bytes")}
+    if out.step_ms:      # the median step, robust to a slow one (a clock change, a host hiccup)
+        metrics["tpot_median_ms"] = (statistics.median(out.step_ms), "ms")
     if point["mode"] != "resident":
         metrics["miss_rate"] = (out.miss_rate, "fraction")
     return [dict(point, metric=m, value=v, unit=u) for m, (v, u) in metrics.items()]
@@ -243,9 +256,10 @@ def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
     cfg = model.config
     row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.model.embed_tokens.weight.element_size()
     point = dict(point, k=cfg.index_topk, unit_bytes=row_bytes, layers=cfg.num_hidden_layers,
-                 hidden=cfg.hidden_size)
+                 hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"])
     if point["bench"] == "decode":
-        out = run_decode(model, point, point["batch"], study["new_tokens"], graph, study.get("prefetch", False))
+        out = run_decode(model, point, point["batch"], study["new_tokens"], graph, study.get("prefetch", False),
+                         study["warmup_steps"])
         return decode_rows(point, out, point["batch"])
     gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], point["context"], point["cache_slots"])
     fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
@@ -259,7 +273,8 @@ def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
              dict(row, metric="host_bytes_per_request", value=host_bytes, unit="bytes")]
     if batch < 1:
         return sizes
-    out = run_decode(model, dict(point, batch=batch), batch, study["new_tokens"], graph)
+    out = run_decode(model, dict(point, batch=batch), batch, study["new_tokens"], graph,
+                     warmup_steps=study["warmup_steps"])
     return sizes + decode_rows(row, out, batch)
 
 

@@ -59,7 +59,8 @@ class Generation:
     hits: int = 0                             # resolve counters over the decode steps (hisparse modes)
     misses: int = 0
     decode_s: float = 0.0                     # wall time of the timed decode steps
-    timed_steps: int = 0                      # decode steps timed (the first one warms up)
+    timed_steps: int = 0                      # decode steps timed (after the warm-up steps)
+    step_ms: list[float] = field(default_factory=list)   # each timed step (GPU: events; CPU: clock)
     kv_bytes_per_request: float = 0.0         # GPU bytes of KV state per request (pool or slots, the rest)
 
     misses_per_step: list[int] = field(default_factory=list)   # with replay, in hisparse modes
@@ -68,6 +69,28 @@ class Generation:
     @property
     def miss_rate(self) -> float:
         return self.misses / max(1, self.hits + self.misses)
+
+
+class StepClock:
+    """Marks between decode steps: CUDA events on a GPU (recorded in stream order, read after the
+    run's last sync, so timing adds no host sync), the host clock on a CPU (steps run synchronously)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        pairs = zip(self.marks, self.marks[1:])
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1e3 for a, b in pairs]
 
 
 class Engine:
@@ -133,8 +156,13 @@ class Engine:
     # -- decode ------------------------------------------------------------------------------
 
     def generate(self, prompts, new_tokens: int, graph: bool = False, keep_logits: bool = True,
-                 record: TraceWriter | None = None, replay: Trace | None = None) -> Generation:
+                 record: TraceWriter | None = None, replay: Trace | None = None,
+                 warmup_steps: int = 1) -> Generation:
         """Greedy-decode `new_tokens` tokens for each prompt (token-id sequences of any lengths).
+
+        The first `warmup_steps` decode steps are not timed: the first compiles the kernels and
+        runs eagerly (with graph=True the step is captured after it); more let the GPU's clocks
+        settle. `decode_s` and `step_ms` time the rest.
 
         record: a TraceWriter that receives every decode step's selections [layers, batch, k]
         (`trace_writer` makes one with this run's metadata). replay: a trace whose selections
@@ -145,6 +173,8 @@ class Engine:
             raise ValueError("generate needs at least one prompt, each of at least one token")
         if new_tokens < 1:
             raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an int >= 1 (the first step compiles), got {warmup_steps!r}")
         longest = max(len(p) for p in prompts)
         capacity = self.max_context or longest + new_tokens
         if longest + new_tokens - 1 > capacity:
@@ -187,15 +217,18 @@ class Engine:
             out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
 
             step = lambda toks: self.model.decode(toks, state)
-            timed_from = 2                          # step 1 warms up: compiles, and precedes any capture
+            timed_from = 1 + warmup_steps           # step 1 compiles, and precedes any capture
+            clock = StepClock(first.is_cuda)
             for t in range(1, new_tokens):
                 if replay is not None:
                     attention.replay_sel.copy_(replay_steps[t - 1])
+                if t == 2 and graph:
+                    step = self._graphed_step(tokens, state)
                 if t == timed_from:
-                    if graph:
-                        step = self._graphed_step(tokens, state)
                     self._sync()
                     start = time.perf_counter()
+                if t >= timed_from:
+                    clock.mark()
                 if self.cache is not None:         # the units this step opens, recorded on the host
                     self.runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
                 logits = step(tokens)
@@ -207,10 +240,13 @@ class Engine:
                 generated.append(tokens)
                 if keep_logits:
                     out.logits.append(logits.float().cpu())
+            if new_tokens > timed_from:
+                clock.mark()
             self._sync()
             if new_tokens > timed_from:
                 out.decode_s = time.perf_counter() - start
                 out.timed_steps = new_tokens - timed_from
+                out.step_ms = clock.intervals_ms()
             out.tokens = torch.stack(generated, dim=1).cpu()
             if self.cache is not None:
                 out.hits, out.misses = self.runtime.counts(self.cache, state.layers)

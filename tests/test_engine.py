@@ -86,6 +86,17 @@ def test_kernel_step_agrees_with_the_torch_reference_step(model, monkeypatch):
         tokens = ours.tokens[:, step].to(state.lengths.device)
 
 
+def test_warmup_steps_are_left_out_of_the_timing_and_the_tokens_are_the_same(model):
+    base = Engine(model, "resident").generate(prompts(), new_tokens=6, keep_logits=False)
+    warm = Engine(model, "resident").generate(prompts(), new_tokens=6, keep_logits=False, warmup_steps=3)
+    assert torch.equal(base.tokens, warm.tokens)
+    assert (base.timed_steps, warm.timed_steps) == (4, 2)     # steps 2..5 and 4..5 of 1..5
+    assert len(warm.step_ms) == 2 and all(ms > 0 for ms in warm.step_ms)
+    assert sum(warm.step_ms) <= warm.decode_s * 1e3
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 1 .* got 0"):
+        Engine(model, "resident").generate(prompts(), new_tokens=6, warmup_steps=0)
+
+
 def test_bad_inputs_are_refused_before_any_state(model):
     k = model.config.index_topk
     with pytest.raises(ValueError, match=rf"cache_slots B={k - 1} is smaller than the selection size k={k}"):

@@ -16,6 +16,7 @@ cache_slots = 8
 contexts = [24]
 batches = [2]
 new_tokens = 3
+warmup_steps = 2
 workload = "tiny"
 
 [[study]]
@@ -42,7 +43,8 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     assert sweep.main(["--config", config, "--out", out]) == 0
     decode = pd.read_csv(tmp_path / "results" / "decode.csv")
     assert set(decode["mode"]) == {"resident", "hisparse"}
-    assert {"tokens_per_s", "tpot_ms", "hbm_bytes_per_request", "miss_rate"} <= set(decode.metric)
+    assert {"tokens_per_s", "tpot_ms", "tpot_median_ms", "hbm_bytes_per_request", "miss_rate"} <= set(decode.metric)
+    assert (decode.new_tokens == 3).all() and (decode.warmup_steps == 2).all()
     assert (decode.k == 8).all() and decode.commit.notna().all() and (decode.gpu == "cpu").all()
     tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
     batches = tput[tput.metric == "max_batch"].set_index("mode").value
@@ -74,7 +76,9 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("model = \"tiny:deepseek_v32\"\nmodes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts = [24]\nb",
       "model = \"tiny:llama\"\nmodes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts = [24]\nb"),
      "model 'tiny:llama': the decode loop runs DSA families"),
-], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "family"])
+    (("warmup_steps = 2", "warmup_steps = 0"), "warmup_steps = 0: expected a positive integer"),
+    (("warmup_steps = 2", "warmup_steps = [2]"), "warmup_steps = \\[2\\]: expected one positive integer"),
+], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "family", "warmup", "warmup-list"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
