@@ -6,10 +6,10 @@ Model: glm_moe_dsa with DSA's real KV geometry (128 heads, 512 + 64 latents, k =
 indexer) and a small rest (by default hidden 1024, dense MLPs of 2048), 8 layers of which 2 run the
 indexer and 6 share it (1 full : 3 shared). Prefetch hides copies behind the layers in between, so
 how much it can hide depends on their compute: `--hidden 7168 --intermediate 18432` gives the layers
-DeepSeek-V3's hidden size and dense-MLP width (about 0.9 GB of weights per layer). Selections replay the calibrated synthetic workload
-(`hisparse.synthetic` preset dsa_100k at this context; the same selections for every request),
-each shared layer reusing its anchor's. The preset's first layers select almost at random, as the
-first 2 of the real model's 61 do; by default (`--random-layers 0`) the 8 layers stand for the
+DeepSeek-V3's hidden size and dense-MLP width (about 0.9 GB of weights per layer). Selections
+replay the calibrated synthetic workload (`hisparse.synthetic` preset dsa_100k at this context;
+the same selections for every request), each shared layer reusing its anchor's. The preset's
+first layers select almost at random, as the first 2 of the real model's 61 do; by default (`--random-layers 0`) the 8 layers stand for the
 layers past those, so the anchors miss at about the preset's average rate. With `--random-layers 2`
 layer 0, an anchor, selects at random and the anchors miss about 50% of the time (the rows of
 earlier runs without a `random_layers` column). The prompt's KV is random (`prefill="random"`).

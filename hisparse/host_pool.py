@@ -31,6 +31,7 @@ def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unpin(t: torch.Tensor) -> None:
+    torch.cuda.synchronize()        # no kernel or copy in flight may still read or write it
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
@@ -105,8 +106,9 @@ class HostPool:
 def release_cached_memory() -> None:
     """Give back the device and pinned host blocks PyTorch keeps cached after their tensors died.
 
-    A freed host pool stays in PyTorch's pinned-memory cache, so the next large pool of a sweep
-    would not fit beside it; call this between runs (after dropping the engine)."""
+    A host pool is registered memory, freed with its pool; other pinned tensors (staging copies)
+    and the device blocks of a run stay cached by PyTorch, so call this between runs (after
+    dropping the engine) before the next large allocation."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         getattr(torch._C, "_host_emptyCache", lambda: None)()
