@@ -9,8 +9,9 @@ how much it can hide depends on their compute: `--hidden 7168 --intermediate 184
 DeepSeek-V3's hidden size and dense-MLP width (about 0.9 GB of weights per layer). Selections
 replay the calibrated synthetic workload (`hisparse.synthetic` preset dsa_100k at this context;
 the same selections for every request), each shared layer reusing its anchor's. The preset's
-first layers select almost at random, as the first 2 of the real model's 61 do; by default (`--random-layers 0`) the 8 layers stand for the
-layers past those, so the anchors miss at about the preset's average rate. With `--random-layers 2`
+first layers select almost at random, as the first 2 of the real model's 61 do; by default
+(`--random-layers 0`) the 8 layers stand for the layers past those, so the anchors miss at about
+the preset's average rate. With `--random-layers 2`
 layer 0, an anchor, selects at random and the anchors miss about 50% of the time (the rows of
 earlier runs without a `random_layers` column). The prompt's KV is random (`prefill="random"`).
 `io floor` is the time the rows copied per token take at the pinned-copy rate (55.4 GB/s): every
