@@ -220,7 +220,7 @@ def split_plan(batch: int, heads: int, k: int, config: DecodeConfig, device: tor
     return chunk, triton.cdiv(k, chunk)
 
 
-def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse) -> None:
+def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base=None) -> None:
     _require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
     n, h, d = q.shape
     _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
@@ -237,7 +237,10 @@ def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse) -> None:
              f"q, kv and rows need a contiguous last dim, strides {q.stride()}, {kv.stride()}, {rows.stride()}")
     _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
              f"sm_scale={sm_scale!r}: expected a positive finite float")
-    for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse)):
+    if row_base is not None:
+        _require(row_base.shape == (n,) and row_base.dtype == torch.int64,
+                 f"row_base must be int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)}")
+    for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse), ("row_base", row_base)):
         if t is not None:
             _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
     if out is not None:
@@ -253,31 +256,34 @@ _FITTED_CONFIGS: dict[tuple, DecodeConfig] = {}  # default configs that had to s
 
 def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float, d_v: int = 512,
                       num_splits: int | None = None, config: DecodeConfig | None = None,
-                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      row_base: torch.Tensor | None = None):
     """Absorbed-MLA decode over selected rows: returns out [N, H, d_v] (q's dtype), lse [N, H] float32.
 
     q [N, H, D]; kv [R, D] (the hot cache or the resident pool viewed as rows; V = kv[:, :d_v]);
-    rows [N, k] int32 in [-1, R), read in order (-1 skipped; not range-checked, that would sync).
+    rows [N, k] int32, read in order (-1 skipped), each naming row row_base[n] + rows[n, j] of kv
+    (row_base [N] int64, default 0: a request's slot list or token ids index its own region
+    directly); not range-checked, that would sync.
     A request with no valid row gets zeros and lse -inf. The k axis is split into `num_splits`
     chunks (default: `split_plan`) merged in order by a combine kernel. Equal inputs in equal order
     give bitwise-equal outputs whatever R and wherever the rows sit in kv. Without `config`, the
     default one is used; should it not fit this GPU, smaller tiles are tried and the one that
     launches is kept for the rest of the process (so results stay reproducible within a run).
     """
-    _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse)
+    _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
     n, h, d = q.shape
     out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:
         return out, lse
     if config is not None:
-        _launch_decode(q, kv, rows, out, lse, sm_scale, config, num_splits)
+        _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits)
         return out, lse
     key = (h, d, d_v, q.dtype, q.device)
     cfg = _FITTED_CONFIGS.get(key) or default_decode_config(h, d, q.dtype)
     while True:
         try:
-            _launch_decode(q, kv, rows, out, lse, sm_scale, cfg, num_splits)
+            _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits)
             break
         except triton.runtime.errors.OutOfResources as exc:
             smaller = _smaller_config(cfg)
@@ -289,7 +295,8 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_
     return out, lse
 
 
-def _launch_decode(q, kv, rows, out, lse, sm_scale: float, cfg: DecodeConfig, num_splits: int | None) -> None:
+def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig,
+                   num_splits: int | None) -> None:
     n, h, d = q.shape
     d_v = out.shape[2]
     k = rows.shape[1]
@@ -302,12 +309,12 @@ def _launch_decode(q, kv, rows, out, lse, sm_scale: float, cfg: DecodeConfig, nu
         part_lse = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
         split_strides = (part.stride(2), part_lse.stride(2))
     _sparse_mla_decode_kernel[(triton.cdiv(h, cfg.block_h), n, splits)](
-        q, kv, rows, part, part_lse,
+        q, kv, rows, rows if row_base is None else row_base, part, part_lse,
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
         split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
         h, k, chunk, sm_scale * 1.4426950408889634,
         D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -322,10 +329,11 @@ def _launch_decode(q, kv, rows, out, lse, sm_scale: float, cfg: DecodeConfig, nu
 
 
 def sparse_mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
-                          d_v: int = 512):
+                          d_v: int = 512, row_base: torch.Tensor | None = None):
     """Plain-torch float32 absorbed-MLA decode over the selected rows: (out in q's dtype, lse float32)."""
     valid = rows >= 0  # [N, k]
-    picked = kv[rows.clamp(min=0).long()].float()  # [N, k, D]
+    base = 0 if row_base is None else row_base[:, None]
+    picked = kv[torch.where(valid, base + rows.long(), 0)].float()  # [N, k, D]
     logits = torch.einsum("nhd,nkd->nhk", q.float(), picked) * sm_scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [N, H], -inf without a valid row

@@ -34,7 +34,8 @@ PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
 @dataclass
 class HierMlaKV(MlaKV):
     """A layer's KV with the latents in the hierarchical cache: `latent` is None; `streams [B]`
-    int32 are the rows' streams in `cache` (`host_streams` the same ids on the host);
+    int32 are the rows' streams in `cache` (`host_streams` the same ids on the host), and
+    `row_base [B]` int64 the row of each stream's slot 0 in `cache.slots` viewed as rows;
     `index_keys [B, capacity, Di]` stay resident.
 
     A shared layer (one that reuses an anchor layer's selection) moves in lockstep with its anchor:
@@ -42,6 +43,7 @@ class HierMlaKV(MlaKV):
     `prefetched` is the event its layer-wise prefetch copy records, when prefetch is on."""
 
     streams: torch.Tensor | None = None
+    row_base: torch.Tensor | None = None
     cache: HierarchicalKVCache | None = None
     host_streams: list[int] = field(default_factory=list)
     anchor_layer: int | None = None
@@ -90,6 +92,7 @@ class KernelDsaAttention:
         self.replay_sel: torch.Tensor | None = None
         self.recorded: dict[int, torch.Tensor] = {}
         self._resolved: dict[int, ResolveResult] = {}
+        self._bases: dict[tuple, torch.Tensor] = {}
 
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
                lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
@@ -103,17 +106,24 @@ class KernelDsaAttention:
         q = torch.cat([q_latent, q_rope], dim=-1)                            # [B, H, Dc + Dr]
         selection = selection.to(torch.int32)
         self.recorded[layer_idx] = selection
+        # rows index each request's own region of the pool (row_base): its slots, or its token ids
         if isinstance(kv, HierMlaKV):
-            slots = self._slots(layer_idx, kv, selection)
-            rows = kv.cache.slot_rows(kv.streams, slots)
+            rows, row_base = self._slots(layer_idx, kv, selection), kv.row_base
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
         else:
             batch, capacity, _ = kv.latent.shape
-            base = torch.arange(batch, dtype=torch.int32, device=selection.device)[:, None] * capacity
-            rows = torch.where(selection >= 0, base + selection, -1)
+            rows, row_base = selection, self._resident_base(batch, capacity, selection.device)
             pool = kv.latent.view(-1, kv.latent.shape[-1])
-        out, _ = sparse_mla_decode(q, pool, rows, scale, d_v=q_latent.shape[-1])
+        out, _ = sparse_mla_decode(q, pool, rows, scale, d_v=q_latent.shape[-1], row_base=row_base)
         return out
+
+    def _resident_base(self, batch: int, capacity: int, device) -> torch.Tensor:
+        """Row of token 0 of each request in the resident latents [B, capacity, D] viewed as rows;
+        made once (in the warm-up step, before any capture) and reused by every layer."""
+        key = (batch, capacity, device)
+        if key not in self._bases:
+            self._bases[key] = torch.arange(batch, dtype=torch.int64, device=device) * capacity
+        return self._bases[key]
 
     def _slots(self, layer_idx: int, kv: HierMlaKV, selection: torch.Tensor) -> torch.Tensor:
         """Slots of the selection in this layer's cache: resolved (anchor) or the anchor's (shared)."""
@@ -212,8 +222,9 @@ class DsaRuntime:
             stream = cache.open_stream(capacity)
             cache.append(stream, lat)
             streams.append(stream)
-        kv = HierMlaKV(latent=None, index_keys=index_keys, cache=cache, host_streams=streams,
-                       streams=torch.tensor(streams, dtype=torch.int32, device=latent.device))
+        ids = torch.tensor(streams, dtype=torch.int32, device=latent.device)
+        kv = HierMlaKV(latent=None, index_keys=index_keys, cache=cache, host_streams=streams, streams=ids,
+                       row_base=ids.long() * (cache.cache_slots + 1))
         if anchor is not None:
             kv.anchor_layer, kv.anchor_streams = self.anchors[layer], anchor.streams
             if prefetch and mode == "hisparse" and latent.is_cuda:

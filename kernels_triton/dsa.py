@@ -74,17 +74,18 @@ def _mla_tile_accumulate(b_s, b_row, b_m, b_l, b_acc, kv_ptr, stride_kv,
 
 @triton.jit
 def _sparse_mla_decode_kernel(
-    q_ptr, kv_ptr, rows_ptr, out_ptr, lse_ptr,
+    q_ptr, kv_ptr, rows_ptr, row_base_ptr, out_ptr, lse_ptr,
     stride_qn, stride_qh, stride_kv, stride_rn, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
     stride_ls,
     H, K_SEL, CHUNK, qk_scale_log2,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_ROW_BASE: tl.constexpr,
 ):
     """Absorbed-MLA attention of BLOCK_H query heads over one chunk of a request's selected rows.
 
     Program (head block, n, split) reads rows[n, split*CHUNK : (split+1)*CHUNK] in order, BLOCK_K at a
-    time; a row is kv[row, :D_V + D_ROPE], its first D_V values are V; row -1 is skipped. It stores the
+    time; a row is kv[row_base[n] + row, :D_V + D_ROPE] (row_base 0 without HAS_ROW_BASE), its first
+    D_V values are V; row -1 is skipped. It stores the
     softmax-normalised output (zeros when no row is valid) and the natural-log sum-exp (-inf then) at
     split index `split` of out / lse: the final output when there is one split, else a float32 partial
     that `_sparse_mla_combine_kernel` merges.
@@ -105,6 +106,8 @@ def _sparse_mla_decode_kernel(
     b_q_nope = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_V]
     b_q_rope = tl.load(p_q + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, ROPE]
     p_rows = rows_ptr + i_n * stride_rn
+    if HAS_ROW_BASE:     # the request's rows start there: a slot list or token ids need no translation
+        kv_ptr += tl.load(row_base_ptr + i_n) * stride_kv
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -187,6 +187,27 @@ def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits):
     assert rel_err(out_res, dsa.sparse_mla_decode_ref(q, kv_res, rows_res, DSV32_SCALE, d_v=64)[0]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_row_base_reads_each_requests_own_region(dtype):
+    """rows as each request's local ids (token ids, or slots) from row_base[n]: the same outputs,
+    bitwise, as the same rows translated to pool rows beforehand."""
+    gen = torch.Generator().manual_seed(11)
+    kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(3, 97, 61, 37, 80, dtype, gen)
+    q = torch.randn(3, 5, 80, generator=gen).to(dtype)
+    for kv, rows, region in ((kv_res, rows_res, 97), (kv_hot, rows_hot, 62)):
+        base = torch.arange(3, dtype=torch.int64) * region
+        local = torch.where(rows >= 0, rows - base[:, None], -1).to(torch.int32)
+        assert (local < region).all()
+        for splits in (1, 2):
+            want = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, d_v=64, num_splits=splits, config=SMALL_TILES)
+            got = dsa.sparse_mla_decode(q, kv, local, DSV32_SCALE, d_v=64, num_splits=splits, config=SMALL_TILES,
+                                        row_base=base)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        ref = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE, d_v=64)
+        ref_local = dsa.sparse_mla_decode_ref(q, kv, local, DSV32_SCALE, d_v=64, row_base=base)
+        assert torch.equal(ref[0], ref_local[0]) and torch.equal(ref[1], ref_local[1])
+
+
 def test_sparse_mla_decode_fills_given_buffers():
     gen = torch.Generator().manual_seed(8)
     q, kv, rows = decode_inputs(2, 5, 64, 16, 50, 27, torch.float32, gen)
@@ -203,11 +224,11 @@ def test_default_config_shrinks_when_it_does_not_fit(monkeypatch):
     launched = []
     real_launch = dsa._launch_decode
 
-    def launch_small_only(q, kv, rows, out, lse, sm_scale, cfg, num_splits):
+    def launch_small_only(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits):
         launched.append(cfg)
         if cfg.block_k > 16:
             raise triton.runtime.errors.OutOfResources(cfg.block_k * 7000, 232448, "shared memory")
-        real_launch(q, kv, rows, out, lse, sm_scale, cfg, num_splits)
+        real_launch(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits)
 
     monkeypatch.setattr(dsa, "_launch_decode", launch_small_only)
     monkeypatch.setattr(dsa, "_FITTED_CONFIGS", {})
@@ -236,6 +257,8 @@ def test_launchers_reject_bad_inputs():
         "scale": (dict(sm_scale=-1.0), "sm_scale=-1.0"),
         "rows batch": (dict(rows=rows[:1]), "rows must be int32"),
         "out": (dict(out=torch.empty(2, 4, 32)), "out torch.float32"),
+        "row_base dtype": (dict(row_base=torch.zeros(2, dtype=torch.int32)), "row_base must be int64"),
+        "row_base batch": (dict(row_base=torch.zeros(3, dtype=torch.int64)), "row_base must be int64 \\[N=2\\]"),
     }
     for name, (change, message) in bad_decode.items():
         args = dict(q=q, kv=kv, rows=rows, sm_scale=0.1, d_v=64) | change
