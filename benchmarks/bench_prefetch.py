@@ -35,6 +35,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from benchmarks.common import PINNED_BYTES_PER_S  # noqa: E402
+from hisparse import dsa_runtime  # noqa: E402
 from hisparse.engine import Engine  # noqa: E402
 from hisparse.host_pool import release_cached_memory  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
@@ -78,9 +79,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
+    ap.add_argument("--prefetch-programs", type=int, default=dsa_runtime.PREFETCH_PROGRAMS,
+                    help="programs of a prefetch copy (default %(default)s, or HISPARSE_PREFETCH_PROGRAMS): "
+                         "more fetch faster, fewer leave more multiprocessors to the layers it overlaps")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
                     help="how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
     args = ap.parse_args(argv)
+    if args.prefetch_programs < 1:
+        ap.error(f"--prefetch-programs {args.prefetch_programs}: expected a positive integer")
+    dsa_runtime.PREFETCH_PROGRAMS = args.prefetch_programs      # read by each run's attention
     gpu = torch.cuda.is_available() and not args.quick
     if args.quick:
         args.batches, args.context, args.cache_slots, args.steps = [2], 40, 16, 4
@@ -90,8 +97,8 @@ def main(argv=None) -> None:
     model = model.to(device="cuda" if gpu else "cpu", dtype=torch.bfloat16 if gpu else torch.float32)
     k, layers, shared = geometry["index_topk"], len(TYPES), TYPES.count("shared")
     print(f"glm_moe_dsa-like: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
-          f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}; "
-          f"on {'GPU' if gpu else 'CPU'}")
+          f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}, "
+          f"{args.prefetch_programs} prefetch programs; on {'GPU' if gpu else 'CPU'}")
     print(f"{'batch':>5} {'mode':>9} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8}")
     for batch in args.batches:
@@ -123,6 +130,7 @@ def main(argv=None) -> None:
                           cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=1152,
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
                           intermediate=geometry["intermediate_size"],
+                          prefetch_programs=args.prefetch_programs if name == "prefetch" else "",
                           workload="dsa_100k" if not args.quick else "tiny", random_layers=args.random_layers,
                           metric=m, value=v, unit=u)
                      for m, (v, u) in metrics.items()]

@@ -30,7 +30,7 @@ MODE_COLORS = {mode: f"C{_LABELS.index(label) % 10}" for mode, label in MODE_LAB
 LINE_STYLES = ("-", "--", ":", "-.")
 DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
 DECODE_KEYS = ("family", "mode", "cache_slots")   # what tells decode lines apart
-PREFETCH_MODEL_KEYS = ("random_layers", "hidden", "intermediate")   # the prefetch benchmark's model options
+PREFETCH_MODEL_KEYS = ("random_layers", "hidden", "intermediate", "prefetch_programs")   # bench_prefetch options
 ATTENTION_MODES = ("triton", "torch_gather", "dense")
 
 
@@ -236,7 +236,8 @@ def prefetch_hiding(frame: pd.DataFrame) -> Figure:
     where the in-line copies cost at least 5% of the no-IO step (older rows computed it anyway)."""
     rows = select(frame, ["exposed_io_ms_per_token", "hidden_frac"])
     if "tpot_ms" in set(frame["metric"]):
-        at = [c for c in frame.columns if c not in RUN_COLUMNS + ("metric", "mode", "cache_slots")]  # the point
+        # the point; prefetch_programs is set on prefetch rows alone
+        at = [c for c in frame.columns if c not in RUN_COLUMNS + ("metric", "mode", "cache_slots", "prefetch_programs")]
         sync = frame[(frame["metric"] == "exposed_io_ms_per_token") & (frame["mode"] == "sync")]
         noio = frame[(frame["metric"] == "tpot_ms") & (frame["mode"] == "noio")]
         share = sync.merge(noio, on=at, suffixes=("", "_noio")).assign(

@@ -122,6 +122,9 @@ def test_prefetch_hiding():
     other = [t.assign(workload="other") for t in (rows, hidden, noio.assign(value=noio["value"] / 100))]
     fig = figures.prefetch_hiding(pd.concat([rows, hidden, noio, *other]))
     assert sorted(lines(fig.axes[1]).values()) == [([1, 8], [0.5, 0.5]), ([8], [0.5])]
+    # a column set on the prefetch rows alone (bench_prefetch's prefetch_programs) keeps the filter
+    fig = figures.prefetch_hiding(pd.concat([rows, hidden.assign(prefetch_programs=32), noio]))
+    assert list(lines(fig.axes[1]).values()) == [([8], [0.5])]
 
 
 def resolve_frame() -> pd.DataFrame:
