@@ -53,8 +53,9 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[keep]
 
 
-# what a rerun of a point changes (the sweep's timed and warm-up steps too)
-RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps")
+# what a rerun of a point changes (the sweep's timed and warm-up steps, the attention timings' spread)
+RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps",
+               "us_p20", "us_p80")
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
 # a few batches or with another timer), read per point rather than per run
 PER_POINT = ("decode.csv", "throughput.csv", "prefetch.csv", "attention.csv")
@@ -296,8 +297,9 @@ def attention_kernels(frame: pd.DataFrame, metric: str = "us") -> Figure:
     for ax, (family, part) in zip(axes[0], families):
         context = part.loc[part["mode"] == "triton", "context"].max()
         part = part[part["context"] == (context if pd.notna(context) else part["context"].max())]
-        if "timer" in part and part["timer"].nunique() > 1:      # graph replays, as the decode loop runs
-            part = part[part["timer"] == "cudagraph"]
+        if "timer" in part:      # per mode and batch, graph replays (as the decode loop runs) if timed so
+            order = (part["timer"] != "cudagraph").sort_values(kind="stable").index
+            part = part.loc[order].drop_duplicates(["mode", "batch"], keep="first")
         plot_lines(ax, part, "batch", ("mode",))
         log2_axis(ax, part["batch"])
         if metric == "us":

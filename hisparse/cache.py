@@ -171,10 +171,14 @@ class HierarchicalKVCache:
         return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
                            sort_plan=sort_plan)
 
+    def row_base(self, streams: torch.Tensor) -> torch.Tensor:
+        """Row of each stream's slot 0 in `self.slots.view(-1, E)`: streams [N] -> [N] int64."""
+        return streams.long() * (self.cache_slots + 1)
+
     def slot_rows(self, streams: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Row numbers into `self.slots.view(-1, E)` for attention kernels: stream * (B+1) + slot.
 
         streams [N] (-1 pads), slots [N, k] (-1 pads) -> [N, k] int32, -1 where either pads.
         """
-        rows = streams[:, None].long() * (self.cache_slots + 1) + slots.long()
+        rows = self.row_base(streams)[:, None] + slots.long()
         return torch.where((slots >= 0) & (streams[:, None] >= 0), rows, -1).to(torch.int32)

@@ -238,8 +238,9 @@ def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base=None) ->
     _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
              f"sm_scale={sm_scale!r}: expected a positive finite float")
     if row_base is not None:
-        _require(row_base.shape == (n,) and row_base.dtype == torch.int64,
-                 f"row_base must be int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)}")
+        _require(row_base.shape == (n,) and row_base.dtype == torch.int64 and row_base.stride(0) == 1,
+                 f"row_base must be a contiguous int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)} "
+                 f"stride {row_base.stride()}")
     for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse), ("row_base", row_base)):
         if t is not None:
             _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")

@@ -224,7 +224,7 @@ class DsaRuntime:
             streams.append(stream)
         ids = torch.tensor(streams, dtype=torch.int32, device=latent.device)
         kv = HierMlaKV(latent=None, index_keys=index_keys, cache=cache, host_streams=streams, streams=ids,
-                       row_base=ids.long() * (cache.cache_slots + 1))
+                       row_base=cache.row_base(ids))
         if anchor is not None:
             kv.anchor_layer, kv.anchor_streams = self.anchors[layer], anchor.streams
             if prefetch and mode == "hisparse" and latent.is_cuda:

@@ -162,7 +162,8 @@ class Engine:
 
         The first `warmup_steps` decode steps are not timed: the first compiles the kernels and
         runs eagerly (with graph=True the step is captured after it); more let the GPU's clocks
-        settle. `decode_s` and `step_ms` time the rest.
+        settle and, with a graph, keep its first replay (which uploads it) out of the timing.
+        `decode_s` and `step_ms` time the rest.
 
         record: a TraceWriter that receives every decode step's selections [layers, batch, k]
         (`trace_writer` makes one with this run's metadata). replay: a trace whose selections

@@ -6,6 +6,7 @@ limited by the number of rows per second, while rows kept close together stream 
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -21,6 +22,8 @@ def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
     Not `torch.empty(..., pin_memory=True)`: PyTorch's pinned allocator rounds each block up to a
     power of two, so an 88 GiB pool would ask for 128 GiB (out of memory on a 128 GiB machine).
     The caller unregisters it (`unpin`) before the last reference goes."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("pinning a host pool needs a CUDA GPU; pass pin=False on a CPU-only machine")
     t = torch.empty(rows, row_elems, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED)
@@ -31,11 +34,18 @@ def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unpin(t: torch.Tensor) -> None:
-    torch.cuda.synchronize()        # no kernel or copy in flight may still read or write it
-    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    """Unregister a `pinned_empty` tensor (memory pinned for every device: wait for all of them)."""
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)      # no kernel or copy in flight may still read or write it
+    err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    if int(err) != 0:
+        warnings.warn(f"cudaHostUnregister of a host pool returned {err}", RuntimeWarning, stacklevel=2)
 
 
 class HostPool:
+    """`rows` [R, E] of every stream, with first-fit regions. On a GPU the rows are pinned until the
+    pool goes: views of `rows` (and CUDA graphs that read it) must not outlive the pool."""
+
     def __init__(self, capacity_rows: int, row_elems: int, dtype: torch.dtype = torch.bfloat16,
                  pin: bool | None = None):
         if capacity_rows <= 0 or row_elems <= 0:

@@ -257,8 +257,9 @@ def test_launchers_reject_bad_inputs():
         "scale": (dict(sm_scale=-1.0), "sm_scale=-1.0"),
         "rows batch": (dict(rows=rows[:1]), "rows must be int32"),
         "out": (dict(out=torch.empty(2, 4, 32)), "out torch.float32"),
-        "row_base dtype": (dict(row_base=torch.zeros(2, dtype=torch.int32)), "row_base must be int64"),
-        "row_base batch": (dict(row_base=torch.zeros(3, dtype=torch.int64)), "row_base must be int64 \\[N=2\\]"),
+        "row_base dtype": (dict(row_base=torch.zeros(2, dtype=torch.int32)), "row_base must be a contiguous int64"),
+        "row_base batch": (dict(row_base=torch.zeros(3, dtype=torch.int64)), "row_base must be a contiguous int64"),
+        "row_base strided": (dict(row_base=torch.zeros(2, 2, dtype=torch.int64)[:, 0]), "stride \\(2,\\)"),
     }
     for name, (change, message) in bad_decode.items():
         args = dict(q=q, kv=kv, rows=rows, sm_scale=0.1, d_v=64) | change

@@ -173,10 +173,12 @@ def test_attention_kernels_prefer_graph_replays_where_both_timers_ran():
                 "value": b * (1 if timer == "cudagraph" else 10)}
                for mode in ("triton", "torch_gather") for b in (1, 4) for timer in ("do_bench", "cudagraph")]
     only_do_bench = [dict(r, family="dsa") for r in records if r["timer"] == "do_bench"]
-    fig = figures.attention_kernels(frame("attention", records + only_do_bench), metric="us")
-    dsa, nsa = fig.axes
+    partly = [dict(r, family="quest") for r in records if r["timer"] == "do_bench" or r["batch"] == 1]
+    fig = figures.attention_kernels(frame("attention", records + only_do_bench + partly), metric="us")
+    dsa, nsa, quest = fig.axes
     assert lines(nsa)["triton"] == ([1, 4], [1, 4])
     assert lines(dsa)["triton"] == ([1, 4], [10, 40])
+    assert lines(quest)["triton"] == ([1, 4], [1, 40])        # per batch: graph replays where they ran
 
 
 def test_read_results_keeps_earlier_points_of_a_benchmark_rerun_at_a_few_batches(tmp_path):
@@ -190,6 +192,13 @@ def test_read_results_keeps_earlier_points_of_a_benchmark_rerun_at_a_few_batches
         tmp_path / "resolve.csv", index=False)
     assert sorted(figures.read_results(tmp_path, ("prefetch.csv",))["batch"]) == [8, 32, 128]
     assert sorted(figures.read_results(tmp_path, ("resolve.csv",))["batch"]) == [128]
+    # a rerun of an attention point (its timings' spread differs too) replaces the earlier row
+    point = {"family": "nsa", "mode": "triton", "batch": 8, "context": 8192, "metric": "us", "timer": "cudagraph"}
+    old = frame("attention", [dict(point, value=10.0, us_p20=9.0, us_p80=11.0)])
+    new = frame("attention", [dict(point, value=7.0, us_p20=6.5, us_p80=7.5)], commit="beef",
+                timestamp="2026-11-29T13:00:00+00:00")
+    pd.concat([old, new]).to_csv(tmp_path / "attention.csv", index=False)
+    assert figures.read_results(tmp_path, ("attention.csv",))["value"].tolist() == [7.0]
 
 
 def policies_frame() -> pd.DataFrame:

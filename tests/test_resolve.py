@@ -372,3 +372,11 @@ def test_write_unit_token_long_rows_and_strided_inputs(device):
                                                   t, device)
     row = want_host[int(host_base[1]) + 3].view(2, t, d)            # stream 1 = request 1, head 1
     assert torch.equal(row[1, 5], values[1, 1]) and torch.equal(want_cache[1, 1], row.view(-1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_host_pool_pinning_without_a_gpu_is_refused_clearly():
+    from hisparse.host_pool import HostPool
+    with pytest.raises(RuntimeError, match="pinning a host pool needs a CUDA GPU; pass pin=False"):
+        HostPool(16, 8, torch.float32, pin=True)
+    assert HostPool(16, 8, torch.float32).rows.shape == (16, 8)      # unpinned by default here

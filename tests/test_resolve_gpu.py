@@ -105,21 +105,21 @@ def test_fetch_past_2_31_words_on_gpu():
     assert torch.equal(cache.slots[far, res.slots[0].long()].cpu(), rows[sel[0].long().cpu()])
 
 
-def test_host_pool_is_pinned_at_its_exact_size_and_unpinned_when_dropped():
-    """The pool is page-locked by cudaHostRegister (no power-of-two rounding), read zero-copy by the
-    kernels, and unregistered when the pool goes."""
+def test_host_pool_is_pinned_and_read_zero_copy_and_unpinned_when_dropped():
+    """The pool is page-locked by cudaHostRegister (no power-of-two rounding, an odd size here), read
+    zero-copy by the kernels, and unregistered when the pool goes."""
     pool = HostPool(3 * 1000 + 7, 576, torch.bfloat16)       # an odd size: 3.5 MB, not a power of two
     assert pool.rows.is_pinned()
-    rows = torch.randn(pool.capacity, 576, device="cuda").to(torch.bfloat16)
-    pool.write(0, rows)
+    new = torch.randn(pool.capacity, 576, device="cuda").to(torch.bfloat16)
+    pool.write(0, new)
     torch.cuda.synchronize()
     cache = torch.empty(1, 2, 576, dtype=torch.bfloat16, device="cuda")
     plan = torch.tensor([[pool.capacity - 1]], dtype=torch.int32, device="cuda")
     fetch_rows(plan, torch.zeros_like(plan), torch.tensor([[0, 1]], dtype=torch.int32, device="cuda"),
                torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda"),
                pool.rows, cache)
-    assert torch.equal(cache[0, 0], rows[-1])
-    unpin = pool._unpin
+    assert torch.equal(cache[0, 0], new[-1])
+    host_rows = pool.rows
     del pool
-    assert not unpin.alive                                       # cudaHostUnregister ran
+    assert not host_rows.is_pinned(), "the pool's memory must be unregistered with the pool"
 
