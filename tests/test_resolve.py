@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hisparse.cache import HierarchicalKVCache
+from hisparse.host_pool import HostPool
 from hisparse.resolve import ResolveResult, resolve
 
 POISON = -7
@@ -376,7 +377,6 @@ def test_write_unit_token_long_rows_and_strided_inputs(device):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_host_pool_pinning_without_a_gpu_is_refused_clearly():
-    from hisparse.host_pool import HostPool
     with pytest.raises(RuntimeError, match="pinning a host pool needs a CUDA GPU; pass pin=False"):
         HostPool(16, 8, torch.float32, pin=True)
     assert HostPool(16, 8, torch.float32).rows.shape == (16, 8)      # unpinned by default here
