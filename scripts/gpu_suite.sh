@@ -7,7 +7,8 @@
 # HOST_GROW_GIB (default 64, 0 = off) pins and frees that much host memory first: the lent machines'
 # RAM grows as it is used (3 s per 8 GiB), so a large host pool then finds it there.
 # ATTENTION_TIMER=cudagraph passes --cudagraph to the attention benchmarks (graph replays, as the
-# decode loop runs them; default do_bench); TUNE=1 first times the resolve variants
+# decode loop runs them; default do_bench); PREFETCH_ARGS adds options to bench_prefetch (e.g.
+# "--hidden 7168 --intermediate 18432 --batches 32 128"); TUNE=1 first times the resolve variants
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt.
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
@@ -43,6 +44,7 @@ for b in "${benches[@]}"; do
   echo "== bench_$b" | tee -a "$log"
   extra=()
   if [[ "$b" == attention_* && "${ATTENTION_TIMER:-do_bench}" == cudagraph ]]; then extra=(--cudagraph); fi
+  if [[ "$b" == prefetch ]]; then read -r -a extra <<< "${PREFETCH_ARGS:-}"; fi
   timeout "${BENCH_TIMEOUT:-300}" python3 -m "benchmarks.bench_$b" --out "$OUT" "${extra[@]}" 2>&1 | tee -a "$log" || status=1
 done
 python3 -m benchmarks.summary "$OUT" 2>&1 | tee -a "$log"
