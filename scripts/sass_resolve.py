@@ -7,21 +7,16 @@ them: every pointer 16-byte aligned, and K and B divisible by 16 for `_resolve_k
 default for such integers) but not for `_resolve_kernel_flat` (do_not_specialize). Printed per
 variant: SASS instructions in all, global loads and stores (and how many are 16-byte vectors), block
 barriers, shared-memory traffic, warp shuffles, and the layout conversions in the Triton GPU IR.
-Uses the cuobjdump that ships with Triton's NVIDIA backend. The counts are static (instructions in
-the program, not executed); the Triton version here may differ from the GPU machine's.
+Compiled and read by scripts/sass.py (the cuobjdump that ships with Triton's NVIDIA backend). The
+counts are static (instructions in the program, not executed); the Triton version here may differ
+from the GPU machine's.
 """
 import argparse
-import collections
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kernels_triton.resolve import _resolve_kernel, _resolve_kernel_flat
+from scripts.sass import compile_sm90, sass_ops
 
 SIZES_ARGS = ("K", "B")
 SIGNATURE = {name: ("*i64" if name in ("host_base_ptr", "stats_ptr") else "*i32") if name.endswith("_ptr")
@@ -32,24 +27,12 @@ SHOWN = ("LDG", "STG", "BAR", "LDS", "STS", "SHFL", "MEMBAR", "ATOMG", "REDG")
 
 
 def compile_counts(kernel, divisible: list[int], k_pad: int, b_pad: int, warps: int) -> dict:
-    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
-    src = ASTSource(fn=kernel, signature=SIGNATURE, attrs=attrs,
-                    constexprs={"K_PAD": k_pad, "B_PAD": b_pad, "SORT_PLAN": False})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
-        if m:
-            ops[m.group(1).split(".")[0]] += 1
-            ops["vector"] += bool(re.match(r"(LDG|STG)\.E\.128", m.group(1)))
+    compiled = compile_sm90(kernel, SIGNATURE, {"K_PAD": k_pad, "B_PAD": b_pad, "SORT_PLAN": False}, divisible,
+                            num_warps=warps)
+    ops = sass_ops(compiled)
     counts = {name: ops[name] for name in SHOWN}
-    counts["vec16B"] = ops["vector"]                                           # of the LDG and STG
-    counts["all"] = sum(v for name, v in ops.items() if name != "vector")
+    counts["vec16B"] = ops["vec16B"]                                           # of the LDG and STG
+    counts["all"] = sum(v for name, v in ops.items() if name != "vec16B")
     counts["convert"] = compiled.asm["ttgir"].count("ttg.convert_layout")     # layout conversions
     return counts
 
