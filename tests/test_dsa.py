@@ -4,6 +4,11 @@ CPU tests run the kernels through Triton's interpreter on small odd shapes (floa
 keys too: the interpreter handles them); GPU tests check bf16 at the model's shapes.
 """
 import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,6 +281,22 @@ def test_launchers_reject_bad_inputs():
         dsa.topk_select(torch.randn(2, 9), lengths, 0)
     with pytest.raises(ValueError, match="block_k=24"):
         dsa.DecodeConfig(block_h=16, block_k=24, num_warps=4, num_stages=1)
+
+
+def test_decode_kernel_compiles_for_hopper_without_spills():
+    """The interpreter never compiles: build the default bf16 decode config for sm_90a in a process
+    without it (scripts/sass_dsa.py), with and without row_base: wgmma and asynchronous copies, no
+    local memory (spills), shared memory within Hopper's 227 KiB."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "scripts.sass_dsa"], cwd=Path(__file__).resolve().parent.parent,
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.strip().startswith("row_base")]
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        fields = dict(re.findall(r"([A-Z]+) (\d+)", line.split("|")[1]))
+        assert " 0 B local" in line and int(fields["HGMMA"]) > 0 and int(fields["LDGSTS"]) > 0, line
+        assert int(re.search(r"(\d+) KiB shared", line).group(1)) <= 227, line
 
 
 # ---------------------------------------------------------------------------------------------
