@@ -159,7 +159,7 @@ def tune(cfg: dict, device: torch.device, batch: int) -> None:
     flops, nbytes = work(batch, heads, k)
     roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
     results = []
-    for bh, bk, warps, stages in itertools.product((32, 64, 128), (16, 32, 64), (4, 8), (1, 2, 3)):
+    for bh, bk, warps, stages in itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
         config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
         try:
             out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config)

@@ -41,11 +41,13 @@ def sass_ops(compiled) -> collections.Counter:
 
 
 def registers_and_spills(compiled) -> tuple[int, int]:
-    """(registers per thread, bytes of local memory per thread: spills) from the cubin's resource usage."""
+    """(registers per thread, bytes per thread of stack and local memory: where registers spill) from
+    the cubin's resource usage."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         usage = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
-    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
-    return int(regs.group(1)) if regs else -1, int(local.group(1)) if local else 0
+    regs = re.search(r"REG:(\d+)", usage)
+    spilled = sum(int(n) for n in re.findall(r"(?:STACK|LOCAL):(\d+)", usage))
+    return int(regs.group(1)) if regs else -1, spilled

@@ -24,7 +24,7 @@ SIGNATURE = {name: POINTER_TYPES.get(name) or ("fp32" if name == "qk_scale_log2"
                                               "constexpr" if name.isupper() and name not in ("H", "K_SEL", "CHUNK")
                                               else "i32")
              for name in KERNEL.arg_names}
-SHOWN = ("HGMMA", "LDGSTS", "LDG", "STG", "STS", "LDS", "BAR", "MUFU")
+SHOWN = ("HGMMA", "LDGSTS", "LDG", "STG", "STS", "LDS", "STL", "LDL", "BAR", "MUFU")   # STL/LDL: spills
 
 
 def report(block_h: int, block_k: int, warps: int, stages: int, row_base: bool) -> str:
@@ -39,7 +39,7 @@ def report(block_h: int, block_k: int, warps: int, stages: int, row_base: bool) 
     regs, spills = registers_and_spills(compiled)
     ops = sass_ops(compiled)
     counts = " ".join(f"{name} {ops[name]}" for name in SHOWN)
-    return f"{regs} regs, {spills} B local (spills), {compiled.metadata.shared // 1024} KiB shared | {counts}"
+    return f"{regs} regs, {spills} B spilled, {compiled.metadata.shared // 1024} KiB shared | {counts}"
 
 
 def main(argv=None) -> None:
