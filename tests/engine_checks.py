@@ -51,10 +51,14 @@ def check_hisparse_against_resident_on_gpu(engine, prompts, k: int, new_tokens: 
         "hisparse-B=k": engine("hisparse", k).generate(prompts, new_tokens),
         "hisparse-B=2k-graph": engine("hisparse", 2 * k).generate(prompts, new_tokens, graph=True),
         "hisparse-B=k-graph": engine("hisparse", k).generate(prompts, new_tokens, graph=True),
+        # graph replays before timing starts, and one timed interval per step after them
+        "hisparse-B=k-graph-warm": engine("hisparse", k).generate(prompts, new_tokens, graph=True, warmup_steps=4),
     }
     for name, out in runs.items():
         assert_bitwise(base, out, name)
     hier, graphed = runs["hisparse-B=k"], runs["hisparse-B=k-graph"]
+    warm = runs["hisparse-B=k-graph-warm"]
+    assert len(warm.step_ms) == warm.timed_steps == new_tokens - 5 and min(warm.step_ms) > 0
     assert hier.misses > 0 and hier.hits > 0
     assert (graphed.hits, graphed.misses) == (hier.hits, hier.misses)
     assert hier.kv_bytes_per_request < base.kv_bytes_per_request      # hot units do not grow with context
