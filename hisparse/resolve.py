@@ -1,10 +1,11 @@
 """Resolve launchers and their torch reference (DESIGN section 3).
 
 State of the cache, shared by the kernel and the reference (S streams, B slots, R host rows):
-- `slot_unit [S, B]` int32: the unit each slot holds, -1 empty.
 - `lru [S, B]` int32: the slot ids of each stream, least recently used first. Empty slots sit at the
   front in index order, which is how "empty slots count as least recently used, lowest index first"
   holds without a special case.
+- `lru_unit [S, B]` int32: the unit held by the slot at each position of `lru`, -1 empty. Kept in
+  LRU order rather than slot order, so the kernel reads and rewrites it contiguously, beside `lru`.
 - `unit_slot [R]` int32: for each host row, the slot holding its unit, -1 if not cached. Indexed by
   host row (host_base[stream] + unit), so it is one dense map for all streams: 4 bytes per unit.
 - `stats [S, 2]` int64: cumulative hits and misses per stream.
@@ -36,8 +37,8 @@ MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan
 @dataclass
 class CacheState:
     """The device-side state one resolve reads and updates (see the module docstring)."""
-    slot_unit: torch.Tensor   # [S, B] int32
     lru: torch.Tensor         # [S, B] int32
+    lru_unit: torch.Tensor    # [S, B] int32
     unit_slot: torch.Tensor   # [R] int32
     host_base: torch.Tensor   # [S] int64
     stats: torch.Tensor       # [S, 2] int64
@@ -47,8 +48,8 @@ class CacheState:
     @classmethod
     def empty(cls, num_streams: int, cache_slots: int, host_rows: int, device) -> "CacheState":
         return cls(
-            slot_unit=torch.full((num_streams, cache_slots), -1, dtype=torch.int32, device=device),
             lru=torch.arange(cache_slots, dtype=torch.int32, device=device).repeat(num_streams, 1),
+            lru_unit=torch.full((num_streams, cache_slots), -1, dtype=torch.int32, device=device),
             unit_slot=torch.full((host_rows,), -1, dtype=torch.int32, device=device),
             host_base=torch.zeros(num_streams, dtype=torch.int64, device=device),
             stats=torch.zeros(num_streams, 2, dtype=torch.int64, device=device),
@@ -61,8 +62,8 @@ class CacheState:
 
     def reset_stream(self, stream: int, host_base: int, capacity: int) -> None:
         """Empty one stream's slots and point it at a host region of `capacity` rows."""
-        self.slot_unit[stream] = -1
         self.lru[stream] = torch.arange(self.lru.shape[1], dtype=torch.int32, device=self.lru.device)
+        self.lru_unit[stream] = -1
         self.unit_slot[host_base:host_base + capacity] = -1
         self.host_base[stream] = host_base
         self.stats[stream] = 0
@@ -109,7 +110,7 @@ def check_resolve_inputs(state: CacheState, streams: torch.Tensor, sel: torch.Te
     The value checks read the inputs on the host, so the decode loop does them once per request
     rather than inside a captured step.
     """
-    num_streams, cache_slots = state.slot_unit.shape
+    num_streams, cache_slots = state.lru.shape
     _expect(sel.dim() == 2, f"selection must be [batch, k], got shape {tuple(sel.shape)}")
     n, k = sel.shape
     _expect(cache_slots >= k, f"cache_slots B={cache_slots} is smaller than the selection size k={k}: "
@@ -189,9 +190,9 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
     n, k = sel.shape
-    cache_slots = state.slot_unit.shape[1]
-    _expect(cache.shape[:2] == (state.slot_unit.shape[0], cache_slots + 1),
-            f"cache must be [streams, B+1, E] = [{state.slot_unit.shape[0]}, {cache_slots + 1}, E], "
+    cache_slots = state.lru.shape[1]
+    _expect(cache.shape[:2] == (state.lru.shape[0], cache_slots + 1),
+            f"cache must be [streams, B+1, E] = [{state.lru.shape[0]}, {cache_slots + 1}, E], "
             f"got {tuple(cache.shape)}")
     _expect(state.unit_slot.numel() >= host.shape[0], f"the slot map has {state.unit_slot.numel()} entries "
             f"for a host pool of {host.shape[0]} rows")
@@ -206,7 +207,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
     kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
     kernel[(n,)](
-        sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot, state.slot_mark,
+        sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan,
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
@@ -324,6 +325,7 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
         base = int(state.host_base[stream])
         units = [int(u) for u in sel[row] if u >= 0]
         order = state.lru[stream].tolist()
+        unit_of = dict(zip(order, state.lru_unit[stream].tolist()))   # slot -> unit it holds
         cached = {u: int(state.unit_slot[base + u]) for u in units if state.unit_slot[base + u] >= 0}
         hit_units = [u for u in units if u in cached]
         miss_units = [u for u in units if u not in cached]
@@ -332,16 +334,16 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
         victims = free[:len(miss_units)]
         untouched = free[len(miss_units):]
         for slot, unit in zip(victims, miss_units):
-            old = int(state.slot_unit[stream, slot])
-            if old >= 0:
-                state.unit_slot[base + old] = -1
+            if unit_of[slot] >= 0:
+                state.unit_slot[base + unit_of[slot]] = -1
             state.unit_slot[base + unit] = slot
-            state.slot_unit[stream, slot] = unit
+            unit_of[slot] = unit
             if fetch:
                 cache[stream, slot] = host[base + unit].to(cache.device)
         slot_of = {**cached, **dict(zip(miss_units, victims))}
-        state.lru[stream] = torch.tensor(untouched + victims + [cached[u] for u in hit_units],
-                                         dtype=torch.int32)
+        new_order = untouched + victims + [cached[u] for u in hit_units]
+        state.lru[stream] = torch.tensor(new_order, dtype=torch.int32)
+        state.lru_unit[stream] = torch.tensor([unit_of[s] for s in new_order], dtype=torch.int32)
         for i, u in enumerate(sel[row].tolist()):
             if u >= 0:
                 slots[row, i] = slot_of[u]

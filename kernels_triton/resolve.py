@@ -22,7 +22,7 @@ def _resolve_kernel(
     sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
     stream_ptr,      # [N] int32 stream of each row, -1 for a padded batch row
     host_base_ptr,   # [S] int64 host row of unit 0 of each stream
-    slot_unit_ptr,   # [S, B] int32 unit held by each slot, -1 empty
+    lru_unit_ptr,    # [S, B] int32 unit held by the slot at each LRU position, -1 empty
     lru_ptr,         # [S, B] int32 slot ids, least recently used first
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
     mark_ptr,        # [S, B] int32 epoch of the last call in which each slot hit
@@ -49,7 +49,7 @@ def _resolve_kernel(
     m_live_k = m_k & ((o_k * 0 + stream) >= 0)
     m_live_b = m_b & ((o_b * 0 + stream) >= 0)
     p_lru = lru_ptr + i_s * B
-    p_slot_unit = slot_unit_ptr + i_s * B
+    p_lru_unit = lru_unit_ptr + i_s * B
     p_mark = mark_ptr + i_s * B
 
     # -- independent loads first, so their latencies overlap
@@ -57,7 +57,7 @@ def _resolve_kernel(
     epoch = tl.load(epoch_ptr + i_s) + 1
     b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_live_k, other=-1)                 # [K_PAD]
     b_order = tl.load(p_lru + o_b, mask=m_live_b, other=0)                             # [B_PAD] slots
-    b_order_unit = tl.load(p_slot_unit + b_order, mask=m_live_b, other=-1)             # [B_PAD]
+    b_order_unit = tl.load(p_lru_unit + o_b, mask=m_live_b, other=-1)                  # [B_PAD]
 
     # -- hits: look each selected unit up in the stream's unit -> slot map
     m_sel = b_sel >= 0
@@ -84,21 +84,24 @@ def _resolve_kernel(
     # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).
     # Miss m takes the m-th least recently used free slot, which lands at n_untouched + m of the new
     # order: scatter the victims there (stable compaction, no sort), then read them back by miss rank.
+    # The units follow their slots in the same order: every store below is contiguous in its ranks.
     n_untouched = B - n_hit - n_miss
     tl.store(p_lru + free_rank - n_miss, b_order, mask=m_untouched & m_live_b)
+    tl.store(p_lru_unit + free_rank - n_miss, b_order_unit, mask=m_untouched & m_live_b)
     tl.store(p_lru + n_untouched + free_rank, b_order, mask=m_victim & m_live_b)
+    tl.store(p_lru_unit + n_untouched + miss_rank, b_sel, mask=m_miss)
     tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
+    tl.store(p_lru_unit + n_untouched + n_miss + hit_rank, b_sel, mask=m_hit)
     tl.debug_barrier()
     b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)         # [K_PAD]
     b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
     tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
 
-    # -- maps: evicted units leave, missed units enter (the two sets are disjoint)
+    # -- unit -> slot map: evicted units leave, missed units enter (the two sets are disjoint)
     m_evict = m_victim & (b_order_unit >= 0) & m_live_b
     tl.store(unit_slot_ptr + host_base + b_order_unit.to(tl.int64), tl.full([B_PAD], -1, dtype=tl.int32),
              mask=m_evict)
     tl.store(unit_slot_ptr + host_base + b_sel.to(tl.int64), b_victim, mask=m_miss)
-    tl.store(p_slot_unit + b_victim, b_sel, mask=m_miss)
 
     # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
     if SORT_PLAN:

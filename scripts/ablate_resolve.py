@@ -2,11 +2,12 @@
 
     python -m scripts.ablate_resolve
 
-`_ablate_kernel` is `kernels_triton/resolve.py`'s `_resolve_kernel` (miss-order plan) with an exit
-after stage STOP, each exit storing a value that depends on the stage's results so the compiler
-keeps them: 0 launch only, 1 loads and the unit -> slot lookup, 2 the rank scan, 3 the marks (store,
-barrier, gather) and the free-slot scan, 4 the new LRU order and the victims read back, 5 the maps,
-plan and counters, 6 the whole kernel. Keep it in step with the kernel when the kernel changes.
+`_ablate_kernel` is `kernels_triton/resolve.py`'s `_resolve_kernel_flat`, the default (miss-order
+plan, K and B unspecialised), with an exit after stage STOP, each exit storing a value that depends
+on the stage's results so the compiler keeps them: 0 launch only, 1 loads and the unit -> slot
+lookup, 2 the rank scan, 3 the marks (store, barrier, gather) and the free-slot scan, 4 the new LRU
+order (slots and their units) and the victims read back, 5 the unit -> slot map, plan and counters,
+6 the whole kernel. Keep it in step with the kernel when the kernel changes.
 Each figure: the median over 30 replays of a CUDA graph of 8 calls with fresh selections, per call
 (benchmarks/bench_resolve.py's workload), at k = 2048, B = 4096. Copies that stop before stage 5
 leave the maps and the LRU order as the warm-up call (the production kernel) left them, so every
@@ -26,8 +27,8 @@ from benchmarks.bench_resolve import Point, Workload
 from hisparse.resolve import CacheState, resolve
 
 
-@triton.jit
-def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, slot_unit_ptr, lru_ptr, unit_slot_ptr, mark_ptr,
+@triton.jit(do_not_specialize=["K", "B"])
+def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, lru_unit_ptr, lru_ptr, unit_slot_ptr, mark_ptr,
                    epoch_ptr, slot_out_ptr, plan_unit_ptr, plan_slot_ptr, counts_ptr, stats_ptr, K, B,
                    K_PAD: tl.constexpr, B_PAD: tl.constexpr, STOP: tl.constexpr):
     i_n = tl.program_id(0).to(tl.int64)
@@ -43,13 +44,13 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, slot_unit_ptr, lru_ptr, u
         tl.store(counts_ptr + i_n * 2, stream)
         return
     p_lru = lru_ptr + i_s * B
-    p_slot_unit = slot_unit_ptr + i_s * B
+    p_lru_unit = lru_unit_ptr + i_s * B
     p_mark = mark_ptr + i_s * B
     host_base = tl.load(host_base_ptr + i_s)
     epoch = tl.load(epoch_ptr + i_s) + 1
     b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_live_k, other=-1)
     b_order = tl.load(p_lru + o_b, mask=m_live_b, other=0)
-    b_order_unit = tl.load(p_slot_unit + b_order, mask=m_live_b, other=-1)
+    b_order_unit = tl.load(p_lru_unit + o_b, mask=m_live_b, other=-1)
     m_sel = b_sel >= 0
     b_hit_slot = tl.load(unit_slot_ptr + host_base + b_sel.to(tl.int64), mask=m_sel, other=-1)
     if STOP == 1:
@@ -79,8 +80,11 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, slot_unit_ptr, lru_ptr, u
         return
     n_untouched = B - n_hit - n_miss
     tl.store(p_lru + free_rank - n_miss, b_order, mask=m_untouched & m_live_b)
+    tl.store(p_lru_unit + free_rank - n_miss, b_order_unit, mask=m_untouched & m_live_b)
     tl.store(p_lru + n_untouched + free_rank, b_order, mask=m_victim & m_live_b)
+    tl.store(p_lru_unit + n_untouched + miss_rank, b_sel, mask=m_miss)
     tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
+    tl.store(p_lru_unit + n_untouched + n_miss + hit_rank, b_sel, mask=m_hit)
     tl.debug_barrier()
     b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)
     b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
@@ -92,7 +96,6 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, slot_unit_ptr, lru_ptr, u
     tl.store(unit_slot_ptr + host_base + b_order_unit.to(tl.int64), tl.full([B_PAD], -1, dtype=tl.int32),
              mask=m_evict)
     tl.store(unit_slot_ptr + host_base + b_sel.to(tl.int64), b_victim, mask=m_miss)
-    tl.store(p_slot_unit + b_victim, b_sel, mask=m_miss)
     tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
     tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
     tl.store(counts_ptr + i_n * 2, n_hit)
@@ -100,8 +103,8 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, slot_unit_ptr, lru_ptr, u
     tl.store(epoch_ptr + i_s, epoch)
     if STOP == 5:
         return
-    tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64))
-    tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64))
+    tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64), sem="relaxed")
+    tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
 
 
 def time_graph(fn, sels, work, reps=30, steps=8):
@@ -141,7 +144,7 @@ def time_variant(p: Point, warps: int, stop: int | None, device) -> float:
             resolve(state, streams, sel, host, cache, fetch=False, num_warps=warps, out=out)
             return
         _ablate_kernel[(p.batch,)](
-            sel, streams, state.host_base, state.slot_unit, state.lru, state.unit_slot, state.slot_mark,
+            sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
             state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats, p.k, p.cache_slots,
             K_PAD=p.k, B_PAD=p.cache_slots, STOP=stop, num_warps=warps)
     return time_graph(call, sels, work)

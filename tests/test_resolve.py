@@ -46,7 +46,7 @@ def next_selection(prev, lengths, k, gen, reuse=0.6, pad=0.15):
 
 
 def assert_same_state(a: HierarchicalKVCache, b: HierarchicalKVCache):
-    for name in ("slot_unit", "lru", "unit_slot", "stats"):
+    for name in ("lru", "lru_unit", "unit_slot", "stats"):
         assert torch.equal(getattr(a.state, name).cpu(), getattr(b.state, name).cpu()), name
 
 
@@ -138,7 +138,7 @@ def test_lru_order_after_a_step(device):
     # hit: 6 in slot 1; misses 9, 8 take the LRU free slots 3 (empty) then 0 (unit 5)
     assert res.slots.tolist() == [[3, 1, 0]]
     assert cache.state.lru[0].tolist() == [2, 3, 0, 1]
-    assert cache.state.slot_unit[0].tolist() == [8, 6, 7, 9]
+    assert cache.state.lru_unit[0].tolist() == [7, 9, 8, 6]           # the units of slots 2, 3, 0, 1
     assert res.counts.tolist() == [[1, 2]]
 
 
@@ -197,7 +197,7 @@ def test_bad_values_rejected_before_launch(streams, sel, match, device):
     before = cache.state.clone()
     with pytest.raises(ValueError, match=match):
         cache.resolve(_i32(streams, device), _i32(sel, device))
-    for name in ("slot_unit", "lru", "unit_slot", "stats"):
+    for name in ("lru", "lru_unit", "unit_slot", "stats"):
         assert torch.equal(getattr(before, name), getattr(cache.state, name))
 
 

@@ -47,7 +47,7 @@ def check_step(gpu, cpu, streams, sel, res):
     want = cpu.resolve_ref(streams.cpu(), sel.cpu(), mode="noio")
     assert torch.equal(res.slots.cpu(), want.slots)
     assert torch.equal(res.counts.cpu(), want.counts)
-    for name in ("slot_unit", "lru", "unit_slot", "stats"):
+    for name in ("lru", "lru_unit", "unit_slot", "stats"):
         assert torch.equal(getattr(gpu.state, name).cpu(), getattr(cpu.state, name)), name
     # every slot holds the host row of its unit, bit for bit
     valid = sel >= 0
