@@ -9,9 +9,10 @@ lookup, 2 the rank scan, 3 the marks (store, barrier, gather) and the free-slot 
 order (slots and their units) and the victims read back, 5 the unit -> slot map, plan and counters,
 6 the whole kernel. Keep it in step with the kernel when the kernel changes.
 Each figure: the median over 30 replays of a CUDA graph of 8 calls with fresh selections, per call
-(benchmarks/bench_resolve.py's workload), at k = 2048, B = 4096. Copies that stop before stage 5
-leave the maps and the LRU order as the warm-up call (the production kernel) left them, so every
-replay sees its hot units hit and its cold ones miss, as the whole kernel does.
+(benchmarks/bench_resolve.py's workload), at k = 2048, B = 4096. Copies that stop before stage 4
+leave the maps and the LRU order as the warm-up call (the production kernel) left them; those that
+stop at 4 rewrite the LRU order but not the unit -> slot map. Either way each replay's hot units are
+looked up in a map that still holds them, so they hit and the cold ones miss, as in the whole kernel.
 
 Seen on the H200 (results/gpu_logs/*_resolve_ablation.txt): stages 1, 3, 4 and 5 each cost 1 to 3 us
 at batch 64, whatever num_warps, and stage 5 grows with the misses; in-register alternatives to the

@@ -50,6 +50,22 @@ def assert_same_state(a: HierarchicalKVCache, b: HierarchicalKVCache):
         assert torch.equal(getattr(a.state, name).cpu(), getattr(b.state, name).cpu()), name
 
 
+def assert_maps_agree(cache: HierarchicalKVCache):
+    """The two maps describe one placement, whatever the kernel and the reference agree on: the LRU
+    order is a permutation of the slots, each cached unit appears once, and unit_slot sends every
+    unit in lru_unit to the slot at the same LRU position (and no other unit to any slot)."""
+    state = cache.state
+    lru, lru_unit, unit_slot = state.lru.cpu(), state.lru_unit.cpu(), state.unit_slot.cpu()
+    cached_rows = []
+    for stream in range(lru.shape[0]):
+        assert sorted(lru[stream].tolist()) == list(range(lru.shape[1])), f"stream {stream}"
+        held = lru_unit[stream] >= 0
+        rows = int(state.host_base[stream]) + lru_unit[stream][held].long()
+        assert torch.equal(unit_slot[rows], lru[stream][held]), f"stream {stream}"
+        cached_rows += rows.tolist()
+    assert len(set(cached_rows)) == len(cached_rows) == int((unit_slot >= 0).sum())
+
+
 def assert_slots_hold_units(cache: HierarchicalKVCache, streams, sel, slots):
     """Every returned slot holds, bit for bit, the host row of its unit."""
     for row in range(sel.shape[0]):
@@ -97,6 +113,7 @@ def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype,
         for row in range(num_streams + 1):
             assert got.plan(row) == want.plan(row), f"step {step} row {row}"
         assert_same_state(kern, ref)
+        assert_maps_agree(kern)
         assert_slots_hold_units(kern, streams, batch_sel, got.slots)
     hits, misses = kern.stats.sum(0).tolist()
     assert hits > 0 and misses > 0, "the selections must exercise both hits and misses"
