@@ -25,7 +25,7 @@ from hisparse.dsa import dsa_select, sparse_mla_decode
 from hisparse.models.base import DecodeState
 from hisparse.models.dsa_decode import MlaKV
 from hisparse.resolve import ResolveResult
-from hisparse.runtime import KV_MODES, Rows, cache_bytes, nbytes
+from hisparse.runtime import KV_MODES, Rows, cache_bytes, nbytes, stream_counts
 
 __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
 PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
@@ -244,10 +244,8 @@ class DsaRuntime:
 
     def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
         """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""
-        stats = cache.stats
-        total = sum(stats[kv.streams if kv.anchor_streams is None else kv.anchor_streams].sum(0)
-                    for kv in layers)
-        return int(total[0]), int(total[1])
+        return stream_counts(cache, [kv.streams if kv.anchor_streams is None else kv.anchor_streams
+                                     for kv in layers])
 
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
         """The resident indexer keys, plus the resident latents or the hot slots with their LRU

@@ -236,7 +236,8 @@ class Engine:
                 if record is not None:
                     record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
                 if replay is not None and self.cache is not None and not graph:
-                    out.misses_per_step.append(self.runtime.counts(self.cache, state.layers)[1] - sum(out.misses_per_step))
+                    misses = self.runtime.counts(self.cache, state.layers)[1]
+                    out.misses_per_step.append(misses - sum(out.misses_per_step))
                 tokens = logits.argmax(-1)
                 generated.append(tokens)
                 if keep_logits:

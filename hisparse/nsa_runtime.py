@@ -16,7 +16,7 @@ token t at t % W) stay resident in every mode (DESIGN section 5).
 Each decode step writes the new token's key and value into the window ring and into its block:
 the resident pool's row, or (hierarchical) the newest block's whole row, rebuilt from the reserved
 slot and written to the host pool, the reserved slot and any cached copy (write-through, as Quest's
-newest page: `hisparse.runtime.write_newest_unit`). Then `nsa_compress_newest` computes, from the
+newest page: `HierarchicalKVCache.write_newest_token`). Then `nsa_compress_newest` computes, from the
 ring, the compressed block the token completes (in the rows where it completes one), through the
 layer's `compress_k` / `compress_v`. No host sync, so the step can be captured in a CUDA graph.
 The engine records on the host which streams gain a block (`NsaRuntime.advance_streams`).
@@ -48,7 +48,6 @@ from hisparse.runtime import (
     nbytes,
     open_unit_streams,
     stream_counts,
-    write_newest_unit,
 )
 
 
@@ -104,7 +103,7 @@ class HierNsaKV(NsaBlocksKV):
     host_streams: list[list[int]] = field(default_factory=list)
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        write_newest_unit(self.cache, self.streams, pos, key, value, SEL_BLOCK)
+        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, SEL_BLOCK)
 
 
 class KernelNsaAttention:

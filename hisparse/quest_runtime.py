@@ -16,9 +16,9 @@ the dense layers keep the model's own resident `PagedKV` in every mode.
 The newest page grows every step. Its row is rewritten whole: the stream's reserved slot always
 holds the newest page (prefill's `append` leaves the last, possibly partial page there), so each
 step reads that row on the device, clears it when the token opens a new page, puts the token's
-key and value at its offset, and `write_newest` stores the whole row into the host pool, back into
+key and value at its offset, and `write_newest_token` stores the whole row into the host pool, back into
 the reserved slot and, write-through, into the page's cached copy when one exists (unit -> slot
-map; `hisparse.runtime.write_newest_unit`). No host sync, so the step can be captured in a CUDA
+map; `HierarchicalKVCache.write_newest_token`). No host sync, so the step can be captured in a CUDA
 graph. The engine records on the host which streams gain a page (`QuestRuntime.advance_streams`,
 before the step that opens it). A whole row is
 2 * 16 * D elements (8 KiB at D = 128 in bf16) per (request, layer, KV head) per step.
@@ -50,7 +50,6 @@ from hisparse.runtime import (
     nbytes,
     open_unit_streams,
     stream_counts,
-    write_newest_unit,
 )
 
 
@@ -100,7 +99,7 @@ class HierQuestKV(QuestKV):
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """The newest page's whole row into host pool, reserved slot and cached copy (write-through)."""
-        write_newest_unit(self.cache, self.streams, pos, key, value, PAGE)
+        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, PAGE)
 
 
 class KernelQuestAttention:

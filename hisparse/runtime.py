@@ -9,8 +9,9 @@ prefill, decode steps, CUDA graph, timing, traces.
 
 Quest and NSA select per KV head with a unit of several tokens (a 16-token page, a 64-token block):
 one stream per (request, layer, KV head), rows `[2, T, D]` (the unit's keys, then its values). The
-newest unit grows every step and is rewritten whole (`write_newest_unit`), so a cached copy is never
-stale; `advance_unit_streams` records on the host which streams gain a unit.
+newest unit grows every step and is rewritten whole (`HierarchicalKVCache.write_newest_token`, one
+launch, no host sync), so a cached copy is never stale; `advance_unit_streams` records on the host
+which streams gain a unit.
 """
 from __future__ import annotations
 
@@ -68,15 +69,6 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
 def cache_bytes(cache: HierarchicalKVCache | None) -> int:
     """GPU bytes of a cache: the hot slots plus the LRU state and unit -> slot maps."""
     return 0 if cache is None else nbytes(cache.slots, *vars(cache.state).values())
-
-
-def write_newest_unit(cache: HierarchicalKVCache, streams: torch.Tensor, pos: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, unit_tokens: int) -> None:
-    """Decode-step write of token pos[n] (key, value [N, HKV, D]) into the newest unit of streams
-    [N, HKV]: the reserved slot's copy of that unit (empty when the token opens a new unit) with the
-    token added goes whole into the host pool, the reserved slot and the unit's cached copy
-    (write-through). One launch (`write_unit_token`), no host sync."""
-    cache.write_newest_token(streams.reshape(-1), pos, key, value, unit_tokens)
 
 
 def open_unit_streams(cache: HierarchicalKVCache, units: torch.Tensor, capacity_units: int) -> list[int]:

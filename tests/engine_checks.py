@@ -24,6 +24,21 @@ def assert_newest_units_written_through(cache) -> None:
             assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
 
 
+def assert_unit_run(engine, base, out, prompt_lengths, new_tokens: int, unit_tokens: int, heavy_eviction: bool):
+    """A hisparse run of a per-KV-head family (units of `unit_tokens` tokens, one sparse layer) against
+    its resident `base`: bitwise equal; each (request, KV head) stream holds every unit its request
+    reached; hits and misses both, and with heavy eviction (B = k) more fetches than units; the newest
+    units written through."""
+    assert_bitwise(base, out)
+    units = [-(-(n + new_tokens - 1) // unit_tokens) for n in prompt_lengths]     # per request, at the end
+    heads = engine.model.config.num_key_value_heads
+    assert engine.cache.stream_len == [u for u in units for _ in range(heads)]   # (request, KV head) streams
+    assert out.hits > 0 and out.misses > 0
+    if heavy_eviction:       # more fetches than units: units were evicted and fetched again
+        assert out.misses > heads * sum(units)
+    assert_newest_units_written_through(engine.cache)
+
+
 def assert_torch_steps_agree(model, ours, prompts, capacity: int, steps: int, device) -> None:
     """Decode `steps - 1` steps with the model's own torch attention (set by the caller) after a
     per-request prefill, feeding `ours`' tokens: each step's logits within 1e-4 of `ours`'."""

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_bitwise, assert_newest_units_written_through, assert_torch_steps_agree
+from engine_checks import assert_torch_steps_agree, assert_unit_run
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
@@ -51,13 +51,7 @@ def resident_run():
 def test_hisparse_is_bitwise_resident(slots_per_k):
     engine = Engine(tiny_model(), "hisparse", cache_slots=slots_per_k * N_SELECT)
     out = engine.generate(prompts(), STEPS)
-    assert_bitwise(resident_run(), out)
-    blocks = [-(-(n + STEPS - 1) // SEL_BLOCK) for n in PROMPT_LENGTHS]       # per request at the end: 9, 2
-    assert engine.cache.stream_len == [b for b in blocks for _ in range(2)]   # (request, KV head) streams
-    assert out.hits > 0 and out.misses > 0
-    if slots_per_k == 1:       # more fetches than blocks: blocks were evicted and fetched again
-        assert out.misses > 2 * sum(blocks)
-    assert_newest_units_written_through(engine.cache)
+    assert_unit_run(engine, resident_run(), out, PROMPT_LENGTHS, STEPS, SEL_BLOCK, heavy_eviction=slots_per_k == 1)
 
 
 def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident():

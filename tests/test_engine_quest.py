@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_bitwise, assert_newest_units_written_through, assert_torch_steps_agree
+from engine_checks import assert_torch_steps_agree, assert_unit_run
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
@@ -50,13 +50,7 @@ def test_hisparse_is_bitwise_resident(family, slots_per_k, new_tokens):
     model, base = tiny_model(family), resident_run(family, new_tokens)
     engine = Engine(model, "hisparse", cache_slots=slots_per_k * K, token_budget=BUDGET)
     out = engine.generate(prompts(), new_tokens)
-    assert_bitwise(base, out)
-    state_pages = [-(-(n + new_tokens - 1) // PAGE) for n in PROMPT_LENGTHS]   # pages per request at the end
-    assert engine.cache.stream_len == [p for p in state_pages for _ in range(2)]   # (request, KV head) streams
-    assert out.hits > 0 and out.misses > 0
-    if slots_per_k == 1:       # more fetches than pages: pages were evicted and fetched again
-        assert out.misses > 2 * sum(state_pages)
-    assert_newest_units_written_through(engine.cache)
+    assert_unit_run(engine, base, out, PROMPT_LENGTHS, new_tokens, PAGE, heavy_eviction=slots_per_k == 1)
 
 
 def test_dense_layers_stay_resident_and_noio_copies_nothing():
