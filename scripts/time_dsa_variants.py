@@ -18,18 +18,27 @@ HEADS, D_V, D_ROPE, K_SEL, POOL = 128, 512, 64, 2048, 32768
 SM_SCALE = 576 ** -0.5
 MMA_FLOPS_PER_S = 790e12
 
-# name -> mla_decode_fused keyword arguments; predicted CTAs per SM from scripts/sass_dsa_variants.py
+# name -> mla_decode_fused keyword arguments. Offline under Triton 3.6 (scripts/sass_dsa_variants.py):
+# registers, KiB of shared memory, CTAs per SM; none spills. The default: 243 regs, 212 KiB, 1 CTA/SM.
 FUSED = {
+    # 242 regs, 108 KiB, 2 CTA/SM: all tile loads asynchronous (s2: some plain loads)
     "fused h64 k16 v2 w4 s3": dict(block_h=64, block_k=16, v_split=2, num_warps=4, num_stages=3, ctas_per_sm=2),
     "fused h64 k16 v2 w4 s2": dict(block_h=64, block_k=16, v_split=2, num_warps=4, num_stages=2, ctas_per_sm=2),
+    # 255 regs, 144 KiB, 1 CTA/SM
     "fused h64 k32 v2 w4 s3": dict(block_h=64, block_k=32, v_split=2, num_warps=4, num_stages=3, ctas_per_sm=1),
+    # 162 / 207 regs, 144 / 216 KiB, 1 CTA/SM; QK^T on both warp groups (HGMMA 74 / 76)
+    "fused h64 k32 v2 w8 s2": dict(block_h=64, block_k=32, v_split=2, num_warps=8, num_stages=2, ctas_per_sm=1),
+    "fused h64 k64 v2 w8 s2": dict(block_h=64, block_k=64, v_split=2, num_warps=8, num_stages=2, ctas_per_sm=1),
+    # 188 / 196 / 215 regs, 180 / 180 / 216 KiB, 1 CTA/SM: one warp group per 64 heads, no duplicated QK^T
     "fused h128 k16 v2 w8 s2": dict(block_h=128, block_k=16, v_split=2, num_warps=8, num_stages=2, ctas_per_sm=1),
     "fused h128 k16 v2 w8 s3": dict(block_h=128, block_k=16, v_split=2, num_warps=8, num_stages=3, ctas_per_sm=1),
     "fused h128 k32 v2 w8 s2": dict(block_h=128, block_k=32, v_split=2, num_warps=8, num_stages=2, ctas_per_sm=1),
+    # 248 / 248 / 255 regs, 144 / 108 / 216 KiB, 1 CTA/SM: chained dots, QK^T on both warp groups
     "fused h64 k32 v1 w8 s3": dict(block_h=64, block_k=32, v_split=1, num_warps=8, num_stages=3, ctas_per_sm=1),
     "fused h64 k16 v1 w8 s3": dict(block_h=64, block_k=16, v_split=1, num_warps=8, num_stages=3, ctas_per_sm=1),
+    "fused h64 k64 v1 w8 s2": dict(block_h=64, block_k=64, v_split=1, num_warps=8, num_stages=2, ctas_per_sm=1),
+    # 255 regs, 55 KiB, 2 CTA/SM: mma.sync (no wgmma below 64 heads)
     "fused h32 k16 v1 w4 s3": dict(block_h=32, block_k=16, v_split=1, num_warps=4, num_stages=3, ctas_per_sm=2),
-    "fused h16 k32 v1 w4 s3": dict(block_h=16, block_k=32, v_split=1, num_warps=4, num_stages=3, ctas_per_sm=2),
 }
 
 
