@@ -150,7 +150,7 @@ def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = Fals
             torch.cuda.empty_cache()
 
 
-def tune(cfg: dict, device: torch.device, batch: int) -> None:
+def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False) -> None:
     """Time every decode configuration at one shape, best last; prints only."""
     gen = torch.Generator(device=device).manual_seed(0)
     heads, k = cfg["heads"], cfg["k"]
@@ -164,7 +164,7 @@ def tune(cfg: dict, device: torch.device, batch: int) -> None:
         try:
             out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            us = time_us(lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config))[0]
+            us = time_us(lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config), cudagraph)[0]
         except Exception as exc:  # a config that does not fit (shared memory, registers) is skipped
             print(f"  {config}: {type(exc).__name__}")
             continue
@@ -251,7 +251,7 @@ def main() -> None:
         raise SystemExit("--cudagraph needs a CUDA GPU")
     cfg = QUICK if args.quick else FULL
     if args.tune:
-        tune(cfg, device, args.tune_batch)
+        tune(cfg, device, args.tune_batch, args.cudagraph)
     elif args.indexer:
         sweep_indexer(cfg, device, args.out)
     else:

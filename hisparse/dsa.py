@@ -182,14 +182,16 @@ class DecodeConfig:
 def default_decode_config(num_heads: int, d_qk: int, dtype: torch.dtype) -> DecodeConfig:
     """Fixed (never autotuned) so that the same shapes always accumulate in the same order.
 
-    bf16 at the model's shape (128 heads, D 576): 64 heads x 32 rows per step, 8 warps (two warp
-    groups), 2 stages: 212 KiB of shared memory, 243 registers, no spills (sm_90a, Triton 3.6 and
-    3.9, compiled offline). float32 (not a GPU target) gets tiles that do not spill either.
+    bf16 at the model's shape (128 heads, D 576): 64 heads x 64 rows per step, 8 warps (two warp
+    groups), 2 stages: 216 KiB of shared memory, 255 registers, no spills under Triton 3.6 (sm_90a,
+    compiled offline; 3.9 spills 216 B). On the H200 at batch 64 it took 151 us where 32-row tiles
+    took 214-216 us (results/gpu_logs/4541a92c0a1b_dsa_decode_variants.txt). float32 (not a GPU
+    target) gets tiles that do not spill.
     """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     if dtype == torch.float32:
         return DecodeConfig(block_h=min(block_h, 32), block_k=16, num_warps=8, num_stages=2)
-    block_k = 32 if d_qk > 256 else 64
+    block_k = 64
     num_warps = 8 if block_h * d_qk > 16384 else 4
     return DecodeConfig(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=2)
 

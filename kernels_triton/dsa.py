@@ -45,34 +45,6 @@ def _indexer_scores_kernel(
 
 
 @triton.jit
-def _mla_tile_logits(b_q_nope, b_q_rope, kv_ptr, p_rows, o_j, end, stride_kv, qk_scale_log2,
-                     D_V: tl.constexpr, D_ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Logits (log2 domain) of one tile of selected rows, -inf where the row is -1 or j >= end; its rows."""
-    b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
-    m_j = b_row >= 0
-    p_kv = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv
-    b_k = tl.load(p_kv + tl.arange(0, D_V)[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_V]
-    b_kr = tl.load(p_kv + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, ROPE]
-    b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
-    b_s = tl.dot(b_q_nope, tl.trans(b_k), b_s, input_precision=DOT_PRECISION)
-    return tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf")), b_row
-
-
-@triton.jit
-def _mla_tile_accumulate(b_s, b_row, b_m, b_l, b_acc, kv_ptr, stride_kv,
-                         D_V: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax step over one tile: logits b_s [BLOCK_H, BLOCK_K], values kv[b_row, :D_V]."""
-    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-    b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no (-inf) - (-inf)
-    b_alpha = tl.exp2(b_m - b_m_safe)
-    b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_K]
-    p_v = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv + tl.arange(0, D_V)[None, :]
-    b_v = tl.load(p_v, mask=(b_row >= 0)[:, None], other=0.0)  # [BLOCK_K, D_V]
-    b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
-    return b_m_new, b_l * b_alpha + tl.sum(b_p, axis=1), b_acc
-
-
-@triton.jit
 def _sparse_mla_decode_kernel(
     q_ptr, kv_ptr, rows_ptr, row_base_ptr, out_ptr, lse_ptr,
     stride_qn, stride_qh, stride_kv, stride_rn, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
@@ -85,15 +57,13 @@ def _sparse_mla_decode_kernel(
 
     Program (head block, n, split) reads rows[n, split*CHUNK : (split+1)*CHUNK] in order, BLOCK_K at a
     time; a row is kv[row_base[n] + row, :D_V + D_ROPE] (row_base 0 without HAS_ROW_BASE), its first
-    D_V values are V; row -1 is skipped. It stores the
-    softmax-normalised output (zeros when no row is valid) and the natural-log sum-exp (-inf then) at
-    split index `split` of out / lse: the final output when there is one split, else a float32 partial
-    that `_sparse_mla_combine_kernel` merges.
-    Each iteration computes the logits of tile j and accumulates tile j-1, carrying the logits through
-    the loop: with no dot downstream of QK^T inside an iteration, Triton splits QK^T over both warp
-    groups instead of computing it twice (once per group, its layout for chained dots), and QK^T of
-    one tile can overlap the softmax of the previous one. The V rows of a tile are re-read (from L2)
-    when it is accumulated, which costs less shared memory and fewer registers than carrying them.
+    D_V values are V; row -1 is skipped. It stores the softmax-normalised output (zeros when no row is
+    valid) and the natural-log sum-exp (-inf then) at split index `split` of out / lse: the final
+    output when there is one split, else a float32 partial that `_sparse_mla_combine_kernel` merges.
+    Each tile of rows is loaded once, by the pipeliner's asynchronous copies (num_stages >= 2), and
+    serves both QK^T and PV. With two warp groups on 64 heads both compute QK^T (the chained dot
+    wants P in each group's registers); measured on the H200 that costs less than a second read of
+    V, and 64-row tiles keep enough bytes in flight to cover the gather's latency.
     """
     i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
     i_n = tl.program_id(1).to(tl.int64)
@@ -101,10 +71,11 @@ def _sparse_mla_decode_kernel(
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_v = tl.arange(0, D_V)
+    o_r = D_V + tl.arange(0, D_ROPE)
     o_k = tl.arange(0, BLOCK_K)
     p_q = q_ptr + i_n * stride_qn + o_h[:, None].to(tl.int64) * stride_qh
     b_q_nope = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_V]
-    b_q_rope = tl.load(p_q + D_V + tl.arange(0, D_ROPE)[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, ROPE]
+    b_q_rope = tl.load(p_q + o_r[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
     p_rows = rows_ptr + i_n * stride_rn
     if HAS_ROW_BASE:     # the request's rows start there: a slot list or token ids need no translation
         kv_ptr += tl.load(row_base_ptr + i_n) * stride_kv
@@ -112,16 +83,25 @@ def _sparse_mla_decode_kernel(
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
-    b_s_prev = tl.full([BLOCK_H, BLOCK_K], float("-inf"), dtype=tl.float32)  # an empty tile
-    b_row_prev = tl.full([BLOCK_K], -1, dtype=tl.int32)
     start = i_s * CHUNK
     end = tl.minimum(start + CHUNK, K_SEL)
-    for j0 in range(start, end + BLOCK_K, BLOCK_K):  # the last iteration only accumulates
-        b_s, b_row = _mla_tile_logits(b_q_nope, b_q_rope, kv_ptr, p_rows, j0 + o_k, end, stride_kv,
-                                      qk_scale_log2, D_V=D_V, D_ROPE=D_ROPE, DOT_PRECISION=DOT_PRECISION)
-        b_m, b_l, b_acc = _mla_tile_accumulate(b_s_prev, b_row_prev, b_m, b_l, b_acc, kv_ptr, stride_kv,
-                                               D_V=D_V, DOT_PRECISION=DOT_PRECISION)
-        b_s_prev, b_row_prev = b_s, b_row
+    for j0 in range(start, end, BLOCK_K):
+        o_j = j0 + o_k
+        b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
+        m_j = b_row >= 0
+        p_kv = kv_ptr + b_row[:, None].to(tl.int64) * stride_kv
+        b_kv = tl.load(p_kv + o_v[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_V]: K, and V
+        b_kr = tl.load(p_kv + o_r[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_ROPE]
+        b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
+        b_s = tl.dot(b_q_nope, tl.trans(b_kv), b_s, input_precision=DOT_PRECISION)
+        b_s = tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf"))  # log2 domain
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no (-inf) - (-inf)
+        b_alpha = tl.exp2(b_m - b_m_safe)
+        b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_K]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = tl.dot(b_p.to(b_kv.dtype), b_kv, b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
+        b_m = b_m_new
 
     m_any = b_l > 0.0
     b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]  # [BLOCK_H, D_V]
