@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    study = dict(kind="decode", model="dsa", layers=args.layers, hidden=1024, workload="dsa_100k")
+    study = dict(_index=0, kind="decode", model="dsa", layers=args.layers, hidden=1024, workload="dsa_100k")
     model = build(study, torch.device("cuda"))
     for mode in args.modes:
         point = dict(mode=mode, context=args.context, workload="dsa_100k",
