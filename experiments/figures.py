@@ -3,8 +3,8 @@
     python -m experiments.figures [--results DIR] [--out DIR]     # default results/, results/figures/
 
 Every figure is written as PNG and PDF. A CSV accumulates runs: each figure plots, per bench, the rows
-of the newest run's commit and GPU (for the sweep's resumable decode and throughput files, the newest
-row of every point on the newest row's GPU), and names them in its title. A figure whose file or metrics are
+of the newest run's commit and GPU (for the files later runs add points to, PER_POINT: the newest row
+of every point on the newest row's GPU), and names them in its title. A figure whose file or metrics are
 not there yet is skipped with one printed line. Figures are built with matplotlib's object API (no
 pyplot, no GUI backend): PNGs are rendered by Agg, PDFs by the PDF backend. Each figure function takes
 a DataFrame of rows and returns a `matplotlib.figure.Figure`, so notebooks can call them too.
@@ -12,6 +12,7 @@ a DataFrame of rows and returns a `matplotlib.figure.Figure`, so notebooks can c
 from __future__ import annotations
 
 import argparse
+import textwrap
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +31,7 @@ MODE_COLORS = {mode: f"C{_LABELS.index(label) % 10}" for mode, label in MODE_LAB
 LINE_STYLES = ("-", "--", ":", "-.")
 DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
 DECODE_KEYS = ("family", "mode", "cache_slots")   # what tells decode lines apart
-PREFETCH_MODEL_KEYS = ("random_layers", "hidden", "intermediate", "prefetch_programs")   # bench_prefetch options
+PREFETCH_MODEL_KEYS = ("random_layers", "hidden", "intermediate")   # bench_prefetch's model options
 ATTENTION_MODES = ("triton", "torch_gather", "dense")
 
 
@@ -57,16 +58,17 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
 RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps",
                "us_p20", "us_p80")
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
-# a few batches or with another timer), read per point rather than per run
-PER_POINT = ("decode.csv", "throughput.csv", "prefetch.csv", "attention.csv")
+# a few batches or with another timer), read per point rather than per run; with what else a rerun
+# of a point may change in that file (the width of bench_prefetch's side-stream copy, a tuning knob)
+PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": ("prefetch_programs",), "attention.csv": ()}
 
 
-def newest_per_point(frame: pd.DataFrame) -> pd.DataFrame:
+def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COLUMNS) -> pd.DataFrame:
     """On the GPU of the newest row, the newest row of every point and metric: a sweep resumed at a
     later commit adds its points to the ones already there, and a rerun replaces a point."""
     stamp = pd.to_datetime(frame["timestamp"], utc=True, format="ISO8601")
     frame = frame[frame["gpu"] == frame.loc[stamp.idxmax(), "gpu"]]
-    point = [c for c in frame.columns if c not in RUN_COLUMNS]
+    point = [c for c in frame.columns if c not in run_columns]
     order = stamp[frame.index].sort_values(kind="stable").index
     return frame.loc[order].drop_duplicates(point, keep="last").sort_index()
 
@@ -74,8 +76,16 @@ def newest_per_point(frame: pd.DataFrame) -> pd.DataFrame:
 def read_results(results: Path, names: tuple[str, ...]) -> pd.DataFrame:
     """The rows of each CSV in `names` that exists under `results`, concatenated: the newest run's
     (`newest`), or for PER_POINT files the newest row of each point (`newest_per_point`)."""
-    frames = [(newest_per_point if name in PER_POINT else newest)(pd.read_csv(results / name))
-              for name in names if (results / name).exists()]
+    frames = []
+    for name in names:
+        if not (results / name).exists():
+            continue
+        frame = pd.read_csv(results / name)
+        if name == "prefetch.csv" and "random_layers" in frame:
+            # runs from before the option had the first anchor select at random: --random-layers 2
+            frame = frame.assign(random_layers=frame["random_layers"].fillna(2))
+        frames.append(newest_per_point(frame, RUN_COLUMNS + PER_POINT[name]) if name in PER_POINT
+                      else newest(frame))
     if not frames:
         raise MissingData(f"{' and '.join(str(results / n) for n in names)} not found")
     return pd.concat(frames, ignore_index=True)
@@ -102,9 +112,12 @@ def without(rows: pd.DataFrame, *columns: str) -> pd.DataFrame:
 
 
 def provenance(rows: pd.DataFrame) -> str:
-    """'GPU, commit C' of every (gpu, commit) pair in `rows`."""
-    pairs = rows[["gpu", "commit"]].drop_duplicates().itertuples(index=False)
-    return "; ".join(f"{gpu}, commit {commit}" for gpu, commit in pairs)
+    """'GPU, commit C' (or 'commits C1, C2') per GPU in `rows`, wrapped to fit a figure's title."""
+    parts = []
+    for gpu, commits in rows.groupby("gpu", sort=False)["commit"]:
+        commits = list(dict.fromkeys(commits))
+        parts.append(f"{gpu}, commit{'s' if len(commits) > 1 else ''} {', '.join(map(str, commits))}")
+    return "\n".join(textwrap.wrap("; ".join(parts), width=110))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,6 +144,10 @@ def describe(column: str, value) -> str:
         return f"context {tokens(value)}"
     if column == "cache_slots":
         return f"B={int(value)}"
+    if column == "layers":
+        return f"{int(value)} layers"
+    if column == "intermediate":
+        return f"MLP {int(value)}"
     if isinstance(value, float) and value.is_integer():
         value = int(value)                    # a column with empty cells reads as floats
     return f"{column} {value}"
@@ -157,7 +174,15 @@ def plot_lines(ax, rows: pd.DataFrame, x: str, keys: tuple[str, ...], marker: st
         ax.plot(line[x], line["value"], marker="o" if single else marker, markersize=8 if single else 3,
                 linewidth=1.5 if marker else 0.8, label=label, **style)
     if keys:
+        place_legend(ax)
+
+
+def place_legend(ax, inside_up_to: int = 4) -> None:
+    """A short legend inside the axes; a longer one below them, where it hides no line."""
+    if len(ax.get_legend_handles_labels()[0]) <= inside_up_to:
         ax.legend(fontsize=7)
+    else:
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
 
 
 def log2_axis(ax, values, labels=str) -> None:
@@ -215,15 +240,17 @@ def tpot_and_throughput(frame: pd.DataFrame) -> Figure:
     """Time per output token and throughput vs batch: resident, hierarchical, with prefetch, no-IO;
     one column per model size (`layers`, when the rows have it) and context."""
     rows = select(frame, ["tpot_ms", "tokens_per_s"], DECODE_MODES)
-    by = [c for c in ("layers", "context") if c in rows and rows[c].notna().any()]
-    panels = list(rows.groupby(by, sort=True)) if by else [((), rows)]
+    by = [c for c in ("layers", "context") + PREFETCH_MODEL_KEYS if c in rows and rows[c].notna().any()]
+    panels = list(rows.groupby(by, sort=True, dropna=False)) if by else [((), rows)]
     fig, axes = new_figure("Time per output token and throughput vs batch", rows, 2, len(panels))
     for col, (key, part) in enumerate(panels):
         values = dict(zip(by, key if isinstance(key, tuple) else (key,)))
-        title = ", ".join(f"{int(v)} layers" if c == "layers" else f"context {tokens(v)}" for c, v in values.items())
+        size = ", ".join(filter(None, (describe(c, values[c]) for c in ("layers", "context") if c in values)))
+        model = ", ".join(filter(None, (describe(c, values[c]) for c in PREFETCH_MODEL_KEYS if c in values)))
+        title = "\n".join(filter(None, (size, model)))
         for ax, metric, label in zip(axes[:, col], ("tpot_ms", "tokens_per_s"), ("ms / token", "tokens / s")):
             mine = part[part["metric"] == metric]
-            plot_lines(ax, mine, "batch", DECODE_KEYS + PREFETCH_MODEL_KEYS)
+            plot_lines(ax, mine, "batch", DECODE_KEYS)
             log2_axis(ax, mine["batch"])
             ax.set(title=title, xlabel="batch", ylabel=label)
     return fig
@@ -246,6 +273,7 @@ def prefetch_hiding(frame: pd.DataFrame) -> Figure:
         ok = rows[at].merge(share[at + ["ok"]], on=at, how="left")["ok"].fillna(True).to_numpy(bool)
         assert len(ok) == len(rows), "one sync and one noio row per point"
         rows = rows[(rows["metric"] != "hidden_frac").to_numpy() | ok]
+    rows = rows[rows["mode"].isin(("sync", "prefetch", "hisparse"))]   # the modes that copy
     fig, axes = new_figure("Layer-wise prefetch: exposed IO and hidden share", rows, 1, 2)
     for ax, metric, label in zip(axes[0], ("exposed_io_ms_per_token", "hidden_frac"),
                                  ("exposed IO (ms / token)", "share of miss IO hidden")):
@@ -253,6 +281,7 @@ def prefetch_hiding(frame: pd.DataFrame) -> Figure:
         plot_lines(ax, mine, "batch", DECODE_KEYS + ("context", "layers", "workload") + PREFETCH_MODEL_KEYS)
         log2_axis(ax, mine["batch"])
         ax.set(xlabel="batch", ylabel=label)
+    axes[0][1].axhline(0.5, color="gray", linewidth=0.8, linestyle=":", gid="reference")   # the target: half hidden
     return fig
 
 

@@ -21,7 +21,9 @@ def frame(bench: str, records: list[dict], **env) -> pd.DataFrame:
 
 
 def lines(ax) -> dict[str, tuple[list, list]]:
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+    """The data lines of an axes by label (reference lines, gid 'reference', left out)."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines
+            if line.get_gid() != "reference"}
 
 
 def decode_frame(modes, metrics, contexts=(8192, 32768), batches=(1, 8)) -> pd.DataFrame:
@@ -249,3 +251,22 @@ def test_the_committed_results_draw(tmp_path, capsys):
     for name, line in zip(figures.FIGURES, out):
         assert line.startswith((f"wrote {tmp_path / name}.png", f"skipped {name}: ")), line
     assert {tmp_path / "policy_miss_rates.pdf", tmp_path / "miss_rate_vs_step.png"} <= set(written)
+
+
+def test_prefetch_rows_read_older_runs_as_random_first_layers_and_newest_copy_width(tmp_path):
+    """bench_prefetch rows without random_layers were runs with a random first anchor (--random-layers 2);
+    a rerun of a point with another side-stream copy width replaces it rather than adding a line."""
+    def run(value, **columns):
+        return [{"mode": "prefetch", "batch": 8, "metric": m, "value": value, **columns}
+                for m in ("tpot_ms", "tokens_per_s")]
+    old = frame("prefetch", run(1.0))
+    capped = frame("prefetch", run(2.0, prefetch_programs=32), commit="beef", timestamp="2026-11-29T13:00:00+00:00")
+    new = frame("prefetch", run(3.0, random_layers=0, prefetch_programs=32), commit="cafe",
+                timestamp="2026-11-29T14:00:00+00:00")
+    pd.concat([old, capped, new]).to_csv(tmp_path / "prefetch.csv", index=False)
+    got = figures.read_results(tmp_path, ("prefetch.csv",)).sort_values("value")
+    assert got["value"].tolist() == [2.0, 2.0, 3.0, 3.0]
+    assert got["random_layers"].tolist() == [2, 2, 0, 0]
+    fig = figures.tpot_and_throughput(got.assign(layers=8, context=32768))
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["8 layers, context 32K\nrandom_layers 0",
+                                                       "8 layers, context 32K\nrandom_layers 2"]
