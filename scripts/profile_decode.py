@@ -42,8 +42,8 @@ def main(argv=None) -> None:
         print(f"== {mode}, batch {args.batch}, context {args.context}: tpot {tpot:.2f} ms; "
               f"{total / 1e3:.1f} ms of kernels in all (prefill and {steps} decode steps)")
         for e in events[:args.top]:
-            print(f"  {e.device_time_total / 1e3:9.2f} ms  {e.count:6d} calls  {e.device_time_total / steps / 1e3:7.3f} "
-                  f"ms/step  {e.key[:90]}")
+            per_step = e.device_time_total / steps / 1e3
+            print(f"  {e.device_time_total / 1e3:9.2f} ms  {e.count:6d} calls  {per_step:7.3f} ms/step  {e.key[:90]}")
         del out
         torch.cuda.empty_cache()
 
