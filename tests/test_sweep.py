@@ -100,3 +100,16 @@ def test_default_config_is_valid():
     sweep.validate(studies)
     h200 = sweep.tomllib.loads((sweep.DEFAULT_CONFIG.parent / "h200.toml").read_text())["study"]
     sweep.validate(h200)
+
+
+def test_the_modes_of_one_context_and_batch_run_back_to_back():
+    """Points compared with each other (noio vs resident within 3%) run one after another."""
+    study = {"kind": "decode", "model": "dsa", "modes": ["resident", "hisparse", "noio"], "contexts": [4096, 32768],
+             "batches": [8, 16], "cache_slots": [2048, 4096]}
+    got = [(p["context"], p["batch"], p["mode"], p["cache_slots"]) for p in sweep.points(study)]
+    assert got[:5] == [(4096, 8, "resident", None), (4096, 8, "hisparse", 2048), (4096, 8, "hisparse", 4096),
+                       (4096, 8, "noio", 2048), (4096, 8, "noio", 4096)]
+    assert len(got) == len(set(got)) == 2 * 2 * 5
+    throughput = dict(study, kind="throughput", kv_budget_gib=24)
+    assert [(p["context"], p["mode"]) for p in sweep.points(throughput)][:5] == [
+        (4096, "resident"), (4096, "hisparse"), (4096, "hisparse"), (4096, "noio"), (4096, "noio")]
