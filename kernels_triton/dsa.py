@@ -61,9 +61,10 @@ def _sparse_mla_decode_kernel(
     valid) and the natural-log sum-exp (-inf then) at split index `split` of out / lse: the final
     output when there is one split, else a float32 partial that `_sparse_mla_combine_kernel` merges.
     Each tile of rows is loaded once, by the pipeliner's asynchronous copies (num_stages >= 2), and
-    serves both QK^T and PV. With two warp groups on 64 heads both compute QK^T (the chained dot
-    wants P in each group's registers); measured on the H200 that costs less than a second read of
-    V, and 64-row tiles keep enough bytes in flight to cover the gather's latency.
+    serves both QK^T and PV. With two warp groups on 64 heads both appear to compute QK^T (the chained
+    dot wants all of P in each group's registers; its SASS holds 76 wgmma where the earlier kernel,
+    which deferred PV by one tile and re-read V, held 42), yet on the H200 this loop with 64-row tiles
+    took 151 us at batch 64 against that kernel's 214 (results/gpu_logs/4541a92c0a1b_*).
     """
     i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
     i_n = tl.program_id(1).to(tl.int64)
