@@ -22,11 +22,16 @@ miss time that prefetch hides: (exposed(sync) - exposed(prefetch)) / shared_io, 
 exposed(sync) x shared layers / layers (every layer moves the same rows: its anchor's plan); it is
 left empty (NaN) when exposed(sync) is under 5% of tpot(noio), within timing noise.
 
-    python -m benchmarks.bench_prefetch [--out DIR] [--quick]
+Prefetch can be timed in several variants in one run (`--prefetch-programs 16 32 64`,
+`--prefetch-priority normal high`: every combination, beside one resident, sync and noio run per
+batch); each prefetch row records its `prefetch_programs` and `prefetch_priority`.
+
+    python -m benchmarks.bench_prefetch [--out DIR] [--quick] [--hidden 7168 --intermediate 18432]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -79,15 +84,22 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
-    ap.add_argument("--prefetch-programs", type=int, default=dsa_runtime.PREFETCH_PROGRAMS,
+    ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[dsa_runtime.PREFETCH_PROGRAMS],
                     help="programs of a prefetch copy (default %(default)s, or HISPARSE_PREFETCH_PROGRAMS): "
-                         "more fetch faster, fewer leave more multiprocessors to the layers it overlaps")
+                         "more fetch faster, fewer leave more multiprocessors to the layers it overlaps; "
+                         "several values time prefetch once per value")
+    ap.add_argument("--prefetch-priority", nargs="+", default=[dsa_runtime.PREFETCH_PRIORITY],
+                    choices=dsa_runtime.PREFETCH_PRIORITIES,
+                    help="the side stream's priority (default %(default)s, or HISPARSE_PREFETCH_PRIORITY); "
+                         "several values time prefetch once per value")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
                     help="how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
     args = ap.parse_args(argv)
-    if args.prefetch_programs < 1:
-        ap.error(f"--prefetch-programs {args.prefetch_programs}: expected a positive integer")
-    dsa_runtime.PREFETCH_PROGRAMS = args.prefetch_programs      # read by each run's attention
+    bad = [n for n in args.prefetch_programs if n < 1]
+    if bad:
+        ap.error(f"--prefetch-programs {bad[0]}: expected a positive integer")
+    # the prefetch runs: one per (programs, priority); the other modes run once per batch
+    variants = list(dict.fromkeys(itertools.product(args.prefetch_programs, args.prefetch_priority)))
     gpu = torch.cuda.is_available() and not args.quick
     if args.quick:
         args.batches, args.context, args.cache_slots, args.steps = [2], 40, 16, 4
@@ -98,46 +110,53 @@ def main(argv=None) -> None:
     k, layers, shared = geometry["index_topk"], len(TYPES), TYPES.count("shared")
     print(f"glm_moe_dsa-like: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
           f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}, "
-          f"{args.prefetch_programs} prefetch programs; on {'GPU' if gpu else 'CPU'}")
-    print(f"{'batch':>5} {'mode':>9} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
+          f"prefetch (programs, priority) {variants}; on {'GPU' if gpu else 'CPU'}")
+    print(f"{'batch':>5} {'mode':>13} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8}")
     for batch in args.batches:
         trace = workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
         prompts = [torch.zeros(args.context, dtype=torch.int64)] * batch
+        runs = [("resident", None), ("sync", None)] + [("prefetch", v) for v in variants] + [("noio", None)]
         tpot, misses = {}, {}
-        for name, (mode, prefetch) in MODES.items():
+        for run in runs:
+            mode, prefetch = MODES[run[0]]
+            if run[1] is not None:       # read when the engine builds its attention
+                dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY = run[1]
             engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
                             prefetch=prefetch, prefill="random")
             out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)
-            tpot[name] = out.decode_s / out.timed_steps * 1e3
-            misses[name] = out.miss_rate
+            tpot[run] = out.decode_s / out.timed_steps * 1e3
+            misses[run] = out.miss_rate
             del engine, out
             release_cached_memory()      # the next mode's host pool must fit
+        sync, noio = tpot[("sync", None)], tpot[("noio", None)]
         rows = []
-        for name in MODES:
-            exposed = tpot[name] - tpot["noio"]
+        for run in runs:
+            name, variant = run
+            exposed = tpot[run] - noio
             hidden = float("nan")
             if name == "prefetch":
-                shared_io = (tpot["sync"] - tpot["noio"]) * shared / layers
+                shared_io = (sync - noio) * shared / layers
                 # a share of copies lost in timing noise means nothing: defined from 5% of the step
-                measurable = tpot["sync"] - tpot["noio"] >= MEASURABLE_IO * tpot["noio"]
-                hidden = (tpot["sync"] - tpot["prefetch"]) / shared_io if measurable else float("nan")
-            metrics = {"tpot_ms": (tpot[name], "ms"), "tokens_per_s": (batch / tpot[name] * 1e3, "tokens/s"),
-                       "exposed_io_ms_per_token": (exposed, "ms"), "miss_rate": (misses[name], "fraction")}
+                measurable = sync - noio >= MEASURABLE_IO * noio
+                hidden = (sync - tpot[run]) / shared_io if measurable else float("nan")
+            metrics = {"tpot_ms": (tpot[run], "ms"), "tokens_per_s": (batch / tpot[run] * 1e3, "tokens/s"),
+                       "exposed_io_ms_per_token": (exposed, "ms"), "miss_rate": (misses[run], "fraction")}
             if name == "prefetch":
                 metrics["hidden_frac"] = (hidden, "fraction")
+            programs, priority = variant or ("", "")
             rows += [dict(bench="prefetch", family="dsa", mode=name, batch=batch, context=args.context, k=k,
                           cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=1152,
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
-                          intermediate=geometry["intermediate_size"],
-                          prefetch_programs=args.prefetch_programs if name == "prefetch" else "",
-                          workload="dsa_100k" if not args.quick else "tiny", random_layers=args.random_layers,
-                          metric=m, value=v, unit=u)
+                          intermediate=geometry["intermediate_size"], prefetch_programs=programs,
+                          prefetch_priority=priority, workload="dsa_100k" if not args.quick else "tiny",
+                          random_layers=args.random_layers, metric=m, value=v, unit=u)
                      for m, (v, u) in metrics.items()]
             row_bytes = (geometry["kv_lora_rank"] + geometry["qk_rope_head_dim"]) * (2 if gpu else 4)
-            floor = misses[name] * k * row_bytes * batch * layers / PINNED_BYTES_PER_S * 1e3
-            print(f"{batch:5d} {name:>9} | {tpot[name]:8.2f} {batch / tpot[name] * 1e3:9.0f} {exposed:13.2f} "
-                  f"{floor:11.2f} {hidden:7.2f} {misses[name]:6.3f} {tpot['noio'] / tpot[name]:8.2f}", flush=True)
+            floor = misses[run] * k * row_bytes * batch * layers / PINNED_BYTES_PER_S * 1e3
+            label = name if variant is None or len(variants) == 1 else f"{name} {programs}{priority[0]}"
+            print(f"{batch:5d} {label:>13} | {tpot[run]:8.2f} {batch / tpot[run] * 1e3:9.0f} {exposed:13.2f} "
+                  f"{floor:11.2f} {hidden:7.2f} {misses[run]:6.3f} {noio / tpot[run]:8.2f}", flush=True)
         append_rows(f"{args.out}/prefetch.csv", rows)
     print("targets: hidden_frac >= 0.5 and prefetch throughput >= 0.85 of noio ('vs noio' column)")
 

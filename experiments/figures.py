@@ -60,7 +60,8 @@ RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_t
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
 # a few batches or with another timer), read per point rather than per run; with what else a rerun
 # of a point may change in that file (the width of bench_prefetch's side-stream copy, a tuning knob)
-PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": ("prefetch_programs",), "attention.csv": ()}
+PREFETCH_VARIANT = {"prefetch_programs": 32, "prefetch_priority": "normal"}   # hisparse.dsa_runtime's defaults
+PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": tuple(PREFETCH_VARIANT), "attention.csv": ()}
 
 
 def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COLUMNS) -> pd.DataFrame:
@@ -73,6 +74,21 @@ def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COL
     return frame.loc[order].drop_duplicates(point, keep="last").sort_index()
 
 
+def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
+    """bench_prefetch's rows as the figures read them: prefetch with the default copy width and stream
+    priority (or from before those were options), the other variants being tuning runs; runs from
+    before `random_layers` had the first anchor select at random, as --random-layers 2 does now."""
+    keep = pd.Series(True, index=frame.index)
+    for column, default in PREFETCH_VARIANT.items():
+        if column in frame:
+            values = frame[column]
+            values = pd.to_numeric(values, errors="coerce") if isinstance(default, int) else values.astype(str)
+            keep &= frame[column].isna() | (values == default)
+    if "random_layers" in frame:
+        frame = frame.assign(random_layers=frame["random_layers"].fillna(2))
+    return frame[keep]
+
+
 def read_results(results: Path, names: tuple[str, ...]) -> pd.DataFrame:
     """The rows of each CSV in `names` that exists under `results`, concatenated: the newest run's
     (`newest`), or for PER_POINT files the newest row of each point (`newest_per_point`)."""
@@ -81,9 +97,8 @@ def read_results(results: Path, names: tuple[str, ...]) -> pd.DataFrame:
         if not (results / name).exists():
             continue
         frame = pd.read_csv(results / name)
-        if name == "prefetch.csv" and "random_layers" in frame:
-            # runs from before the option had the first anchor select at random: --random-layers 2
-            frame = frame.assign(random_layers=frame["random_layers"].fillna(2))
+        if name == "prefetch.csv":
+            frame = default_prefetch_variant(frame)
         frames.append(newest_per_point(frame, RUN_COLUMNS + PER_POINT[name]) if name in PER_POINT
                       else newest(frame))
     if not frames:
@@ -264,8 +279,9 @@ def prefetch_hiding(frame: pd.DataFrame) -> Figure:
     where the in-line copies cost at least 5% of the no-IO step (older rows computed it anyway)."""
     rows = select(frame, ["exposed_io_ms_per_token", "hidden_frac"])
     if "tpot_ms" in set(frame["metric"]):
-        # the point; prefetch_programs is set on prefetch rows alone
-        at = [c for c in frame.columns if c not in RUN_COLUMNS + ("metric", "mode", "cache_slots", "prefetch_programs")]
+        # the point; the prefetch variant is set on prefetch rows alone
+        not_point = RUN_COLUMNS + ("metric", "mode", "cache_slots") + tuple(PREFETCH_VARIANT)
+        at = [c for c in frame.columns if c not in not_point]
         sync = frame[(frame["metric"] == "exposed_io_ms_per_token") & (frame["mode"] == "sync")]
         noio = frame[(frame["metric"] == "tpot_ms") & (frame["mode"] == "noio")]
         share = sync.merge(noio, on=at, suffixes=("", "_noio")).assign(

@@ -29,6 +29,18 @@ from hisparse.runtime import KV_MODES, Rows, cache_bytes, nbytes, stream_counts
 
 __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
 PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
+# the prefetch side stream's priority: "high" lets the copies' programs take a multiprocessor before
+# the next block of the compute they overlap (the captured graph keeps the stream's priority)
+PREFETCH_PRIORITIES = ("normal", "high")
+PREFETCH_PRIORITY = os.environ.get("HISPARSE_PREFETCH_PRIORITY", "normal")
+
+
+def side_stream(priority: str) -> torch.cuda.Stream:
+    """A CUDA stream for the prefetch copies at `priority` ("normal" or "high")."""
+    if priority not in PREFETCH_PRIORITIES:
+        raise ValueError(f"prefetch priority {priority!r}: expected one of {PREFETCH_PRIORITIES}")
+    # torch maps a priority past the device's range to the nearest one it has: -100 is the highest
+    return torch.cuda.Stream(priority=-100 if priority == "high" else 0)
 
 
 @dataclass
@@ -85,7 +97,7 @@ class KernelDsaAttention:
         self.mode = mode
         self.check_values = check_values
         self.shared = shared or {}
-        self.side = torch.cuda.Stream() if prefetch and torch.cuda.is_available() else None
+        self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
         # a copy from pinned host memory needs few programs to keep PCIe busy; more would crowd
         # out the layers it overlaps with
         self.prefetch_programs = PREFETCH_PROGRAMS

@@ -8,7 +8,8 @@
 # RAM grows as it is used (3 s per 8 GiB), so a large host pool then finds it there.
 # ATTENTION_TIMER=cudagraph passes --cudagraph to the attention benchmarks (graph replays, as the
 # decode loop runs them; default do_bench); PREFETCH_ARGS adds options to bench_prefetch (e.g.
-# "--hidden 7168 --intermediate 18432 --batches 32 128"); TUNE=1 first times the resolve variants
+# "--hidden 7168 --intermediate 18432 --batches 32 128 --prefetch-programs 32 128 --prefetch-priority
+# normal high"); TUNE=1 first times the resolve variants
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt.
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail

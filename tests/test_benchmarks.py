@@ -28,3 +28,20 @@ def test_quick_run_writes_its_rows(name, tmp_path):
     rows = pd.read_csv(tmp_path / csv)
     assert metrics <= set(rows.metric), f"{name}: missing {metrics - set(rows.metric)}"
     assert rows.value.notna().any() and (rows.gpu == "cpu").all() and rows.commit.notna().all()
+
+
+def test_prefetch_variants_each_get_their_rows(tmp_path):
+    """Several copy widths and priorities in one run: one prefetch run (and hidden share) per pair."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--out", str(tmp_path),
+                          "--prefetch-programs", "8", "32", "--prefetch-priority", "normal", "high"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "prefetch.csv")
+    hidden = rows[rows.metric == "hidden_frac"]
+    assert sorted(zip(hidden.prefetch_programs, hidden.prefetch_priority)) == [
+        (8, "high"), (8, "normal"), (32, "high"), (32, "normal")]
+    assert sorted(rows[rows.metric == "tpot_ms"]["mode"]) == ["noio"] + ["prefetch"] * 4 + ["resident", "sync"]
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--prefetch-programs", "0"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--prefetch-programs 0: expected a positive integer" in bad.stderr

@@ -175,3 +175,9 @@ def test_replayed_trace_misses_equal_the_simulator():
     fitted = with_anchors(trace, [0, 0, 2])
     out = Engine(glm, "hisparse", cache_slots=k).generate(equal_prompts, new_tokens=25, replay=fitted)
     assert out.misses_per_step == simulate_trace(fitted, "lru", k).misses.sum(1).tolist()
+
+
+def test_prefetch_priority_is_checked_before_a_stream_is_made():
+    from hisparse import dsa_runtime
+    with pytest.raises(ValueError, match=r"prefetch priority 'urgent': expected one of \('normal', 'high'\)"):
+        dsa_runtime.side_stream("urgent")

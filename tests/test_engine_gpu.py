@@ -4,6 +4,7 @@ give bitwise-equal logits and tokens over 64 decode steps, eager and graph-repla
 import pytest
 import torch
 
+from hisparse import dsa_runtime
 from hisparse.engine import Engine
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
@@ -45,9 +46,11 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
     assert runs["hisparse-B=k"].kv_bytes_per_request < base.kv_bytes_per_request
 
 
-def test_prefetch_bitwise_with_shared_layers_graphed():
-    """glm_moe_dsa with shared layers: prefetch on (side stream, inside the CUDA graph), off, and
-    resident give bitwise-equal logits and tokens."""
+@pytest.mark.parametrize("priority", dsa_runtime.PREFETCH_PRIORITIES)
+def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
+    """glm_moe_dsa with shared layers: prefetch on (side stream of either priority, inside the CUDA
+    graph), off, and resident give bitwise-equal logits and tokens."""
+    monkeypatch.setattr(dsa_runtime, "PREFETCH_PRIORITY", priority)
     types = ["full", "shared", "shared", "full", "shared"]
     m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=5,
                                           first_k_dense_replace=5, indexer_types=types)))

@@ -255,7 +255,8 @@ def test_the_committed_results_draw(tmp_path, capsys):
 
 def test_prefetch_rows_read_older_runs_as_random_first_layers_and_newest_copy_width(tmp_path):
     """bench_prefetch rows without random_layers were runs with a random first anchor (--random-layers 2);
-    a rerun of a point with another side-stream copy width replaces it rather than adding a line."""
+    the figures show prefetch with the default copy width and priority (or rows from before those
+    options), a later run of that variant replacing an earlier one; other variants are tuning runs."""
     def run(value, **columns):
         return [{"mode": "prefetch", "batch": 8, "metric": m, "value": value, **columns}
                 for m in ("tpot_ms", "tokens_per_s")]
@@ -263,8 +264,12 @@ def test_prefetch_rows_read_older_runs_as_random_first_layers_and_newest_copy_wi
     capped = frame("prefetch", run(2.0, prefetch_programs=32), commit="beef", timestamp="2026-11-29T13:00:00+00:00")
     new = frame("prefetch", run(3.0, random_layers=0, prefetch_programs=32), commit="cafe",
                 timestamp="2026-11-29T14:00:00+00:00")
-    pd.concat([old, capped, new]).to_csv(tmp_path / "prefetch.csv", index=False)
-    got = figures.read_results(tmp_path, ("prefetch.csv",)).sort_values("value")
+    tuning = frame("prefetch", run(4.0, random_layers=0, prefetch_programs=128, prefetch_priority="normal"),
+                   commit="cafe", timestamp="2026-11-29T14:00:00+00:00")
+    high = frame("prefetch", run(5.0, random_layers=0, prefetch_programs=32, prefetch_priority="high"),
+                 commit="cafe", timestamp="2026-11-29T14:00:00+00:00")
+    pd.concat([old, capped, new, tuning, high]).to_csv(tmp_path / "prefetch.csv", index=False)
+    got = figures.read_results(tmp_path, ("prefetch.csv",)).sort_values("value")   # the default variant only
     assert got["value"].tolist() == [2.0, 2.0, 3.0, 3.0]
     assert got["random_layers"].tolist() == [2, 2, 0, 0]
     fig = figures.tpot_and_throughput(got.assign(layers=8, context=32768))
