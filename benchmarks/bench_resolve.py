@@ -12,6 +12,15 @@ the median replay time over S is the time per call. No-IO runs the same graph wi
 
     python -m benchmarks.bench_resolve                 # the full H200 sweep
     python -m benchmarks.bench_resolve --quick         # a tiny run (also on the CPU interpreter)
+    python -m benchmarks.bench_resolve --decode-like   # probe-and-scan as a decode step meets it
+
+`--decode-like` times the no-IO call where the sweep is kind to it, against how the decode loop
+calls it (rows in OUT/resolve_layers.csv): there, L layers' streams take turns within a step, so
+each call finds its streams' LRU order and unit -> slot map as the previous step left them, with
+the other L - 1 layers' calls in between (and their state through L2), and each stream's units are
+spread over its whole context (32K rows) rather than the h + B + k the sweep needs. Points: batch
+8, 16 and 64, k = 2048, B = 4096, the three miss rates; at 1 layer with the sweep's context, at 1
+layer over 32K, and at 61 layers (DeepSeek's count) over 32K.
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ class Point:
     target_miss: float
     row_bytes: int
     sort_plan: bool = False     # fetch in host-address order (costs a sort of k keys per call)
+    min_context: int = 0        # spread each stream's units over at least this many rows
 
     @property
     def cold(self) -> int:
@@ -51,7 +61,7 @@ class Point:
 
     @property
     def context(self) -> int:
-        return (self.k - self.cold) + self.cache_slots + self.k
+        return max(self.min_context, (self.k - self.cold) + self.cache_slots + self.k)
 
 
 def sweep(quick: bool) -> list[Point]:
@@ -136,6 +146,76 @@ def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
     return result
 
 
+def time_decode_like(p: Point, layers: int, device, reps: int) -> dict:
+    """Median no-IO microseconds per call with `layers` layers' streams taking turns, as in a decode
+    step: one state of layers x batch streams, layer l's calls on streams [l*batch, (l+1)*batch)."""
+    num_streams = layers * p.batch
+    host = torch.zeros(1, 8, dtype=torch.float16, device=device)     # never read without IO
+    cache = torch.empty(num_streams, p.cache_slots + 1, 8, dtype=torch.float16, device=device)
+    state = CacheState.empty(num_streams, p.cache_slots, num_streams * p.context, device)
+    state.host_base.copy_(torch.arange(num_streams, device=device) * p.context)
+    streams = [torch.arange(layer * p.batch, (layer + 1) * p.batch, dtype=torch.int32, device=device)
+               for layer in range(layers)]
+    works = [Workload(p, device, seed=layer) for layer in range(layers)]
+
+    def next_sels() -> torch.Tensor:
+        return torch.stack([w.next(STEPS_PER_GRAPH) for w in works], dim=1)      # [steps, L, N, k]
+
+    sels = next_sels()
+
+    def run():
+        return [resolve(state, streams[layer], sels[i, layer], host, cache, fetch=False)
+                for i in range(STEPS_PER_GRAPH) for layer in range(layers)]
+
+    outs = run()                            # warm-up: compiles, and fills the hot units
+    times = []
+    graph = torch.cuda.CUDAGraph() if device.type == "cuda" else None
+    if graph is not None:
+        with torch.cuda.graph(graph):
+            outs = run()
+    for _ in range(reps):
+        sels.copy_(next_sels())
+        if graph is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / (STEPS_PER_GRAPH * layers))
+        else:
+            t0 = time.perf_counter()
+            outs = run()
+            times.append((time.perf_counter() - t0) * 1e6 / (STEPS_PER_GRAPH * layers))
+    counts = torch.stack([o.counts for o in outs]).sum((0, 1)).tolist()
+    return {"noio_us": statistics.median(times), "miss_rate": counts[1] / max(1, counts[0] + counts[1])}
+
+
+def decode_like(quick: bool) -> list[tuple[Point, int]]:
+    """(point, layers) of `--decode-like` (see the module docstring)."""
+    if quick:
+        return [(Point(2, 16, 32, m, 16, min_context=c), layers)
+                for m in (0.25, 1.0) for c, layers in ((0, 1), (256, 1), (256, 3))]
+    return [(Point(b, 2048, 4096, m, 1152, min_context=c), layers)
+            for b, m in itertools.product((8, 16, 64), (0.001, 0.2, 1.0))
+            for c, layers in ((0, 1), (32768, 1), (32768, 61))]
+
+
+def run_decode_like(args, device) -> None:
+    reps = args.reps or (2 if args.quick else 10)
+    print(f"{'batch':>5} {'miss':>6} {'context':>8} {'layers':>6} | {'noio us':>8}", flush=True)
+    for i, (p, layers) in enumerate(decode_like(args.quick)):
+        r = time_decode_like(p, layers, device, reps)
+        params = dict(bench="resolve_layers", family="", mode="noio", batch=p.batch, context=p.context, k=p.k,
+                      cache_slots=p.cache_slots, unit_bytes="", target_miss=p.target_miss, layers=layers)
+        append_rows(f"{args.out}/resolve_layers.csv",
+                    [{**params, "metric": "noio_us", "value": r["noio_us"], "unit": "us"},
+                     {**params, "metric": "miss_rate", "value": r["miss_rate"], "unit": "fraction"}])
+        print(f"{p.batch:5d} {r['miss_rate']:6.3f} {p.context:8d} {layers:6d} | {r['noio_us']:8.1f}   "
+              f"[{i + 1}/{len(decode_like(args.quick))}]", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def rows_for(p: Point, r: dict) -> list[dict]:
     # the copy's share of the call; not measurable when it drowns in timing noise
     io_us = r["total_us"] - r["noio_us"]
@@ -167,8 +247,13 @@ def main(argv=None):
     ap.add_argument("--out", default="results", help="folder for resolve.csv (default: results)")
     ap.add_argument("--quick", action="store_true", help="a tiny sweep, also runs on the CPU interpreter")
     ap.add_argument("--reps", type=int, default=None, help="graph replays per point (default 20, quick 2)")
+    ap.add_argument("--decode-like", action="store_true",
+                    help="time no-IO calls as the decode loop makes them instead (resolve_layers.csv)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.decode_like:
+        run_decode_like(args, device)
+        return
     points = sweep(args.quick)
     reps = args.reps or (2 if args.quick else 20)
     # one pinned pool for the whole sweep, sized for the largest point, viewed per row size

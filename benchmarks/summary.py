@@ -51,7 +51,22 @@ def attention_lines(frame: pd.DataFrame) -> list[str]:
     return lines
 
 
-SUMMARIES = {"resolve.csv": resolve_lines, "attention.csv": attention_lines}
+def resolve_layers_lines(frame: pd.DataFrame) -> list[str]:
+    """bench_resolve --decode-like: the no-IO call as the sweep times it, and as a decode step meets it."""
+    f = latest(frame)
+    noio = f[f.metric == "noio_us"].pivot_table(index=["batch", "target_miss"], columns=["layers", "context"],
+                                                values="value")
+    lines = []
+    for (batch, miss), times in noio.iterrows():
+        shown = ", ".join(f"{us:.1f} ({layers} layer{'s' if layers > 1 else ''}, context "
+                          f"{f'{context // 1024}K' if context >= 1024 else context})"
+                          for (layers, context), us in times.dropna().items())
+        lines.append(f"resolve noio_us decode-like, batch {batch}, miss {miss:.1%}: {shown}")
+    return lines
+
+
+SUMMARIES = {"resolve.csv": resolve_lines, "resolve_layers.csv": resolve_layers_lines,
+             "attention.csv": attention_lines}
 
 
 def main(folder: str) -> None:

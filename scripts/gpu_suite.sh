@@ -9,7 +9,7 @@
 # ATTENTION_TIMER=cudagraph passes --cudagraph to the attention benchmarks (graph replays, as the
 # decode loop runs them; default do_bench); PREFETCH_ARGS adds options to bench_prefetch (e.g.
 # "--hidden 7168 --intermediate 18432 --batches 32 128 --prefetch-programs 32 128 --prefetch-priority
-# normal high"); TUNE=1 first times the resolve variants
+# normal high"); RESOLVE_ARGS likewise to bench_resolve (e.g. "--decode-like"); TUNE=1 first times the resolve variants
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt.
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
@@ -46,6 +46,7 @@ for b in "${benches[@]}"; do
   extra=()
   if [[ "$b" == attention_* && "${ATTENTION_TIMER:-do_bench}" == cudagraph ]]; then extra=(--cudagraph); fi
   if [[ "$b" == prefetch ]]; then read -r -a extra <<< "${PREFETCH_ARGS:-}"; fi
+  if [[ "$b" == resolve ]]; then read -r -a extra <<< "${RESOLVE_ARGS:-}"; fi
   timeout "${BENCH_TIMEOUT:-300}" python3 -m "benchmarks.bench_$b" --out "$OUT" "${extra[@]}" 2>&1 | tee -a "$log" || status=1
 done
 python3 -m benchmarks.summary "$OUT" 2>&1 | tee -a "$log"

@@ -45,3 +45,17 @@ def test_prefetch_variants_each_get_their_rows(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--prefetch-programs", "0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--prefetch-programs 0: expected a positive integer" in bad.stderr
+
+
+def test_resolve_decode_like_points_keep_their_miss_rates(tmp_path):
+    """--decode-like: layers' streams taking turns in one state, units spread over a longer context;
+    the workload's exact miss rate holds at every point."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_resolve", "--quick", "--decode-like",
+                          "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "resolve_layers.csv")
+    assert sorted(set(zip(rows.layers, rows.context))) == [(1, 48), (1, 60), (1, 256), (3, 256)]
+    misses = rows[rows.metric == "miss_rate"]
+    assert (misses.value - misses.target_miss).abs().max() < 1e-9
+    assert (rows[rows.metric == "noio_us"].value > 0).all()
