@@ -159,8 +159,12 @@ def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False) -
     flops, nbytes = work(batch, heads, k)
     roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
     results = []
-    for bh, bk, warps, stages in itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
-        config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
+    # the fused loop over a grid of tiles; the deferred one where 64 heads x 8 warps fit it
+    grid = [(bh, bk, warps, stages, False) for bh, bk, warps, stages in
+            itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3))]
+    grid += [(64, bk, 8, stages, True) for bk, stages in itertools.product((16, 32), (2, 3))]
+    for bh, bk, warps, stages, defer_pv in grid:
+        config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages, defer_pv=defer_pv)
         try:
             out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()

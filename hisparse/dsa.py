@@ -16,6 +16,7 @@ Every `*_ref` function is the plain-torch definition the kernels are tested agai
 from __future__ import annotations
 
 import warnings
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -164,11 +165,13 @@ def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tenso
 
 @dataclass(slots=True, frozen=True)
 class DecodeConfig:
-    """Tile sizes and launch shape of `_sparse_mla_decode_kernel`."""
+    """Tile sizes, loop shape (`defer_pv`: a tile's PV one iteration after its QK^T, see the
+    kernel) and launch shape of `_sparse_mla_decode_kernel`."""
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
+    defer_pv: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_k"):
@@ -199,9 +202,9 @@ def default_decode_config(num_heads: int, d_qk: int, dtype: torch.dtype) -> Deco
 def _smaller_config(config: DecodeConfig) -> DecodeConfig | None:
     """The next configuration to try when one does not fit the GPU's shared memory or registers."""
     if config.block_k > 16:
-        return DecodeConfig(config.block_h, config.block_k // 2, config.num_warps, config.num_stages)
+        return dataclasses.replace(config, block_k=config.block_k // 2)
     if config.block_h > 16:
-        return DecodeConfig(config.block_h // 2, config.block_k, config.num_warps, config.num_stages)
+        return dataclasses.replace(config, block_h=config.block_h // 2)
     return None
 
 
@@ -316,7 +319,7 @@ def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: Decode
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
         split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
         h, k, chunk, sm_scale * 1.4426950408889634,
-        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, DEFER_PV=cfg.defer_pv,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

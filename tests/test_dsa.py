@@ -3,6 +3,7 @@
 CPU tests run the kernels through Triton's interpreter on small odd shapes (float16/float32, fp8
 keys too: the interpreter handles them); GPU tests check bf16 at the model's shapes.
 """
+import dataclasses
 import math
 import os
 import re
@@ -121,6 +122,8 @@ DECODE_CASES = [
     pytest.param(2, 27, 512, 64, 113, 27, id="N2-H27-dv512-rope64-R113-k27"),
 ]
 SMALL_TILES = dsa.DecodeConfig(block_h=16, block_k=16, num_warps=4, num_stages=1)
+LOOPS = [pytest.param(SMALL_TILES, id="fused"),
+         pytest.param(dataclasses.replace(SMALL_TILES, defer_pv=True), id="deferred")]
 
 
 def decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen):
@@ -129,13 +132,14 @@ def decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen):
     return q, kv, random_rows(n, k, r, gen)
 
 
+@pytest.mark.parametrize("config", LOOPS)
 @pytest.mark.parametrize("splits", [1, 3, 4], ids=["splits1", "splits3", "splits4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("n, h, d_v, d_rope, r, k", DECODE_CASES)
-def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, nan_empty):
+def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, config, nan_empty):
     gen = torch.Generator().manual_seed(5)
     q, kv, rows = decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen)
-    out, lse = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=d_v, num_splits=splits, config=SMALL_TILES)
+    out, lse = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=d_v, num_splits=splits, config=config)
     ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=d_v)
     assert out.dtype == dtype and out.shape == (n, h, d_v) and lse.shape == (n, h)
     assert rel_err(out, ref_out) < TOL[dtype]
@@ -179,13 +183,14 @@ def build_resident_and_hot(streams, units, slots, k, d, dtype, gen):
     return pool.view(-1, d), rows_res, cache.view(-1, d), rows_hot
 
 
+@pytest.mark.parametrize("config", LOOPS)
 @pytest.mark.parametrize("splits", [1, 2], ids=["splits1", "splits2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits):
+def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits, config):
     gen = torch.Generator().manual_seed(7)
     kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(3, 97, 61, 37, 80, dtype, gen)
     q = torch.randn(3, 5, 80, generator=gen).to(dtype)
-    args = dict(d_v=64, num_splits=splits, config=SMALL_TILES)
+    args = dict(d_v=64, num_splits=splits, config=config)
     out_res, lse_res = dsa.sparse_mla_decode(q, kv_res, rows_res, DSV32_SCALE, **args)
     out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot, rows_hot, DSV32_SCALE, **args)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
@@ -312,9 +317,15 @@ def test_decode_kernel_compiles_for_hopper_within_registers():
 # GPU: bf16 at the model's shapes (128 heads, k = 2048, 32K and 128K contexts)
 # ---------------------------------------------------------------------------------------------
 
+# the deferred loop at the tiles that fit it (scripts/sass_dsa.py --block-k 32 --defer-pv), beside the default
+GPU_LOOPS = [pytest.param(None, id="default"),
+             pytest.param(dsa.DecodeConfig(64, 32, 8, 2, defer_pv=True), id="deferred")]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_LOOPS)
 @pytest.mark.parametrize("context", [32768, 131072], ids=["ctx32K", "ctx128K"])
-def test_gpu_sparse_mla_decode_real_shapes(context):
+def test_gpu_sparse_mla_decode_real_shapes(context, config):
     gen = torch.Generator(device="cuda").manual_seed(10)
     n, h, k = 4, 128, 2048
     kv = torch.randn(n * context, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -325,21 +336,22 @@ def test_gpu_sparse_mla_decode_real_shapes(context):
     rows[2] = -1  # a request with nothing selected
     ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
     for splits in (None, 1, 7):
-        out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits)
+        out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits, config=config)
         assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
         assert rel_err(lse, ref_lse) < 1e-4, f"num_splits={splits}"
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_LOOPS)
 @pytest.mark.parametrize("batch", [2, 64], ids=["N2-split", "N64"])
-def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch):
+def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch, config):
     gen = torch.Generator().manual_seed(11)
     kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(batch, 8192, 4096, 2048, 576, torch.bfloat16,
                                                                 gen)
     q = torch.randn(batch, 128, 576, generator=gen).to(torch.bfloat16).cuda()
-    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE)
-    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE)
+    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE, config=config)
+    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, config=config)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
 
 
