@@ -65,8 +65,33 @@ def resolve_layers_lines(frame: pd.DataFrame) -> list[str]:
     return lines
 
 
+def as_read(value):
+    """A CSV value as written: a column with empty cells reads its integers back as floats."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def prefetch_lines(frame: pd.DataFrame) -> list[str]:
+    """Per batch and prefetch variant: the share of the shared layers' miss time hidden, and prefetch's
+    throughput over the no-IO oracle's."""
+    f = latest(frame)
+    tpot = f[f.metric == "tpot_ms"]
+    noio = tpot[tpot["mode"] == "noio"].set_index("batch")["value"]
+    variant = [c for c in ("prefetch_programs", "prefetch_priority") if c in f]
+    lines = []
+    for _, row in tpot[tpot["mode"] == "prefetch"].iterrows():
+        at = (f.metric == "hidden_frac") & (f["mode"] == "prefetch") & (f.batch == row.batch)
+        for c in variant:
+            at &= f[c].astype(str) == str(row[c])
+        hidden = f.loc[at, "value"]
+        named = ", ".join(f"{c.removeprefix('prefetch_')} {as_read(row[c])}" for c in variant if pd.notna(row[c]))
+        lines.append(f"prefetch batch {row.batch}{f' ({named})' if named else ''}: hidden "
+                     f"{hidden.iloc[0] if len(hidden) else float('nan'):.2f} (target >= 0.5), "
+                     f"{noio.get(row.batch, float('nan')) / row.value:.2f} of noio (target >= 0.85)")
+    return lines
+
+
 SUMMARIES = {"resolve.csv": resolve_lines, "resolve_layers.csv": resolve_layers_lines,
-             "attention.csv": attention_lines}
+             "attention.csv": attention_lines, "prefetch.csv": prefetch_lines}
 
 
 def main(folder: str) -> None:

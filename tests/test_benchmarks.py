@@ -59,3 +59,18 @@ def test_resolve_decode_like_points_keep_their_miss_rates(tmp_path):
     misses = rows[rows.metric == "miss_rate"]
     assert (misses.value - misses.target_miss).abs().max() < 1e-9
     assert (rows[rows.metric == "noio_us"].value > 0).all()
+
+
+def test_summary_prefetch_lines_name_each_variant_beside_its_targets():
+    from benchmarks import summary
+
+    def row(mode, metric, value, **variant):
+        return dict(bench="prefetch", mode=mode, batch=32, metric=metric, value=value, commit="c", **variant)
+    frame = pd.DataFrame([row("noio", "tpot_ms", 5.0), row("sync", "tpot_ms", 8.0),
+                          row("prefetch", "tpot_ms", 6.0, prefetch_programs=32.0, prefetch_priority="high"),
+                          row("prefetch", "hidden_frac", 0.6, prefetch_programs=32.0, prefetch_priority="high"),
+                          row("prefetch", "tpot_ms", 6.25, prefetch_programs=128.0, prefetch_priority="high"),
+                          row("prefetch", "hidden_frac", 0.4, prefetch_programs=128.0, prefetch_priority="high")])
+    assert summary.prefetch_lines(frame) == [
+        "prefetch batch 32 (programs 32, priority high): hidden 0.60 (target >= 0.5), 0.83 of noio (target >= 0.85)",
+        "prefetch batch 32 (programs 128, priority high): hidden 0.40 (target >= 0.5), 0.80 of noio (target >= 0.85)"]
