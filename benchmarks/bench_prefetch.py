@@ -31,6 +31,7 @@ batch); each prefetch row records its `prefetch_programs` and `prefetch_priority
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 
@@ -74,6 +75,18 @@ def workload(context: int, steps: int, k: int, batch: int, quick: bool, random_l
     return with_anchors(repeat_request(generate(cfg), batch), anchors)
 
 
+@contextlib.contextmanager
+def prefetch_variant(programs: int, priority: str):
+    """dsa_runtime's prefetch copy width and side-stream priority (read when an engine builds its
+    attention) set for the block, and put back after it."""
+    saved = dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY
+    dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY = programs, priority
+    try:
+        yield
+    finally:
+        dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY = saved
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results", help="folder for prefetch.csv (default: results)")
@@ -85,12 +98,14 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
     ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[dsa_runtime.PREFETCH_PROGRAMS],
-                    help="programs of a prefetch copy (default %(default)s, or HISPARSE_PREFETCH_PROGRAMS): "
+                    help=f"programs of a prefetch copy (default {dsa_runtime.PREFETCH_PROGRAMS}, or "
+                         "HISPARSE_PREFETCH_PROGRAMS): "
                          "more fetch faster, fewer leave more multiprocessors to the layers it overlaps; "
                          "several values time prefetch once per value")
     ap.add_argument("--prefetch-priority", nargs="+", default=[dsa_runtime.PREFETCH_PRIORITY],
                     choices=dsa_runtime.PREFETCH_PRIORITIES,
-                    help="the side stream's priority (default %(default)s, or HISPARSE_PREFETCH_PRIORITY); "
+                    help=f"the side stream's priority (default {dsa_runtime.PREFETCH_PRIORITY}, or "
+                         "HISPARSE_PREFETCH_PRIORITY); "
                          "several values time prefetch once per value")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
                     help="how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
@@ -111,7 +126,7 @@ def main(argv=None) -> None:
     print(f"glm_moe_dsa-like: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
           f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}, "
           f"prefetch (programs, priority) {variants}; on {'GPU' if gpu else 'CPU'}")
-    print(f"{'batch':>5} {'mode':>13} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
+    print(f"{'batch':>5} {'mode':>18} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8}")
     for batch in args.batches:
         trace = workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
@@ -120,11 +135,10 @@ def main(argv=None) -> None:
         tpot, misses = {}, {}
         for run in runs:
             mode, prefetch = MODES[run[0]]
-            if run[1] is not None:       # read when the engine builds its attention
-                dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY = run[1]
-            engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
-                            prefetch=prefetch, prefill="random")
-            out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)
+            with prefetch_variant(*(run[1] or (dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY))):
+                engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
+                                prefetch=prefetch, prefill="random")
+                out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)
             tpot[run] = out.decode_s / out.timed_steps * 1e3
             misses[run] = out.miss_rate
             del engine, out
@@ -154,8 +168,8 @@ def main(argv=None) -> None:
                      for m, (v, u) in metrics.items()]
             row_bytes = (geometry["kv_lora_rank"] + geometry["qk_rope_head_dim"]) * (2 if gpu else 4)
             floor = misses[run] * k * row_bytes * batch * layers / PINNED_BYTES_PER_S * 1e3
-            label = name if variant is None or len(variants) == 1 else f"{name} {programs}{priority[0]}"
-            print(f"{batch:5d} {label:>13} | {tpot[run]:8.2f} {batch / tpot[run] * 1e3:9.0f} {exposed:13.2f} "
+            label = name if variant is None or len(variants) == 1 else f"{name} {programs}/{priority}"
+            print(f"{batch:5d} {label:>18} | {tpot[run]:8.2f} {batch / tpot[run] * 1e3:9.0f} {exposed:13.2f} "
                   f"{floor:11.2f} {hidden:7.2f} {misses[run]:6.3f} {noio / tpot[run]:8.2f}", flush=True)
         append_rows(f"{args.out}/prefetch.csv", rows)
     print("targets: hidden_frac >= 0.5 and prefetch throughput >= 0.85 of noio ('vs noio' column)")

@@ -203,7 +203,8 @@ def decode_like(quick: bool) -> list[tuple[Point, int]]:
 def run_decode_like(args, device) -> None:
     reps = args.reps or (2 if args.quick else 10)
     print(f"{'batch':>5} {'miss':>6} {'context':>8} {'layers':>6} | {'noio us':>8}", flush=True)
-    for i, (p, layers) in enumerate(decode_like(args.quick)):
+    points = decode_like(args.quick)
+    for i, (p, layers) in enumerate(points):
         r = time_decode_like(p, layers, device, reps)
         params = dict(bench="resolve_layers", family="", mode="noio", batch=p.batch, context=p.context, k=p.k,
                       cache_slots=p.cache_slots, unit_bytes="", target_miss=p.target_miss, layers=layers)
@@ -211,7 +212,7 @@ def run_decode_like(args, device) -> None:
                     [{**params, "metric": "noio_us", "value": r["noio_us"], "unit": "us"},
                      {**params, "metric": "miss_rate", "value": r["miss_rate"], "unit": "fraction"}])
         print(f"{p.batch:5d} {r['miss_rate']:6.3f} {p.context:8d} {layers:6d} | {r['noio_us']:8.1f}   "
-              f"[{i + 1}/{len(decode_like(args.quick))}]", flush=True)
+              f"[{i + 1}/{len(points)}]", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -246,7 +247,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results", help="folder for resolve.csv (default: results)")
     ap.add_argument("--quick", action="store_true", help="a tiny sweep, also runs on the CPU interpreter")
-    ap.add_argument("--reps", type=int, default=None, help="graph replays per point (default 20, quick 2)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="graph replays per point (default 20, --decode-like 10, --quick 2)")
     ap.add_argument("--decode-like", action="store_true",
                     help="time no-IO calls as the decode loop makes them instead (resolve_layers.csv)")
     args = ap.parse_args(argv)

@@ -71,22 +71,26 @@ def as_read(value):
 
 
 def prefetch_lines(frame: pd.DataFrame) -> list[str]:
-    """Per batch and prefetch variant: the share of the shared layers' miss time hidden, and prefetch's
-    throughput over the no-IO oracle's."""
+    """Per point (batch and model) and prefetch variant: the share of the shared layers' miss time
+    hidden, and prefetch's throughput over the no-IO oracle's at the same point."""
     f = latest(frame)
-    tpot = f[f.metric == "tpot_ms"]
-    noio = tpot[tpot["mode"] == "noio"].set_index("batch")["value"]
+    point = [c for c in ("batch", "context", "layers", "hidden", "intermediate", "random_layers") if c in f]
     variant = [c for c in ("prefetch_programs", "prefetch_priority") if c in f]
+    tpot = f[f.metric == "tpot_ms"]
+    noio = tpot.loc[tpot["mode"] == "noio", point + ["value"]].rename(columns={"value": "noio"})
+    hidden = f.loc[(f["mode"] == "prefetch") & (f.metric == "hidden_frac"), point + variant + ["value"]]
+    table = (tpot.loc[tpot["mode"] == "prefetch", point + variant + ["value"]]
+             .merge(noio, on=point, how="left")
+             .merge(hidden.rename(columns={"value": "hidden_frac"}), on=point + variant, how="left"))
+    varying = [c for c in point[1:] if table[c].nunique(dropna=False) > 1]   # several models in one run
     lines = []
-    for _, row in tpot[tpot["mode"] == "prefetch"].iterrows():
-        at = (f.metric == "hidden_frac") & (f["mode"] == "prefetch") & (f.batch == row.batch)
-        for c in variant:
-            at &= f[c].astype(str) == str(row[c])
-        hidden = f.loc[at, "value"]
-        named = ", ".join(f"{c.removeprefix('prefetch_')} {as_read(row[c])}" for c in variant if pd.notna(row[c]))
-        lines.append(f"prefetch batch {row.batch}{f' ({named})' if named else ''}: hidden "
-                     f"{hidden.iloc[0] if len(hidden) else float('nan'):.2f} (target >= 0.5), "
-                     f"{noio.get(row.batch, float('nan')) / row.value:.2f} of noio (target >= 0.85)")
+    for _, row in table.iterrows():
+        named = [f"{c.removeprefix('prefetch_')} {as_read(row[c])}" for c in variant if pd.notna(row[c])]
+        named = [f"{c} {as_read(row[c])}" for c in varying if pd.notna(row[c])] + named
+        label = " (" + ", ".join(named) + ")" if named else ""
+        lines.append(f"prefetch batch {as_read(row.batch)}{label}: "
+                     f"hidden {row.hidden_frac:.2f} (target >= 0.5), {row.noio / row.value:.2f} of noio "
+                     f"(target >= 0.85)")
     return lines
 
 

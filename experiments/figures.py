@@ -174,6 +174,7 @@ def plot_lines(ax, rows: pd.DataFrame, x: str, keys: tuple[str, ...], marker: st
     that vary appear in the labels. With `by_mode` a mode keeps its colour in every figure and the
     other keys change the line style. A line of one point gets a larger marker."""
     keys = [k for k in keys if k in rows and rows[k].nunique(dropna=False) > 1]
+    only_mode = rows["mode"].iloc[0] if "mode" in rows and rows["mode"].nunique() == 1 else None
     points = rows.groupby(keys + [x], dropna=False)["value"].median().reset_index()
     groups = points.groupby(keys, dropna=False) if keys else [((), points)]
     styles = {}
@@ -184,7 +185,7 @@ def plot_lines(ax, rows: pd.DataFrame, x: str, keys: tuple[str, ...], marker: st
         if by_mode:
             rest = tuple(v for k, v in values.items() if k != "mode")
             style["linestyle"] = styles.setdefault(rest, LINE_STYLES[len(styles) % len(LINE_STYLES)])
-            style["color"] = MODE_COLORS.get(values.get("mode"))
+            style["color"] = MODE_COLORS.get(values.get("mode", only_mode))
         single = len(line) == 1
         ax.plot(line[x], line["value"], marker="o" if single else marker, markersize=8 if single else 3,
                 linewidth=1.5 if marker else 0.8, label=label, **style)
@@ -251,13 +252,32 @@ def memory_per_request(frame: pd.DataFrame) -> Figure:
     return fig
 
 
+METHOD_COLUMNS = ("new_tokens", "warmup_steps")   # how a decode point was timed
+
+
+def same_method_as_newest(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows timed as the newest one was (same METHOD_COLUMNS, empty counting as such)."""
+    columns = [c for c in METHOD_COLUMNS if c in rows]
+    if not columns or "timestamp" not in rows:
+        return rows
+    newest = rows.iloc[pd.to_datetime(rows["timestamp"], utc=True, format="ISO8601").to_numpy().argmax()]
+    keep = pd.Series(True, index=rows.index)
+    for column in columns:
+        keep &= rows[column].isna() if pd.isna(newest[column]) else rows[column] == newest[column]
+    return rows[keep]
+
+
 def tpot_and_throughput(frame: pd.DataFrame) -> Figure:
     """Time per output token and throughput vs batch: resident, hierarchical, with prefetch, no-IO;
-    one column per model size (`layers`, when the rows have it) and context."""
+    one column per model (`layers` and bench_prefetch's options, where the rows have them) and
+    context. Within a column, only points timed as its newest row was (`new_tokens`, `warmup_steps`):
+    a mode measured with another number of steps is left out rather than drawn beside it."""
     rows = select(frame, ["tpot_ms", "tokens_per_s"], DECODE_MODES)
     by = [c for c in ("layers", "context") + PREFETCH_MODEL_KEYS if c in rows and rows[c].notna().any()]
-    panels = list(rows.groupby(by, sort=True, dropna=False)) if by else [((), rows)]
-    fig, axes = new_figure("Time per output token and throughput vs batch", rows, 2, len(panels))
+    panels = [(key, same_method_as_newest(part)) for key, part in
+              (rows.groupby(by, sort=True, dropna=False) if by else [((), rows)])]
+    drawn = pd.concat([part for _, part in panels])
+    fig, axes = new_figure("Time per output token and throughput vs batch", drawn, 2, len(panels))
     for col, (key, part) in enumerate(panels):
         values = dict(zip(by, key if isinstance(key, tuple) else (key,)))
         size = ", ".join(filter(None, (describe(c, values[c]) for c in ("layers", "context") if c in values)))

@@ -166,7 +166,8 @@ def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tenso
 @dataclass(slots=True, frozen=True)
 class DecodeConfig:
     """Tile sizes, loop shape (`defer_pv`: a tile's PV one iteration after its QK^T, see the
-    kernel) and launch shape of `_sparse_mla_decode_kernel`."""
+    kernel; at 64 heads it fits 32-row tiles without spilling, not 64) and launch shape of
+    `_sparse_mla_decode_kernel`."""
     block_h: int
     block_k: int
     num_warps: int

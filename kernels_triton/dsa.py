@@ -81,8 +81,10 @@ def _sparse_mla_decode_kernel(
     - DEFER_PV on: iteration j computes tile j's logits and accumulates tile j-1, whose logits and
       value rows it carries in registers (32 per thread at 32-row tiles). With no dot downstream of
       QK^T in an iteration, both groups share it (42 wgmma, Triton 3.6, 248 registers, no spills),
-      and tile j's QK^T can overlap tile j-1's softmax. An earlier kernel of this shape re-read V
-      from L2 instead of carrying it: 214 us. This one has not run on a GPU yet.
+      and tile j's QK^T can overlap tile j-1's softmax. The extra last iteration costs one tile of
+      QK^T per chunk (up to a quarter more at small batches, whose splits keep 4 tiles). An earlier
+      kernel of this shape re-read V from L2 instead of carrying it: 214 us. This one has not run
+      on a GPU yet; at 64-row tiles it spills (176 B, Triton 3.6).
     """
     i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
     i_n = tl.program_id(1).to(tl.int64)
@@ -103,10 +105,12 @@ def _sparse_mla_decode_kernel(
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
     b_s_prev = tl.full([BLOCK_H, BLOCK_K], float("-inf"), dtype=tl.float32)  # DEFER_PV: an empty tile
-    b_v_prev = tl.zeros([BLOCK_K, D_V], dtype=q_ptr.dtype.element_ty)
+    b_v_prev = tl.zeros([BLOCK_K, D_V], dtype=kv_ptr.dtype.element_ty)
     start = i_s * CHUNK
     end = tl.minimum(start + CHUNK, K_SEL)
-    stop = end + BLOCK_K if DEFER_PV else end     # deferred: one more iteration, which only accumulates
+    # deferred: one more iteration, whose masked tile only lets the last one accumulate (its loads
+    # are masked off; an accumulate after the loop instead makes Triton 3.6 spill 40 B at 32 rows)
+    stop = end + BLOCK_K if DEFER_PV else end
     for j0 in range(start, stop, BLOCK_K):
         o_j = j0 + o_k
         b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]

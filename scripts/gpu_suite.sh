@@ -9,7 +9,8 @@
 # ATTENTION_TIMER=cudagraph passes --cudagraph to the attention benchmarks (graph replays, as the
 # decode loop runs them; default do_bench); PREFETCH_ARGS adds options to bench_prefetch (e.g.
 # "--hidden 7168 --intermediate 18432 --batches 32 128 --prefetch-programs 32 128 --prefetch-priority
-# normal high"); RESOLVE_ARGS likewise to bench_resolve (e.g. "--decode-like"); TUNE=1 first times the resolve variants
+# normal high"); RESOLVE_ARGS likewise to bench_resolve ("--decode-like" runs its points instead of the
+# sweep: resolve_layers.csv, and no resolve.csv or its target lines); TUNE=1 first times the resolve variants
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt.
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail

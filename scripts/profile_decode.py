@@ -14,6 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from experiments.sweep import build, run_decode
 
+WARMUP_STEPS = 1
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,8 +35,8 @@ def main(argv=None) -> None:
         point = dict(mode=mode, context=args.context, workload="dsa_100k",
                      cache_slots=None if mode == "resident" else 4096)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = run_decode(model, point, args.batch, args.steps, args.graph, warmup_steps=1)
-        steps = args.steps + 1
+            out = run_decode(model, point, args.batch, args.steps, args.graph, warmup_steps=WARMUP_STEPS)
+        steps = args.steps + WARMUP_STEPS
         tpot = out.decode_s / max(out.timed_steps, 1) * 1e3
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         events.sort(key=lambda e: -e.device_time_total)

@@ -74,3 +74,15 @@ def test_summary_prefetch_lines_name_each_variant_beside_its_targets():
     assert summary.prefetch_lines(frame) == [
         "prefetch batch 32 (programs 32, priority high): hidden 0.60 (target >= 0.5), 0.83 of noio (target >= 0.85)",
         "prefetch batch 32 (programs 128, priority high): hidden 0.40 (target >= 0.5), 0.80 of noio (target >= 0.85)"]
+
+
+def test_summary_prefetch_lines_keep_two_models_of_one_run_apart():
+    from benchmarks import summary
+    rows = []
+    for hidden, noio in ((1024, 4.0), (7168, 5.0)):
+        rows += [dict(mode="noio", batch=32, hidden=hidden, metric="tpot_ms", value=noio, commit="c"),
+                 dict(mode="prefetch", batch=32, hidden=hidden, metric="tpot_ms", value=2 * noio, commit="c"),
+                 dict(mode="prefetch", batch=32, hidden=hidden, metric="hidden_frac", value=hidden / 1e4, commit="c")]
+    assert summary.prefetch_lines(pd.DataFrame(rows)) == [
+        "prefetch batch 32 (hidden 1024): hidden 0.10 (target >= 0.5), 0.50 of noio (target >= 0.85)",
+        "prefetch batch 32 (hidden 7168): hidden 0.72 (target >= 0.5), 0.50 of noio (target >= 0.85)"]

@@ -59,7 +59,7 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
     base = Engine(m, "resident", chunk_size=1024).generate(prompts, 65, graph=True)
-    for prefetch in (False, True):
+    for prefetch in (False, True) if priority == "normal" else (True,):
         out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch).generate(
             prompts, 65, graph=True)
         assert torch.equal(out.tokens, base.tokens), f"prefetch={prefetch}"
@@ -67,3 +67,9 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
             assert torch.equal(a, b), f"prefetch={prefetch}: logits differ at step {step}"
         assert out.misses > 0
         assert out.prefetched_layers == (3 if prefetch else 0), "prefetch must run on the side stream"
+
+
+def test_prefetch_side_stream_priorities():
+    """"high" is a stream of higher priority (a lower number) than "normal", which is CUDA's default."""
+    assert dsa_runtime.side_stream("normal").priority == 0
+    assert dsa_runtime.side_stream("high").priority < 0

@@ -253,7 +253,7 @@ def test_the_committed_results_draw(tmp_path, capsys):
     assert {tmp_path / "policy_miss_rates.pdf", tmp_path / "miss_rate_vs_step.png"} <= set(written)
 
 
-def test_prefetch_rows_read_older_runs_as_random_first_layers_and_newest_copy_width(tmp_path):
+def test_prefetch_rows_read_older_runs_as_random_first_layers_and_the_default_variant(tmp_path):
     """bench_prefetch rows without random_layers were runs with a random first anchor (--random-layers 2);
     the figures show prefetch with the default copy width and priority (or rows from before those
     options), a later run of that variant replacing an earlier one; other variants are tuning runs."""
@@ -275,3 +275,24 @@ def test_prefetch_rows_read_older_runs_as_random_first_layers_and_newest_copy_wi
     fig = figures.tpot_and_throughput(got.assign(layers=8, context=32768))
     assert [ax.get_title() for ax in fig.axes[:2]] == ["8 layers, context 32K\nrandom_layers 0",
                                                        "8 layers, context 32K\nrandom_layers 2"]
+
+
+def test_time_per_token_columns_leave_out_points_timed_another_way():
+    """A mode measured with other step counts than the column's newest rows is not drawn beside them."""
+    new = decode_frame(["resident", "noio"], ["tpot_ms", "tokens_per_s"], contexts=(32768,)).assign(
+        new_tokens=32, warmup_steps=8, timestamp="2026-11-29T14:00:00+00:00")
+    old = decode_frame(["hisparse"], ["tpot_ms", "tokens_per_s"], contexts=(32768,))   # no such columns
+    fig = figures.tpot_and_throughput(pd.concat([old, new]))
+    assert set(lines(fig.axes[0])) == {"resident", "no-IO oracle"}
+    fig = figures.tpot_and_throughput(pd.concat([old, new.assign(new_tokens=16)]).assign(new_tokens=16, warmup_steps=8))
+    assert set(lines(fig.axes[0])) == {"resident", "hierarchical", "no-IO oracle"}
+
+
+def test_the_figures_default_prefetch_variant_is_the_runtimes():
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_PREFETCH")}
+    code = "from hisparse import dsa_runtime as r; print(r.PREFETCH_PROGRAMS, r.PREFETCH_PRIORITY)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == [str(v) for v in figures.PREFETCH_VARIANT.values()], done.stderr[-2000:]
