@@ -135,7 +135,7 @@ def main(argv=None) -> None:
         tpot, misses = {}, {}
         for run in runs:
             mode, prefetch = MODES[run[0]]
-            with prefetch_variant(*(run[1] or (dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY))):
+            with prefetch_variant(*run[1]) if run[1] else contextlib.nullcontext():
                 engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
                                 prefetch=prefetch, prefill="random")
                 out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)

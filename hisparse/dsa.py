@@ -15,8 +15,8 @@ Every `*_ref` function is the plain-torch definition the kernels are tested agai
 """
 from __future__ import annotations
 
-import warnings
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch

@@ -30,9 +30,9 @@ from hisparse.runtime import KV_MODES, Rows, cache_bytes, nbytes, stream_counts
 __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
 PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
 # the prefetch side stream's priority: "high" lets the copies' programs take a multiprocessor before
-# the next block of the compute they overlap. A captured graph's kernel nodes take their stream's
-# priority, and torch >= 2.10 instantiates graphs to honour it (pytorch#167346); the effect on the
-# H200 is not yet measured.
+# the next block of the compute they overlap. Captured kernel nodes keep their stream's priority,
+# which PyTorch's graphs honour since pytorch#167346 (instantiated with node priorities); neither
+# that nor the effect has been checked on the H200 yet.
 PREFETCH_PRIORITIES = ("normal", "high")
 PREFETCH_PRIORITY = os.environ.get("HISPARSE_PREFETCH_PRIORITY", "normal")
 if PREFETCH_PRIORITY not in PREFETCH_PRIORITIES:
