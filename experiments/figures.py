@@ -58,8 +58,9 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
 RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps",
                "us_p20", "us_p80")
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
-# a few batches or with another timer), read per point rather than per run; with what else a rerun
-# of a point may change in that file (the width of bench_prefetch's side-stream copy, a tuning knob)
+# a few batches or with another timer), read per point rather than per run; with the columns a rerun
+# of a point may add or change in that file (bench_prefetch's variant: older rows lack it, and
+# `default_prefetch_variant` keeps the default one only)
 PREFETCH_VARIANT = {"prefetch_programs": 32, "prefetch_priority": "normal"}   # hisparse.dsa_runtime's defaults
 PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": tuple(PREFETCH_VARIANT), "attention.csv": ()}
 
