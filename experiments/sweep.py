@@ -23,6 +23,7 @@ with realistic locality; decode and throughput runs fill the prompt's KV with ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -161,6 +162,8 @@ def points(study: dict) -> list[dict]:
     if kind == "policies":
         return [{"bench": "policies", "workload": study["workload"]}]
     base = {"family": "dsa", "workload": study.get("workload", "model"), "model": study["model"]}
+    if study["model"] == "dsa":     # its size is part of the point: two sizes' rows are not one point
+        base.update(layers=study.get("layers", 61), hidden=study.get("hidden", 1024))
     slots = study.get("cache_slots", [None])
     slots = slots if isinstance(slots, list) else [slots]
     out = []
@@ -200,13 +203,26 @@ def already_done(done: pd.DataFrame | None, point: dict, gpu: str) -> bool:
 
 # -- running ---------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build(study: dict, device: torch.device) -> torch.nn.Module:
     spec = study["model"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if not spec.startswith("tiny:") and spec != "dsa":
         return load_model(spec, dtype=dtype, device=device)
-    model = build_model(config_from_dict(model_config(study)))
-    randomize_(model, seed=0)
+    # made on the device in the run's dtype: at DeepSeek's hidden size the 61 layers hold 62 GB of
+    # bf16 weights, which in float32 on the host would not fit the GPU machine's memory
+    with torch.device(device), default_dtype(dtype):
+        model = build_model(config_from_dict(model_config(study)))
+    randomize_(model, seed=0)                  # the same weights as made on the host, then cast
     return model.to(device=device, dtype=dtype)
 
 

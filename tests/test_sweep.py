@@ -113,3 +113,40 @@ def test_the_modes_of_one_context_and_batch_run_back_to_back():
     throughput = dict(study, kind="throughput", kv_budget_gib=24)
     assert [(p["context"], p["mode"]) for p in sweep.points(throughput)][:5] == [
         (4096, "resident"), (4096, "hisparse"), (4096, "hisparse"), (4096, "noio"), (4096, "noio")]
+
+
+def test_models_are_made_where_they_run_with_the_same_weights(monkeypatch):
+    """build() allocates the weights on the run's device (a DSA-sized model would not fit the host in
+    float32) and gives the weights the host-made model had."""
+    import torch
+    seen = []
+
+    def build_model_seeing_where(config):
+        seen.append((torch.empty(0).device.type, torch.get_default_dtype()))
+        return build_model(config)
+
+    from hisparse.models.config import config_from_dict
+    from hisparse.models.loading import build_model
+    from hisparse.models.tiny import randomize_
+    study = {"_index": 0, "kind": "decode", "model": "tiny:glm_moe_dsa"}
+    model = sweep.build(study, torch.device("cpu"))
+    host_made = build_model(config_from_dict(sweep.model_config(study)))
+    randomize_(host_made, seed=0)
+    theirs = host_made.state_dict()
+    assert all(torch.equal(t, theirs[name]) for name, t in model.state_dict().items())
+    monkeypatch.setattr(sweep, "build_model", build_model_seeing_where)
+    on_meta = sweep.build(study, torch.device("meta"))
+    assert seen == [("meta", torch.float32)], "the layers are made on the device, not moved there"
+    assert {t.device.type for t in on_meta.state_dict().values()} == {"meta"}
+    assert torch.get_default_dtype() == torch.float32 and torch.empty(0).device.type == "cpu"
+
+
+def test_a_dsa_model_of_another_size_is_another_point():
+    import pandas as pd
+    study = {"kind": "decode", "model": "dsa", "layers": 61, "modes": ["resident"], "contexts": [32768],
+             "batches": [8]}
+    small, large = sweep.points(dict(study, hidden=1024))[0], sweep.points(dict(study, hidden=7168))[0]
+    done = pd.DataFrame([dict(small, gpu="NVIDIA H200", metric="tpot_ms", value=16.0)])
+    assert sweep.already_done(done, small, "NVIDIA H200")
+    assert not sweep.already_done(done, large, "NVIDIA H200")
+    assert sweep.points(study)[0]["hidden"] == 1024, "the dsa model's default size is part of its points"
