@@ -99,6 +99,37 @@ class Workload:
         return sel.to(torch.int32).contiguous()
 
 
+def time_calls(run, refresh, calls: int, reps: int, device) -> tuple[float, list]:
+    """(median microseconds per call, the last run's results) of `run` (`calls` resolve calls): run
+    once to warm up (compile, fill the hot units), then on a GPU captured in one CUDA graph and
+    replayed `reps` times, on the CPU run `reps` times; `refresh()` writes fresh selections first."""
+    outs = run()
+    graph = torch.cuda.CUDAGraph() if device.type == "cuda" else None
+    if graph is not None:
+        with torch.cuda.graph(graph):
+            outs = run()
+    times = []
+    for _ in range(reps):
+        refresh()
+        if graph is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+        else:
+            t0 = time.perf_counter()
+            outs = run()
+            times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(times), outs
+
+
+def miss_counts(outs: list) -> tuple[int, int]:
+    hits, misses = torch.stack([o.counts for o in outs]).sum((0, 1)).tolist()
+    return hits, misses
+
+
 def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
     """Median microseconds per resolve call, with and without the copy, and this point's misses.
 
@@ -114,35 +145,14 @@ def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
         sels = work.next(STEPS_PER_GRAPH)
 
         def run():
-            outs = []
-            for i in range(STEPS_PER_GRAPH):
-                outs.append(resolve(state, streams, sels[i], host, cache, fetch=fetch, **opts))
-            return outs
+            return [resolve(state, streams, sels[i], host, cache, fetch=fetch, **opts)
+                    for i in range(STEPS_PER_GRAPH)]
 
-        outs = run()                        # warm-up: compiles, and fills the hot units
-        times = []
-        if device.type == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = run()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(reps):
-                sels.copy_(work.next(STEPS_PER_GRAPH))
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / STEPS_PER_GRAPH)
-        else:
-            for _ in range(reps):
-                sels.copy_(work.next(STEPS_PER_GRAPH))
-                t0 = time.perf_counter()
-                outs = run()
-                times.append((time.perf_counter() - t0) * 1e6 / STEPS_PER_GRAPH)
-        counts = torch.stack([o.counts for o in outs]).sum((0, 1)).tolist()
-        result["total_us" if fetch else "noio_us"] = statistics.median(times)
-        result["miss_rate"] = counts[1] / max(1, counts[0] + counts[1])
-        result["misses_per_call"] = counts[1] / STEPS_PER_GRAPH
+        us, outs = time_calls(run, lambda: sels.copy_(work.next(STEPS_PER_GRAPH)), STEPS_PER_GRAPH, reps, device)
+        hits, misses = miss_counts(outs)
+        result["total_us" if fetch else "noio_us"] = us
+        result["miss_rate"] = misses / max(1, hits + misses)
+        result["misses_per_call"] = misses / STEPS_PER_GRAPH
     return result
 
 
@@ -167,27 +177,9 @@ def time_decode_like(p: Point, layers: int, device, reps: int) -> dict:
         return [resolve(state, streams[layer], sels[i, layer], host, cache, fetch=False)
                 for i in range(STEPS_PER_GRAPH) for layer in range(layers)]
 
-    outs = run()                            # warm-up: compiles, and fills the hot units
-    times = []
-    graph = torch.cuda.CUDAGraph() if device.type == "cuda" else None
-    if graph is not None:
-        with torch.cuda.graph(graph):
-            outs = run()
-    for _ in range(reps):
-        sels.copy_(next_sels())
-        if graph is not None:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / (STEPS_PER_GRAPH * layers))
-        else:
-            t0 = time.perf_counter()
-            outs = run()
-            times.append((time.perf_counter() - t0) * 1e6 / (STEPS_PER_GRAPH * layers))
-    counts = torch.stack([o.counts for o in outs]).sum((0, 1)).tolist()
-    return {"noio_us": statistics.median(times), "miss_rate": counts[1] / max(1, counts[0] + counts[1])}
+    us, outs = time_calls(run, lambda: sels.copy_(next_sels()), STEPS_PER_GRAPH * layers, reps, device)
+    hits, misses = miss_counts(outs)
+    return {"noio_us": us, "miss_rate": misses / max(1, hits + misses)}
 
 
 def decode_like(quick: bool) -> list[tuple[Point, int]]:
