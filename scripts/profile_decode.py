@@ -2,10 +2,12 @@
 selections) run under torch.profiler, kernels summed by name. GPU only.
 
     python -m scripts.profile_decode [--modes resident noio] [--batch 16] [--context 32768] [--steps 8]
+                                     [--hidden 1024]
 
 Prints, per mode, the kernels with the most total device time (prefill included: it runs once, its
 kernels are the random fills and the pool copies) and each one's time per decode step, so two modes
-at the same batch can be told apart kernel by kernel (issue #6: noio within 3% of resident).
+at the same batch can be told apart kernel by kernel (issue #6: noio within 3% of resident). A mode
+may be named twice (`--modes resident noio resident noio`): the repeat shows the drift between runs.
 """
 import argparse
 
@@ -23,13 +25,14 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size (7168: DeepSeek-V3's, 62 GB of weights)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps profiled (after 1 warm-up)")
     ap.add_argument("--graph", action="store_true", help="replay the captured graph (default: eager)")
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    study = dict(_index=0, kind="decode", model="dsa", layers=args.layers, hidden=1024, workload="dsa_100k")
+    study = dict(_index=0, kind="decode", model="dsa", layers=args.layers, hidden=args.hidden, workload="dsa_100k")
     model = build(study, torch.device("cuda"))
     for mode in args.modes:
         point = dict(mode=mode, context=args.context, workload="dsa_100k",
