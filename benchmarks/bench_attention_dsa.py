@@ -150,12 +150,8 @@ def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = Fals
             torch.cuda.empty_cache()
 
 
-def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False, grid_name: str = "all") -> None:
-    """Time decode configurations at one shape, best last; prints only.
-
-    grid_name "all": the fused loop over every tile shape, and the deferred loop where it fits;
-    "deferred": the deferred loop's configurations beside the default one (a short run).
-    """
+def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False) -> None:
+    """Time the decode kernel over a grid of tile and launch shapes at one shape, best last; prints only."""
     gen = torch.Generator(device=device).manual_seed(0)
     heads, k = cfg["heads"], cfg["k"]
     q, kv, rows = make_inputs(batch, cfg["contexts"][0], heads, k, device, gen)
@@ -163,17 +159,8 @@ def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False, g
     flops, nbytes = work(batch, heads, k)
     roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
     results = []
-    # the fused loop over a grid of tiles; the deferred one where 64 heads x 8 warps fit it
-    deferred = [(64, bk, 8, stages, True) for bk, stages in itertools.product((16, 32), (2, 3))]
-    if grid_name == "deferred":
-        default = dsa.default_decode_config(heads, D_QK, q.dtype)
-        grid = [(default.block_h, default.block_k, default.num_warps, default.num_stages, default.defer_pv)]
-    else:
-        grid = [(bh, bk, warps, stages, False) for bh, bk, warps, stages in
-                itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3))]
-    grid += deferred
-    for bh, bk, warps, stages, defer_pv in grid:
-        config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages, defer_pv=defer_pv)
+    for bh, bk, warps, stages in itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
+        config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
         try:
             out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config)
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -253,9 +240,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny configuration (CPU interpreter too)")
     parser.add_argument("--tune", action="store_true", help="time decode configurations instead of the sweep")
     parser.add_argument("--tune-batch", type=int, default=64, help="batch of --tune")
-    parser.add_argument("--tune-grid", choices=("all", "deferred"), default="all",
-                        help="configurations of --tune: every tile shape (default), or the deferred-PV loop's"
-                             " beside the default")
     parser.add_argument("--indexer", action="store_true", help="time indexer scores and top-k instead")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time CUDA graph replays, as the decode loop runs (no host launch overhead)")
@@ -267,7 +251,7 @@ def main() -> None:
         raise SystemExit("--cudagraph needs a CUDA GPU")
     cfg = QUICK if args.quick else FULL
     if args.tune:
-        tune(cfg, device, args.tune_batch, args.cudagraph, args.tune_grid)
+        tune(cfg, device, args.tune_batch, args.cudagraph)
     elif args.indexer:
         sweep_indexer(cfg, device, args.out)
     else:

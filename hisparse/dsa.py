@@ -165,14 +165,11 @@ def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tenso
 
 @dataclass(slots=True, frozen=True)
 class DecodeConfig:
-    """Tile sizes, loop shape (`defer_pv`: a tile's PV one iteration after its QK^T, see the
-    kernel; at 64 heads it fits 32-row tiles without spilling, not 64) and launch shape of
-    `_sparse_mla_decode_kernel`."""
+    """Tile sizes and launch shape of `_sparse_mla_decode_kernel`."""
     block_h: int
     block_k: int
     num_warps: int
     num_stages: int
-    defer_pv: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_k"):
@@ -320,7 +317,7 @@ def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: Decode
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
         split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
         h, k, chunk, sm_scale * 1.4426950408889634,
-        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, DEFER_PV=cfg.defer_pv,
+        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -64,7 +64,7 @@ def _sparse_mla_decode_kernel(
     stride_ls,
     H, K_SEL, CHUNK, qk_scale_log2,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    DEFER_PV: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_ROW_BASE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_ROW_BASE: tl.constexpr,
 ):
     """Absorbed-MLA attention of BLOCK_H query heads over one chunk of a request's selected rows.
 
@@ -74,17 +74,11 @@ def _sparse_mla_decode_kernel(
     valid) and the natural-log sum-exp (-inf then) at split index `split` of out / lse: the final
     output when there is one split, else a float32 partial that `_sparse_mla_combine_kernel` merges.
     Each tile of rows is loaded once, by the pipeliner's asynchronous copies (num_stages >= 2), and
-    serves both QK^T and PV. Two loop shapes, the same sums in the same order:
-    - DEFER_PV off: a tile's PV follows its QK^T. With two warp groups on 64 heads both appear to
-      compute QK^T (the chained dot wants all of P in each group's registers: its SASS holds 76
-      wgmma); on the H200 this loop with 64-row tiles took 151 us at batch 64.
-    - DEFER_PV on: iteration j computes tile j's logits and accumulates tile j-1, whose logits and
-      value rows it carries in registers (32 per thread at 32-row tiles). With no dot downstream of
-      QK^T in an iteration, both groups share it (42 wgmma, Triton 3.6, 248 registers, no spills),
-      and tile j's QK^T can overlap tile j-1's softmax. The extra last iteration costs one tile of
-      QK^T per chunk (up to a quarter more at small batches, whose splits keep 4 tiles). An earlier
-      kernel of this shape re-read V from L2 instead of carrying it: 214 us. This one has not run
-      on a GPU yet; at 64-row tiles it spills (176 B, Triton 3.6).
+    serves both QK^T and then PV in the same iteration. With two warp groups on 64 heads both appear
+    to compute QK^T (the chained dot wants all of P in each group's registers: its SASS holds 76
+    wgmma); on the H200 this loop with 64-row tiles took 151 us at batch 64. A variant that deferred
+    PV by one tile, carrying the previous tile's logits and values in registers (42 wgmma, no spills
+    at 32-row tiles), took 210 us and was removed; an earlier kernel re-reading V from L2 took 214 us.
     """
     i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
     i_n = tl.program_id(1).to(tl.int64)
@@ -104,14 +98,9 @@ def _sparse_mla_decode_kernel(
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
-    b_s_prev = tl.full([BLOCK_H, BLOCK_K], float("-inf"), dtype=tl.float32)  # DEFER_PV: an empty tile
-    b_v_prev = tl.zeros([BLOCK_K, D_V], dtype=kv_ptr.dtype.element_ty)
     start = i_s * CHUNK
     end = tl.minimum(start + CHUNK, K_SEL)
-    # deferred: one more iteration, whose masked tile only lets the last one accumulate (its loads
-    # are masked off; an accumulate after the loop instead makes Triton 3.6 spill 40 B at 32 rows)
-    stop = end + BLOCK_K if DEFER_PV else end
-    for j0 in range(start, stop, BLOCK_K):
+    for j0 in range(start, end, BLOCK_K):
         o_j = j0 + o_k
         b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
         m_j = b_row >= 0
@@ -121,11 +110,7 @@ def _sparse_mla_decode_kernel(
         b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
         b_s = tl.dot(b_q_nope, tl.trans(b_kv), b_s, input_precision=DOT_PRECISION)
         b_s = tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf"))  # log2 domain
-        if DEFER_PV:
-            b_m, b_l, b_acc = _softmax_accumulate(b_s_prev, b_v_prev, b_m, b_l, b_acc, DOT_PRECISION)
-            b_s_prev, b_v_prev = b_s, b_kv
-        else:
-            b_m, b_l, b_acc = _softmax_accumulate(b_s, b_kv, b_m, b_l, b_acc, DOT_PRECISION)
+        b_m, b_l, b_acc = _softmax_accumulate(b_s, b_kv, b_m, b_l, b_acc, DOT_PRECISION)
 
     m_any = b_l > 0.0
     b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]  # [BLOCK_H, D_V]

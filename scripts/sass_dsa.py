@@ -2,7 +2,7 @@
 (no device time): registers, spills and shared memory per program, and the SASS counts that tell a
 Hopper kernel's shape (wgmma `HGMMA`, asynchronous copies `LDGSTS`, plain loads and stores, barriers).
 
-    python -m scripts.sass_dsa [--block-h 64] [--block-k 64] [--warps 8] [--stages 2] [--defer-pv]
+    python -m scripts.sass_dsa [--block-h 64] [--block-k 64] [--warps 8] [--stages 2]
 
 Without options: the default bf16 config at DeepSeek's sizes (kernels_triton/dsa.py), with and
 without `row_base`. Pointers and row strides are taken 16-byte aligned, as a launch on contiguous
@@ -27,11 +27,11 @@ SIGNATURE = {name: POINTER_TYPES.get(name) or ("fp32" if name == "qk_scale_log2"
 SHOWN = ("HGMMA", "LDGSTS", "LDG", "STG", "STS", "LDS", "STL", "LDL", "BAR", "MUFU")   # STL/LDL: spills
 
 
-def report(block_h: int, block_k: int, warps: int, stages: int, row_base: bool, defer_pv: bool = False) -> str:
+def report(block_h: int, block_k: int, warps: int, stages: int, row_base: bool) -> str:
     names = list(SIGNATURE)
     divisible = [i for i, t in enumerate(SIGNATURE.values()) if t.startswith("*")] + [names.index(n) for n in ALIGNED]
-    constexprs = {"D_V": D_V, "D_ROPE": D_ROPE, "BLOCK_H": block_h, "BLOCK_K": block_k, "DEFER_PV": defer_pv,
-                  "DOT_PRECISION": "ieee", "HAS_ROW_BASE": row_base}
+    constexprs = {"D_V": D_V, "D_ROPE": D_ROPE, "BLOCK_H": block_h, "BLOCK_K": block_k, "DOT_PRECISION": "ieee",
+                  "HAS_ROW_BASE": row_base}
     try:
         compiled = compile_sm90(KERNEL, SIGNATURE, constexprs, divisible, num_warps=warps, num_stages=stages)
     except Exception as exc:  # noqa: BLE001 - a config that cannot be built is reported, not fatal
@@ -49,15 +49,12 @@ def main(argv=None) -> None:
     ap.add_argument("--block-k", type=int, default=default.block_k, help="rows per step (default %(default)s)")
     ap.add_argument("--warps", type=int, default=default.num_warps, help="num_warps (default %(default)s)")
     ap.add_argument("--stages", type=int, default=default.num_stages, help="num_stages (default %(default)s)")
-    ap.add_argument("--defer-pv", action="store_true", default=default.defer_pv,
-                    help="the deferred loop: a tile's PV one iteration after its QK^T")
     args = ap.parse_args(argv)
     print(f"Triton {triton.__version__}, sm_90a, {HEADS} heads, D {D_V} + {D_ROPE}, bf16: "
-          f"BLOCK_H {args.block_h}, BLOCK_K {args.block_k}, {args.warps} warps, {args.stages} stages"
-          f"{', PV deferred' if args.defer_pv else ''}")
+          f"BLOCK_H {args.block_h}, BLOCK_K {args.block_k}, {args.warps} warps, {args.stages} stages")
     for row_base in (False, True):
         print(f"  row_base {'on ' if row_base else 'off'}: "
-              f"{report(args.block_h, args.block_k, args.warps, args.stages, row_base, args.defer_pv)}")
+              f"{report(args.block_h, args.block_k, args.warps, args.stages, row_base)}")
 
 
 if __name__ == "__main__":

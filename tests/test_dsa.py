@@ -3,7 +3,6 @@
 CPU tests run the kernels through Triton's interpreter on small odd shapes (float16/float32, fp8
 keys too: the interpreter handles them); GPU tests check bf16 at the model's shapes.
 """
-import dataclasses
 import math
 import os
 import re
@@ -122,8 +121,6 @@ DECODE_CASES = [
     pytest.param(2, 27, 512, 64, 113, 27, id="N2-H27-dv512-rope64-R113-k27"),
 ]
 SMALL_TILES = dsa.DecodeConfig(block_h=16, block_k=16, num_warps=4, num_stages=1)
-LOOPS = [pytest.param(SMALL_TILES, id="fused"),
-         pytest.param(dataclasses.replace(SMALL_TILES, defer_pv=True), id="deferred")]
 
 
 def decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen):
@@ -132,17 +129,16 @@ def decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen):
     return q, kv, random_rows(n, k, r, gen)
 
 
-@pytest.mark.parametrize("config", LOOPS)
 @pytest.mark.parametrize("splits", [1, 3, 4], ids=["splits1", "splits3", "splits4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("n, h, d_v, d_rope, r, k", DECODE_CASES)
-def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, config, nan_empty):
+def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, nan_empty):
     gen = torch.Generator().manual_seed(5)
     q, kv, rows = decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen)
-    out, lse = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=d_v, num_splits=splits, config=config)
+    out, lse = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=d_v, num_splits=splits, config=SMALL_TILES)
     ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=d_v)
-    used = dsa.split_plan(n, h, k, config, q.device, splits)[1]
-    assert used == splits or k < splits * config.block_k, "every split count is run where k allows it"
+    used = dsa.split_plan(n, h, k, SMALL_TILES, q.device, splits)[1]
+    assert used == splits or k < splits * SMALL_TILES.block_k, "every split count is run where k allows it"
     assert out.dtype == dtype and out.shape == (n, h, d_v) and lse.shape == (n, h)
     assert rel_err(out, ref_out) < TOL[dtype]
     assert rel_err(lse, ref_lse) < 1e-5
@@ -152,16 +148,13 @@ def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, c
 
 @pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_fused_and_deferred_loops_are_bitwise_equal(dtype, splits):
-    """The two loop shapes add the same terms in the same order; here with a whole chunk of -1 rows
-    inside a request that has valid rows elsewhere, and a request with none."""
+def test_sparse_mla_decode_with_an_empty_chunk_matches_ref(dtype, splits):
+    """A whole chunk of -1 rows inside a request that has valid rows elsewhere, and a request with none."""
     gen = torch.Generator().manual_seed(13)
     q, kv, rows = decode_inputs(3, 5, 64, 16, 100, 97, dtype, gen)
     rows[0, :48] = -1                                   # splits3: the first chunk (48 rows) is empty
-    fused, deferred = (dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=64, num_splits=splits, config=c.values[0])
-                       for c in LOOPS)
-    assert torch.equal(fused[0], deferred[0]) and torch.equal(fused[1], deferred[1])
-    assert rel_err(fused[0], dsa.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=64)[0]) < TOL[dtype]
+    out, _ = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=64, num_splits=splits, config=SMALL_TILES)
+    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=64)[0]) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -199,14 +192,13 @@ def build_resident_and_hot(streams, units, slots, k, d, dtype, gen):
     return pool.view(-1, d), rows_res, cache.view(-1, d), rows_hot
 
 
-@pytest.mark.parametrize("config", LOOPS)
 @pytest.mark.parametrize("splits", [1, 2], ids=["splits1", "splits2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits, config):
+def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits):
     gen = torch.Generator().manual_seed(7)
     kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(3, 97, 61, 37, 80, dtype, gen)
     q = torch.randn(3, 5, 80, generator=gen).to(dtype)
-    args = dict(d_v=64, num_splits=splits, config=config)
+    args = dict(d_v=64, num_splits=splits, config=SMALL_TILES)
     out_res, lse_res = dsa.sparse_mla_decode(q, kv_res, rows_res, DSV32_SCALE, **args)
     out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot, rows_hot, DSV32_SCALE, **args)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
@@ -304,23 +296,19 @@ def test_launchers_reject_bad_inputs():
         dsa.DecodeConfig(block_h=16, block_k=24, num_warps=4, num_stages=1)
 
 
-# The GPU machine's Triton (3.6) builds the default config (and the deferred loop at 32-row tiles)
-# without spilling; other versions allocate registers differently (3.9: 216 B and 24 B), so the check
-# bounds the spill by what 3.9 needs.
+# The GPU machine's Triton (3.6) builds the default config without spilling; other versions
+# allocate registers differently (3.9: 216 B), so the check bounds the spill by what 3.9 needs.
 SPILL_BOUND = {(3, 6): 0}
 SPILL_BOUND_OTHER = 256
 
 
-@pytest.mark.parametrize("options", [[], ["--block-k", "32", "--defer-pv"]], ids=["default", "deferred-k32"])
-def test_decode_kernel_compiles_for_hopper_within_registers(options):
-    """The interpreter never compiles: build the default bf16 decode config, and the deferred loop at
-    the tiles the GPU tests give it, for sm_90a in a process without it (scripts/sass_dsa.py), with
-    and without row_base: wgmma and asynchronous copies, shared memory within Hopper's 227 KiB, no
-    spills with Triton 3.6 (at most a few hundred bytes with others). The deferred loop computes
-    QK^T once for both warp groups: fewer wgmma than the fused loop's 76 (Triton 3.6 and 3.9)."""
+def test_decode_kernel_compiles_for_hopper_within_registers():
+    """The interpreter never compiles: build the default bf16 decode config for sm_90a in a process
+    without it (scripts/sass_dsa.py), with and without row_base: wgmma and asynchronous copies,
+    shared memory within Hopper's 227 KiB, no spills with Triton 3.6 (at most a few hundred bytes
+    with others)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "scripts.sass_dsa", *options],
-                          cwd=Path(__file__).resolve().parent.parent,
+    done = subprocess.run([sys.executable, "-m", "scripts.sass_dsa"], cwd=Path(__file__).resolve().parent.parent,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stdout.splitlines() if line.strip().startswith("row_base")]
@@ -332,23 +320,15 @@ def test_decode_kernel_compiles_for_hopper_within_registers(options):
         assert int(re.search(r"(\d+) B spilled", line).group(1)) <= bound, (triton.__version__, line)
         assert int(fields["HGMMA"]) > 0 and int(fields["LDGSTS"]) > 0, line
         assert int(re.search(r"(\d+) KiB shared", line).group(1)) <= 227, line
-        if "--defer-pv" in options:
-            assert int(fields["HGMMA"]) < 60, line
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU: bf16 at the model's shapes (128 heads, k = 2048, 32K and 128K contexts)
 # ---------------------------------------------------------------------------------------------
 
-# the deferred loop at the tiles that fit it (scripts/sass_dsa.py --block-k 32 --defer-pv), beside the default
-GPU_LOOPS = [pytest.param(None, id="default"),
-             pytest.param(dsa.DecodeConfig(64, 32, 8, 2, defer_pv=True), id="deferred")]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_LOOPS)
 @pytest.mark.parametrize("context", [32768, 131072], ids=["ctx32K", "ctx128K"])
-def test_gpu_sparse_mla_decode_real_shapes(context, config):
+def test_gpu_sparse_mla_decode_real_shapes(context):
     gen = torch.Generator(device="cuda").manual_seed(10)
     n, h, k = 4, 128, 2048
     kv = torch.randn(n * context, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -359,22 +339,21 @@ def test_gpu_sparse_mla_decode_real_shapes(context, config):
     rows[2] = -1  # a request with nothing selected
     ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
     for splits in (None, 1, 7):
-        out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits, config=config)
+        out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits)
         assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
         assert rel_err(lse, ref_lse) < 1e-4, f"num_splits={splits}"
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_LOOPS)
 @pytest.mark.parametrize("batch", [2, 64], ids=["N2-split", "N64"])
-def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch, config):
+def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch):
     gen = torch.Generator().manual_seed(11)
     kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(batch, 8192, 4096, 2048, 576, torch.bfloat16,
                                                                 gen)
     q = torch.randn(batch, 128, 576, generator=gen).to(torch.bfloat16).cuda()
-    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE, config=config)
-    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, config=config)
+    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE)
+    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
 
 
