@@ -6,6 +6,9 @@ limited by the number of rows per second, while rows kept close together stream 
 """
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import warnings
 import weakref
 
@@ -15,16 +18,46 @@ import torch
 # space, so kernels read it zero-copy through the host pointer
 _REGISTER_PORTABLE_MAPPED = 1 | 2
 
+# Back a pinned pool with 2 MiB pages (Linux transparent huge pages, asked for with madvise before the
+# pinning faults the pages in): a GPU reaching rows spread over a large pool through 4 KiB pages may
+# miss its address translation on every row. An experiment (scripts/ablate_decode.py), off by
+# default: HISPARSE_HOST_HUGE_PAGES=1 turns it on.
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE = 14
+HUGE_PAGES = os.environ.get("HISPARSE_HOST_HUGE_PAGES", "0")
+if HUGE_PAGES not in ("0", "1"):
+    raise ValueError(f"HISPARSE_HOST_HUGE_PAGES={HUGE_PAGES!r}: expected 0 or 1")
+HUGE_PAGES = HUGE_PAGES == "1"
 
-def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
+
+def huge_page_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised, untouched [rows, row_elems] host tensor starting on a 2 MiB boundary, advised
+    to be backed by transparent huge pages (granted when its pages are first touched, if the system
+    has them free). The view keeps its over-allocated buffer alive. Linux only."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"huge pages for the host pool need Linux, this is {sys.platform}")
+    nbytes = rows * row_elems * dtype.itemsize
+    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    t = raw[offset:offset + nbytes].view(dtype).view(rows, row_elems)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) != 0:
+        warnings.warn(f"madvise(MADV_HUGEPAGE) failed (errno {ctypes.get_errno()}): the host pool keeps "
+                      f"4 KiB pages", RuntimeWarning, stacklevel=2)
+    return t
+
+
+def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool | None = None) -> torch.Tensor:
     """An uninitialised [rows, row_elems] host tensor, page-locked with cudaHostRegister.
 
     Not `torch.empty(..., pin_memory=True)`: PyTorch's pinned allocator rounds each block up to a
     power of two, so an 88 GiB pool would ask for 128 GiB (out of memory on a 128 GiB machine).
-    The caller unregisters it (`unpin`) before the last reference goes."""
+    The caller unregisters it (`unpin`) before the last reference goes. huge_pages: back it with
+    2 MiB pages (default HUGE_PAGES, from HISPARSE_HOST_HUGE_PAGES)."""
     if not torch.cuda.is_available():
         raise RuntimeError("pinning a host pool needs a CUDA GPU; pass pin=False on a CPU-only machine")
-    t = torch.empty(rows, row_elems, dtype=dtype)
+    huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
+    t = huge_page_empty(rows, row_elems, dtype) if huge_pages else torch.empty(rows, row_elems, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED)
     if int(err) != 0:

@@ -86,3 +86,29 @@ def test_summary_prefetch_lines_keep_two_models_of_one_run_apart():
     assert summary.prefetch_lines(pd.DataFrame(rows)) == [
         "prefetch batch 32 (hidden 1024): hidden 0.10 (target >= 0.5), 0.50 of noio (target >= 0.85)",
         "prefetch batch 32 (hidden 7168): hidden 0.72 (target >= 0.5), 0.50 of noio (target >= 0.85)"]
+
+
+def test_decode_ablation_quick_run_writes_every_variant_and_undoes_its_patches(tmp_path):
+    """scripts/ablate_decode.py on a tiny model: each variant's rows, and (the script checks it) each
+    noio variant generates noio's tokens, so no variant changes what the step computes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "scripts.ablate_decode", "--quick", "--batch", "2", "--rounds", "1",
+                          "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "decode_ablation.csv")
+    from scripts.ablate_decode import VARIANTS
+    assert sorted(rows["mode"].unique()) == sorted(VARIANTS)
+    assert set(rows.metric) == {"tpot_ms", "tpot_median_ms"} and (rows.value > 0).all()
+
+
+def test_decode_ablation_patches_are_undone():
+    import hisparse.cache
+    import hisparse.host_pool as host_pool
+    from scripts.ablate_decode import DevicePool, variant_setup
+    before = hisparse.cache.HostPool, host_pool.HUGE_PAGES, host_pool.pinned_empty
+    with variant_setup("noio-device-pool", []):
+        assert hisparse.cache.HostPool is DevicePool
+    with pytest.raises(KeyError), variant_setup("noio-huge-pages", []):
+        assert host_pool.HUGE_PAGES is True
+        raise KeyError("a failed run")
+    assert (hisparse.cache.HostPool, host_pool.HUGE_PAGES, host_pool.pinned_empty) == before

@@ -3,12 +3,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 from hisparse.cache import HierarchicalKVCache
-from hisparse.host_pool import HostPool
+from hisparse.host_pool import HUGE_PAGE_BYTES, HostPool, huge_page_empty
 from hisparse.resolve import ResolveResult, resolve
 
 POISON = -7
@@ -397,3 +398,22 @@ def test_host_pool_pinning_without_a_gpu_is_refused_clearly():
     with pytest.raises(RuntimeError, match="pinning a host pool needs a CUDA GPU; pass pin=False"):
         HostPool(16, 8, torch.float32, pin=True)
     assert HostPool(16, 8, torch.float32).rows.shape == (16, 8)      # unpinned by default here
+
+
+def test_huge_page_host_rows_start_on_a_huge_page_and_hold_their_values():
+    """The rows a huge-page host pool pins: 2 MiB aligned, the shape and dtype asked for, advised
+    without a warning, writable end to end (an odd size: 3.5 MB, not a whole number of pages)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = huge_page_empty(3 * 1000 + 7, 576, torch.bfloat16)
+    assert rows.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert rows.shape == (3007, 576) and rows.dtype == torch.bfloat16 and rows.is_contiguous()
+    values = torch.randn(3007, 576).to(torch.bfloat16)
+    rows.copy_(values)
+    assert torch.equal(rows, values)
+
+
+def test_bad_huge_pages_setting_is_refused_at_import():
+    run = subprocess.run([sys.executable, "-c", "import hisparse.host_pool"], capture_output=True, text=True,
+                         env=dict(os.environ, HISPARSE_HOST_HUGE_PAGES="yes"), timeout=120)
+    assert run.returncode != 0 and "HISPARSE_HOST_HUGE_PAGES='yes': expected 0 or 1" in run.stderr

@@ -4,6 +4,7 @@ reference runs on the CPU on a copy of the same state."""
 import pytest
 import torch
 
+import hisparse.host_pool as host_pool
 from hisparse.cache import HierarchicalKVCache
 from hisparse.host_pool import HostPool
 from hisparse.resolve import ResolveResult, fetch_rows
@@ -105,11 +106,14 @@ def test_fetch_past_2_31_words_on_gpu():
     assert torch.equal(cache.slots[far, res.slots[0].long()].cpu(), rows[sel[0].long().cpu()])
 
 
-def test_host_pool_is_pinned_and_read_zero_copy_and_unpinned_when_dropped():
+@pytest.mark.parametrize("huge_pages", [False, True], ids=["4k-pages", "huge-pages"])
+def test_host_pool_is_pinned_and_read_zero_copy_and_unpinned_when_dropped(huge_pages, monkeypatch):
     """The pool is page-locked by cudaHostRegister (no power-of-two rounding, an odd size here), read
-    zero-copy by the kernels, and unregistered when the pool goes."""
+    zero-copy by the kernels, and unregistered when the pool goes; with 2 MiB pages asked for too."""
+    monkeypatch.setattr(host_pool, "HUGE_PAGES", huge_pages)
     pool = HostPool(3 * 1000 + 7, 576, torch.bfloat16)       # an odd size: 3.5 MB, not a power of two
     assert pool.rows.is_pinned()
+    assert not huge_pages or pool.rows.data_ptr() % host_pool.HUGE_PAGE_BYTES == 0
     new = torch.randn(pool.capacity, 576, device="cuda").to(torch.bfloat16)
     pool.write(0, new)
     torch.cuda.synchronize()
