@@ -16,7 +16,7 @@ import torch
 
 from hisparse.host_pool import HostPool
 from hisparse.resolve import (CacheState, ResolveResult, check_resolve_inputs, fetch_rows, resolve, resolve_ref,
-                              write_rows, write_unit_token)
+                              store_reserved, write_rows, write_unit_token)
 
 MODES = ("normal", "noio")
 
@@ -109,14 +109,21 @@ class HierarchicalKVCache:
             self.slots[stream, self.reserved_slot] = row
 
     def write_newest(self, streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor,
-                     map_streams: torch.Tensor | None = None) -> None:
+                     map_streams: torch.Tensor | None = None, to_host: bool = True) -> None:
         """The decode step's write, on the device with no host sync (capturable): rows [N, E] become
         unit units[n] of stream streams[n] (int32, -1 skips) in the host pool, in the reserved slot,
         and in the unit's cached copy if it has one. The caller records the new units on the host
         first (`advance`, which checks capacity); the units must lie inside the streams' regions.
-        map_streams: the streams whose slot maps place the rows (a shared layer's anchor streams)."""
+        map_streams: the streams whose slot maps place the rows (a shared layer's anchor streams).
+        to_host=False leaves the host pool for `store_newest`, which must run before the units can
+        be fetched (before the streams' next resolve)."""
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
-                   self.host.rows, self.slots, to_reserved=True, map_streams=map_streams)
+                   self.host.rows, self.slots, to_reserved=True, map_streams=map_streams, to_host=to_host)
+
+    def store_newest(self, streams: torch.Tensor, units: torch.Tensor) -> None:
+        """Store the reserved slot of each of streams [M] (int32, -1 skips) into the host pool as its
+        unit units[m]: the host half of `write_newest(to_host=False)`, for many streams in one launch."""
+        store_reserved(streams, units.to(torch.int64), self.state.host_base, self.host.rows, self.slots)
 
     def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            unit_tokens: int) -> None:

@@ -25,7 +25,7 @@ from hisparse.dsa import dsa_select, sparse_mla_decode
 from hisparse.models.base import DecodeState
 from hisparse.models.dsa_decode import MlaKV
 from hisparse.resolve import ResolveResult
-from hisparse.runtime import KV_MODES, Rows, cache_bytes, nbytes, stream_counts
+from hisparse.runtime import HOST_WRITES, KV_MODES, Rows, cache_bytes, nbytes, stream_counts
 
 __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
 PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
@@ -65,19 +65,40 @@ class HierMlaKV(MlaKV):
     anchor_layer: int | None = None
     anchor_streams: torch.Tensor | None = None
     prefetched: torch.cuda.Event | None = None
+    to_host: bool = True                       # host_write "layer"; False: "step" (`write_late`)
+    step_streams: torch.Tensor | None = None   # "step", on the last layer: every layer's streams, layer-major
+    _late: tuple | None = None                 # "step": (units [B], rows [B, D]) the layer writes late
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Decode-step write (positions [B, 1]): the latent goes to the host pool, the reserved slot
-        and any cached copy; the indexer key stays on the GPU. A prefetched shared layer first waits
-        for its copy, so the write-through of the newest row lands after (not under) the copy."""
+        and any cached copy; the indexer key stays on the GPU. A selection that holds the newest
+        token then fetches its row from the host like any miss. A prefetched shared layer first
+        waits for its copy, so the write-through of the newest row lands after (not under) the copy.
+        With `to_host` off only the indexer key is written here; the latent waits for `write_late`."""
         if positions.shape[1] != 1:
             raise ValueError("a hierarchical state takes one token per row; prefill runs on a resident state")
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         if index_keys is not None:
             self.index_keys[rows, positions] = index_keys
+        if not self.to_host:
+            self._late = positions[:, 0], latent[:, 0].contiguous()
+            return
         if self.prefetched is not None:
             torch.cuda.current_stream().wait_event(self.prefetched)
         self.cache.write_newest(self.streams, positions[:, 0], latent[:, 0].contiguous(), self.anchor_streams)
+
+    def write_late(self) -> None:
+        """host_write "step": the latent `write` kept, written once this layer's slots are resolved
+        and filled, to the reserved slot and any cached copy (the newest token, if selected, was just
+        fetched from a host row not yet written: its write-through overwrites that slot). The last
+        layer then stores every layer's newest row in the host pool, from the reserved slots, in one
+        launch, before any next resolve can fetch them."""
+        units, rows = self._late
+        if self.prefetched is not None:
+            torch.cuda.current_stream().wait_event(self.prefetched)
+        self.cache.write_newest(self.streams, units, rows, self.anchor_streams, to_host=False)
+        if self.step_streams is not None:
+            self.cache.store_newest(self.step_streams, units.repeat(self.step_streams.numel() // units.numel()))
 
 
 class KernelDsaAttention:
@@ -126,6 +147,8 @@ class KernelDsaAttention:
         if isinstance(kv, HierMlaKV):
             rows, row_base = self._slots(layer_idx, kv, selection), kv.row_base
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+            if not kv.to_host:
+                kv.write_late()
         else:
             batch, capacity, _ = kv.latent.shape
             rows, row_base = selection, self._resident_base(batch, capacity, selection.device)
@@ -173,6 +196,7 @@ class DsaRuntime:
     family = "DSA"
     selection_name = "index_topk"
     traces = True
+    host_writes, host_write = HOST_WRITES, "layer"
 
     def __init__(self, model, token_budget: int | None = None):
         if token_budget is not None:
@@ -216,6 +240,10 @@ class DsaRuntime:
             parts = [rows(b, i) for b in range(len(lengths))]
             layers.append(self._gather_layer(mode, cache, i, parts, lengths, capacity,
                                              layers[anchor] if anchor != i else None, prefetch))
+        if mode != "resident" and self.host_write == "step":
+            for kv in layers:
+                kv.to_host = False
+            layers[-1].step_streams = torch.cat([kv.streams for kv in layers])
         return layers
 
     def _gather_layer(self, mode, cache, layer: int, parts, lengths, capacity: int, anchor: MlaKV | None,

@@ -98,11 +98,13 @@ class Engine:
     prefill: "model" runs the model's prefill; "random" fills the prompt's KV with random rows and
     feeds the prompt's last token first (for timing decode at long contexts; outputs are noise).
     token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16
-    pages; default the model's `sparse_attention.token_budget`."""
+    pages; default the model's `sparse_attention.token_budget`. host_write: when the step's newest
+    rows reach the host pool, "layer" (default) or "step" (DSA only; `hisparse.runtime.HOST_WRITES`)."""
 
     def __init__(self, model: DsaModel | QuestModel | NsaModel, mode: str = "resident",
                  cache_slots: int | None = None, max_context: int | None = None, chunk_size: int | None = None,
-                 prefetch: bool = False, prefill: str = "model", token_budget: int | None = None):
+                 prefetch: bool = False, prefill: str = "model", token_budget: int | None = None,
+                 host_write: str = "layer"):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefetch and mode != "hisparse":
@@ -110,6 +112,10 @@ class Engine:
         if prefill not in ("model", "random"):
             raise ValueError(f"prefill must be 'model' or 'random', got {prefill!r}")
         self.runtime = family_runtime(model, token_budget)
+        if host_write not in self.runtime.host_writes:
+            raise ValueError(f"host_write must be one of {self.runtime.host_writes} for {self.runtime.family} "
+                             f"models, got {host_write!r}")
+        self.runtime.host_write = host_write
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
                              f"this {self.runtime.family} model ({type(model).__name__}) has none")

@@ -164,6 +164,7 @@ class NsaRuntime:
     selection_name = "num_selected_blocks"
     shared_layers = False
     traces = False
+    host_writes, host_write = ("layer",), "layer"
 
     def __init__(self, model, token_budget: int | None = None):
         if token_budget is not None:

@@ -216,6 +216,7 @@ class QuestRuntime:
     selection_name = "token_budget // 16 pages"
     shared_layers = False
     traces = False
+    host_writes, host_write = ("layer",), "layer"
 
     def __init__(self, model, token_budget: int | None = None):
         self.model = model

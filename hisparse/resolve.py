@@ -27,7 +27,8 @@ import torch
 import triton
 
 from kernels_triton.resolve import (
-    _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _write_rows_kernel, _write_unit_token_kernel,
+    _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _store_reserved_kernel, _write_rows_kernel,
+    _write_unit_token_kernel,
 )
 
 MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
@@ -247,12 +248,15 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
 
 def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host_base: torch.Tensor,
                unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor, to_reserved: bool,
-               map_streams: torch.Tensor | None = None) -> None:
+               map_streams: torch.Tensor | None = None, to_host: bool = True) -> None:
     """Store rows [M, E] (device) as unit units[m] of stream streams[m]: into the host pool, into the
     cached copy if the unit is cached, and with `to_reserved` into the stream's reserved slot (at
     most one row per stream then). streams [M] int32 (-1 skips), units [M] int64. No host sync.
     map_streams [M] int32: whose unit -> slot map says where the unit is cached (default: streams;
-    a shared layer, moving in lockstep with its anchor, passes the anchor's streams)."""
+    a shared layer, moving in lockstep with its anchor, passes the anchor's streams). Without
+    `to_host` the host pool is left alone: `store_reserved` writes the rows there later (from the
+    reserved slot, so `to_reserved` is required)."""
+    _expect(to_host or to_reserved, "a row kept off the host (to_host=False) must go to the reserved slot")
     _check_rows(host, cache)
     _expect(rows.dim() == 2 and rows.shape[1] == host.shape[1] and rows.dtype == host.dtype,
             f"rows must be [M, {host.shape[1]}] {host.dtype}, got {tuple(rows.shape)} {rows.dtype}")
@@ -269,8 +273,34 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
         rows_w, streams.contiguous(), map_streams.contiguous(), units.contiguous(), host_base, unit_slot,
         as_words(host),
         as_words(cache), cache.shape[1], ROW_WORDS=row_words,
-        BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved,
+        BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved, TO_HOST=to_host,
     )
+
+
+def store_reserved(streams: torch.Tensor, units: torch.Tensor, host_base: torch.Tensor, host: torch.Tensor,
+                   cache: torch.Tensor) -> None:
+    """Copy each stream's reserved slot into the host pool as its unit units[m]:
+    host[host_base[streams[m]] + units[m]] = cache[streams[m], -1]. streams [M] int32 (-1 skips),
+    units [M] int64. One launch for many streams (the host half of `write_rows(to_host=False)`,
+    once per decode step for every layer). No host sync."""
+    _check_rows(host, cache)
+    _expect(streams.dim() == 1 and streams.shape == units.shape, f"streams {tuple(streams.shape)} and units "
+            f"{tuple(units.shape)} must be [M]")
+    _expect(streams.dtype == torch.int32 and units.dtype == torch.int64,
+            f"streams must be int32 and units int64, got {streams.dtype} and {units.dtype}")
+    host_w, cache_w = as_words(host), as_words(cache)
+    row_words = host_w.shape[1]
+    _store_reserved_kernel[(streams.shape[0],)](
+        streams.contiguous(), units.contiguous(), host_base, host_w, cache_w, cache.shape[1],
+        ROW_WORDS=row_words, BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
+    )
+
+
+def store_reserved_ref(streams, units, host_base, host, cache) -> None:
+    """`store_reserved` in torch, in place."""
+    for stream, unit in zip(streams.tolist(), units.tolist()):
+        if stream >= 0:
+            host[int(host_base[stream]) + unit] = cache[stream, -1].to(host.device)
 
 
 def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int) -> None:

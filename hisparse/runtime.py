@@ -24,6 +24,12 @@ from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
 
 KV_MODES = ("resident", "hisparse", "noio")
+# When a decode step's newest rows reach the host pool in the hierarchical modes: "layer", as each
+# layer writes its row (zero-copy stores, one launch per layer, which also writes the reserved slot
+# and any cached copy); "step", all layers' rows in one launch after the last layer, from the
+# reserved slots (the layers' launches then write the device only). Either way every row is on the
+# host before the next step's resolve can fetch it.
+HOST_WRITES = ("layer", "step")
 
 Rows = Callable[[int, int], tuple]     # rows(request, layer) -> that request's prefilled KV of the layer
 
@@ -35,6 +41,8 @@ class FamilyRuntime(Protocol):
     anchors: list[int]         # the layer whose selection each layer uses
     shared_layers: bool        # layers may replay an anchor's miss plan (layer-wise prefetch applies)
     traces: bool               # selections can be recorded and replayed (one [layers, B, k] per step)
+    host_writes: tuple[str, ...]   # when a step's newest rows may reach the host pool (HOST_WRITES)
+    host_write: str            # the one in use, set by the engine
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """Random KV rows for prompts of these lengths (prefill="random": timing only)."""

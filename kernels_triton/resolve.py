@@ -8,6 +8,8 @@ Two kernels, launched back to back (both capture into a CUDA graph: static shape
   replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
 And the decode step's writes, from the device: `_write_rows_kernel` stores new rows (DSA's newest
 token) into the host pool, write-through to a cached copy, and optionally into the reserved slot;
+`_store_reserved_kernel` stores reserved slots into the host pool (the host half of a row write,
+deferred to once per step);
 `_write_unit_token_kernel` adds one token to the newest unit of several tokens (Quest's page, NSA's
 block), held in the reserved slot, and stores that unit's row the same three ways.
 
@@ -182,8 +184,9 @@ def _write_rows_kernel(
     host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows; slot SLOTS - 1 is the reserved one
     SLOTS,
-    ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, TO_RESERVED: tl.constexpr,
+    ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, TO_RESERVED: tl.constexpr, TO_HOST: tl.constexpr,
 ):
+    # TO_HOST off: the device copies only; the host row follows later (`_store_reserved_kernel`)
     i_m = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_m)
     if stream >= 0:
@@ -199,11 +202,37 @@ def _write_rows_kernel(
             o_w = w + tl.arange(0, BLOCK_W)
             m_w = o_w < ROW_WORDS
             b_row = tl.load(src_ptr + i_m * ROW_WORDS + o_w, mask=m_w)                   # [BLOCK_W]
-            tl.store(host_ptr + host_row * ROW_WORDS + o_w, b_row, mask=m_w)
+            if TO_HOST:
+                tl.store(host_ptr + host_row * ROW_WORDS + o_w, b_row, mask=m_w)
             # write-through: a cached copy of the unit never goes stale
             tl.store(p_cached + o_w, b_row, mask=m_w & ((o_w * 0 + slot) >= 0))
             if TO_RESERVED:
                 tl.store(p_reserved + o_w, b_row, mask=m_w)
+
+
+@triton.jit
+def _store_reserved_kernel(
+    stream_ptr,      # [M] int32 streams whose reserved slot goes to the host, -1 = skip
+    unit_ptr,        # [M] int64 the unit each reserved slot holds
+    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
+    host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
+    cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows; slot SLOTS - 1 is the reserved one
+    SLOTS,
+    ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """host row (host_base[stream] + unit) = cache[stream, SLOTS - 1], one program per stream: the
+    newest rows of many layers written to the host in one launch (`write_rows` with TO_HOST off
+    left them in the reserved slots)."""
+    i_m = tl.program_id(0).to(tl.int64)
+    stream = tl.load(stream_ptr + i_m)
+    if stream >= 0:
+        i_s = stream.to(tl.int64)
+        host_row = tl.load(host_base_ptr + i_s) + tl.load(unit_ptr + i_m)
+        p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW_WORDS
+        for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
+            o_w = w + tl.arange(0, BLOCK_W)
+            m_w = o_w < ROW_WORDS
+            tl.store(host_ptr + host_row * ROW_WORDS + o_w, tl.load(p_reserved + o_w, mask=m_w), mask=m_w)
 
 
 @triton.jit

@@ -5,18 +5,22 @@ that each change one thing, in rounds (every variant once per round), GPU only.
     python -m scripts.ablate_decode --quick     # a tiny model on the CPU (no graphs): smoke test
 
 Variants (DSA geometry, synthetic selections, CUDA graph replays, as experiments/configs/h200.toml):
-- resident:          every latent on the GPU, no resolve;
-- noio:              the oracle: resolve without the copy; each layer's newest row is still written
-                     zero-copy into the pinned host pool (and the reserved slot);
-- noio-device-pool:  noio with the host pool's rows in GPU memory, so that write lands on the device
-                     (noio never reads the pool while decoding, so nothing else changes);
-- noio-huge-pages:   noio with the pinned pool backed by 2 MiB pages (hisparse.host_pool.HUGE_PAGES).
+- resident:              every latent on the GPU, no resolve;
+- noio:                  the oracle: resolve without the copy; each layer's newest row is still
+                         written zero-copy into the pinned host pool (and the reserved slot);
+- noio-device-pool:      noio with the host pool's rows in GPU memory, so that write lands on the
+                         device (noio never reads the pool while decoding, so nothing else changes);
+- noio-huge-pages:       noio with the pinned pool backed by 2 MiB pages (hisparse.host_pool.HUGE_PAGES);
+- noio-step-writes:      noio with the host rows stored once per step (Engine(host_write="step"));
+- hisparse, hisparse-step-writes: the real mode, with the copies, both ways.
 If noio-device-pool closes most of the gap to resident, the cost is the per-layer zero-copy write to
-the host; if noio-huge-pages does too, its address translation. The gap left is the resolve (about
-9.5 us per layer and step at batch 16 under the profiler: results/gpu_logs/*_profile_decode_*.txt).
+the host; if noio-huge-pages does too, its address translation; noio-step-writes is the candidate
+fix. The gap left is the resolve (about 9.5 us per layer and step at batch 16 under the profiler:
+results/gpu_logs/*_profile_decode_*.txt).
 
-Each noio variant must generate noio's tokens (checked; noio's own differ from resident's: its
-slots never receive the missed rows). Prints each run's time per token (mean and
+Tokens are checked: resident and the hisparse variants must agree (exactness), and the noio
+variants of one host_write with each other (noio's differ from resident's: its slots never receive
+the missed rows; with step writes they do receive the newest one). Prints each run's time per token (mean and
 median step) as it goes, then per variant the median over rounds and its ratio to resident's; with
 --out, appends the rows to OUT/decode_ablation.csv.
 Seen on the H200 at hidden 1024, 61 layers, context 32K: noio was 3.1% over resident at batch 8 and
@@ -35,7 +39,10 @@ import hisparse.host_pool as host_pool  # noqa: E402
 from hisparse.host_pool import HostPool  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
-VARIANTS = ("resident", "noio", "noio-device-pool", "noio-huge-pages")
+# variant -> (mode, host_write)
+VARIANTS = {"resident": ("resident", "layer"), "noio": ("noio", "layer"), "noio-device-pool": ("noio", "layer"),
+            "noio-huge-pages": ("noio", "layer"), "noio-step-writes": ("noio", "step"),
+            "hisparse": ("hisparse", "layer"), "hisparse-step-writes": ("hisparse", "step")}
 
 
 class DevicePool(HostPool):
@@ -116,14 +123,16 @@ def main(argv=None) -> None:
     tpot = {v: [] for v in args.variants}
     for r in range(args.rounds):
         for variant in args.variants:
-            mode = "resident" if variant == "resident" else "noio"
+            mode, host_write = VARIANTS[variant]
             point = dict(mode=mode, context=args.context, workload=workload,
                          cache_slots=None if mode == "resident" else cache_slots)
             pools = []
             torch.manual_seed(0)        # the same random prompt KV in every run, so a mode's tokens must agree
             with variant_setup(variant, pools):
-                out = run_decode(model, point, args.batch, args.steps, graph=graph, warmup_steps=args.warmup_steps)
-            first = tokens.setdefault(mode, (variant, out.tokens))
+                out = run_decode(model, point, args.batch, args.steps, graph=graph, warmup_steps=args.warmup_steps,
+                                 host_write=host_write)
+            group = "exact" if mode in ("resident", "hisparse") else host_write
+            first = tokens.setdefault(group, (variant, out.tokens))
             if not torch.equal(out.tokens, first[1]):
                 raise SystemExit(f"{variant} generated other tokens than {first[0]}: a variant must not change "
                                  f"what its mode computes")
@@ -131,7 +140,7 @@ def main(argv=None) -> None:
             median_ms = statistics.median(out.step_ms)
             tpot[variant].append(median_ms)
             pinned = "".join(f", pinned pool {gib:.1f} GiB ({huge:.1f} GiB in huge pages)" for gib, huge in pools)
-            print(f"round {r + 1}/{args.rounds} {variant:>17}: tpot {mean_ms:6.2f} ms, median step {median_ms:6.2f} ms"
+            print(f"round {r + 1}/{args.rounds} {variant:>20}: tpot {mean_ms:6.2f} ms, median step {median_ms:6.2f} ms"
                   f"{pinned}", flush=True)
             if args.out:
                 base = dict(bench="decode_ablation", family="dsa", mode=variant, batch=args.batch,
@@ -146,7 +155,7 @@ def main(argv=None) -> None:
     ref = statistics.median(tpot["resident"]) if "resident" in tpot else None
     for variant, values in tpot.items():
         ms = statistics.median(values)
-        print(f"  {variant:>17} {ms:7.2f} ms" + (f"  {ms / ref - 1:+.1%} vs resident" if ref else ""))
+        print(f"  {variant:>20} {ms:7.2f} ms" + (f"  {ms / ref - 1:+.1%} vs resident" if ref else ""))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 # "--hidden 7168 --intermediate 18432 --batches 32 128 --prefetch-programs 32 128 --prefetch-priority
 # normal high"); RESOLVE_ARGS likewise to bench_resolve ("--decode-like" runs its points instead of the
 # sweep: resolve_layers.csv, and no resolve.csv or its target lines); TUNE=1 first times the resolve variants
-# (scripts/tune_resolve.py) into $OUT/tune_resolve.txt.
+# (scripts/tune_resolve.py) into $OUT/tune_resolve.txt; ABLATE_ARGS (e.g. "--batch 16 --rounds 2") first
+# runs scripts/ablate_decode.py with them (noio vs resident in variants: $OUT/decode_ablation.csv).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -41,6 +42,11 @@ fi
 if [ "${TUNE:-0}" = 1 ]; then
   echo "== tune_resolve" | tee -a "$log"
   timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.tune_resolve 2>&1 | tee "$OUT/tune_resolve.txt" | tee -a "$log" || status=1
+fi
+if [ -n "${ABLATE_ARGS:-}" ]; then
+  echo "== ablate_decode ${ABLATE_ARGS}" | tee -a "$log"
+  read -r -a ablate <<< "$ABLATE_ARGS"
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.ablate_decode --out "$OUT" "${ablate[@]}" 2>&1 | tee -a "$log" || status=1
 fi
 for b in "${benches[@]}"; do
   echo "== bench_$b" | tee -a "$log"

@@ -5,6 +5,7 @@ import tempfile
 
 import pytest
 import torch
+from engine_checks import assert_bitwise, assert_newest_units_written_through
 
 from hisparse.engine import Engine
 from hisparse.models.dsa_decode import TorchDsaAttention
@@ -57,6 +58,20 @@ def test_hisparse_is_bitwise_resident(family, slots_per_k):
     assert out.misses > 0 and out.hits > 0
     if slots_per_k == 1:
         assert out.miss_rate > 0.2, "B = k must evict heavily"
+
+
+def test_rows_stored_once_per_step_are_bitwise_resident_too():
+    """host_write="step": the layers write only the device, and the last layer stores every layer's
+    newest row in the host pool in one launch. B = k evicts heavily, so recent rows come back from the
+    host: a row stored late or wrong would change the logits. glm_moe_dsa: shared layers too."""
+    model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
+    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk, host_write="step")
+    out = engine.generate(prompts(), new_tokens=65)
+    assert_bitwise(resident, out, "host_write=step")
+    assert out.miss_rate > 0.2
+    assert_newest_units_written_through(engine.cache)
+    with pytest.raises(ValueError, match=r"host_write must be one of \('layer', 'step'\) for DSA models, got 'never'"):
+        Engine(model, "hisparse", cache_slots=model.config.index_topk, host_write="never")
 
 
 def test_noio_resolves_the_same_but_copies_nothing(model):

@@ -35,6 +35,8 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
         "hisparse-B=k": Engine(model, "hisparse", cache_slots=2048, chunk_size=1024).generate(prompts, 65),
         "hisparse-B=2k-graph": Engine(model, "hisparse", cache_slots=4096, chunk_size=1024).generate(
             prompts, 65, graph=True),
+        "hisparse-B=k-graph-step-writes": Engine(model, "hisparse", cache_slots=2048, chunk_size=1024,
+                                                 host_write="step").generate(prompts, 65, graph=True),
     }
     base = runs["resident"]
     for name, out in runs.items():
@@ -49,7 +51,8 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
 @pytest.mark.parametrize("priority", dsa_runtime.PREFETCH_PRIORITIES)
 def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     """glm_moe_dsa with shared layers: prefetch on (side stream of either priority, inside the CUDA
-    graph), off, and resident give bitwise-equal logits and tokens."""
+    graph; with the host rows stored per layer or once per step), off, and resident give
+    bitwise-equal logits and tokens."""
     monkeypatch.setattr(dsa_runtime, "PREFETCH_PRIORITY", priority)
     types = ["full", "shared", "shared", "full", "shared"]
     m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=5,
@@ -59,12 +62,14 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
     base = Engine(m, "resident", chunk_size=1024).generate(prompts, 65, graph=True)
-    for prefetch in (False, True) if priority == "normal" else (True,):
-        out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch).generate(
-            prompts, 65, graph=True)
-        assert torch.equal(out.tokens, base.tokens), f"prefetch={prefetch}"
+    runs = [(False, "layer"), (True, "layer"), (True, "step")] if priority == "normal" else [(True, "layer")]
+    for prefetch, host_write in runs:
+        out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch,
+                     host_write=host_write).generate(prompts, 65, graph=True)
+        name = f"prefetch={prefetch}, host_write={host_write}"
+        assert torch.equal(out.tokens, base.tokens), name
         for step, (a, b) in enumerate(zip(base.logits, out.logits)):
-            assert torch.equal(a, b), f"prefetch={prefetch}: logits differ at step {step}"
+            assert torch.equal(a, b), f"{name}: logits differ at step {step}"
         assert out.misses > 0
         assert out.prefetched_layers == (3 if prefetch else 0), "prefetch must run on the side stream"
 

@@ -100,6 +100,8 @@ def test_bad_inputs_are_refused():
         Engine(model, "resident", token_budget=8)
     with pytest.raises(ValueError, match="this Quest model .* has none"):
         Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=True)
+    with pytest.raises(ValueError, match=r"host_write must be one of \('layer',\) for Quest models, got 'step'"):
+        Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, host_write="step")
     engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
     with pytest.raises(ValueError, match="DSA-only"):
         engine.trace_writer(prompts())

@@ -329,6 +329,40 @@ def test_write_without_a_map_stream_skips_write_through(device):
     assert not torch.equal(cache.slots[0, int(res.slots[0, 0])].cpu(), row[0].cpu())
 
 
+def test_write_off_the_host_then_store_reserved_puts_each_row_in_place(device):
+    """write_rows(to_host=False) writes the reserved slot and the cached copy but not the host pool;
+    store_reserved then copies each reserved slot to its unit's host row (a stream of -1 is skipped)
+    and touches no other byte, as its torch reference does."""
+    from hisparse.resolve import store_reserved, store_reserved_ref, write_rows
+    c = _small_cache(device)
+    c.resolve(_i32([0], device), _i32([[4, 1]], device))            # units 4 and 1 of stream 0 cached
+    streams, units = _i32([0, 1], device), torch.tensor([4, 2], device=device)
+    rows = torch.randn(2, 4).to(device)
+    host_before = c.host.rows.clone()
+    write_rows(streams, units, rows, c.state.host_base, c.state.unit_slot, c.host.rows, c.slots, to_reserved=True,
+               to_host=False)
+    bits = lambda t: t.cpu().view(torch.int32)    # bytes, not values (unwritten host rows may hold NaN)
+    assert torch.equal(bits(c.host.rows), bits(host_before)), "the host pool is left for store_reserved"
+    assert torch.equal(c.slots[:2, c.reserved_slot].cpu(), rows.cpu())
+    slot = int(c.state.unit_slot[int(c.state.host_base[0]) + 4])
+    assert torch.equal(c.slots[0, slot].cpu(), rows[0].cpu()), "write-through to the cached copy"
+    want_host = c.host.rows.clone()
+    store_reserved_ref(_i32([1, -1, 0], "cpu"), torch.tensor([2, 7, 4]), c.state.host_base.cpu(), want_host,
+                       c.slots.cpu())
+    store_reserved(_i32([1, -1, 0], device), torch.tensor([2, 7, 4], device=device), c.state.host_base,
+                   c.host.rows, c.slots)
+    assert torch.equal(bits(c.host.rows), bits(want_host))
+    for stream, unit, row in ((0, 4, rows[0]), (1, 2, rows[1])):
+        assert torch.equal(c.host.rows[int(c.state.host_base[stream]) + unit], row.cpu())
+    changed = (bits(c.host.rows) != bits(host_before)).any(1).nonzero().flatten().tolist()
+    assert changed == sorted([int(c.state.host_base[0]) + 4, int(c.state.host_base[1]) + 2])
+    with pytest.raises(ValueError, match="must go to the reserved slot"):
+        write_rows(streams, units, rows, c.state.host_base, c.state.unit_slot, c.host.rows, c.slots,
+                   to_reserved=False, to_host=False)
+    with pytest.raises(ValueError, match="streams must be int32 and units int64"):
+        store_reserved(streams, units.to(torch.int32), c.state.host_base, c.host.rows, c.slots)
+
+
 def write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache, t, device):
     """Run the kernel (on `device`) and its torch reference on copies of host and cache; assert they
     wrote the same bytes; return the reference's (host, cache)."""
