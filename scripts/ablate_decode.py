@@ -20,9 +20,10 @@ results/gpu_logs/*_profile_decode_*.txt).
 
 Tokens are checked: resident and the hisparse variants must agree (exactness), and the noio
 variants of one host_write with each other (noio's differ from resident's: its slots never receive
-the missed rows; with step writes they do receive the newest one). Prints each run's time per token (mean and
-median step) as it goes, then per variant the median over rounds and its ratio to resident's; with
---out, appends the rows to OUT/decode_ablation.csv.
+the missed rows; with step writes they do receive the newest one). Prints each run's time per
+token (mean and median step) as it goes, then per variant the median over rounds and its ratio to
+resident's; with --out, appends the rows to OUT/decode_ablation.csv.
+
 Seen on the H200 at hidden 1024, 61 layers, context 32K: noio was 3.1% over resident at batch 8 and
 14.1% at batch 16, reproducible to 0.2% over three runs (results/gpu_logs/abc40c31e6c3_decode_repeat.txt).
 """
