@@ -2,7 +2,7 @@
 # The GPU run, in one call: GPU-marked tests, then the benchmarks, results under $OUT, a short
 # table last. Run from the repository root on a CUDA machine:
 #   HISPARSE_COMMIT=$(git rev-parse --short=12 HEAD) OUT=out bash scripts/gpu_suite.sh [bench ...]
-# Benchmarks default to every benchmarks/bench_*.py; name some (e.g. `resolve`) to run fewer;
+# Benchmarks default to every benchmarks/bench_*.py; name some (e.g. `resolve`) to run fewer, `none` for none;
 # TESTS=path narrows the tests (TESTS=none skips them); BENCH_TIMEOUT caps each benchmark (s);
 # HOST_GROW_GIB (default 64, 0 = off) pins and frees that much host memory first: the lent machines'
 # RAM grows as it is used (3 s per 8 GiB), so a large host pool then finds it there.
@@ -49,6 +49,7 @@ if [ -n "${ABLATE_ARGS:-}" ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.ablate_decode --out "$OUT" "${ablate[@]}" 2>&1 | tee -a "$log" || status=1
 fi
 for b in "${benches[@]}"; do
+  [ "$b" = none ] && continue
   echo "== bench_$b" | tee -a "$log"
   extra=()
   if [[ "$b" == attention_* && "${ATTENTION_TIMER:-do_bench}" == cudagraph ]]; then extra=(--cudagraph); fi
