@@ -94,8 +94,25 @@ def prefetch_lines(frame: pd.DataFrame) -> list[str]:
     return lines
 
 
+def decode_ablation_lines(frame: pd.DataFrame) -> list[str]:
+    """scripts/ablate_decode.py: per point and variant, the median step over rounds beside resident's
+    (issue #6: noio within 3% of resident)."""
+    f = latest(frame)
+    f = f[f.metric == "tpot_median_ms"]
+    lines = []
+    for (batch, hidden), rows in f.groupby(["batch", "hidden"], sort=False):
+        ms = rows.groupby("mode", sort=False)["value"].median()
+        ref = ms.get("resident")
+        shown = ", ".join(f"{mode} {v:.2f}" + (f" ({v / ref - 1:+.1%})" if ref and mode != "resident" else "")
+                          for mode, v in ms.items())
+        lines.append(f"decode ablation batch {batch}, hidden {hidden}, median ms per step: {shown} "
+                     f"(target: noio within +3% of resident)")
+    return lines
+
+
 SUMMARIES = {"resolve.csv": resolve_lines, "resolve_layers.csv": resolve_layers_lines,
-             "attention.csv": attention_lines, "prefetch.csv": prefetch_lines}
+             "attention.csv": attention_lines, "prefetch.csv": prefetch_lines,
+             "decode_ablation.csv": decode_ablation_lines}
 
 
 def main(folder: str) -> None:

@@ -99,6 +99,10 @@ def test_decode_ablation_quick_run_writes_every_variant_and_undoes_its_patches(t
     from scripts.ablate_decode import VARIANTS
     assert sorted(rows["mode"].unique()) == sorted(VARIANTS)
     assert set(rows.metric) == {"tpot_ms", "tpot_median_ms"} and (rows.value > 0).all()
+    from benchmarks import summary
+    [line] = summary.decode_ablation_lines(rows)
+    assert line.startswith("decode ablation batch 2, hidden 64, median ms per step: resident ")
+    assert all(f"{v} " in line for v in VARIANTS) and line.count("%)") == len(VARIANTS) - 1
 
 
 def test_decode_ablation_patches_are_undone():
