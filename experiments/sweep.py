@@ -227,7 +227,7 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 
 
 def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
-               warmup_steps: int = 1, host_write: str = "layer"):
+               warmup_steps: int = 1, host_write: str = "layer", early_resolve: bool = False):
     cfg = model.config
     context, workload = point["context"], point["workload"]
     replay = None
@@ -239,7 +239,8 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
         replay = repeat_request(generate(preset(workload, **over)), batch)
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
-                    prefetch=prefetch and point["mode"] == "hisparse", host_write=host_write)
+                    prefetch=prefetch and point["mode"] == "hisparse", host_write=host_write,
+                    early_resolve=early_resolve)
     replay = replay and with_anchors(replay, engine.anchors)
     out = engine.generate(prompts, new_tokens + warmup_steps + 1, graph=graph, keep_logits=False, replay=replay,
                           warmup_steps=warmup_steps)

@@ -113,16 +113,21 @@ class KernelDsaAttention:
     replay_sel [layers, B, k] int32: when set, selections come from it instead of the indexer (the
     caller fills it from a trace before each step). `recorded[layer]` holds the selection each
     layer attended over in the last step.
+    early_resolve (GPU, with rows stored once per step): an anchor layer's resolve (and copy) starts
+    on a stream of its own as soon as `select` has the selection, so it overlaps the query's
+    projection (the model computes the query after the selection); `attend` waits for it.
     """
 
     def __init__(self, mode: str = "resident", check_values: bool = True, prefetch: bool = False,
-                 shared: dict[int, list[HierMlaKV]] | None = None):
+                 shared: dict[int, list[HierMlaKV]] | None = None, early_resolve: bool = False):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         self.mode = mode
         self.check_values = check_values
         self.shared = shared or {}
         self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
+        self.resolver = torch.cuda.Stream() if early_resolve and torch.cuda.is_available() else None
+        self._early: dict[int, torch.cuda.Event] = {}      # layer -> its resolve's event, until attended
         # a copy from pinned host memory needs few programs to keep PCIe busy; more would crowd
         # out the layers it overlaps with
         self.prefetch_programs = PREFETCH_PROGRAMS
@@ -134,9 +139,19 @@ class KernelDsaAttention:
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
                lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
         if self.replay_sel is not None:
-            return self.replay_sel[layer_idx]
-        # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
-        return dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
+            selection = self.replay_sel[layer_idx]
+        else:
+            # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
+            selection = dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
+        if self.resolver is not None and isinstance(kv, HierMlaKV) and kv.anchor_layer is None:
+            selection = selection.to(torch.int32)
+            self.resolver.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.resolver):
+                self._slots(layer_idx, kv, selection)
+                if layer_idx not in self._early:
+                    self._early[layer_idx] = torch.cuda.Event()
+                self._early[layer_idx].record(self.resolver)
+        return selection
 
     def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV,
                lengths: torch.Tensor, selection: torch.Tensor, scale: float) -> torch.Tensor:
@@ -145,7 +160,11 @@ class KernelDsaAttention:
         self.recorded[layer_idx] = selection
         # rows index each request's own region of the pool (row_base): its slots, or its token ids
         if isinstance(kv, HierMlaKV):
-            rows, row_base = self._slots(layer_idx, kv, selection), kv.row_base
+            if layer_idx in self._early:          # resolved on the resolver stream since `select`
+                torch.cuda.current_stream().wait_event(self._early[layer_idx])
+                rows, row_base = self._resolved[layer_idx].slots, kv.row_base
+            else:
+                rows, row_base = self._slots(layer_idx, kv, selection), kv.row_base
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
             if not kv.to_host:
                 kv.write_late()
@@ -197,6 +216,7 @@ class DsaRuntime:
     selection_name = "index_topk"
     traces = True
     host_writes, host_write = HOST_WRITES, "layer"
+    early_resolve = False
 
     def __init__(self, model, token_budget: int | None = None):
         if token_budget is not None:
@@ -280,7 +300,8 @@ class DsaRuntime:
         for kv in layers:
             if isinstance(kv, HierMlaKV) and kv.anchor_layer is not None:
                 shared.setdefault(kv.anchor_layer, []).append(kv)
-        return KernelDsaAttention(mode, check_values=check_values, prefetch=prefetch, shared=shared)
+        return KernelDsaAttention(mode, check_values=check_values, prefetch=prefetch, shared=shared,
+                                  early_resolve=self.early_resolve and mode != "resident")
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
         """Every step writes one more token, a unit, into every stream."""

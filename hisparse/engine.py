@@ -99,12 +99,14 @@ class Engine:
     feeds the prompt's last token first (for timing decode at long contexts; outputs are noise).
     token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16
     pages; default the model's `sparse_attention.token_budget`. host_write: when the step's newest
-    rows reach the host pool, "layer" (default) or "step" (DSA only; `hisparse.runtime.HOST_WRITES`)."""
+    rows reach the host pool, "layer" (default) or "step" (DSA only; `hisparse.runtime.HOST_WRITES`).
+    early_resolve (with host_write "step"; a GPU): each anchor layer's resolve and copy start on a
+    stream of their own once its selection is known, overlapping the query's projection."""
 
     def __init__(self, model: DsaModel | QuestModel | NsaModel, mode: str = "resident",
                  cache_slots: int | None = None, max_context: int | None = None, chunk_size: int | None = None,
                  prefetch: bool = False, prefill: str = "model", token_budget: int | None = None,
-                 host_write: str = "layer"):
+                 host_write: str = "layer", early_resolve: bool = False):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefetch and mode != "hisparse":
@@ -116,6 +118,11 @@ class Engine:
             raise ValueError(f"host_write must be one of {self.runtime.host_writes} for {self.runtime.family} "
                              f"models, got {host_write!r}")
         self.runtime.host_write = host_write
+        if early_resolve and (mode == "resident" or host_write != "step"):
+            raise ValueError(f"early_resolve overlaps a hierarchical mode's resolve with the query's projection and "
+                             f"needs host_write='step' (the resolve then no longer waits for the newest row's host "
+                             f"write); got mode {mode!r}, host_write {host_write!r}")
+        self.runtime.early_resolve = early_resolve
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
                              f"this {self.runtime.family} model ({type(model).__name__}) has none")

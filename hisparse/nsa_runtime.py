@@ -165,6 +165,7 @@ class NsaRuntime:
     shared_layers = False
     traces = False
     host_writes, host_write = ("layer",), "layer"
+    early_resolve = False
 
     def __init__(self, model, token_budget: int | None = None):
         if token_budget is not None:

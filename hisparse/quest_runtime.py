@@ -217,6 +217,7 @@ class QuestRuntime:
     shared_layers = False
     traces = False
     host_writes, host_write = ("layer",), "layer"
+    early_resolve = False
 
     def __init__(self, model, token_budget: int | None = None):
         self.model = model

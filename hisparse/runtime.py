@@ -43,6 +43,7 @@ class FamilyRuntime(Protocol):
     traces: bool               # selections can be recorded and replayed (one [layers, B, k] per step)
     host_writes: tuple[str, ...]   # when a step's newest rows may reach the host pool (HOST_WRITES)
     host_write: str            # the one in use, set by the engine
+    early_resolve: bool        # resolve on a side stream from the selection on (set by the engine)
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """Random KV rows for prompts of these lengths (prefill="random": timing only)."""

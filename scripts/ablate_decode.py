@@ -12,11 +12,13 @@ Variants (DSA geometry, synthetic selections, CUDA graph replays, as experiments
                          device (noio never reads the pool while decoding, so nothing else changes);
 - noio-huge-pages:       noio with the pinned pool backed by 2 MiB pages (hisparse.host_pool.HUGE_PAGES);
 - noio-step-writes:      noio with the host rows stored once per step (Engine(host_write="step"));
-- hisparse, hisparse-step-writes: the real mode, with the copies, both ways.
+- noio-early-resolve:    that, with each resolve started on its own stream at the selection, so it
+                         overlaps the query's projection (Engine(early_resolve=True));
+- hisparse, hisparse-step-writes, hisparse-early-resolve: the real mode, with the copies, each way.
 If noio-device-pool closes most of the gap to resident, the cost is the per-layer zero-copy write to
 the host; if noio-huge-pages does too, its address translation; noio-step-writes is the candidate
 fix. The gap left is the resolve (about 9.5 us per layer and step at batch 16 under the profiler:
-results/gpu_logs/*_profile_decode_*.txt).
+results/gpu_logs/*_profile_decode_*.txt), which noio-early-resolve would hide.
 
 Tokens are checked: resident and the hisparse variants must agree (exactness), and the noio
 variants of one host_write with each other (noio's differ from resident's: its slots never receive
@@ -40,10 +42,12 @@ import hisparse.host_pool as host_pool  # noqa: E402
 from hisparse.host_pool import HostPool  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
-# variant -> (mode, host_write)
-VARIANTS = {"resident": ("resident", "layer"), "noio": ("noio", "layer"), "noio-device-pool": ("noio", "layer"),
-            "noio-huge-pages": ("noio", "layer"), "noio-step-writes": ("noio", "step"),
-            "hisparse": ("hisparse", "layer"), "hisparse-step-writes": ("hisparse", "step")}
+# variant -> (mode, host_write, early_resolve)
+VARIANTS = {"resident": ("resident", "layer", False), "noio": ("noio", "layer", False),
+            "noio-device-pool": ("noio", "layer", False), "noio-huge-pages": ("noio", "layer", False),
+            "noio-step-writes": ("noio", "step", False), "noio-early-resolve": ("noio", "step", True),
+            "hisparse": ("hisparse", "layer", False), "hisparse-step-writes": ("hisparse", "step", False),
+            "hisparse-early-resolve": ("hisparse", "step", True)}
 
 
 class DevicePool(HostPool):
@@ -124,14 +128,14 @@ def main(argv=None) -> None:
     tpot = {v: [] for v in args.variants}
     for r in range(args.rounds):
         for variant in args.variants:
-            mode, host_write = VARIANTS[variant]
+            mode, host_write, early_resolve = VARIANTS[variant]
             point = dict(mode=mode, context=args.context, workload=workload,
                          cache_slots=None if mode == "resident" else cache_slots)
             pools = []
             torch.manual_seed(0)        # the same random prompt KV in every run, so a mode's tokens must agree
             with variant_setup(variant, pools):
                 out = run_decode(model, point, args.batch, args.steps, graph=graph, warmup_steps=args.warmup_steps,
-                                 host_write=host_write)
+                                 host_write=host_write, early_resolve=early_resolve)
             group = "exact" if mode in ("resident", "hisparse") else host_write
             first = tokens.setdefault(group, (variant, out.tokens))
             if not torch.equal(out.tokens, first[1]):

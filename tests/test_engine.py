@@ -72,6 +72,10 @@ def test_rows_stored_once_per_step_are_bitwise_resident_too():
     assert_newest_units_written_through(engine.cache)
     with pytest.raises(ValueError, match=r"host_write must be one of \('layer', 'step'\) for DSA models, got 'never'"):
         Engine(model, "hisparse", cache_slots=model.config.index_topk, host_write="never")
+    for mode, host_write in (("hisparse", "layer"), ("resident", "step")):
+        with pytest.raises(ValueError, match=f"early_resolve .* needs host_write='step'.*got mode '{mode}', "
+                                             f"host_write '{host_write}'"):
+            Engine(model, mode, cache_slots=model.config.index_topk, host_write=host_write, early_resolve=True)
 
 
 def test_noio_resolves_the_same_but_copies_nothing(model):

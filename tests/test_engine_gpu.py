@@ -37,6 +37,9 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
             prompts, 65, graph=True),
         "hisparse-B=k-graph-step-writes": Engine(model, "hisparse", cache_slots=2048, chunk_size=1024,
                                                  host_write="step").generate(prompts, 65, graph=True),
+        "hisparse-B=k-graph-early-resolve": Engine(model, "hisparse", cache_slots=2048, chunk_size=1024,
+                                                   host_write="step", early_resolve=True).generate(
+            prompts, 65, graph=True),
     }
     base = runs["resident"]
     for name, out in runs.items():
@@ -51,8 +54,8 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
 @pytest.mark.parametrize("priority", dsa_runtime.PREFETCH_PRIORITIES)
 def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     """glm_moe_dsa with shared layers: prefetch on (side stream of either priority, inside the CUDA
-    graph; with the host rows stored per layer or once per step), off, and resident give
-    bitwise-equal logits and tokens."""
+    graph; with the host rows stored per layer or once per step, and the resolve started early on a
+    stream of its own), off, and resident give bitwise-equal logits and tokens."""
     monkeypatch.setattr(dsa_runtime, "PREFETCH_PRIORITY", priority)
     types = ["full", "shared", "shared", "full", "shared"]
     m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=5,
@@ -62,11 +65,11 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
     base = Engine(m, "resident", chunk_size=1024).generate(prompts, 65, graph=True)
-    runs = [(False, "layer"), (True, "layer"), (True, "step")] if priority == "normal" else [(True, "layer")]
-    for prefetch, host_write in runs:
-        out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch,
-                     host_write=host_write).generate(prompts, 65, graph=True)
-        name = f"prefetch={prefetch}, host_write={host_write}"
+    runs = [(False, "layer", False), (True, "layer", False), (True, "step", False), (True, "step", True)]
+    for prefetch, host_write, early in runs if priority == "normal" else runs[1:2]:
+        out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch, host_write=host_write,
+                     early_resolve=early).generate(prompts, 65, graph=True)
+        name = f"prefetch={prefetch}, host_write={host_write}, early_resolve={early}"
         assert torch.equal(out.tokens, base.tokens), name
         for step, (a, b) in enumerate(zip(base.logits, out.logits)):
             assert torch.equal(a, b), f"{name}: logits differ at step {step}"

@@ -80,19 +80,20 @@ class MlaAttention(nn.Module):
         b, s, _ = x.shape
         cos, sin = self._rotary[0](step.positions, x.dtype)  # [B, S, Dr]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(b, s, self.n_heads, self.dn + self.dr)
-        q_nope, q_rot = q[..., : self.dn], rope_interleaved(q[..., self.dn:], cos[:, :, None], sin[:, :, None])
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.dc, self.dr], dim=-1)
         index_k = None
         if self.indexer is not None:
             index_q, index_k, index_w = self.indexer.project(x, q_resid, cos, sin)
         latent = torch.cat([self.kv_a_layernorm(c), rope_interleaved(k_rot, cos, sin)], dim=-1)
         kv.write(step.positions, latent, index_k)
+        if step.decode and self.indexer is not None:
+            step.shared["selection"] = self._owner[0].sparse_attention.select(
+                self.layer_idx, index_q[:, 0], index_w[:, 0], kv, step.lengths, self.indexer.topk,
+                self.indexer.softmax_scale)
+        # the query after the selection: a resolve that `select` starts on a side stream overlaps it
+        q = self.q_b_proj(q_resid).view(b, s, self.n_heads, self.dn + self.dr)
+        q_nope, q_rot = q[..., : self.dn], rope_interleaved(q[..., self.dn:], cos[:, :, None], sin[:, :, None])
         if step.decode:
-            if self.indexer is not None:
-                step.shared["selection"] = self._owner[0].sparse_attention.select(
-                    self.layer_idx, index_q[:, 0], index_w[:, 0], kv, step.lengths, self.indexer.topk,
-                    self.indexer.softmax_scale)
             out = self._decode_attention(q_nope[:, 0], q_rot[:, 0], kv, step.lengths, step.shared["selection"])
         else:
             end = step.start + s
