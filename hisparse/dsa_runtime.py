@@ -134,6 +134,7 @@ class KernelDsaAttention:
         self.replay_sel: torch.Tensor | None = None
         self.recorded: dict[int, torch.Tensor] = {}
         self._resolved: dict[int, ResolveResult] = {}
+        self._plans: dict[int, ResolveResult] = {}         # layer -> its reused result buffers
         self._bases: dict[tuple, torch.Tensor] = {}
 
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
@@ -145,6 +146,7 @@ class KernelDsaAttention:
             selection = dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
         if self.resolver is not None and isinstance(kv, HierMlaKV) and kv.anchor_layer is None:
             selection = selection.to(torch.int32)
+            self._plan_buffers(layer_idx, selection)      # made on this stream, before the fork
             self.resolver.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.resolver):
                 self._slots(layer_idx, kv, selection)
@@ -183,6 +185,19 @@ class KernelDsaAttention:
             self._bases[key] = torch.arange(batch, dtype=torch.int64, device=device) * capacity
         return self._bases[key]
 
+    def _plan_buffers(self, layer_idx: int, selection: torch.Tensor) -> ResolveResult:
+        """The anchor layer's resolve result buffers, made once on the calling stream and refilled
+        every step (static addresses for a graph; nothing allocated on a side stream). A step's
+        resolve rewrites them only after the last step's readers: in line, or on a stream that
+        waited for them."""
+        plan = self._plans.get(layer_idx)
+        n, k = selection.shape
+        if plan is None or plan.slots.shape != (n, k):
+            shapes = ((n, k), (n, 2), (n, k), (n, k))
+            plan = ResolveResult(*(torch.empty(s, dtype=torch.int32, device=selection.device) for s in shapes))
+            self._plans[layer_idx] = plan
+        return plan
+
     def _slots(self, layer_idx: int, kv: HierMlaKV, selection: torch.Tensor) -> torch.Tensor:
         """Slots of the selection in this layer's cache: resolved (anchor) or the anchor's (shared)."""
         copy = self.mode != "noio"
@@ -192,9 +207,9 @@ class KernelDsaAttention:
                 kv.cache.replay_plan(plan, kv.streams)
             return plan.slots
         plan = kv.cache.resolve(kv.streams, selection, mode="normal" if copy else "noio",
-                                check_values=self.check_values)
+                                check_values=self.check_values, out=self._plan_buffers(layer_idx, selection))
         self._resolved[layer_idx] = plan
-        if copy and self.side is not None:
+        if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 for shared in self.shared.get(layer_idx, []):

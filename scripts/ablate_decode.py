@@ -120,8 +120,11 @@ def main(argv=None) -> None:
             raise SystemExit("needs a CUDA GPU (--quick runs a tiny model on the CPU)")
         device, graph, workload, cache_slots = torch.device("cuda"), True, "dsa_100k", 4096
         study = dict(_index=0, kind="decode", model="dsa", layers=args.layers, hidden=args.hidden, workload=workload)
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-        print(f"transparent huge pages: {f.read().strip()}", flush=True)
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            print(f"transparent huge pages: {f.read().strip()}", flush=True)
+    except OSError:
+        print("transparent huge pages: not offered by this kernel", flush=True)
     model = build(study, device)
     layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
     tokens = {}

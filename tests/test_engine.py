@@ -70,6 +70,9 @@ def test_rows_stored_once_per_step_are_bitwise_resident_too():
     assert_bitwise(resident, out, "host_write=step")
     assert out.miss_rate > 0.2
     assert_newest_units_written_through(engine.cache)
+    noio = Engine(model, "noio", cache_slots=model.config.index_topk, host_write="step")
+    noio.generate(prompts(), new_tokens=6)
+    assert_newest_units_written_through(noio.cache)
     with pytest.raises(ValueError, match=r"host_write must be one of \('layer', 'step'\) for DSA models, got 'never'"):
         Engine(model, "hisparse", cache_slots=model.config.index_topk, host_write="never")
     for mode, host_write in (("hisparse", "layer"), ("resident", "step")):

@@ -40,6 +40,8 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
         "hisparse-B=k-graph-early-resolve": Engine(model, "hisparse", cache_slots=2048, chunk_size=1024,
                                                    host_write="step", early_resolve=True).generate(
             prompts, 65, graph=True),
+        "hisparse-B=k-eager-early-resolve": Engine(model, "hisparse", cache_slots=2048, chunk_size=1024,
+                                                   host_write="step", early_resolve=True).generate(prompts, 65),
     }
     base = runs["resident"]
     for name, out in runs.items():
@@ -57,15 +59,16 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     graph; with the host rows stored per layer or once per step, and the resolve started early on a
     stream of its own), off, and resident give bitwise-equal logits and tokens."""
     monkeypatch.setattr(dsa_runtime, "PREFETCH_PRIORITY", priority)
-    types = ["full", "shared", "shared", "full", "shared"]
-    m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=5,
-                                          first_k_dense_replace=5, indexer_types=types)))
+    types = ["full", "shared", "shared", "full", "full", "shared"]      # layer 3: an anchor with no shared layer
+    m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=6,
+                                          first_k_dense_replace=6, indexer_types=types)))
     randomize_(m, seed=1)
     m = m.to(device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
     base = Engine(m, "resident", chunk_size=1024).generate(prompts, 65, graph=True)
-    runs = [(False, "layer", False), (True, "layer", False), (True, "step", False), (True, "step", True)]
+    runs = [(False, "layer", False), (True, "layer", False), (True, "step", False), (True, "step", True),
+            (False, "step", True)]
     for prefetch, host_write, early in runs if priority == "normal" else runs[1:2]:
         out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch, host_write=host_write,
                      early_resolve=early).generate(prompts, 65, graph=True)
