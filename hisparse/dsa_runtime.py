@@ -133,8 +133,7 @@ class KernelDsaAttention:
         self.prefetch_programs = PREFETCH_PROGRAMS
         self.replay_sel: torch.Tensor | None = None
         self.recorded: dict[int, torch.Tensor] = {}
-        self._resolved: dict[int, ResolveResult] = {}
-        self._plans: dict[int, ResolveResult] = {}         # layer -> its reused result buffers
+        self._plans: dict[int, ResolveResult] = {}         # anchor layer -> its resolve results, refilled per step
         self._bases: dict[tuple, torch.Tensor] = {}
 
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
@@ -164,7 +163,7 @@ class KernelDsaAttention:
         if isinstance(kv, HierMlaKV):
             if layer_idx in self._early:          # resolved on the resolver stream since `select`
                 torch.cuda.current_stream().wait_event(self._early[layer_idx])
-                rows, row_base = self._resolved[layer_idx].slots, kv.row_base
+                rows, row_base = self._plans[layer_idx].slots, kv.row_base
             else:
                 rows, row_base = self._slots(layer_idx, kv, selection), kv.row_base
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
@@ -193,22 +192,19 @@ class KernelDsaAttention:
         plan = self._plans.get(layer_idx)
         n, k = selection.shape
         if plan is None or plan.slots.shape != (n, k):
-            shapes = ((n, k), (n, 2), (n, k), (n, k))
-            plan = ResolveResult(*(torch.empty(s, dtype=torch.int32, device=selection.device) for s in shapes))
-            self._plans[layer_idx] = plan
+            plan = self._plans[layer_idx] = ResolveResult.empty(n, k, selection.device)
         return plan
 
     def _slots(self, layer_idx: int, kv: HierMlaKV, selection: torch.Tensor) -> torch.Tensor:
         """Slots of the selection in this layer's cache: resolved (anchor) or the anchor's (shared)."""
         copy = self.mode != "noio"
         if kv.anchor_layer is not None:                 # shared: in lockstep with the anchor
-            plan = self._resolved[kv.anchor_layer]
+            plan = self._plans[kv.anchor_layer]
             if copy and kv.prefetched is None:
                 kv.cache.replay_plan(plan, kv.streams)
             return plan.slots
         plan = kv.cache.resolve(kv.streams, selection, mode="normal" if copy else "noio",
                                 check_values=self.check_values, out=self._plan_buffers(layer_idx, selection))
-        self._resolved[layer_idx] = plan
         if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
@@ -316,7 +312,7 @@ class DsaRuntime:
             if isinstance(kv, HierMlaKV) and kv.anchor_layer is not None:
                 shared.setdefault(kv.anchor_layer, []).append(kv)
         return KernelDsaAttention(mode, check_values=check_values, prefetch=prefetch, shared=shared,
-                                  early_resolve=self.early_resolve and mode != "resident")
+                                  early_resolve=self.early_resolve)
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
         """Every step writes one more token, a unit, into every stream."""

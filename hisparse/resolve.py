@@ -79,6 +79,16 @@ class ResolveResult:
     plan_unit: torch.Tensor   # [N, k] int32 missed units, plan order (first counts[:, 1] valid)
     plan_slot: torch.Tensor   # [N, k] int32 their victim slots
 
+    @staticmethod
+    def shapes(n: int, k: int) -> tuple[tuple[int, int], ...]:
+        """The fields' shapes, in field order, for n rows of k selected units."""
+        return (n, k), (n, 2), (n, k), (n, k)
+
+    @classmethod
+    def empty(cls, n: int, k: int, device) -> "ResolveResult":
+        """Uninitialised result buffers (int32) for n rows of k selected units."""
+        return cls(*(torch.empty(shape, dtype=torch.int32, device=device) for shape in cls.shapes(n, k)))
+
     @property
     def hits(self) -> torch.Tensor:
         return self.counts[:, 0]
@@ -197,9 +207,9 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
             f"got {tuple(cache.shape)}")
     _expect(state.unit_slot.numel() >= host.shape[0], f"the slot map has {state.unit_slot.numel()} entries "
             f"for a host pool of {host.shape[0]} rows")
-    shapes = ((n, k), (n, 2), (n, k), (n, k))
+    shapes = ResolveResult.shapes(n, k)
     if out is None:
-        out = ResolveResult(*(torch.empty(shape, dtype=torch.int32, device=sel.device) for shape in shapes))
+        out = ResolveResult.empty(n, k, sel.device)
     for name, t, shape in zip(("slots", "counts", "plan_unit", "plan_slot"),
                               (out.slots, out.counts, out.plan_unit, out.plan_slot), shapes):
         _expect(t.shape == shape and t.dtype == torch.int32 and t.device == sel.device and t.is_contiguous(),
