@@ -95,16 +95,18 @@ def prefetch_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def decode_ablation_lines(frame: pd.DataFrame) -> list[str]:
-    """scripts/ablate_decode.py: per point and variant, the median step over rounds beside resident's
-    (issue #6: noio within 3% of resident)."""
+    """scripts/ablate_decode.py: per point and variant, the median step over rounds, and in brackets the
+    median over rounds of its ratio to resident's in the same round (issue #6: noio within 3% of resident)."""
     f = latest(frame)
     f = f[f.metric == "tpot_median_ms"]
     lines = []
     for (batch, hidden), rows in f.groupby(["batch", "hidden"], sort=False):
-        ms = rows.groupby("mode", sort=False)["value"].median()
-        ref = ms.get("resident")
-        shown = ", ".join(f"{mode} {v:.2f}" + (f" ({v / ref - 1:+.1%})" if ref and mode != "resident" else "")
-                          for mode, v in ms.items())
+        by_round = rows.pivot_table(index="round", columns="mode", values="value", sort=False)
+        ratios = by_round.div(by_round["resident"], axis=0) if "resident" in by_round else None
+        shown = ", ".join(f"{mode} {by_round[mode].median():.2f}"
+                          + (f" ({ratios[mode].median() - 1:+.1%})" if ratios is not None and mode != "resident"
+                             else "")
+                          for mode in by_round.columns)
         lines.append(f"decode ablation batch {batch}, hidden {hidden}, median ms per step: {shown} "
                      f"(target: noio within +3% of resident)")
     return lines

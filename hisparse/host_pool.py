@@ -58,8 +58,11 @@ def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool
         raise RuntimeError("pinning a host pool needs a CUDA GPU; pass pin=False on a CPU-only machine")
     huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
     t = huge_page_empty(rows, row_elems, dtype) if huge_pages else torch.empty(rows, row_elems, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED)
+    # Register the whole buffer, not only the view: an aligned huge-page view starts inside its buffer,
+    # and torch's is_pinned() asks about the buffer's start.
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    err = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED)
     if int(err) != 0:
         raise MemoryError(f"could not pin a host pool of {nbytes / 2**30:.1f} GiB ({rows} rows x "
                           f"{row_elems} elements): cudaHostRegister returned {err}")
@@ -70,7 +73,7 @@ def unpin(t: torch.Tensor) -> None:
     """Unregister a `pinned_empty` tensor (memory pinned for every device: wait for all of them)."""
     for device in range(torch.cuda.device_count()):
         torch.cuda.synchronize(device)      # no kernel or copy in flight may still read or write it
-    err = torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    err = torch.cuda.cudart().cudaHostUnregister(t.untyped_storage().data_ptr())
     if int(err) != 0:
         warnings.warn(f"cudaHostUnregister of a host pool returned {err}", RuntimeWarning, stacklevel=2)
 

@@ -1,5 +1,6 @@
 """Where noio's time over resident goes in the decode loop: the sweep's decode point run in variants
-that each change one thing, in rounds (every variant once per round), GPU only.
+that each change one thing, in rounds (every variant once per round, each round starting one
+variant later), GPU only.
 
     python -m scripts.ablate_decode [--batch 16] [--hidden 1024] [--rounds 2] [--variants ...]
     python -m scripts.ablate_decode --quick     # a tiny model on the CPU (no graphs): smoke test
@@ -23,8 +24,8 @@ results/gpu_logs/*_profile_decode_*.txt), which noio-early-resolve would hide.
 Tokens are checked: resident and the hisparse variants must agree (exactness), and the noio
 variants of one host_write with each other (noio's differ from resident's: its slots never receive
 the missed rows; with step writes they do receive the newest one). Prints each run's time per
-token (mean and median step) as it goes, then per variant the median over rounds and its ratio to
-resident's; with --out, appends the rows to OUT/decode_ablation.csv.
+token (mean and median step) as it goes, then per variant the median over rounds, and the median
+of its ratio to resident's in the same round (robust to a machine that drifts between rounds); with --out, appends the rows to OUT/decode_ablation.csv.
 
 Seen on the H200 at hidden 1024, 61 layers, context 32K: noio was 3.1% over resident at batch 8 and
 14.1% at batch 16, reproducible to 0.2% over three runs (results/gpu_logs/abc40c31e6c3_decode_repeat.txt).
@@ -33,6 +34,7 @@ import argparse
 import contextlib
 import re
 import statistics
+import time
 
 import torch
 
@@ -130,7 +132,9 @@ def main(argv=None) -> None:
     tokens = {}
     tpot = {v: [] for v in args.variants}
     for r in range(args.rounds):
-        for variant in args.variants:
+        # each round starts one variant later, so no variant always runs first (or right after another)
+        shift = r % len(args.variants)
+        for variant in args.variants[shift:] + args.variants[:shift]:
             mode, host_write, early_resolve = VARIANTS[variant]
             point = dict(mode=mode, context=args.context, workload=workload,
                          cache_slots=None if mode == "resident" else cache_slots)
@@ -148,7 +152,7 @@ def main(argv=None) -> None:
             median_ms = statistics.median(out.step_ms)
             tpot[variant].append(median_ms)
             pinned = "".join(f", pinned pool {gib:.1f} GiB ({huge:.1f} GiB in huge pages)" for gib, huge in pools)
-            print(f"round {r + 1}/{args.rounds} {variant:>20}: tpot {mean_ms:6.2f} ms, median step {median_ms:6.2f} ms"
+            print(f"{time.strftime('%H:%M:%S')} round {r + 1}/{args.rounds} {variant:>20}: tpot {mean_ms:6.2f} ms, median step {median_ms:6.2f} ms"
                   f"{pinned}", flush=True)
             if args.out:
                 base = dict(bench="decode_ablation", family="dsa", mode=variant, batch=args.batch,
@@ -160,10 +164,10 @@ def main(argv=None) -> None:
                              dict(base, metric="tpot_median_ms", value=median_ms, unit="ms")])
     print(f"== batch {args.batch}, hidden {hidden}, {layers} layers, context {args.context}: "
           f"median step over {args.rounds} rounds")
-    ref = statistics.median(tpot["resident"]) if "resident" in tpot else None
     for variant, values in tpot.items():
-        ms = statistics.median(values)
-        print(f"  {variant:>20} {ms:7.2f} ms" + (f"  {ms / ref - 1:+.1%} vs resident" if ref else ""))
+        ratios = [v / ref for v, ref in zip(values, tpot.get("resident", []))]
+        vs = f"  {statistics.median(ratios) - 1:+.1%} vs resident (median over rounds of the same round's ratio)"
+        print(f"  {variant:>20} {statistics.median(values):7.2f} ms" + (vs if ratios else ""))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 # sweep: resolve_layers.csv, and no resolve.csv or its target lines); TUNE=1 first times the resolve variants
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt; ABLATE_ARGS (e.g. "--batch 16 --rounds 2") first
 # runs scripts/ablate_decode.py with them (noio vs resident in variants: $OUT/decode_ablation.csv).
+# $OUT/gpu_monitor.txt samples clocks, temperature and power every 0.5 s (runs print wall-clock times).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
 OUT=${OUT:-out}
@@ -24,6 +25,14 @@ log="$OUT/gpu_log.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
   echo "commit ${HISPARSE_COMMIT:-unknown}"
 } 2>&1 | tee "$log"
+
+# The GPU's clocks, temperature and power every half second while the suite runs, in $OUT/gpu_monitor.txt,
+# to tell a slower run from a slower clock (the fields the driver offers; event reasons where it has them).
+query=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,clocks_event_reasons.active
+nvidia-smi --query-gpu=$query --format=csv >/dev/null 2>&1 || query=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw
+nvidia-smi --query-gpu=$query --format=csv,nounits -lms 500 > "$OUT/gpu_monitor.txt" 2>&1 &
+monitor=$!
+trap 'kill $monitor 2>/dev/null' EXIT
 
 status=0
 if [ "${HOST_GROW_GIB:-64}" != 0 ]; then
