@@ -226,8 +226,15 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
     return model.to(device=device, dtype=dtype)
 
 
+# Decode runs so far in this process. On the H200 every run from a process's 4th on took about 11.5%
+# longer per step than the first three, whatever its mode (scripts/repeat_runs.py), so rows record it.
+decode_runs = 0
+
+
 def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
                warmup_steps: int = 1, host_write: str = "layer", early_resolve: bool = False):
+    global decode_runs
+    decode_runs += 1
     cfg = model.config
     context, workload = point["context"], point["workload"]
     replay = None
@@ -257,7 +264,7 @@ def decode_rows(point: dict, out, batch: int) -> list[dict]:
         metrics["tpot_median_ms"] = (statistics.median(out.step_ms), "ms")
     if point["mode"] != "resident":
         metrics["miss_rate"] = (out.miss_rate, "fraction")
-    return [dict(point, metric=m, value=v, unit=u) for m, (v, u) in metrics.items()]
+    return [dict(point, run=decode_runs, metric=m, value=v, unit=u) for m, (v, u) in metrics.items()]
 
 
 def kv_bytes_per_request(model, mode: str, context: int, cache_slots: int | None) -> tuple[float, float]:

@@ -25,10 +25,14 @@ Tokens are checked: resident and the hisparse variants must agree (exactness), a
 variants of one host_write with each other (noio's differ from resident's: its slots never receive
 the missed rows; with step writes they do receive the newest one). Prints each run's time per
 token (mean and median step) as it goes, then per variant the median over rounds, and the median
-of its ratio to resident's in the same round (robust to a machine that drifts between rounds); with --out, appends the rows to OUT/decode_ablation.csv.
+of its ratio to resident's in the same round; with --out, appends the rows to OUT/decode_ablation.csv,
+each with its `run` (the how-manieth decode run of this process it was).
 
-Seen on the H200 at hidden 1024, 61 layers, context 32K: noio was 3.1% over resident at batch 8 and
-14.1% at batch 16, reproducible to 0.2% over three runs (results/gpu_logs/abc40c31e6c3_decode_repeat.txt).
+Seen on the H200 (batch 16, hidden 1024, 61 layers, context 32K; results/gpu_logs/*_ablation*.txt):
+every run from a process's 4th on, resident's too, took about 11.5% longer per step than the first
+three, at the same clock (scripts/repeat_runs.py). Compare variants within a round, away from that
+switch: there, noio took 2.8-3.1% longer than resident, the host pool in GPU memory and the step
+writes changed nothing, and the early resolve took 0.3% off.
 """
 import argparse
 import contextlib
@@ -38,7 +42,8 @@ import time
 
 import torch
 
-from experiments.sweep import build, run_decode  # first: on a CPU it turns on Triton's interpreter
+import experiments.sweep as sweep  # first: on a CPU it turns on Triton's interpreter
+from experiments.sweep import build, run_decode  # noqa: E402
 import hisparse.cache  # noqa: E402
 import hisparse.host_pool as host_pool  # noqa: E402
 from hisparse.host_pool import HostPool  # noqa: E402
@@ -148,17 +153,19 @@ def main(argv=None) -> None:
             if not torch.equal(out.tokens, first[1]):
                 raise SystemExit(f"{variant} generated other tokens than {first[0]}: a variant must not change "
                                  f"what its mode computes")
+            run = sweep.decode_runs          # which decode run of this process it was
             mean_ms = out.decode_s / out.timed_steps * 1e3
             median_ms = statistics.median(out.step_ms)
             tpot[variant].append(median_ms)
             pinned = "".join(f", pinned pool {gib:.1f} GiB ({huge:.1f} GiB in huge pages)" for gib, huge in pools)
-            print(f"{time.strftime('%H:%M:%S')} round {r + 1}/{args.rounds} {variant:>20}: tpot {mean_ms:6.2f} ms, median step {median_ms:6.2f} ms"
+            print(f"{time.strftime('%H:%M:%S')} run {run:2d}, round {r + 1}/{args.rounds} {variant:>20}: "
+                  f"tpot {mean_ms:6.2f} ms, median step {median_ms:6.2f} ms"
                   f"{pinned}", flush=True)
             if args.out:
                 base = dict(bench="decode_ablation", family="dsa", mode=variant, batch=args.batch,
                             context=args.context, k=model.config.index_topk, cache_slots=point["cache_slots"] or "",
                             layers=layers, hidden=hidden, workload=workload, new_tokens=args.steps,
-                            warmup_steps=args.warmup_steps, round=r + 1)
+                            warmup_steps=args.warmup_steps, round=r + 1, run=run)
                 append_rows(f"{args.out}/decode_ablation.csv",
                             [dict(base, metric="tpot_ms", value=mean_ms, unit="ms"),
                              dict(base, metric="tpot_median_ms", value=median_ms, unit="ms")])

@@ -2,6 +2,7 @@
 # The GPU run, in one call: GPU-marked tests, then the benchmarks, results under $OUT, a short
 # table last. Run from the repository root on a CUDA machine:
 #   HISPARSE_COMMIT=$(git rev-parse --short=12 HEAD) OUT=out bash scripts/gpu_suite.sh [bench ...]
+# (set HISPARSE_COMMIT where you run git: a copied tree's .git, if any, may be older than its files)
 # Benchmarks default to every benchmarks/bench_*.py; name some (e.g. `resolve`) to run fewer, `none` for none;
 # TESTS=path narrows the tests (TESTS=none skips them); BENCH_TIMEOUT caps each benchmark (s);
 # HOST_GROW_GIB (default 64, 0 = off) pins and frees that much host memory first: the lent machines'

@@ -99,6 +99,9 @@ def test_decode_ablation_quick_run_writes_every_variant_and_undoes_its_patches(t
     from scripts.ablate_decode import VARIANTS
     assert sorted(rows["mode"].unique()) == sorted(VARIANTS)
     assert set(rows.metric) == {"tpot_ms", "tpot_median_ms"} and (rows.value > 0).all()
+    # each run numbered in the order this process made it, the variants in their listed order
+    runs = rows.drop_duplicates("run")
+    assert runs.run.tolist() == list(range(1, len(VARIANTS) + 1)) and runs["mode"].tolist() == list(VARIANTS)
     from benchmarks import summary
     [line] = summary.decode_ablation_lines(rows)
     assert line.startswith("decode ablation batch 2, hidden 64, median ms per step: resident ")

@@ -1,0 +1,67 @@
+"""Is the N-th decode run of a process slower than the first? GPU only.
+
+    python -m scripts.repeat_runs [--runs 6] [--mode resident] [--pin-gib 0] [--keep-cache]
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m scripts.repeat_runs    # another allocator
+
+Runs the sweep's decode point (61 layers, DSA geometry, context 32K, CUDA graph replays) --runs times
+in one process, as a sweep or scripts/ablate_decode.py does, and prints each run's median step.
+
+Why: on the H200 (results/gpu_logs/*_pin_cycles.txt, *_ablation_rotated.txt), in each of five
+processes, the 4th decode run and every one after it took about 11.5% longer per step than the first
+three (17.8 -> 19.8 ms at batch 16, hidden 1024), whatever its mode, with the SM clock at 1980 MHz
+and no clock event reason. Pinning host memory between runs (4 or 34 GiB, cudaHostRegister or
+torch's allocator) did not move it. A comparison across that switch is off by the switch, so compare
+modes run on the same side of it (the ablation's rounds do). Options to look for the cause:
+--pin-gib pins and frees that much host memory before every run after the first (the host pool's
+way, cudaHostRegister); --keep-cache keeps PyTorch's cached GPU blocks between runs (the sweep gives
+them back, so each run's tensors land at fresh addresses).
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import experiments.sweep as sweep  # first: on a CPU it turns on Triton's interpreter
+from hisparse.host_pool import pinned_empty, unpin  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=6, help="decode runs in this process (default 6)")
+    ap.add_argument("--mode", default="resident", choices=["resident", "noio", "hisparse"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=32, help="timed steps per run, after 8 warm-up steps")
+    ap.add_argument("--pin-gib", type=float, default=0.0,
+                    help="pin and free this many GiB of host memory before each run after the first (default 0)")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="keep PyTorch's cached GPU blocks between runs (the sweep empties the cache)")
+    args = ap.parse_args(argv)
+    if args.runs < 1 or args.batch < 1 or args.steps < 1 or args.pin_gib < 0:
+        raise SystemExit(f"--runs, --batch, --steps >= 1 and --pin-gib >= 0 expected, got {args.runs}, "
+                         f"{args.batch}, {args.steps}, {args.pin_gib}")
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    if args.keep_cache:
+        sweep.release_cached_memory = lambda: None      # run_decode calls it after every run
+    model = sweep.build(dict(_index=0, kind="decode", model="dsa", layers=61, hidden=args.hidden,
+                             workload="dsa_100k"), torch.device("cuda"))
+    point = dict(mode=args.mode, context=args.context, workload="dsa_100k",
+                 cache_slots=None if args.mode == "resident" else 4096)
+    row_elems = 1 << 20                      # 2 MiB bf16 rows
+    for run in range(1, args.runs + 1):
+        if args.pin_gib and run > 1:
+            start = time.time()
+            unpin(pinned_empty(max(1, int(args.pin_gib * 2**30) // (2 * row_elems)), row_elems, torch.bfloat16))
+            print(f"  pinned and freed {args.pin_gib:g} GiB in {time.time() - start:.0f} s", flush=True)
+        torch.manual_seed(0)
+        out = sweep.run_decode(model, point, args.batch, args.steps, graph=True, warmup_steps=8)
+        print(f"{time.strftime('%H:%M:%S')} run {run}/{args.runs}: {args.mode} batch {args.batch}, median step "
+              f"{statistics.median(out.step_ms):6.2f} ms, {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
