@@ -126,13 +126,14 @@ class HierarchicalKVCache:
         store_reserved(streams, units.to(torch.int64), self.state.host_base, self.host.rows, self.slots)
 
     def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           unit_tokens: int) -> None:
+                           unit_tokens: int, map_streams: torch.Tensor | None = None) -> None:
         """The decode step's write when a unit holds `unit_tokens` tokens (rows [2, T, D]): token
         pos[n]'s keys and values [N, HKV, D] join the newest unit of streams [N * HKV] (-1 skips),
         whose whole row goes to the host pool, the reserved slot and any cached copy. One launch, no
-        host sync (capturable); the caller records opened units first (`advance`)."""
+        host sync (capturable); the caller records opened units first (`advance`). map_streams: as
+        in `write_newest`."""
         write_unit_token(streams, pos, keys, values, self.state.host_base, self.state.unit_slot, self.host.rows,
-                         self.slots, unit_tokens)
+                         self.slots, unit_tokens, map_streams)
 
     def replay_plan(self, plan: ResolveResult, streams: torch.Tensor, max_programs: int | None = None) -> None:
         """Copy an anchor's miss plan into other streams (a shared layer's, in lockstep with the

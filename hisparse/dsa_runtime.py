@@ -25,7 +25,7 @@ from hisparse.dsa import dsa_select, sparse_mla_decode
 from hisparse.models.base import DecodeState
 from hisparse.models.dsa_decode import MlaKV
 from hisparse.resolve import ResolveResult
-from hisparse.runtime import HOST_WRITES, KV_MODES, Rows, cache_bytes, nbytes, stream_counts
+from hisparse.runtime import HOST_WRITES, KV_MODES, Rows, cache_bytes, nbytes, prefetch_shared, stream_counts
 
 __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
 PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
@@ -206,11 +206,7 @@ class KernelDsaAttention:
         plan = kv.cache.resolve(kv.streams, selection, mode="normal" if copy else "noio",
                                 check_values=self.check_values, out=self._plan_buffers(layer_idx, selection))
         if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
-                for shared in self.shared.get(layer_idx, []):
-                    kv.cache.replay_plan(plan, shared.streams, self.prefetch_programs)
-                    shared.prefetched.record(self.side)
+            prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
         return plan.slots
 
 

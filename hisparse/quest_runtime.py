@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
+from hisparse import dsa_runtime
 from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
 from hisparse.models.quest_decode import PagedKV
@@ -49,8 +50,10 @@ from hisparse.runtime import (
     cache_bytes,
     nbytes,
     open_unit_streams,
+    prefetch_shared,
     stream_counts,
 )
+from hisparse.resolve import ResolveResult
 
 
 @dataclass
@@ -91,15 +94,27 @@ class QuestKV:
 class HierQuestKV(QuestKV):
     """A Quest layer's KV with its pages in the hierarchical cache: `pool` is None; `streams [N, HKV]`
     int32 are the streams of `cache` (unit = page, row = [2, PAGE, D] flattened); `host_streams[n]`
-    the same ids of request n, on the host (for `advance_streams`)."""
+    the same ids of request n, on the host (for `advance_streams`).
+
+    A shared layer (`quest_selection_group` > 1: it attends over its anchor layer's selection) moves
+    in lockstep with its anchor: `anchor_layer` and `anchor_streams [N, HKV]` name the anchor, whose
+    slot maps place its pages too, and `prefetched` is the event its layer-wise prefetch copy
+    records, when prefetch is on."""
 
     streams: torch.Tensor | None = None
     cache: HierarchicalKVCache | None = None
     host_streams: list[list[int]] = field(default_factory=list)
+    anchor_layer: int | None = None
+    anchor_streams: torch.Tensor | None = None
+    prefetched: torch.cuda.Event | None = None
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The newest page's whole row into host pool, reserved slot and cached copy (write-through)."""
-        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, PAGE)
+        """The newest page's whole row into host pool, reserved slot and cached copy (write-through).
+        A prefetched shared layer first waits for its copy, so the write-through lands after it."""
+        if self.prefetched is not None:
+            torch.cuda.current_stream().wait_event(self.prefetched)
+        anchors = None if self.anchor_streams is None else self.anchor_streams.reshape(-1)
+        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, PAGE, anchors)
 
 
 class KernelQuestAttention:
@@ -107,17 +122,27 @@ class KernelQuestAttention:
 
     token_budget: tokens read per KV head and step, K = token_budget // PAGE pages (the current one
     included). check_values: validate selections against stream lengths before each resolve (a
-    host sync; off inside a captured CUDA graph). Resolve counters accumulate in `cache.stats`.
+    host sync; off inside a captured CUDA graph). Resolve counters accumulate in `cache.stats`
+    (anchor layers only: shared layers do no resolve work).
     `recorded[layer]` holds the pages [N, HKV, K] each Quest layer attended over in the last step.
+    shared: anchor layer -> its shared layers' states; each replays its anchor's miss plan, in line,
+    or with `prefetch` on a GPU on a side stream right after the anchor's resolve (as DSA's; the
+    side stream's priority and copy width are dsa_runtime's PREFETCH_PRIORITY and PREFETCH_PROGRAMS).
     """
 
-    def __init__(self, mode: str = "resident", token_budget: int = 4096, check_values: bool = True):
+    def __init__(self, mode: str = "resident", token_budget: int = 4096, check_values: bool = True,
+                 prefetch: bool = False, shared: dict[int, list[HierQuestKV]] | None = None):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if token_budget < PAGE:
             raise ValueError(f"token_budget {token_budget} is under one page ({PAGE} tokens)")
         self.mode, self.token_budget, self.check_values = mode, token_budget, check_values
+        self.shared = shared or {}
+        use_side = prefetch and torch.cuda.is_available()
+        self.side = dsa_runtime.side_stream(dsa_runtime.PREFETCH_PRIORITY) if use_side else None
+        self.prefetch_programs = dsa_runtime.PREFETCH_PROGRAMS
         self.recorded: dict[int, torch.Tensor] = {}
+        self._plans: dict[int, ResolveResult] = {}      # anchor layer -> this step's resolve results
 
     def select(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
                page_size: int) -> torch.Tensor:
@@ -132,14 +157,28 @@ class KernelQuestAttention:
         n, hkv, k = selection.shape
         if isinstance(kv, HierQuestKV):
             flat = kv.streams.view(-1)
-            res = kv.cache.resolve(flat, selection.view(n * hkv, k),
-                                   mode="normal" if self.mode != "noio" else "noio",
-                                   check_values=self.check_values)
-            rows = kv.cache.slot_rows(flat, res.slots).view(n, hkv, k)
+            rows = kv.cache.slot_rows(flat, self._slots(layer_idx, kv, selection.view(n * hkv, k))).view(n, hkv, k)
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
         else:
             rows, pool = resident_rows(selection, kv.max_pages), kv.pool
         return quest_attention(q.contiguous(), pool, rows, selection, lengths.to(torch.int32), scale)
+
+    def _slots(self, layer_idx: int, kv: HierQuestKV, selection: torch.Tensor) -> torch.Tensor:
+        """Slots [N * HKV, K] of the selection in this layer's streams: resolved (an anchor), or the
+        anchor's, whose plan the layer's own copies replay (a shared layer, in lockstep)."""
+        copy = self.mode != "noio"
+        if kv.anchor_layer is not None:
+            plan = self._plans[kv.anchor_layer]
+            if copy and kv.prefetched is None:
+                kv.cache.replay_plan(plan, kv.streams.view(-1))
+            return plan.slots
+        plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
+                                check_values=self.check_values)
+        if self.shared.get(layer_idx):
+            self._plans[layer_idx] = plan
+            if copy and self.side is not None:
+                prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
+        return plan.slots
 
 
 # -- the engine's Quest side (a `hisparse.runtime.FamilyRuntime`) -----------------------------------
@@ -214,7 +253,6 @@ class QuestRuntime:
 
     family = "Quest"
     selection_name = "token_budget // 16 pages"
-    shared_layers = False
     traces = False
     host_writes, host_write = ("layer",), "layer"
     early_resolve = False
@@ -223,7 +261,8 @@ class QuestRuntime:
         self.model = model
         self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
         self.selection_size = selection_size(model, self.token_budget)
-        self.anchors = list(range(model.config.num_hidden_layers))
+        self.anchors = [model.config.selection_anchor(i) for i in range(model.config.num_hidden_layers)]
+        self.shared_layers = any(a != i for i, a in enumerate(self.anchors))   # prefetch has layers to serve
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """rows(b, layer) -> random (keys, values) [HKV, len, D]."""
@@ -242,11 +281,25 @@ class QuestRuntime:
         return new_cache(self.model, batch, capacity, cache_slots)
 
     def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
-        return [gather_layer(self.model, mode, cache, i, [rows(b, i) for b in range(len(lengths))], lengths, capacity)
-                for i in range(self.model.config.num_hidden_layers)]
+        """Each layer's batch state; a shared layer's names its anchor's (lockstep, module docstring)."""
+        layers = []
+        for i, anchor in enumerate(self.anchors):
+            kv = gather_layer(self.model, mode, cache, i, [rows(b, i) for b in range(len(lengths))], lengths,
+                              capacity)
+            if anchor != i and isinstance(kv, HierQuestKV):
+                kv.anchor_layer, kv.anchor_streams = anchor, layers[anchor].streams
+                if prefetch and mode == "hisparse" and kv.streams.is_cuda:
+                    kv.prefetched = torch.cuda.Event()
+            layers.append(kv)
+        return layers
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool) -> KernelQuestAttention:
-        return KernelQuestAttention(mode, self.token_budget, check_values=check_values)
+        shared = {}
+        for kv in layers:
+            if isinstance(kv, HierQuestKV) and kv.anchor_layer is not None:
+                shared.setdefault(kv.anchor_layer, []).append(kv)
+        return KernelQuestAttention(mode, self.token_budget, check_values=check_values, prefetch=prefetch,
+                                    shared=shared)
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
         """A position opening a page adds a unit to each of its request's streams."""
@@ -254,7 +307,9 @@ class QuestRuntime:
         advance_unit_streams(cache, hier, positions, PAGE)
 
     def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
-        return stream_counts(cache, [kv.streams for kv in layers if isinstance(kv, HierQuestKV)])
+        """(hits, misses) over every Quest layer; a shared layer counts its anchor's, whose pages it copies."""
+        return stream_counts(cache, [kv.streams if kv.anchor_streams is None else kv.anchor_streams
+                                     for kv in layers if isinstance(kv, HierQuestKV)])
 
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
         """The dense layers' keys, values and bounds, the Quest layers' bounds, and their resident

@@ -313,7 +313,7 @@ def store_reserved_ref(streams, units, host_base, host, cache) -> None:
             host[int(host_base[stream]) + unit] = cache[stream, -1].to(host.device)
 
 
-def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int) -> None:
+def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int, map_streams) -> None:
     _check_rows(host, cache)
     _expect(keys.dim() == 3 and values.shape == keys.shape, f"keys and values must be [N, HKV, D] of one "
             f"shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
@@ -326,21 +326,27 @@ def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int)
             f"streams must be contiguous int32 [N * HKV] = [{n * hkv}], got {streams.dtype} {tuple(streams.shape)}")
     _expect(pos.shape == (n,) and pos.dtype == torch.int64, f"pos must be int64 [N] = [{n}], got {pos.dtype} "
             f"{tuple(pos.shape)}")
+    _expect(map_streams is None or (map_streams.shape == streams.shape and map_streams.dtype == torch.int32),
+            f"map_streams must be int32 {tuple(streams.shape)}, got "
+            f"{None if map_streams is None else (map_streams.dtype, tuple(map_streams.shape))}")
 
 
 def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      host_base: torch.Tensor, unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor,
-                     unit_tokens: int) -> None:
+                     unit_tokens: int, map_streams: torch.Tensor | None = None) -> None:
     """The decode step's write for units of `unit_tokens` tokens (Quest pages, NSA blocks), one launch,
     no host sync: token pos[n]'s keys and values [N, HKV, D] join the newest unit of streams
     [N * HKV] (request-major, -1 skips), read from the reserved slot (empty when the token opens the
     unit), and that row [2, T, D] goes whole into the host pool, the reserved slot and the unit's
     cached copy if any. keys and values must already be in the rows' dtype (unit stride in D) and
-    pos int64: nothing is converted on the way. See `write_unit_token_ref`."""
-    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens)
+    pos int64: nothing is converted on the way. map_streams [N * HKV] int32: whose unit -> slot map
+    places the cached copy (default: streams; a shared layer in lockstep with its anchor passes the
+    anchor's streams). See `write_unit_token_ref`."""
+    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
+    map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape
     _write_unit_token_kernel[(n * hkv,)](
-        keys, values, streams, pos.contiguous(), host_base, unit_slot, host, cache,
+        keys, values, streams, map_streams.contiguous(), pos.contiguous(), host_base, unit_slot, host, cache,
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), hkv, cache.shape[1],
         D=d, T=unit_tokens, BLOCK=min(triton.next_power_of_2(2 * unit_tokens * d), 1024),
     )
@@ -396,9 +402,11 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
     return ResolveResult(slots, counts, plan_unit, plan_slot)
 
 
-def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host, cache, unit_tokens: int) -> None:
+def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host, cache, unit_tokens: int,
+                         map_streams=None) -> None:
     """`write_unit_token` in torch, in place."""
-    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens)
+    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
+    map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape
     for m, stream in enumerate(streams.tolist()):
         if stream < 0:
@@ -411,6 +419,6 @@ def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host,
         host_row = int(host_base[stream]) + p // unit_tokens
         host[host_row] = row.view(-1).to(host.device)
         cache[stream, -1] = row.view(-1)
-        slot = int(unit_slot[host_row])
+        slot = int(unit_slot[int(host_base[int(map_streams[m])]) + p // unit_tokens])
         if slot >= 0:
             cache[stream, slot] = row.view(-1)

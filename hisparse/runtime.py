@@ -106,3 +106,15 @@ def stream_counts(cache: HierarchicalKVCache, streams: list[torch.Tensor]) -> tu
         return 0, 0
     total = cache.stats[torch.cat([s.view(-1) for s in streams]).long()].sum(0)
     return int(total[0]), int(total[1])
+
+
+def prefetch_shared(plan, shared: list, side: torch.cuda.Stream, max_programs: int) -> None:
+    """Layer-wise prefetch (DESIGN section 4): right after an anchor layer's resolve, replay its miss
+    `plan` into each of its `shared` layers' caches (states with `cache`, `streams` in the anchor's
+    row order and a `prefetched` event) on the side stream, recording each layer's event after its
+    copy, so each shared layer waits for its own copy only."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for kv in shared:
+            kv.cache.replay_plan(plan, kv.streams.view(-1), max_programs)
+            kv.prefetched.record(side)

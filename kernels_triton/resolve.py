@@ -240,6 +240,7 @@ def _write_unit_token_kernel(
     key_ptr,         # [N, HKV, D] the step's key per (request, KV head), in the rows' dtype
     value_ptr,       # [N, HKV, D] its value
     stream_ptr,      # [N * HKV] int32 stream of each (request, KV head), -1 = skip
+    map_stream_ptr,  # [N * HKV] int32 the stream whose unit -> slot map places it (a shared layer's anchor)
     pos_ptr,         # [N] int64 the token's position in its request
     host_base_ptr,   # [S] int64 host row of unit 0 of each stream
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
@@ -253,8 +254,9 @@ def _write_unit_token_kernel(
     A unit is one row [2, T, D]: its T keys, then its T values. The reserved slot holds the newest
     unit as written so far; a token at offset 0 opens a new unit, which starts empty. The row, with
     the token's key and value at its offset, goes into the host pool, back into the reserved slot,
-    and into the unit's cached copy if it has one (write-through), so no stale copy is ever read.
-    Program m handles stream m of request m // HKV.
+    and into the unit's cached copy if it has one (write-through), so no stale copy is ever read;
+    the map stream's unit -> slot map says where that copy is (the stream's own, or for a shared
+    layer in lockstep with its anchor, the anchor's). Program m handles stream m of request m // HKV.
     """
     ROW: tl.constexpr = 2 * T * D
     i_m = tl.program_id(0).to(tl.int64)
@@ -265,7 +267,8 @@ def _write_unit_token_kernel(
         pos = tl.load(pos_ptr + i_n)
         offset = pos % T
         host_row = tl.load(host_base_ptr + i_s) + pos // T
-        slot = tl.load(unit_slot_ptr + host_row)
+        map_stream = tl.load(map_stream_ptr + i_m).to(tl.int64)
+        slot = tl.load(unit_slot_ptr + tl.load(host_base_ptr + map_stream) + pos // T)
         p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW
         p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW
         for w in range(0, ROW, BLOCK):

@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_torch_steps_agree, assert_unit_run
+from engine_checks import assert_bitwise, assert_newest_units_written_through, assert_torch_steps_agree, assert_unit_run
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
@@ -111,6 +111,101 @@ def test_bad_inputs_are_refused():
                        dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="no Quest layer"):
         Engine(dense, "hisparse", cache_slots=K, token_budget=BUDGET).generate(prompts(), 2)
+
+
+@functools.cache
+def shared_model(group: int = 2):
+    """5 layers: two dense, then Quest layers 2 and 3 attending over layer 2's selection, and layer 4
+    alone (quest_selection_group 2); the same weights as group 1, where each selects its own."""
+    path = write_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="quest-shared"), seed=3, num_hidden_layers=5,
+                                 quest_selection_group=group)
+    return load_model(path, dtype=torch.float32, device=DEVICE)
+
+
+def assert_lockstep(cache, layers) -> None:
+    """Every slot of a shared layer's stream holds that stream's row of the unit its anchor stream's
+    slot holds: the anchor's slot maps place the shared layer's pages too."""
+    for kv in layers:
+        if not isinstance(kv, HierQuestKV) or kv.anchor_layer is None:
+            continue
+        for stream, anchor in zip(kv.streams.view(-1).tolist(), kv.anchor_streams.view(-1).tolist()):
+            held = dict(zip(cache.state.lru[anchor].tolist(), cache.state.lru_unit[anchor].tolist()))
+            base = int(cache.state.host_base[stream])
+            assert any(u >= 0 for u in held.values())
+            for slot, unit in held.items():
+                if unit >= 0:
+                    row = cache.host.rows[base + unit].to(cache.slots.device)
+                    assert torch.equal(cache.slots[stream, slot], row), \
+                        f"stream {stream} slot {slot}: not its row of unit {unit}, which the anchor holds there"
+
+
+def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
+    """quest_selection_group 2: layer 3 attends over layer 2's pages with no resolve of its own,
+    replaying layer 2's miss plan (in line, and through the prefetch path, which on a CPU is in line
+    too); bitwise the resident run, the shared layer's slots in lockstep with its anchor's."""
+    model, new_tokens = shared_model(), 33
+    assert [model.config.selection_anchor(i) for i in range(5)] == [0, 1, 2, 2, 4]
+    base = Engine(model, "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
+    own = Engine(shared_model(1), "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
+    assert not torch.equal(own.logits[-1], base.logits[-1]), "sharing the selection must change the model"
+    heads = model.config.num_key_value_heads
+    for prefetch in (False, True):
+        engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=prefetch)
+        out = engine.generate(prompts(), new_tokens)
+        assert_bitwise(base, out, f"prefetch={prefetch}")
+        assert_newest_units_written_through(engine.cache)
+        # the shared layer's streams do no resolve work, and count their anchor's hits and misses
+        per_layer = engine.cache.stats.cpu().view(3, len(PROMPT_LENGTHS), heads, 2)   # streams open layer by layer
+        assert (per_layer[1] == 0).all() and (per_layer[[0, 2]].sum(-1) > 0).all()
+        anchor, alone = per_layer[0].sum((0, 1)), per_layer[2].sum((0, 1))
+        assert (out.hits, out.misses) == (int(2 * anchor[0] + alone[0]), int(2 * anchor[1] + alone[1]))
+    capacity = max(PROMPT_LENGTHS) + new_tokens
+    engine.cache = None
+    engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, K)
+    state, _ = engine._prefill(prompts(), capacity)
+    assert (state.layers[3].anchor_layer, state.layers[4].anchor_layer) == (2, None)
+    assert torch.equal(state.layers[3].anchor_streams, state.layers[2].streams)
+
+
+def test_shared_selections_in_lockstep_after_every_step():
+    """The lockstep invariant checked after each of several steps (B = 2k, so slots stay filled)."""
+    model = shared_model()
+    engine = Engine(model, "hisparse", cache_slots=2 * K, token_budget=BUDGET)
+    capacity = max(PROMPT_LENGTHS) + 12
+    engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, 2 * K)
+    state, first = engine._prefill(prompts(), capacity)
+    model.sparse_attention = engine.runtime.attention("hisparse", state.layers, check_values=True, prefetch=False)
+    try:
+        tokens = first.argmax(-1)
+        for t in range(1, 12):
+            engine.runtime.advance_streams(engine.cache, state.layers, [n + t - 1 for n in PROMPT_LENGTHS])
+            tokens = model.decode(tokens, state).argmax(-1)
+            assert_lockstep(engine.cache, state.layers)
+    finally:
+        model.sparse_attention = TorchQuestAttention(BUDGET)
+
+
+def test_shared_selections_noio_copies_nothing():
+    model = shared_model()
+    noio = Engine(model, "noio", cache_slots=K, token_budget=BUDGET)
+    out = noio.generate(prompts(), new_tokens=2)
+    ref = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET).generate(prompts(), new_tokens=2)
+    assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
+    slots = noio.cache.slots
+    # streams open layer by layer: layer 2's, then the shared layer 3's, then layer 4's
+    shared = range(len(PROMPT_LENGTHS) * model.config.num_key_value_heads,
+                   2 * len(PROMPT_LENGTHS) * model.config.num_key_value_heads)
+    for stream in range(slots.shape[0]):
+        filled = [s for s in range(slots.shape[1] - 1) if slots[stream, s].abs().sum() > 0]
+        if stream in shared:     # only the write-through of its newest page, where the anchor placed it
+            assert len(filled) <= 1 and all(torch.equal(slots[stream, s], slots[stream, -1]) for s in filled)
+        else:
+            assert filled == [], "no-IO must fetch no row"
+
+
+def test_bad_selection_group_is_refused():
+    with pytest.raises(ValueError, match="config quest_selection_group must be a positive int, found 0"):
+        write_tiny_checkpoint("llama", tempfile.mkdtemp(), quest_selection_group=0)
 
 
 def tiny_model_dsa():

@@ -365,15 +365,17 @@ def test_write_off_the_host_then_store_reserved_puts_each_row_in_place(device):
         store_reserved(streams, units.to(torch.int32), c.state.host_base, c.host.rows, c.slots)
 
 
-def write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache, t, device):
+def write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache, t, device,
+                          map_streams=None):
     """Run the kernel (on `device`) and its torch reference on copies of host and cache; assert they
     wrote the same bytes; return the reference's (host, cache)."""
     from hisparse.resolve import write_unit_token, write_unit_token_ref
     want_host, want_cache = host.clone(), cache.clone()
-    write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t)
+    write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t, map_streams)
     got_host, got_cache = host.to(device), cache.to(device)
     write_unit_token(streams.to(device), pos.to(device), keys.to(device), values.to(device), host_base.to(device),
-                     unit_slot.to(device), got_host, got_cache, t)
+                     unit_slot.to(device), got_host, got_cache, t,
+                     None if map_streams is None else map_streams.to(device))
     assert torch.equal(got_host.cpu(), want_host) and torch.equal(got_cache.cpu(), want_cache)
     return want_host, want_cache
 
@@ -407,6 +409,31 @@ def test_write_unit_token_matches_reference(dtype, device):
     assert torch.equal(row[0, 1], keys[1, 0]) and torch.equal(want_cache[2, 3], want_host[int(host_base[2]) + 3])
     assert torch.equal(want_cache[5, 0], want_host[int(host_base[5]) + 1])
     assert torch.equal(want_host[30:40], host[30:40]) and torch.equal(want_cache[3], cache[3])   # skipped
+
+
+def test_write_unit_token_through_an_anchors_slot_map(device):
+    """A shared layer's streams (2, 3) write through to where their anchor's streams (0, 1) cache the
+    unit, not where their own maps say: the same bytes as the reference, and the rows land there."""
+    gen = torch.Generator().manual_seed(7)
+    n, hkv, d, t, units = 1, 2, 4, 2, 5
+    streams, anchors = torch.tensor([2, 3], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    pos = torch.tensor([7], dtype=torch.int64)                     # unit 3, offset 1
+    host_base = torch.arange(4, dtype=torch.int64) * units
+    unit_slot = torch.full((4 * units,), -1, dtype=torch.int32)
+    unit_slot[int(host_base[0]) + 3] = 2                           # the anchor's head 0 caches unit 3 in slot 2
+    unit_slot[int(host_base[2]) + 3] = 0                           # the shared stream's own (stale) map: slot 0
+    host = torch.randn(4 * units, 2 * t * d, generator=gen)
+    cache = torch.randn(4, 4, 2 * t * d, generator=gen)
+    keys, values = torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv, d, generator=gen)
+    want_host, want_cache = write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache,
+                                                  t, device, map_streams=anchors)
+    assert torch.equal(want_cache[2, 2], want_host[int(host_base[2]) + 3]), "through the anchor's map"
+    assert torch.equal(want_cache[2, 0], cache[2, 0]), "not through the stream's own"
+    assert torch.equal(want_cache[3, :3], cache[3, :3]), "the anchor's head 1 caches nothing: no copy written"
+    assert torch.equal(want_cache[:2], cache[:2]), "the anchor's own slots untouched"
+    from hisparse.resolve import write_unit_token
+    with pytest.raises(ValueError, match="map_streams must be int32"):
+        write_unit_token(streams, pos, keys, values, host_base, unit_slot, host, cache, t, anchors.long())
 
 
 def test_write_unit_token_long_rows_and_strided_inputs(device):

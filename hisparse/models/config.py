@@ -121,6 +121,10 @@ class LlamaConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     quest_page_size: int = 16
     quest_dense_layers: int = 2
+    # HiSparse's own key: Quest layers in groups of this many consecutive layers (from the first Quest
+    # layer) share one selection, the group's first layer's (its anchor), as glm_moe_dsa's shared
+    # indexer layers do; 1 (the default, as in Quest) gives every layer its own.
+    quest_selection_group: int = 1
 
     def __post_init__(self):
         if self.model_type not in ("llama", "qwen3"):
@@ -130,7 +134,7 @@ class LlamaConfig:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         _check_positive(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "num_key_value_heads", "head_dim", "quest_page_size"))
+                               "num_key_value_heads", "head_dim", "quest_page_size", "quest_selection_group"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -140,6 +144,12 @@ class LlamaConfig:
     @property
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
+
+    def selection_anchor(self, layer: int) -> int:
+        """The layer whose Quest selection `layer` uses: itself on a dense layer or a group's first."""
+        if layer < self.quest_dense_layers:
+            return layer
+        return layer - (layer - self.quest_dense_layers) % self.quest_selection_group
 
 
 @dataclass(slots=True)

@@ -1,5 +1,7 @@
 """Llama (`llama`) and Qwen3 (`qwen3`) with Quest decoding on every layer but the first
-`quest_dense_layers` (2).
+`quest_dense_layers` (2). With `quest_selection_group` g > 1, each group of g consecutive Quest layers
+attends over the pages its first layer selected (that layer's query and page bounds), so the others
+select nothing: a shared selection, what layer-wise prefetch needs (DESIGN section 4).
 
 Prefill is dense causal attention, as transformers' eager `LlamaForCausalLM` / `Qwen3ForCausalLM`
 (Qwen3 adds an RMSNorm over each query and key head before RoPE). Decode on the Quest layers goes
@@ -22,6 +24,7 @@ class GqaAttention(nn.Module):
                                                         config.head_dim)
         self.page_size = config.quest_page_size
         self.quest = layer_idx >= config.quest_dense_layers
+        self.anchor = config.selection_anchor(layer_idx)    # the layer whose selection this one uses
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
@@ -55,7 +58,10 @@ class GqaAttention(nn.Module):
                  self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2), self.page_size)
         if step.decode and self.quest:
             quest = self._owner[0].sparse_attention
-            selection = quest.select(self.layer_idx, q[:, :, 0], kv, step.lengths, self.page_size)
+            if self.anchor == self.layer_idx:
+                step.shared["quest_selection"] = quest.select(self.layer_idx, q[:, :, 0], kv, step.lengths,
+                                                              self.page_size)
+            selection = step.shared["quest_selection"]      # a shared layer's: its group's anchor's
             out = quest.attend(self.layer_idx, q[:, :, 0], kv, step.lengths, selection, self.page_size, self.scaling)
             out = out[:, None]
         else:
