@@ -59,15 +59,13 @@ from hisparse.resolve import ResolveResult
 @dataclass
 class QuestKV:
     """A Quest layer's KV, resident: `pool [N * HKV * P_MAX, 2, PAGE, D]` (None when hierarchical),
-    `kmin, kmax [N, HKV, P_MAX, D]` the page bounds of the post-RoPE keys (always resident)."""
+    `kmin, kmax [N, HKV, P_MAX, D]` the page bounds of the post-RoPE keys (always resident; None on a
+    layer that shares another's selection, as it selects nothing), `max_pages` = P_MAX."""
 
     pool: torch.Tensor | None
-    kmin: torch.Tensor
-    kmax: torch.Tensor
-
-    @property
-    def max_pages(self) -> int:
-        return self.kmin.shape[2]
+    kmin: torch.Tensor | None
+    kmax: torch.Tensor | None
+    max_pages: int = 0
 
     def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
         """Decode-step write (positions [N, 1]) of keys, values [N, HKV, 1, D]: the token's slot in
@@ -79,7 +77,8 @@ class QuestKV:
         pos = positions[:, 0]
         key = keys[:, :, 0].contiguous()
         self._write_row(pos, key, values[:, :, 0])
-        quest_metadata_append(self.kmin, self.kmax, key, pos.to(torch.int32))
+        if self.kmin is not None:
+            quest_metadata_append(self.kmin, self.kmax, key, pos.to(torch.int32))
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         n, hkv, _ = key.shape
@@ -227,22 +226,24 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
             kv.values[b, :, :k.shape[1]] = v
         kv.page_min, kv.page_max = quest_metadata_from_keys(kv.keys, lengths.to(torch.int32), kv.page_min.shape[2])
         return kv
-    kmin = keys0.new_zeros(batch, hkv, max_pages, d)
-    kmax = keys0.new_zeros(batch, hkv, max_pages, d)
+    selects = model.config.selection_anchor(layer) == layer      # else it shares another layer's selection
+    kmin = keys0.new_zeros(batch, hkv, max_pages, d) if selects else None
+    kmax = keys0.new_zeros(batch, hkv, max_pages, d) if selects else None
     pages = []
     for b, (k, v) in enumerate(parts):
         n_pages = triton.cdiv(k.shape[1], PAGE)
-        length = torch.tensor([k.shape[1]], dtype=torch.int32, device=device)
-        lo, hi = quest_metadata_from_keys(k[None], length, n_pages)
-        kmin[b, :, :n_pages], kmax[b, :, :n_pages] = lo[0], hi[0]
+        if selects:
+            length = torch.tensor([k.shape[1]], dtype=torch.int32, device=device)
+            lo, hi = quest_metadata_from_keys(k[None], length, n_pages)
+            kmin[b, :, :n_pages], kmax[b, :, :n_pages] = lo[0], hi[0]
         pages.append(pages_from_tokens(k[None], v[None], n_pages).view(hkv, n_pages, 2, PAGE, d))
     if mode == "resident":
         pool = keys0.new_zeros(batch, hkv, max_pages, 2, PAGE, d)
         for b, rows in enumerate(pages):
             pool[b, :, :rows.shape[1]] = rows
-        return QuestKV(pool=pool.view(-1, 2, PAGE, d), kmin=kmin, kmax=kmax)
+        return QuestKV(pool=pool.view(-1, 2, PAGE, d), kmin=kmin, kmax=kmax, max_pages=max_pages)
     host_streams = [open_unit_streams(cache, rows, max_pages) for rows in pages]
-    return HierQuestKV(pool=None, kmin=kmin, kmax=kmax, cache=cache, host_streams=host_streams,
+    return HierQuestKV(pool=None, kmin=kmin, kmax=kmax, max_pages=max_pages, cache=cache, host_streams=host_streams,
                        streams=torch.tensor(host_streams, dtype=torch.int32, device=device))
 
 

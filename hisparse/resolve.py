@@ -326,9 +326,10 @@ def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int,
             f"streams must be contiguous int32 [N * HKV] = [{n * hkv}], got {streams.dtype} {tuple(streams.shape)}")
     _expect(pos.shape == (n,) and pos.dtype == torch.int64, f"pos must be int64 [N] = [{n}], got {pos.dtype} "
             f"{tuple(pos.shape)}")
-    _expect(map_streams is None or (map_streams.shape == streams.shape and map_streams.dtype == torch.int32),
-            f"map_streams must be int32 {tuple(streams.shape)}, got "
-            f"{None if map_streams is None else (map_streams.dtype, tuple(map_streams.shape))}")
+    _expect(map_streams is None or (map_streams.shape == streams.shape and map_streams.dtype == torch.int32
+                                    and map_streams.device == streams.device),
+            f"map_streams must be int32 {tuple(streams.shape)} on {streams.device}, got "
+            f"{None if map_streams is None else (map_streams.dtype, tuple(map_streams.shape), map_streams.device)}")
 
 
 def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -341,7 +342,7 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
     cached copy if any. keys and values must already be in the rows' dtype (unit stride in D) and
     pos int64: nothing is converted on the way. map_streams [N * HKV] int32: whose unit -> slot map
     places the cached copy (default: streams; a shared layer in lockstep with its anchor passes the
-    anchor's streams). See `write_unit_token_ref`."""
+    anchor's streams; -1: no write-through). See `write_unit_token_ref`."""
     _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
     map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape
@@ -419,6 +420,7 @@ def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host,
         host_row = int(host_base[stream]) + p // unit_tokens
         host[host_row] = row.view(-1).to(host.device)
         cache[stream, -1] = row.view(-1)
-        slot = int(unit_slot[int(host_base[int(map_streams[m])]) + p // unit_tokens])
+        map_stream = int(map_streams[m])
+        slot = int(unit_slot[int(host_base[map_stream]) + p // unit_tokens]) if map_stream >= 0 else -1
         if slot >= 0:
             cache[stream, slot] = row.view(-1)

@@ -240,7 +240,8 @@ def _write_unit_token_kernel(
     key_ptr,         # [N, HKV, D] the step's key per (request, KV head), in the rows' dtype
     value_ptr,       # [N, HKV, D] its value
     stream_ptr,      # [N * HKV] int32 stream of each (request, KV head), -1 = skip
-    map_stream_ptr,  # [N * HKV] int32 the stream whose unit -> slot map places it (a shared layer's anchor)
+    map_stream_ptr,  # [N * HKV] int32 the stream whose unit -> slot map places it (a shared layer's
+                     # anchor); -1: no write-through
     pos_ptr,         # [N] int64 the token's position in its request
     host_base_ptr,   # [S] int64 host row of unit 0 of each stream
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
@@ -267,8 +268,9 @@ def _write_unit_token_kernel(
         pos = tl.load(pos_ptr + i_n)
         offset = pos % T
         host_row = tl.load(host_base_ptr + i_s) + pos // T
-        map_stream = tl.load(map_stream_ptr + i_m).to(tl.int64)
-        slot = tl.load(unit_slot_ptr + tl.load(host_base_ptr + map_stream) + pos // T)
+        map_stream = tl.load(map_stream_ptr + i_m)
+        map_base = tl.load(host_base_ptr + tl.maximum(map_stream, 0).to(tl.int64))
+        slot = tl.load(unit_slot_ptr + map_base + pos // T, mask=map_stream >= 0, other=-1)
         p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW
         p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW
         for w in range(0, ROW, BLOCK):

@@ -13,13 +13,15 @@ def assert_bitwise(base, out, name: str = "") -> None:
     assert torch.equal(base.tokens, out.tokens), name
 
 
-def assert_newest_units_written_through(cache) -> None:
-    """Each stream's newest unit (page, block): host row == reserved slot == its cached copy, if cached."""
+def assert_newest_units_written_through(cache, map_streams: dict[int, int] | None = None) -> None:
+    """Each stream's newest unit (page, block): host row == reserved slot == its cached copy, if cached;
+    map_streams: stream -> the stream whose slot map places its copy (a shared layer's anchor)."""
     for stream in sorted(cache._open):
         base, unit = int(cache.state.host_base[stream]), cache.stream_len[stream] - 1
         host = cache.host.rows[base + unit].to(cache.slots.device)
         assert torch.equal(cache.slots[stream, cache.reserved_slot], host), f"stream {stream}: reserved slot"
-        slot = int(cache.state.unit_slot[base + unit])
+        mapped = (map_streams or {}).get(stream, stream)
+        slot = int(cache.state.unit_slot[int(cache.state.host_base[mapped]) + unit])
         if slot >= 0:
             assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
 

@@ -139,6 +139,13 @@ def assert_lockstep(cache, layers) -> None:
                         f"stream {stream} slot {slot}: not its row of unit {unit}, which the anchor holds there"
 
 
+def shared_to_anchor(model) -> dict[int, int]:
+    """The shared layer 3's streams -> layer 2's, in the same (request, KV head) order: the engine
+    opens the Quest layers' streams layer by layer (layers 2, 3, 4)."""
+    per_layer = len(PROMPT_LENGTHS) * model.config.num_key_value_heads
+    return {per_layer + j: j for j in range(per_layer)}
+
+
 def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
     """quest_selection_group 2: layer 3 attends over layer 2's pages with no resolve of its own,
     replaying layer 2's miss plan (in line, and through the prefetch path, which on a CPU is in line
@@ -153,7 +160,7 @@ def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
         engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=prefetch)
         out = engine.generate(prompts(), new_tokens)
         assert_bitwise(base, out, f"prefetch={prefetch}")
-        assert_newest_units_written_through(engine.cache)
+        assert_newest_units_written_through(engine.cache, shared_to_anchor(model))
         # the shared layer's streams do no resolve work, and count their anchor's hits and misses
         per_layer = engine.cache.stats.cpu().view(3, len(PROMPT_LENGTHS), heads, 2)   # streams open layer by layer
         assert (per_layer[1] == 0).all() and (per_layer[[0, 2]].sum(-1) > 0).all()
@@ -165,14 +172,16 @@ def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
     state, _ = engine._prefill(prompts(), capacity)
     assert (state.layers[3].anchor_layer, state.layers[4].anchor_layer) == (2, None)
     assert torch.equal(state.layers[3].anchor_streams, state.layers[2].streams)
+    assert state.layers[3].kmin is None and state.layers[2].kmin is not None, "a shared layer keeps no bounds"
 
 
 def test_shared_selections_in_lockstep_after_every_step():
-    """The lockstep invariant checked after each of several steps (B = 2k, so slots stay filled)."""
+    """The lockstep invariant checked after each of several steps, B = k: victim slots are reused
+    (more misses than pages), so a shared layer's copies must follow every eviction of its anchor's."""
     model = shared_model()
-    engine = Engine(model, "hisparse", cache_slots=2 * K, token_budget=BUDGET)
+    engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
     capacity = max(PROMPT_LENGTHS) + 12
-    engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, 2 * K)
+    engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, K)
     state, first = engine._prefill(prompts(), capacity)
     model.sparse_attention = engine.runtime.attention("hisparse", state.layers, check_values=True, prefetch=False)
     try:
@@ -181,6 +190,9 @@ def test_shared_selections_in_lockstep_after_every_step():
             engine.runtime.advance_streams(engine.cache, state.layers, [n + t - 1 for n in PROMPT_LENGTHS])
             tokens = model.decode(tokens, state).argmax(-1)
             assert_lockstep(engine.cache, state.layers)
+        anchor_streams = state.layers[2].streams.view(-1).long()
+        pages = sum(engine.cache.stream_len[s] for s in anchor_streams.tolist())
+        assert int(engine.cache.stats[anchor_streams, 1].sum()) > pages, "slots were reused: pages fetched again"
     finally:
         model.sparse_attention = TorchQuestAttention(BUDGET)
 
@@ -191,14 +203,13 @@ def test_shared_selections_noio_copies_nothing():
     out = noio.generate(prompts(), new_tokens=2)
     ref = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET).generate(prompts(), new_tokens=2)
     assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
-    slots = noio.cache.slots
-    # streams open layer by layer: layer 2's, then the shared layer 3's, then layer 4's
-    shared = range(len(PROMPT_LENGTHS) * model.config.num_key_value_heads,
-                   2 * len(PROMPT_LENGTHS) * model.config.num_key_value_heads)
+    cache, slots, shared = noio.cache, noio.cache.slots, shared_to_anchor(model)
     for stream in range(slots.shape[0]):
         filled = [s for s in range(slots.shape[1] - 1) if slots[stream, s].abs().sum() > 0]
         if stream in shared:     # only the write-through of its newest page, where the anchor placed it
-            assert len(filled) <= 1 and all(torch.equal(slots[stream, s], slots[stream, -1]) for s in filled)
+            anchor, newest = shared[stream], cache.stream_len[stream] - 1
+            assert filled == [int(cache.state.unit_slot[int(cache.state.host_base[anchor]) + newest])]
+            assert torch.equal(slots[stream, filled[0]], slots[stream, -1])
         else:
             assert filled == [], "no-IO must fetch no row"
 

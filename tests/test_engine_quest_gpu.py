@@ -57,3 +57,6 @@ def test_quest_shared_selections_prefetch_bitwise_resident_graphed():
             assert out.prefetched_layers == (2 if prefetch else 0)
     counts = {(out.hits, out.misses) for out in runs.values()}
     assert len(counts) == 1 and min(next(iter(counts))) > 0
+    # noio: a captured step with shared layers and nothing to copy (no side-stream fork)
+    noio = Engine(model, "noio", cache_slots=K, chunk_size=1024, token_budget=BUDGET).generate(prompts, 65, graph=True)
+    assert noio.tokens.shape == base.tokens.shape and noio.misses > 0

@@ -412,16 +412,18 @@ def test_write_unit_token_matches_reference(dtype, device):
 
 
 def test_write_unit_token_through_an_anchors_slot_map(device):
-    """A shared layer's streams (2, 3) write through to where their anchor's streams (0, 1) cache the
-    unit, not where their own maps say: the same bytes as the reference, and the rows land there."""
+    """A shared layer's stream 2 writes through to where its anchor stream 0 caches the unit, not where
+    its own map says; stream 3, mapped to -1, writes no cached copy at all (as write_rows): the same
+    bytes as the reference, and the rows land there."""
     gen = torch.Generator().manual_seed(7)
     n, hkv, d, t, units = 1, 2, 4, 2, 5
-    streams, anchors = torch.tensor([2, 3], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    streams, anchors = torch.tensor([2, 3], dtype=torch.int32), torch.tensor([0, -1], dtype=torch.int32)
     pos = torch.tensor([7], dtype=torch.int64)                     # unit 3, offset 1
     host_base = torch.arange(4, dtype=torch.int64) * units
     unit_slot = torch.full((4 * units,), -1, dtype=torch.int32)
     unit_slot[int(host_base[0]) + 3] = 2                           # the anchor's head 0 caches unit 3 in slot 2
     unit_slot[int(host_base[2]) + 3] = 0                           # the shared stream's own (stale) map: slot 0
+    unit_slot[int(host_base[3]) + 3] = 1     # stream 3's own map, and the last stream's: -1 must read neither
     host = torch.randn(4 * units, 2 * t * d, generator=gen)
     cache = torch.randn(4, 4, 2 * t * d, generator=gen)
     keys, values = torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv, d, generator=gen)
@@ -429,7 +431,8 @@ def test_write_unit_token_through_an_anchors_slot_map(device):
                                                   t, device, map_streams=anchors)
     assert torch.equal(want_cache[2, 2], want_host[int(host_base[2]) + 3]), "through the anchor's map"
     assert torch.equal(want_cache[2, 0], cache[2, 0]), "not through the stream's own"
-    assert torch.equal(want_cache[3, :3], cache[3, :3]), "the anchor's head 1 caches nothing: no copy written"
+    assert torch.equal(want_cache[3, :3], cache[3, :3]), "map stream -1: no write-through, whatever the maps say"
+    assert torch.equal(want_host[int(host_base[3]) + 3], want_cache[3, 3]), "but the host row and reserved slot"
     assert torch.equal(want_cache[:2], cache[:2]), "the anchor's own slots untouched"
     from hisparse.resolve import write_unit_token
     with pytest.raises(ValueError, match="map_streams must be int32"):
