@@ -578,16 +578,20 @@ def nsa_gate(gates, o_cmp, o_slc, o_win, out_dtype):
 
 
 def nsa_decode(q, ck, cv, kv_rows, win_k, win_v, lengths, gates, n_blocks, rows_of=None,
-               n_select=N_SELECT, scale=None, config=DEFAULT_CONFIG):
+               n_select=N_SELECT, scale=None, config=DEFAULT_CONFIG, blocks=None):
     """One NSA decode step: -> out [N, H, D] (q's dtype), blocks int32 [N, KV, n_select].
 
     Six launches: compressed partials, their merge, selection, selected partials, window partials,
     gates (which merge the last two). rows_of(blocks) gives the rows of kv_rows holding the selected
     blocks (the resolve step of the hot cache); None reads kv_rows as the resident pool of
-    n_blocks units per stream."""
+    n_blocks units per stream. blocks: a selection made elsewhere (int32 [N, KV, n_select], from
+    another layer of a group sharing one), used instead of this step's own: no selection launch."""
     part, logits = _compressed_partials(q, ck, cv, lengths, scale, config)
     o_cmp, lse = _merge(q, part)
-    blocks, _ = nsa_select(logits, lse, lengths, ck.shape[1], n_blocks, n_select)
+    if blocks is None:
+        blocks, _ = nsa_select(logits, lse, lengths, ck.shape[1], n_blocks, n_select)
+    elif blocks.shape != (q.shape[0], ck.shape[1], n_select) or blocks.dtype != torch.int32:
+        _fail("blocks", f"{blocks.dtype} {tuple(blocks.shape)}", f"int32 {(q.shape[0], ck.shape[1], n_select)}")
     rows = rows_of(blocks) if rows_of is not None else None
     slc = _selected_partials(q, kv_rows, rows, blocks, lengths, scale, config, n_blocks)
     win = _window_partials(q, win_k, win_v, lengths, scale, config)

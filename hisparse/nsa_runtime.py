@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hisparse import dsa_runtime
 from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
 from hisparse.models.nsa_decode import compressed_count
@@ -47,8 +48,10 @@ from hisparse.runtime import (
     cache_bytes,
     nbytes,
     open_unit_streams,
+    prefetch_shared,
     stream_counts,
 )
+from hisparse.resolve import ResolveResult
 
 
 @dataclass
@@ -96,14 +99,27 @@ class NsaBlocksKV:
 class HierNsaKV(NsaBlocksKV):
     """An NSA layer's KV with its selection blocks in the hierarchical cache: `pool` is None;
     `streams [N, HKV]` int32 are the streams of `cache` (unit = block, row = [2, SEL_BLOCK, D]
-    flattened); `host_streams[n]` the same ids of request n, on the host."""
+    flattened); `host_streams[n]` the same ids of request n, on the host.
+
+    A shared layer (`selection_group` > 1: it attends over its anchor layer's blocks) moves in
+    lockstep with its anchor: `anchor_layer` and `anchor_streams [N, HKV]` name the anchor, whose
+    slot maps place its blocks too, and `prefetched` is the event its layer-wise prefetch copy
+    records, when prefetch is on (as Quest's `HierQuestKV`)."""
 
     streams: torch.Tensor | None = None
     cache: HierarchicalKVCache | None = None
     host_streams: list[list[int]] = field(default_factory=list)
+    anchor_layer: int | None = None
+    anchor_streams: torch.Tensor | None = None
+    prefetched: torch.cuda.Event | None = None
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, SEL_BLOCK)
+        """The newest block's whole row into host pool, reserved slot and cached copy (write-through).
+        A prefetched shared layer first waits for its copy, so the write-through lands after it."""
+        if self.prefetched is not None:
+            torch.cuda.current_stream().wait_event(self.prefetched)
+        anchors = None if self.anchor_streams is None else self.anchor_streams.reshape(-1)
+        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, SEL_BLOCK, anchors)
 
 
 class KernelNsaAttention:
@@ -111,35 +127,60 @@ class KernelNsaAttention:
 
     n_select: selection blocks per KV head and step. check_values: validate selections against
     stream lengths before each resolve (a host sync; off inside a captured CUDA graph). Resolve
-    counters accumulate in `cache.stats`. `recorded[layer]` holds the blocks [N, HKV, n_select]
-    each layer attended over in the last step."""
+    counters accumulate in `cache.stats` (anchor layers only: shared layers do no resolve work).
+    `recorded[layer]` holds the blocks [N, HKV, n_select] each layer attended over in the last step.
+    shared: anchor layer -> its shared layers' states; each replays its anchor's miss plan, in line,
+    or with `prefetch` on a GPU on a side stream right after the anchor's resolve (as DSA's; the
+    side stream's priority and copy width are dsa_runtime's PREFETCH_PRIORITY and PREFETCH_PROGRAMS).
+    """
 
-    def __init__(self, mode: str, n_select: int, check_values: bool = True):
+    def __init__(self, mode: str, n_select: int, check_values: bool = True, prefetch: bool = False,
+                 shared: dict[int, list[HierNsaKV]] | None = None):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         self.mode, self.n_select, self.check_values = mode, n_select, check_values
+        self.shared = shared or {}
+        use_side = prefetch and torch.cuda.is_available()
+        self.side = dsa_runtime.side_stream(dsa_runtime.PREFETCH_PRIORITY) if use_side else None
+        self.prefetch_programs = dsa_runtime.PREFETCH_PROGRAMS
         self.recorded: dict[int, torch.Tensor] = {}
+        self._plans: dict[int, ResolveResult] = {}      # anchor layer -> this step's resolve results
 
     def decode(self, layer_idx: int, q: torch.Tensor, gates: torch.Tensor, kv: NsaBlocksKV,
-               lengths: torch.Tensor) -> torch.Tensor:
-        """q [N, H, D] (roped), gates [N, H, 3] (sigmoid-ed), rows of lengths [N] -> out [N, H, D]."""
+               lengths: torch.Tensor, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, H, D] (roped), gates [N, H, 3] (sigmoid-ed), rows of lengths [N] -> out [N, H, D] and the
+        blocks [N, HKV, n_select] it attended over: its own selection, or `blocks` when given (a layer
+        sharing its anchor's selection)."""
         pool, rows_of = kv.pool, None
         if isinstance(kv, HierNsaKV):
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
-            rows_of = lambda blocks: self._resolve(kv, blocks)
+
+            def rows_of(chosen: torch.Tensor) -> torch.Tensor:
+                n, hkv, k = chosen.shape
+                slots = self._slots(layer_idx, kv, chosen.view(n * hkv, k))
+                return kv.cache.slot_rows(kv.streams.view(-1), slots).view(n, hkv, k)
         out, blocks = nsa_decode(q, kv.compressed_keys, kv.compressed_values, pool, kv.window_keys,
                                  kv.window_values, lengths.to(torch.int32), gates.contiguous(), kv.n_units,
-                                 rows_of=rows_of, n_select=self.n_select)
+                                 rows_of=rows_of, n_select=self.n_select, blocks=blocks)
         self.recorded[layer_idx] = blocks
-        return out
+        return out, blocks
 
-    def _resolve(self, kv: HierNsaKV, blocks: torch.Tensor) -> torch.Tensor:
-        """Hot-cache rows [N, HKV, n] of the selected blocks [N, HKV, n], misses fetched."""
-        n, hkv, k = blocks.shape
-        flat = kv.streams.view(-1)
-        res = kv.cache.resolve(flat, blocks.view(n * hkv, k), mode="normal" if self.mode != "noio" else "noio",
-                               check_values=self.check_values)
-        return kv.cache.slot_rows(flat, res.slots).view(n, hkv, k)
+    def _slots(self, layer_idx: int, kv: HierNsaKV, selection: torch.Tensor) -> torch.Tensor:
+        """Slots [N * HKV, n] of the selection in this layer's streams: resolved (an anchor), or the
+        anchor's, whose plan the layer's own copies replay (a shared layer, in lockstep)."""
+        copy = self.mode != "noio"
+        if kv.anchor_layer is not None:
+            plan = self._plans[kv.anchor_layer]
+            if copy and kv.prefetched is None:
+                kv.cache.replay_plan(plan, kv.streams.view(-1))
+            return plan.slots
+        plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
+                                check_values=self.check_values)
+        if self.shared.get(layer_idx):
+            self._plans[layer_idx] = plan
+            if copy and self.side is not None:
+                prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
+        return plan.slots
 
 
 # -- the engine's NSA side (a `hisparse.runtime.FamilyRuntime`) -------------------------------------
@@ -162,7 +203,6 @@ class NsaRuntime:
 
     family = "NSA"
     selection_name = "num_selected_blocks"
-    shared_layers = False
     traces = False
     host_writes, host_write = ("layer",), "layer"
     early_resolve = False
@@ -173,7 +213,8 @@ class NsaRuntime:
                              "blocks")
         self.model, self.config = model, model.config
         self.selection_size = selection_size(model.config)
-        self.anchors = list(range(model.config.num_hidden_layers))
+        self.anchors = [model.config.selection_anchor(i) for i in range(model.config.num_hidden_layers)]
+        self.shared_layers = any(a != i for i, a in enumerate(self.anchors))   # prefetch has layers to serve
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """rows(b, layer) -> random (keys, values [HKV, len, D], compressed keys, values [HKV, C, D])."""
@@ -204,8 +245,16 @@ class NsaRuntime:
                                    row_elems=2 * SEL_BLOCK * cfg.head_dim, dtype=weight.dtype, device=weight.device)
 
     def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
-        return [self._gather_layer(mode, cache, i, [rows(b, i) for b in range(len(lengths))], capacity)
-                for i in range(self.config.num_hidden_layers)]
+        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierNsaKV)."""
+        layers = []
+        for i, anchor in enumerate(self.anchors):
+            kv = self._gather_layer(mode, cache, i, [rows(b, i) for b in range(len(lengths))], capacity)
+            if anchor != i and isinstance(kv, HierNsaKV):
+                kv.anchor_layer, kv.anchor_streams = anchor, layers[anchor].streams
+                if prefetch and mode == "hisparse" and kv.streams.is_cuda:
+                    kv.prefetched = torch.cuda.Event()
+            layers.append(kv)
+        return layers
 
     def _gather_layer(self, mode: str, cache, layer: int, parts, capacity: int) -> NsaBlocksKV:
         """One layer's batch state from per-request (keys, values, compressed keys, compressed values)."""
@@ -238,14 +287,21 @@ class NsaRuntime:
                          streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device))
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool) -> KernelNsaAttention:
-        return KernelNsaAttention(mode, self.selection_size, check_values=check_values)
+        shared = {}
+        for kv in layers:
+            if isinstance(kv, HierNsaKV) and kv.anchor_layer is not None:
+                shared.setdefault(kv.anchor_layer, []).append(kv)
+        return KernelNsaAttention(mode, self.selection_size, check_values=check_values, prefetch=prefetch,
+                                  shared=shared)
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
         """A position opening a block adds a unit to each of its request's streams."""
         advance_unit_streams(cache, [kv.host_streams for kv in layers], positions, SEL_BLOCK)
 
     def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
-        return stream_counts(cache, [kv.streams for kv in layers])
+        """(hits, misses) over every layer; a shared layer counts its anchor's, whose blocks it copies."""
+        return stream_counts(cache, [kv.streams if kv.anchor_streams is None else kv.anchor_streams
+                                     for kv in layers])
 
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
         """The window rings and compressed blocks, plus the resident blocks or the hot slots with the

@@ -26,6 +26,23 @@ def assert_newest_units_written_through(cache, map_streams: dict[int, int] | Non
             assert torch.equal(cache.slots[stream, slot], host), f"stream {stream}: stale cached copy"
 
 
+def assert_lockstep(cache, layers) -> None:
+    """Every slot of a shared layer's stream holds that stream's row of the unit its anchor stream's
+    slot holds: the anchor's slot maps place the shared layer's pages too."""
+    for kv in layers:
+        if getattr(kv, "anchor_layer", None) is None:      # resident, dense, or an anchor
+            continue
+        for stream, anchor in zip(kv.streams.view(-1).tolist(), kv.anchor_streams.view(-1).tolist()):
+            held = dict(zip(cache.state.lru[anchor].tolist(), cache.state.lru_unit[anchor].tolist()))
+            base = int(cache.state.host_base[stream])
+            assert any(u >= 0 for u in held.values())
+            for slot, unit in held.items():
+                if unit >= 0:
+                    row = cache.host.rows[base + unit].to(cache.slots.device)
+                    assert torch.equal(cache.slots[stream, slot], row), \
+                        f"stream {stream} slot {slot}: not its row of unit {unit}, which the anchor holds there"
+
+
 def assert_unit_run(engine, base, out, prompt_lengths, new_tokens: int, unit_tokens: int, heavy_eviction: bool):
     """A hisparse run of a per-KV-head family (units of `unit_tokens` tokens, one sparse layer) against
     its resident `base`: bitwise equal; each (request, KV head) stream holds every unit its request
@@ -80,4 +97,23 @@ def check_hisparse_against_resident_on_gpu(engine, prompts, k: int, new_tokens: 
     assert (graphed.hits, graphed.misses) == (hier.hits, hier.misses)
     assert hier.kv_bytes_per_request < base.kv_bytes_per_request      # hot units do not grow with context
     noio = engine("noio", k).generate(prompts, new_tokens, graph=True)
+    assert noio.tokens.shape == base.tokens.shape and noio.misses > 0
+
+
+def check_shared_selections_on_gpu(engine, prompts, k: int, shared_layers: int, new_tokens: int = 65) -> None:
+    """engine(mode, slots, prefetch) -> Engine of a model whose layers share selections. hisparse at
+    B = k with the shared layers' copies in line and, with prefetch, on the side stream (eager and
+    inside the captured graph) gives the resident run's logits and tokens bitwise, with the same
+    hits and misses each way; `shared_layers` layers' copies ran on the side stream; a graphed noio
+    run (shared layers, nothing to copy: no fork) runs."""
+    base = engine("resident", None, False).generate(prompts, new_tokens)
+    counts = set()
+    for prefetch in (False, True):
+        for graph in (False, True):
+            out = engine("hisparse", k, prefetch).generate(prompts, new_tokens, graph=graph)
+            assert_bitwise(base, out, f"prefetch={prefetch}, graph={graph}")
+            assert out.prefetched_layers == (shared_layers if prefetch else 0)
+            counts.add((out.hits, out.misses))
+    assert len(counts) == 1 and min(next(iter(counts))) > 0
+    noio = engine("noio", k, False).generate(prompts, new_tokens, graph=True)
     assert noio.tokens.shape == base.tokens.shape and noio.misses > 0

@@ -13,7 +13,13 @@ import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_torch_steps_agree, assert_unit_run
+from engine_checks import (
+    assert_bitwise,
+    assert_lockstep,
+    assert_newest_units_written_through,
+    assert_torch_steps_agree,
+    assert_unit_run,
+)
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
@@ -84,6 +90,80 @@ def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
     assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
 
 
+SHARED_STEPS = 25              # new tokens of the shared-selection runs (two layers: twice the work per step)
+
+
+def shared_to_anchor(model) -> dict[int, int]:
+    """Layer 1's streams -> layer 0's, in the same (request, KV head) order (streams open layer by layer)."""
+    per_layer = len(PROMPT_LENGTHS) * model.config.num_key_value_heads
+    return {per_layer + j: j for j in range(per_layer)}
+
+
+def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
+    """selection_group 2 over 2 layers: layer 1 attends over layer 0's blocks (with its own compressed
+    and window branches) and replays layer 0's miss plan, in line and through the prefetch path (in
+    line too on a CPU); bitwise the resident run; the shared streams do no resolve work."""
+    model = tiny_model(num_hidden_layers=2, selection_group=2)
+    base = Engine(model, "resident").generate(prompts(), SHARED_STEPS)
+    own = Engine(tiny_model(num_hidden_layers=2), "resident").generate(prompts(), SHARED_STEPS)
+    assert not torch.equal(own.logits[-1], base.logits[-1]), "sharing the selection must change the model"
+    heads = model.config.num_key_value_heads
+    for prefetch in (False, True):
+        engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=prefetch)
+        out = engine.generate(prompts(), SHARED_STEPS)
+        assert_bitwise(base, out, f"prefetch={prefetch}")
+        assert_newest_units_written_through(engine.cache, shared_to_anchor(model))
+        per_layer = engine.cache.stats.cpu().view(2, len(PROMPT_LENGTHS), heads, 2)
+        assert (per_layer[1] == 0).all() and (per_layer[0].sum(-1) > 0).all()
+        assert (out.hits, out.misses) == tuple(int(x) for x in 2 * per_layer[0].sum((0, 1)))
+
+
+def test_shared_selection_in_lockstep_after_every_step_and_agrees_with_the_torch_step(monkeypatch):
+    """B = k (slots reused): after each step, every slot of layer 1's streams holds its own row of the
+    block layer 0's slot holds; and the kernels' shared step agrees with the torch reference's."""
+    model = tiny_model(num_hidden_layers=2, selection_group=2)
+    engine = Engine(model, "hisparse", cache_slots=N_SELECT)
+    steps = 10
+    capacity = max(PROMPT_LENGTHS) + steps
+    engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, N_SELECT)
+    state, first = engine._prefill(prompts(), capacity)
+    assert (state.layers[1].anchor_layer, state.layers[0].anchor_layer) == (0, None)
+    monkeypatch.setattr(model, "sparse_attention",
+                        engine.runtime.attention("hisparse", state.layers, check_values=True, prefetch=False))
+    tokens, logits = first.argmax(-1), [first.float().cpu()]
+    generated = [tokens]
+    for t in range(1, steps):
+        engine.runtime.advance_streams(engine.cache, state.layers, [n + t - 1 for n in PROMPT_LENGTHS])
+        step_logits = model.decode(tokens, state)
+        tokens = step_logits.argmax(-1)
+        logits.append(step_logits.float().cpu())
+        generated.append(tokens)
+        assert_lockstep(engine.cache, state.layers)
+    anchor_streams = state.layers[0].streams.view(-1).long()
+    blocks = sum(engine.cache.stream_len[s] for s in anchor_streams.tolist())
+    assert int(engine.cache.stats[anchor_streams, 1].sum()) > blocks, "slots were reused: blocks fetched again"
+    ours = type("Run", (), dict(tokens=torch.stack(generated, 1).cpu(), logits=logits))
+    monkeypatch.setattr(model, "sparse_attention", TorchNsaAttention(model.config))
+    assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
+
+
+def test_shared_selection_noio_copies_nothing():
+    model = tiny_model(num_hidden_layers=2, selection_group=2)
+    noio = Engine(model, "noio", cache_slots=N_SELECT)
+    out = noio.generate(prompts(), new_tokens=2)
+    ref = Engine(model, "hisparse", cache_slots=N_SELECT).generate(prompts(), new_tokens=2)
+    assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
+    cache, slots, shared = noio.cache, noio.cache.slots, shared_to_anchor(model)
+    for stream in range(slots.shape[0]):
+        filled = [s for s in range(slots.shape[1] - 1) if slots[stream, s].abs().sum() > 0]
+        if stream in shared:     # only the write-through of its newest block, where the anchor placed it
+            anchor, newest = shared[stream], cache.stream_len[stream] - 1
+            assert filled == [int(cache.state.unit_slot[int(cache.state.host_base[anchor]) + newest])]
+            assert torch.equal(slots[stream, filled[0]], slots[stream, -1])
+        else:
+            assert filled == [], "no-IO must fetch no row"
+
+
 def test_random_prefill_runs():
     out = Engine(tiny_model(), "hisparse", cache_slots=N_SELECT, prefill="random").generate(prompts(), 3)
     assert out.tokens.shape == (2, 3) and out.misses > 0
@@ -108,3 +188,5 @@ def test_bad_inputs_are_refused_before_anything_is_built():
         Engine(tiny_model(selection_block_size=32), "resident")
     with pytest.raises(ValueError, match="sliding_window must be >= 32, the model's is 16"):
         Engine(tiny_model(sliding_window=16), "resident")
+    with pytest.raises(ValueError, match="config selection_group must be a positive int, found 0"):
+        tiny_model(selection_group=0)

@@ -5,7 +5,7 @@ steps, eager and graph-replayed, B = k and 2k blocks; hisparse gives bitwise the
 logits and tokens."""
 import pytest
 import torch
-from engine_checks import check_hisparse_against_resident_on_gpu
+from engine_checks import check_hisparse_against_resident_on_gpu, check_shared_selections_on_gpu
 
 from hisparse.engine import Engine
 from hisparse.models.config import config_from_dict
@@ -34,3 +34,17 @@ def test_nsa_hisparse_bitwise_resident_eager_and_graph():
     def engine(mode, slots):
         return Engine(model, mode, cache_slots=slots, chunk_size=1024)
     check_hisparse_against_resident_on_gpu(engine, prompts, K)
+
+
+def test_nsa_shared_selection_prefetch_bitwise_resident_graphed():
+    """selection_group 2 over 4 layers (layers 0-1 and 2-3 share a selection): the shared layers'
+    copies in line and, with prefetch, on the side stream inside the captured graph."""
+    m = build_model(config_from_dict(dict(GEOMETRY, num_hidden_layers=4, selection_group=2)))
+    randomize_(m, seed=1)
+    model = m.to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in LENGTHS]
+
+    def engine(mode, slots, prefetch):
+        return Engine(model, mode, cache_slots=slots, chunk_size=1024, prefetch=prefetch)
+    check_shared_selections_on_gpu(engine, prompts, K, shared_layers=2)

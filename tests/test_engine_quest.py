@@ -11,7 +11,13 @@ import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_bitwise, assert_newest_units_written_through, assert_torch_steps_agree, assert_unit_run
+from engine_checks import (
+    assert_bitwise,
+    assert_lockstep,
+    assert_newest_units_written_through,
+    assert_torch_steps_agree,
+    assert_unit_run,
+)
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
@@ -120,23 +126,6 @@ def shared_model(group: int = 2):
     path = write_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="quest-shared"), seed=3, num_hidden_layers=5,
                                  quest_selection_group=group)
     return load_model(path, dtype=torch.float32, device=DEVICE)
-
-
-def assert_lockstep(cache, layers) -> None:
-    """Every slot of a shared layer's stream holds that stream's row of the unit its anchor stream's
-    slot holds: the anchor's slot maps place the shared layer's pages too."""
-    for kv in layers:
-        if not isinstance(kv, HierQuestKV) or kv.anchor_layer is None:
-            continue
-        for stream, anchor in zip(kv.streams.view(-1).tolist(), kv.anchor_streams.view(-1).tolist()):
-            held = dict(zip(cache.state.lru[anchor].tolist(), cache.state.lru_unit[anchor].tolist()))
-            base = int(cache.state.host_base[stream])
-            assert any(u >= 0 for u in held.values())
-            for slot, unit in held.items():
-                if unit >= 0:
-                    row = cache.host.rows[base + unit].to(cache.slots.device)
-                    assert torch.equal(cache.slots[stream, slot], row), \
-                        f"stream {stream} slot {slot}: not its row of unit {unit}, which the anchor holds there"
 
 
 def shared_to_anchor(model) -> dict[int, int]:

@@ -239,7 +239,7 @@ def test_nsa_decode_step_matches_kernel_references():
         attention._compress(kv, 0, length)
     q, gates = torch.randn(n, attention.n_heads, d, generator=g), torch.rand(n, attention.n_heads, 3, generator=g)
     lengths = torch.full((n,), length)
-    out = model.sparse_attention.decode(0, q, gates, kv, lengths)
+    out, blocks = model.sparse_attention.decode(0, q, gates, kv, lengths)
     ck, cv = nsa_compress_ref(kv.keys, kv.values, attention.compress_k.weight.T, attention.compress_v.weight.T)
     assert rel_err(kv.compressed_keys, ck) < 1e-6 and rel_err(kv.compressed_values, cv) < 1e-6
     win_k, win_v = nsa_window_ring(kv.keys, kv.values, lengths.int())
@@ -248,3 +248,4 @@ def test_nsa_decode_step_matches_kernel_references():
     assert rel_err(out, ref) < 1e-5
     _, probs = model.sparse_attention.compressed(0, q.view(n, attention.n_kv_heads, -1, d), kv, lengths)
     assert torch.equal(model.sparse_attention.select(0, probs, lengths, -(-length // 64)), ref_blocks.long())
+    assert torch.equal(blocks, ref_blocks.long())

@@ -172,13 +172,17 @@ class NsaConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    # layers in groups of this many consecutive layers share one block selection, the group's first
+    # layer's (its anchor), as glm_moe_dsa's shared indexer layers do; 1 (the default, as in NSA) gives
+    # every layer its own. Each layer keeps its own compressed and window branches.
+    selection_group: int = 1
 
     def __post_init__(self):
         if self.model_type != "nsa":
             raise ValueError(f"NsaConfig got model_type {self.model_type!r}")
         _check_positive(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                "num_key_value_heads", "head_dim", "compress_block_size", "compress_block_stride",
-                               "selection_block_size", "num_selected_blocks", "sliding_window"))
+                               "selection_block_size", "num_selected_blocks", "sliding_window", "selection_group"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -189,6 +193,10 @@ class NsaConfig:
         if self.num_selected_blocks < 3:
             raise ValueError(f"num_selected_blocks must be >= 3 (first block and 2 recent ones are forced), "
                              f"found {self.num_selected_blocks}")
+
+    def selection_anchor(self, layer: int) -> int:
+        """The layer whose block selection `layer` uses: the first of its group."""
+        return layer - layer % self.selection_group
 
 
 CONFIG_CLASSES = {"deepseek_v32": DsaConfig, "glm_moe_dsa": DsaConfig, "llama": LlamaConfig,

@@ -89,17 +89,20 @@ class TorchNsaAttention:
         self.scale = config.head_dim ** -0.5
 
     def decode(self, layer_idx: int, q: torch.Tensor, gates: torch.Tensor, kv: NsaKV,
-               lengths: torch.Tensor) -> torch.Tensor:
-        """q [B, H, D] (roped), gates [B, H, 3] (sigmoid-ed), rows of lengths [B] -> out [B, H, D]."""
+               lengths: torch.Tensor, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, H, D] (roped), gates [B, H, 3] (sigmoid-ed), rows of lengths [B] -> out [B, H, D] and
+        the selection blocks [B, Hkv, n] it attended over: its own, or `blocks` when given (a layer
+        sharing its anchor's selection)."""
         b, h, d = q.shape
         qg = q.view(b, kv.keys.shape[1], -1, d)
         o_cmp, probs = self.compressed(layer_idx, qg, kv, lengths)
-        blocks = self.select(layer_idx, probs, lengths, -(-kv.keys.shape[2] // self.config.selection_block_size))
+        if blocks is None:
+            blocks = self.select(layer_idx, probs, lengths, -(-kv.keys.shape[2] // self.config.selection_block_size))
         o_slc = self.selected(layer_idx, qg, kv, lengths, blocks)
         o_win = self.window(layer_idx, qg, kv, lengths)
         g = gates.view(b, kv.keys.shape[1], -1, 3).to(q.dtype)
         out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
-        return out.reshape(b, h, d)
+        return out.reshape(b, h, d), blocks
 
     def compressed(self, layer_idx, qg, kv: NsaKV, lengths: torch.Tensor):
         blocks = torch.arange(kv.compressed_keys.shape[2], device=qg.device)

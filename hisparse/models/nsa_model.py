@@ -4,7 +4,9 @@ Our own format (keys in README_NSA.md): Llama names for everything shared with L
 `self_attn.g_proj` (hidden -> 3 gates per query head, order compressed, selected, window) and
 `self_attn.compress_k` / `self_attn.compress_v` (head_dim -> head_dim, applied to block means).
 Prefill applies, for every query, exactly the decode semantics of nsa_decode.py over the tokens up
-to it; decode goes through `NsaModel.sparse_attention`.
+to it; decode goes through `NsaModel.sparse_attention`. With `selection_group` g > 1, each group of g
+consecutive layers attends over the blocks its first layer selected (its selected branch; each layer
+keeps its own compressed and window branches): a shared selection, for layer-wise prefetch.
 """
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ class NsaAttention(nn.Module):
         self.compress_v = nn.Linear(d, d, bias=False)
         self._rotary = (rotary,)  # shared by every layer, not a submodule
         self._owner = (owner,)
+        self.anchor = config.selection_anchor(layer_idx)    # the layer whose block selection this one uses
 
     def new_kv(self, batch: int, capacity: int, device, dtype) -> NsaKV:
         full = (batch, self.n_kv_heads, capacity, self.head_dim)
@@ -54,12 +57,15 @@ class NsaAttention(nn.Module):
         if step.decode:
             if isinstance(kv, NsaKV):  # a kernel state (hisparse.nsa_runtime) compresses in its own write
                 self._compress_newest(kv, step.lengths)
-            out = self._owner[0].sparse_attention.decode(self.layer_idx, q[:, 0], gates[:, 0], kv, step.lengths)
+            shared = step.shared.get("nsa_blocks") if self.anchor != self.layer_idx else None
+            out, blocks = self._owner[0].sparse_attention.decode(self.layer_idx, q[:, 0], gates[:, 0], kv,
+                                                                 step.lengths, blocks=shared)
+            step.shared["nsa_blocks"] = blocks
             out = out[:, None]
         else:
             end = step.start + s
             self._compress(kv, step.start, end)
-            out = self._prefill(q, gates, kv, step.positions[0], end)
+            out = self._prefill(q, gates, kv, step, end)
         return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
     def _compressed(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
@@ -96,9 +102,11 @@ class NsaAttention(nn.Module):
         kv.write_compressed(block[:, None], torch.where(keep, old_keys, new_keys),
                             torch.where(keep, old_values, new_values))
 
-    def _prefill(self, q, gates, kv: NsaKV, positions, end) -> torch.Tensor:
-        """The three gated branches for every query (positions [S]) over tokens < its position + 1."""
+    def _prefill(self, q, gates, kv: NsaKV, step: Step, end) -> torch.Tensor:
+        """The three gated branches for every query (positions step.positions[0] [S]) over tokens < its
+        position + 1; a shared layer selects the blocks its anchor selected (step.shared)."""
         cfg, b, s = self.config, q.shape[0], q.shape[1]
+        positions = step.positions[0]
         qg = q.view(b, s, self.n_kv_heads, -1, self.head_dim).permute(0, 2, 3, 1, 4).flatten(2, 3)  # [B, Hkv, G*S, D]
         group = qg.shape[2] // s
         lengths = positions + 1  # [S]
@@ -112,7 +120,9 @@ class NsaAttention(nn.Module):
         p_cmp = probs.view(b, self.n_kv_heads, group, s, n_cmp).sum(2)  # [B, Hkv, S, C]
         scores = p_cmp @ block_score_map(n_cmp, n_blocks, cfg, q.device)
         query_blocks = (-(-lengths // cfg.selection_block_size))[:, None]  # [S, 1]
-        blocks = top_blocks(scores, query_blocks, cfg.num_selected_blocks)  # [B, Hkv, S, n]
+        if self.anchor == self.layer_idx:
+            step.shared["nsa_blocks"] = top_blocks(scores, query_blocks, cfg.num_selected_blocks)  # [B, Hkv, S, n]
+        blocks = step.shared["nsa_blocks"]           # a shared layer's: its group's anchor's
         chosen = torch.zeros(*blocks.shape[:3], n_blocks + 1, dtype=torch.bool, device=q.device)
         chosen = chosen.scatter(-1, torch.where(blocks < 0, n_blocks, blocks), True)[..., :n_blocks]
         causal = tokens[None, :] < lengths[:, None]  # [S, T]
