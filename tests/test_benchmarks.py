@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = {   # benchmark -> (CSV it writes, metrics it must hold)
@@ -119,3 +120,13 @@ def test_decode_ablation_patches_are_undone():
         assert host_pool.HUGE_PAGES is True
         raise KeyError("a failed run")
     assert (hisparse.cache.HostPool, host_pool.HUGE_PAGES, host_pool.pinned_empty) == before
+
+
+def test_repeat_runs_refuses_bad_arguments_and_a_cpu_clearly():
+    """scripts/repeat_runs.py (GPU only): bad counts named before anything is built; no GPU said plainly."""
+    from scripts import repeat_runs
+    with pytest.raises(SystemExit, match=r"--runs, --batch, --steps >= 1 and --pin-gib >= 0 expected, got 0, 16, 32"):
+        repeat_runs.main(["--runs", "0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            repeat_runs.main([])
