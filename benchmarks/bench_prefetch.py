@@ -41,7 +41,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from benchmarks.common import PINNED_BYTES_PER_S  # noqa: E402
-from hisparse import dsa_runtime  # noqa: E402
+from hisparse import runtime  # noqa: E402
 from hisparse.engine import Engine  # noqa: E402
 from hisparse.host_pool import release_cached_memory  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
@@ -77,14 +77,14 @@ def workload(context: int, steps: int, k: int, batch: int, quick: bool, random_l
 
 @contextlib.contextmanager
 def prefetch_variant(programs: int, priority: str):
-    """dsa_runtime's prefetch copy width and side-stream priority (read when an engine builds its
+    """The prefetch copy width and side-stream priority (read when an engine builds its
     attention) set for the block, and put back after it."""
-    saved = dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY
-    dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY = programs, priority
+    saved = runtime.PREFETCH_PROGRAMS, runtime.PREFETCH_PRIORITY
+    runtime.PREFETCH_PROGRAMS, runtime.PREFETCH_PRIORITY = programs, priority
     try:
         yield
     finally:
-        dsa_runtime.PREFETCH_PROGRAMS, dsa_runtime.PREFETCH_PRIORITY = saved
+        runtime.PREFETCH_PROGRAMS, runtime.PREFETCH_PRIORITY = saved
 
 
 def main(argv=None) -> None:
@@ -97,14 +97,14 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
-    ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[dsa_runtime.PREFETCH_PROGRAMS],
-                    help=f"programs of a prefetch copy (default {dsa_runtime.PREFETCH_PROGRAMS}, or "
+    ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[runtime.PREFETCH_PROGRAMS],
+                    help=f"programs of a prefetch copy (default {runtime.PREFETCH_PROGRAMS}, or "
                          "HISPARSE_PREFETCH_PROGRAMS): "
                          "more fetch faster, fewer leave more multiprocessors to the layers it overlaps; "
                          "several values time prefetch once per value")
-    ap.add_argument("--prefetch-priority", nargs="+", default=[dsa_runtime.PREFETCH_PRIORITY],
-                    choices=dsa_runtime.PREFETCH_PRIORITIES,
-                    help=f"the side stream's priority (default {dsa_runtime.PREFETCH_PRIORITY}, or "
+    ap.add_argument("--prefetch-priority", nargs="+", default=[runtime.PREFETCH_PRIORITY],
+                    choices=runtime.PREFETCH_PRIORITIES,
+                    help=f"the side stream's priority (default {runtime.PREFETCH_PRIORITY}, or "
                          "HISPARSE_PREFETCH_PRIORITY); "
                          "several values time prefetch once per value")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),

@@ -15,7 +15,6 @@ from, so a trace with realistic locality drives it with realistic hit rates.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -25,27 +24,19 @@ from hisparse.dsa import dsa_select, sparse_mla_decode
 from hisparse.models.base import DecodeState
 from hisparse.models.dsa_decode import MlaKV
 from hisparse.resolve import ResolveResult
-from hisparse.runtime import HOST_WRITES, KV_MODES, Rows, cache_bytes, nbytes, prefetch_shared, stream_counts
+from hisparse import runtime
+from hisparse.runtime import (
+    HOST_WRITES,
+    KV_MODES,
+    Rows,
+    cache_bytes,
+    nbytes,
+    prefetch_shared,
+    shared_states,
+    stream_counts,
+)
 
 __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
-PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
-# the prefetch side stream's priority: "high" lets the copies' programs take a multiprocessor before
-# the next block of the compute they overlap. Captured kernel nodes keep their stream's priority,
-# which PyTorch's graphs honour since pytorch#167346 (instantiated with node priorities); neither
-# that nor the effect has been checked on the H200 yet.
-PREFETCH_PRIORITIES = ("normal", "high")
-PREFETCH_PRIORITY = os.environ.get("HISPARSE_PREFETCH_PRIORITY", "normal")
-if PREFETCH_PRIORITY not in PREFETCH_PRIORITIES:
-    raise ValueError(f"HISPARSE_PREFETCH_PRIORITY={PREFETCH_PRIORITY!r}: expected one of {PREFETCH_PRIORITIES}")
-
-
-def side_stream(priority: str) -> torch.cuda.Stream:
-    """A CUDA stream for the prefetch copies at `priority` ("normal" or "high")."""
-    if priority not in PREFETCH_PRIORITIES:
-        raise ValueError(f"prefetch priority {priority!r}: expected one of {PREFETCH_PRIORITIES}")
-    # torch maps a priority past the device's range to the nearest one it has: -100 is the highest
-    return torch.cuda.Stream(priority=-100 if priority == "high" else 0)
-
 
 @dataclass
 class HierMlaKV(MlaKV):
@@ -125,12 +116,12 @@ class KernelDsaAttention:
         self.mode = mode
         self.check_values = check_values
         self.shared = shared or {}
-        self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
+        self.side = runtime.side_stream(runtime.PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
         self.resolver = torch.cuda.Stream() if early_resolve and torch.cuda.is_available() else None
         self._early: dict[int, torch.cuda.Event] = {}      # layer -> its resolve's event, until attended
         # a copy from pinned host memory needs few programs to keep PCIe busy; more would crowd
         # out the layers it overlaps with
-        self.prefetch_programs = PREFETCH_PROGRAMS
+        self.prefetch_programs = runtime.PREFETCH_PROGRAMS
         self.replay_sel: torch.Tensor | None = None
         self.recorded: dict[int, torch.Tensor] = {}
         self._plans: dict[int, ResolveResult] = {}         # anchor layer -> its resolve results, refilled per step
@@ -303,10 +294,7 @@ class DsaRuntime:
         return kv
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool) -> KernelDsaAttention:
-        shared = {}
-        for kv in layers:
-            if isinstance(kv, HierMlaKV) and kv.anchor_layer is not None:
-                shared.setdefault(kv.anchor_layer, []).append(kv)
+        shared = shared_states(layers, HierMlaKV)
         return KernelDsaAttention(mode, check_values=check_values, prefetch=prefetch, shared=shared,
                                   early_resolve=self.early_resolve)
 

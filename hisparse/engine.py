@@ -126,8 +126,8 @@ class Engine:
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
                              f"this {self.runtime.family} model ({type(model).__name__}) has none (they come "
-                             f"from glm_moe_dsa's indexer_types, quest_selection_group > 1 in a Quest config or selection_group > 1 in "
-                             f"an NSA one)")
+                             f"from glm_moe_dsa's indexer_types, quest_selection_group > 1 in a Quest config "
+                             f"or selection_group > 1 in an NSA one)")
         topk = self.runtime.selection_size
         if mode != "resident":
             if cache_slots is None:

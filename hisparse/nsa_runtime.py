@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hisparse import dsa_runtime
 from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
 from hisparse.models.nsa_decode import compressed_count
@@ -42,16 +41,17 @@ from hisparse.nsa import (
     nsa_window_ring,
 )
 from hisparse.runtime import (
-    KV_MODES,
     Rows,
+    UnitResolver,
     advance_unit_streams,
     cache_bytes,
+    gather_in_lockstep,
     nbytes,
     open_unit_streams,
-    prefetch_shared,
+    shared_states,
     stream_counts,
+    write_newest_unit,
 )
-from hisparse.resolve import ResolveResult
 
 
 @dataclass
@@ -114,37 +114,23 @@ class HierNsaKV(NsaBlocksKV):
     prefetched: torch.cuda.Event | None = None
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The newest block's whole row into host pool, reserved slot and cached copy (write-through).
-        A prefetched shared layer first waits for its copy, so the write-through lands after it."""
-        if self.prefetched is not None:
-            torch.cuda.current_stream().wait_event(self.prefetched)
-        anchors = None if self.anchor_streams is None else self.anchor_streams.reshape(-1)
-        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, SEL_BLOCK, anchors)
+        write_newest_unit(self, pos, key, value, SEL_BLOCK)
 
 
-class KernelNsaAttention:
+class KernelNsaAttention(UnitResolver):
     """`decode` of the NSA step (the contract of `TorchNsaAttention.decode`) through `nsa_decode`.
 
     n_select: selection blocks per KV head and step. check_values: validate selections against
     stream lengths before each resolve (a host sync; off inside a captured CUDA graph). Resolve
-    counters accumulate in `cache.stats` (anchor layers only: shared layers do no resolve work).
-    `recorded[layer]` holds the blocks [N, HKV, n_select] each layer attended over in the last step.
-    shared: anchor layer -> its shared layers' states; each replays its anchor's miss plan, in line,
-    or with `prefetch` on a GPU on a side stream right after the anchor's resolve (as DSA's; the
-    side stream's priority and copy width are dsa_runtime's PREFETCH_PRIORITY and PREFETCH_PROGRAMS).
-    """
+    counters accumulate in `cache.stats` (anchor layers only). `recorded[layer]` holds the blocks
+    [N, HKV, n_select] each layer attended over in the last step. shared, prefetch: layers sharing an
+    anchor's selection (`hisparse.runtime.UnitResolver`)."""
 
     def __init__(self, mode: str, n_select: int, check_values: bool = True, prefetch: bool = False,
                  shared: dict[int, list[HierNsaKV]] | None = None):
-        if mode not in KV_MODES:
-            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
-        self.mode, self.n_select, self.check_values = mode, n_select, check_values
-        self.shared = shared or {}
-        use_side = prefetch and torch.cuda.is_available()
-        self.side = dsa_runtime.side_stream(dsa_runtime.PREFETCH_PRIORITY) if use_side else None
-        self.prefetch_programs = dsa_runtime.PREFETCH_PROGRAMS
+        super().__init__(mode, check_values, prefetch, shared)
+        self.n_select = n_select
         self.recorded: dict[int, torch.Tensor] = {}
-        self._plans: dict[int, ResolveResult] = {}      # anchor layer -> this step's resolve results
 
     def decode(self, layer_idx: int, q: torch.Tensor, gates: torch.Tensor, kv: NsaBlocksKV,
                lengths: torch.Tensor, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,31 +142,12 @@ class KernelNsaAttention:
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
 
             def rows_of(chosen: torch.Tensor) -> torch.Tensor:
-                n, hkv, k = chosen.shape
-                slots = self._slots(layer_idx, kv, chosen.view(n * hkv, k))
-                return kv.cache.slot_rows(kv.streams.view(-1), slots).view(n, hkv, k)
+                return self.unit_rows(layer_idx, kv, chosen)
         out, blocks = nsa_decode(q, kv.compressed_keys, kv.compressed_values, pool, kv.window_keys,
                                  kv.window_values, lengths.to(torch.int32), gates.contiguous(), kv.n_units,
                                  rows_of=rows_of, n_select=self.n_select, blocks=blocks)
         self.recorded[layer_idx] = blocks
         return out, blocks
-
-    def _slots(self, layer_idx: int, kv: HierNsaKV, selection: torch.Tensor) -> torch.Tensor:
-        """Slots [N * HKV, n] of the selection in this layer's streams: resolved (an anchor), or the
-        anchor's, whose plan the layer's own copies replay (a shared layer, in lockstep)."""
-        copy = self.mode != "noio"
-        if kv.anchor_layer is not None:
-            plan = self._plans[kv.anchor_layer]
-            if copy and kv.prefetched is None:
-                kv.cache.replay_plan(plan, kv.streams.view(-1))
-            return plan.slots
-        plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
-                                check_values=self.check_values)
-        if self.shared.get(layer_idx):
-            self._plans[layer_idx] = plan
-            if copy and self.side is not None:
-                prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
-        return plan.slots
 
 
 # -- the engine's NSA side (a `hisparse.runtime.FamilyRuntime`) -------------------------------------
@@ -246,15 +213,9 @@ class NsaRuntime:
 
     def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
         """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierNsaKV)."""
-        layers = []
-        for i, anchor in enumerate(self.anchors):
-            kv = self._gather_layer(mode, cache, i, [rows(b, i) for b in range(len(lengths))], capacity)
-            if anchor != i and isinstance(kv, HierNsaKV):
-                kv.anchor_layer, kv.anchor_streams = anchor, layers[anchor].streams
-                if prefetch and mode == "hisparse" and kv.streams.is_cuda:
-                    kv.prefetched = torch.cuda.Event()
-            layers.append(kv)
-        return layers
+        def gather(i: int) -> NsaBlocksKV:
+            return self._gather_layer(mode, cache, i, [rows(b, i) for b in range(len(lengths))], capacity)
+        return gather_in_lockstep(self.anchors, gather, HierNsaKV, mode, prefetch)
 
     def _gather_layer(self, mode: str, cache, layer: int, parts, capacity: int) -> NsaBlocksKV:
         """One layer's batch state from per-request (keys, values, compressed keys, compressed values)."""
@@ -287,12 +248,8 @@ class NsaRuntime:
                          streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device))
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool) -> KernelNsaAttention:
-        shared = {}
-        for kv in layers:
-            if isinstance(kv, HierNsaKV) and kv.anchor_layer is not None:
-                shared.setdefault(kv.anchor_layer, []).append(kv)
         return KernelNsaAttention(mode, self.selection_size, check_values=check_values, prefetch=prefetch,
-                                  shared=shared)
+                                  shared=shared_states(layers, HierNsaKV))
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
         """A position opening a block adds a unit to each of its request's streams."""

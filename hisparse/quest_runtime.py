@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from hisparse import dsa_runtime
 from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
 from hisparse.models.quest_decode import PagedKV
@@ -44,16 +43,17 @@ from hisparse.quest import (
     resident_rows,
 )
 from hisparse.runtime import (
-    KV_MODES,
     Rows,
+    UnitResolver,
     advance_unit_streams,
     cache_bytes,
+    gather_in_lockstep,
     nbytes,
     open_unit_streams,
-    prefetch_shared,
+    shared_states,
     stream_counts,
+    write_newest_unit,
 )
-from hisparse.resolve import ResolveResult
 
 
 @dataclass
@@ -108,15 +108,10 @@ class HierQuestKV(QuestKV):
     prefetched: torch.cuda.Event | None = None
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The newest page's whole row into host pool, reserved slot and cached copy (write-through).
-        A prefetched shared layer first waits for its copy, so the write-through lands after it."""
-        if self.prefetched is not None:
-            torch.cuda.current_stream().wait_event(self.prefetched)
-        anchors = None if self.anchor_streams is None else self.anchor_streams.reshape(-1)
-        self.cache.write_newest_token(self.streams.reshape(-1), pos, key, value, PAGE, anchors)
+        write_newest_unit(self, pos, key, value, PAGE)
 
 
-class KernelQuestAttention:
+class KernelQuestAttention(UnitResolver):
     """`select` and `attend` of the Quest decode step (the contract of `TorchQuestAttention`).
 
     token_budget: tokens read per KV head and step, K = token_budget // PAGE pages (the current one
@@ -124,24 +119,16 @@ class KernelQuestAttention:
     host sync; off inside a captured CUDA graph). Resolve counters accumulate in `cache.stats`
     (anchor layers only: shared layers do no resolve work).
     `recorded[layer]` holds the pages [N, HKV, K] each Quest layer attended over in the last step.
-    shared: anchor layer -> its shared layers' states; each replays its anchor's miss plan, in line,
-    or with `prefetch` on a GPU on a side stream right after the anchor's resolve (as DSA's; the
-    side stream's priority and copy width are dsa_runtime's PREFETCH_PRIORITY and PREFETCH_PROGRAMS).
+    shared, prefetch: layers sharing an anchor's selection (`hisparse.runtime.UnitResolver`).
     """
 
     def __init__(self, mode: str = "resident", token_budget: int = 4096, check_values: bool = True,
                  prefetch: bool = False, shared: dict[int, list[HierQuestKV]] | None = None):
-        if mode not in KV_MODES:
-            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        super().__init__(mode, check_values, prefetch, shared)
         if token_budget < PAGE:
             raise ValueError(f"token_budget {token_budget} is under one page ({PAGE} tokens)")
-        self.mode, self.token_budget, self.check_values = mode, token_budget, check_values
-        self.shared = shared or {}
-        use_side = prefetch and torch.cuda.is_available()
-        self.side = dsa_runtime.side_stream(dsa_runtime.PREFETCH_PRIORITY) if use_side else None
-        self.prefetch_programs = dsa_runtime.PREFETCH_PROGRAMS
+        self.token_budget = token_budget
         self.recorded: dict[int, torch.Tensor] = {}
-        self._plans: dict[int, ResolveResult] = {}      # anchor layer -> this step's resolve results
 
     def select(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
                page_size: int) -> torch.Tensor:
@@ -155,29 +142,11 @@ class KernelQuestAttention:
         self.recorded[layer_idx] = selection
         n, hkv, k = selection.shape
         if isinstance(kv, HierQuestKV):
-            flat = kv.streams.view(-1)
-            rows = kv.cache.slot_rows(flat, self._slots(layer_idx, kv, selection.view(n * hkv, k))).view(n, hkv, k)
+            rows = self.unit_rows(layer_idx, kv, selection)
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
         else:
             rows, pool = resident_rows(selection, kv.max_pages), kv.pool
         return quest_attention(q.contiguous(), pool, rows, selection, lengths.to(torch.int32), scale)
-
-    def _slots(self, layer_idx: int, kv: HierQuestKV, selection: torch.Tensor) -> torch.Tensor:
-        """Slots [N * HKV, K] of the selection in this layer's streams: resolved (an anchor), or the
-        anchor's, whose plan the layer's own copies replay (a shared layer, in lockstep)."""
-        copy = self.mode != "noio"
-        if kv.anchor_layer is not None:
-            plan = self._plans[kv.anchor_layer]
-            if copy and kv.prefetched is None:
-                kv.cache.replay_plan(plan, kv.streams.view(-1))
-            return plan.slots
-        plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
-                                check_values=self.check_values)
-        if self.shared.get(layer_idx):
-            self._plans[layer_idx] = plan
-            if copy and self.side is not None:
-                prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
-        return plan.slots
 
 
 # -- the engine's Quest side (a `hisparse.runtime.FamilyRuntime`) -----------------------------------
@@ -282,25 +251,15 @@ class QuestRuntime:
         return new_cache(self.model, batch, capacity, cache_slots)
 
     def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
-        """Each layer's batch state; a shared layer's names its anchor's (lockstep, module docstring)."""
-        layers = []
-        for i, anchor in enumerate(self.anchors):
-            kv = gather_layer(self.model, mode, cache, i, [rows(b, i) for b in range(len(lengths))], lengths,
-                              capacity)
-            if anchor != i and isinstance(kv, HierQuestKV):
-                kv.anchor_layer, kv.anchor_streams = anchor, layers[anchor].streams
-                if prefetch and mode == "hisparse" and kv.streams.is_cuda:
-                    kv.prefetched = torch.cuda.Event()
-            layers.append(kv)
-        return layers
+        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierQuestKV)."""
+        def gather(i: int):
+            return gather_layer(self.model, mode, cache, i, [rows(b, i) for b in range(len(lengths))], lengths,
+                                capacity)
+        return gather_in_lockstep(self.anchors, gather, HierQuestKV, mode, prefetch)
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool) -> KernelQuestAttention:
-        shared = {}
-        for kv in layers:
-            if isinstance(kv, HierQuestKV) and kv.anchor_layer is not None:
-                shared.setdefault(kv.anchor_layer, []).append(kv)
         return KernelQuestAttention(mode, self.token_budget, check_values=check_values, prefetch=prefetch,
-                                    shared=shared)
+                                    shared=shared_states(layers, HierQuestKV))
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
         """A position opening a page adds a unit to each of its request's streams."""

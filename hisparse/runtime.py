@@ -15,6 +15,7 @@ which streams gain a unit.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -24,6 +25,27 @@ from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
 
 KV_MODES = ("resident", "hisparse", "noio")
+# Layer-wise prefetch (every family): the copy's width in programs (a copy from pinned host memory
+# needs few to keep PCIe busy; more would crowd out the layers it overlaps with) and its side stream.
+PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
+# the prefetch side stream's priority: "high" lets the copies' programs take a multiprocessor before
+# the next block of the compute they overlap. Captured kernel nodes keep their stream's priority,
+# which PyTorch's graphs honour since pytorch#167346 (instantiated with node priorities). On the H200
+# at batch 32 (DSA) it changed nothing (results/gpu_logs/bb3a8198ed2f_tune_deferred_tests_*.txt).
+PREFETCH_PRIORITIES = ("normal", "high")
+PREFETCH_PRIORITY = os.environ.get("HISPARSE_PREFETCH_PRIORITY", "normal")
+if PREFETCH_PRIORITY not in PREFETCH_PRIORITIES:
+    raise ValueError(f"HISPARSE_PREFETCH_PRIORITY={PREFETCH_PRIORITY!r}: expected one of {PREFETCH_PRIORITIES}")
+
+
+def side_stream(priority: str) -> torch.cuda.Stream:
+    """A CUDA stream for the prefetch copies at `priority` ("normal" or "high")."""
+    if priority not in PREFETCH_PRIORITIES:
+        raise ValueError(f"prefetch priority {priority!r}: expected one of {PREFETCH_PRIORITIES}")
+    # torch maps a priority past the device's range to the nearest one it has: -100 is the highest
+    return torch.cuda.Stream(priority=-100 if priority == "high" else 0)
+
+
 # When a decode step's newest rows reach the host pool in the hierarchical modes: "layer", as each
 # layer writes its row (zero-copy stores, one launch per layer, which also writes the reserved slot
 # and any cached copy); "step", all layers' rows in one launch after the last layer, from the
@@ -118,3 +140,79 @@ def prefetch_shared(plan, shared: list, side: torch.cuda.Stream, max_programs: i
         for kv in shared:
             kv.cache.replay_plan(plan, kv.streams.view(-1), max_programs)
             kv.prefetched.record(side)
+
+
+def write_newest_unit(kv, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor, unit_tokens: int) -> None:
+    """A per-KV-head family's decode write into a hierarchical layer `kv` (Quest's HierQuestKV, NSA's
+    HierNsaKV): the newest unit's whole row into host pool, reserved slot and cached copy
+    (write-through). A shared layer's copy sits where its anchor's slot map says; with prefetch it
+    first waits for its copy, so the write-through lands after it."""
+    if kv.prefetched is not None:
+        torch.cuda.current_stream().wait_event(kv.prefetched)
+    anchors = None if kv.anchor_streams is None else kv.anchor_streams.reshape(-1)
+    kv.cache.write_newest_token(kv.streams.reshape(-1), pos, key, value, unit_tokens, anchors)
+
+
+class UnitResolver:
+    """The hot-cache side of a per-KV-head family's attention (Quest, NSA): each layer's selection
+    [N, HKV, k] resolved to rows of `cache.slots`. An anchor layer resolves (copying its misses
+    unless the mode is noio; counters in `cache.stats`); a layer sharing its selection does no
+    resolve work and replays the anchor's miss plan into its own streams, in line, or with
+    `prefetch` on a GPU on the side stream right after the anchor's resolve (`prefetch_shared`).
+    shared: anchor layer -> its shared layers' states. check_values: validate selections against
+    stream lengths before each resolve (a host sync; off inside a captured CUDA graph)."""
+
+    def __init__(self, mode: str, check_values: bool, prefetch: bool, shared: dict[int, list] | None):
+        if mode not in KV_MODES:
+            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        self.mode, self.check_values = mode, check_values
+        self.shared = shared or {}
+        self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
+        self.prefetch_programs = PREFETCH_PROGRAMS
+        self._plans: dict = {}          # anchor layer -> this step's resolve results, for its shared layers
+
+    def unit_rows(self, layer_idx: int, kv, selection: torch.Tensor) -> torch.Tensor:
+        """Rows [N, HKV, k] int32 of `kv.cache.slots` viewed as rows holding selection [N, HKV, k]."""
+        n, hkv, k = selection.shape
+        flat = kv.streams.view(-1)
+        return kv.cache.slot_rows(flat, self._slots(layer_idx, kv, selection.reshape(n * hkv, k))).view(n, hkv, k)
+
+    def _slots(self, layer_idx: int, kv, selection: torch.Tensor) -> torch.Tensor:
+        copy = self.mode != "noio"
+        if kv.anchor_layer is not None:                 # shared: in lockstep with the anchor
+            plan = self._plans[kv.anchor_layer]
+            if copy and kv.prefetched is None:
+                kv.cache.replay_plan(plan, kv.streams.view(-1))
+            return plan.slots
+        plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
+                                check_values=self.check_values)
+        if self.shared.get(layer_idx):
+            self._plans[layer_idx] = plan
+            if copy and self.side is not None:
+                prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
+        return plan.slots
+
+
+def gather_in_lockstep(anchors: list[int], gather: Callable[[int], object], hier_type: type, mode: str,
+                       prefetch: bool) -> list:
+    """Each layer's decode state, gather(layer); a hierarchical one (`hier_type`) of a layer sharing
+    another's selection (anchors[layer] != layer) is put in lockstep with its anchor: `anchor_layer`,
+    `anchor_streams` and, with prefetch in hisparse mode on a GPU, the event its copy records."""
+    layers = []
+    for i, anchor in enumerate(anchors):
+        kv = gather(i)
+        if anchor != i and isinstance(kv, hier_type):
+            kv.anchor_layer, kv.anchor_streams = anchor, layers[anchor].streams
+            if prefetch and mode == "hisparse" and kv.streams.is_cuda:
+                kv.prefetched = torch.cuda.Event()
+        layers.append(kv)
+    return layers
+
+
+def shared_states(layers: list, hier_type: type) -> dict[int, list]:
+    """anchor layer -> the states of the layers sharing its selection (hierarchical modes)."""
+    shared = {}
+    for kv in layers:
+        if isinstance(kv, hier_type) and kv.anchor_layer is not None:
+            shared.setdefault(kv.anchor_layer, []).append(kv)
+    return shared

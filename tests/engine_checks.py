@@ -43,6 +43,21 @@ def assert_lockstep(cache, layers) -> None:
                         f"stream {stream} slot {slot}: not its row of unit {unit}, which the anchor holds there"
 
 
+def assert_noio_wrote_only_shared_newest_units(cache, map_streams: dict[int, int]) -> None:
+    """After a noio run: no slot but the reserved one was filled, except in a shared layer's streams
+    (`map_streams`: stream -> its anchor's), where exactly one holds the newest unit's write-through,
+    in the slot the anchor's map gives that unit."""
+    slots = cache.slots
+    for stream in range(slots.shape[0]):
+        filled = [s for s in range(slots.shape[1] - 1) if slots[stream, s].abs().sum() > 0]
+        if stream in map_streams:
+            anchor, newest = map_streams[stream], cache.stream_len[stream] - 1
+            assert filled == [int(cache.state.unit_slot[int(cache.state.host_base[anchor]) + newest])], stream
+            assert torch.equal(slots[stream, filled[0]], slots[stream, -1])
+        else:
+            assert filled == [], f"stream {stream}: no-IO must fetch no row"
+
+
 def assert_unit_run(engine, base, out, prompt_lengths, new_tokens: int, unit_tokens: int, heavy_eviction: bool):
     """A hisparse run of a per-KV-head family (units of `unit_tokens` tokens, one sparse layer) against
     its resident `base`: bitwise equal; each (request, KV head) stream holds every unit its request

@@ -200,9 +200,9 @@ def test_replayed_trace_misses_equal_the_simulator():
 
 
 def test_prefetch_priority_is_checked_before_a_stream_is_made():
-    from hisparse import dsa_runtime
+    from hisparse import runtime
     with pytest.raises(ValueError, match=r"prefetch priority 'urgent': expected one of \('normal', 'high'\)"):
-        dsa_runtime.side_stream("urgent")
+        runtime.side_stream("urgent")
 
 
 def test_a_bad_prefetch_priority_in_the_environment_fails_at_import():
@@ -210,7 +210,7 @@ def test_a_bad_prefetch_priority_in_the_environment_fails_at_import():
     import subprocess
     import sys
     env = dict(os.environ, HISPARSE_PREFETCH_PRIORITY="urgent")
-    done = subprocess.run([sys.executable, "-c", "import hisparse.dsa_runtime"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", "import hisparse.runtime"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode != 0
     assert "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')" in done.stderr

@@ -4,7 +4,7 @@ give bitwise-equal logits and tokens over 64 decode steps, eager and graph-repla
 import pytest
 import torch
 
-from hisparse import dsa_runtime
+from hisparse import runtime
 from hisparse.engine import Engine
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
@@ -53,12 +53,12 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
     assert runs["hisparse-B=k"].kv_bytes_per_request < base.kv_bytes_per_request
 
 
-@pytest.mark.parametrize("priority", dsa_runtime.PREFETCH_PRIORITIES)
+@pytest.mark.parametrize("priority", runtime.PREFETCH_PRIORITIES)
 def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     """glm_moe_dsa with shared layers: prefetch on (side stream of either priority, inside the CUDA
     graph; with the host rows stored per layer or once per step, and the resolve started early on a
     stream of its own), off, and resident give bitwise-equal logits and tokens."""
-    monkeypatch.setattr(dsa_runtime, "PREFETCH_PRIORITY", priority)
+    monkeypatch.setattr(runtime, "PREFETCH_PRIORITY", priority)
     types = ["full", "shared", "shared", "full", "full", "shared"]      # layer 3: an anchor with no shared layer
     m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=6,
                                           first_k_dense_replace=6, indexer_types=types)))
@@ -82,5 +82,5 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
 
 def test_prefetch_side_stream_priorities():
     """"high" is a stream of higher priority (a lower number) than "normal", which is CUDA's default."""
-    assert dsa_runtime.side_stream("normal").priority == 0
-    assert dsa_runtime.side_stream("high").priority < 0
+    assert runtime.side_stream("normal").priority == 0
+    assert runtime.side_stream("high").priority < 0

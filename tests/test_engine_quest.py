@@ -15,6 +15,7 @@ from engine_checks import (
     assert_bitwise,
     assert_lockstep,
     assert_newest_units_written_through,
+    assert_noio_wrote_only_shared_newest_units,
     assert_torch_steps_agree,
     assert_unit_run,
 )
@@ -192,15 +193,7 @@ def test_shared_selections_noio_copies_nothing():
     out = noio.generate(prompts(), new_tokens=2)
     ref = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET).generate(prompts(), new_tokens=2)
     assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
-    cache, slots, shared = noio.cache, noio.cache.slots, shared_to_anchor(model)
-    for stream in range(slots.shape[0]):
-        filled = [s for s in range(slots.shape[1] - 1) if slots[stream, s].abs().sum() > 0]
-        if stream in shared:     # only the write-through of its newest page, where the anchor placed it
-            anchor, newest = shared[stream], cache.stream_len[stream] - 1
-            assert filled == [int(cache.state.unit_slot[int(cache.state.host_base[anchor]) + newest])]
-            assert torch.equal(slots[stream, filled[0]], slots[stream, -1])
-        else:
-            assert filled == [], "no-IO must fetch no row"
+    assert_noio_wrote_only_shared_newest_units(noio.cache, shared_to_anchor(model))
 
 
 def test_bad_selection_group_is_refused():

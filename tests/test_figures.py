@@ -293,6 +293,6 @@ def test_the_figures_default_prefetch_variant_is_the_runtimes():
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_PREFETCH")}
-    code = "from hisparse import dsa_runtime as r; print(r.PREFETCH_PROGRAMS, r.PREFETCH_PRIORITY)"
+    code = "from hisparse import runtime as r; print(r.PREFETCH_PROGRAMS, r.PREFETCH_PRIORITY)"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == [str(v) for v in figures.PREFETCH_VARIANT.values()], done.stderr[-2000:]
