@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                          f"k = T // {QUEST_PAGE} pages, the current page included (at least {QUEST_PAGE}; "
                          "default 4096, the model's)")
     ap.add_argument("--prefetch", action="store_true",
-                    help="hisparse mode, glm_moe_dsa checkpoints: copy the shared layers' rows on a side stream "
-                         "while the layers in between compute (on a GPU; in line on a CPU)")
+                    help="hisparse mode, checkpoints whose layers share selections (glm_moe_dsa's shared indexer "
+                         "layers, quest_selection_group or NSA's selection_group > 1): copy the shared layers' rows "
+                         "on a side stream while the layers in between compute (on a GPU; in line on a CPU)")
     ap.add_argument("--graph", action="store_true",
                     help="capture the whole decode step in a CUDA graph and replay it (needs a CUDA GPU)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -223,9 +224,6 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      f"{model_type!r}")
         if args.token_budget < QUEST_PAGE:
             ap.error(f"argument --token-budget: {args.token_budget} is under one page ({QUEST_PAGE} tokens)")
-    if args.prefetch and family != "DSA":
-        ap.error(f"argument --prefetch: replays an anchor's miss plan in shared layers (glm_moe_dsa); "
-                 f"model_type {model_type!r} has none")
 
     from hisparse.engine import Engine, family_runtime  # after the interpreter choice
     from hisparse.models.loading import load_model
@@ -242,7 +240,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     k = runtime.selection_size
     if args.prefetch and not runtime.shared_layers:
         ap.error(f"argument --prefetch: replays an anchor's miss plan in shared layers; checkpoint "
-                 f"{args.model!r} ({model_type}) has none (indexer_types has no 'shared' layer)")
+                 f"{args.model!r} ({model_type}) has none (glm_moe_dsa's indexer_types 'shared', or "
+                 f"quest_selection_group / NSA's selection_group > 1, make them)")
     if args.mode != "resident" and args.cache_slots is None:
         ap.error(f"argument --mode: {args.mode} needs --cache-slots B with B >= k = {k} ({runtime.selection_name})")
     prompts = _prompts(ap, args, cfg.vocab_size)

@@ -44,9 +44,10 @@ def assert_lockstep(cache, layers) -> None:
 
 
 def assert_noio_wrote_only_shared_newest_units(cache, map_streams: dict[int, int]) -> None:
-    """After a noio run: no slot but the reserved one was filled, except in a shared layer's streams
-    (`map_streams`: stream -> its anchor's), where exactly one holds the newest unit's write-through,
-    in the slot the anchor's map gives that unit."""
+    """After a noio run of one decode step (later steps write anchors' newest units through too): no
+    slot but the reserved one was filled, except in a shared layer's streams (`map_streams`: stream ->
+    its anchor's), where exactly one holds the newest unit's write-through, in the slot the anchor's
+    map gives that unit."""
     slots = cache.slots
     for stream in range(slots.shape[0]):
         filled = [s for s in range(slots.shape[1] - 1) if slots[stream, s].abs().sum() > 0]

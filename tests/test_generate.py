@@ -113,7 +113,7 @@ def test_one_prompt_is_repeated_over_the_batch_and_long_lists_are_truncated(tiny
     (["--prompt-len", "10", "--new-tokens", "4", "--max-context", "12"], "--max-context: 12 is too small"),
     (["--prefetch"], "--prefetch: applies to --mode hisparse, got --mode resident"),
     (["--mode", "hisparse", "--cache-slots", "8", "--prefetch"],
-     "(deepseek_v32) has none (indexer_types has no 'shared' layer)"),
+     "(deepseek_v32) has none (glm_moe_dsa's indexer_types 'shared'"),
     (["--token-budget", "48"], ("--token-budget: applies to Quest checkpoints (llama, qwen3), not model_type "
                                "'deepseek_v32'")),
 ], ids=["slots<k", "no-slots", "both-prompts", "bad-id", "id>=vocab", "batch-mismatch", "zero-tokens",
@@ -176,6 +176,21 @@ def tiny_nsa(tmp_path_factory):
                                      num_selected_blocks=4, sliding_window=64))
 
 
+def test_prefetch_runs_for_a_quest_checkpoint_with_shared_selections(tmp_path, capsys):
+    """--prefetch on a Quest checkpoint whose Quest layers share a selection (quest_selection_group 2:
+    layers 2 and 3): the engine's tokens, with the same misses."""
+    path = str(write_tiny_checkpoint("llama", tmp_path, seed=1, num_hidden_layers=4, quest_selection_group=2))
+    rc, out, err = cli(capsys, "--model", path, "--prompt-lens", "40,21", "--new-tokens", "3", "--show-tokens", "40",
+                       "--mode", "hisparse", "--cache-slots", "3", "--token-budget", "48", "--prefetch")
+    assert rc == 0, err
+    printed = requests(out)
+    model = load_model(path, dtype=torch.float32, device=DEVICE)
+    want = Engine(model, "hisparse", cache_slots=3, token_budget=48, prefetch=True).generate(
+        [p for p, _ in printed], new_tokens=3, keep_logits=False)
+    assert [g for _, g in printed] == want.tokens.tolist() and want.misses > 0
+    assert field(out, "miss rate") == f"{want.miss_rate:.4f}"
+
+
 def test_quest_tokens_equal_the_engine_with_a_token_budget(tiny_llama, capsys):
     rc, out, err = cli(capsys, "--model", tiny_llama, "--prompt-lens", "40,21", "--new-tokens", "3", "--show-tokens", "40",
                        "--mode", "hisparse", "--token-budget", str(QUEST_BUDGET), "--cache-slots", "3")
@@ -211,7 +226,7 @@ def test_nsa_tokens_equal_the_engine(tiny_nsa, capsys):
     ("llama", ["--mode", "noio", "--token-budget", "48"], "noio needs --cache-slots B with B >= k = 3"),
     ("llama", ["--token-budget", "8"], "argument --token-budget: 8 is under one page (16 tokens)"),
     ("llama", ["--mode", "hisparse", "--cache-slots", "3", "--prefetch"],
-     "argument --prefetch: replays an anchor's miss plan in shared layers (glm_moe_dsa); model_type 'llama'"),
+     "argument --prefetch: replays an anchor's miss plan in shared layers; checkpoint"),
     ("nsa", ["--mode", "hisparse", "--cache-slots", "3"],
      "cache_slots B=3 is smaller than the selection size k=4 (num_selected_blocks)"),
     ("nsa", ["--token-budget", "64"], ("--token-budget: applies to Quest checkpoints (llama, qwen3), not "

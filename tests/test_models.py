@@ -101,8 +101,10 @@ NSA_SMALL = dict(compress_block_size=8, compress_block_stride=4, selection_block
 
 @pytest.mark.parametrize("family,overrides,total,budget", [
     ("deepseek_v32", {}, 45, None), ("glm_moe_dsa", {}, 45, None), ("llama", {}, 61, 32),
-    ("qwen3", {"quest_page_size": 4}, 61, 16), ("nsa", NSA_SMALL, 113, None)],
-    ids=["deepseek_v32", "glm_moe_dsa", "llama-budget32", "qwen3-page4-budget16", "nsa-small-blocks"])
+    ("qwen3", {"quest_page_size": 4}, 61, 16), ("nsa", NSA_SMALL, 113, None),
+    ("nsa", dict(NSA_SMALL, num_hidden_layers=3, selection_group=2), 113, None)],
+    ids=["deepseek_v32", "glm_moe_dsa", "llama-budget32", "qwen3-page4-budget16", "nsa-small-blocks",
+         "nsa-shared-selection"])
 def test_decode_steps_match_prefill(family, overrides, total, budget, tmp_path):
     """Sparse decode (Quest with a budget below the context) equals, for DSA and NSA, the prefill
     of the same tokens; for Quest it stays close to dense attention and differs from it."""
@@ -121,11 +123,14 @@ def test_decode_steps_match_prefill(family, overrides, total, budget, tmp_path):
         assert err < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["glm_moe_dsa", "qwen3", "nsa"])
-def test_chunked_prefill_equals_one_shot(family, tmp_path):
-    model = load_model(write_tiny_checkpoint(family, tmp_path, seed=9, **(NSA_SMALL if family == "nsa" else {})))
-    ids = torch.randint(0, 97, (2, 53), generator=torch.Generator().manual_seed(10))
-    chunked = model.prefill(ids, model.new_state(2, 53), chunk_size=7)
+@pytest.mark.parametrize("family,overrides", [("glm_moe_dsa", {}), ("qwen3", {}), ("nsa", NSA_SMALL),
+                                              ("nsa", dict(NSA_SMALL, num_hidden_layers=3, selection_group=2))],
+                         ids=["glm_moe_dsa", "qwen3", "nsa", "nsa-shared-selection"])
+def test_chunked_prefill_equals_one_shot(family, overrides, tmp_path):
+    """113 tokens (8 NSA selection blocks, more than the 4 selected: a real choice) in chunks of 7."""
+    model = load_model(write_tiny_checkpoint(family, tmp_path, seed=9, **overrides))
+    ids = torch.randint(0, 97, (2, 113), generator=torch.Generator().manual_seed(10))
+    chunked = model.prefill(ids, model.new_state(2, 113), chunk_size=7)
     assert rel_err(chunked, model(ids)) < TOLERANCE
 
 
@@ -249,3 +254,9 @@ def test_nsa_decode_step_matches_kernel_references():
     _, probs = model.sparse_attention.compressed(0, q.view(n, attention.n_kv_heads, -1, d), kv, lengths)
     assert torch.equal(model.sparse_attention.select(0, probs, lengths, -(-length // 64)), ref_blocks.long())
     assert torch.equal(blocks, ref_blocks.long())
+    # a selection given back (as a layer sharing its anchor's gets it) is used as it is
+    again, same = model.sparse_attention.decode(0, q, gates, kv, lengths, blocks=blocks)
+    assert torch.equal(again, out) and same is blocks
+    other = torch.full_like(blocks, -1)
+    other[..., :3] = torch.tensor([0, 1, 2])
+    assert not torch.equal(model.sparse_attention.decode(0, q, gates, kv, lengths, blocks=other)[0], out)

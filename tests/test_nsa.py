@@ -313,6 +313,27 @@ def test_decode_matches_ref(n, h, kv_heads, d, lengths, dtype, nan_empty):
     assert rel_err(out, ref_out) < TOL[dtype]
 
 
+def test_decode_with_a_given_selection(nan_empty):
+    """blocks= (a layer sharing another's selection): its own blocks given back give the same bits;
+    other blocks are attended over instead (the reference's output on them); a bad one is refused."""
+    case = Case(2, 4, 2, 16, [700, 333], torch.float32, seed=10, weights=True)
+    args = (case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v, case.lengths, case.gates, case.n_units)
+    out, blocks = nsa.nsa_decode(*args, n_select=N_SEL)
+    again, same = nsa.nsa_decode(*args, n_select=N_SEL, blocks=blocks)
+    assert torch.equal(again, out) and same is blocks
+    other = blocks.flip(0).contiguous()          # request 1's selection for request 0 and back, kept in range
+    other = torch.where(other < nsa.block_count(case.lengths)[:, None, None].int(), other, -1).int()
+    got, _ = nsa.nsa_decode(*args, n_select=N_SEL, blocks=other)
+    o_cmp, _ = nsa.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
+    o_slc = nsa.nsa_selected_attention_ref(case.q, case.pool, nsa.resident_rows(other, case.n_units), other,
+                                           case.lengths)
+    o_win = nsa.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)
+    assert rel_err(got, nsa.nsa_gate_ref(case.gates, o_cmp, o_slc, o_win)) < TOL[torch.float32]
+    assert not torch.equal(got, out)
+    with pytest.raises(ValueError, match=r"blocks: got torch.int64 \(2, 2, 5\), expected int32 \(2, 2, 5\)"):
+        nsa.nsa_decode(*args, n_select=N_SEL, blocks=blocks.long())
+
+
 def test_decode_default_n_select(nan_empty):
     case = Case(2, 4, 2, 16, [1203, 1090], torch.float32, window=nsa.WINDOW, seed=9)
     _, blocks = check_decode(case, nsa.N_SELECT)

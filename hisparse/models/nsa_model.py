@@ -57,7 +57,7 @@ class NsaAttention(nn.Module):
         if step.decode:
             if isinstance(kv, NsaKV):  # a kernel state (hisparse.nsa_runtime) compresses in its own write
                 self._compress_newest(kv, step.lengths)
-            shared = step.shared.get("nsa_blocks") if self.anchor != self.layer_idx else None
+            shared = step.shared["nsa_blocks"] if self.anchor != self.layer_idx else None
             out, blocks = self._owner[0].sparse_attention.decode(self.layer_idx, q[:, 0], gates[:, 0], kv,
                                                                  step.lengths, blocks=shared)
             step.shared["nsa_blocks"] = blocks
