@@ -140,7 +140,6 @@ class KernelQuestAttention(UnitResolver):
         """Attention of q [N, HQ, D] over the selected pages -> [N, HQ, D]."""
         selection = selection.to(torch.int32).contiguous()
         self.recorded[layer_idx] = selection
-        n, hkv, k = selection.shape
         if isinstance(kv, HierQuestKV):
             rows = self.unit_rows(layer_idx, kv, selection)
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
