@@ -22,11 +22,20 @@ miss time that prefetch hides: (exposed(sync) - exposed(prefetch)) / shared_io, 
 exposed(sync) x shared layers / layers (every layer moves the same rows: its anchor's plan); it is
 left empty (NaN) when exposed(sync) is under 5% of tpot(noio), within timing noise.
 
+`--family quest` and `--family nsa` time the same four modes on a Llama-style Quest model (32 query
+heads, 8 KV heads, head dim 128; token_budget 2048, k = 128 pages of 16 tokens) or an NSA model (32
+query heads, 4 KV heads, head dim 128; k = 16 blocks of 64 tokens), 8 sparse layers in two groups of
+4 sharing a selection (`quest_selection_group` / `selection_group` 4: 2 anchors, 6 shared layers),
+B = 2k by default. These families have no selection traces: each layer group selects with the model
+itself over the random prompt KV, so the miss rate is what that gives (the `miss` column), not a
+calibrated one; rows say `workload` = "model".
+
 Prefetch can be timed in several variants in one run (`--prefetch-programs 16 32 64`,
 `--prefetch-priority normal high`: every combination, beside one resident, sync and noio run per
 batch); each prefetch row records its `prefetch_programs` and `prefetch_priority`.
 
     python -m benchmarks.bench_prefetch [--out DIR] [--quick] [--hidden 7168 --intermediate 18432]
+    python -m benchmarks.bench_prefetch --family quest|nsa [--batches 8 32]
 """
 from __future__ import annotations
 
@@ -61,6 +70,16 @@ GEOMETRY = dict(model_type="glm_moe_dsa", vocab_size=1024, hidden_size=1024, int
 QUICK = dict(GEOMETRY, hidden_size=64, intermediate_size=96, num_attention_heads=4, kv_lora_rank=32,
              q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, index_topk=8,
              index_head_dim=32, index_n_heads=8)
+FAMILY_GROUP = 4           # quest / nsa: sparse layers per shared selection (8 layers: 2 anchors, 6 shared)
+QUEST = dict(model_type="llama", vocab_size=1024, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+             head_dim=128, quest_dense_layers=0, quest_selection_group=FAMILY_GROUP)
+QUEST_QUICK = dict(QUEST, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, quest_selection_group=2)
+NSA = dict(model_type="nsa", vocab_size=1024, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+           head_dim=128, selection_group=FAMILY_GROUP)
+NSA_QUICK = dict(NSA, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, selection_group=2, num_selected_blocks=4, sliding_window=64)
+QUEST_BUDGET, QUEST_QUICK_BUDGET = 2048, 48       # tokens: k = 128 pages, and 3 in the quick run
 MEASURABLE_IO = 0.05      # exposed(sync) below this share of tpot(noio): no hidden_frac
 MODES = {"resident": ("resident", False), "sync": ("hisparse", False), "prefetch": ("hisparse", True),
          "noio": ("noio", False)}
@@ -87,13 +106,37 @@ def prefetch_variant(programs: int, priority: str):
         runtime.PREFETCH_PROGRAMS, runtime.PREFETCH_PRIORITY = saved
 
 
+def build_family(args, gpu: bool):
+    """(model, its config dict, k, bytes per unit, Engine options) of --family, random weights."""
+    hidden = dict(hidden_size=args.hidden, intermediate_size=args.intermediate)
+    geometry = {"dsa": (QUICK, dict(GEOMETRY, **hidden)), "quest": (QUEST_QUICK, dict(QUEST, **hidden)),
+                "nsa": (NSA_QUICK, dict(NSA, **hidden))}[args.family][0 if args.quick else 1]
+    model = build_model(config_from_dict(dict(geometry)))
+    randomize_(model, seed=0)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    model = model.to(device="cuda" if gpu else "cpu", dtype=dtype)
+    cfg, elem = model.config, dtype.itemsize
+    if args.family == "dsa":
+        return model, geometry, cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem, {}
+    if args.family == "quest":
+        budget = QUEST_QUICK_BUDGET if args.quick else QUEST_BUDGET
+        return model, geometry, budget // 16, 2 * 16 * cfg.head_dim * elem, {"token_budget": budget}
+    return model, geometry, cfg.num_selected_blocks, 2 * cfg.selection_block_size * cfg.head_dim * elem, {}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results", help="folder for prefetch.csv (default: results)")
     ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (no graphs): smoke test")
-    ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64, 128])
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="default 8 32 64 128 (dsa), 8 32 64 (quest, nsa: their resident KV is 8x / 4x larger "
+                         "per token and layer)")
     ap.add_argument("--context", type=int, default=32768, help="prompt tokens per request (default 32768)")
-    ap.add_argument("--cache-slots", type=int, default=4096, help="B (default 4096 = 2k)")
+    ap.add_argument("--family", choices=["dsa", "quest", "nsa"], default="dsa",
+                    help="dsa (default): glm_moe_dsa with trace-replayed selections; quest, nsa: 8 layers in "
+                         "groups of 4 sharing a selection made by the model")
+    ap.add_argument("--cache-slots", type=int, default=None,
+                    help="B (default 2k: 4096 tokens for dsa, 256 pages for quest, 32 blocks for nsa)")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
@@ -116,20 +159,25 @@ def main(argv=None) -> None:
     # the prefetch runs: one per (programs, priority); the other modes run once per batch
     variants = list(dict.fromkeys(itertools.product(args.prefetch_programs, args.prefetch_priority)))
     gpu = torch.cuda.is_available() and not args.quick
+    if args.batches is None:
+        args.batches = [8, 32, 64, 128] if args.family == "dsa" else [8, 32, 64]
     if args.quick:
-        args.batches, args.context, args.cache_slots, args.steps = [2], 40, 16, 4
-    geometry = QUICK if args.quick else dict(GEOMETRY, hidden_size=args.hidden, intermediate_size=args.intermediate)
-    model = build_model(config_from_dict(dict(geometry)))
-    randomize_(model, seed=0)
-    model = model.to(device="cuda" if gpu else "cpu", dtype=torch.bfloat16 if gpu else torch.float32)
-    k, layers, shared = geometry["index_topk"], len(TYPES), TYPES.count("shared")
-    print(f"glm_moe_dsa-like: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
+        args.batches, args.context, args.steps = [2], {"dsa": 40, "quest": 40, "nsa": 200}[args.family], 4
+    model, geometry, k, unit_bytes, engine_options = build_family(args, gpu)
+    layers = geometry["num_hidden_layers"]
+    shared = sum(model.config.selection_anchor(i) != i for i in range(layers)) if args.family != "dsa" \
+        else TYPES.count("shared")
+    streams_per_layer = 1 if args.family == "dsa" else geometry["num_key_value_heads"]   # per request
+    if args.cache_slots is None:
+        args.cache_slots = 16 if args.quick and args.family == "dsa" else 2 * k
+    print(f"{args.family} model: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
           f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}, "
           f"prefetch (programs, priority) {variants}; on {'GPU' if gpu else 'CPU'}")
     print(f"{'batch':>5} {'mode':>18} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8}")
     for batch in args.batches:
-        trace = workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
+        trace = (workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
+                 if args.family == "dsa" else None)
         prompts = [torch.zeros(args.context, dtype=torch.int64)] * batch
         runs = [("resident", None), ("sync", None)] + [("prefetch", v) for v in variants] + [("noio", None)]
         tpot, misses = {}, {}
@@ -137,7 +185,7 @@ def main(argv=None) -> None:
             mode, prefetch = MODES[run[0]]
             with prefetch_variant(*run[1]) if run[1] else contextlib.nullcontext():
                 engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
-                                prefetch=prefetch, prefill="random")
+                                prefetch=prefetch, prefill="random", **engine_options)
                 out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)
             tpot[run] = out.decode_s / out.timed_steps * 1e3
             misses[run] = out.miss_rate
@@ -159,15 +207,15 @@ def main(argv=None) -> None:
             if name == "prefetch":
                 metrics["hidden_frac"] = (hidden, "fraction")
             programs, priority = variant or ("", "")
-            rows += [dict(bench="prefetch", family="dsa", mode=name, batch=batch, context=args.context, k=k,
-                          cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=1152,
+            workload_name = ("tiny" if args.quick else "dsa_100k") if args.family == "dsa" else "model"
+            rows += [dict(bench="prefetch", family=args.family, mode=name, batch=batch, context=args.context, k=k,
+                          cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=unit_bytes,
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
                           intermediate=geometry["intermediate_size"], prefetch_programs=programs,
-                          prefetch_priority=priority, workload="dsa_100k" if not args.quick else "tiny",
+                          prefetch_priority=priority, workload=workload_name,
                           random_layers=args.random_layers, metric=m, value=v, unit=u)
                      for m, (v, u) in metrics.items()]
-            row_bytes = (geometry["kv_lora_rank"] + geometry["qk_rope_head_dim"]) * (2 if gpu else 4)
-            floor = misses[run] * k * row_bytes * batch * layers / PINNED_BYTES_PER_S * 1e3
+            floor = misses[run] * k * unit_bytes * batch * streams_per_layer * layers / PINNED_BYTES_PER_S * 1e3
             label = name if variant is None or len(variants) == 1 else f"{name} {programs}/{priority}"
             print(f"{batch:5d} {label:>18} | {tpot[run]:8.2f} {batch / tpot[run] * 1e3:9.0f} {exposed:13.2f} "
                   f"{floor:11.2f} {hidden:7.2f} {misses[run]:6.3f} {noio / tpot[run]:8.2f}", flush=True)

@@ -74,7 +74,7 @@ def prefetch_lines(frame: pd.DataFrame) -> list[str]:
     """Per point (batch and model) and prefetch variant: the share of the shared layers' miss time
     hidden, and prefetch's throughput over the no-IO oracle's at the same point."""
     f = latest(frame)
-    point = [c for c in ("batch", "context", "layers", "hidden", "intermediate", "random_layers") if c in f]
+    point = [c for c in ("batch", "family", "context", "layers", "hidden", "intermediate", "random_layers") if c in f]
     variant = [c for c in ("prefetch_programs", "prefetch_priority") if c in f]
     tpot = f[f.metric == "tpot_ms"]
     noio = tpot.loc[tpot["mode"] == "noio", point + ["value"]].rename(columns={"value": "noio"})

@@ -78,8 +78,10 @@ def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COL
 def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
     """bench_prefetch's rows as the figures read them: prefetch with the default copy width and stream
     priority (or from before those were options), the other variants being tuning runs; runs from
-    before `random_layers` had the first anchor select at random, as --random-layers 2 does now."""
-    keep = pd.Series(True, index=frame.index)
+    before `random_layers` had the first anchor select at random, as --random-layers 2 does now.
+    DSA's rows only: the figures draw the glm_moe_dsa model (`--family quest / nsa` rows are summed
+    up by benchmarks/summary.py)."""
+    keep = frame["family"].fillna("dsa") == "dsa" if "family" in frame else pd.Series(True, index=frame.index)
     for column, default in PREFETCH_VARIANT.items():
         if column in frame:
             values = frame[column]

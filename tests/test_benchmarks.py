@@ -31,6 +31,23 @@ def test_quick_run_writes_its_rows(name, tmp_path):
     assert rows.value.notna().any() and (rows.gpu == "cpu").all() and rows.commit.notna().all()
 
 
+@pytest.mark.parametrize("family,k,unit_bytes", [("quest", 3, 2 * 16 * 16 * 4), ("nsa", 4, 2 * 64 * 16 * 4)])
+def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, family, k, unit_bytes):
+    """--family quest / nsa: the four modes on a model whose layers share selections made by the model
+    itself; rows name the family, its k and unit size; the figures, drawn for DSA, leave them out."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--family", family,
+                          "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "prefetch.csv")
+    assert (rows.family == family).all() and (rows.workload == "model").all()
+    assert (rows.k == k).all() and (rows.unit_bytes == unit_bytes).all() and (rows.shared_layers == 2).all()
+    assert sorted(rows[rows.metric == "tpot_ms"]["mode"]) == ["noio", "prefetch", "resident", "sync"]
+    assert (rows[(rows.metric == "miss_rate") & (rows["mode"] != "resident")].value > 0).all()
+    from experiments.figures import default_prefetch_variant
+    assert default_prefetch_variant(rows).empty
+
+
 def test_prefetch_variants_each_get_their_rows(tmp_path):
     """Several copy widths and priorities in one run: one prefetch run (and hidden share) per pair."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
