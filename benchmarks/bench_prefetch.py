@@ -151,7 +151,7 @@ def main(argv=None) -> None:
                          "HISPARSE_PREFETCH_PRIORITY); "
                          "several values time prefetch once per value")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
-                    help="how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
+                    help="dsa: how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
     args = ap.parse_args(argv)
     bad = [n for n in args.prefetch_programs if n < 1]
     if bad:
@@ -213,7 +213,8 @@ def main(argv=None) -> None:
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
                           intermediate=geometry["intermediate_size"], prefetch_programs=programs,
                           prefetch_priority=priority, workload=workload_name,
-                          random_layers=args.random_layers, metric=m, value=v, unit=u)
+                          random_layers=args.random_layers if args.family == "dsa" else "", metric=m, value=v,
+                          unit=u)
                      for m, (v, u) in metrics.items()]
             floor = misses[run] * k * unit_bytes * batch * streams_per_layer * layers / PINNED_BYTES_PER_S * 1e3
             label = name if variant is None or len(variants) == 1 else f"{name} {programs}/{priority}"
