@@ -23,15 +23,13 @@ from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa import dsa_select, sparse_mla_decode
 from hisparse.models.base import DecodeState
 from hisparse.models.dsa_decode import MlaKV
-from hisparse.resolve import ResolveResult
-from hisparse import runtime
 from hisparse.runtime import (
     HOST_WRITES,
     KV_MODES,
     Rows,
+    UnitResolver,
     cache_bytes,
     nbytes,
-    prefetch_shared,
     shared_states,
     stream_counts,
 )
@@ -92,15 +90,12 @@ class HierMlaKV(MlaKV):
             self.cache.store_newest(self.step_streams, units.repeat(self.step_streams.numel() // units.numel()))
 
 
-class KernelDsaAttention:
+class KernelDsaAttention(UnitResolver):
     """`select` and `attend` of the DSA decode step (the contract of `TorchDsaAttention`).
 
-    check_values: validate selections against stream lengths before each resolve (a host sync;
-    off inside a captured CUDA graph). Per-call resolve counters accumulate in `cache.stats`
-    (anchor layers only: shared layers do no resolve work).
-    shared: anchor layer -> its shared layers' states; each shared layer replays its anchor's miss
-    plan, in line (prefetch off) or, with `prefetch` on a GPU, on a side stream launched right after
-    the anchor's resolve, so the copy overlaps the layers in between (DESIGN section 4).
+    check_values, shared, prefetch: as `hisparse.runtime.UnitResolver` (resolve counters in
+    `cache.stats`, anchor layers only; shared layers replay their anchor's miss plan, in line or on
+    the prefetch side stream, so the copy overlaps the layers in between: DESIGN section 4).
     replay_sel [layers, B, k] int32: when set, selections come from it instead of the indexer (the
     caller fills it from a trace before each step). `recorded[layer]` holds the selection each
     layer attended over in the last step.
@@ -111,20 +106,11 @@ class KernelDsaAttention:
 
     def __init__(self, mode: str = "resident", check_values: bool = True, prefetch: bool = False,
                  shared: dict[int, list[HierMlaKV]] | None = None, early_resolve: bool = False):
-        if mode not in KV_MODES:
-            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
-        self.mode = mode
-        self.check_values = check_values
-        self.shared = shared or {}
-        self.side = runtime.side_stream(runtime.PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
+        super().__init__(mode, check_values, prefetch, shared)
         self.resolver = torch.cuda.Stream() if early_resolve and torch.cuda.is_available() else None
         self._early: dict[int, torch.cuda.Event] = {}      # layer -> its resolve's event, until attended
-        # a copy from pinned host memory needs few programs to keep PCIe busy; more would crowd
-        # out the layers it overlaps with
-        self.prefetch_programs = runtime.PREFETCH_PROGRAMS
         self.replay_sel: torch.Tensor | None = None
         self.recorded: dict[int, torch.Tensor] = {}
-        self._plans: dict[int, ResolveResult] = {}         # anchor layer -> its resolve results, refilled per step
         self._bases: dict[tuple, torch.Tensor] = {}
 
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
@@ -174,31 +160,6 @@ class KernelDsaAttention:
         if key not in self._bases:
             self._bases[key] = torch.arange(batch, dtype=torch.int64, device=device) * capacity
         return self._bases[key]
-
-    def _plan_buffers(self, layer_idx: int, selection: torch.Tensor) -> ResolveResult:
-        """The anchor layer's resolve result buffers, made once on the calling stream and refilled
-        every step (static addresses for a graph; nothing allocated on a side stream). A step's
-        resolve rewrites them only after the last step's readers: in line, or on a stream that
-        waited for them."""
-        plan = self._plans.get(layer_idx)
-        n, k = selection.shape
-        if plan is None or plan.slots.shape != (n, k):
-            plan = self._plans[layer_idx] = ResolveResult.empty(n, k, selection.device)
-        return plan
-
-    def _slots(self, layer_idx: int, kv: HierMlaKV, selection: torch.Tensor) -> torch.Tensor:
-        """Slots of the selection in this layer's cache: resolved (anchor) or the anchor's (shared)."""
-        copy = self.mode != "noio"
-        if kv.anchor_layer is not None:                 # shared: in lockstep with the anchor
-            plan = self._plans[kv.anchor_layer]
-            if copy and kv.prefetched is None:
-                kv.cache.replay_plan(plan, kv.streams)
-            return plan.slots
-        plan = kv.cache.resolve(kv.streams, selection, mode="normal" if copy else "noio",
-                                check_values=self.check_values, out=self._plan_buffers(layer_idx, selection))
-        if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
-            prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
-        return plan.slots
 
 
 # -- the engine's DSA side (a `hisparse.runtime.FamilyRuntime`) -------------------------------------

@@ -23,6 +23,7 @@ import torch
 
 from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
+from hisparse.resolve import ResolveResult
 
 KV_MODES = ("resident", "hisparse", "noio")
 # Layer-wise prefetch (every family): the copy's width in programs (a copy from pinned host memory
@@ -154,13 +155,14 @@ def write_newest_unit(kv, pos: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 class UnitResolver:
-    """The hot-cache side of a per-KV-head family's attention (Quest, NSA): each layer's selection
-    [N, HKV, k] resolved to rows of `cache.slots`. An anchor layer resolves (copying its misses
-    unless the mode is noio; counters in `cache.stats`); a layer sharing its selection does no
-    resolve work and replays the anchor's miss plan into its own streams, in line, or with
-    `prefetch` on a GPU on the side stream right after the anchor's resolve (`prefetch_shared`).
-    shared: anchor layer -> its shared layers' states. check_values: validate selections against
-    stream lengths before each resolve (a host sync; off inside a captured CUDA graph)."""
+    """The hot-cache side of a family's sparse attention (DSA, Quest, NSA): an anchor layer's
+    selection [N, k] (N streams: a request's, or a request's KV head's) resolved to slots of its
+    streams, copying its misses unless the mode is noio (counters in `cache.stats`); a layer sharing
+    that selection does no resolve work and replays the anchor's miss plan into its own streams, in
+    line, or with `prefetch` on a GPU on the side stream right after the anchor's resolve
+    (`prefetch_shared`). shared: anchor layer -> its shared layers' states. check_values: validate
+    selections against stream lengths before each resolve (a host sync; off inside a captured CUDA
+    graph)."""
 
     def __init__(self, mode: str, check_values: bool, prefetch: bool, shared: dict[int, list] | None):
         if mode not in KV_MODES:
@@ -169,15 +171,29 @@ class UnitResolver:
         self.shared = shared or {}
         self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
         self.prefetch_programs = PREFETCH_PROGRAMS
-        self._plans: dict = {}          # anchor layer -> this step's resolve results, for its shared layers
+        self._plans: dict[int, ResolveResult] = {}      # anchor layer -> its resolve results, refilled per step
 
     def unit_rows(self, layer_idx: int, kv, selection: torch.Tensor) -> torch.Tensor:
-        """Rows [N, HKV, k] int32 of `kv.cache.slots` viewed as rows holding selection [N, HKV, k]."""
+        """Rows [N, HKV, k] int32 of `kv.cache.slots` viewed as rows holding selection [N, HKV, k]
+        (the per-KV-head families)."""
         n, hkv, k = selection.shape
         flat = kv.streams.view(-1)
         return kv.cache.slot_rows(flat, self._slots(layer_idx, kv, selection.reshape(n * hkv, k))).view(n, hkv, k)
 
+    def _plan_buffers(self, layer_idx: int, selection: torch.Tensor) -> ResolveResult:
+        """The anchor layer's resolve result buffers, made once on the calling stream and refilled
+        every step (static addresses for a graph; nothing allocated on a side stream). A step's
+        resolve rewrites them only after the last step's readers: in line, or on a stream that
+        waited for them."""
+        plan = self._plans.get(layer_idx)
+        n, k = selection.shape
+        if plan is None or plan.slots.shape != (n, k):
+            plan = self._plans[layer_idx] = ResolveResult.empty(n, k, selection.device)
+        return plan
+
     def _slots(self, layer_idx: int, kv, selection: torch.Tensor) -> torch.Tensor:
+        """Slots [N, k] of selection [N, k] in this layer's streams: resolved (an anchor), or the
+        anchor's, whose plan the layer's own copies replay (a shared layer, in lockstep)."""
         copy = self.mode != "noio"
         if kv.anchor_layer is not None:                 # shared: in lockstep with the anchor
             plan = self._plans[kv.anchor_layer]
@@ -185,11 +201,9 @@ class UnitResolver:
                 kv.cache.replay_plan(plan, kv.streams.view(-1))
             return plan.slots
         plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
-                                check_values=self.check_values)
-        if self.shared.get(layer_idx):
-            self._plans[layer_idx] = plan
-            if copy and self.side is not None:
-                prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
+                                check_values=self.check_values, out=self._plan_buffers(layer_idx, selection))
+        if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
+            prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
         return plan.slots
 
 
