@@ -14,7 +14,10 @@ torch's allocator) did not move it. A comparison across that switch is off by th
 modes run on the same side of it (the ablation's rounds do). Options to look for the cause:
 --pin-gib pins and frees that much host memory before every run after the first (the host pool's
 way, cudaHostRegister); --keep-cache keeps PyTorch's cached GPU blocks between runs (the sweep gives
-them back, so each run's tensors land at fresh addresses).
+them back, so each run's tensors land at fresh addresses); --pause-s idles the GPU before every run
+after the first (does the switch follow the run count or the time?). Each run also prints a probe
+of the GPU alone, outside the decode loop: a bf16 matmul's TFLOP/s and a device copy's GB/s (does
+the whole GPU slow down, or only the decode?).
 """
 import argparse
 import statistics
@@ -38,10 +41,12 @@ def main(argv=None) -> None:
                     help="pin and free this many GiB of host memory before each run after the first (default 0)")
     ap.add_argument("--keep-cache", action="store_true",
                     help="keep PyTorch's cached GPU blocks between runs (the sweep empties the cache)")
+    ap.add_argument("--pause-s", type=float, default=0.0,
+                    help="seconds the GPU idles before each run after the first (default 0)")
     args = ap.parse_args(argv)
-    if args.runs < 1 or args.batch < 1 or args.steps < 1 or args.pin_gib < 0:
-        raise SystemExit(f"--runs, --batch, --steps >= 1 and --pin-gib >= 0 expected, got {args.runs}, "
-                         f"{args.batch}, {args.steps}, {args.pin_gib}")
+    if args.runs < 1 or args.batch < 1 or args.steps < 1 or args.pin_gib < 0 or args.pause_s < 0:
+        raise SystemExit(f"--runs, --batch, --steps >= 1 and --pin-gib, --pause-s >= 0 expected, got {args.runs}, "
+                         f"{args.batch}, {args.steps}, {args.pin_gib}, {args.pause_s}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     if args.keep_cache:
@@ -56,11 +61,36 @@ def main(argv=None) -> None:
             start = time.time()
             unpin(pinned_empty(max(1, int(args.pin_gib * 2**30) // (2 * row_elems)), row_elems, torch.bfloat16))
             print(f"  pinned and freed {args.pin_gib:g} GiB in {time.time() - start:.0f} s", flush=True)
+        if args.pause_s and run > 1:
+            time.sleep(args.pause_s)
         torch.manual_seed(0)
         out = sweep.run_decode(model, point, args.batch, args.steps, graph=True, warmup_steps=8)
         print(f"{time.strftime('%H:%M:%S')} run {run}/{args.runs}: {args.mode} batch {args.batch}, median step "
-              f"{statistics.median(out.step_ms):6.2f} ms, {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved",
-              flush=True)
+              f"{statistics.median(out.step_ms):6.2f} ms, {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved; "
+              f"probe: {gpu_probe()}", flush=True)
+
+
+def gpu_probe() -> str:
+    """The GPU alone: a bf16 matmul's rate and a device-to-device copy's bandwidth (median of 20 each)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    src = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+
+    def median_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    matmul_ms = median_ms(lambda: a @ a)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    return f"matmul {2 * 8192**3 / matmul_ms / 1e9:.0f} TFLOP/s, copy {2 * src.numel() / copy_ms / 1e6:.0f} GB/s"
 
 
 if __name__ == "__main__":
