@@ -29,9 +29,6 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps profiled (after 1 warm-up)")
     ap.add_argument("--graph", action="store_true", help="replay the captured graph (default: eager)")
     ap.add_argument("--top", type=int, default=14)
-    ap.add_argument("--host", action="store_true",
-                    help="also trace the host: the CUDA runtime calls with the most host time (a decode step "
-                         "whose kernels take no longer but whose step does is waiting on the host)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -40,8 +37,7 @@ def main(argv=None) -> None:
     for mode in args.modes:
         point = dict(mode=mode, context=args.context, workload="dsa_100k",
                      cache_slots=None if mode == "resident" else 4096)
-        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.host else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = run_decode(model, point, args.batch, args.steps, args.graph, warmup_steps=WARMUP_STEPS)
         steps = args.steps + WARMUP_STEPS
         tpot = out.decode_s / max(out.timed_steps, 1) * 1e3
@@ -53,13 +49,6 @@ def main(argv=None) -> None:
         for e in events[:args.top]:
             per_step = e.device_time_total / steps / 1e3
             print(f"  {e.device_time_total / 1e3:9.2f} ms  {e.count:6d} calls  {per_step:7.3f} ms/step  {e.key[:90]}")
-        if args.host:
-            calls = [e for e in prof.key_averages() if e.key.startswith("cuda") and e.self_cpu_time_total > 0]
-            calls.sort(key=lambda e: -e.self_cpu_time_total)
-            print("  host: CUDA runtime calls by host time (prefill included)")
-            for e in calls[:6]:
-                print(f"  {e.self_cpu_time_total / 1e3:9.2f} ms  {e.count:6d} calls  "
-                      f"{e.self_cpu_time_total / e.count:9.1f} us/call  {e.key[:60]}")
         del out
         torch.cuda.empty_cache()
 
