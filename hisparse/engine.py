@@ -61,6 +61,7 @@ class Generation:
     decode_s: float = 0.0                     # wall time of the timed decode steps
     timed_steps: int = 0                      # decode steps timed (after the warm-up steps)
     step_ms: list[float] = field(default_factory=list)   # each timed step (GPU: events; CPU: clock)
+    launch_ms: list[float] = field(default_factory=list)  # host time of each timed step's call (see generate)
     kv_bytes_per_request: float = 0.0         # GPU bytes of KV state per request (pool or slots, the rest)
 
     misses_per_step: list[int] = field(default_factory=list)   # with replay, in hisparse modes
@@ -178,7 +179,9 @@ class Engine:
         The first `warmup_steps` decode steps are not timed: the first compiles the kernels and
         runs eagerly (with graph=True the step is captured after it); more let the GPU's clocks
         settle and, with a graph, keep its first replay (which uploads it) out of the timing.
-        `decode_s` and `step_ms` time the rest.
+        `decode_s` and `step_ms` time the rest; `launch_ms` is the host's time in each timed step's
+        call (on a GPU the launches: a graph replay's launch near its step's time means the GPU
+        waited on the host).
 
         record: a TraceWriter that receives every decode step's selections [layers, batch, k]
         (`trace_writer` makes one with this run's metadata). replay: a trace whose selections
@@ -247,7 +250,10 @@ class Engine:
                     clock.mark()
                 if self.cache is not None:         # the units this step opens, recorded on the host
                     self.runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
+                launch_start = time.perf_counter()
                 logits = step(tokens)
+                if t >= timed_from:
+                    out.launch_ms.append((time.perf_counter() - launch_start) * 1e3)
                 if record is not None:
                     record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
                 if replay is not None and self.cache is not None and not graph:

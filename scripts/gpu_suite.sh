@@ -14,7 +14,8 @@
 # sweep: resolve_layers.csv, and no resolve.csv or its target lines); TUNE=1 first times the resolve variants
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt; ABLATE_ARGS (e.g. "--batch 16 --rounds 2") first
 # runs scripts/ablate_decode.py with them (noio vs resident in variants: $OUT/decode_ablation.csv); REPEAT=1
-# first runs scripts/repeat_runs.py four ways (is a process's 4th decode run slower, and what moves it?).
+# first runs scripts/repeat_runs.py (is a process's 4th decode run slower, and why?), with REPEAT_ARGS
+# (e.g. "--keep-cache"; set PYTORCH_CUDA_ALLOC_CONF for another allocator).
 # $OUT/gpu_monitor.txt samples clocks, temperature and power every 0.5 s (runs print wall-clock times).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
@@ -55,18 +56,11 @@ if [ "${TUNE:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.tune_resolve 2>&1 | tee "$OUT/tune_resolve.txt" | tee -a "$log" || status=1
 fi
 if [ "${REPEAT:-0}" = 1 ]; then
-  # the 4th-run switch (scripts/repeat_runs.py): as the sweep runs, keeping PyTorch's cached blocks,
-  # with expandable segments, and with the GPU idle a minute between runs; each in its own process
-  for variant in "" "--keep-cache" "expandable" "--pause-s 60 --runs 3"; do
-    echo "== repeat_runs ${variant:-(as the sweep)}" | tee -a "$log"
-    if [ "$variant" = expandable ]; then
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.repeat_runs \
-        --runs 5 2>&1 | grep -v Warning | tee -a "$log" || status=1
-    else
-      timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.repeat_runs --runs 5 $variant 2>&1 | grep -v Warning \
-        | tee -a "$log" || status=1
-    fi
-  done
+  # the 4th-run switch (scripts/repeat_runs.py; its docstring says what earlier runs ruled out)
+  echo "== repeat_runs --runs 5 ${REPEAT_ARGS:-}" | tee -a "$log"
+  read -r -a repeat <<< "${REPEAT_ARGS:-}"
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.repeat_runs --runs 5 "${repeat[@]}" 2>&1 | grep -v Warning \
+    | tee -a "$log" || status=1
 fi
 if [ -n "${ABLATE_ARGS:-}" ]; then
   echo "== ablate_decode ${ABLATE_ARGS}" | tee -a "$log"

@@ -1,6 +1,6 @@
 """Is the N-th decode run of a process slower than the first? GPU only.
 
-    python -m scripts.repeat_runs [--runs 6] [--mode resident] [--pin-gib 0] [--keep-cache]
+    python -m scripts.repeat_runs [--runs 6] [--mode resident] [--pin-gib 0] [--keep-cache] [--pause-s 0]
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m scripts.repeat_runs    # another allocator
 
 Runs the sweep's decode point (61 layers, DSA geometry, context 32K, CUDA graph replays) --runs times
@@ -17,7 +17,13 @@ way, cudaHostRegister); --keep-cache keeps PyTorch's cached GPU blocks between r
 them back, so each run's tensors land at fresh addresses); --pause-s idles the GPU before every run
 after the first (does the switch follow the run count or the time?). Each run also prints a probe
 of the GPU alone, outside the decode loop: a bf16 matmul's TFLOP/s and a device copy's GB/s (does
-the whole GPU slow down, or only the decode?).
+the whole GPU slow down, or only the decode?), and the host's time in each step's graph launch.
+
+Found so far (results/gpu_logs/b75adb1f6259_*): the switch comes at run 4 as the sweep runs, with
+--keep-cache and with expandable segments; with the GPU idle 60 s before each run, run 2 (73 s after
+run 1) was still fast, so it follows the run count, not the time. The probe did not slow down after
+it, and under torch.profiler the 4th and 5th runs' kernels took no longer in all while their steps
+did (+2.6 to 3.3 ms): the GPU waits between kernels. Next: is it waiting on the host's launch?
 """
 import argparse
 import statistics
@@ -66,7 +72,8 @@ def main(argv=None) -> None:
         torch.manual_seed(0)
         out = sweep.run_decode(model, point, args.batch, args.steps, graph=True, warmup_steps=8)
         print(f"{time.strftime('%H:%M:%S')} run {run}/{args.runs}: {args.mode} batch {args.batch}, median step "
-              f"{statistics.median(out.step_ms):6.2f} ms, {torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved; "
+              f"{statistics.median(out.step_ms):6.2f} ms (host in its launch {statistics.median(out.launch_ms):5.2f} ms), "
+              f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved; "
               f"probe: {gpu_probe()}", flush=True)
 
 

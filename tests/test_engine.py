@@ -115,6 +115,8 @@ def test_warmup_steps_are_left_out_of_the_timing_and_the_tokens_are_the_same(mod
     assert (base.timed_steps, warm.timed_steps) == (4, 2)     # steps 2..5 and 4..5 of 1..5
     assert len(warm.step_ms) == 2 and all(ms > 0 for ms in warm.step_ms)
     assert sum(warm.step_ms) <= warm.decode_s * 1e3
+    # the step's call lies inside its marks (on a CPU the step runs in the call)
+    assert len(warm.launch_ms) == 2 and all(0 < launch <= ms for launch, ms in zip(warm.launch_ms, warm.step_ms))
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 1 .* got 0"):
         Engine(model, "resident").generate(prompts(), new_tokens=6, warmup_steps=0)
 
