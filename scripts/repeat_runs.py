@@ -1,6 +1,7 @@
 """Is the N-th decode run of a process slower than the first? GPU only.
 
     python -m scripts.repeat_runs [--runs 6] [--mode resident] [--pin-gib 0] [--keep-cache] [--pause-s 0]
+                                  [--graphs-first 0]
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m scripts.repeat_runs    # another allocator
 
 Runs the sweep's decode point (61 layers, DSA geometry, context 32K, CUDA graph replays) --runs times
@@ -23,7 +24,9 @@ Found so far (results/gpu_logs/b75adb1f6259_*): the switch comes at run 4 as the
 --keep-cache and with expandable segments; with the GPU idle 60 s before each run, run 2 (73 s after
 run 1) was still fast, so it follows the run count, not the time. The probe did not slow down after
 it, and under torch.profiler the 4th and 5th runs' kernels took no longer in all while their steps
-did (+2.6 to 3.3 ms): the GPU waits between kernels. Next: is it waiting on the host's launch?
+did (+2.6 to 3.3 ms): the GPU waits between kernels. Next: is it waiting on the host's launch
+(each run prints the host's time in its launches), and does it follow the count of graphs made
+(--graphs-first 3: is the first run slow)?
 """
 import argparse
 import statistics
@@ -49,10 +52,14 @@ def main(argv=None) -> None:
                     help="keep PyTorch's cached GPU blocks between runs (the sweep empties the cache)")
     ap.add_argument("--pause-s", type=float, default=0.0,
                     help="seconds the GPU idles before each run after the first (default 0)")
+    ap.add_argument("--graphs-first", type=int, default=0,
+                    help="capture, replay once and free this many graphs of 4000 small kernels before the first "
+                         "run (default 0): is the switch the count of graphs a process has made?")
     args = ap.parse_args(argv)
-    if args.runs < 1 or args.batch < 1 or args.steps < 1 or args.pin_gib < 0 or args.pause_s < 0:
-        raise SystemExit(f"--runs, --batch, --steps >= 1 and --pin-gib, --pause-s >= 0 expected, got {args.runs}, "
-                         f"{args.batch}, {args.steps}, {args.pin_gib}, {args.pause_s}")
+    if min(args.runs, args.batch, args.steps) < 1 or min(args.pin_gib, args.pause_s, args.graphs_first) < 0:
+        raise SystemExit(f"--runs, --batch, --steps >= 1 and --pin-gib, --pause-s, --graphs-first >= 0 expected, "
+                         f"got {args.runs}, {args.batch}, {args.steps}, {args.pin_gib}, {args.pause_s}, "
+                         f"{args.graphs_first}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     if args.keep_cache:
@@ -61,6 +68,10 @@ def main(argv=None) -> None:
                              workload="dsa_100k"), torch.device("cuda"))
     point = dict(mode=args.mode, context=args.context, workload="dsa_100k",
                  cache_slots=None if args.mode == "resident" else 4096)
+    for _ in range(args.graphs_first):
+        throwaway_graph()
+    if args.graphs_first:
+        print(f"  made, replayed and freed {args.graphs_first} graphs of 4000 kernels", flush=True)
     row_elems = 1 << 20                      # 2 MiB bf16 rows
     for run in range(1, args.runs + 1):
         if args.pin_gib and run > 1:
@@ -71,10 +82,24 @@ def main(argv=None) -> None:
             time.sleep(args.pause_s)
         torch.manual_seed(0)
         out = sweep.run_decode(model, point, args.batch, args.steps, graph=True, warmup_steps=8)
+        step, launch = statistics.median(out.step_ms), statistics.median(out.launch_ms)
         print(f"{time.strftime('%H:%M:%S')} run {run}/{args.runs}: {args.mode} batch {args.batch}, median step "
-              f"{statistics.median(out.step_ms):6.2f} ms (host in its launch {statistics.median(out.launch_ms):5.2f} ms), "
+              f"{step:6.2f} ms (host in its launch {launch:5.2f} ms), "
               f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved; "
               f"probe: {gpu_probe()}", flush=True)
+
+
+def throwaway_graph(kernels: int = 4000) -> None:
+    """A graph of about as many kernels as a 61-layer decode step, captured, replayed once and freed."""
+    x = torch.zeros(1024, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    del graph
 
 
 def gpu_probe() -> str:
