@@ -26,7 +26,8 @@ run 1) was still fast, so it follows the run count, not the time. The probe did 
 it, and under torch.profiler the 4th and 5th runs' kernels took no longer in all while their steps
 did (+2.6 to 3.3 ms): the GPU waits between kernels. Next: is it waiting on the host's launch
 (each run prints the host's time in its launches), and does it follow the count of graphs made
-(--graphs-first 3: is the first run slow)?
+(--graphs-first 3: is the first run slow)? A lead: SGLang's decode graphs were reported to idle about
+2 ms before their first kernel on every replay (sgl-project/sglang issue 5593).
 """
 import argparse
 import statistics
