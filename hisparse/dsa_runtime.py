@@ -109,8 +109,6 @@ class KernelDsaAttention(UnitResolver):
         super().__init__(mode, check_values, prefetch, shared)
         self.resolver = torch.cuda.Stream() if early_resolve and torch.cuda.is_available() else None
         self._early: dict[int, torch.cuda.Event] = {}      # layer -> its resolve's event, until attended
-        self.replay_sel: torch.Tensor | None = None
-        self.recorded: dict[int, torch.Tensor] = {}
         self._bases: dict[tuple, torch.Tensor] = {}
 
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
@@ -173,7 +171,7 @@ class DsaRuntime:
 
     family = "DSA"
     selection_name = "index_topk"
-    traces = True
+    unit_size, kv_heads = 1, None
     host_writes, host_write = HOST_WRITES, "layer"
     early_resolve = False
 

@@ -19,8 +19,9 @@ Families: DSA (`deepseek_v32`, `glm_moe_dsa`: one stream per (request, layer), t
 Quest (`llama`, `qwen3`: 16-token pages on every layer but the first `quest_dense_layers`) and NSA
 (`nsa`: 64-token selection blocks; compressed blocks and the sliding window stay resident), the
 last two with one stream per (request, layer, KV head). What differs between them sits behind one
-`hisparse.runtime.FamilyRuntime` (dsa_runtime.py, quest_runtime.py, nsa_runtime.py). Only DSA has
-shared layers (prefetch) and selection traces so far.
+`hisparse.runtime.FamilyRuntime` (dsa_runtime.py, quest_runtime.py, nsa_runtime.py). Every family
+can share selections across layers (prefetch) and record and replay selection traces (per KV head
+for the last two: `hisparse.synthetic.split_kv_heads` shapes a synthetic trace for them).
 """
 from __future__ import annotations
 
@@ -203,9 +204,6 @@ class Engine:
             raise ValueError("graph=True needs a CUDA GPU")
         if graph and record is not None:
             raise ValueError("recording selections runs eagerly: pass graph=False")
-        if not self.runtime.traces and (record is not None or replay is not None):
-            raise ValueError(f"selection traces (record, replay) are DSA-only for now; "
-                             f"{self.runtime.family} selects per KV head")
         if replay is not None:
             self._check_replay(replay, prompts, new_tokens)
         vocab = self.model.config.vocab_size
@@ -255,7 +253,7 @@ class Engine:
                 if t >= timed_from:
                     out.launch_ms.append((time.perf_counter() - launch_start) * 1e3)
                 if record is not None:
-                    record.add_step(torch.stack([attention.recorded[i] for i in range(len(state.layers))]))
+                    record.add_step(attention.recorded_step(len(state.layers)))
                 if replay is not None and self.cache is not None and not graph:
                     misses = self.runtime.counts(self.cache, state.layers)[1]
                     out.misses_per_step.append(misses - sum(out.misses_per_step))
@@ -283,11 +281,8 @@ class Engine:
 
     def trace_writer(self, prompts, source: str = "") -> TraceWriter:
         """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""
-        if not self.runtime.traces:
-            raise ValueError(f"selection traces (record, replay) are DSA-only for now; "
-                             f"{self.runtime.family} selects per KV head")
-        return TraceWriter("dsa", 1, [len(p) for p in prompts], self.anchors,
-                           source or self.model.config.model_type)
+        return TraceWriter(self.runtime.family.lower(), self.runtime.unit_size, [len(p) for p in prompts],
+                           self.anchors, source or self.model.config.model_type)
 
     def _check_replay(self, trace: Trace, prompts, new_tokens: int) -> None:
         validate(trace, "replayed trace")       # ids in range: decode steps run without value checks
@@ -295,12 +290,14 @@ class Engine:
             raise ValueError(f"trace layer anchors {trace.layer_anchor.tolist()} differ from the model's "
                              f"{self.anchors} (shared layers reuse their anchor's selection); "
                              f"hisparse.traces.with_anchors makes a trace fit")
-        cfg = self.model.config
-        want = {"layers": cfg.num_hidden_layers, "batch": len(prompts), "k": self.runtime.selection_size}
-        got = {"layers": trace.layers, "batch": trace.batch, "k": trace.k}
-        if want != got or trace.kv_heads is not None or trace.unit_size != 1:
-            raise ValueError(f"trace {trace} does not fit this run: expected {want}, one token per unit "
-                             f"and no KV-head axis")
+        cfg, runtime = self.model.config, self.runtime
+        want = {"layers": cfg.num_hidden_layers, "batch": len(prompts), "kv_heads": runtime.kv_heads,
+                "k": runtime.selection_size, "unit_size": runtime.unit_size}
+        got = {"layers": trace.layers, "batch": trace.batch, "kv_heads": trace.kv_heads, "k": trace.k,
+               "unit_size": trace.unit_size}
+        if want != got:
+            raise ValueError(f"trace {trace} does not fit this run: expected {want}, got {got} (kv_heads None: "
+                             f"one selection per request and layer)")
         if list(trace.context) != [len(p) for p in prompts]:
             raise ValueError(f"trace context {trace.context.tolist()} differs from the prompt lengths "
                              f"{[len(p) for p in prompts]}")

@@ -130,13 +130,14 @@ class KernelNsaAttention(UnitResolver):
                  shared: dict[int, list[HierNsaKV]] | None = None):
         super().__init__(mode, check_values, prefetch, shared)
         self.n_select = n_select
-        self.recorded: dict[int, torch.Tensor] = {}
 
     def decode(self, layer_idx: int, q: torch.Tensor, gates: torch.Tensor, kv: NsaBlocksKV,
                lengths: torch.Tensor, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, H, D] (roped), gates [N, H, 3] (sigmoid-ed), rows of lengths [N] -> out [N, H, D] and the
         blocks [N, HKV, n_select] it attended over: its own selection, or `blocks` when given (a layer
-        sharing its anchor's selection)."""
+        sharing its anchor's selection), or a trace's when `replay_sel` is set."""
+        if blocks is None and self.replay_sel is not None:
+            blocks = self.replay_sel[layer_idx]
         pool, rows_of = kv.pool, None
         if isinstance(kv, HierNsaKV):
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
@@ -170,7 +171,7 @@ class NsaRuntime:
 
     family = "NSA"
     selection_name = "num_selected_blocks"
-    traces = False
+    unit_size = SEL_BLOCK
     host_writes, host_write = ("layer",), "layer"
     early_resolve = False
 
@@ -180,6 +181,7 @@ class NsaRuntime:
                              "blocks")
         self.model, self.config = model, model.config
         self.selection_size = selection_size(model.config)
+        self.kv_heads = model.config.num_key_value_heads
         self.anchors = [model.config.selection_anchor(i) for i in range(model.config.num_hidden_layers)]
         self.shared_layers = any(a != i for i, a in enumerate(self.anchors))   # prefetch has layers to serve
 

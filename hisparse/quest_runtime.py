@@ -128,11 +128,13 @@ class KernelQuestAttention(UnitResolver):
         if token_budget < PAGE:
             raise ValueError(f"token_budget {token_budget} is under one page ({PAGE} tokens)")
         self.token_budget = token_budget
-        self.recorded: dict[int, torch.Tensor] = {}
 
     def select(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
                page_size: int) -> torch.Tensor:
-        """q [N, HQ, D] (roped) -> pages [N, HKV, K] int32, ascending, -1 padding."""
+        """q [N, HQ, D] (roped) -> pages [N, HKV, K] int32, ascending, -1 padding (or a trace's,
+        in its order, when `replay_sel` is set)."""
+        if self.replay_sel is not None:
+            return self.replay_sel[layer_idx]
         return quest_select(q.contiguous(), kv.kmin, kv.kmax, lengths.to(torch.int32), self.token_budget)
 
     def attend(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
@@ -222,7 +224,7 @@ class QuestRuntime:
 
     family = "Quest"
     selection_name = "token_budget // 16 pages"
-    traces = False
+    unit_size = PAGE
     host_writes, host_write = ("layer",), "layer"
     early_resolve = False
 
@@ -230,6 +232,7 @@ class QuestRuntime:
         self.model = model
         self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
         self.selection_size = selection_size(model, self.token_budget)
+        self.kv_heads = model.config.num_key_value_heads
         self.anchors = [model.config.selection_anchor(i) for i in range(model.config.num_hidden_layers)]
         self.shared_layers = any(a != i for i, a in enumerate(self.anchors))   # prefetch has layers to serve
 

@@ -63,7 +63,8 @@ class FamilyRuntime(Protocol):
     selection_name: str        # where k comes from, e.g. "index_topk" (for messages)
     anchors: list[int]         # the layer whose selection each layer uses
     shared_layers: bool        # layers may replay an anchor's miss plan (layer-wise prefetch applies)
-    traces: bool               # selections can be recorded and replayed (one [layers, B, k] per step)
+    unit_size: int             # tokens per unit (a trace's unit_size)
+    kv_heads: int | None       # selections per request and layer: one per KV head, or None for one in all
     host_writes: tuple[str, ...]   # when a step's newest rows may reach the host pool (HOST_WRITES)
     host_write: str            # the one in use, set by the engine
     early_resolve: bool        # resolve on a side stream from the selection on (set by the engine)
@@ -172,6 +173,16 @@ class UnitResolver:
         self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
         self.prefetch_programs = PREFETCH_PROGRAMS
         self._plans: dict[int, ResolveResult] = {}      # anchor layer -> its resolve results, refilled per step
+        # selections from a trace instead of the model's, [layers, N, (HKV,) k] int32, filled by the
+        # caller before each step; and what each layer attended over in the last step
+        self.replay_sel: torch.Tensor | None = None
+        self.recorded: dict[int, torch.Tensor] = {}
+
+    def recorded_step(self, layers: int) -> torch.Tensor:
+        """The last step's selections of every layer, [layers, N, (HKV,) k] int32 (a trace's step):
+        -1 throughout for a layer that selected nothing (a dense layer)."""
+        some = next(iter(self.recorded.values()))
+        return torch.stack([self.recorded.get(i, torch.full_like(some, -1)) for i in range(layers)])
 
     def unit_rows(self, layer_idx: int, kv, selection: torch.Tensor) -> torch.Tensor:
         """Rows [N, HKV, k] int32 of `kv.cache.slots` viewed as rows holding selection [N, HKV, k]

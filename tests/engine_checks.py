@@ -133,3 +133,34 @@ def check_shared_selections_on_gpu(engine, prompts, k: int, shared_layers: int, 
     assert len(counts) == 1 and min(next(iter(counts))) > 0
     noio = engine("noio", k, False).generate(prompts, new_tokens, graph=True)
     assert noio.tokens.shape == base.tokens.shape and noio.misses > 0
+
+
+def check_traces_replay_exactly(model, prompts, new_tokens: int, k: int, tmp_path, synthetic, **engine_kw) -> None:
+    """Selection traces of a per-KV-head family (NSA, Quest).
+    - A resident run's recorded selections, saved and loaded, replay to that run bitwise, in resident
+      and in hisparse mode (B = k), one selection per (request, layer, KV head).
+    - `synthetic` (a trace whose selections the model would not make) drives hisparse bitwise as it
+      drives resident, and hisparse misses, step by step, what the LRU simulator misses on it."""
+    from hisparse.engine import Engine
+    from hisparse.policies import simulate_trace
+    from hisparse.traces import load_trace
+
+    engine = Engine(model, "resident", **engine_kw)
+    writer = engine.trace_writer(prompts)
+    recorded = engine.generate(prompts, new_tokens, record=writer)
+    writer.save(tmp_path / "run.safetensors")
+    trace = load_trace(tmp_path / "run.safetensors")
+    cfg, runtime = model.config, engine.runtime
+    assert trace.selections.shape == (new_tokens - 1, cfg.num_hidden_layers, len(prompts),
+                                      cfg.num_key_value_heads, k)
+    assert (trace.family, trace.unit_size) == (runtime.family.lower(), runtime.unit_size)
+    for mode in ("resident", "hisparse"):
+        slots = {"cache_slots": k} if mode == "hisparse" else {}
+        out = Engine(model, mode, **slots, **engine_kw).generate(prompts, new_tokens, replay=trace)
+        assert_bitwise(recorded, out, f"the recorded run replayed in {mode} mode")
+    base = Engine(model, "resident", **engine_kw).generate(prompts, new_tokens, replay=synthetic)
+    assert not torch.equal(base.tokens, recorded.tokens), "the synthetic trace must change the run"
+    out = Engine(model, "hisparse", cache_slots=k, **engine_kw).generate(prompts, new_tokens, replay=synthetic)
+    assert_bitwise(base, out, "a synthetic trace, hisparse against resident")
+    assert out.misses_per_step == simulate_trace(synthetic, "lru", k).misses.sum(1).tolist()
+    assert sum(out.misses_per_step) > 0

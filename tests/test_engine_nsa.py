@@ -20,6 +20,7 @@ from engine_checks import (
     assert_noio_wrote_only_shared_newest_units,
     assert_torch_steps_agree,
     assert_unit_run,
+    check_traces_replay_exactly,
 )
 
 from hisparse.engine import Engine
@@ -28,6 +29,8 @@ from hisparse.models.nsa_decode import TorchNsaAttention
 from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.nsa import SEL_BLOCK
 from hisparse.nsa_runtime import HierNsaKV, NsaBlocksKV
+from hisparse.synthetic import SyntheticConfig, split_kv_heads
+from hisparse.synthetic import generate as generate_trace
 
 PROMPT_LENGTHS = (450, 20)
 N_SELECT = 4                     # k: selection blocks per KV head and step
@@ -174,8 +177,11 @@ def test_bad_inputs_are_refused_before_anything_is_built():
     with pytest.raises(ValueError, match="this NSA model .* has none"):
         Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=True)
     engine = Engine(model, "hisparse", cache_slots=N_SELECT)
-    with pytest.raises(ValueError, match="DSA-only for now; NSA selects per KV head"):
-        engine.trace_writer(prompts())
+    dsa_shaped = generate_trace(SyntheticConfig(context=450, steps=4, k=N_SELECT, layers=1, batch=2, sinks=1,
+                                                window=2, random_layers=0, unit_size=SEL_BLOCK))
+    with pytest.raises(ValueError, match=r"does not fit this run: expected \{.*'kv_heads': 2, .*got \{.*"
+                                         r"'kv_heads': None"):
+        engine.generate([torch.arange(450) % 97] * 2, 3, replay=dsa_shaped)
     assert engine.cache is None
     with pytest.raises(ValueError, match="built for selection_block_size 64, the model's is 32"):
         Engine(tiny_model(selection_block_size=32), "resident")
@@ -183,3 +189,16 @@ def test_bad_inputs_are_refused_before_anything_is_built():
         Engine(tiny_model(sliding_window=16), "resident")
     with pytest.raises(ValueError, match="config selection_group must be a positive int, found 0"):
         tiny_model(selection_group=0)
+
+
+def test_traces_record_and_replay_per_kv_head(tmp_path):
+    """NSA selections recorded per (request, layer, KV head) replay bitwise; a synthetic trace drives
+    hisparse as it drives resident, with the LRU simulator's misses (two 450-token prompts, B = k)."""
+    model, heads = tiny_model(), tiny_model().config.num_key_value_heads
+    lengths, new_tokens = (450, 450), 9
+    synthetic = split_kv_heads(generate_trace(SyntheticConfig(
+        context=lengths[0], steps=new_tokens - 1, k=N_SELECT, layers=1, batch=len(lengths) * heads, sinks=1,
+        window=2, random_layers=0, noise=1.0, unit_size=SEL_BLOCK)), heads)
+    gen = torch.Generator().manual_seed(1)
+    check_traces_replay_exactly(model, [torch.randint(0, 97, (n,), generator=gen) for n in lengths], new_tokens,
+                                N_SELECT, tmp_path, synthetic)

@@ -18,6 +18,7 @@ from engine_checks import (
     assert_noio_wrote_only_shared_newest_units,
     assert_torch_steps_agree,
     assert_unit_run,
+    check_traces_replay_exactly,
 )
 
 from hisparse.engine import Engine
@@ -26,6 +27,8 @@ from hisparse.models.quest_decode import PagedKV, TorchQuestAttention
 from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.quest import PAGE
 from hisparse.quest_runtime import HierQuestKV, QuestKV, new_cache
+from hisparse.synthetic import SyntheticConfig, split_kv_heads
+from hisparse.synthetic import generate as generate_trace
 
 PROMPT_LENGTHS = (64, 21)
 BUDGET = 48                      # tokens: K = 3 pages per KV head
@@ -110,8 +113,12 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match=r"host_write must be one of \('layer',\) for Quest models, got 'step'"):
         Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, host_write="step")
     engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
-    with pytest.raises(ValueError, match="DSA-only"):
-        engine.trace_writer(prompts())
+    paged_in_blocks = generate_trace(SyntheticConfig(context=256, steps=4, k=K, layers=3, batch=4, sinks=1, window=1,
+                                                     random_layers=0, unit_size=64))
+    with pytest.raises(ValueError, match=r"does not fit this run: expected \{.*'unit_size': 16\}, got \{.*"
+                                         r"'unit_size': 64\}"):
+        engine.generate([torch.arange(64) % 97] * 2, 3, replay=split_kv_heads(paged_in_blocks, 2))
+    assert engine.cache is None
     with pytest.raises(ValueError, match="token_budget applies to Quest models"):
         Engine(tiny_model_dsa(), "resident", token_budget=BUDGET)
     dense = load_model(write_tiny_checkpoint("llama", tempfile.mkdtemp(), num_hidden_layers=2),
@@ -204,3 +211,20 @@ def test_bad_selection_group_is_refused():
 def tiny_model_dsa():
     path = write_tiny_checkpoint("deepseek_v32", tempfile.mkdtemp(prefix="dsa"), seed=3)
     return load_model(path, dtype=torch.float32, device=DEVICE)
+
+
+def test_traces_record_and_replay_per_kv_head(tmp_path):
+    """Quest selections recorded per (request, layer, KV head) replay bitwise (the dense layers'
+    rows are -1); a synthetic trace drives hisparse as it drives resident, with the LRU simulator's
+    misses (two 64-token prompts, B = k)."""
+    model = tiny_model("llama")
+    cfg, dense = model.config, model.config.quest_dense_layers
+    lengths, new_tokens = (64, 64), 9
+    synthetic = split_kv_heads(generate_trace(SyntheticConfig(
+        context=lengths[0], steps=new_tokens - 1, k=K, layers=cfg.num_hidden_layers,
+        batch=len(lengths) * cfg.num_key_value_heads, sinks=1, window=1, random_layers=0, noise=1.0,
+        unit_size=PAGE)), cfg.num_key_value_heads)
+    synthetic.selections[:, :dense] = -1           # dense layers select nothing
+    gen = torch.Generator().manual_seed(1)
+    check_traces_replay_exactly(model, [torch.randint(0, 97, (n,), generator=gen) for n in lengths], new_tokens,
+                                K, tmp_path, synthetic, token_budget=BUDGET)
