@@ -26,9 +26,12 @@ left empty (NaN) when exposed(sync) is under 5% of tpot(noio), within timing noi
 heads, 8 KV heads, head dim 128; token_budget 2048, k = 128 pages of 16 tokens) or an NSA model (32
 query heads, 4 KV heads, head dim 128; k = 16 blocks of 64 tokens), 8 sparse layers in two groups of
 4 sharing a selection (`quest_selection_group` / `selection_group` 4: 2 anchors, 6 shared layers),
-B = 2k by default. These families have no selection traces: each layer group selects with the model
-itself over the random prompt KV, so the miss rate is what that gives (the `miss` column), not a
-calibrated one; rows say `workload` = "model".
+B = 2k by default. Their selections replay the same synthetic generator, with dsa_100k's locality
+(noise, drift, layer similarity) at their unit size, per KV head (`--workload synthetic`, the
+default; rows say `workload` = "dsa_100k"): a stated locality, not a calibrated one, since no
+published miss rates exist for these families. `--workload model` lets each layer group select
+with the model itself over the random prompt KV instead, which misses far more often (random keys
+give no locality; rows say "model").
 
 Prefetch can be timed in several variants in one run (`--prefetch-programs 16 32 64`,
 `--prefetch-priority normal high`: every combination, beside one resident, sync and noio run per
@@ -44,6 +47,7 @@ import contextlib
 import itertools
 import os
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -57,7 +61,7 @@ from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model  # noqa: E402
 from hisparse.models.tiny import randomize_  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
-from hisparse.synthetic import generate, preset, repeat_request  # noqa: E402
+from hisparse.synthetic import generate, preset, repeat_request, split_kv_heads  # noqa: E402
 from hisparse.traces import Trace, with_anchors  # noqa: E402
 
 TYPES = ["full", "shared", "shared", "shared"] * 2
@@ -92,6 +96,23 @@ def workload(context: int, steps: int, k: int, batch: int, quick: bool, random_l
            else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES), random_layers=random_layers))
     anchors = [max(j for j in range(i + 1) if TYPES[j] == "full") for i in range(len(TYPES))]
     return with_anchors(repeat_request(generate(cfg), batch), anchors)
+
+
+def unit_workload(model, unit_size: int, context: int, steps: int, k: int, batch: int, quick: bool,
+                  random_layers: int) -> Trace:
+    """Quest / NSA: dsa_100k's locality at `unit_size` tokens per unit, one selection per KV head
+    (one request's heads generated, repeated for every request), each shared layer its anchor's.
+    The first unit and the newest ones (64 tokens, at least 2 units) are always selected."""
+    cfg, heads = model.config, model.config.num_key_value_heads
+    layers = cfg.num_hidden_layers
+    sizes = dict(context=context, steps=steps, k=k, layers=layers, random_layers=random_layers, batch=heads,
+                 unit_size=unit_size, sinks=1)
+    gen = (preset("tiny", **sizes, window=1) if quick
+           else preset("dsa_100k", **sizes, model_layers=None, window=max(2, 64 // unit_size)))
+    one = generate(gen).selections                                   # [steps, layers, heads, k]
+    per_head = Trace(np.tile(one, (1, 1, batch, 1)), "synthetic", unit_size, [context] * (batch * heads),
+                     list(range(layers)), source=str(gen))
+    return with_anchors(split_kv_heads(per_head, heads), [cfg.selection_anchor(i) for i in range(layers)])
 
 
 @contextlib.contextmanager
@@ -133,8 +154,10 @@ def main(argv=None) -> None:
                          "per token and layer)")
     ap.add_argument("--context", type=int, default=32768, help="prompt tokens per request (default 32768)")
     ap.add_argument("--family", choices=["dsa", "quest", "nsa"], default="dsa",
-                    help="dsa (default): glm_moe_dsa with trace-replayed selections; quest, nsa: 8 layers in "
-                         "groups of 4 sharing a selection made by the model")
+                    help="dsa (default): glm_moe_dsa; quest, nsa: 8 layers in groups of 4 sharing a selection")
+    ap.add_argument("--workload", choices=["synthetic", "model"], default="synthetic",
+                    help="synthetic (default): replay the dsa_100k generator's selections (for quest and nsa at "
+                         "their unit size, per KV head); model (quest, nsa): the model selects over random KV")
     ap.add_argument("--cache-slots", type=int, default=None,
                     help="B (default 2k: 4096 tokens for dsa, 256 pages for quest, 32 blocks for nsa)")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
@@ -151,8 +174,11 @@ def main(argv=None) -> None:
                          "HISPARSE_PREFETCH_PRIORITY); "
                          "several values time prefetch once per value")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
-                    help="dsa: how many of the 8 layers select at random, as a real model's first 2 do (default 0)")
+                    help="synthetic workload: how many of the 8 layers select at random, as a real model's first "
+                         "2 do (default 0)")
     args = ap.parse_args(argv)
+    if args.workload == "model" and args.family == "dsa":
+        ap.error("--workload model: the dsa family replays its calibrated trace; model applies to quest and nsa")
     bad = [n for n in args.prefetch_programs if n < 1]
     if bad:
         ap.error(f"--prefetch-programs {bad[0]}: expected a positive integer")
@@ -161,8 +187,8 @@ def main(argv=None) -> None:
     gpu = torch.cuda.is_available() and not args.quick
     if args.batches is None:
         args.batches = [8, 32, 64, 128] if args.family == "dsa" else [8, 32, 64]
-    if args.quick:
-        args.batches, args.context, args.steps = [2], {"dsa": 40, "quest": 40, "nsa": 200}[args.family], 4
+    if args.quick:     # contexts long enough for the synthetic selections (k + 2 units at least)
+        args.batches, args.context, args.steps = [2], {"dsa": 40, "quest": 96, "nsa": 400}[args.family], 4
     model, geometry, k, unit_bytes, engine_options = build_family(args, gpu)
     layers = geometry["num_hidden_layers"]
     shared = sum(model.config.selection_anchor(i) != i for i in range(layers)) if args.family != "dsa" \
@@ -176,8 +202,14 @@ def main(argv=None) -> None:
     print(f"{'batch':>5} {'mode':>18} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8}")
     for batch in args.batches:
-        trace = (workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
-                 if args.family == "dsa" else None)
+        if args.family == "dsa":
+            trace = workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
+        elif args.workload == "synthetic":
+            unit_size = 16 if args.family == "quest" else model.config.selection_block_size
+            trace = unit_workload(model, unit_size, args.context, args.steps + 1, k, batch, args.quick,
+                                  args.random_layers)
+        else:
+            trace = None
         prompts = [torch.zeros(args.context, dtype=torch.int64)] * batch
         runs = [("resident", None), ("sync", None)] + [("prefetch", v) for v in variants] + [("noio", None)]
         tpot, misses = {}, {}
@@ -207,14 +239,14 @@ def main(argv=None) -> None:
             if name == "prefetch":
                 metrics["hidden_frac"] = (hidden, "fraction")
             programs, priority = variant or ("", "")
-            workload_name = ("tiny" if args.quick else "dsa_100k") if args.family == "dsa" else "model"
+            workload_name = "model" if args.workload == "model" else ("tiny" if args.quick else "dsa_100k")
             rows += [dict(bench="prefetch", family=args.family, mode=name, batch=batch, context=args.context, k=k,
                           cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=unit_bytes,
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
                           intermediate=geometry["intermediate_size"], prefetch_programs=programs,
                           prefetch_priority=priority, workload=workload_name,
-                          random_layers=args.random_layers if args.family == "dsa" else "", metric=m, value=v,
-                          unit=u)
+                          random_layers=args.random_layers if args.workload == "synthetic" else "", metric=m,
+                          value=v, unit=u)
                      for m, (v, u) in metrics.items()]
             floor = misses[run] * k * unit_bytes * batch * streams_per_layer * layers / PINNED_BYTES_PER_S * 1e3
             label = name if variant is None or len(variants) == 1 else f"{name} {programs}/{priority}"

@@ -31,16 +31,20 @@ def test_quick_run_writes_its_rows(name, tmp_path):
     assert rows.value.notna().any() and (rows.gpu == "cpu").all() and rows.commit.notna().all()
 
 
-@pytest.mark.parametrize("family,k,unit_bytes", [("quest", 3, 2 * 16 * 16 * 4), ("nsa", 4, 2 * 64 * 16 * 4)])
-def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, family, k, unit_bytes):
-    """--family quest / nsa: the four modes on a model whose layers share selections made by the model
-    itself; rows name the family, its k and unit size; the figures, drawn for DSA, leave them out."""
+@pytest.mark.parametrize("family,k,unit_bytes,workload", [("quest", 3, 2 * 16 * 16 * 4, "synthetic"),
+                                                         ("quest", 3, 2 * 16 * 16 * 4, "model"),
+                                                         ("nsa", 4, 2 * 64 * 16 * 4, "synthetic")])
+def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, family, k, unit_bytes, workload):
+    """--family quest / nsa: the four modes on a model whose layers share a selection, replayed per KV
+    head from the synthetic generator or made by the model itself; rows name the family, its k, unit
+    size and workload; the figures, drawn for DSA, leave them out."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--family", family,
-                          "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                          "--workload", workload, "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = pd.read_csv(tmp_path / "prefetch.csv")
-    assert (rows.family == family).all() and (rows.workload == "model").all()
+    assert (rows.family == family).all() and (rows.workload == ("model" if workload == "model" else "tiny")).all()
     assert (rows.k == k).all() and (rows.unit_bytes == unit_bytes).all() and (rows.shared_layers == 2).all()
     assert sorted(rows[rows.metric == "tpot_ms"]["mode"]) == ["noio", "prefetch", "resident", "sync"]
     assert (rows[(rows.metric == "miss_rate") & (rows["mode"] != "resident")].value > 0).all()
