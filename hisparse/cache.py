@@ -12,13 +12,34 @@ selection is per KV head. Callers map their requests onto streams; this class kn
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from hisparse.host_pool import HostPool
-from hisparse.resolve import (CacheState, ResolveResult, check_resolve_inputs, fetch_rows, resolve, resolve_ref,
-                              store_reserved, write_rows, write_unit_token)
+from hisparse.resolve import (MAX_SLOTS, CacheState, ResolveResult, check_resolve_inputs, fetch_rows, resolve,
+                              resolve_ref, store_reserved, write_rows, write_unit_token)
 
 MODES = ("normal", "noio")
+
+
+def _as_int(value, expected: str, minimum: int) -> int:
+    """value as a Python int (numpy and 0-d torch integers included), or ValueError(expected)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{expected}, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{expected}, got {value!r}")
+    return value
+
+
+def _check_integer(name: str, t: torch.Tensor) -> None:
+    """Unit ids as integers: a float would be truncated silently on the way to int64."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
 class HierarchicalKVCache:
@@ -28,6 +49,8 @@ class HierarchicalKVCache:
         if max_streams <= 0 or cache_slots <= 0:
             raise ValueError(f"max_streams and cache_slots must be positive, got {max_streams} and "
                              f"{cache_slots}")
+        if cache_slots > MAX_SLOTS:
+            raise ValueError(f"cache_slots B={cache_slots} exceeds the supported {MAX_SLOTS}")
         self.device = torch.device(device)
         self.cache_slots = cache_slots
         self.host = HostPool(host_rows, row_elems, dtype,
@@ -56,6 +79,7 @@ class HierarchicalKVCache:
 
     def open_stream(self, capacity: int) -> int:
         """Take a free stream with a host region of `capacity` units. Nothing changes on failure."""
+        capacity = _as_int(capacity, "a stream's capacity must be a positive int (units)", minimum=1)
         free = [s for s in range(self.max_streams) if s not in self._open]
         if not free:
             raise RuntimeError(f"all {self.max_streams} streams are open; close one or raise max_streams")
@@ -85,6 +109,8 @@ class HierarchicalKVCache:
         writing anything when the stream's region would overflow.
         """
         self._check_open(stream)
+        if rows.dim() != 2 or rows.shape[0] == 0:
+            raise ValueError(f"rows must be [n >= 1, E], got shape {tuple(rows.shape)}")
         n, length, capacity = rows.shape[0], self.stream_len[stream], self.stream_capacity[stream]
         if length + n > capacity:
             raise ValueError(f"stream {stream} holds {length} of {capacity} units; appending {n} "
@@ -95,7 +121,9 @@ class HierarchicalKVCache:
 
     def write_unit(self, stream: int, unit: int, row: torch.Tensor) -> None:
         """Overwrite one existing unit (a page or block that grew): host pool, and write-through to
-        its cached copy, so a stale row is never read."""
+        its cached copy, so a stale row is never read. Not for a stream in lockstep with an anchor's
+        (a shared layer's): its copy is placed by the anchor's map, which this does not read; the
+        decode loop writes those with `write_newest(..., map_streams=)`."""
         self._check_open(stream)
         if not 0 <= unit < self.stream_len[stream]:
             raise ValueError(f"unit {unit} of stream {stream} does not exist (length "
@@ -117,12 +145,14 @@ class HierarchicalKVCache:
         map_streams: the streams whose slot maps place the rows (a shared layer's anchor streams).
         to_host=False leaves the host pool for `store_newest`, which must run before the units can
         be fetched (before the streams' next resolve)."""
+        _check_integer("units", units)
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
                    self.host.rows, self.slots, to_reserved=True, map_streams=map_streams, to_host=to_host)
 
     def store_newest(self, streams: torch.Tensor, units: torch.Tensor) -> None:
         """Store the reserved slot of each of streams [M] (int32, -1 skips) into the host pool as its
         unit units[m]: the host half of `write_newest(to_host=False)`, for many streams in one launch."""
+        _check_integer("units", units)
         store_reserved(streams, units.to(torch.int64), self.state.host_base, self.host.rows, self.slots)
 
     def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -143,14 +173,19 @@ class HierarchicalKVCache:
                    self.host.rows, self.slots, max_programs)
 
     def advance(self, streams: list[int], n: int = 1) -> None:
-        """Record on the host that each stream gets `n` more units (written by `write_newest`)."""
+        """Record on the host that each stream gets `n` more units (written by `write_newest`); a
+        stream listed twice gets 2n. Nothing changes on failure."""
+        n = _as_int(n, "n must be an int >= 0 (units per stream)", minimum=0)
+        added: dict[int, int] = {}
         for s in streams:
             self._check_open(s)
-            if self.stream_len[s] + n > self.stream_capacity[s]:
+            added[s] = added.get(s, 0) + n
+        for s, more in added.items():
+            if self.stream_len[s] + more > self.stream_capacity[s]:
                 raise ValueError(f"stream {s} holds {self.stream_len[s]} of {self.stream_capacity[s]} units; "
-                                 f"{n} more would exceed its host region")
-        for s in streams:
-            self.stream_len[s] += n
+                                 f"{more} more would exceed its host region")
+        for s, more in added.items():
+            self.stream_len[s] += more
 
     # -- resolve -----------------------------------------------------------------------------
 
@@ -165,6 +200,7 @@ class HierarchicalKVCache:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if check_values:
+            check_resolve_inputs(self.state, streams, sel)           # shapes and layouts first
             closed = [s for s in streams.tolist() if 0 <= s < self.max_streams and s not in self._open]
             if closed:
                 raise ValueError(f"stream {closed[0]} is not open")
@@ -175,6 +211,8 @@ class HierarchicalKVCache:
     def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal",
                     sort_plan: bool = False) -> ResolveResult:
         """The torch reference of `resolve`, on this cache's state (for tests and notebooks)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_resolve_inputs(self.state, streams, sel, torch.tensor(self.stream_len))
         return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
                            sort_plan=sort_plan)

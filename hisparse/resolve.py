@@ -124,6 +124,7 @@ def check_resolve_inputs(state: CacheState, streams: torch.Tensor, sel: torch.Te
     num_streams, cache_slots = state.lru.shape
     _expect(sel.dim() == 2, f"selection must be [batch, k], got shape {tuple(sel.shape)}")
     n, k = sel.shape
+    _expect(k >= 1, f"a selection needs k >= 1 units, got shape {tuple(sel.shape)}")
     _expect(cache_slots >= k, f"cache_slots B={cache_slots} is smaller than the selection size k={k}: "
                               f"the cache must hold one whole selection (B >= k)")
     _expect(cache_slots <= MAX_SLOTS, f"cache_slots B={cache_slots} exceeds the supported {MAX_SLOTS}")
@@ -242,6 +243,10 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
     _expect(plan_slot.shape == (n, k) and counts.shape == (n, 2) and streams.shape == (n,),
             f"a plan of {n} rows needs plan_slot [{n}, {k}], counts [{n}, 2] and streams [{n}]; got "
             f"{list(plan_slot.shape)}, {list(counts.shape)} and {list(streams.shape)}")
+    for name, t in (("plan_unit", plan_unit), ("plan_slot", plan_slot), ("counts", counts), ("streams", streams)):
+        _expect(t.dtype == torch.int32 and t.is_contiguous() and t.device == cache.device,
+                f"{name} must be a contiguous int32 tensor on {cache.device}, got {t.dtype} on {t.device} "
+                f"(contiguous: {t.is_contiguous()})")
     host_w, cache_w = as_words(host), as_words(cache)
     row_words = host_w.shape[1]
     block_w = min(triton.next_power_of_2(row_words), 1024)

@@ -253,6 +253,48 @@ def test_append_past_capacity_keeps_stored_rows(device):
     assert torch.equal(cache.slots[s, cache.reserved_slot].cpu(), rows[-1])
 
 
+def test_bad_calls_on_streams_change_nothing(device):
+    """advance, open_stream, append, the device writes, replay_plan and resolve_ref refuse bad input
+    with a message naming it, and leave the stored state as it was."""
+    cache = _small_cache(device)          # streams 0 and 1: 20 and 30 of 40 units
+    cache.advance([0], 19)
+    lengths, free = list(cache.stream_len), cache.host.free_rows
+    with pytest.raises(ValueError, match="stream 0 holds 39 of 40 units; 2 more would exceed"):
+        cache.advance([1, 0, 0], 1)       # listed twice: two units (each alone would fit)
+    for n in (-1, 0.5, True):
+        with pytest.raises(ValueError, match=r"n must be an int >= 0 \(units per stream\), got"):
+            cache.advance([1], n)
+    for capacity in (2.5, 0, "3"):
+        with pytest.raises(ValueError, match="a stream's capacity must be a positive int"):
+            cache.open_stream(capacity)
+    with pytest.raises(ValueError, match=r"rows must be \[n >= 1, E\], got shape \(0, 4\)"):
+        cache.append(0, torch.empty(0, 4, device=device))
+    assert (cache.stream_len, cache.host.free_rows) == (lengths, free)
+    host = cache.host.rows.clone()
+    with pytest.raises(ValueError, match="units must be an integer tensor, got torch.float32"):
+        cache.write_newest(_i32([1], device), torch.tensor([1.7], device=device), torch.ones(1, 4, device=device))
+    with pytest.raises(ValueError, match="units must be an integer tensor"):
+        cache.store_newest(_i32([1], device), torch.tensor([1.0], device=device))
+    plan = cache.resolve(_i32([0, 1], device), _i32([[1, 2], [3, 4]], device))
+    with pytest.raises(ValueError, match="streams must be a contiguous int32 tensor"):
+        cache.replay_plan(plan, _i32([1, 1, 0], device)[::2])
+    with pytest.raises(ValueError, match="counts must be a contiguous int32 tensor"):
+        cache.replay_plan(ResolveResult(plan.slots, plan.counts.float(), plan.plan_unit, plan.plan_slot),
+                          _i32([0, 1], device))
+    assert torch.equal(host.view(torch.int32), cache.host.rows.view(torch.int32))
+    state = cache.state.clone()
+    with pytest.raises(ValueError, match=r"mode must be one of \('normal', 'noio'\), got 'Normal'"):
+        cache.resolve_ref(_i32([0], device), _i32([[5]], device), mode="Normal")
+    with pytest.raises(ValueError, match=r"streams must be \[batch\]=\[1\], got shape \(1, 1\)"):
+        cache.resolve(_i32([[0]], device), _i32([[5]], device))
+    with pytest.raises(ValueError, match=r"a selection needs k >= 1 units"):
+        cache.resolve(_i32([0], device), torch.empty(1, 0, dtype=torch.int32, device=device))
+    for name in ("lru", "lru_unit", "unit_slot", "stats"):
+        assert torch.equal(getattr(state, name), getattr(cache.state, name))
+    with pytest.raises(ValueError, match="cache_slots B=2097152 exceeds the supported 1048576"):
+        HierarchicalKVCache(1, 1 << 21, host_rows=4, row_elems=2, device=device)
+
+
 def test_host_regions_are_contiguous_and_reused():
     cache = HierarchicalKVCache(4, 4, host_rows=100, row_elems=2, dtype=torch.float32, device="cpu")
     a, b, c = (cache.open_stream(capacity=30) for _ in range(3))
