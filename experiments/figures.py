@@ -1,8 +1,11 @@
 """Figures drawn from the long-format CSVs under results/ alone (DESIGN section 9); no kernel runs.
 
-    python -m experiments.figures [--results DIR] [--out DIR]     # default results/, results/figures/
+    python -m experiments.figures [--results DIR] [--out DIR] [--device NAME]   # default results/, results/figures/
 
-Every figure is written as PNG and PDF. A CSV accumulates runs: each figure plots, per bench, the rows
+Every figure is written as PNG and PDF. A CSV accumulates runs, on GPUs and on CPUs (the sweep's
+default run on a machine without one): a figure draws a GPU's rows where its file has any, since the
+real numbers come from a GPU, and the CPU's otherwise; `--device NAME` (as the rows' `gpu` column
+names it, e.g. cpu) draws that device's. Of those, each figure plots, per bench, the rows
 of the newest run's commit and GPU (for the files later runs add points to, PER_POINT: the newest row
 of every point on the newest row's GPU), and names them in its title. A figure whose file or metrics are
 not there yet is skipped with one printed line. Figures are built with matplotlib's object API (no
@@ -92,14 +95,33 @@ def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[keep]
 
 
-def read_results(results: Path, names: tuple[str, ...]) -> pd.DataFrame:
-    """The rows of each CSV in `names` that exists under `results`, concatenated: the newest run's
-    (`newest`), or for PER_POINT files the newest row of each point (`newest_per_point`)."""
+def on_device(frame: pd.DataFrame, device: str | None, where: str) -> pd.DataFrame:
+    """The rows of `device` (a `gpu` value, e.g. "NVIDIA H200" or "cpu"); by default those of any GPU
+    where the file has some (real numbers come from a GPU), else the CPU's."""
+    if device is None:
+        on_gpu = frame["gpu"] != "cpu"
+        return frame[on_gpu] if on_gpu.any() else frame
+    rows = frame[frame["gpu"] == device]
+    if rows.empty:
+        raise MissingData(f"{where} has no rows of device {device!r} (it has {sorted(set(frame['gpu']))})")
+    return rows
+
+
+def read_results(results: Path, names: tuple[str, ...], device: str | None = None) -> pd.DataFrame:
+    """The rows of each CSV in `names` that exists under `results`, on `device` (`on_device`),
+    concatenated: the newest run's (`newest`), or for PER_POINT files the newest row of each point
+    (`newest_per_point`)."""
     frames = []
     for name in names:
         if not (results / name).exists():
             continue
-        frame = pd.read_csv(results / name)
+        try:
+            frame = pd.read_csv(results / name)
+        except pd.errors.EmptyDataError:
+            raise MissingData(f"{results / name} is empty") from None
+        if frame.empty:
+            raise MissingData(f"{results / name} has no rows")
+        frame = on_device(frame, device, str(results / name))
         if name == "prefetch.csv":
             frame = default_prefetch_variant(frame)
         frames.append(newest_per_point(frame, RUN_COLUMNS + PER_POINT[name]) if name in PER_POINT
@@ -422,20 +444,24 @@ FIGURES = {
 }
 
 
-def draw(name: str, results: str | Path = "results") -> Figure:
-    """Figure `name` of FIGURES from the CSVs under `results`; MissingData when its rows are absent."""
+def draw(name: str, results: str | Path = "results", device: str | None = None) -> Figure:
+    """Figure `name` of FIGURES from the CSVs under `results` (`device`: see `on_device`);
+    MissingData when its rows are absent."""
     files, function = FIGURES[name]
-    return function(read_results(Path(results), files))
+    return function(read_results(Path(results), files, device))
 
 
-def draw_all(results: str | Path = "results", out: str | Path = "results/figures") -> list[Path]:
+def draw_all(results: str | Path = "results", out: str | Path = "results/figures",
+             device: str | None = None) -> list[Path]:
     """Write every figure that has its rows as OUT/NAME.png and .pdf; print a line per figure."""
+    if not Path(results).is_dir():
+        raise MissingData(f"no results folder {results}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in FIGURES:
         try:
-            fig = draw(name, results)
+            fig = draw(name, results, device)
         except MissingData as why:
             print(f"skipped {name}: {why}")
             continue
@@ -450,8 +476,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="folder of the result CSVs (default results/)")
     parser.add_argument("--out", default=None, help="folder for the figures (default RESULTS/figures/)")
+    parser.add_argument("--device", default=None,
+                        help="draw the rows of this device, as their gpu column names it (e.g. cpu); default: a "
+                             "GPU's where a file has any, else the CPU's")
     args = parser.parse_args(argv)
-    draw_all(args.results, args.out or Path(args.results) / "figures")
+    if not Path(args.results).is_dir():
+        parser.error(f"--results {args.results}: no such folder (run python -m experiments.sweep first)")
+    draw_all(args.results, args.out or Path(args.results) / "figures", args.device)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,14 @@ def model_config(study: dict) -> dict:
                    intermediate_size=2 * hidden)
     elif (Path(spec) / "config.json").exists():
         import json
-        raw = json.loads((Path(spec) / "config.json").read_text())
+        try:
+            raw = json.loads((Path(spec) / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: model {spec!r}: config.json is not valid JSON ({exc})") from None
+        if raw.get("model_type") not in ("deepseek_v32", "glm_moe_dsa"):
+            raise ConfigError(f"{where}: model {spec!r} has model_type {raw.get('model_type')!r}: the sweep runs "
+                              f"DSA models (deepseek_v32, glm_moe_dsa); other families run through "
+                              f"python -m hisparse.generate and the benchmarks")
     else:
         raise ConfigError(f"{where}: model {spec!r} is neither tiny:<family>, dsa, nor a checkpoint directory")
     if "layers" in study and spec.startswith("tiny:"):
@@ -110,6 +117,8 @@ def _positive_int(study: dict, key: str, where: str) -> int:
 
 def validate(studies: list[dict]) -> None:
     """Every key and value of every study, before anything runs; errors name the study and key."""
+    if not isinstance(studies, list) or not all(isinstance(s, dict) for s in studies):
+        raise ConfigError("study must be an array of tables: write [[study]], not [study]")
     if not studies:
         raise ConfigError("the config has no [[study]] tables")
     for i, study in enumerate(studies):
@@ -125,15 +134,28 @@ def validate(studies: list[dict]) -> None:
         if missing:
             raise ConfigError(f"{where}: missing key {sorted(missing)[0]!r}")
         workload = study.get("workload", "model")
-        if workload not in PRESETS and not (kind != "policies" and workload == "model"):
+        model_selects = kind != "policies" and workload == "model"
+        if not isinstance(workload, str) or (workload not in PRESETS and not model_selects):
             raise ConfigError(f"{where}: workload = {workload!r}: expected 'model' or a preset of "
                               f"{sorted(PRESETS)}")
         if kind == "policies":
             continue
-        bad = [m for m in study["modes"] if m not in KV_MODES]
-        if bad or not study["modes"]:
-            raise ConfigError(f"{where}: modes = {study['modes']!r}: expected a list of {KV_MODES}")
+        modes = study["modes"]
+        if not isinstance(modes, list) or not modes or any(m not in KV_MODES for m in modes):
+            raise ConfigError(f"{where}: modes = {modes!r}: expected a list of {KV_MODES}")
+        if not isinstance(study["model"], str):
+            raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa or a "
+                              f"checkpoint directory)")
+        for key in ("graph", "prefetch"):
+            if key in study and not isinstance(study[key], bool):
+                raise ConfigError(f"{where}: {key} = {study[key]!r}: expected true or false")
+        for key in ("layers", "hidden"):
+            if key in study:
+                _positive_int(study, key, where)
         raw = model_config(study)
+        if study.get("prefetch") and "shared" not in raw.get("indexer_types", []):
+            raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
+                              f"with 'shared' indexer_types); model {study['model']!r} has none")
         _positive_ints(study, "contexts", where)
         study.setdefault("new_tokens", 8)
         _positive_int(study, "new_tokens", where)
@@ -325,6 +347,9 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu, out_dir = environment()["gpu"], Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"error: --out {out_dir} is a file, not a folder for the result CSVs", file=sys.stderr)
+        return 2
     todo = []
     for study in studies:
         done = done_points(out_dir / f"{points(study)[0]['bench']}.csv")

@@ -296,3 +296,28 @@ def test_the_figures_default_prefetch_variant_is_the_runtimes():
     code = "from hisparse import runtime as r; print(r.PREFETCH_PROGRAMS, r.PREFETCH_PRIORITY)"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == [str(v) for v in figures.PREFETCH_VARIANT.values()], done.stderr[-2000:]
+
+
+def test_a_gpus_rows_are_drawn_over_newer_cpu_rows_unless_asked(tmp_path, capsys):
+    """The sweep's default run on a CPU adds rows to files that hold a GPU's: the figures keep drawing
+    the GPU's (--device cpu draws the CPU's); an empty file, a header-only file and a missing folder
+    are said plainly."""
+    gpu = frame("prefetch", [{"mode": "sync", "batch": 8, "metric": "tpot_ms", "value": 1.0}])
+    cpu = frame("prefetch", [{"mode": "sync", "batch": 2, "metric": "tpot_ms", "value": 9.0}], gpu="cpu",
+                commit="c0ffee", timestamp="2026-11-30T09:00:00+00:00")
+    pd.concat([gpu, cpu]).to_csv(tmp_path / "prefetch.csv", index=False)
+    assert figures.read_results(tmp_path, ("prefetch.csv",))["batch"].tolist() == [8]
+    assert figures.read_results(tmp_path, ("prefetch.csv",), device="cpu")["batch"].tolist() == [2]
+    with pytest.raises(MissingData, match=r"has no rows of device 'TPU' \(it has \['NVIDIA H200', 'cpu'\]\)"):
+        figures.read_results(tmp_path, ("prefetch.csv",), device="TPU")
+    (tmp_path / "decode.csv").write_text("")
+    with pytest.raises(MissingData, match="decode.csv is empty"):
+        figures.read_results(tmp_path, ("decode.csv",))
+    gpu.head(0).to_csv(tmp_path / "resolve.csv", index=False)
+    with pytest.raises(MissingData, match="resolve.csv has no rows"):
+        figures.read_results(tmp_path, ("resolve.csv",))
+    figures.draw_all(tmp_path, tmp_path / "figures")        # each figure drawn or skipped, none raising
+    assert "skipped resolve_split: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        figures.main(["--results", str(tmp_path / "nowhere")])
+    assert "--results " in capsys.readouterr().err and not (tmp_path / "nowhere").exists()

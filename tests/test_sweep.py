@@ -80,7 +80,16 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
      "model 'tiny:llama': the decode loop runs DSA families"),
     (("warmup_steps = 2", "warmup_steps = 0"), "warmup_steps = 0: expected a positive integer"),
     (("warmup_steps = 2", "warmup_steps = [2]"), "warmup_steps = \\[2\\]: expected one positive integer"),
-], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "family", "warmup", "warmup-list"])
+    (("modes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts",
+      "modes = 5\ncache_slots = 8\ncontexts"), "modes = 5: expected a list of"),
+    (("model = \"tiny:deepseek_v32\"", "model = 5"), "model = 5: expected a string"),
+    (("workload = \"tiny\"\n\n", "workload = [\"tiny\"]\n\n"), "workload = \\['tiny'\\]: expected"),
+    (("warmup_steps = 2", "warmup_steps = 2\ngraph = \"no\""), "graph = 'no': expected true or false"),
+    (("warmup_steps = 2", "warmup_steps = 2\nlayers = 0"), "layers = 0: expected a positive integer"),
+    (("warmup_steps = 2", "warmup_steps = 2\nprefetch = true"),
+     "prefetch = true needs layers that share a selection .* model 'tiny:deepseek_v32' has none"),
+], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "family", "warmup", "warmup-list",
+        "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
@@ -89,6 +98,20 @@ def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     assert not list(tmp_path.glob("results/*.csv")), "nothing may run or be written"
 
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_checkpoint_of_another_family_an_out_file_and_a_single_study_table_are_refused(tmp_path, capsys):
+    from hisparse.models.tiny import write_tiny_checkpoint
+    llama = write_tiny_checkpoint("llama", str(tmp_path / "llama"))
+    config = write(tmp_path, TINY.replace('model = "tiny:deepseek_v32"', f'model = "{llama}"', 1))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "results"), "--dry-run"]) == 2
+    assert "has model_type 'llama': the sweep runs DSA models" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    assert sweep.main(["--config", write(tmp_path, TINY), "--out", str(tmp_path / "afile")]) == 2
+    assert "--out " in capsys.readouterr().err and (tmp_path / "afile").read_text() == ""
+    one_table = TINY.split("\n\n[[study]]")[0].replace("[[study]]", "[study]")
+    assert sweep.main(["--config", write(tmp_path, one_table), "--dry-run"]) == 2
+    assert "write [[study]], not [study]" in capsys.readouterr().err
 
 
 def test_dry_run_lists_points_and_runs_nothing(tmp_path, capsys):
