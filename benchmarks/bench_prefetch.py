@@ -185,6 +185,13 @@ def main(argv=None) -> None:
     # the prefetch runs: one per (programs, priority); the other modes run once per batch
     variants = list(dict.fromkeys(itertools.product(args.prefetch_programs, args.prefetch_priority)))
     gpu = torch.cuda.is_available() and not args.quick
+    if not gpu and not args.quick:
+        ap.error("the full-size run needs a CUDA GPU; --quick runs a tiny model on the CPU")
+    if args.quick and (args.batches or args.context != 32768 or args.steps != 24):
+        ap.error("--quick sets its own --batches, --context and --steps; leave them out")
+    bad = [n for n in (args.batches or []) + [args.context, args.steps] if n < 1]
+    if bad:
+        ap.error(f"--batches, --context and --steps must be positive, got {bad[0]}")
     if args.batches is None:
         args.batches = [8, 32, 64, 128] if args.family == "dsa" else [8, 32, 64]
     if args.quick:     # contexts long enough for the synthetic selections (k + 2 units at least)
@@ -196,6 +203,8 @@ def main(argv=None) -> None:
     streams_per_layer = 1 if args.family == "dsa" else geometry["num_key_value_heads"]   # per request
     if args.cache_slots is None:
         args.cache_slots = 16 if args.quick and args.family == "dsa" else 2 * k
+    if args.cache_slots < k:
+        ap.error(f"--cache-slots {args.cache_slots}: the cache must hold one whole selection, k = {k}")
     print(f"{args.family} model: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
           f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}, "
           f"prefetch (programs, priority) {variants}; on {'GPU' if gpu else 'CPU'}")

@@ -2,7 +2,7 @@
 
     python -m benchmarks.summary results/
 """
-import sys
+import argparse
 from pathlib import Path
 
 import pandas as pd
@@ -117,7 +117,13 @@ SUMMARIES = {"resolve.csv": resolve_lines, "resolve_layers.csv": resolve_layers_
              "decode_ablation.csv": decode_ablation_lines}
 
 
-def main(folder: str) -> None:
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="One line per target from the benchmark CSVs of a folder (a GPU "
+                                             "run's $OUT, or results/).")
+    ap.add_argument("folder", nargs="?", default="results", help="folder of the CSVs (default: results)")
+    folder = ap.parse_args(argv).folder
+    if not Path(folder).is_dir():
+        ap.error(f"{folder}: no such folder")
     print("== summary of", folder)
     for name, fn in SUMMARIES.items():
         path = Path(folder) / name
@@ -127,4 +133,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "results")
+    main()

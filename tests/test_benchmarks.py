@@ -156,3 +156,18 @@ def test_repeat_runs_refuses_bad_arguments_and_a_cpu_clearly():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             repeat_runs.main([])
+
+
+def test_bench_prefetch_refuses_bad_sizes_before_any_run(capsys):
+    from benchmarks import bench_prefetch
+    for argv, message in ([["--quick", "--cache-slots", "4"], "--cache-slots 4: the cache must hold one whole "
+                                                              "selection, k = 8"],
+                          [["--quick", "--batches", "2", "4"], "--quick sets its own --batches"],
+                          [["--workload", "model"], "--workload model: the dsa family replays"]):
+        with pytest.raises(SystemExit):
+            bench_prefetch.main(argv)
+        assert message in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench_prefetch.main([])
+        assert "the full-size run needs a CUDA GPU" in capsys.readouterr().err

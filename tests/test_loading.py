@@ -235,6 +235,13 @@ def test_make_tiny_cli(tmp_path, capsys):
     assert load_model(tmp_path / "nsa").config.model_type == "nsa"
     with pytest.raises(SystemExit):
         make_tiny(["--family", "mistral", "--out", str(tmp_path / "x")])
+    before = {p.name: p.read_bytes() for p in (tmp_path / "nsa").iterdir()}
+    with pytest.raises(SystemExit):                       # an existing checkpoint is not overwritten
+        make_tiny(["--family", "llama", "--out", str(tmp_path / "nsa")])
+    assert "already holds files" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "nsa").iterdir()} == before
+    make_tiny(["--family", "llama", "--out", str(tmp_path / "nsa"), "--force"])   # no stale shards left
+    assert load_model(tmp_path / "nsa").config.model_type == "llama"
 
 
 @pytest.mark.parametrize("prefix", ["DeepseekV32", "GlmMoeDsa", "Llama", "Qwen3"])
