@@ -249,6 +249,8 @@ def main() -> None:
         raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
     if device.type == "cpu" and args.cudagraph:
         raise SystemExit("--cudagraph needs a CUDA GPU")
+    if args.tune_batch < 1:
+        parser.error(f"--tune-batch {args.tune_batch}: expected a positive integer")
     cfg = QUICK if args.quick else FULL
     if args.tune:
         tune(cfg, device, args.tune_batch, args.cudagraph)

@@ -267,6 +267,9 @@ def main() -> None:
         raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
     if device.type == "cpu" and args.cudagraph:
         raise SystemExit("--cudagraph needs a CUDA GPU")
+    bad = [n for n in (args.batches or []) + (args.contexts or []) + [args.tune_batch, args.tune_context] if n < 1]
+    if bad:
+        parser.error(f"batches, contexts and --tune-batch / --tune-context must be positive, got {bad[0]}")
     cfg = dict(QUICK if args.quick else FULL)
     cfg["batches"] = tuple(args.batches or cfg["batches"])
     cfg["contexts"] = tuple(args.contexts or cfg["contexts"])

@@ -245,6 +245,10 @@ def main(argv=None):
                     help="time no-IO calls as the decode loop makes them instead (resolve_layers.csv)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.reps is not None and args.reps < 1:
+        ap.error(f"--reps {args.reps}: expected a positive integer")
+    if device.type == "cpu" and not args.quick:
+        ap.error("the full sweep needs a CUDA GPU (it pins a host pool of several GiB); use --quick on the CPU")
     if args.decode_like:
         run_decode_like(args, device)
         return
