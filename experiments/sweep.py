@@ -303,11 +303,13 @@ def kv_bytes_per_request(model, mode: str, context: int, cache_slots: int | None
 def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
     cfg = model.config
     row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.model.embed_tokens.weight.element_size()
+    # how the point ran, recorded beside it (not part of it: a rerun another way replaces it, --force)
+    prefetch = study.get("prefetch", False) and point["mode"] == "hisparse"
     point = dict(point, k=cfg.index_topk, unit_bytes=row_bytes, layers=cfg.num_hidden_layers,
-                 hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"])
+                 hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
+                 graph=graph, prefetch=prefetch)
     if point["bench"] == "decode":
-        out = run_decode(model, point, point["batch"], study["new_tokens"], graph, study.get("prefetch", False),
-                         study["warmup_steps"])
+        out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"])
         return decode_rows(point, out, point["batch"])
     gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], point["context"], point["cache_slots"])
     fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)

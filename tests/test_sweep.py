@@ -45,6 +45,7 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     assert set(decode["mode"]) == {"resident", "hisparse"}
     assert {"tokens_per_s", "tpot_ms", "tpot_median_ms", "hbm_bytes_per_request", "miss_rate"} <= set(decode.metric)
     assert (decode.new_tokens == 3).all() and (decode.warmup_steps == 2).all()
+    assert not decode.graph.any() and not decode.prefetch.any()       # how it ran: eager on a CPU, no prefetch
     assert (decode.k == 8).all() and decode.commit.notna().all() and (decode.gpu == "cpu").all()
     runs = decode.drop_duplicates("run").run           # each decode point's run in this process, in order
     assert len(runs) == 2 and runs.is_monotonic_increasing and runs.iloc[1] == runs.iloc[0] + 1
