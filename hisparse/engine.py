@@ -184,7 +184,7 @@ class Engine:
         call (on a GPU the launches: a graph replay's launch near its step's time means the GPU
         waited on the host).
 
-        record: a TraceWriter that receives every decode step's selections [layers, batch, k]
+        record: a TraceWriter that receives every decode step's selections [layers, batch, (kv_heads,) k]
         (`trace_writer` makes one with this run's metadata). replay: a trace whose selections
         replace the indexer's (recorded from the same prompts, or synthetic); with it,
         `misses_per_step` holds each step's misses (hisparse modes; eager only)."""

@@ -183,13 +183,13 @@ def split_kv_heads(trace: Trace, kv_heads: int) -> Trace:
     """A trace of batch * kv_heads requests as one of batch requests with kv_heads KV heads each:
     request b's heads are rows b * kv_heads .. (b + 1) * kv_heads - 1 (NSA, Quest: one selection per
     KV head). The rows of one request must share its context."""
-    steps, layers, rows, k = trace.selections.shape
-    if trace.kv_heads is not None or kv_heads < 1 or rows % kv_heads:
+    if trace.kv_heads is not None or kv_heads < 1 or trace.batch % kv_heads:
         raise ValueError(f"{trace} cannot be split into {kv_heads} KV heads per request: expected a trace "
                          f"without a KV-head axis and a batch divisible by {kv_heads}")
     context = trace.context.reshape(-1, kv_heads)
     if (context != context[:, :1]).any():
         raise ValueError(f"the {kv_heads} rows of each request must share a context, got {trace.context.tolist()}")
+    steps, layers, rows, k = trace.selections.shape
     sel = trace.selections.reshape(steps, layers, rows // kv_heads, kv_heads, k)
     return Trace(sel, trace.family, trace.unit_size, context[:, 0].copy(), trace.layer_anchor, source=trace.source)
 

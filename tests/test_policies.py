@@ -211,3 +211,16 @@ def test_calibration_refuses_unreachable_targets():
     # 1 of 3 layers random and unweighted: the random layer alone exceeds 30% misses on average
     with pytest.raises(ValueError, match="cannot reach the regular-layer goals"):
         calibrate(preset("tiny", steps=20, layers=3))
+
+
+def test_split_kv_heads_makes_each_request_hold_its_rows_as_heads():
+    from hisparse.synthetic import split_kv_heads
+    trace = generate(SyntheticConfig(context=200, steps=3, k=4, layers=2, batch=6, sinks=1, window=1,
+                                     random_layers=0, unit_size=16))
+    heads = split_kv_heads(trace, 3)
+    assert heads.selections.shape == (3, 2, 2, 3, 4) and heads.kv_heads == 3 and heads.context.tolist() == [200, 200]
+    assert (heads.selections[:, :, 1, 2] == trace.selections[:, :, 5]).all()      # request 1, head 2 = row 5
+    with pytest.raises(ValueError, match="cannot be split into 4 KV heads per request: .* batch divisible by 4"):
+        split_kv_heads(trace, 4)
+    with pytest.raises(ValueError, match="expected a trace without a KV-head axis"):
+        split_kv_heads(heads, 3)
