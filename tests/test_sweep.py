@@ -176,3 +176,28 @@ def test_a_dsa_model_of_another_size_is_another_point():
     assert sweep.already_done(done, small, "NVIDIA H200")
     assert not sweep.already_done(done, large, "NVIDIA H200")
     assert sweep.points(study)[0]["hidden"] == 1024, "the dsa model's default size is part of its points"
+
+
+def test_runs_per_process_goes_on_in_fresh_processes(tmp_path, capsys):
+    """--runs-per-process 1: every decode run is its process's first (the H200's 4th-run switch never
+    comes), and the resumed sweep still runs every point once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    config, out = write(tmp_path, TINY), str(tmp_path / "results")
+    run = subprocess.run([sys.executable, "-m", "experiments.sweep", "--config", config, "--out", out,
+                          "--runs-per-process", "1"], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("going on in a fresh one") == 3 and run.stdout.rstrip().endswith("experiments.figures")
+    decode = pd.read_csv(tmp_path / "results" / "decode.csv")
+    tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
+    assert sorted(decode.drop_duplicates("mode")["mode"]) == ["hisparse", "resident"]
+    assert (decode.run == 1).all() and (tput.dropna(subset=["run"]).run == 1).all()
+    assert len(tput[tput.metric == "tokens_per_s"]) == 2
+    for argv, message in ((["--runs-per-process", "0"], "expected a positive integer"),
+                          (["--runs-per-process", "2", "--force"], "which --force would start over"),
+                          (["--runs-per-process", "2"], "use it from the command line")):
+        with pytest.raises(SystemExit):
+            sweep.main(["--config", config, "--out", out, *argv])
+        assert message in capsys.readouterr().err
