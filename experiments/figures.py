@@ -4,13 +4,15 @@
 
 Every figure is written as PNG and PDF. A CSV accumulates runs, on GPUs and on CPUs (the sweep's
 default run on a machine without one): a figure draws a GPU's rows where its file has any, since the
-real numbers come from a GPU, and the CPU's otherwise; `--device NAME` (as the rows' `gpu` column
-names it, e.g. cpu) draws that device's. Of those, each figure plots, per bench, the rows
-of the newest run's commit and GPU (for the files later runs add points to, PER_POINT: the newest row
-of every point on the newest row's GPU), and names them in its title. A figure whose file or metrics are
-not there yet is skipped with one printed line. Figures are built with matplotlib's object API (no
-pyplot, no GUI backend): PNGs are rendered by Agg, PDFs by the PDF backend. Each figure function takes
-a DataFrame of rows and returns a `matplotlib.figure.Figure`, so notebooks can call them too.
+real numbers come from a GPU, and the CPU's otherwise (and a full-size workload's over the "tiny"
+test preset's); `--device NAME` (as the rows' `gpu` column names it, e.g. cpu) draws that device's.
+Of those, each figure plots, per bench, the rows of the newest run's commit and GPU (for the files
+later runs add points to, PER_POINT: the newest row of every point on the newest row's GPU), and names
+them in its title. A figure whose file or metrics are not there yet is skipped with one printed line.
+Figures are built with matplotlib's object API (no pyplot, no GUI backend): PNGs are rendered by Agg,
+PDFs by the PDF backend, without a creation date, so a figure redrawn from the same rows is the same
+file. Each figure function takes a DataFrame of rows and returns a `matplotlib.figure.Figure`, so
+notebooks can call them too.
 """
 from __future__ import annotations
 
@@ -97,10 +99,17 @@ def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
 
 def on_device(frame: pd.DataFrame, device: str | None, where: str) -> pd.DataFrame:
     """The rows of `device` (a `gpu` value, e.g. "NVIDIA H200" or "cpu"); by default those of any GPU
-    where the file has some (real numbers come from a GPU), else the CPU's."""
+    where the file has some (real numbers come from a GPU), else the CPU's, and of a full-size
+    workload where there are some (not the "tiny" test preset)."""
     if device is None:
         on_gpu = frame["gpu"] != "cpu"
-        return frame[on_gpu] if on_gpu.any() else frame
+        frame = frame[on_gpu] if on_gpu.any() else frame
+        # the same for the policy study, always on a CPU: a real workload's rows over the test preset's
+        # (the default sweep's smoke run)
+        if "workload" in frame:
+            full = frame["workload"] != "tiny"
+            frame = frame[full] if full.any() else frame
+        return frame
     rows = frame[frame["gpu"] == device]
     if rows.empty:
         raise MissingData(f"{where} has no rows of device {device!r} (it has {sorted(set(frame['gpu']))})")
@@ -466,7 +475,8 @@ def draw_all(results: str | Path = "results", out: str | Path = "results/figures
             print(f"skipped {name}: {why}")
             continue
         for suffix in (".png", ".pdf"):
-            fig.savefig(out / f"{name}{suffix}", dpi=150)
+            # no creation date in a PDF: a figure redrawn from the same rows is the same file
+            fig.savefig(out / f"{name}{suffix}", dpi=150, metadata={"CreationDate": None} if suffix == ".pdf" else None)
             written.append(out / f"{name}{suffix}")
         print(f"wrote {out / name}.png and .pdf")
     return written

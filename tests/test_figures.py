@@ -299,9 +299,10 @@ def test_the_figures_default_prefetch_variant_is_the_runtimes():
 
 
 def test_a_gpus_rows_are_drawn_over_newer_cpu_rows_unless_asked(tmp_path, capsys):
-    """The sweep's default run on a CPU adds rows to files that hold a GPU's: the figures keep drawing
-    the GPU's (--device cpu draws the CPU's); an empty file, a header-only file and a missing folder
-    are said plainly."""
+    """The sweep's default run on a CPU adds rows to files that hold a GPU's (and smoke-test policy
+    rows beside the full study's): the figures keep drawing the GPU's and the full study's (--device
+    cpu draws the CPU's newest); an empty file, a header-only file and a missing folder are said
+    plainly; a figure redrawn from the same rows is the same file."""
     gpu = frame("prefetch", [{"mode": "sync", "batch": 8, "metric": "tpot_ms", "value": 1.0}])
     cpu = frame("prefetch", [{"mode": "sync", "batch": 2, "metric": "tpot_ms", "value": 9.0}], gpu="cpu",
                 commit="c0ffee", timestamp="2026-11-30T09:00:00+00:00")
@@ -316,8 +317,17 @@ def test_a_gpus_rows_are_drawn_over_newer_cpu_rows_unless_asked(tmp_path, capsys
     gpu.head(0).to_csv(tmp_path / "resolve.csv", index=False)
     with pytest.raises(MissingData, match="resolve.csv has no rows"):
         figures.read_results(tmp_path, ("resolve.csv",))
+    # the policy study (always on a CPU): the full-size workload's rows over a newer smoke run's
+    full = policies_frame().assign(gpu="cpu", workload="dsa_100k")
+    smoke = policies_frame().assign(gpu="cpu", commit="beef", timestamp="2026-11-30T09:00:00+00:00", value=0.5)
+    pd.concat([full, smoke]).to_csv(tmp_path / "policies.csv", index=False)
+    assert set(figures.read_results(tmp_path, ("policies.csv",))["workload"]) == {"dsa_100k"}
+    assert set(figures.read_results(tmp_path, ("policies.csv",), device="cpu")["workload"]) == {"tiny"}
     figures.draw_all(tmp_path, tmp_path / "figures")        # each figure drawn or skipped, none raising
     assert "skipped resolve_split: " in capsys.readouterr().out
+    pdf = (tmp_path / "figures" / "policy_miss_rates.pdf").read_bytes()
+    figures.draw_all(tmp_path, tmp_path / "figures")
+    assert (tmp_path / "figures" / "policy_miss_rates.pdf").read_bytes() == pdf
     with pytest.raises(SystemExit):
         figures.main(["--results", str(tmp_path / "nowhere")])
     assert "--results " in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
