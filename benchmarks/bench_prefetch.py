@@ -47,7 +47,6 @@ import contextlib
 import itertools
 import os
 
-import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -61,7 +60,7 @@ from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model  # noqa: E402
 from hisparse.models.tiny import randomize_  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
-from hisparse.synthetic import generate, preset, repeat_request, split_kv_heads  # noqa: E402
+from hisparse.synthetic import generate, per_kv_head_workload, preset, repeat_request  # noqa: E402
 from hisparse.traces import Trace, with_anchors  # noqa: E402
 
 TYPES = ["full", "shared", "shared", "shared"] * 2
@@ -96,23 +95,6 @@ def workload(context: int, steps: int, k: int, batch: int, quick: bool, random_l
            else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES), random_layers=random_layers))
     anchors = [max(j for j in range(i + 1) if TYPES[j] == "full") for i in range(len(TYPES))]
     return with_anchors(repeat_request(generate(cfg), batch), anchors)
-
-
-def unit_workload(model, unit_size: int, context: int, steps: int, k: int, batch: int, quick: bool,
-                  random_layers: int) -> Trace:
-    """Quest / NSA: dsa_100k's locality at `unit_size` tokens per unit, one selection per KV head
-    (one request's heads generated, repeated for every request), each shared layer its anchor's.
-    The first unit and the newest ones (64 tokens, at least 2 units) are always selected."""
-    cfg, heads = model.config, model.config.num_key_value_heads
-    layers = cfg.num_hidden_layers
-    sizes = dict(context=context, steps=steps, k=k, layers=layers, random_layers=random_layers, batch=heads,
-                 unit_size=unit_size, sinks=1)
-    gen = (preset("tiny", **sizes, window=1) if quick
-           else preset("dsa_100k", **sizes, model_layers=None, window=max(2, 64 // unit_size)))
-    one = generate(gen).selections                                   # [steps, layers, heads, k]
-    per_head = Trace(np.tile(one, (1, 1, batch, 1)), "synthetic", unit_size, [context] * (batch * heads),
-                     list(range(layers)), source=str(gen))
-    return with_anchors(split_kv_heads(per_head, heads), [cfg.selection_anchor(i) for i in range(layers)])
 
 
 @contextlib.contextmanager
@@ -215,8 +197,8 @@ def main(argv=None) -> None:
             trace = workload(args.context, args.steps + 1, k, batch, args.quick, args.random_layers)
         elif args.workload == "synthetic":
             unit_size = 16 if args.family == "quest" else model.config.selection_block_size
-            trace = unit_workload(model, unit_size, args.context, args.steps + 1, k, batch, args.quick,
-                                  args.random_layers)
+            trace = per_kv_head_workload(model.config, unit_size, args.context, args.steps + 1, k, batch,
+                                         "tiny" if args.quick else "dsa_100k", args.random_layers)
         else:
             trace = None
         prompts = [torch.zeros(args.context, dtype=torch.int64)] * batch

@@ -194,6 +194,24 @@ def split_kv_heads(trace: Trace, kv_heads: int) -> Trace:
     return Trace(sel, trace.family, trace.unit_size, context[:, 0].copy(), trace.layer_anchor, source=trace.source)
 
 
+def per_kv_head_workload(config, unit_size: int, context: int, steps: int, k: int, batch: int,
+                         preset_name: str = "dsa_100k", random_layers: int = 0) -> Trace:
+    """A replay trace for a per-KV-head family (Quest, NSA) model of `config`: the preset's locality
+    at `unit_size` tokens per unit, one selection per (request, layer, KV head); one request's heads
+    generated and repeated for every request; each shared layer its anchor's
+    (`config.selection_anchor`); Quest's dense layers select nothing (-1). The first unit and the
+    newest ones (64 tokens, at least 2 units; 1 for the "tiny" preset) are always selected."""
+    from hisparse.traces import with_anchors
+    heads, layers = config.num_key_value_heads, config.num_hidden_layers
+    window = 1 if preset_name == "tiny" else max(2, 64 // unit_size)
+    gen = preset(preset_name, context=context, steps=steps, k=k, layers=layers, random_layers=random_layers,
+                 batch=heads, unit_size=unit_size, sinks=1, window=window, model_layers=None)
+    sel = np.tile(generate(gen).selections, (1, 1, batch, 1))          # [steps, layers, batch * heads, k]
+    sel[:, :getattr(config, "quest_dense_layers", 0)] = -1
+    trace = Trace(sel, "synthetic", unit_size, [context] * (batch * heads), list(range(layers)), source=str(gen))
+    return with_anchors(split_kv_heads(trace, heads), [config.selection_anchor(i) for i in range(layers)])
+
+
 def repeat_request(trace: Trace, batch: int) -> Trace:
     """A trace of `batch` requests that all replay request 0's selections (a batch-sized workload
     at the cost of generating one request)."""
