@@ -14,11 +14,14 @@ kinds:
 - throughput: per context, the largest batch whose KV fits a GPU (and host) memory budget, in each
               mode, and decode tokens/s at that batch (the paper's peak generation throughput) -> throughput.csv
 
-Models: "tiny:<family>" (a small random model of a hisparse.models.tiny family), "dsa" (DSA's real KV
-geometry: 128 heads, 512 + 64 latents, k = 2048, a 64 x 128 indexer; `layers` and `hidden` set the
-rest, which is smaller than the real model), or a checkpoint directory. Selections come from the
-model's indexer (workload = "model") or replay a synthetic preset (`hisparse.synthetic.PRESETS`)
-with realistic locality; decode and throughput runs fill the prompt's KV with random rows.
+Models: "tiny:<family>" (a small random model of a hisparse.models.tiny family: deepseek_v32,
+glm_moe_dsa, llama, qwen3), "dsa" (DSA's real KV geometry: 128 heads, 512 + 64 latents, k = 2048, a
+64 x 128 indexer), "quest" (Llama-3-8B's KV geometry under Quest: 32 query and 8 KV heads of 128, the
+first 2 of 32 layers dense, k = token_budget // 16 pages; `token_budget`, default 2048), with
+`layers` and `hidden` setting the rest, which is smaller than the real models; or a DSA checkpoint
+directory. Selections come from the model (workload = "model") or replay a synthetic preset
+(`hisparse.synthetic.PRESETS`) with realistic locality (Quest: per KV head, in pages,
+`per_kv_head_workload`); decode and throughput runs fill the prompt's KV with random rows.
 """
 from __future__ import annotations
 
@@ -46,16 +49,17 @@ from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model, load_model  # noqa: E402
 from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
 from hisparse.results import append_rows, environment  # noqa: E402
-from hisparse.synthetic import PRESETS, generate, preset, repeat_request  # noqa: E402
+from hisparse.synthetic import (PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
+                                repeat_request)
 from hisparse.traces import with_anchors  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
     "policies": {"kind", "workload"},
     "decode": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "batches", "new_tokens",
-               "warmup_steps", "workload", "graph", "prefetch"},
+               "warmup_steps", "workload", "graph", "prefetch", "token_budget"},
     "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
-                   "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph"},
+                   "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph", "token_budget"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"}}
@@ -63,6 +67,29 @@ DSA_GEOMETRY = dict(model_type="deepseek_v32", vocab_size=1024, num_attention_he
                     q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_topk=2048,
                     index_head_dim=128, index_n_heads=64, moe_intermediate_size=256, n_routed_experts=8,
                     n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1)
+QUEST_GEOMETRY = dict(model_type="llama", vocab_size=1024, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, quest_dense_layers=2)
+DSA_TYPES, QUEST_TYPES = ("deepseek_v32", "glm_moe_dsa"), ("llama", "qwen3")
+TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
+TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
+
+
+def family(config) -> str:
+    """"dsa" or "quest": how a model of this config (a dict, or a model's config) selects."""
+    model_type = config["model_type"] if isinstance(config, dict) else config.model_type
+    return "dsa" if model_type in DSA_TYPES else "quest"
+
+
+def token_budget(study: dict) -> int | None:
+    """A Quest study's token budget (None for DSA)."""
+    if family(model_config(study)) != "quest":
+        return None
+    return study.get("token_budget", TOKEN_BUDGET.get(study["model"], TINY_TOKEN_BUDGET))
+
+
+def selection_size(study: dict, raw: dict) -> int:
+    """k: tokens (DSA) or 16-token pages (Quest) each stream selects per step."""
+    return raw["index_topk"] if family(raw) == "dsa" else token_budget(study) // 16
 
 
 class ConfigError(ValueError):
@@ -73,17 +100,20 @@ class ConfigError(ValueError):
 
 def model_config(study: dict) -> dict:
     """The model's config dict (no weights): what validation needs to know k and the layer count."""
-    spec, where = study["model"], f"study {study['_index']} ({study['kind']})"
+    spec, where = study["model"], f"study {study.get('_index', '')} ({study['kind']})"
     if spec.startswith("tiny:"):
-        family = spec.split(":", 1)[1]
-        if family not in ("deepseek_v32", "glm_moe_dsa"):
-            raise ConfigError(f"{where}: model {spec!r}: the decode loop runs DSA families; expected "
-                              f"tiny:deepseek_v32 or tiny:glm_moe_dsa")
-        raw = dict(TINY_CONFIGS[family])
+        name = spec.split(":", 1)[1]
+        if name not in DSA_TYPES + QUEST_TYPES:
+            raise ConfigError(f"{where}: model {spec!r}: the sweep runs DSA and Quest families; expected "
+                              f"tiny: and one of {list(DSA_TYPES + QUEST_TYPES)}")
+        raw = dict(TINY_CONFIGS[name])
     elif spec == "dsa":
         layers, hidden = study.get("layers", 61), study.get("hidden", 1024)
         raw = dict(DSA_GEOMETRY, num_hidden_layers=layers, first_k_dense_replace=layers, hidden_size=hidden,
                    intermediate_size=2 * hidden)
+    elif spec == "quest":
+        layers, hidden = study.get("layers", 32), study.get("hidden", 1024)
+        raw = dict(QUEST_GEOMETRY, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden)
     elif (Path(spec) / "config.json").exists():
         import json
         try:
@@ -95,7 +125,7 @@ def model_config(study: dict) -> dict:
                               f"DSA models (deepseek_v32, glm_moe_dsa); other families run through "
                               f"python -m hisparse.generate and the benchmarks")
     else:
-        raise ConfigError(f"{where}: model {spec!r} is neither tiny:<family>, dsa, nor a checkpoint directory")
+        raise ConfigError(f"{where}: model {spec!r} is neither tiny:<family>, dsa, quest, nor a checkpoint directory")
     if "layers" in study and spec.startswith("tiny:"):
         raw["num_hidden_layers"] = study["layers"]
     return raw
@@ -153,6 +183,14 @@ def validate(studies: list[dict]) -> None:
             if key in study:
                 _positive_int(study, key, where)
         raw = model_config(study)
+        if "token_budget" in study:
+            budget = study["token_budget"]
+            if family(raw) != "quest":
+                raise ConfigError(f"{where}: token_budget applies to Quest models; model {study['model']!r} "
+                                  f"selects index_topk tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 16:
+                raise ConfigError(f"{where}: token_budget = {budget!r}: expected an integer of at least one "
+                                  f"16-token page")
         if study.get("prefetch") and "shared" not in raw.get("indexer_types", []):
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
@@ -163,9 +201,20 @@ def validate(studies: list[dict]) -> None:
         _positive_int(study, "warmup_steps", where)
         if kind == "decode":
             _positive_ints(study, "batches", where)
+        if workload != "model":         # the synthetic selections need room for k units at every context
+            for context in study["contexts"]:
+                try:
+                    if family(raw) == "quest":
+                        per_kv_head_config(workload, 16, context, 1, selection_size(study, raw),
+                                           raw["num_hidden_layers"], raw["num_key_value_heads"])
+                    else:
+                        preset(workload, context=context, k=raw["index_topk"], layers=raw["num_hidden_layers"],
+                               **({"sinks": 1, "window": 2} if workload == "tiny" else {}))
+                except ValueError as exc:
+                    raise ConfigError(f"{where}: contexts = {study['contexts']!r}: workload {workload!r}: {exc}")
         if any(m != "resident" for m in study["modes"]):
             slots = _positive_ints(study, "cache_slots", where)
-            k = raw["index_topk"]
+            k = selection_size(study, raw)
             if min(slots) < k:
                 raise ConfigError(f"{where}: cache_slots {min(slots)} is smaller than the model's k = {k}")
         if kind == "throughput":
@@ -183,9 +232,13 @@ def points(study: dict) -> list[dict]:
     kind = study["kind"]
     if kind == "policies":
         return [{"bench": "policies", "workload": study["workload"]}]
-    base = {"family": "dsa", "workload": study.get("workload", "model"), "model": study["model"]}
-    if study["model"] == "dsa":     # its size is part of the point: two sizes' rows are not one point
-        base.update(layers=study.get("layers", 61), hidden=study.get("hidden", 1024))
+    base = {"family": family(model_config(study)), "workload": study.get("workload", "model"),
+            "model": study["model"]}
+    if study["model"] in ("dsa", "quest"):     # its size is part of the point: two sizes' rows are not one point
+        base.update(layers=study.get("layers", {"dsa": 61, "quest": 32}[study["model"]]),
+                    hidden=study.get("hidden", 1024))
+    if token_budget(study) is not None:
+        base.update(token_budget=token_budget(study))
     slots = study.get("cache_slots", [None])
     slots = slots if isinstance(slots, list) else [slots]
     out = []
@@ -258,18 +311,22 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
     global decode_runs
     decode_runs += 1
     cfg = model.config
-    context, workload = point["context"], point["workload"]
+    context, workload, budget = point["context"], point["workload"], point.get("token_budget")
     replay = None
-    if workload != "model":
-        # new_tokens timed decode steps, after the untimed warm-up steps
-        over = dict(context=context, steps=new_tokens + warmup_steps, k=cfg.index_topk, layers=cfg.num_hidden_layers)
+    steps = new_tokens + warmup_steps          # new_tokens timed decode steps, after the untimed warm-up steps
+    if workload != "model" and budget is not None:      # Quest: per KV head, in pages; dense layers stand
+        replay = per_kv_head_workload(cfg, 16, context, steps, budget // 16, batch, workload,   # for the
+                                      random_layers=cfg.quest_dense_layers)            # near-random first ones
+    elif workload != "model":
+        over = dict(context=context, steps=steps, k=cfg.index_topk, layers=cfg.num_hidden_layers)
         if workload == "tiny":
             over.update(sinks=1, window=2)
         replay = repeat_request(generate(preset(workload, **over)), batch)
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
+    quest = {} if budget is None else {"token_budget": budget}
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
                     prefetch=prefetch and point["mode"] == "hisparse", host_write=host_write,
-                    early_resolve=early_resolve)
+                    early_resolve=early_resolve, **quest)
     replay = replay and with_anchors(replay, engine.anchors)
     out = engine.generate(prompts, new_tokens + warmup_steps + 1, graph=graph, keep_logits=False, replay=replay,
                           warmup_steps=warmup_steps)
@@ -290,9 +347,21 @@ def decode_rows(point: dict, out, batch: int) -> list[dict]:
 
 
 def kv_bytes_per_request(model, mode: str, context: int, cache_slots: int | None) -> tuple[float, float]:
-    """(GPU, host) bytes of one request's KV at `context` tokens: latents resident, or B + 1 slots
-    per layer with every latent on the host; plus the resident indexer keys."""
+    """(GPU, host) bytes of one request's KV at `context` tokens. DSA: latents resident, or B + 1 slots
+    per layer with every latent on the host; plus the resident indexer keys. Quest: keys and values
+    resident, or, in its Quest layers, B + 1 page slots per KV head with every page on the host; plus
+    the resident page bounds (a min and a max key per page and KV head) and the dense layers."""
     cfg, elem = model.config, model.model.embed_tokens.weight.element_size()
+    if family(cfg) == "quest":
+        token = 2 * cfg.num_key_value_heads * cfg.head_dim * elem             # a token's keys and values, per layer
+        pages = -(-context // 16)
+        bounds = 2 * pages * cfg.num_key_value_heads * cfg.head_dim * elem     # per Quest layer
+        dense = min(cfg.quest_dense_layers, cfg.num_hidden_layers)
+        sparse = cfg.num_hidden_layers - dense
+        if mode == "resident":
+            return cfg.num_hidden_layers * context * token + sparse * bounds, 0.0
+        slots = (cache_slots + 1) * cfg.num_key_value_heads * 16 * 2 * cfg.head_dim * elem
+        return dense * context * token + sparse * (slots + bounds), sparse * pages * 16 * token
     row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
     index = sum(1 for t in cfg.indexer_types if t == "full") * context * cfg.index_head_dim * elem
     if mode == "resident":
@@ -301,11 +370,14 @@ def kv_bytes_per_request(model, mode: str, context: int, cache_slots: int | None
 
 
 def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
-    cfg = model.config
-    row_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * model.model.embed_tokens.weight.element_size()
+    cfg, elem = model.config, model.model.embed_tokens.weight.element_size()
+    if point["family"] == "quest":      # a unit is a 16-token page of one KV head's keys and values
+        k, unit_bytes = point["token_budget"] // 16, 2 * 16 * cfg.head_dim * elem
+    else:
+        k, unit_bytes = cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
     # how the point ran, recorded beside it (not part of it: a rerun another way replaces it, --force)
     prefetch = study.get("prefetch", False) and point["mode"] == "hisparse"
-    point = dict(point, k=cfg.index_topk, unit_bytes=row_bytes, layers=cfg.num_hidden_layers,
+    point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers,
                  hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
                  graph=graph, prefetch=prefetch)
     if point["bench"] == "decode":

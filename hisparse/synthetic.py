@@ -194,6 +194,15 @@ def split_kv_heads(trace: Trace, kv_heads: int) -> Trace:
     return Trace(sel, trace.family, trace.unit_size, context[:, 0].copy(), trace.layer_anchor, source=trace.source)
 
 
+def per_kv_head_config(preset_name: str, unit_size: int, context: int, steps: int, k: int, layers: int,
+                       kv_heads: int, random_layers: int = 0) -> SyntheticConfig:
+    """The generator config of `per_kv_head_workload` (one request's KV heads); raises ValueError
+    when the context is too short for k."""
+    window = 1 if preset_name == "tiny" else max(2, 64 // unit_size)
+    return preset(preset_name, context=context, steps=steps, k=k, layers=layers, random_layers=random_layers,
+                  batch=kv_heads, unit_size=unit_size, sinks=1, window=window, model_layers=None)
+
+
 def per_kv_head_workload(config, unit_size: int, context: int, steps: int, k: int, batch: int,
                          preset_name: str = "dsa_100k", random_layers: int = 0) -> Trace:
     """A replay trace for a per-KV-head family (Quest, NSA) model of `config`: the preset's locality
@@ -203,9 +212,7 @@ def per_kv_head_workload(config, unit_size: int, context: int, steps: int, k: in
     newest ones (64 tokens, at least 2 units; 1 for the "tiny" preset) are always selected."""
     from hisparse.traces import with_anchors
     heads, layers = config.num_key_value_heads, config.num_hidden_layers
-    window = 1 if preset_name == "tiny" else max(2, 64 // unit_size)
-    gen = preset(preset_name, context=context, steps=steps, k=k, layers=layers, random_layers=random_layers,
-                 batch=heads, unit_size=unit_size, sinks=1, window=window, model_layers=None)
+    gen = per_kv_head_config(preset_name, unit_size, context, steps, k, layers, heads, random_layers)
     sel = np.tile(generate(gen).selections, (1, 1, batch, 1))          # [steps, layers, batch * heads, k]
     sel[:, :getattr(config, "quest_dense_layers", 0)] = -1
     trace = Trace(sel, "synthetic", unit_size, [context] * (batch * heads), list(range(layers)), source=str(gen))

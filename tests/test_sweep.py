@@ -78,7 +78,8 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("workload = \"tiny\"\n\n", "workload = \"zipf\"\n\n"), "workload = 'zipf': expected 'model' or a preset"),
     (("model = \"tiny:deepseek_v32\"\nmodes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts = [24]\nb",
       "model = \"tiny:llama\"\nmodes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts = [24]\nb"),
-     "model 'tiny:llama': the decode loop runs DSA families"),
+     r"contexts = \[24\]: workload 'tiny': context=24 tokens \(2 units at step 0\) is too short for k=3"),
+    (("model = \"tiny:deepseek_v32\"", "model = \"tiny:mistral\""), "the sweep runs DSA and Quest families"),
     (("warmup_steps = 2", "warmup_steps = 0"), "warmup_steps = 0: expected a positive integer"),
     (("warmup_steps = 2", "warmup_steps = [2]"), "warmup_steps = \\[2\\]: expected one positive integer"),
     (("modes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts",
@@ -89,8 +90,8 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("warmup_steps = 2", "warmup_steps = 2\nlayers = 0"), "layers = 0: expected a positive integer"),
     (("warmup_steps = 2", "warmup_steps = 2\nprefetch = true"),
      "prefetch = true needs layers that share a selection .* model 'tiny:deepseek_v32' has none"),
-], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "family", "warmup", "warmup-list",
-        "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared"])
+], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
+        "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
@@ -124,8 +125,8 @@ def test_dry_run_lists_points_and_runs_nothing(tmp_path, capsys):
 def test_default_config_is_valid():
     studies = sweep.tomllib.loads(sweep.DEFAULT_CONFIG.read_text())["study"]
     sweep.validate(studies)
-    h200 = sweep.tomllib.loads((sweep.DEFAULT_CONFIG.parent / "h200.toml").read_text())["study"]
-    sweep.validate(h200)
+    for name in ("h200.toml", "h200_quest.toml", "h200_repeat.toml"):
+        sweep.validate(sweep.tomllib.loads((sweep.DEFAULT_CONFIG.parent / name).read_text())["study"])
 
 
 def test_the_modes_of_one_context_and_batch_run_back_to_back():
@@ -201,3 +202,57 @@ def test_runs_per_process_goes_on_in_fresh_processes(tmp_path, capsys):
         with pytest.raises(SystemExit):
             sweep.main(["--config", config, "--out", out, *argv])
         assert message in capsys.readouterr().err
+
+
+QUEST = """
+[[study]]
+kind = "decode"
+model = "tiny:llama"
+modes = ["resident", "hisparse", "noio"]
+cache_slots = 6
+contexts = [64]
+batches = [2]
+new_tokens = 3
+workload = "tiny"
+
+[[study]]
+kind = "throughput"
+model = "tiny:llama"
+modes = ["resident", "hisparse"]
+cache_slots = 6
+contexts = [256]
+kv_budget_gib = 0.0002
+max_batch = 4
+new_tokens = 2
+workload = "tiny"
+"""
+
+
+def test_quest_studies_run_per_kv_head_in_pages(tmp_path):
+    """A Quest model in the sweep: k = token_budget // 16 pages (48 tokens: 3), a unit is one KV head's
+    page, selections replay the synthetic workload per KV head; its throughput rows say what a request
+    keeps on the host."""
+    out = str(tmp_path / "results")
+    assert sweep.main(["--config", write(tmp_path, QUEST), "--out", out]) == 0
+    decode = pd.read_csv(tmp_path / "results" / "decode.csv")
+    assert (decode.family == "quest").all() and (decode.k == 3).all() and (decode.token_budget == 48).all()
+    assert (decode.unit_bytes == 2 * 16 * 16 * 4).all()              # keys and values of 16 tokens, head dim 16, fp32
+    assert (decode[decode.metric == "miss_rate"].value > 0).all()
+    tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
+    host = tput[tput.metric == "host_bytes_per_request"].set_index("mode").value
+    assert host["resident"] == 0 and host["hisparse"] == 16 * 16 * 2 * 2 * 16 * 4     # 1 Quest layer, 16 pages
+
+
+@pytest.mark.parametrize("edit,message", [
+    (('workload = "tiny"\n', 'workload = "tiny"\ntoken_budget = 8\n'), "token_budget = 8: expected an integer of "
+                                                                      "at least one 16-token page"),
+    (("cache_slots = 6\ncontexts = [64]", "cache_slots = 2\ncontexts = [64]"),
+     "cache_slots 2 is smaller than the model's k = 3"),
+], ids=["budget-under-a-page", "slots-below-k"])
+def test_bad_quest_studies_fail_before_running(tmp_path, capsys, edit, message):
+    config = write(tmp_path, QUEST.replace(*edit, 1))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 2
+    assert re.search(message, capsys.readouterr().err) and not list(tmp_path.glob("results/*.csv"))
+    dsa = write(tmp_path, TINY.replace('workload = "tiny"\n', 'workload = "tiny"\ntoken_budget = 64\n', 1))
+    assert sweep.main(["--config", dsa, "--dry-run"]) == 2
+    assert "token_budget applies to Quest models" in capsys.readouterr().err
