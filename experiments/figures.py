@@ -97,30 +97,36 @@ def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[keep]
 
 
-def on_device(frame: pd.DataFrame, device: str | None, where: str) -> pd.DataFrame:
-    """The rows of `device` (a `gpu` value, e.g. "NVIDIA H200" or "cpu"); by default those of any GPU
-    where the file has some (real numbers come from a GPU), else the CPU's, and of a full-size
-    workload where there are some (not the "tiny" test preset)."""
+def on_device(frames: dict[str, pd.DataFrame], device: str | None) -> dict[str, pd.DataFrame]:
+    """Each file's rows of one device for the whole figure: `device` (a `gpu` value, e.g. "NVIDIA H200"
+    or "cpu"), or by default any GPU's where one of the figure's files has some (real numbers come from
+    a GPU), else the CPU's; a file without rows of it is left out, as a missing one is. Within a file, a
+    full-size workload's rows over the "tiny" test preset's (the default sweep's smoke run) unless a
+    device is named."""
     if device is None:
-        on_gpu = frame["gpu"] != "cpu"
-        frame = frame[on_gpu] if on_gpu.any() else frame
-        # the same for the policy study, always on a CPU: a real workload's rows over the test preset's
-        # (the default sweep's smoke run)
-        if "workload" in frame:
+        any_gpu = any((frame["gpu"] != "cpu").any() for frame in frames.values())
+        keep = {name: frame[(frame["gpu"] != "cpu") == any_gpu] for name, frame in frames.items()}
+    else:
+        keep = {name: frame[frame["gpu"] == device] for name, frame in frames.items()}
+        if frames and all(frame.empty for frame in keep.values()):
+            found = sorted({gpu for frame in frames.values() for gpu in frame["gpu"]})
+            raise MissingData(f"{' and '.join(frames)} have no rows of device {device!r} (they have {found})")
+    out = {}
+    for name, frame in keep.items():
+        if frame.empty:
+            continue
+        if device is None and "workload" in frame:
             full = frame["workload"] != "tiny"
             frame = frame[full] if full.any() else frame
-        return frame
-    rows = frame[frame["gpu"] == device]
-    if rows.empty:
-        raise MissingData(f"{where} has no rows of device {device!r} (it has {sorted(set(frame['gpu']))})")
-    return rows
+        out[name] = frame
+    return out
 
 
 def read_results(results: Path, names: tuple[str, ...], device: str | None = None) -> pd.DataFrame:
-    """The rows of each CSV in `names` that exists under `results`, on `device` (`on_device`),
+    """The rows of each CSV in `names` that exists under `results`, on one device (`on_device`),
     concatenated: the newest run's (`newest`), or for PER_POINT files the newest row of each point
     (`newest_per_point`)."""
-    frames = []
+    frames = {}
     for name in names:
         if not (results / name).exists():
             continue
@@ -130,14 +136,17 @@ def read_results(results: Path, names: tuple[str, ...], device: str | None = Non
             raise MissingData(f"{results / name} is empty") from None
         if frame.empty:
             raise MissingData(f"{results / name} has no rows")
-        frame = on_device(frame, device, str(results / name))
+        frames[str(results / name)] = frame
+    picked = []
+    for path, frame in on_device(frames, device).items():
+        name = Path(path).name
         if name == "prefetch.csv":
             frame = default_prefetch_variant(frame)
-        frames.append(newest_per_point(frame, RUN_COLUMNS + PER_POINT[name]) if name in PER_POINT
+        picked.append(newest_per_point(frame, RUN_COLUMNS + PER_POINT[name]) if name in PER_POINT
                       else newest(frame))
-    if not frames:
+    if not picked:
         raise MissingData(f"{' and '.join(str(results / n) for n in names)} not found")
-    return pd.concat(frames, ignore_index=True)
+    return pd.concat(picked, ignore_index=True)
 
 
 def select(frame: pd.DataFrame, metrics, modes=None) -> pd.DataFrame:

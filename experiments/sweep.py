@@ -191,7 +191,13 @@ def validate(studies: list[dict]) -> None:
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 16:
                 raise ConfigError(f"{where}: token_budget = {budget!r}: expected an integer of at least one "
                                   f"16-token page")
-        if study.get("prefetch") and "shared" not in raw.get("indexer_types", []):
+        try:                  # the model's whole config, as the run will build it (defaults and older keys expanded)
+            built = config_from_dict(dict(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{where}: model {study['model']!r}: {exc}") from None
+        shares = any(built.selection_anchor(i) != i for i in range(built.num_hidden_layers)) \
+            if hasattr(built, "selection_anchor") else "shared" in getattr(built, "indexer_types", [])
+        if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
         _positive_ints(study, "contexts", where)
@@ -443,6 +449,12 @@ def main(argv=None) -> int:
         for point in points(study):
             if args.force or not already_done(done, point, gpu):
                 todo.append((study, point))
+    keys = [tuple(sorted((k, str(v)) for k, v in point.items())) for _, point in todo]
+    if args.runs_per_process and len(set(keys)) < len(keys):
+        print("error: two studies share a point (they differ only in how it runs: new_tokens, warmup_steps, "
+              "graph or prefetch), which a resumed process would run once: split them into two configs "
+              "for --runs-per-process", file=sys.stderr)
+        return 2
     total = sum(len(points(s)) for s in studies)
     print(f"{args.config}: {total} points, {total - len(todo)} already in {out_dir}/, {len(todo)} to run on {gpu}")
     if args.dry_run:

@@ -171,7 +171,7 @@ class DsaRuntime:
 
     family = "DSA"
     selection_name = "index_topk"
-    unit_size, kv_heads = 1, None
+    unit_size, kv_heads, dense_layers = 1, None, 0
     host_writes, host_write = HOST_WRITES, "layer"
     early_resolve = False
 

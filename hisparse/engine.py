@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hisparse.cache import HierarchicalKVCache
@@ -220,8 +221,9 @@ class Engine:
             state, first = self._prefill(prompts, capacity)
             attention = self.runtime.attention(self.mode, state.layers, check_values=not graph, prefetch=self.prefetch)
             if replay is not None:     # the whole trace on the device: each step copies its slice
-                replay_steps = torch.from_numpy(replay.selections[:new_tokens - 1]).to(first.device)
-                attention.replay_sel = torch.empty_like(replay_steps[0])
+                steps = np.ascontiguousarray(replay.selections[:new_tokens - 1])
+                replay_steps = torch.from_numpy(steps).to(first.device)
+                attention.replay_sel = torch.empty_like(replay_steps[0], memory_format=torch.contiguous_format)
             self.model.sparse_attention = attention
             out = Generation(tokens=torch.empty(0))
             if first.dim() == 2:                       # the model's prefill: its last logits
@@ -298,6 +300,10 @@ class Engine:
         if want != got:
             raise ValueError(f"trace {trace} does not fit this run: expected {want}, got {got} (kv_heads None: "
                              f"one selection per request and layer)")
+        dense = runtime.dense_layers
+        if dense and (trace.selections[:, :dense] != -1).any():
+            raise ValueError(f"trace {trace} selects units on layers 0..{dense - 1}, which this model keeps dense: "
+                             f"their selections must be -1")
         if list(trace.context) != [len(p) for p in prompts]:
             raise ValueError(f"trace context {trace.context.tolist()} differs from the prompt lengths "
                              f"{[len(p) for p in prompts]}")

@@ -7,6 +7,7 @@ limited by the number of rows per second, while rows kept close together stream 
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import sys
 import warnings
@@ -110,9 +111,12 @@ class HostPool:
 
     def alloc(self, n_rows: int) -> int:
         """Reserve `n_rows` contiguous rows; returns the first row. Nothing changes on failure."""
-        if isinstance(n_rows, bool) or not hasattr(n_rows, "__index__"):
-            raise ValueError(f"a host region's size must be an int, got {n_rows!r}")
-        n_rows = n_rows.__index__()
+        try:
+            if isinstance(n_rows, bool):
+                raise TypeError
+            n_rows = operator.index(n_rows)
+        except TypeError:
+            raise ValueError(f"a host region's size must be an int, got {n_rows!r}") from None
         if n_rows <= 0:
             raise ValueError(f"a host region needs at least one row, got {n_rows}")
         for i, (start, length) in enumerate(self._free):

@@ -171,7 +171,7 @@ class NsaRuntime:
 
     family = "NSA"
     selection_name = "num_selected_blocks"
-    unit_size = SEL_BLOCK
+    unit_size, dense_layers = SEL_BLOCK, 0
     host_writes, host_write = ("layer",), "layer"
     early_resolve = False
 

@@ -233,6 +233,7 @@ class QuestRuntime:
         self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
         self.selection_size = selection_size(model, self.token_budget)
         self.kv_heads = model.config.num_key_value_heads
+        self.dense_layers = min(model.config.quest_dense_layers, model.config.num_hidden_layers)
         self.anchors = [model.config.selection_anchor(i) for i in range(model.config.num_hidden_layers)]
         self.shared_layers = any(a != i for i, a in enumerate(self.anchors))   # prefetch has layers to serve
 

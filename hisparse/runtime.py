@@ -65,6 +65,7 @@ class FamilyRuntime(Protocol):
     shared_layers: bool        # layers may replay an anchor's miss plan (layer-wise prefetch applies)
     unit_size: int             # tokens per unit (a trace's unit_size)
     kv_heads: int | None       # selections per request and layer: one per KV head, or None for one in all
+    dense_layers: int          # the first layers, which attend densely and select nothing (a trace's rows: -1)
     host_writes: tuple[str, ...]   # when a step's newest rows may reach the host pool (HOST_WRITES)
     host_write: str            # the one in use, set by the engine
     early_resolve: bool        # resolve on a side stream from the selection on (set by the engine)
@@ -181,6 +182,8 @@ class UnitResolver:
     def recorded_step(self, layers: int) -> torch.Tensor:
         """The last step's selections of every layer, [layers, N, (HKV,) k] int32 (a trace's step):
         -1 throughout for a layer that selected nothing (a dense layer)."""
+        if not self.recorded:
+            raise ValueError("no layer selected anything this step (every layer is dense): nothing to record")
         some = next(iter(self.recorded.values()))
         return torch.stack([self.recorded.get(i, torch.full_like(some, -1)) for i in range(layers)])
 

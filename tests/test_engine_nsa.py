@@ -11,6 +11,8 @@ compressed blocks and opens its second block during the 64 decode steps."""
 import functools
 import tempfile
 
+import numpy as np
+
 import pytest
 import torch
 from engine_checks import (
@@ -31,6 +33,7 @@ from hisparse.nsa import SEL_BLOCK
 from hisparse.nsa_runtime import HierNsaKV, NsaBlocksKV
 from hisparse.synthetic import SyntheticConfig, split_kv_heads
 from hisparse.synthetic import generate as generate_trace
+from hisparse.traces import Trace
 
 PROMPT_LENGTHS = (450, 20)
 N_SELECT = 4                     # k: selection blocks per KV head and step
@@ -200,5 +203,11 @@ def test_traces_record_and_replay_per_kv_head(tmp_path):
         context=lengths[0], steps=new_tokens - 1, k=N_SELECT, layers=1, batch=len(lengths) * heads, sinks=1,
         window=2, random_layers=0, noise=1.0, unit_size=SEL_BLOCK)), heads)
     gen = torch.Generator().manual_seed(1)
-    check_traces_replay_exactly(model, [torch.randint(0, 97, (n,), generator=gen) for n in lengths], new_tokens,
-                                N_SELECT, tmp_path, synthetic)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in lengths]
+    check_traces_replay_exactly(model, prompts, new_tokens, N_SELECT, tmp_path, synthetic)
+    # a trace held in another memory order replays the same (the kernels take contiguous selections)
+    fortran = Trace(np.asfortranarray(synthetic.selections), "synthetic", SEL_BLOCK, synthetic.context,
+                    synthetic.layer_anchor)
+    a = Engine(model, "hisparse", cache_slots=N_SELECT).generate(prompts, new_tokens, replay=synthetic)
+    b = Engine(model, "hisparse", cache_slots=N_SELECT).generate(prompts, new_tokens, replay=fortran)
+    assert_bitwise(a, b, "a Fortran-ordered trace")

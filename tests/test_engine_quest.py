@@ -28,6 +28,7 @@ from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.quest import PAGE
 from hisparse.quest_runtime import HierQuestKV, QuestKV, new_cache
 from hisparse.synthetic import SyntheticConfig, split_kv_heads
+from hisparse.traces import Trace
 from hisparse.synthetic import generate as generate_trace
 
 PROMPT_LENGTHS = (64, 21)
@@ -226,5 +227,11 @@ def test_traces_record_and_replay_per_kv_head(tmp_path):
         unit_size=PAGE)), cfg.num_key_value_heads)
     synthetic.selections[:, :dense] = -1           # dense layers select nothing
     gen = torch.Generator().manual_seed(1)
-    check_traces_replay_exactly(model, [torch.randint(0, 97, (n,), generator=gen) for n in lengths], new_tokens,
-                                K, tmp_path, synthetic, token_budget=BUDGET)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in lengths]
+    check_traces_replay_exactly(model, prompts, new_tokens, K, tmp_path, synthetic, token_budget=BUDGET)
+    on_dense = Trace(synthetic.selections.copy(), "synthetic", PAGE, synthetic.context, synthetic.layer_anchor)
+    on_dense.selections[:, 0] = synthetic.selections[:, dense]           # a dense layer that selects
+    engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
+    with pytest.raises(ValueError, match=rf"selects units on layers 0..{dense - 1}, which this model keeps dense"):
+        engine.generate(prompts, new_tokens, replay=on_dense)
+    assert engine.cache is None

@@ -309,8 +309,15 @@ def test_a_gpus_rows_are_drawn_over_newer_cpu_rows_unless_asked(tmp_path, capsys
     pd.concat([gpu, cpu]).to_csv(tmp_path / "prefetch.csv", index=False)
     assert figures.read_results(tmp_path, ("prefetch.csv",))["batch"].tolist() == [8]
     assert figures.read_results(tmp_path, ("prefetch.csv",), device="cpu")["batch"].tolist() == [2]
-    with pytest.raises(MissingData, match=r"has no rows of device 'TPU' \(it has \['NVIDIA H200', 'cpu'\]\)"):
+    with pytest.raises(MissingData, match=r"have no rows of device 'TPU' \(they have \['NVIDIA H200', 'cpu'\]\)"):
         figures.read_results(tmp_path, ("prefetch.csv",), device="TPU")
+    # one device for a whole figure: a file without its rows is left out, not mixed in
+    gpu.assign(bench="decode").to_csv(tmp_path / "decode.csv", index=False)
+    cpu.to_csv(tmp_path / "prefetch.csv", index=False)
+    both = ("decode.csv", "prefetch.csv")
+    assert figures.read_results(tmp_path, both)["bench"].tolist() == ["decode"]
+    assert figures.read_results(tmp_path, both, device="cpu")["bench"].tolist() == ["prefetch"]
+    pd.concat([gpu, cpu]).to_csv(tmp_path / "prefetch.csv", index=False)
     (tmp_path / "decode.csv").write_text("")
     with pytest.raises(MissingData, match="decode.csv is empty"):
         figures.read_results(tmp_path, ("decode.csv",))

@@ -196,6 +196,11 @@ def test_runs_per_process_goes_on_in_fresh_processes(tmp_path, capsys):
     assert sorted(decode.drop_duplicates("mode")["mode"]) == ["hisparse", "resident"]
     assert (decode.run == 1).all() and (tput.dropna(subset=["run"]).run == 1).all()
     assert len(tput[tput.metric == "tokens_per_s"]) == 2
+    twice = TINY.split("\n\n[[study]]")[0]
+    twice = write(tmp_path, twice + "\n" + twice.replace("new_tokens = 3", "new_tokens = 5"))
+    run = subprocess.run([sys.executable, "-m", "experiments.sweep", "--config", twice, "--out", str(tmp_path / "r2"),
+                          "--runs-per-process", "1"], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "two studies share a point" in run.stderr and not (tmp_path / "r2").exists()
     for argv, message in ((["--runs-per-process", "0"], "expected a positive integer"),
                           (["--runs-per-process", "2", "--force"], "which --force would start over"),
                           (["--runs-per-process", "2"], "use it from the command line")):
