@@ -12,28 +12,13 @@ selection is per KV head. Callers map their requests onto streams; this class kn
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 
-from hisparse.host_pool import HostPool
+from hisparse.host_pool import HostPool, as_int
 from hisparse.resolve import (MAX_SLOTS, CacheState, ResolveResult, check_resolve_inputs, fetch_rows, resolve,
                               resolve_ref, store_reserved, write_rows, write_unit_token)
 
 MODES = ("normal", "noio")
-
-
-def _as_int(value, expected: str, minimum: int) -> int:
-    """value as a Python int (numpy and 0-d torch integers included), or ValueError(expected)."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{expected}, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"{expected}, got {value!r}")
-    return value
 
 
 def _check_integer(name: str, t: torch.Tensor) -> None:
@@ -79,7 +64,7 @@ class HierarchicalKVCache:
 
     def open_stream(self, capacity: int) -> int:
         """Take a free stream with a host region of `capacity` units. Nothing changes on failure."""
-        capacity = _as_int(capacity, "a stream's capacity must be a positive int (units)", minimum=1)
+        capacity = as_int(capacity, "a stream's capacity must be a positive int (units)", minimum=1)
         free = [s for s in range(self.max_streams) if s not in self._open]
         if not free:
             raise RuntimeError(f"all {self.max_streams} streams are open; close one or raise max_streams")
@@ -175,7 +160,7 @@ class HierarchicalKVCache:
     def advance(self, streams: list[int], n: int = 1) -> None:
         """Record on the host that each stream gets `n` more units (written by `write_newest`); a
         stream listed twice gets 2n. Nothing changes on failure."""
-        n = _as_int(n, "n must be an int >= 0 (units per stream)", minimum=0)
+        n = as_int(n, "n must be an int >= 0 (units per stream)", minimum=0)
         added: dict[int, int] = {}
         for s in streams:
             self._check_open(s)

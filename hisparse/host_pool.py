@@ -79,6 +79,20 @@ def unpin(t: torch.Tensor) -> None:
         warnings.warn(f"cudaHostUnregister of a host pool returned {err}", RuntimeWarning, stacklevel=2)
 
 
+def as_int(value, expected: str, minimum: int | None = None) -> int:
+    """value as a Python int (numpy and 0-d torch integers included, not bools or floats), or
+    ValueError(f"{expected}, got {value!r}"), also when it is below `minimum`."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{expected}, got {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{expected}, got {value!r}")
+    return number
+
+
 class HostPool:
     """`rows` [R, E] of every stream, with first-fit regions. On a GPU the rows are pinned until the
     pool goes: views of `rows` (and CUDA graphs that read it) must not outlive the pool."""
@@ -111,12 +125,7 @@ class HostPool:
 
     def alloc(self, n_rows: int) -> int:
         """Reserve `n_rows` contiguous rows; returns the first row. Nothing changes on failure."""
-        try:
-            if isinstance(n_rows, bool):
-                raise TypeError
-            n_rows = operator.index(n_rows)
-        except TypeError:
-            raise ValueError(f"a host region's size must be an int, got {n_rows!r}") from None
+        n_rows = as_int(n_rows, "a host region's size must be an int")
         if n_rows <= 0:
             raise ValueError(f"a host region needs at least one row, got {n_rows}")
         for i, (start, length) in enumerate(self._free):
