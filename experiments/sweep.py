@@ -238,13 +238,13 @@ def points(study: dict) -> list[dict]:
     kind = study["kind"]
     if kind == "policies":
         return [{"bench": "policies", "workload": study["workload"]}]
-    base = {"family": family(model_config(study)), "workload": study.get("workload", "model"),
-            "model": study["model"]}
+    raw, budget = model_config(study), token_budget(study)
+    base = {"family": family(raw), "workload": study.get("workload", "model"), "model": study["model"]}
     if study["model"] in ("dsa", "quest"):     # its size is part of the point: two sizes' rows are not one point
         base.update(layers=study.get("layers", {"dsa": 61, "quest": 32}[study["model"]]),
                     hidden=study.get("hidden", 1024))
-    if token_budget(study) is not None:
-        base.update(token_budget=token_budget(study))
+    if budget is not None:
+        base.update(token_budget=budget)
     slots = study.get("cache_slots", [None])
     slots = slots if isinstance(slots, list) else [slots]
     out = []
