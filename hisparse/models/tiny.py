@@ -25,13 +25,18 @@ TINY_CONFIGS = {
 }
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
+def randomize_(model: torch.nn.Module, seed: int, on_device: bool = False) -> None:
     """Weights at a scale that keeps activations O(1): matrices ~ N(0, 1/fan_in), norm weights
-    ~ 1 + N(0, 0.1^2), biases and the router's correction bias ~ N(0, 0.1^2)."""
-    generator = torch.Generator().manual_seed(seed)
+    ~ 1 + N(0, 0.1^2), biases and the router's correction bias ~ N(0, 0.1^2).
+
+    The noise comes from a CPU generator, so a seed gives the same weights on every device, unless
+    `on_device`: then it is drawn where the weights are (other values, same distribution), which
+    for DeepSeek's hidden size (31 G parameters) takes seconds on a GPU instead of minutes."""
+    device = next(model.parameters()).device if on_device else torch.device("cpu")
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
-            noise = torch.randn(tensor.shape, generator=generator)
+            noise = torch.randn(tensor.shape, generator=generator, device=device)
             if tensor.dim() >= 2:
                 tensor.copy_(noise / math.sqrt(tensor.shape[-1]))
             elif "norm" in name and name.endswith("weight"):
