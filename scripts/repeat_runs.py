@@ -37,6 +37,7 @@ import torch
 
 import experiments.sweep as sweep  # first: on a CPU it turns on Triton's interpreter
 from hisparse.host_pool import pinned_empty, unpin  # noqa: E402
+from benchmarks.common import throwaway_graphs  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -56,11 +57,14 @@ def main(argv=None) -> None:
     ap.add_argument("--graphs-first", type=int, default=0,
                     help="capture, replay once and free this many graphs of 4000 small kernels before the first "
                          "run (default 0): is the switch the count of graphs a process has made?")
+    ap.add_argument("--graph-kernels", type=int, default=4000,
+                    help="kernels in each of those graphs (default 4000, about a 61-layer decode step's)")
     args = ap.parse_args(argv)
-    if min(args.runs, args.batch, args.steps) < 1 or min(args.pin_gib, args.pause_s, args.graphs_first) < 0:
-        raise SystemExit(f"--runs, --batch, --steps >= 1 and --pin-gib, --pause-s, --graphs-first >= 0 expected, "
-                         f"got {args.runs}, {args.batch}, {args.steps}, {args.pin_gib}, {args.pause_s}, "
-                         f"{args.graphs_first}")
+    counts = (args.runs, args.batch, args.steps, args.graph_kernels)
+    if min(counts) < 1 or min(args.pin_gib, args.pause_s, args.graphs_first) < 0:
+        raise SystemExit(f"--runs, --batch, --steps, --graph-kernels >= 1 and --pin-gib, --pause-s, --graphs-first "
+                         f">= 0 expected, got {args.runs}, {args.batch}, {args.steps}, {args.graph_kernels}, "
+                         f"{args.pin_gib}, {args.pause_s}, {args.graphs_first}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     if args.keep_cache:
@@ -69,10 +73,9 @@ def main(argv=None) -> None:
                              workload="dsa_100k"), torch.device("cuda"))
     point = dict(mode=args.mode, context=args.context, workload="dsa_100k",
                  cache_slots=None if args.mode == "resident" else 4096)
-    for _ in range(args.graphs_first):
-        throwaway_graph()
+    throwaway_graphs(args.graphs_first, args.graph_kernels)
     if args.graphs_first:
-        print(f"  made, replayed and freed {args.graphs_first} graphs of 4000 kernels", flush=True)
+        print(f"  made, replayed and freed {args.graphs_first} graphs of {args.graph_kernels} kernels", flush=True)
     row_elems = 1 << 20                      # 2 MiB bf16 rows
     for run in range(1, args.runs + 1):
         if args.pin_gib and run > 1:
@@ -88,19 +91,6 @@ def main(argv=None) -> None:
               f"{step:6.2f} ms (host in its launch {launch:5.2f} ms), "
               f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB reserved; "
               f"probe: {gpu_probe()}", flush=True)
-
-
-def throwaway_graph(kernels: int = 4000) -> None:
-    """A graph of about as many kernels as a 61-layer decode step, captured, replayed once and freed."""
-    x = torch.zeros(1024, device="cuda")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(kernels):
-            x.add_(1)
-    graph.replay()
-    torch.cuda.synchronize()
-    del graph
 
 
 def gpu_probe() -> str:

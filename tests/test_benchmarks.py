@@ -146,13 +146,16 @@ def test_decode_ablation_patches_are_undone():
 def test_repeat_runs_refuses_bad_arguments_and_a_cpu_clearly():
     """scripts/repeat_runs.py (GPU only): bad counts named before anything is built; no GPU said plainly."""
     from scripts import repeat_runs
-    expected = r"--runs, --batch, --steps >= 1 and --pin-gib, --pause-s, --graphs-first >= 0 expected, got "
-    with pytest.raises(SystemExit, match=expected + "0, 16, 32, 0.0, 0.0, 0"):
+    expected = (r"--runs, --batch, --steps, --graph-kernels >= 1 and --pin-gib, --pause-s, --graphs-first >= 0 "
+                r"expected, got ")
+    with pytest.raises(SystemExit, match=expected + "0, 16, 32, 4000, 0.0, 0.0, 0"):
         repeat_runs.main(["--runs", "0"])
-    with pytest.raises(SystemExit, match=expected + "6, 16, 32, 0.0, -1.0, 0"):
+    with pytest.raises(SystemExit, match=expected + "6, 16, 32, 4000, 0.0, -1.0, 0"):
         repeat_runs.main(["--pause-s", "-1"])
-    with pytest.raises(SystemExit, match=expected + "6, 16, 32, 0.0, 0.0, -2"):
+    with pytest.raises(SystemExit, match=expected + "6, 16, 32, 4000, 0.0, 0.0, -2"):
         repeat_runs.main(["--graphs-first", "-2"])
+    with pytest.raises(SystemExit, match=expected + "6, 16, 32, 0, 0.0, 0.0, 0"):
+        repeat_runs.main(["--graph-kernels", "0"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             repeat_runs.main([])
