@@ -59,9 +59,10 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[keep]
 
 
-# what a rerun of a point changes (the sweep's timed and warm-up steps and how it ran, the attention timings' spread)
+# what a rerun of a point changes (the sweep's timed and warm-up steps and how it ran, with its place in
+# its process, the attention timings' spread)
 RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps",
-               "us_p20", "us_p80", "graph", "prefetch")
+               "us_p20", "us_p80", "graph", "prefetch", "run")
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
 # a few batches or with another timer), read per point rather than per run; with the columns a rerun
 # of a point may add or change in that file (bench_prefetch's variant: older rows lack it, and

@@ -14,8 +14,8 @@
 # sweep: resolve_layers.csv, and no resolve.csv or its target lines); TUNE=1 first times the resolve variants
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt; ABLATE_ARGS (e.g. "--batch 16 --rounds 2") first
 # runs scripts/ablate_decode.py with them (noio vs resident in variants: $OUT/decode_ablation.csv); REPEAT=1
-# first runs scripts/repeat_runs.py (is a process's 4th decode run slower, and why?), with REPEAT_ARGS
-# (e.g. "--keep-cache"; set PYTORCH_CUDA_ALLOC_CONF for another allocator).
+# first runs scripts/repeat_runs.py (a process's 4th CUDA graph replays slower: which runs?), with REPEAT_ARGS
+# (e.g. "--graphs-first 3 --graph-kernels 1"; set PYTORCH_CUDA_ALLOC_CONF for another allocator).
 # $OUT/gpu_monitor.txt samples clocks, temperature and power every 0.5 s (runs print wall-clock times).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
@@ -56,7 +56,7 @@ if [ "${TUNE:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.tune_resolve 2>&1 | tee "$OUT/tune_resolve.txt" | tee -a "$log" || status=1
 fi
 if [ "${REPEAT:-0}" = 1 ]; then
-  # the 4th-run switch (scripts/repeat_runs.py; its docstring says what earlier runs ruled out)
+  # the graph-count switch (scripts/repeat_runs.py; its docstring says what earlier runs found)
   echo "== repeat_runs --runs 5 ${REPEAT_ARGS:-}" | tee -a "$log"
   read -r -a repeat <<< "${REPEAT_ARGS:-}"
   timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.repeat_runs --runs 5 "${repeat[@]}" 2>&1 | grep -v Warning \

@@ -1,7 +1,7 @@
 """Is the N-th decode run of a process slower than the first? GPU only.
 
     python -m scripts.repeat_runs [--runs 6] [--mode resident] [--pin-gib 0] [--keep-cache] [--pause-s 0]
-                                  [--graphs-first 0]
+                                  [--graphs-first 0 --graph-kernels 4000]
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m scripts.repeat_runs    # another allocator
 
 Runs the sweep's decode point (61 layers, DSA geometry, context 32K, CUDA graph replays) --runs times
@@ -24,10 +24,15 @@ Found so far (results/gpu_logs/b75adb1f6259_*): the switch comes at run 4 as the
 --keep-cache and with expandable segments; with the GPU idle 60 s before each run, run 2 (73 s after
 run 1) was still fast, so it follows the run count, not the time. The probe did not slow down after
 it, and under torch.profiler the 4th and 5th runs' kernels took no longer in all while their steps
-did (+2.6 to 3.3 ms): the GPU waits between kernels. Next: is it waiting on the host's launch
-(each run prints the host's time in its launches), and does it follow the count of graphs made
-(--graphs-first 3: is the first run slow)? A lead: SGLang's decode graphs were reported to idle about
-2 ms before their first kernel on every replay (sgl-project/sglang issue 5593).
+did (+2.6 to 3.3 ms): the GPU waits between kernels. It follows the count of CUDA graphs the process
+has captured, one per decode run (results/gpu_logs/cca64e5ac5eb_graph_count_switch.txt): after 1, 2
+or 3 throwaway graphs (--graphs-first) the slow runs begin 1, 2 or 3 runs earlier, the 4th graph in
+each case, and 3 graphs of one kernel each do it as 4000-kernel ones do (--graph-kernels 1), while one
+graph of 16000 kernels does not. The host is not what the GPU waits for: it spends 0.02-0.05 ms in
+each step's launch on both sides. Why the driver or PyTorch runs a process's 4th graph on slower is
+not known. benchmarks.common.pass_graph_switch puts every graph a benchmark times past the switch.
+A lead not followed: SGLang's decode graphs were reported to idle about 2 ms before their first
+kernel on every replay (sgl-project/sglang issue 5593).
 """
 import argparse
 import statistics

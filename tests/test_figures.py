@@ -59,6 +59,17 @@ def test_newest_per_point_keeps_a_resumed_sweeps_points_and_a_reruns_newest_row(
     assert got == {("resident", 8): (8.0, "a"), ("resident", 16): (99.0, "b"), ("noio", 8): (7.0, "b")}
 
 
+def test_newest_per_point_replaces_a_point_rerun_with_its_place_in_the_process_recorded():
+    """Rows from before the sweep recorded `run` (their place in their process) and a rerun that records
+    it are one point: the rerun replaces the older row rather than being averaged with it."""
+    old = frame("decode", [{"mode": "noio", "batch": 8, "metric": "tpot_ms", "value": 31.8}], commit="a",
+                timestamp="2026-11-29T10:00:00+00:00")
+    rerun = frame("decode", [{"mode": "noio", "batch": 8, "metric": "tpot_ms", "value": 29.5, "run": 3}],
+                  commit="b", timestamp="2026-11-30T10:00:00+00:00")
+    picked = figures.newest_per_point(pd.concat([old, rerun], ignore_index=True))
+    assert picked["value"].tolist() == [29.5] and picked["commit"].tolist() == ["b"]
+
+
 def test_select_names_what_is_missing():
     rows = decode_frame(["resident"], ["tokens_per_s"])
     with pytest.raises(MissingData, match="tpot_ms for modes resident, hisparse"):
