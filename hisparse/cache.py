@@ -143,10 +143,10 @@ class HierarchicalKVCache:
     def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            unit_tokens: int, map_streams: torch.Tensor | None = None) -> None:
         """The decode step's write when a unit holds `unit_tokens` tokens (rows [2, T, D]): token
-        pos[n]'s keys and values [N, HKV, D] join the newest unit of streams [N * HKV] (-1 skips),
-        whose whole row goes to the host pool, the reserved slot and any cached copy. One launch, no
-        host sync (capturable); the caller records opened units first (`advance`). map_streams: as
-        in `write_newest`."""
+        pos[n]'s keys and values [N, HKV, D] join the newest unit of streams [N * HKV] (-1 skips), in
+        the host pool, the reserved slot and any cached copy (the token alone; the whole row, zeros but
+        for the token, when it opens the unit). One launch, no host sync (capturable); the caller
+        records opened units first (`advance`). map_streams: as in `write_newest`."""
         write_unit_token(streams, pos, keys, values, self.state.host_base, self.state.unit_slot, self.host.rows,
                          self.slots, unit_tokens, map_streams)
 

@@ -14,11 +14,11 @@ The compressed blocks (`[N, HKV, C, D]`) and the sliding window (a ring of the l
 token t at t % W) stay resident in every mode (DESIGN section 5).
 
 Each decode step writes the new token's key and value into the window ring and into its block:
-the resident pool's row, or (hierarchical) the newest block's whole row, rebuilt from the reserved
-slot and written to the host pool, the reserved slot and any cached copy (write-through, as Quest's
-newest page: `HierarchicalKVCache.write_newest_token`). Then `nsa_compress_newest` computes, from the
-ring, the compressed block the token completes (in the rows where it completes one), through the
-layer's `compress_k` / `compress_v`. No host sync, so the step can be captured in a CUDA graph.
+the resident pool's row, or (hierarchical) the newest block in the host pool, the reserved slot and
+any cached copy (write-through, as Quest's newest page: `HierarchicalKVCache.write_newest_token`; the
+token alone, or the whole row, zeros but for the token, when it opens a block). Then
+`nsa_compress_newest` computes, from the ring, the compressed block the token completes (in the rows
+where it completes one), through the layer's `compress_k` / `compress_v`. No host sync, so the step can be captured in a CUDA graph.
 The engine records on the host which streams gain a block (`NsaRuntime.advance_streams`).
 """
 from __future__ import annotations

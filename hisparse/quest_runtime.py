@@ -13,15 +13,14 @@ only where the rows sit differs:
 The page min/max metadata (`kmin`, `kmax [N, HKV, P_MAX, D]`) stays resident in every mode, and
 the dense layers keep the model's own resident `PagedKV` in every mode.
 
-The newest page grows every step. Its row is rewritten whole: the stream's reserved slot always
-holds the newest page (prefill's `append` leaves the last, possibly partial page there), so each
-step reads that row on the device, clears it when the token opens a new page, puts the token's
-key and value at its offset, and `write_newest_token` stores the whole row into the host pool, back into
-the reserved slot and, write-through, into the page's cached copy when one exists (unit -> slot
-map; `HierarchicalKVCache.write_newest_token`). No host sync, so the step can be captured in a CUDA
-graph. The engine records on the host which streams gain a page (`QuestRuntime.advance_streams`,
-before the step that opens it). A whole row is
-2 * 16 * D elements (8 KiB at D = 128 in bf16) per (request, layer, KV head) per step.
+The newest page grows every step. It lives in the host pool, in the stream's reserved slot
+(prefill's `append` leaves the last, possibly partial page there) and, once selected, in a cached
+slot (unit -> slot map), all three with the same bytes. Each step `write_newest_token` stores the
+token's key and value at its offset in all three (write-through; `HierarchicalKVCache.write_newest_token`):
+2 * D elements per (request, layer, KV head) over PCIe, and the whole row, zeros but for the token,
+when the token opens a page (2 * 16 * D elements, 8 KiB at D = 128 in bf16). No host sync, so the
+step can be captured in a CUDA graph. The engine records on the host which streams gain a page
+(`QuestRuntime.advance_streams`, before the step that opens it).
 """
 from __future__ import annotations
 

@@ -342,9 +342,10 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
                      unit_tokens: int, map_streams: torch.Tensor | None = None) -> None:
     """The decode step's write for units of `unit_tokens` tokens (Quest pages, NSA blocks), one launch,
     no host sync: token pos[n]'s keys and values [N, HKV, D] join the newest unit of streams
-    [N * HKV] (request-major, -1 skips), read from the reserved slot (empty when the token opens the
-    unit), and that row [2, T, D] goes whole into the host pool, the reserved slot and the unit's
-    cached copy if any. keys and values must already be in the rows' dtype (unit stride in D) and
+    [N * HKV] (request-major, -1 skips), a row [2, T, D], in the host pool, the reserved slot and the
+    unit's cached copy if any. These three hold the same bytes, so the token is stored alone, at its
+    offset; a token that opens a unit (offset 0) writes the whole row, zeros but for the token. keys
+    and values must already be in the rows' dtype (unit stride in D) and
     pos int64: nothing is converted on the way. map_streams [N * HKV] int32: whose unit -> slot map
     places the cached copy (default: streams; a shared layer in lockstep with its anchor passes the
     anchor's streams; -1: no write-through). See `write_unit_token_ref`."""
@@ -355,6 +356,7 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
         keys, values, streams, map_streams.contiguous(), pos.contiguous(), host_base, unit_slot, host, cache,
         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), hkv, cache.shape[1],
         D=d, T=unit_tokens, BLOCK=min(triton.next_power_of_2(2 * unit_tokens * d), 1024),
+        BLOCK_D=triton.next_power_of_2(d),
     )
 
 
@@ -418,14 +420,13 @@ def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host,
         if stream < 0:
             continue
         req, head, p = m // hkv, m % hkv, int(pos[m // hkv])
-        row = cache[stream, -1].clone().view(2, unit_tokens, d)
-        if p % unit_tokens == 0:
-            row.zero_()
-        row[0, p % unit_tokens], row[1, p % unit_tokens] = keys[req, head], values[req, head]
         host_row = int(host_base[stream]) + p // unit_tokens
-        host[host_row] = row.view(-1).to(host.device)
-        cache[stream, -1] = row.view(-1)
         map_stream = int(map_streams[m])
         slot = int(unit_slot[int(host_base[map_stream]) + p // unit_tokens]) if map_stream >= 0 else -1
-        if slot >= 0:
-            cache[stream, slot] = row.view(-1)
+        places = [host[host_row], cache[stream, -1]] + ([cache[stream, slot]] if slot >= 0 else [])
+        for place in places:                       # views: the writes land in host and cache
+            row = place.view(2, unit_tokens, d)
+            if p % unit_tokens == 0:               # a new unit: its whole row, zeros but for the token
+                row.zero_()
+            row[0, p % unit_tokens] = keys[req, head].to(row.device)
+            row[1, p % unit_tokens] = values[req, head].to(row.device)

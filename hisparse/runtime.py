@@ -147,7 +147,7 @@ def prefetch_shared(plan, shared: list, side: torch.cuda.Stream, max_programs: i
 
 def write_newest_unit(kv, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor, unit_tokens: int) -> None:
     """A per-KV-head family's decode write into a hierarchical layer `kv` (Quest's HierQuestKV, NSA's
-    HierNsaKV): the newest unit's whole row into host pool, reserved slot and cached copy
+    HierNsaKV): the token into the newest unit's row in host pool, reserved slot and cached copy
     (write-through). A shared layer's copy sits where its anchor's slot map says; with prefetch it
     first waits for its copy, so the write-through lands after it."""
     if kv.prefetched is not None:

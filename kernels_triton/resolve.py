@@ -11,7 +11,7 @@ token) into the host pool, write-through to a cached copy, and optionally into t
 `_store_reserved_kernel` stores reserved slots into the host pool (the host half of a row write,
 deferred to once per step);
 `_write_unit_token_kernel` adds one token to the newest unit of several tokens (Quest's page, NSA's
-block), held in the reserved slot, and stores that unit's row the same three ways.
+block) the same three ways: the token alone, or a whole row when it opens a unit.
 
 The semantics are DESIGN section 3; `hisparse.resolve.resolve_ref` is the same algorithm in torch.
 """
@@ -248,16 +248,19 @@ def _write_unit_token_kernel(
     host_ptr,        # [R, 2 * T * D] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, 2 * T * D] device cache rows; slot SLOTS - 1 is the reserved one
     stride_kn, stride_kh, stride_vn, stride_vh, HKV, SLOTS,
-    D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Add one token to the newest unit of T tokens of each stream, and store that unit whole.
+    """Add one token to the newest unit of T tokens of each stream, in its three places.
 
-    A unit is one row [2, T, D]: its T keys, then its T values. The reserved slot holds the newest
-    unit as written so far; a token at offset 0 opens a new unit, which starts empty. The row, with
-    the token's key and value at its offset, goes into the host pool, back into the reserved slot,
-    and into the unit's cached copy if it has one (write-through), so no stale copy is ever read;
-    the map stream's unit -> slot map says where that copy is (the stream's own, or for a shared
-    layer in lockstep with its anchor, the anchor's). Program m handles stream m of request m // HKV.
+    A unit is one row [2, T, D]: its T keys, then its T values. The newest unit lives in the host
+    pool, in the reserved slot, and in a cached slot if it has one (write-through, so no stale copy
+    is ever read); the map stream's unit -> slot map says where that copy is (the stream's own, or
+    for a shared layer in lockstep with its anchor, the anchor's). The three hold the same bytes
+    (prefill's `append` writes host row and reserved slot alike, a fetch copies the host row), so a
+    token continuing a unit is stored alone, key and value at its offset: 2 * D elements over PCIe,
+    not the 2 * T * D of the whole row (an NSA block of 64 tokens: 32x less). A token at offset 0
+    opens a unit: its whole row is written, zeros but for the token, as the places may hold an older
+    unit's bytes. Program m handles stream m of request m // HKV.
     """
     ROW: tl.constexpr = 2 * T * D
     i_m = tl.program_id(0).to(tl.int64)
@@ -271,19 +274,35 @@ def _write_unit_token_kernel(
         map_stream = tl.load(map_stream_ptr + i_m)
         map_base = tl.load(host_base_ptr + tl.maximum(map_stream, 0).to(tl.int64))
         slot = tl.load(unit_slot_ptr + map_base + pos // T, mask=map_stream >= 0, other=-1)
+        p_host = host_ptr + host_row * ROW
         p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW
         p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW
-        for w in range(0, ROW, BLOCK):
-            o = w + tl.arange(0, BLOCK)
-            m_o = o < ROW
-            # vector masks throughout: the interpreter does not combine scalar and vector masks
-            b_row = tl.load(p_reserved + o, mask=m_o & ((o * 0 + offset) > 0), other=0.0)   # [BLOCK]
-            is_value = o >= T * D
-            dim = o % D
-            m_tok = m_o & ((o // D) % T == offset)
-            b_key = tl.load(key_ptr + i_n * stride_kn + i_h * stride_kh + dim, mask=m_tok & ~is_value, other=0.0)
-            b_value = tl.load(value_ptr + i_n * stride_vn + i_h * stride_vh + dim, mask=m_tok & is_value, other=0.0)
-            b_row = tl.where(m_tok, tl.where(is_value, b_value, b_key), b_row)
-            tl.store(host_ptr + host_row * ROW + o, b_row, mask=m_o)
-            tl.store(p_reserved + o, b_row, mask=m_o)
-            tl.store(p_cached + o, b_row, mask=m_o & ((o * 0 + slot) >= 0))
+        p_key = key_ptr + i_n * stride_kn + i_h * stride_kh
+        p_value = value_ptr + i_n * stride_vn + i_h * stride_vh
+        if offset == 0:
+            for w in range(0, ROW, BLOCK):
+                o = w + tl.arange(0, BLOCK)
+                m_o = o < ROW
+                # vector masks throughout: the interpreter does not combine scalar and vector masks
+                is_value = o >= T * D
+                m_tok = m_o & ((o // D) % T == 0)
+                b_key = tl.load(p_key + o % D, mask=m_tok & ~is_value, other=0.0)
+                b_value = tl.load(p_value + o % D, mask=m_tok & is_value, other=0.0)
+                b_row = tl.where(is_value, b_value, b_key)                   # [BLOCK], zeros off the token
+                tl.store(p_host + o, b_row, mask=m_o)
+                tl.store(p_reserved + o, b_row, mask=m_o)
+                tl.store(p_cached + o, b_row, mask=m_o & ((o * 0 + slot) >= 0))
+        else:
+            o = tl.arange(0, BLOCK_D)
+            m_d = o < D
+            b_key = tl.load(p_key + o, mask=m_d)                              # [BLOCK_D]
+            b_value = tl.load(p_value + o, mask=m_d)
+            o_key = offset * D + o
+            o_value = T * D + o_key
+            m_cached = m_d & ((o * 0 + slot) >= 0)
+            tl.store(p_host + o_key, b_key, mask=m_d)
+            tl.store(p_host + o_value, b_value, mask=m_d)
+            tl.store(p_reserved + o_key, b_key, mask=m_d)
+            tl.store(p_reserved + o_value, b_value, mask=m_d)
+            tl.store(p_cached + o_key, b_key, mask=m_cached)
+            tl.store(p_cached + o_value, b_value, mask=m_cached)

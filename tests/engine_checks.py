@@ -47,14 +47,16 @@ def assert_noio_wrote_only_shared_newest_units(cache, map_streams: dict[int, int
     """After a noio run of one decode step (later steps write anchors' newest units through too): no
     slot but the reserved one was filled, except in a shared layer's streams (`map_streams`: stream ->
     its anchor's), where exactly one holds the newest unit's write-through, in the slot the anchor's
-    map gives that unit."""
+    map gives that unit: the step's token, as in the reserved slot (noio copied no row there, and the
+    write stores the token alone unless it opens the unit)."""
     slots = cache.slots
     for stream in range(slots.shape[0]):
         filled = [s for s in range(slots.shape[1] - 1) if slots[stream, s].abs().sum() > 0]
         if stream in map_streams:
             anchor, newest = map_streams[stream], cache.stream_len[stream] - 1
             assert filled == [int(cache.state.unit_slot[int(cache.state.host_base[anchor]) + newest])], stream
-            assert torch.equal(slots[stream, filled[0]], slots[stream, -1])
+            written = slots[stream, filled[0]] != 0
+            assert torch.equal(slots[stream, filled[0]][written], slots[stream, -1][written])
         else:
             assert filled == [], f"stream {stream}: no-IO must fetch no row"
 

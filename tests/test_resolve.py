@@ -440,16 +440,19 @@ def test_write_unit_token_matches_reference(dtype, device):
     values = torch.randn(n, hkv, d, generator=gen).to(dtype)
     want_host, want_cache = write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache,
                                                   t, device)
-    # what the reference did, by hand. Request 0, head 0 (stream 0): a fresh unit 2 holding the token
+    # what the reference did, by hand. Request 0, head 0 (stream 0): a fresh unit 2 holding the token,
+    # zeros elsewhere, in the host pool and the reserved slot alike
     row = want_host[int(host_base[0]) + 2].view(2, t, d)
     assert torch.equal(row[0, 0], keys[0, 0]) and torch.equal(row[1, 0], values[0, 0])
     assert (row[:, 1:] == 0).all() and torch.equal(want_cache[0, -1], want_host[int(host_base[0]) + 2])
-    # request 1, head 0 (stream 2): the reserved row continued at offset 1, written through to slot 3
-    row = want_host[int(host_base[2]) + 3].view(2, t, d)
-    kept = cache[2, -1].view(2, t, d)
-    assert torch.equal(row[:, 0], kept[:, 0]) and torch.equal(row[:, 2:], kept[:, 2:])
-    assert torch.equal(row[0, 1], keys[1, 0]) and torch.equal(want_cache[2, 3], want_host[int(host_base[2]) + 3])
-    assert torch.equal(want_cache[5, 0], want_host[int(host_base[5]) + 1])
+    # request 1, head 0 (stream 2): unit 3 continued at offset 1 in each of its three places (host row,
+    # reserved slot, the copy in slot 3), the token alone: the rest of each place keeps its own bytes
+    for got, before in ((want_host[int(host_base[2]) + 3], host[int(host_base[2]) + 3]),
+                        (want_cache[2, -1], cache[2, -1]), (want_cache[2, 3], cache[2, 3])):
+        got, before = got.view(2, t, d), before.view(2, t, d)
+        assert torch.equal(got[0, 1], keys[1, 0]) and torch.equal(got[1, 1], values[1, 0])
+        assert torch.equal(got[:, 0], before[:, 0]) and torch.equal(got[:, 2:], before[:, 2:])
+    assert torch.equal(want_cache[5, 0].view(2, t, d)[0, 2], keys[2, 1])      # request 2, head 1: slot 0
     assert torch.equal(want_host[30:40], host[30:40]) and torch.equal(want_cache[3], cache[3])   # skipped
 
 
@@ -471,10 +474,15 @@ def test_write_unit_token_through_an_anchors_slot_map(device):
     keys, values = torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv, d, generator=gen)
     want_host, want_cache = write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache,
                                                   t, device, map_streams=anchors)
-    assert torch.equal(want_cache[2, 2], want_host[int(host_base[2]) + 3]), "through the anchor's map"
+    def token(row):                                                # unit 3's offset 1: key and value
+        row = row.view(2, t, d)
+        return row[0, 1], row[1, 1]
+
+    assert torch.equal(token(want_cache[2, 2])[1], values[0, 0]), "through the anchor's map"
     assert torch.equal(want_cache[2, 0], cache[2, 0]), "not through the stream's own"
     assert torch.equal(want_cache[3, :3], cache[3, :3]), "map stream -1: no write-through, whatever the maps say"
-    assert torch.equal(want_host[int(host_base[3]) + 3], want_cache[3, 3]), "but the host row and reserved slot"
+    for place in (want_host[int(host_base[3]) + 3], want_cache[3, 3]):
+        assert torch.equal(token(place)[0], keys[0, 1]), "but the host row and reserved slot"
     assert torch.equal(want_cache[:2], cache[:2]), "the anchor's own slots untouched"
     from hisparse.resolve import write_unit_token
     with pytest.raises(ValueError, match="map_streams must be int32"):
@@ -497,8 +505,10 @@ def test_write_unit_token_long_rows_and_strided_inputs(device):
     values = torch.randn(hkv, n, d, generator=gen).transpose(0, 1)  # strides differ from the keys'
     want_host, want_cache = write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache,
                                                   t, device)
-    row = want_host[int(host_base[1]) + 3].view(2, t, d)            # stream 1 = request 1, head 1
-    assert torch.equal(row[1, 5], values[1, 1]) and torch.equal(want_cache[1, 1], row.view(-1))
+    for place in (want_host[int(host_base[1]) + 3], want_cache[1, 1]):   # stream 1 = request 1, head 1
+        assert torch.equal(place.view(2, t, d)[1, 5], values[1, 1])
+    opened = want_host[int(host_base[5]) + 2].view(2, t, d)             # stream 5 = request 0, head 0
+    assert torch.equal(opened[0, 0], keys[0, 0]) and (opened[:, 1:] == 0).all()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
