@@ -18,8 +18,9 @@ the resident pool's row, or (hierarchical) the newest block in the host pool, th
 any cached copy (write-through, as Quest's newest page: `HierarchicalKVCache.write_newest_token`; the
 token alone, or the whole row, zeros but for the token, when it opens a block). Then
 `nsa_compress_newest` computes, from the ring, the compressed block the token completes (in the rows
-where it completes one), through the layer's `compress_k` / `compress_v`. No host sync, so the step can be captured in a CUDA graph.
-The engine records on the host which streams gain a block (`NsaRuntime.advance_streams`).
+where it completes one), through the layer's `compress_k` / `compress_v`. No host sync, so the step
+can be captured in a CUDA graph. The engine records on the host which streams gain a block
+(`NsaRuntime.advance_streams`).
 """
 from __future__ import annotations
 
