@@ -15,7 +15,10 @@
 # (scripts/tune_resolve.py) into $OUT/tune_resolve.txt; ABLATE_ARGS (e.g. "--batch 16 --rounds 2") first
 # runs scripts/ablate_decode.py with them (noio vs resident in variants: $OUT/decode_ablation.csv); REPEAT=1
 # first runs scripts/repeat_runs.py (a process's 4th CUDA graph replays slower: which runs?), with REPEAT_ARGS
-# (e.g. "--graphs-first 3 --graph-kernels 1"; set PYTORCH_CUDA_ALLOC_CONF for another allocator).
+# (e.g. "--graphs-first 3 --graph-kernels 1"; set PYTORCH_CUDA_ALLOC_CONF for another allocator);
+# SWEEP_ARGS (e.g. "--config experiments/configs/h200.toml --kind decode --runs-per-process 3") first runs
+# experiments.sweep with them into $OUT/sweep/ (every point: the copied results/ are not read), capped by
+# SWEEP_TIMEOUT (s, default 540).
 # $OUT/gpu_monitor.txt samples clocks, temperature and power every 0.5 s (runs print wall-clock times).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
@@ -66,6 +69,12 @@ if [ -n "${ABLATE_ARGS:-}" ]; then
   echo "== ablate_decode ${ABLATE_ARGS}" | tee -a "$log"
   read -r -a ablate <<< "$ABLATE_ARGS"
   timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.ablate_decode --out "$OUT" "${ablate[@]}" 2>&1 | tee -a "$log" || status=1
+fi
+if [ -n "${SWEEP_ARGS:-}" ]; then
+  echo "== experiments.sweep ${SWEEP_ARGS} --out $OUT/sweep" | tee -a "$log"
+  read -r -a sweep <<< "$SWEEP_ARGS"
+  timeout "${SWEEP_TIMEOUT:-540}" python3 -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" 2>&1 | grep -v Warning \
+    | tee -a "$log" || status=1
 fi
 for b in "${benches[@]}"; do
   [ "$b" = none ] && continue

@@ -174,3 +174,16 @@ def test_bench_prefetch_refuses_bad_sizes_before_any_run(capsys):
         with pytest.raises(SystemExit):
             bench_prefetch.main([])
         assert "the full-size run needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
+    """scripts/gpu_suite.sh with SWEEP_ARGS runs the sweep into $OUT/sweep (here the default config's
+    policy study, on the CPU: no tests, no benchmarks) and logs it."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TESTS="none", HOST_GROW_GIB="0", SWEEP_ARGS="--kind policies", OUT=str(tmp_path))
+    done = subprocess.run(["bash", "scripts/gpu_suite.sh", "none"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = pd.read_csv(tmp_path / "sweep" / "policies.csv")
+    assert len(rows) > 0 and "policies" in set(rows["bench"])
+    assert "== experiments.sweep --kind policies --out" in (tmp_path / "gpu_log.txt").read_text()
