@@ -345,10 +345,10 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
     [N * HKV] (request-major, -1 skips), a row [2, T, D], in the host pool, the reserved slot and the
     unit's cached copy if any. These three hold the same bytes, so the token is stored alone, at its
     offset; a token that opens a unit (offset 0) writes the whole row, zeros but for the token. keys
-    and values must already be in the rows' dtype (unit stride in D) and
-    pos int64: nothing is converted on the way. map_streams [N * HKV] int32: whose unit -> slot map
-    places the cached copy (default: streams; a shared layer in lockstep with its anchor passes the
-    anchor's streams; -1: no write-through). See `write_unit_token_ref`."""
+    and values must already be in the rows' dtype (unit stride in D) and pos int64: nothing is
+    converted on the way. map_streams [N * HKV] int32: whose unit -> slot map places the cached copy
+    (default: streams; a shared layer in lockstep with its anchor passes the anchor's streams; -1: no
+    write-through). See `write_unit_token_ref`."""
     _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
     map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape

@@ -29,8 +29,8 @@ has captured, one per decode run (results/gpu_logs/cca64e5ac5eb_graph_count_swit
 or 3 throwaway graphs (--graphs-first) the slow runs begin 1, 2 or 3 runs earlier, the 4th graph in
 each case, and 3 graphs of one kernel each do it as 4000-kernel ones do (--graph-kernels 1), while one
 graph of 16000 kernels does not. The host is not what the GPU waits for: it spends 0.02-0.05 ms in
-each step's launch on both sides. Why the driver or PyTorch runs a process's 4th graph on slower is
-not known. benchmarks.common.pass_graph_switch puts every graph a benchmark times past the switch.
+each step's launch on both sides. Why a process's 4th graph replays slower (in the driver or in
+PyTorch) is not known. benchmarks.common.pass_graph_switch puts every graph a benchmark times past the switch.
 A lead not followed: SGLang's decode graphs were reported to idle about 2 ms before their first
 kernel on every replay (sgl-project/sglang issue 5593).
 """
@@ -41,8 +41,8 @@ import time
 import torch
 
 import experiments.sweep as sweep  # first: on a CPU it turns on Triton's interpreter
-from hisparse.host_pool import pinned_empty, unpin  # noqa: E402
 from benchmarks.common import throwaway_graphs  # noqa: E402
+from hisparse.host_pool import pinned_empty, unpin  # noqa: E402
 
 
 def main(argv=None) -> None:
