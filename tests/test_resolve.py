@@ -422,7 +422,7 @@ def write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host
     return want_host, want_cache
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_write_unit_token_matches_reference(dtype, device):
     """Adding the step's token to each stream's newest unit: opening a unit, continuing one, cached
     and uncached units, a skipped stream; the kernel and its torch reference write the same bytes."""
