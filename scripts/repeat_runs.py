@@ -24,7 +24,7 @@ Found so far (results/gpu_logs/b75adb1f6259_*): the switch comes at run 4 as the
 --keep-cache and with expandable segments; with the GPU idle 60 s before each run, run 2 (73 s after
 run 1) was still fast, so it follows the run count, not the time. The probe did not slow down after
 it, and under torch.profiler the 4th and 5th runs' kernels took no longer in all while their steps
-did (+2.6 to 3.3 ms): the GPU waits between kernels. It follows the count of CUDA graphs the process
+did (+2.3 to 3.3 ms): the GPU waits between kernels. It follows the count of CUDA graphs the process
 has captured, one per decode run (results/gpu_logs/cca64e5ac5eb_graph_count_switch.txt): after 1, 2
 or 3 throwaway graphs (--graphs-first) the slow runs begin 1, 2 or 3 runs earlier, the 4th graph in
 each case, and 3 graphs of one kernel each do it as 4000-kernel ones do (--graph-kernels 1), while one
