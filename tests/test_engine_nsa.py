@@ -3,11 +3,12 @@ logits and tokens, on a tiny checkpoint through the Triton kernels (the interpre
 
 The tiny model has one NSA layer with 2 KV heads (2 streams per request), the kernels' block sizes
 (compressed 32 / stride 16, selection blocks of 64), 4 selected blocks per KV head and a 64-token
-window (short, to keep interpreter runs fast). The long prompt (450 tokens, 8 blocks, 9 at the end)
+window (short, to keep interpreter runs fast). The long prompt (500 tokens, 8 blocks, 9 at the end)
 leaves a real choice besides the forced blocks (0 and the two newest), so blocks are evicted and
-fetched again at B = k; it opens a block at position 512. The short one (20 tokens) starts with no
-compressed block and one selection block (the selection is padded with -1), completes its first
-compressed blocks and opens its second block during the 64 decode steps."""
+fetched again at B = k; it opens a block at position 512, within the shared-selection runs' steps
+too. The short one (28 tokens) starts with no compressed block and one selection block (the
+selection is padded with -1), completes its first compressed blocks and opens its second block
+during the 40 decode steps."""
 import functools
 import tempfile
 
@@ -35,10 +36,10 @@ from hisparse.synthetic import SyntheticConfig, split_kv_heads
 from hisparse.synthetic import generate as generate_trace
 from hisparse.traces import Trace
 
-PROMPT_LENGTHS = (450, 20)
+PROMPT_LENGTHS = (500, 28)
 N_SELECT = 4                     # k: selection blocks per KV head and step
 TINY = {"num_hidden_layers": 1, "num_selected_blocks": N_SELECT, "sliding_window": 64}
-STEPS = 65                       # new tokens: the prefill's token, then 64 decode steps
+STEPS = 41                       # new tokens: the prefill's token, then 40 decode steps
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
