@@ -263,10 +263,18 @@ def panels_by(rows: pd.DataFrame, column: str) -> list:
 # figures
 
 
+METHOD_COLUMNS = ("new_tokens", "warmup_steps")   # how a decode point was timed
+THROUGHPUT_METHOD = METHOD_COLUMNS + ("kv_budget_gib", "host_budget_gib")   # and the budgets it fills
+
+
 def throughput_vs_context(frame: pd.DataFrame) -> Figure:
     """Peak generation throughput (best batch) vs input length, resident vs hierarchical (per cache
-    size B where several were run); the gain printed is the best hierarchical over resident."""
+    size B where several were run); the gain printed is the best hierarchical over resident. Per
+    family, only the runs timed and budgeted as its newest one (a rerun with other memory budgets
+    or steps replaces the older runs rather than being drawn beside them)."""
     rows = select(frame, ["tokens_per_s"], ("resident", "hisparse"))
+    rows = pd.concat([same_method_as_newest(part, THROUGHPUT_METHOD)
+                      for _, part in rows.groupby("family", sort=False, dropna=False)])
     keys = [k for k in DECODE_KEYS if k in rows] + ["context"]
     peak = rows.groupby(keys, dropna=False)["value"].max().reset_index()
     families = panels_by(peak, "family")
@@ -296,12 +304,9 @@ def memory_per_request(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-METHOD_COLUMNS = ("new_tokens", "warmup_steps")   # how a decode point was timed
-
-
-def same_method_as_newest(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows timed as the newest one was (same METHOD_COLUMNS, empty counting as such)."""
-    columns = [c for c in METHOD_COLUMNS if c in rows]
+def same_method_as_newest(rows: pd.DataFrame, method: tuple[str, ...] = METHOD_COLUMNS) -> pd.DataFrame:
+    """The rows timed as the newest one was (same `method` columns, empty counting as such)."""
+    columns = [c for c in method if c in rows]
     if not columns or "timestamp" not in rows:
         return rows
     newest = rows.iloc[pd.to_datetime(rows["timestamp"], utc=True, format="ISO8601").to_numpy().argmax()]
