@@ -3,7 +3,7 @@
 Two kernels, launched back to back (both capture into a CUDA graph: static shapes, device-side counts):
 - `_resolve_kernel`, one program per stream: looks every selected unit up, picks victims, updates the
   LRU order and the unit <-> slot maps, writes the slot of each selected unit and the miss plan.
-- `_fetch_rows_kernel`, one program per (stream, chunk of the miss plan): copies the missed rows from
+- `_fetch_rows_kernel`, one program per (stream, chunk of the miss plan), or fewer when capped: copies the missed rows from
   the host pool (a pinned host pointer, read zero-copy) into their victim slots. The same kernel
   replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
 And the decode step's writes, from the device: `_write_rows_kernel` stores new rows (DSA's newest
@@ -148,29 +148,31 @@ def _fetch_rows_kernel(
     host_base_ptr,   # [S] int64 host row of unit 0 of each stream
     host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows
-    K, SLOTS,
+    N, K, SLOTS,
     ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    # grid (N, P): program (n, c) copies chunks c, c + P, c + 2P, ... of row n's plan
-    i_n = tl.program_id(0).to(tl.int64)
+    # grid (G, P): program (g, c) copies chunks c, c + P, c + 2P, ... of the plans of rows g, g + G,
+    # g + 2G, ... (G = N but for a capped copy, whose programs then take several rows each)
     i_c = tl.program_id(1)
     n_progs = tl.num_programs(1)
-    stream = tl.load(stream_ptr + i_n)
-    n_plan = tl.load(counts_ptr + i_n * 2 + 1)
-    n_plan = tl.where(stream >= 0, n_plan, 0)
-    i_s = tl.maximum(stream, 0).to(tl.int64)
-    for start in range(i_c * CHUNK, n_plan, n_progs * CHUNK):
-        o_m = start + tl.arange(0, CHUNK)
-        m_m = o_m < n_plan
-        b_unit = tl.load(plan_unit_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
-        b_slot = tl.load(plan_slot_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
-        src = (tl.load(host_base_ptr + i_s) + b_unit) * ROW_WORDS                      # [CHUNK]
-        dst = (i_s * SLOTS + b_slot) * ROW_WORDS                                       # [CHUNK]
-        for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
-            o_w = w + tl.arange(0, BLOCK_W)
-            m = m_m[:, None] & (o_w < ROW_WORDS)[None, :]
-            b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)           # [CHUNK, BLOCK_W]
-            tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
+    for row in range(tl.program_id(0), N, tl.num_programs(0)):
+        i_n = tl.cast(row, tl.int64)
+        stream = tl.load(stream_ptr + i_n)
+        n_plan = tl.load(counts_ptr + i_n * 2 + 1)
+        n_plan = tl.where(stream >= 0, n_plan, 0)
+        i_s = tl.maximum(stream, 0).to(tl.int64)
+        for start in range(i_c * CHUNK, n_plan, n_progs * CHUNK):
+            o_m = start + tl.arange(0, CHUNK)
+            m_m = o_m < n_plan
+            b_unit = tl.load(plan_unit_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
+            b_slot = tl.load(plan_slot_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
+            src = (tl.load(host_base_ptr + i_s) + b_unit) * ROW_WORDS                  # [CHUNK]
+            dst = (i_s * SLOTS + b_slot) * ROW_WORDS                                   # [CHUNK]
+            for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
+                o_w = w + tl.arange(0, BLOCK_W)
+                m = m_m[:, None] & (o_w < ROW_WORDS)[None, :]
+                b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)       # [CHUNK, BLOCK_W]
+                tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
 
 
 @triton.jit

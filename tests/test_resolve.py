@@ -332,19 +332,31 @@ def test_write_unit_writes_through_to_cached_copy(device):
     assert torch.equal(cache.slots[0, int(res2.slots[0, 0])].cpu(), new)
 
 
-def test_fetch_with_few_programs_copies_every_planned_row(device):
-    """A capped copy (each program loops over several chunks) moves the same rows as a full one."""
+@pytest.mark.parametrize("max_programs", [1, 2, 5])
+def test_fetch_with_few_programs_copies_every_planned_row(device, max_programs):
+    """A capped copy moves the same rows as a full one: with fewer programs than rows each program
+    takes several rows (1 and 2 programs for 3 rows), and each loops over several chunks of a row."""
     from hisparse.resolve import fetch_rows
     gen = torch.Generator().manual_seed(11)
-    lengths = [300, 120]
-    cache, _ = make_pair(2, 96, 8, torch.float16, device, lengths, seed=9)
+    lengths = [300, 120, 200]
+    cache, _ = make_pair(3, 96, 8, torch.float16, device, lengths, seed=9)
     sel = next_selection(None, lengths, 96, gen, pad=0.0)
-    streams = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    streams = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     res = cache.resolve(streams, sel.to(device), mode="noio")
     assert int(res.misses.min()) > 64, "the plan must span several chunks"
     fetch_rows(res.plan_unit, res.plan_slot, res.counts, streams, cache.state.host_base, cache.host.rows,
-               cache.slots, max_programs=1)
+               cache.slots, max_programs=max_programs)
     assert_slots_hold_units(cache, streams, sel.to(device), res.slots)
+
+
+def test_fetch_rejects_a_cap_of_no_programs(device):
+    from hisparse.resolve import fetch_rows
+    cache, _ = make_pair(1, 8, 4, torch.float32, device, [10], seed=1)
+    streams = _i32([0], device)
+    res = cache.resolve(streams, _i32([[1, 2]], device), mode="noio")
+    with pytest.raises(ValueError, match="max_programs=0: expected a positive int"):
+        fetch_rows(res.plan_unit, res.plan_slot, res.counts, streams, cache.state.host_base, cache.host.rows,
+                   cache.slots, max_programs=0)
 
 
 def test_limits_and_result_buffers_are_checked(device):
