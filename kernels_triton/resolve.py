@@ -3,9 +3,9 @@
 Two kernels, launched back to back (both capture into a CUDA graph: static shapes, device-side counts):
 - `_resolve_kernel`, one program per stream: looks every selected unit up, picks victims, updates the
   LRU order and the unit <-> slot maps, writes the slot of each selected unit and the miss plan.
-- `_fetch_rows_kernel`, one program per (stream, chunk of the miss plan), or fewer when capped: copies the missed rows from
-  the host pool (a pinned host pointer, read zero-copy) into their victim slots. The same kernel
-  replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
+- `_fetch_rows_kernel`, one program per (stream, chunk of the miss plan), or fewer when capped: copies
+  the missed rows from the host pool (a pinned host pointer, read zero-copy) into their victim slots.
+  The same kernel replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
 And the decode step's writes, from the device: `_write_rows_kernel` stores new rows (DSA's newest
 token) into the host pool, write-through to a cached copy, and optionally into the reserved slot;
 `_store_reserved_kernel` stores reserved slots into the host pool (the host half of a row write,
