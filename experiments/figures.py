@@ -273,8 +273,11 @@ def throughput_vs_context(frame: pd.DataFrame) -> Figure:
     family, only the runs timed and budgeted as its newest one (a rerun with other memory budgets
     or steps replaces the older runs rather than being drawn beside them)."""
     rows = select(frame, ["tokens_per_s"], ("resident", "hisparse"))
-    rows = pd.concat([same_method_as_newest(part, THROUGHPUT_METHOD)
-                      for _, part in rows.groupby("family", sort=False, dropna=False)])
+    if "family" in rows:
+        rows = pd.concat([same_method_as_newest(part, THROUGHPUT_METHOD)
+                          for _, part in rows.groupby("family", sort=False, dropna=False)])
+    else:
+        rows = same_method_as_newest(rows, THROUGHPUT_METHOD)
     keys = [k for k in DECODE_KEYS if k in rows] + ["context"]
     peak = rows.groupby(keys, dropna=False)["value"].max().reset_index()
     families = panels_by(peak, "family")
@@ -309,7 +312,10 @@ def same_method_as_newest(rows: pd.DataFrame, method: tuple[str, ...] = METHOD_C
     columns = [c for c in method if c in rows]
     if not columns or "timestamp" not in rows:
         return rows
-    newest = rows.iloc[pd.to_datetime(rows["timestamp"], utc=True, format="ISO8601").to_numpy().argmax()]
+    stamp = pd.to_datetime(rows["timestamp"], utc=True, format="ISO8601", errors="coerce")
+    if stamp.isna().all():
+        return rows
+    newest = rows.iloc[stamp.reset_index(drop=True).idxmax()]     # skips rows without a timestamp
     keep = pd.Series(True, index=rows.index)
     for column in columns:
         keep &= rows[column].isna() if pd.isna(newest[column]) else rows[column] == newest[column]

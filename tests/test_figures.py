@@ -88,19 +88,27 @@ def test_throughput_vs_context_plots_the_best_batch_and_the_gain():
     assert "NVIDIA H200, commit c0ffee" in fig.get_suptitle()
 
 
-def test_throughput_vs_context_draws_the_newest_runs_budgets_only():
-    """An older run with another host budget (and faster, so a max over both would pick it) is left out."""
+@pytest.mark.parametrize("budget", ["kv_budget_gib", "host_budget_gib"])
+def test_throughput_vs_context_draws_the_newest_runs_budgets_only(budget):
+    """An older run timed the same way but under another memory budget (and faster, so a max over both
+    would pick it) is left out; one under the same budgets is drawn beside the newest."""
     new = decode_frame(["resident", "hisparse"], ["tokens_per_s"]).assign(
         kv_budget_gib=24, host_budget_gib=88, new_tokens=32, warmup_steps=8, commit="beef",
         timestamp="2026-11-30T12:00:00+00:00")
-    old = new.assign(host_budget_gib=64, value=10 * new["value"], new_tokens=np.nan, warmup_steps=np.nan,
-                     commit="c0ffee", timestamp="2026-11-29T12:00:00+00:00")
-    fig = figures.throughput_vs_context(pd.concat([old, new], ignore_index=True))
+    old = new.assign(value=10 * new["value"], commit="c0ffee", timestamp="2026-11-29T12:00:00+00:00")
+    fig = figures.throughput_vs_context(pd.concat([old.assign(**{budget: 64}), new], ignore_index=True))
     assert lines(fig.axes[0])["resident"] == ([8192, 32768], [1016.0, 1040.0])
     assert "commit beef" in fig.get_suptitle() and "c0ffee" not in fig.get_suptitle()
-    fig = figures.throughput_vs_context(pd.concat([old, new.assign(host_budget_gib=64, new_tokens=np.nan,
-                                                                   warmup_steps=np.nan)], ignore_index=True))
-    assert lines(fig.axes[0])["resident"] == ([8192, 32768], [10160.0, 10400.0])    # same method: best of both
+    fig = figures.throughput_vs_context(pd.concat([old, new], ignore_index=True))
+    assert lines(fig.axes[0])["resident"] == ([8192, 32768], [10160.0, 10400.0])    # same budgets: best of both
+
+
+def test_throughput_vs_context_takes_the_newest_stamped_row_and_works_without_a_family_column():
+    """A row without a timestamp is not taken for the newest; a frame without `family` is one panel."""
+    new = decode_frame(["resident", "hisparse"], ["tokens_per_s"]).assign(kv_budget_gib=24, host_budget_gib=88)
+    unstamped = new.assign(host_budget_gib=64, value=10 * new["value"], timestamp="")
+    fig = figures.throughput_vs_context(pd.concat([unstamped, new], ignore_index=True).drop(columns="family"))
+    assert lines(fig.axes[0])["resident"] == ([8192, 32768], [1016.0, 1040.0])
 
 
 def test_decode_lines_per_cache_size_and_the_gain_of_the_best():
