@@ -335,7 +335,8 @@ def test_write_unit_writes_through_to_cached_copy(device):
 @pytest.mark.parametrize("max_programs", [1, 2, 5])
 def test_fetch_with_few_programs_copies_every_planned_row(device, max_programs):
     """A capped copy moves the same rows as a full one: with fewer programs than rows each program
-    takes several rows (1 and 2 programs for 3 rows), and each loops over several chunks of a row."""
+    takes several rows (1 and 2 programs for 3 rows), and each loops over several chunks of a row;
+    a padded row (stream -1) copies nothing."""
     from hisparse.resolve import fetch_rows
     gen = torch.Generator().manual_seed(11)
     lengths = [300, 120, 200]
@@ -344,6 +345,13 @@ def test_fetch_with_few_programs_copies_every_planned_row(device, max_programs):
     streams = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     res = cache.resolve(streams, sel.to(device), mode="noio")
     assert int(res.misses.min()) > 64, "the plan must span several chunks"
+    # the middle row padded (stream -1): its plan is skipped, and its stream's slots stay poisoned
+    padded = torch.tensor([0, -1, 2], dtype=torch.int32, device=device)
+    fetch_rows(res.plan_unit, res.plan_slot, res.counts, padded, cache.state.host_base, cache.host.rows,
+               cache.slots, max_programs=max_programs)
+    assert cache.slots[1, :-1].isnan().all()          # the last slot, reserved, holds the newest row
+    keep = [0, 2]
+    assert_slots_hold_units(cache, streams[keep], sel.to(device)[keep], res.slots[keep])
     fetch_rows(res.plan_unit, res.plan_slot, res.counts, streams, cache.state.host_base, cache.host.rows,
                cache.slots, max_programs=max_programs)
     assert_slots_hold_units(cache, streams, sel.to(device), res.slots)
