@@ -35,8 +35,11 @@ def _resolve_kernel(
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
     K, B,
-    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, ON_CHIP: tl.constexpr = False,
 ):
+    # ON_CHIP (a tuning variant): the hit flags in LRU order and the victims are gathered in registers
+    # and shared memory (tl.histogram scatters, tl.gather reads) instead of through a store, a block
+    # barrier and a scattered load of global memory (the slot marks, the new LRU order)
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
     live = stream >= 0
@@ -75,9 +78,12 @@ def _resolve_kernel(
     n_miss = totals >> 16
 
     # -- mark hit slots with this call's epoch, then read the marks in LRU order
-    tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
-    tl.debug_barrier()
-    b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
+    if ON_CHIP:     # the hit slots (distinct) counted by slot: 1 at each, read back in LRU order
+        b_order_hit = tl.gather(tl.histogram(b_hit_slot, B_PAD, mask=m_hit), b_order, 0) > 0
+    else:
+        tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
+        tl.debug_barrier()
+        b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
     m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
     free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
     m_victim = m_free & (free_rank < n_miss)
@@ -94,8 +100,17 @@ def _resolve_kernel(
     tl.store(p_lru_unit + n_untouched + miss_rank, b_sel, mask=m_miss)
     tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
     tl.store(p_lru_unit + n_untouched + n_miss + hit_rank, b_sel, mask=m_hit)
-    tl.debug_barrier()
-    b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)         # [K_PAD]
+    if ON_CHIP:
+        # miss m's victim is the slot at the m-th free position, which is the number of positions with
+        # at most m free ones up to and including them: a histogram of those counts, summed up. Counts
+        # past every miss rank (< K_PAD) share the last bin.
+        BINS: tl.constexpr = 2 * K_PAD
+        b_upto = tl.cumsum(tl.histogram(tl.minimum(free_rank + 1, BINS - 1), BINS, mask=m_b), 0)  # [BINS]
+        b_victim_by_rank = tl.gather(b_order, tl.minimum(b_upto, B_PAD - 1), 0)                 # [BINS]
+        b_victim = tl.where(m_miss, tl.gather(b_victim_by_rank, tl.maximum(miss_rank, 0), 0), -1)  # [K_PAD]
+    else:
+        tl.debug_barrier()
+        b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)     # [K_PAD]
     b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
     tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
 

@@ -59,8 +59,9 @@ def check_step(gpu, cpu, streams, sel, res):
     assert torch.equal(got.view(torch.int16), want_rows.view(torch.int16))
 
 
-@pytest.mark.parametrize("flat_layout", [False, True], ids=["vector", "flat"])
-def test_resolve_matches_reference_eager_and_graph(flat_layout):
+@pytest.mark.parametrize("flat_layout,on_chip", [(False, False), (True, False), (True, True)],
+                         ids=["vector", "flat", "flat-on-chip"])
+def test_resolve_matches_reference_eager_and_graph(flat_layout, on_chip):
     device = torch.device("cuda")
     gpu = build(device)
     cpu = HierarchicalKVCache(N, B, host_rows=N * CONTEXT, row_elems=E, dtype=torch.bfloat16, device="cpu",
@@ -73,7 +74,7 @@ def test_resolve_matches_reference_eager_and_graph(flat_layout):
     steps = selections(gen, 12)
 
     for sel in steps[:4]:                                   # eager, with value checks
-        res = gpu.resolve(streams, sel.to(device), flat_layout=flat_layout)
+        res = gpu.resolve(streams, sel.to(device), flat_layout=flat_layout, on_chip=on_chip)
         check_step(gpu, cpu, streams, sel.to(device), res)
 
     static_sel = steps[4].to(device).clone()
@@ -81,7 +82,7 @@ def test_resolve_matches_reference_eager_and_graph(flat_layout):
                           for s in ((N, K), (N, 2), (N, K), (N, K))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gpu.resolve(streams, static_sel, check_values=False, out=out, flat_layout=flat_layout)
+        gpu.resolve(streams, static_sel, check_values=False, out=out, flat_layout=flat_layout, on_chip=on_chip)
     for sel in steps[4:]:                                   # replayed with changing selections
         static_sel.copy_(sel.to(device))
         graph.replay()
