@@ -188,18 +188,16 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None, flat_layout: bool = True, on_chip: bool = False) -> ResolveResult:
+            num_warps: int | None = None, flat_layout: bool = True) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
     values too (a host sync); `out` reuses result buffers, so a captured CUDA graph sees static
-    addresses and allocates nothing. `num_warps`, `flat_layout` and `on_chip` are tuning knobs: the
-    default flat layout (the kernel compiled without size specialisation: one layout throughout, see
-    kernels_triton/resolve.py) measured faster at every point of scripts/tune_resolve.py on the H200;
-    `on_chip` gathers hit flags and victims in registers and shared memory instead of a round trip
-    through global memory (the same results; not yet timed on a GPU).
+    addresses and allocates nothing. `num_warps` and `flat_layout` are tuning knobs: the default flat
+    layout (the kernel compiled without size specialisation: one layout throughout, see
+    kernels_triton/resolve.py) measured faster at every point of scripts/tune_resolve.py on the H200.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -223,7 +221,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
-        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, ON_CHIP=on_chip,
+        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan,
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:

@@ -35,11 +35,8 @@ def _resolve_kernel(
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
     K, B,
-    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, ON_CHIP: tl.constexpr = False,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
 ):
-    # ON_CHIP (a tuning variant): the hit flags in LRU order and the victims are gathered in registers
-    # and shared memory (tl.histogram scatters, tl.gather reads) instead of through a store, a block
-    # barrier and a scattered load of global memory (the slot marks, the new LRU order)
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
     live = stream >= 0
@@ -78,12 +75,9 @@ def _resolve_kernel(
     n_miss = totals >> 16
 
     # -- mark hit slots with this call's epoch, then read the marks in LRU order
-    if ON_CHIP:     # the hit slots (distinct) counted by slot: 1 at each, read back in LRU order
-        b_order_hit = tl.gather(tl.histogram(b_hit_slot, B_PAD, mask=m_hit), b_order, 0) > 0
-    else:
-        tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
-        tl.debug_barrier()
-        b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
+    tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
+    tl.debug_barrier()
+    b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
     m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
     free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
     m_victim = m_free & (free_rank < n_miss)
@@ -100,17 +94,8 @@ def _resolve_kernel(
     tl.store(p_lru_unit + n_untouched + miss_rank, b_sel, mask=m_miss)
     tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
     tl.store(p_lru_unit + n_untouched + n_miss + hit_rank, b_sel, mask=m_hit)
-    if ON_CHIP:
-        # miss m's victim is the slot at the m-th free position, which is the number of positions with
-        # at most m free ones up to and including them: a histogram of those counts, summed up. Counts
-        # past every miss rank (< K_PAD) share the last bin.
-        BINS: tl.constexpr = 2 * K_PAD
-        b_upto = tl.cumsum(tl.histogram(tl.minimum(free_rank + 1, BINS - 1), BINS, mask=m_b), 0)  # [BINS]
-        b_victim_by_rank = tl.gather(b_order, tl.minimum(b_upto, B_PAD - 1), 0)                 # [BINS]
-        b_victim = tl.where(m_miss, tl.gather(b_victim_by_rank, tl.maximum(miss_rank, 0), 0), -1)  # [K_PAD]
-    else:
-        tl.debug_barrier()
-        b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)     # [K_PAD]
+    tl.debug_barrier()
+    b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)         # [K_PAD]
     b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
     tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
 
@@ -152,6 +137,12 @@ def _resolve_kernel(
 # default: on the H200 (Triton 3.6) it took 7.3 / 8.2 / 12.4 us against 9.2 / 10.1 / 13.7 at 0.1 / 20
 # / 100% misses (no IO, batch 64, k = 2048, B = 4096; scripts/tune_resolve.py).
 _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.fn)
+# Tried and not kept (2026-11-30): reading the hit flags in LRU order and the victims on chip, with
+# tl.histogram of the hit slots as the scatter and tl.gather to read back, in place of the slot marks'
+# and the new LRU order's round trips through global memory. It matched the reference bitwise, but
+# Triton 3.6 (the GPU machine's) lowers tl.histogram to ballot and popc loops: 4008 SASS instructions
+# for 2048 values into 4096 bins (Triton 3.9: 112, with shared-memory atomics), and the whole kernel
+# to 15224 against this one's 2280 (scripts/sass_resolve.py's counts, compiled for sm_90 on a CPU).
 
 
 @triton.jit

@@ -59,9 +59,8 @@ def check_step(gpu, cpu, streams, sel, res):
     assert torch.equal(got.view(torch.int16), want_rows.view(torch.int16))
 
 
-@pytest.mark.parametrize("flat_layout,on_chip", [(False, False), (True, False), (True, True)],
-                         ids=["vector", "flat", "flat-on-chip"])
-def test_resolve_matches_reference_eager_and_graph(flat_layout, on_chip):
+@pytest.mark.parametrize("flat_layout", [False, True], ids=["vector", "flat"])
+def test_resolve_matches_reference_eager_and_graph(flat_layout):
     device = torch.device("cuda")
     gpu = build(device)
     cpu = HierarchicalKVCache(N, B, host_rows=N * CONTEXT, row_elems=E, dtype=torch.bfloat16, device="cpu",
@@ -74,7 +73,7 @@ def test_resolve_matches_reference_eager_and_graph(flat_layout, on_chip):
     steps = selections(gen, 12)
 
     for sel in steps[:4]:                                   # eager, with value checks
-        res = gpu.resolve(streams, sel.to(device), flat_layout=flat_layout, on_chip=on_chip)
+        res = gpu.resolve(streams, sel.to(device), flat_layout=flat_layout)
         check_step(gpu, cpu, streams, sel.to(device), res)
 
     static_sel = steps[4].to(device).clone()
@@ -82,7 +81,7 @@ def test_resolve_matches_reference_eager_and_graph(flat_layout, on_chip):
                           for s in ((N, K), (N, 2), (N, K), (N, K))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gpu.resolve(streams, static_sel, check_values=False, out=out, flat_layout=flat_layout, on_chip=on_chip)
+        gpu.resolve(streams, static_sel, check_values=False, out=out, flat_layout=flat_layout)
     for sel in steps[4:]:                                   # replayed with changing selections
         static_sel.copy_(sel.to(device))
         graph.replay()
