@@ -237,8 +237,9 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
     max_programs caps the copy's programs (each then loops over several chunks, and below N rows
     over several rows), so a copy on a side stream leaves multiprocessors to the kernels it should
     overlap with: a copy that takes more than it needs to keep PCIe busy holds them while it waits
-    on the host's reads (on the H200, DSA's shared layers hid 45% of their copies with 32 programs
-    and 11% with 128: results/gpu_logs/bb3a8198ed2f_tune_deferred_tests_resolve_layers_prefetch.txt).
+    on the host's reads (on the H200, DSA's shared layers at hidden 7168 and batch 32 hid 45% of their
+    copies with 32 programs and 11% with 128:
+    results/gpu_logs/bb3a8198ed2f_tune_deferred_tests_resolve_layers_prefetch.txt).
     """
     _check_rows(host, cache)
     n, k = plan_unit.shape
