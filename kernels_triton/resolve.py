@@ -142,7 +142,8 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # and the new LRU order's round trips through global memory. It matched the reference bitwise, but
 # Triton 3.6 (the GPU machine's) lowers tl.histogram to ballot and popc loops: 4008 SASS instructions
 # for 2048 values into 4096 bins (Triton 3.9: 112, with shared-memory atomics), and the whole kernel
-# to 15224 against this one's 2280 (scripts/sass_resolve.py's counts, compiled for sm_90 on a CPU).
+# to 15224 against this one's 2280 (static SASS counts, compiled for sm_90 on a CPU:
+# results/cpu_logs/8d12476_sass_resolve_on_chip_variants.txt, which also holds the search below).
 # Nor does a binary search for the victims through tl.gather (12 probes of the free counts) promise
 # more than the reload it replaces: 2928 instructions and 32 block barriers under Triton 3.6, against
 # 2280 and 7 (each tl.gather stores its source to shared memory again, behind a barrier).
