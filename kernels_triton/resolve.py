@@ -35,7 +35,7 @@ def _resolve_kernel(
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
     K, B,
-    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, GATHER_MARKS: tl.constexpr = False,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
@@ -77,7 +77,13 @@ def _resolve_kernel(
     # -- mark hit slots with this call's epoch, then read the marks in LRU order
     tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
     tl.debug_barrier()
-    b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
+    if GATHER_MARKS:
+        # the marks read in slot order (coalesced), then permuted on chip (tl.gather goes through
+        # shared memory): B scattered global loads become B contiguous ones
+        b_mark = tl.load(p_mark + o_b, mask=m_live_b, other=0)                         # [B_PAD] by slot
+        b_order_hit = tl.gather(b_mark, b_order, 0) == epoch
+    else:
+        b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
     m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
     free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
     m_victim = m_free & (free_rank < n_miss)

@@ -18,7 +18,9 @@
 # (e.g. "--graphs-first 3 --graph-kernels 1"; set PYTORCH_CUDA_ALLOC_CONF for another allocator);
 # SWEEP_ARGS (e.g. "--config experiments/configs/h200.toml --kind decode --runs-per-process 3") first runs
 # experiments.sweep with them into $OUT/sweep/ (every point: the copied results/ are not read), capped by
-# SWEEP_TIMEOUT (s, default 540).
+# SWEEP_TIMEOUT (s, default 540). NCU=1 first profiles one launch of each of NCU_TARGETS (scripts/ncu_kernels.py
+# arguments, "|"-separated; default the resolve with and without gather_marks, and DSA decode at batch 64)
+# with Nsight Compute: $OUT/ncu_*.ncu-rep, with each report's details and SASS source view as text beside it.
 # $OUT/gpu_monitor.txt samples clocks, temperature and power every 0.5 s (runs print wall-clock times).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
@@ -75,6 +77,22 @@ if [ -n "${SWEEP_ARGS:-}" ]; then
   read -r -a sweep <<< "$SWEEP_ARGS"
   timeout "${SWEEP_TIMEOUT:-540}" python3 -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" 2>&1 | grep -v Warning \
     | tee -a "$log" || status=1
+fi
+if [ "${NCU:-0}" = 1 ]; then
+  # Nsight Compute, one launch per target (scripts/ncu_kernels.py): NCU_TARGETS, "|"-separated argument lists
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  IFS='|' read -r -a targets <<< "${NCU_TARGETS:-resolve --miss 0.2|resolve --miss 0.2 --gather-marks|dsa --batch 64}"
+  for t in "${targets[@]}"; do
+    name=$(echo "ncu $t" | tr -s ' -' '_' | tr -d '.')
+    echo "== $name ($ncu_bin)" | tee -a "$log"
+    read -r -a targs <<< "$t"
+    timeout "${BENCH_TIMEOUT:-300}" "$ncu_bin" --profile-from-start off --set full --import-source yes \
+      --clock-control none -f -o "$OUT/$name" python3 -m scripts.ncu_kernels "${targs[@]}" 2>&1 | tail -3 | tee -a "$log"
+    "$ncu_bin" -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name.details.txt" 2>&1
+    "$ncu_bin" -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.sass.csv" 2>&1
+    grep -E "Duration|Elapsed Cycles|Registers Per|Achieved Occupancy|L1/TEX Hit|Mem Busy|Issue Slots Busy" \
+      "$OUT/$name.details.txt" | head -12 | tee -a "$log"
+  done
 fi
 for b in "${benches[@]}"; do
   [ "$b" = none ] && continue

@@ -1,5 +1,8 @@
-"""Time resolve variants (kernel layout, warps) at k = 2048, B = 4096, batch 64 (issue #2's target,
-at 0.1%, 20% and 100% misses) and at a few neighbours, to place the no-IO time. GPU only.
+"""Time resolve variants (kernel layout, on-chip marks, warps) at k = 2048, B = 4096, batch 64 (issue
+#2's target, at 0.1%, 20% and 100% misses) and at a few neighbours, to place the no-IO time. GPU only.
+
+Variants: `vector` (the kernel specialised on K and B), `flat` (the default: unspecialised, one
+layout), `flat+gm` (flat, with the hit marks read in slot order and permuted on chip: gather_marks).
 
     python -m scripts.tune_resolve
 """
@@ -23,17 +26,18 @@ def main(argv=None):
     pool_bytes = max(p.batch * p.context * p.row_bytes for p in points)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
     fill_random(flat, device)
-    print(f"{'batch':>5} {'B':>5} {'miss':>5} {'layout':>7} {'warps':>5} | {'noio us':>8} {'total us':>9}")
+    variants = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
+                "flat+gm": dict(flat_layout=True, gather_marks=True)}
+    print(f"{'batch':>5} {'B':>5} {'miss':>5} {'variant':>8} {'warps':>5} | {'noio us':>8} {'total us':>9}")
     for p in points:
         host = flat[:p.batch * p.context * 576].view(p.batch * p.context, 576)
-        for flat_layout, warps in itertools.product((False, True), (8, 16)):
-            layout = "flat" if flat_layout else "vector"
+        for (name, opts), warps in itertools.product(variants.items(), (8, 16)):
             try:
-                r = time_point(p, host, device, 10, flat_layout=flat_layout, num_warps=warps)
+                r = time_point(p, host, device, 10, num_warps=warps, **opts)
             except Exception as e:  # noqa: BLE001 - report and go on with the next variant
-                print(p.batch, p.cache_slots, layout, warps, "failed:", repr(e)[:200])
+                print(p.batch, p.cache_slots, name, warps, "failed:", repr(e)[:200])
                 continue
-            print(f"{p.batch:5d} {p.cache_slots:5d} {p.target_miss:5.3f} {layout:>7} {warps:5d} | "
+            print(f"{p.batch:5d} {p.cache_slots:5d} {p.target_miss:5.3f} {name:>8} {warps:5d} | "
                   f"{r['noio_us']:8.1f} {r['total_us']:9.1f}", flush=True)
 
 if __name__ == "__main__":

@@ -59,8 +59,13 @@ def check_step(gpu, cpu, streams, sel, res):
     assert torch.equal(got.view(torch.int16), want_rows.view(torch.int16))
 
 
-@pytest.mark.parametrize("flat_layout", [False, True], ids=["vector", "flat"])
-def test_resolve_matches_reference_eager_and_graph(flat_layout):
+VARIANTS = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
+            "flat+gather_marks": dict(flat_layout=True, gather_marks=True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resolve_matches_reference_eager_and_graph(variant):
+    opts = VARIANTS[variant]
     device = torch.device("cuda")
     gpu = build(device)
     cpu = HierarchicalKVCache(N, B, host_rows=N * CONTEXT, row_elems=E, dtype=torch.bfloat16, device="cpu",
@@ -73,7 +78,7 @@ def test_resolve_matches_reference_eager_and_graph(flat_layout):
     steps = selections(gen, 12)
 
     for sel in steps[:4]:                                   # eager, with value checks
-        res = gpu.resolve(streams, sel.to(device), flat_layout=flat_layout)
+        res = gpu.resolve(streams, sel.to(device), **opts)
         check_step(gpu, cpu, streams, sel.to(device), res)
 
     static_sel = steps[4].to(device).clone()
@@ -81,7 +86,7 @@ def test_resolve_matches_reference_eager_and_graph(flat_layout):
                           for s in ((N, K), (N, 2), (N, K), (N, K))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gpu.resolve(streams, static_sel, check_values=False, out=out, flat_layout=flat_layout)
+        gpu.resolve(streams, static_sel, check_values=False, out=out, **opts)
     for sel in steps[4:]:                                   # replayed with changing selections
         static_sel.copy_(sel.to(device))
         graph.replay()
