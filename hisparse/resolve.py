@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from kernels_triton.resolve import (
+from kernels_triton.resolve import (_resolve_kernel_prev_flat,
     _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _store_reserved_kernel, _write_rows_kernel,
     _write_unit_token_kernel,
 )
@@ -188,18 +188,16 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None, flat_layout: bool = True, gather_marks: bool = False) -> ResolveResult:
+            num_warps: int | None = None, flat_layout: bool = True, prev: bool = False) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
     values too (a host sync); `out` reuses result buffers, so a captured CUDA graph sees static
-    addresses and allocates nothing. `num_warps`, `flat_layout` and `gather_marks` are tuning knobs
-    (same results): the default flat layout (the kernel compiled without size specialisation: one
-    layout throughout, see kernels_triton/resolve.py) measured faster at every point of
-    scripts/tune_resolve.py on the H200; `gather_marks` reads the hit marks in slot order and permutes
-    them on chip instead of gathering them from global memory in LRU order.
+    addresses and allocates nothing. `num_warps` and `flat_layout` are tuning knobs: the default flat
+    layout (the kernel compiled without size specialisation: one layout throughout, see
+    kernels_triton/resolve.py) measured faster at every point of scripts/tune_resolve.py on the H200.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -220,10 +218,12 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
                 f"{t.dtype} {list(t.shape)} on {t.device}")
     k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
     kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
+    if prev:
+        kernel = _resolve_kernel_prev_flat
     kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
-        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, GATHER_MARKS=gather_marks,
+        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan,
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:

@@ -35,7 +35,115 @@ def _resolve_kernel(
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
     K, B,
-    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, GATHER_MARKS: tl.constexpr = False,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
+):
+    # Every vector element costs instructions in each of the program's warps, and the kernel's time
+    # is its warps' instruction chains (one program per stream, 2,300 instructions a warp at k =
+    # 2048, B = 4096, most of them per-element address, mask and select work): so no per-element
+    # mask for padded rows (they branch off), 32-bit offsets from per-stream pointers, and one
+    # store where two disjoint masks write the same array.
+    i_n = tl.program_id(0).to(tl.int64)
+    stream = tl.load(stream_ptr + i_n)
+    o_k = tl.arange(0, K_PAD)
+    o_b = tl.arange(0, B_PAD)
+    m_k = o_k < K
+    m_b = o_b < B
+    if stream < 0:
+        # a padded batch row reads and writes no stream state: slots -1, no hits, no misses
+        tl.store(slot_out_ptr + i_n * K + o_k, tl.full([K_PAD], -1, dtype=tl.int32), mask=m_k)
+        tl.store(counts_ptr + i_n * 2 + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
+    else:
+        i_s = stream.to(tl.int64)
+        p_lru = lru_ptr + i_s * B
+        p_lru_unit = lru_unit_ptr + i_s * B
+        p_mark = mark_ptr + i_s * B
+        p_map = unit_slot_ptr + tl.load(host_base_ptr + i_s)     # the stream's unit -> slot map
+
+        # -- independent loads first, so their latencies overlap
+        epoch = tl.load(epoch_ptr + i_s) + 1
+        b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_k, other=-1)                  # [K_PAD]
+        b_order = tl.load(p_lru + o_b, mask=m_b, other=0)                              # [B_PAD] slots
+        b_order_unit = tl.load(p_lru_unit + o_b, mask=m_b, other=-1)                   # [B_PAD]
+
+        # -- hits: look each selected unit up in the stream's unit -> slot map
+        m_sel = b_sel >= 0
+        b_hit_slot = tl.load(p_map + b_sel, mask=m_sel, other=-1)
+        m_hit = b_hit_slot >= 0
+        m_miss = m_sel & (b_hit_slot < 0)
+        # one scan for both ranks: hits count in the low 16 bits, misses in the high ones (K < 2**16)
+        ranks = tl.cumsum(m_hit.to(tl.int32) | (m_miss.to(tl.int32) << 16), 0)
+        hit_rank = (ranks & 0xFFFF) - 1
+        miss_rank = (ranks >> 16) - 1
+        totals = tl.max(ranks, 0)
+        n_hit = totals & 0xFFFF
+        n_miss = totals >> 16
+
+        # -- mark hit slots with this call's epoch, then read the marks in LRU order
+        tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
+        tl.debug_barrier()
+        b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=0) == epoch
+        m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
+        free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
+        m_victim = m_free & (free_rank < n_miss)
+
+        # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).
+        # Miss m takes the m-th least recently used free slot, which lands at n_untouched + m of the
+        # new order: the free slots move in one store (stable compaction, no sort), the victims are
+        # read back by miss rank. The units follow their slots; every store is contiguous in its ranks.
+        n_untouched = B - n_hit - n_miss
+        new_pos = tl.where(m_victim, n_untouched + free_rank, free_rank - n_miss)       # [B_PAD]
+        tl.store(p_lru + new_pos, b_order, mask=m_free)
+        tl.store(p_lru_unit + new_pos, b_order_unit, mask=m_free & ~m_victim)
+        tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
+        tl.store(p_lru_unit + n_untouched + tl.where(m_hit, n_miss + hit_rank, miss_rank), b_sel, mask=m_sel)
+        tl.debug_barrier()
+        b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)    # [K_PAD]
+        tl.store(slot_out_ptr + i_n * K + o_k, tl.where(m_hit, b_hit_slot, b_victim), mask=m_k)
+
+        # -- unit -> slot map: evicted units leave, missed units enter (the two sets are disjoint)
+        tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32), mask=m_victim & (b_order_unit >= 0))
+        tl.store(p_map + b_sel, b_victim, mask=m_miss)
+
+        # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
+        if SORT_PLAN:
+            BIG: tl.constexpr = 0x7FFFFFFFFFFFFFFF
+            key = tl.where(m_miss, (b_sel.to(tl.int64) << 20) | b_victim.to(tl.int64), BIG)
+            key = tl.sort(key, 0)
+            m_plan = o_k < n_miss
+            tl.store(plan_unit_ptr + i_n * K + o_k, (key >> 20).to(tl.int32), mask=m_plan)
+            tl.store(plan_slot_ptr + i_n * K + o_k, (key & 0xFFFFF).to(tl.int32), mask=m_plan)
+        else:
+            tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
+            tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
+
+        # -- counters stay on the device: this call's, and the stream's running totals
+        tl.store(counts_ptr + i_n * 2, n_hit)
+        tl.store(counts_ptr + i_n * 2 + 1, n_miss)
+        tl.store(epoch_ptr + i_s, epoch)
+        # relaxed atomics whose result is unused compile to fire-and-forget reductions (RED); the
+        # default acq_rel ordering would add a block barrier and a GPU-wide fence around each
+        tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64), sem="relaxed")
+        tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
+
+
+# TEMPORARY, for one A/B timing: the kernel as at 84763bd12153
+@triton.jit
+def _resolve_kernel_prev(
+    sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
+    stream_ptr,      # [N] int32 stream of each row, -1 for a padded batch row
+    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
+    lru_unit_ptr,    # [S, B] int32 unit held by the slot at each LRU position, -1 empty
+    lru_ptr,         # [S, B] int32 slot ids, least recently used first
+    unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
+    mark_ptr,        # [S, B] int32 epoch of the last call in which each slot hit
+    epoch_ptr,       # [S] int32 calls so far per stream
+    slot_out_ptr,    # [N, K] int32 out: slot of each selected unit, -1 where sel is -1
+    plan_unit_ptr,   # [N, K] int32 out: missed units (miss order, or address order if SORT_PLAN)
+    plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
+    counts_ptr,      # [N, 2] int32 out: hits, misses of this call
+    stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
+    K, B,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
 ):
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
@@ -77,13 +185,7 @@ def _resolve_kernel(
     # -- mark hit slots with this call's epoch, then read the marks in LRU order
     tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
     tl.debug_barrier()
-    if GATHER_MARKS:
-        # the marks read in slot order (coalesced), then permuted on chip (tl.gather goes through
-        # shared memory): B scattered global loads become B contiguous ones
-        b_mark = tl.load(p_mark + o_b, mask=m_live_b, other=0)                         # [B_PAD] by slot
-        b_order_hit = tl.gather(b_mark, b_order, 0) == epoch
-    else:
-        b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
+    b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
     m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
     free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
     m_victim = m_free & (free_rank < n_miss)
@@ -143,6 +245,7 @@ def _resolve_kernel(
 # default: on the H200 (Triton 3.6) it took 7.3 / 8.2 / 12.4 us against 9.2 / 10.1 / 13.7 at 0.1 / 20
 # / 100% misses (no IO, batch 64, k = 2048, B = 4096; scripts/tune_resolve.py).
 _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.fn)
+_resolve_kernel_prev_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel_prev.fn)
 # Tried and not kept (2026-11-30): reading the hit flags in LRU order and the victims on chip, with
 # tl.histogram of the hit slots as the scatter and tl.gather to read back, in place of the slot marks'
 # and the new LRU order's round trips through global memory. It matched the reference bitwise, but

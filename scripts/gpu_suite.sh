@@ -19,7 +19,7 @@
 # SWEEP_ARGS (e.g. "--config experiments/configs/h200.toml --kind decode --runs-per-process 3") first runs
 # experiments.sweep with them into $OUT/sweep/ (every point: the copied results/ are not read), capped by
 # SWEEP_TIMEOUT (s, default 540). NCU=1 first profiles one launch of each of NCU_TARGETS (scripts/ncu_kernels.py
-# arguments, "|"-separated; default the resolve with and without gather_marks, and DSA decode at batch 64)
+# arguments, "|"-separated; default the resolve at 20% and 100% misses, and DSA decode at batch 64)
 # with Nsight Compute: $OUT/ncu_*.ncu-rep, with each report's details and SASS source view as text beside it.
 # $OUT/gpu_monitor.txt samples clocks, temperature and power every 0.5 s (runs print wall-clock times).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
@@ -81,7 +81,7 @@ fi
 if [ "${NCU:-0}" = 1 ]; then
   # Nsight Compute, one launch per target (scripts/ncu_kernels.py): NCU_TARGETS, "|"-separated argument lists
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-  IFS='|' read -r -a targets <<< "${NCU_TARGETS:-resolve --miss 0.2|resolve --miss 0.2 --gather-marks|dsa --batch 64}"
+  IFS='|' read -r -a targets <<< "${NCU_TARGETS:-resolve --miss 0.2|resolve --miss 1.0|dsa --batch 64}"
   for t in "${targets[@]}"; do
     name=$(echo "ncu $t" | tr -s ' -' '_' | tr -d '.')
     echo "== $name ($ncu_bin)" | tee -a "$log"

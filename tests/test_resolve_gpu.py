@@ -59,8 +59,7 @@ def check_step(gpu, cpu, streams, sel, res):
     assert torch.equal(got.view(torch.int16), want_rows.view(torch.int16))
 
 
-VARIANTS = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
-            "flat+gather_marks": dict(flat_layout=True, gather_marks=True)}
+VARIANTS = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
