@@ -22,6 +22,10 @@ first 2 of 32 layers dense, k = token_budget // 16 pages; `token_budget`, defaul
 directory. Selections come from the model (workload = "model") or replay a synthetic preset
 (`hisparse.synthetic.PRESETS`) with realistic locality (Quest: per KV head, in pages,
 `per_kv_head_workload`); decode and throughput runs fill the prompt's KV with random rows.
+How a decode study runs, recorded beside each row: `graph` (CUDA graphs, on a GPU), `prefetch`
+(layer-wise prefetch, for models whose layers share a selection), `early_resolve` (DSA, hierarchical
+modes: each anchor layer's resolve starts on a stream of its own as soon as its selection is known,
+overlapping the query's projection; newest rows reach the host pool once per step).
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
     "policies": {"kind", "workload"},
     "decode": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "batches", "new_tokens",
-               "warmup_steps", "workload", "graph", "prefetch", "token_budget"},
+               "warmup_steps", "workload", "graph", "prefetch", "token_budget", "early_resolve"},
     "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
                    "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph", "token_budget"},
 }
@@ -176,7 +180,7 @@ def validate(studies: list[dict]) -> None:
         if not isinstance(study["model"], str):
             raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa or a "
                               f"checkpoint directory)")
-        for key in ("graph", "prefetch"):
+        for key in ("graph", "prefetch", "early_resolve"):
             if key in study and not isinstance(study[key], bool):
                 raise ConfigError(f"{where}: {key} = {study[key]!r}: expected true or false")
         for key in ("layers", "hidden"):
@@ -197,6 +201,9 @@ def validate(studies: list[dict]) -> None:
             raise ConfigError(f"{where}: model {study['model']!r}: {exc}") from None
         shares = any(built.selection_anchor(i) != i for i in range(built.num_hidden_layers)) \
             if hasattr(built, "selection_anchor") else "shared" in getattr(built, "indexer_types", [])
+        if study.get("early_resolve") and family(raw) != "dsa":
+            raise ConfigError(f"{where}: early_resolve = true applies to DSA models (an anchor layer's resolve "
+                              f"overlaps its query projection); model {study['model']!r} is {family(raw)}")
         if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
@@ -386,11 +393,13 @@ def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
         k, unit_bytes = cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
     # how the point ran, recorded beside it (not part of it: a rerun another way replaces it, --force)
     prefetch = study.get("prefetch", False) and point["mode"] == "hisparse"
+    early = study.get("early_resolve", False) and point["mode"] != "resident"
     point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers,
                  hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
-                 graph=graph, prefetch=prefetch)
+                 graph=graph, prefetch=prefetch, early_resolve=early)
     if point["bench"] == "decode":
-        out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"])
+        out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"],
+                         host_write="step" if early else "layer", early_resolve=early)
         return decode_rows(point, out, point["batch"])
     gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], point["context"], point["cache_slots"])
     fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
@@ -456,7 +465,7 @@ def main(argv=None) -> int:
     keys = [tuple(sorted((k, str(v)) for k, v in point.items())) for _, point in todo]
     if args.runs_per_process and len(set(keys)) < len(keys):
         print("error: two studies share a point (they differ only in how it runs: new_tokens, warmup_steps, "
-              "graph or prefetch), which a resumed process would run once: split them into two configs "
+              "graph, prefetch or early_resolve), which a resumed process would run once: split them into two configs "
               "for --runs-per-process", file=sys.stderr)
         return 2
     total = sum(len(points(s)) for s in studies)

@@ -35,7 +35,7 @@ def _resolve_kernel(
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
     K, B,
-    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
     # is its warps' instruction chains (one program per stream, 2,300 instructions a warp at k =
@@ -48,6 +48,9 @@ def _resolve_kernel(
     o_b = tl.arange(0, B_PAD)
     m_k = o_k < K
     m_b = o_b < B
+    if EVEN:          # K == K_PAD and B == B_PAD: no element is out of range
+        m_k = tl.full([K_PAD], 1, dtype=tl.int1)
+        m_b = tl.full([B_PAD], 1, dtype=tl.int1)
     if stream < 0:
         # a padded batch row reads and writes no stream state: slots -1, no hits, no misses
         tl.store(slot_out_ptr + i_n * K + o_k, tl.full([K_PAD], -1, dtype=tl.int32), mask=m_k)

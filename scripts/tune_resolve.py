@@ -27,7 +27,7 @@ def main(argv=None):
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
     fill_random(flat, device)
     variants = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
-                "prev": dict(prev=True)}
+                "noeven": dict(even=False), "prev": dict(prev=True)}
     print(f"{'batch':>5} {'B':>5} {'miss':>5} {'variant':>8} {'warps':>5} | {'noio us':>8} {'total us':>9}")
     for p in points:
         host = flat[:p.batch * p.context * 576].view(p.batch * p.context, 576)

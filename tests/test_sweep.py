@@ -90,8 +90,10 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("warmup_steps = 2", "warmup_steps = 2\nlayers = 0"), "layers = 0: expected a positive integer"),
     (("warmup_steps = 2", "warmup_steps = 2\nprefetch = true"),
      "prefetch = true needs layers that share a selection .* model 'tiny:deepseek_v32' has none"),
+    (("warmup_steps = 2", "warmup_steps = 2\nearly_resolve = 1"), "early_resolve = 1: expected true or false"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
-        "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared"])
+        "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
+        "early-resolve-int"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
@@ -233,6 +235,18 @@ workload = "tiny"
 """
 
 
+def test_early_resolve_runs_hierarchical_modes_and_is_recorded(tmp_path):
+    """early_resolve = true: the hierarchical modes run with it (and so store the newest rows once per
+    step), resident without; the rows say which."""
+    config = write(tmp_path, TINY.split("[[study]]")[1].join(["[[study]]", ""]).replace(
+        'workload = "tiny"\n', 'workload = "tiny"\nearly_resolve = true\n', 1))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 0
+    decode = pd.read_csv(tmp_path / "results" / "decode.csv")
+    early = decode.groupby("mode").early_resolve.agg(set)
+    assert early["resident"] == {False} and early["hisparse"] == {True}
+    assert decode.value.notna().all()
+
+
 def test_quest_studies_run_per_kv_head_in_pages(tmp_path):
     """A Quest model in the sweep: k = token_budget // 16 pages (48 tokens: 3), a unit is one KV head's
     page, selections replay the synthetic workload per KV head; its throughput rows say what a request
@@ -258,6 +272,9 @@ def test_bad_quest_studies_fail_before_running(tmp_path, capsys, edit, message):
     config = write(tmp_path, QUEST.replace(*edit, 1))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 2
     assert re.search(message, capsys.readouterr().err) and not list(tmp_path.glob("results/*.csv"))
+    early = write(tmp_path, QUEST.replace('workload = "tiny"\n', 'workload = "tiny"\nearly_resolve = true\n', 1))
+    assert sweep.main(["--config", early, "--dry-run"]) == 2
+    assert "early_resolve = true applies to DSA models" in capsys.readouterr().err
     dsa = write(tmp_path, TINY.replace('workload = "tiny"\n', 'workload = "tiny"\ntoken_budget = 64\n', 1))
     assert sweep.main(["--config", dsa, "--dry-run"]) == 2
     assert "token_budget applies to Quest models" in capsys.readouterr().err
