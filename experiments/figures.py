@@ -62,7 +62,7 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
 # what a rerun of a point changes (the sweep's timed and warm-up steps and how it ran, with its place in
 # its process, the attention timings' spread)
 RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps",
-               "us_p20", "us_p80", "graph", "prefetch", "run")
+               "us_p20", "us_p80", "graph", "prefetch", "early_resolve", "run")
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
 # a few batches or with another timer), read per point rather than per run; with the columns a rerun
 # of a point may add or change in that file (bench_prefetch's variant: older rows lack it, and
@@ -96,6 +96,16 @@ def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
     if "random_layers" in frame:
         frame = frame.assign(random_layers=frame["random_layers"].fillna(2))
     return frame[keep]
+
+
+def default_decode_method(frame: pd.DataFrame) -> pd.DataFrame:
+    """The sweep's decode rows as the figures read them: those run the default way, the variants
+    (`early_resolve`, which the sweep records beside each row) left to the tables in results/README.md;
+    a file holding only variant rows is drawn as it is."""
+    if "early_resolve" not in frame:
+        return frame
+    default = frame[frame["early_resolve"].fillna(False).astype(str).str.lower() != "true"]
+    return default if not default.empty else frame
 
 
 def on_device(frames: dict[str, pd.DataFrame], device: str | None) -> dict[str, pd.DataFrame]:
@@ -143,6 +153,8 @@ def read_results(results: Path, names: tuple[str, ...], device: str | None = Non
         name = Path(path).name
         if name == "prefetch.csv":
             frame = default_prefetch_variant(frame)
+        elif name == "decode.csv":
+            frame = default_decode_method(frame)
         picked.append(newest_per_point(frame, RUN_COLUMNS + PER_POINT[name]) if name in PER_POINT
                       else newest(frame))
     if not picked:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from kernels_triton.resolve import (_resolve_kernel_prev_flat,
+from kernels_triton.resolve import (
     _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _store_reserved_kernel, _write_rows_kernel,
     _write_unit_token_kernel,
 )
@@ -188,8 +188,7 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None, flat_layout: bool = True, prev: bool = False,
-            even: bool = True) -> ResolveResult:
+            num_warps: int | None = None, flat_layout: bool = True) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
@@ -219,13 +218,10 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
                 f"{t.dtype} {list(t.shape)} on {t.device}")
     k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
     kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
-    opts = dict(EVEN=even and k == k_pad and cache_slots == b_pad)
-    if prev:
-        kernel, opts = _resolve_kernel_prev_flat, {}
     kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
-        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, **opts,
+        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:

@@ -38,10 +38,14 @@ def _resolve_kernel(
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
-    # is its warps' instruction chains (one program per stream, 2,300 instructions a warp at k =
-    # 2048, B = 4096, most of them per-element address, mask and select work): so no per-element
-    # mask for padded rows (they branch off), 32-bit offsets from per-stream pointers, and one
-    # store where two disjoint masks write the same array.
+    # is its warps' instruction chains (one program per stream; Nsight Compute on the H200 found 8
+    # warps a stream issuing 2,260 instructions each, mostly per-element address, mask and select
+    # work, with the issue slots 11% busy: results/gpu_logs/84763bd12153_ncu_resolve_dsa.txt). So no
+    # per-element mask for padded rows (they branch off) nor, with EVEN, for k and B in range; 32-bit
+    # offsets from per-stream pointers; one store where two disjoint masks write the same array.
+    # Under Triton 3.6 that took the flat kernel from 2280 SASS instructions to 1952 and on the H200
+    # from 7.5 / 8.6 / 13.0 us to 6.9 / 7.7 / 12.2 at 0.1 / 20 / 100% misses (no IO, batch 64, k =
+    # 2048, B = 4096; results/gpu_logs/3a5390c98150_resolve_and_decode_noio.txt).
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
     o_k = tl.arange(0, K_PAD)
@@ -129,126 +133,19 @@ def _resolve_kernel(
         tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
 
 
-# TEMPORARY, for one A/B timing: the kernel as at 84763bd12153
-@triton.jit
-def _resolve_kernel_prev(
-    sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
-    stream_ptr,      # [N] int32 stream of each row, -1 for a padded batch row
-    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
-    lru_unit_ptr,    # [S, B] int32 unit held by the slot at each LRU position, -1 empty
-    lru_ptr,         # [S, B] int32 slot ids, least recently used first
-    unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
-    mark_ptr,        # [S, B] int32 epoch of the last call in which each slot hit
-    epoch_ptr,       # [S] int32 calls so far per stream
-    slot_out_ptr,    # [N, K] int32 out: slot of each selected unit, -1 where sel is -1
-    plan_unit_ptr,   # [N, K] int32 out: missed units (miss order, or address order if SORT_PLAN)
-    plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
-    counts_ptr,      # [N, 2] int32 out: hits, misses of this call
-    stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
-    K, B,
-    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr,
-):
-    i_n = tl.program_id(0).to(tl.int64)
-    stream = tl.load(stream_ptr + i_n)
-    live = stream >= 0
-    i_s = tl.maximum(stream, 0).to(tl.int64)
-
-    o_k = tl.arange(0, K_PAD)
-    o_b = tl.arange(0, B_PAD)
-    m_k = o_k < K
-    m_b = o_b < B
-    # a padded row (stream -1) reads and writes no stream state; vector masks, as the interpreter
-    # does not combine scalar and vector masks
-    m_live_k = m_k & ((o_k * 0 + stream) >= 0)
-    m_live_b = m_b & ((o_b * 0 + stream) >= 0)
-    p_lru = lru_ptr + i_s * B
-    p_lru_unit = lru_unit_ptr + i_s * B
-    p_mark = mark_ptr + i_s * B
-
-    # -- independent loads first, so their latencies overlap
-    host_base = tl.load(host_base_ptr + i_s)
-    epoch = tl.load(epoch_ptr + i_s) + 1
-    b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_live_k, other=-1)                 # [K_PAD]
-    b_order = tl.load(p_lru + o_b, mask=m_live_b, other=0)                             # [B_PAD] slots
-    b_order_unit = tl.load(p_lru_unit + o_b, mask=m_live_b, other=-1)                  # [B_PAD]
-
-    # -- hits: look each selected unit up in the stream's unit -> slot map
-    m_sel = b_sel >= 0
-    b_hit_slot = tl.load(unit_slot_ptr + host_base + b_sel.to(tl.int64), mask=m_sel, other=-1)
-    m_hit = b_hit_slot >= 0
-    m_miss = m_sel & (b_hit_slot < 0)
-    # one scan for both ranks: hits count in the low 16 bits, misses in the high ones (K < 2**16)
-    ranks = tl.cumsum(m_hit.to(tl.int32) | (m_miss.to(tl.int32) << 16), 0)
-    hit_rank = (ranks & 0xFFFF) - 1
-    miss_rank = (ranks >> 16) - 1
-    totals = tl.max(ranks, 0)
-    n_hit = totals & 0xFFFF
-    n_miss = totals >> 16
-
-    # -- mark hit slots with this call's epoch, then read the marks in LRU order
-    tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
-    tl.debug_barrier()
-    b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
-    m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
-    free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
-    m_victim = m_free & (free_rank < n_miss)
-    m_untouched = m_free & (free_rank >= n_miss)
-
-    # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).
-    # Miss m takes the m-th least recently used free slot, which lands at n_untouched + m of the new
-    # order: scatter the victims there (stable compaction, no sort), then read them back by miss rank.
-    # The units follow their slots in the same order: every store below is contiguous in its ranks.
-    n_untouched = B - n_hit - n_miss
-    tl.store(p_lru + free_rank - n_miss, b_order, mask=m_untouched & m_live_b)
-    tl.store(p_lru_unit + free_rank - n_miss, b_order_unit, mask=m_untouched & m_live_b)
-    tl.store(p_lru + n_untouched + free_rank, b_order, mask=m_victim & m_live_b)
-    tl.store(p_lru_unit + n_untouched + miss_rank, b_sel, mask=m_miss)
-    tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
-    tl.store(p_lru_unit + n_untouched + n_miss + hit_rank, b_sel, mask=m_hit)
-    tl.debug_barrier()
-    b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)         # [K_PAD]
-    b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
-    tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
-
-    # -- unit -> slot map: evicted units leave, missed units enter (the two sets are disjoint)
-    m_evict = m_victim & (b_order_unit >= 0) & m_live_b
-    tl.store(unit_slot_ptr + host_base + b_order_unit.to(tl.int64), tl.full([B_PAD], -1, dtype=tl.int32),
-             mask=m_evict)
-    tl.store(unit_slot_ptr + host_base + b_sel.to(tl.int64), b_victim, mask=m_miss)
-
-    # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
-    if SORT_PLAN:
-        BIG: tl.constexpr = 0x7FFFFFFFFFFFFFFF
-        key = tl.where(m_miss, (b_sel.to(tl.int64) << 20) | b_victim.to(tl.int64), BIG)
-        key = tl.sort(key, 0)
-        m_plan = o_k < n_miss
-        tl.store(plan_unit_ptr + i_n * K + o_k, (key >> 20).to(tl.int32), mask=m_plan)
-        tl.store(plan_slot_ptr + i_n * K + o_k, (key & 0xFFFFF).to(tl.int32), mask=m_plan)
-    else:
-        tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
-        tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
-
-    # -- counters stay on the device: this call's, and the stream's running totals
-    tl.store(counts_ptr + i_n * 2, n_hit)
-    tl.store(counts_ptr + i_n * 2 + 1, n_miss)
-    if live:
-        tl.store(epoch_ptr + i_s, epoch)
-        # relaxed atomics whose result is unused compile to fire-and-forget reductions (RED); the
-        # default acq_rel ordering would add a block barrier and a GPU-wide fence around each
-        tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64), sem="relaxed")
-        tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
-
-
 # The same kernel with K and B left unspecialised (Triton specialises integer arguments divisible by
 # 16). Unable to prove the selection and LRU rows 16-byte aligned, Triton loads them one element per
 # thread, the layout the scattered accesses take anyway, so no tensor changes layout. Specialised,
 # the contiguous loads are vectorised (4 elements per thread) and each scattered access converts
 # through shared memory: Triton 3.9 for sm_90 at k = 2048, B = 4096 and 8 warps emits 17 layout
 # conversions and 61 block barriers there, 6 barriers here (scripts/sass_resolve.py). This one is the
-# default: on the H200 (Triton 3.6) it took 7.3 / 8.2 / 12.4 us against 9.2 / 10.1 / 13.7 at 0.1 / 20
-# / 100% misses (no IO, batch 64, k = 2048, B = 4096; scripts/tune_resolve.py).
+# default: on the H200 (Triton 3.6) it took 6.9 / 7.7 / 12.2 us against 8.1 / 9.5 / 13.7 at 0.1 / 20
+# / 100% misses (no IO, batch 64, k = 2048, B = 4096; scripts/tune_resolve.py at 3a5390c98150).
 _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.fn)
-_resolve_kernel_prev_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel_prev.fn)
+# Tried and not kept (2026-11-30, 84763bd12153): the marks loaded in slot order (coalesced) and put in
+# LRU order on chip by tl.gather (through shared memory), in place of B scattered global loads. Same
+# SASS size under Triton 3.6, and on the H200 no faster: 7.6 / 8.6 / 12.6 us against 7.6 / 8.5 / 12.5
+# (results/gpu_logs/84763bd12153_ncu_resolve_dsa.txt).
 # Tried and not kept (2026-11-30): reading the hit flags in LRU order and the victims on chip, with
 # tl.histogram of the hit slots as the scatter and tl.gather to read back, in place of the slot marks'
 # and the new LRU order's round trips through global memory. It matched the reference bitwise, but

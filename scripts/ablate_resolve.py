@@ -14,8 +14,9 @@ leave the maps and the LRU order as the warm-up call (the production kernel) lef
 stop at 4 rewrite the LRU order but not the unit -> slot map. Either way each replay's hot units are
 looked up in a map that still holds them, so they hit and the cold ones miss, as in the whole kernel.
 
-Seen on the H200 (results/gpu_logs/*_resolve_ablation.txt): stages 1, 3, 4 and 5 each cost 1 to 3 us
-at batch 64, whatever num_warps, and stage 5 grows with the misses; in-register alternatives to the
+Seen on the H200 (results/gpu_logs/c18bb0e_resolve_ablation.txt, the kernel before 700837c64487's
+leaner one): stages 1, 3, 4 and 5 each cost 1 to 3 us at batch 64, whatever num_warps, and stage 5
+grows with the misses; in-register alternatives to the
 marks and the victim read-back (tl.histogram + tl.gather) took 50 to 340 us on Triton 3.6.
 """
 import statistics
@@ -32,28 +33,25 @@ from hisparse.resolve import CacheState, resolve
 def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, lru_unit_ptr, lru_ptr, unit_slot_ptr, mark_ptr,
                    epoch_ptr, slot_out_ptr, plan_unit_ptr, plan_slot_ptr, counts_ptr, stats_ptr, K, B,
                    K_PAD: tl.constexpr, B_PAD: tl.constexpr, STOP: tl.constexpr):
+    # the kernel's path for a live stream with K == K_PAD and B == B_PAD (EVEN), the points timed here
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
-    i_s = tl.maximum(stream, 0).to(tl.int64)
     o_k = tl.arange(0, K_PAD)
     o_b = tl.arange(0, B_PAD)
-    m_k = o_k < K
-    m_b = o_b < B
-    m_live_k = m_k & ((o_k * 0 + stream) >= 0)
-    m_live_b = m_b & ((o_b * 0 + stream) >= 0)
     if STOP == 0:
         tl.store(counts_ptr + i_n * 2, stream)
         return
+    i_s = stream.to(tl.int64)
     p_lru = lru_ptr + i_s * B
     p_lru_unit = lru_unit_ptr + i_s * B
     p_mark = mark_ptr + i_s * B
-    host_base = tl.load(host_base_ptr + i_s)
+    p_map = unit_slot_ptr + tl.load(host_base_ptr + i_s)
     epoch = tl.load(epoch_ptr + i_s) + 1
-    b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_live_k, other=-1)
-    b_order = tl.load(p_lru + o_b, mask=m_live_b, other=0)
-    b_order_unit = tl.load(p_lru_unit + o_b, mask=m_live_b, other=-1)
+    b_sel = tl.load(sel_ptr + i_n * K + o_k)
+    b_order = tl.load(p_lru + o_b)
+    b_order_unit = tl.load(p_lru_unit + o_b)
     m_sel = b_sel >= 0
-    b_hit_slot = tl.load(unit_slot_ptr + host_base + b_sel.to(tl.int64), mask=m_sel, other=-1)
+    b_hit_slot = tl.load(p_map + b_sel, mask=m_sel, other=-1)
     if STOP == 1:
         tl.store(counts_ptr + i_n * 2, tl.sum(b_hit_slot, 0) + tl.sum(b_order_unit, 0))
         return
@@ -70,33 +68,27 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, lru_unit_ptr, lru_ptr, un
         return
     tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
     tl.debug_barrier()
-    b_order_hit = tl.load(p_mark + b_order, mask=m_live_b, other=0) == epoch
-    m_free = m_b & ~b_order_hit
+    m_free = tl.load(p_mark + b_order) != epoch
     free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
     m_victim = m_free & (free_rank < n_miss)
-    m_untouched = m_free & (free_rank >= n_miss)
     if STOP == 3:
         kept = tl.sum(b_order_unit, 0) + tl.sum(free_rank, 0) + tl.sum(hit_rank + miss_rank, 0)
         tl.store(counts_ptr + i_n * 2, n_hit + kept)
         return
     n_untouched = B - n_hit - n_miss
-    tl.store(p_lru + free_rank - n_miss, b_order, mask=m_untouched & m_live_b)
-    tl.store(p_lru_unit + free_rank - n_miss, b_order_unit, mask=m_untouched & m_live_b)
-    tl.store(p_lru + n_untouched + free_rank, b_order, mask=m_victim & m_live_b)
-    tl.store(p_lru_unit + n_untouched + miss_rank, b_sel, mask=m_miss)
+    new_pos = tl.where(m_victim, n_untouched + free_rank, free_rank - n_miss)
+    tl.store(p_lru + new_pos, b_order, mask=m_free)
+    tl.store(p_lru_unit + new_pos, b_order_unit, mask=m_free & ~m_victim)
     tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
-    tl.store(p_lru_unit + n_untouched + n_miss + hit_rank, b_sel, mask=m_hit)
+    tl.store(p_lru_unit + n_untouched + tl.where(m_hit, n_miss + hit_rank, miss_rank), b_sel, mask=m_sel)
     tl.debug_barrier()
     b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)
-    b_slot = tl.where(m_hit, b_hit_slot, tl.where(m_miss, b_victim, -1))
-    tl.store(slot_out_ptr + i_n * K + o_k, b_slot, mask=m_k)
+    tl.store(slot_out_ptr + i_n * K + o_k, tl.where(m_hit, b_hit_slot, b_victim))
     if STOP == 4:
         tl.store(counts_ptr + i_n * 2, n_hit + tl.sum(b_order_unit, 0))
         return
-    m_evict = m_victim & (b_order_unit >= 0) & m_live_b
-    tl.store(unit_slot_ptr + host_base + b_order_unit.to(tl.int64), tl.full([B_PAD], -1, dtype=tl.int32),
-             mask=m_evict)
-    tl.store(unit_slot_ptr + host_base + b_sel.to(tl.int64), b_victim, mask=m_miss)
+    tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32), mask=m_victim & (b_order_unit >= 0))
+    tl.store(p_map + b_sel, b_victim, mask=m_miss)
     tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
     tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
     tl.store(counts_ptr + i_n * 2, n_hit)

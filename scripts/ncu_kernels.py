@@ -2,7 +2,7 @@
 cudaProfilerStart and cudaProfilerStop.
 
     ncu --profile-from-start off --set full --import-source yes --clock-control none -o OUT/resolve \\
-        python -m scripts.ncu_kernels resolve --miss 0.2 [--prev]
+        python -m scripts.ncu_kernels resolve --miss 0.2
     ncu ... python -m scripts.ncu_kernels dsa --batch 64
 
 `resolve`: the no-IO resolve at k = 2048, B = 4096 (issue #2's point) on benchmarks/bench_resolve.py's
@@ -32,8 +32,8 @@ def resolve_call(args, device):
     work = Workload(p, device)
     sels = work.next(41)
     for i in range(40):
-        resolve(state, streams, sels[i], host, cache, fetch=False, prev=args.prev)
-    return lambda: resolve(state, streams, sels[40], host, cache, fetch=False, prev=args.prev)
+        resolve(state, streams, sels[i], host, cache, fetch=False)
+    return lambda: resolve(state, streams, sels[40], host, cache, fetch=False)
 
 
 def dsa_call(args, device):
@@ -48,7 +48,6 @@ def main(argv=None) -> None:
     ap.add_argument("kernel", choices=("resolve", "dsa"))
     ap.add_argument("--batch", type=int, default=64, help="requests (default 64)")
     ap.add_argument("--miss", type=float, default=0.2, help="resolve: target miss rate (default 0.2)")
-    ap.add_argument("--prev", action="store_true", help="resolve: TEMPORARY, the kernel as at 84763bd12153")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("scripts.ncu_kernels launches kernels for Nsight Compute on a CUDA GPU; none is available here")

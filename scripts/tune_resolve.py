@@ -2,7 +2,7 @@
 #2's target, at 0.1%, 20% and 100% misses) and at a few neighbours, to place the no-IO time. GPU only.
 
 Variants: `vector` (the kernel specialised on K and B), `flat` (the default: unspecialised, one
-layout), `prev` (TEMPORARY: the flat kernel as at 84763bd12153).
+layout).
 
     python -m scripts.tune_resolve
 """
@@ -26,8 +26,7 @@ def main(argv=None):
     pool_bytes = max(p.batch * p.context * p.row_bytes for p in points)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
     fill_random(flat, device)
-    variants = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
-                "noeven": dict(even=False), "prev": dict(prev=True)}
+    variants = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True)}
     print(f"{'batch':>5} {'B':>5} {'miss':>5} {'variant':>8} {'warps':>5} | {'noio us':>8} {'total us':>9}")
     for p in points:
         host = flat[:p.batch * p.context * 576].view(p.batch * p.context, 576)

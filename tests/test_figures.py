@@ -237,6 +237,19 @@ def test_read_results_keeps_earlier_points_of_a_benchmark_rerun_at_a_few_batches
     assert figures.read_results(tmp_path, ("attention.csv",))["value"].tolist() == [7.0]
 
 
+def test_decode_rows_run_with_early_resolve_are_drawn_only_where_nothing_else_was(tmp_path):
+    """The sweep's `early_resolve` rows (newer here) do not replace the default runs' points; a file
+    with only such rows is drawn as it is."""
+    point = {"family": "dsa", "mode": "hisparse", "batch": 8, "context": 32768, "metric": "tpot_ms"}
+    default = frame("decode", [dict(point, value=19.4)])                       # older, without the column
+    early = frame("decode", [dict(point, value=20.4, early_resolve=True), dict(point, batch=16, value=25.0,
+                  early_resolve=True)], commit="beef", timestamp="2026-11-29T13:00:00+00:00")
+    pd.concat([default, early]).to_csv(tmp_path / "decode.csv", index=False)
+    assert figures.read_results(tmp_path, ("decode.csv",))["value"].tolist() == [19.4]
+    early.to_csv(tmp_path / "decode.csv", index=False)
+    assert sorted(figures.read_results(tmp_path, ("decode.csv",))["value"]) == [20.4, 25.0]
+
+
 def policies_frame() -> pd.DataFrame:
     common = {"family": "synthetic", "workload": "tiny", "k": 32, "metric": "miss_rate"}
     records = [{**common, "mode": "last", "cache_slots": 32, "value": 0.3, "published": 0.3}]
