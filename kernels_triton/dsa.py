@@ -79,6 +79,12 @@ def _sparse_mla_decode_kernel(
     wgmma); on the H200 this loop with 64-row tiles took 151 us at batch 64. A variant that deferred
     PV by one tile, carrying the previous tile's logits and values in registers (42 wgmma, no spills
     at 32-row tiles), took 210 us and was removed; an earlier kernel re-reading V from L2 took 214 us.
+    Nsight Compute confirmed the doubled QK^T (72 HGMMA.64x32x16 per tile;
+    results/gpu_logs/84763bd12153_ncu_resolve_dsa.txt). Triton gives a dot that feeds another (here
+    through P, the accumulator's rescale, and the rope part accumulating onto the rest) the one-axis
+    warp layout; P through a scratch tile splits it, but then a barrier stops the pipelining or, without
+    one, the pipeliner fetches the scratch before it is written
+    (results/cpu_logs/34b2cf411b96_sass_dsa_qk_split_probe.txt).
     """
     i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
     i_n = tl.program_id(1).to(tl.int64)
