@@ -45,7 +45,7 @@ def _resolve_kernel(
     # offsets from per-stream pointers; one store where two disjoint masks write the same array.
     # Under Triton 3.6 that took the flat kernel from 2280 SASS instructions to 1952 and on the H200
     # from 7.5 / 8.6 / 13.0 us to 6.9 / 7.7 / 12.2 at 0.1 / 20 / 100% misses (no IO, batch 64, k =
-    # 2048, B = 4096; results/gpu_logs/3a5390c98150_resolve_and_decode_noio.txt).
+    # 2048, B = 4096; results/gpu_logs/3a5390c98150_resolve_decode_noio_prefetch.txt).
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
     o_k = tl.arange(0, K_PAD)
