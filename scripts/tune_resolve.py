@@ -1,5 +1,5 @@
-"""Time resolve variants (kernel layout, on-chip marks, warps) at k = 2048, B = 4096, batch 64 (issue
-#2's target, at 0.1%, 20% and 100% misses) and at a few neighbours, to place the no-IO time. GPU only.
+"""Time resolve variants (kernel layout, warps) at k = 2048, B = 4096, batch 64 (issue #2's target,
+at 0.1%, 20% and 100% misses) and at a few neighbours, to place the no-IO time. GPU only.
 
 Variants: `vector` (the kernel specialised on K and B), `flat` (the default: unspecialised, one
 layout).
