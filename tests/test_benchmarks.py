@@ -203,3 +203,37 @@ def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
     rows = pd.read_csv(tmp_path / "sweep" / "policies.csv")
     assert len(rows) > 0 and "policies" in set(rows["bench"])
     assert "== experiments.sweep --kind policies --out" in (tmp_path / "gpu_log.txt").read_text()
+
+
+NCU_COLUMNS = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb",'
+               '"stall_wait","stall_long_sb (Not Issued)"')
+NCU_SOURCE_VIEW = '"Kernel Name","_k",\n' + NCU_COLUMNS + '''
+"0x0","      LDC R1, c[0x0][0x28]","2","4","0","2","0"
+"0x10","      LDG.E R2, desc[UR4][R2.64]","0","8","0","0","0"
+"0x20","  @P0   ISETP.GT.AND P1, PT, R2, 0x1, PT","6","8","5","1","5"
+"0x30","      EXIT","0","4","0","0","0"
+'''
+
+
+def test_ncu_summary_reads_the_source_view(tmp_path, capsys):
+    """scripts/ncu_summary.py on a CSV shaped as ncu writes it: instructions per warp (the first
+    instruction runs once per warp), stall shares, the hottest instruction with its main reason."""
+    from scripts import ncu_summary
+    path = tmp_path / "k.sass.csv"
+    path.write_text(NCU_SOURCE_VIEW)
+    ncu_summary.main([str(path), "--top", "2"])
+    out = capsys.readouterr().out
+    assert "4 SASS instructions, 4 warps, 6 instructions issued per warp, the most executed ones 2 times" in out
+    assert "ISETP.GT.AND 2" in out and "LDG.E 2" in out         # the guard predicate (@P0) stripped
+    assert "long_sb 0.625, wait 0.375" in out
+    assert "0.750 long_sb          @P0   ISETP.GT.AND" in out
+
+
+def test_ncu_kernels_names_its_kernels_and_needs_a_gpu(capsys):
+    from scripts import ncu_kernels
+    with pytest.raises(SystemExit):
+        ncu_kernels.main(["attention"])
+    assert "invalid choice: 'attention'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="on a CUDA GPU; none is available here"):
+            ncu_kernels.main(["resolve"])
