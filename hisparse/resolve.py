@@ -188,16 +188,18 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None, flat_layout: bool = True) -> ResolveResult:
+            num_warps: int | None = None, flat_layout: bool = True, packed_scan: bool = False) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
     values too (a host sync); `out` reuses result buffers, so a captured CUDA graph sees static
-    addresses and allocates nothing. `num_warps` and `flat_layout` are tuning knobs: the default flat
-    layout (the kernel compiled without size specialisation: one layout throughout, see
-    kernels_triton/resolve.py) measured faster at every point of scripts/tune_resolve.py on the H200.
+    addresses and allocates nothing. `num_warps`, `flat_layout` and `packed_scan` are tuning knobs
+    (same results): the default flat layout (the kernel compiled without size specialisation: one
+    layout throughout, see kernels_triton/resolve.py) measured faster at every point of
+    scripts/tune_resolve.py on the H200; `packed_scan` ranks the free slots with one scan over half as
+    many elements (1656 SASS instructions against 1952 under Triton 3.6; not yet timed on a GPU).
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -216,12 +218,15 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
         _expect(t.shape == shape and t.dtype == torch.int32 and t.device == sel.device and t.is_contiguous(),
                 f"out.{name} must be a contiguous int32 {list(shape)} on {sel.device}, got "
                 f"{t.dtype} {list(t.shape)} on {t.device}")
-    k_pad, b_pad = triton.next_power_of_2(k), triton.next_power_of_2(cache_slots)
+    k_pad, b_pad = triton.next_power_of_2(k), max(2, triton.next_power_of_2(cache_slots))
+    _expect(not packed_scan or b_pad <= 1 << 15, f"packed_scan counts half of B={cache_slots} slots in 16 bits: "
+                                                 f"expected B <= {1 << 15}")
     kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
     kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
+        PACKED_SCAN=packed_scan,
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:

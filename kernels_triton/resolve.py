@@ -36,6 +36,7 @@ def _resolve_kernel(
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
     K, B,
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
+    PACKED_SCAN: tl.constexpr = False,
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
     # is its warps' instruction chains (one program per stream; Nsight Compute on the H200 found 8
@@ -90,7 +91,17 @@ def _resolve_kernel(
         tl.debug_barrier()
         b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=0) == epoch
         m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
-        free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
+        if PACKED_SCAN:
+            # one scan for both halves of the LRU order (positions [0, B/2) count in the low 16 bits,
+            # [B/2, B) in the high ones): the scan's cost is per element a thread holds, and here
+            # the halves are a register apart, so the split and the join move no data (B_PAD >= 2)
+            lo, hi = tl.split(tl.trans(tl.reshape(m_free.to(tl.int32), [2, B_PAD // 2])))
+            packed = tl.cumsum(lo | (hi << 16), 0)
+            lo_total = tl.max(packed, 0) & 0xFFFF
+            free_count = tl.join(packed & 0xFFFF, lo_total + (packed >> 16))            # [B_PAD // 2, 2]
+            free_rank = tl.reshape(tl.trans(free_count), [B_PAD]) - 1
+        else:
+            free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
         m_victim = m_free & (free_rank < n_miss)
 
         # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).

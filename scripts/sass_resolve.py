@@ -4,7 +4,8 @@
 
 Both variants of kernels_triton/resolve.py are compiled as a launch at these sizes would specialise
 them: every pointer 16-byte aligned, and K and B divisible by 16 for `_resolve_kernel` (Triton's
-default for such integers) but not for `_resolve_kernel_flat` (do_not_specialize). Printed per
+default for such integers) but not for `_resolve_kernel_flat` (do_not_specialize); the flat one also
+with `packed_scan` (the free slots ranked by one scan over half as many elements). Printed per
 variant: SASS instructions in all, global loads and stores (and how many are 16-byte vectors), block
 barriers, shared-memory traffic, warp shuffles, and the layout conversions in the Triton GPU IR.
 Compiled and read by scripts/sass.py (the cuobjdump that ships with Triton's NVIDIA backend). The
@@ -26,9 +27,10 @@ SIZES = [list(SIGNATURE).index(name) for name in SIZES_ARGS]
 SHOWN = ("LDG", "STG", "BAR", "LDS", "STS", "SHFL", "MEMBAR", "ATOMG", "REDG")
 
 
-def compile_counts(kernel, divisible: list[int], k_pad: int, b_pad: int, warps: int, even: bool) -> dict:
-    compiled = compile_sm90(kernel, SIGNATURE, {"K_PAD": k_pad, "B_PAD": b_pad, "SORT_PLAN": False, "EVEN": even},
-                            divisible, num_warps=warps)
+def compile_counts(kernel, divisible: list[int], k_pad: int, b_pad: int, warps: int, even: bool,
+                   packed_scan: bool = False) -> dict:
+    constexprs = {"K_PAD": k_pad, "B_PAD": b_pad, "SORT_PLAN": False, "EVEN": even, "PACKED_SCAN": packed_scan}
+    compiled = compile_sm90(kernel, SIGNATURE, constexprs, divisible, num_warps=warps)
     ops = sass_ops(compiled)
     counts = {name: ops[name] for name in SHOWN}
     counts["vec16B"] = ops["vec16B"]                                           # of the LDG and STG
@@ -44,10 +46,12 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-slots", type=int, default=4096, help="B (default 4096)")
     args = ap.parse_args(argv)
     k_pad, b_pad = triton.next_power_of_2(args.k), triton.next_power_of_2(args.cache_slots)
-    variants = {"_resolve_kernel": (_resolve_kernel, POINTERS + SIZES),
-                "_resolve_kernel_flat": (_resolve_kernel_flat, POINTERS)}
+    variants = {"_resolve_kernel": (_resolve_kernel, POINTERS + SIZES, False),
+                "_resolve_kernel_flat": (_resolve_kernel_flat, POINTERS, False),
+                "flat, packed_scan": (_resolve_kernel_flat, POINTERS, True)}
     even = (k_pad, b_pad) == (args.k, args.cache_slots)           # as the launcher passes EVEN
-    rows = {name: compile_counts(fn, div, k_pad, b_pad, args.warps, even) for name, (fn, div) in variants.items()}
+    rows = {name: compile_counts(fn, div, k_pad, b_pad, args.warps, even, packed)
+            for name, (fn, div, packed) in variants.items()}
     print(f"Triton {triton.__version__}, sm_90, k={args.k}, B={args.cache_slots}, {args.warps} warps "
           f"(static counts: instructions in the program)")
     names = list(next(iter(rows.values())))

@@ -2,7 +2,7 @@
 at 0.1%, 20% and 100% misses) and at a few neighbours, to place the no-IO time. GPU only.
 
 Variants: `vector` (the kernel specialised on K and B), `flat` (the default: unspecialised, one
-layout).
+layout), `packed` (flat, ranking the free slots with one scan over half as many elements: packed_scan).
 
     python -m scripts.tune_resolve
 """
@@ -26,7 +26,8 @@ def main(argv=None):
     pool_bytes = max(p.batch * p.context * p.row_bytes for p in points)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
     fill_random(flat, device)
-    variants = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True)}
+    variants = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
+                "packed": dict(flat_layout=True, packed_scan=True)}
     print(f"{'batch':>5} {'B':>5} {'miss':>5} {'variant':>8} {'warps':>5} | {'noio us':>8} {'total us':>9}")
     for p in points:
         host = flat[:p.batch * p.context * 576].view(p.batch * p.context, 576)

@@ -11,7 +11,7 @@ import torch
 
 from hisparse.cache import HierarchicalKVCache
 from hisparse.host_pool import HUGE_PAGE_BYTES, HostPool, huge_page_empty
-from hisparse.resolve import ResolveResult, resolve
+from hisparse.resolve import CacheState, ResolveResult, resolve
 
 POISON = -7
 
@@ -106,9 +106,10 @@ def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype,
         out = ResolveResult(*(torch.full(shape, POISON, dtype=torch.int32, device=device)
                               for shape in ((num_streams + 1, k), (num_streams + 1, 2),
                                             (num_streams + 1, k), (num_streams + 1, k))))
-        # odd steps: the kernel compiled without size specialisation (same code, one layout)
+        # odd steps: the kernel compiled without size specialisation (same code, one layout); every
+        # third step the free slots ranked by the packed scan
         got = kern.resolve(streams.to(device), batch_sel.to(device), out=out, sort_plan=sort_plan,
-                           flat_layout=step % 2 == 1)
+                           flat_layout=step % 2 == 1, packed_scan=step % 3 == 2)
         want = ref.resolve_ref(streams, batch_sel, sort_plan=sort_plan)
         assert torch.equal(got.slots.cpu(), want.slots), f"step {step}"
         assert torch.equal(got.counts.cpu(), want.counts), f"step {step}"
@@ -293,6 +294,11 @@ def test_bad_calls_on_streams_change_nothing(device):
         assert torch.equal(getattr(state, name), getattr(cache.state, name))
     with pytest.raises(ValueError, match="cache_slots B=2097152 exceeds the supported 1048576"):
         HierarchicalKVCache(1, 1 << 21, host_rows=4, row_elems=2, device=device)
+    big = CacheState.empty(1, 40000, 8, device)
+    with pytest.raises(ValueError, match=r"packed_scan counts half of B=40000 slots in 16 bits: expected B <= 32768"):
+        resolve(big, _i32([0], device), _i32([[1]], device), torch.zeros(8, 2, device=device),
+                torch.zeros(1, 40001, 2, device=device), fetch=False, packed_scan=True)
+    assert (big.lru_unit == -1).all() and (big.epoch == 0).all(), "a refused call launches nothing"
 
 
 def test_host_regions_are_contiguous_and_reused():
