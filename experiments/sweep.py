@@ -24,8 +24,8 @@ directory. Selections come from the model (workload = "model") or replay a synth
 `per_kv_head_workload`); decode and throughput runs fill the prompt's KV with random rows.
 How a decode study runs, recorded beside each row: `graph` (CUDA graphs, on a GPU), `prefetch`
 (layer-wise prefetch, for models whose layers share a selection), `early_resolve` (DSA, hierarchical
-modes: each anchor layer's resolve starts on a stream of its own as soon as its selection is known,
-overlapping the query's projection; newest rows reach the host pool once per step).
+modes, a GPU: each anchor layer's resolve starts on a stream of its own as soon as its selection is
+known, overlapping the query's projection; newest rows reach the host pool once per step).
 """
 from __future__ import annotations
 
@@ -393,7 +393,7 @@ def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
         k, unit_bytes = cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
     # how the point ran, recorded beside it (not part of it: a rerun another way replaces it, --force)
     prefetch = study.get("prefetch", False) and point["mode"] == "hisparse"
-    early = study.get("early_resolve", False) and point["mode"] != "resident"
+    early = study.get("early_resolve", False) and point["mode"] != "resident" and torch.cuda.is_available()
     point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers,
                  hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
                  graph=graph, prefetch=prefetch, early_resolve=early)
@@ -452,6 +452,9 @@ def main(argv=None) -> int:
         print(f"error: {args.config}: {exc}", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and any(s.get("early_resolve") for s in studies):
+        print("note: early_resolve needs a CUDA GPU (the resolve moves to a second stream); the decode points run "
+              "without it here, and their rows say so")
     gpu, out_dir = environment()["gpu"], Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         print(f"error: --out {out_dir} is a file, not a folder for the result CSVs", file=sys.stderr)

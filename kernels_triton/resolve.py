@@ -40,7 +40,7 @@ def _resolve_kernel(
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
     # is its warps' instruction chains (one program per stream; Nsight Compute on the H200 found 8
-    # warps a stream issuing 2,260 instructions each, mostly per-element address, mask and select
+    # warps a stream issuing 2,261 instructions each, mostly per-element address, mask and select
     # work, with the issue slots 11% busy: results/gpu_logs/84763bd12153_ncu_resolve_dsa.txt). So no
     # per-element mask for padded rows (they branch off) nor, with EVEN, for k and B in range; 32-bit
     # offsets from per-stream pointers; one store where two disjoint masks write the same array.
@@ -92,9 +92,9 @@ def _resolve_kernel(
         b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=0) == epoch
         m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
         if PACKED_SCAN:
-            # one scan for both halves of the LRU order (positions [0, B/2) count in the low 16 bits,
-            # [B/2, B) in the high ones): the scan's cost is per element a thread holds, and here
-            # the halves are a register apart, so the split and the join move no data (B_PAD >= 2)
+            # one scan for both halves of the padded LRU order (positions [0, B_PAD/2) count in the
+            # low 16 bits, [B_PAD/2, B_PAD) in the high ones): the scan's cost is per element a
+            # thread holds, and in this layout the halves are a register apart (B_PAD >= 2)
             lo, hi = tl.split(tl.trans(tl.reshape(m_free.to(tl.int32), [2, B_PAD // 2])))
             packed = tl.cumsum(lo | (hi << 16), 0)
             lo_total = tl.max(packed, 0) & 0xFFFF

@@ -82,12 +82,19 @@ if [ "${NCU:-0}" = 1 ]; then
   # Nsight Compute, one launch per target (scripts/ncu_kernels.py): NCU_TARGETS, "|"-separated argument lists
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
   IFS='|' read -r -a targets <<< "${NCU_TARGETS:-resolve --miss 0.2|resolve --miss 1.0|dsa --batch 64}"
+  if [ ! -x "$ncu_bin" ]; then
+    echo "NCU=1: no ncu (Nsight Compute) on PATH or under /opt/nvidia/nsight-compute" | tee -a "$log"
+    status=1
+    targets=()
+  fi
   for t in "${targets[@]}"; do
     name=$(echo "ncu $t" | tr -s ' -' '_' | tr -d '.')
     echo "== $name ($ncu_bin)" | tee -a "$log"
     read -r -a targs <<< "$t"
     timeout "${BENCH_TIMEOUT:-300}" "$ncu_bin" --profile-from-start off --set full --import-source yes \
-      --clock-control none -f -o "$OUT/$name" python3 -m scripts.ncu_kernels "${targs[@]}" 2>&1 | tail -3 | tee -a "$log"
+      --clock-control none -f -o "$OUT/$name" python3 -m scripts.ncu_kernels "${targs[@]}" 2>&1 | tail -3 | tee -a "$log" \
+      || status=1
+    [ -f "$OUT/$name.ncu-rep" ] || { echo "$name: no report" | tee -a "$log"; status=1; continue; }
     "$ncu_bin" -i "$OUT/$name.ncu-rep" --page details > "$OUT/$name.details.txt" 2>&1
     "$ncu_bin" -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass > "$OUT/$name.sass.csv" 2>&1
     grep -E "Duration|Elapsed Cycles|Registers Per|Achieved Occupancy|L1/TEX Hit|Mem Busy|Issue Slots Busy" \

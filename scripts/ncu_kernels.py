@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=64, help="requests (default 64)")
     ap.add_argument("--miss", type=float, default=0.2, help="resolve: target miss rate (default 0.2)")
     args = ap.parse_args(argv)
+    if args.batch < 1 or not 0.0 < args.miss <= 1.0:
+        ap.error(f"--batch {args.batch} --miss {args.miss}: expected a batch >= 1 and a miss rate in (0, 1]")
     if not torch.cuda.is_available():
         sys.exit("scripts.ncu_kernels launches kernels for Nsight Compute on a CUDA GPU; none is available here")
     device = torch.device("cuda")

@@ -3,8 +3,9 @@
     python -m scripts.ncu_summary OUT/ncu_resolve_miss_02.sass.csv [--top 15]
 
 Reads the CSV that `ncu -i REPORT --page source --csv --print-source sass` writes (scripts/gpu_suite.sh
-with NCU=1 does) and prints: instructions issued per warp by opcode, the warp-stall reasons' shares
-of all stall samples, and the instructions holding the most samples with their main stall reason.
+with NCU=1 does) and prints: instructions issued per warp by opcode and by opcode family, the
+warp-stall reasons' shares of all stall samples, and the instructions holding the most samples with
+their main stall reason.
 """
 import argparse
 import io
@@ -39,6 +40,9 @@ def main(argv=None) -> None:
     print("issued per warp, by opcode:")
     by_opcode = frame.groupby("opcode").executed.sum().sort_values(ascending=False) / warps
     print("  " + ", ".join(f"{op} {n:.0f}" for op, n in by_opcode.head(args.top).items()))
+    by_family = frame.groupby(frame.opcode.str.split(".").str[0]).executed.sum().sort_values(ascending=False) / warps
+    print("by opcode family (IMAD for IMAD.WIDE, IMAD.IADD, ...):")
+    print("  " + ", ".join(f"{op} {n:.0f}" for op, n in by_family.head(args.top).items()))
     print("stall reasons, share of samples:")
     shares = counts.sum().sort_values(ascending=False) / max(1.0, frame.samples.sum())
     print("  " + ", ".join(f"{name[6:]} {share:.3f}" for name, share in shares.head(8).items()))

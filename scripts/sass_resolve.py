@@ -2,7 +2,7 @@
 
     python -m scripts.sass_resolve [--warps 8] [--k 2048] [--cache-slots 4096]
 
-Both variants of kernels_triton/resolve.py are compiled as a launch at these sizes would specialise
+The variants of kernels_triton/resolve.py are compiled as a launch at these sizes would specialise
 them: every pointer 16-byte aligned, and K and B divisible by 16 for `_resolve_kernel` (Triton's
 default for such integers) but not for `_resolve_kernel_flat` (do_not_specialize); the flat one also
 with `packed_scan` (the free slots ranked by one scan over half as many elements). Printed per
@@ -45,10 +45,12 @@ def main(argv=None) -> None:
     ap.add_argument("--k", type=int, default=2048, help="selection size k (default 2048)")
     ap.add_argument("--cache-slots", type=int, default=4096, help="B (default 4096)")
     args = ap.parse_args(argv)
-    k_pad, b_pad = triton.next_power_of_2(args.k), triton.next_power_of_2(args.cache_slots)
+    k_pad, b_pad = triton.next_power_of_2(args.k), max(2, triton.next_power_of_2(args.cache_slots))  # as resolve()
     variants = {"_resolve_kernel": (_resolve_kernel, POINTERS + SIZES, False),
                 "_resolve_kernel_flat": (_resolve_kernel_flat, POINTERS, False),
                 "flat, packed_scan": (_resolve_kernel_flat, POINTERS, True)}
+    if b_pad > 1 << 15:                  # resolve() refuses packed_scan there (its halves count in 16 bits)
+        del variants["flat, packed_scan"]
     even = (k_pad, b_pad) == (args.k, args.cache_slots)           # as the launcher passes EVEN
     rows = {name: compile_counts(fn, div, k_pad, b_pad, args.warps, even, packed)
             for name, (fn, div, packed) in variants.items()}

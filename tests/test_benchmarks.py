@@ -1,6 +1,7 @@
 """Every benchmark's --quick run (tiny shapes through the interpreter) works from a fresh process and
 writes its rows: the CSV columns the figures and the README read."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,25 @@ def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
     assert "== experiments.sweep --kind policies --out" in (tmp_path / "gpu_log.txt").read_text()
 
 
+def test_gpu_suite_says_when_it_has_no_ncu_and_fails(tmp_path):
+    """NCU=1 without Nsight Compute: the log says so and the suite's status is a failure (PATH holds only
+    what bash, python3 and nvidia-smi need, so an installed ncu is not found)."""
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("python3", "bash", "tee", "tail", "grep", "tr", "ls", "cat", "timeout", "mkdir", "kill", "sleep"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    env = dict(os.environ, TESTS="none", HOST_GROW_GIB="0", NCU="1", OUT=str(tmp_path / "out"), PATH=str(bin_dir))
+    done = subprocess.run([shutil.which("bash"), "scripts/gpu_suite.sh", "none"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if Path("/opt/nvidia/nsight-compute").exists():
+        pytest.skip("an ncu under /opt/nvidia/nsight-compute is found whatever PATH holds")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "NCU=1: no ncu (Nsight Compute)" in (tmp_path / "out" / "gpu_log.txt").read_text()
+
+
 NCU_COLUMNS = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb",'
                '"stall_wait","stall_long_sb (Not Issued)"')
 NCU_SOURCE_VIEW = '"Kernel Name","_k",\n' + NCU_COLUMNS + '''
@@ -234,6 +254,9 @@ def test_ncu_kernels_names_its_kernels_and_needs_a_gpu(capsys):
     with pytest.raises(SystemExit):
         ncu_kernels.main(["attention"])
     assert "invalid choice: 'attention'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ncu_kernels.main(["resolve", "--miss", "2"])
+    assert "--batch 64 --miss 2.0: expected a batch >= 1 and a miss rate in (0, 1]" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="on a CUDA GPU; none is available here"):
             ncu_kernels.main(["resolve"])

@@ -4,6 +4,7 @@ import textwrap
 
 import pandas as pd
 import pytest
+import torch
 
 from experiments import sweep
 
@@ -235,16 +236,19 @@ workload = "tiny"
 """
 
 
-def test_early_resolve_runs_hierarchical_modes_and_is_recorded(tmp_path):
-    """early_resolve = true: the hierarchical modes run with it (and so store the newest rows once per
-    step), resident without; the rows say which."""
+def test_early_resolve_runs_hierarchical_modes_on_a_gpu_and_is_recorded(tmp_path, capsys):
+    """early_resolve = true: on a GPU the hierarchical modes run with it (and so store the newest rows
+    once per step), resident without; without a GPU nothing does, and the sweep says so. The rows
+    record which."""
     config = write(tmp_path, TINY.split("[[study]]")[1].join(["[[study]]", ""]).replace(
         'workload = "tiny"\n', 'workload = "tiny"\nearly_resolve = true\n', 1))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 0
     decode = pd.read_csv(tmp_path / "results" / "decode.csv")
     early = decode.groupby("mode").early_resolve.agg(set)
-    assert early["resident"] == {False} and early["hisparse"] == {True}
+    on_gpu = torch.cuda.is_available()
+    assert early["resident"] == {False} and early["hisparse"] == {on_gpu}
     assert decode.value.notna().all()
+    assert ("early_resolve needs a CUDA GPU" in capsys.readouterr().out) != on_gpu
 
 
 def test_quest_studies_run_per_kv_head_in_pages(tmp_path):
