@@ -130,6 +130,14 @@ def miss_counts(outs: list) -> tuple[int, int]:
     return hits, misses
 
 
+def point_state(p: Point, num_streams: int, device) -> CacheState:
+    """An empty cache state of `num_streams` streams of p.cache_slots slots each, stream s holding
+    p.context units from host row s * p.context."""
+    state = CacheState.empty(num_streams, p.cache_slots, num_streams * p.context, device)
+    state.host_base.copy_(torch.arange(num_streams, device=device) * p.context)
+    return state
+
+
 def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
     """Median microseconds per resolve call, with and without the copy, and this point's misses.
 
@@ -139,8 +147,7 @@ def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
     cache = torch.empty(p.batch, p.cache_slots + 1, row_elems, dtype=host.dtype, device=device)
     result = {}
     for fetch in (False, True):
-        state = CacheState.empty(p.batch, p.cache_slots, host.shape[0], device)
-        state.host_base.copy_(torch.arange(p.batch, device=device) * p.context)
+        state = point_state(p, p.batch, device)
         work = Workload(p, device)
         sels = work.next(STEPS_PER_GRAPH)
 
@@ -162,8 +169,7 @@ def time_decode_like(p: Point, layers: int, device, reps: int) -> dict:
     num_streams = layers * p.batch
     host = torch.zeros(1, 8, dtype=torch.float16, device=device)     # never read without IO
     cache = torch.empty(num_streams, p.cache_slots + 1, 8, dtype=torch.float16, device=device)
-    state = CacheState.empty(num_streams, p.cache_slots, num_streams * p.context, device)
-    state.host_base.copy_(torch.arange(num_streams, device=device) * p.context)
+    state = point_state(p, num_streams, device)
     streams = [torch.arange(layer * p.batch, (layer + 1) * p.batch, dtype=torch.int32, device=device)
                for layer in range(layers)]
     works = [Workload(p, device, seed=layer) for layer in range(layers)]

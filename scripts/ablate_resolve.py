@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.bench_resolve import Point, Workload
-from hisparse.resolve import CacheState, resolve
+from benchmarks.bench_resolve import Point, Workload, point_state
+from hisparse.resolve import resolve
 
 
 @triton.jit(do_not_specialize=["K", "B"])
@@ -126,8 +126,7 @@ def time_variant(p: Point, warps: int, stop: int | None, device) -> float:
     host = torch.empty(p.batch * p.context, 576, dtype=torch.float16, device=device)
     cache = torch.empty(p.batch, p.cache_slots + 1, 576, dtype=torch.float16, device=device)
     streams = torch.arange(p.batch, dtype=torch.int32, device=device)
-    state = CacheState.empty(p.batch, p.cache_slots, host.shape[0], device)
-    state.host_base.copy_(torch.arange(p.batch, device=device) * p.context)
+    state = point_state(p, p.batch, device)
     work = Workload(p, device)
     sels = work.next(8)
     out = resolve(state, streams, sels[0], host, cache, fetch=False, num_warps=warps)

@@ -17,15 +17,14 @@ import sys
 import torch
 
 from benchmarks.bench_attention_dsa import SM_SCALE, make_inputs
-from benchmarks.bench_resolve import Point, Workload
+from benchmarks.bench_resolve import Point, Workload, point_state
 from hisparse import dsa
-from hisparse.resolve import CacheState, resolve
+from hisparse.resolve import resolve
 
 
 def resolve_call(args, device):
     p = Point(args.batch, 2048, 4096, args.miss, 1152)
-    state = CacheState.empty(p.batch, p.cache_slots, p.batch * p.context, device)
-    state.host_base.copy_(torch.arange(p.batch, device=device) * p.context)
+    state = point_state(p, p.batch, device)
     streams = torch.arange(p.batch, dtype=torch.int32, device=device)
     host = torch.empty(1, 576, dtype=torch.bfloat16, device=device)             # never read without IO
     cache = torch.empty(p.batch, p.cache_slots + 1, 576, dtype=torch.bfloat16, device=device)
