@@ -188,7 +188,8 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None, flat_layout: bool = True, packed_scan: bool = False) -> ResolveResult:
+            num_warps: int | None = None, flat_layout: bool = True,
+            packed_scan: bool | None = None) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
@@ -198,8 +199,11 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     addresses and allocates nothing. `num_warps`, `flat_layout` and `packed_scan` are tuning knobs
     (same results): the default flat layout (the kernel compiled without size specialisation: one
     layout throughout, see kernels_triton/resolve.py) measured faster at every point of
-    scripts/tune_resolve.py on the H200; `packed_scan` ranks the free slots with one scan over half as
-    many elements (1656 SASS instructions against 1952 under Triton 3.6; not yet timed on a GPU).
+    scripts/tune_resolve.py on the H200. `packed_scan` ranks the free slots with one scan over half
+    as many elements, both halves of the LRU order packed in one int32 (1656 SASS instructions against
+    1952 under Triton 3.6; on the H200 0.4 to 1.4 us faster at every point of tune_resolve:
+    results/gpu_logs/4973232b6e43_tune_packed_scan.txt). Its halves count in 16 bits, so the default
+    (None) uses it wherever B <= 32768 and the single scan above; True insists on it.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -219,6 +223,8 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
                 f"out.{name} must be a contiguous int32 {list(shape)} on {sel.device}, got "
                 f"{t.dtype} {list(t.shape)} on {t.device}")
     k_pad, b_pad = triton.next_power_of_2(k), max(2, triton.next_power_of_2(cache_slots))
+    if packed_scan is None:
+        packed_scan = b_pad <= 1 << 15
     _expect(not packed_scan or b_pad <= 1 << 15, f"packed_scan counts half of B={cache_slots} slots in 16 bits: "
                                                  f"expected B <= {1 << 15}")
     kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel

@@ -3,7 +3,7 @@
     python -m scripts.ablate_resolve
 
 `_ablate_kernel` is `kernels_triton/resolve.py`'s `_resolve_kernel_flat`, the default (miss-order
-plan, K and B unspecialised), with an exit after stage STOP, each exit storing a value that depends
+plan, K and B unspecialised, the packed free-slot scan), with an exit after stage STOP, each exit storing a value that depends
 on the stage's results so the compiler keeps them: 0 launch only, 1 loads and the unit -> slot
 lookup, 2 the rank scan, 3 the marks (store, barrier, gather) and the free-slot scan, 4 the new LRU
 order (slots and their units) and the victims read back, 5 the unit -> slot map, plan and counters,
@@ -69,7 +69,10 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, lru_unit_ptr, lru_ptr, un
     tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
     tl.debug_barrier()
     m_free = tl.load(p_mark + b_order) != epoch
-    free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
+    lo, hi = tl.split(tl.trans(tl.reshape(m_free.to(tl.int32), [2, B_PAD // 2])))     # the packed scan
+    packed = tl.cumsum(lo | (hi << 16), 0)
+    free_count = tl.join(packed & 0xFFFF, (tl.max(packed, 0) & 0xFFFF) + (packed >> 16))
+    free_rank = tl.reshape(tl.trans(free_count), [B_PAD]) - 1
     m_victim = m_free & (free_rank < n_miss)
     if STOP == 3:
         kept = tl.sum(b_order_unit, 0) + tl.sum(free_rank, 0) + tl.sum(hit_rank + miss_rank, 0)

@@ -1,8 +1,9 @@
 """Time resolve variants (kernel layout, warps) at k = 2048, B = 4096, batch 64 (issue #2's target,
 at 0.1%, 20% and 100% misses) and at a few neighbours, to place the no-IO time. GPU only.
 
-Variants: `vector` (the kernel specialised on K and B), `flat` (the default: unspecialised, one
-layout), `packed` (flat, ranking the free slots with one scan over half as many elements: packed_scan).
+Variants: `vector` (the kernel specialised on K and B), `flat` (unspecialised, one layout, the free
+slots ranked by one scan over B), `packed` (the default: flat, ranking the free slots with one scan over
+half as many elements: packed_scan).
 
     python -m scripts.tune_resolve
 """
@@ -26,7 +27,7 @@ def main(argv=None):
     pool_bytes = max(p.batch * p.context * p.row_bytes for p in points)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
     fill_random(flat, device)
-    variants = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
+    variants = {"vector": dict(flat_layout=False, packed_scan=False), "flat": dict(flat_layout=True, packed_scan=False),
                 "packed": dict(flat_layout=True, packed_scan=True)}
     print(f"{'batch':>5} {'B':>5} {'miss':>5} {'variant':>8} {'warps':>5} | {'noio us':>8} {'total us':>9}")
     for p in points:

@@ -106,10 +106,11 @@ def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype,
         out = ResolveResult(*(torch.full(shape, POISON, dtype=torch.int32, device=device)
                               for shape in ((num_streams + 1, k), (num_streams + 1, 2),
                                             (num_streams + 1, k), (num_streams + 1, k))))
-        # odd steps: the kernel compiled without size specialisation (same code, one layout); every
-        # third step the free slots ranked by the packed scan
+        # odd steps: the kernel compiled without size specialisation (same code, one layout); the
+        # free slots ranked by the default (the packed scan at these B), the packed scan insisted on,
+        # and the single scan, in turn
         got = kern.resolve(streams.to(device), batch_sel.to(device), out=out, sort_plan=sort_plan,
-                           flat_layout=step % 2 == 1, packed_scan=step % 3 == 2)
+                           flat_layout=step % 2 == 1, packed_scan=(None, True, False)[step % 3])
         want = ref.resolve_ref(streams, batch_sel, sort_plan=sort_plan)
         assert torch.equal(got.slots.cpu(), want.slots), f"step {step}"
         assert torch.equal(got.counts.cpu(), want.counts), f"step {step}"

@@ -60,7 +60,7 @@ def check_step(gpu, cpu, streams, sel, res):
 
 
 VARIANTS = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
-            "flat+packed_scan": dict(flat_layout=True, packed_scan=True)}
+            "flat+single_scan": dict(flat_layout=True, packed_scan=False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
