@@ -42,6 +42,16 @@ nvidia-smi --query-gpu=$query --format=csv,nounits -lms 500 > "$OUT/gpu_monitor.
 monitor=$!
 trap 'kill $monitor 2>/dev/null' EXIT
 
+# capped SECONDS CMD...: CMD under a time limit, saying in the output when the limit stopped it
+# (rows a benchmark wrote before then are kept)
+capped() {
+  local limit=$1; shift
+  timeout "$limit" "$@"
+  local rc=$?
+  [ $rc = 124 ] && echo "!! stopped at its time limit of $limit s: $*"
+  return $rc
+}
+
 status=0
 if [ "${HOST_GROW_GIB:-64}" != 0 ]; then
   python3 -c "import time, torch; t = time.time(); b = torch.empty(${HOST_GROW_GIB:-64} << 30, dtype=torch.uint8, \
@@ -58,24 +68,24 @@ if [ ${#benches[@]} -eq 0 ]; then
 fi
 if [ "${TUNE:-0}" = 1 ]; then
   echo "== tune_resolve" | tee -a "$log"
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.tune_resolve 2>&1 | tee "$OUT/tune_resolve.txt" | tee -a "$log" || status=1
+  capped "${BENCH_TIMEOUT:-300}" python3 -m scripts.tune_resolve 2>&1 | tee "$OUT/tune_resolve.txt" | tee -a "$log" || status=1
 fi
 if [ "${REPEAT:-0}" = 1 ]; then
   # the graph-count switch (scripts/repeat_runs.py; its docstring says what earlier runs found)
   echo "== repeat_runs --runs 5 ${REPEAT_ARGS:-}" | tee -a "$log"
   read -r -a repeat <<< "${REPEAT_ARGS:-}"
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.repeat_runs --runs 5 "${repeat[@]}" 2>&1 | grep -v Warning \
+  capped "${BENCH_TIMEOUT:-300}" python3 -m scripts.repeat_runs --runs 5 "${repeat[@]}" 2>&1 | grep -v Warning \
     | tee -a "$log" || status=1
 fi
 if [ -n "${ABLATE_ARGS:-}" ]; then
   echo "== ablate_decode ${ABLATE_ARGS}" | tee -a "$log"
   read -r -a ablate <<< "$ABLATE_ARGS"
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.ablate_decode --out "$OUT" "${ablate[@]}" 2>&1 | tee -a "$log" || status=1
+  capped "${BENCH_TIMEOUT:-300}" python3 -m scripts.ablate_decode --out "$OUT" "${ablate[@]}" 2>&1 | tee -a "$log" || status=1
 fi
 if [ -n "${SWEEP_ARGS:-}" ]; then
   echo "== experiments.sweep ${SWEEP_ARGS} --out $OUT/sweep" | tee -a "$log"
   read -r -a sweep <<< "$SWEEP_ARGS"
-  timeout "${SWEEP_TIMEOUT:-540}" python3 -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" 2>&1 | grep -v Warning \
+  capped "${SWEEP_TIMEOUT:-540}" python3 -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" 2>&1 | grep -v Warning \
     | tee -a "$log" || status=1
 fi
 if [ "${NCU:-0}" = 1 ]; then
@@ -91,7 +101,7 @@ if [ "${NCU:-0}" = 1 ]; then
     name=$(echo "ncu $t" | tr -s ' -' '_' | tr -d '.')
     echo "== $name ($ncu_bin)" | tee -a "$log"
     read -r -a targs <<< "$t"
-    timeout "${BENCH_TIMEOUT:-300}" "$ncu_bin" --profile-from-start off --set full --import-source yes \
+    capped "${BENCH_TIMEOUT:-300}" "$ncu_bin" --profile-from-start off --set full --import-source yes \
       --clock-control none -f -o "$OUT/$name" python3 -m scripts.ncu_kernels "${targs[@]}" 2>&1 | tail -3 | tee -a "$log" \
       || status=1
     [ -f "$OUT/$name.ncu-rep" ] || { echo "$name: no report" | tee -a "$log"; status=1; continue; }
@@ -108,7 +118,7 @@ for b in "${benches[@]}"; do
   if [[ "$b" == attention_* && "${ATTENTION_TIMER:-do_bench}" == cudagraph ]]; then extra=(--cudagraph); fi
   if [[ "$b" == prefetch ]]; then read -r -a extra <<< "${PREFETCH_ARGS:-}"; fi
   if [[ "$b" == resolve ]]; then read -r -a extra <<< "${RESOLVE_ARGS:-}"; fi
-  timeout "${BENCH_TIMEOUT:-300}" python3 -m "benchmarks.bench_$b" --out "$OUT" "${extra[@]}" 2>&1 | tee -a "$log" || status=1
+  capped "${BENCH_TIMEOUT:-300}" python3 -m "benchmarks.bench_$b" --out "$OUT" "${extra[@]}" 2>&1 | tee -a "$log" || status=1
 done
 python3 -m benchmarks.summary "$OUT" 2>&1 | tee -a "$log"
 exit $status
