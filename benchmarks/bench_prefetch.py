@@ -150,8 +150,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=24, help="decode steps per run (default 24)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
-    ap.add_argument("--prefetch-programs", type=int, nargs="+", default=[runtime.PREFETCH_PROGRAMS],
-                    help=f"programs of a prefetch copy (default {runtime.PREFETCH_PROGRAMS}, or "
+    ap.add_argument("--prefetch-programs", type=int, nargs="+", default=None,
+                    help="programs of a prefetch copy (default the family's: "
+                         f"{', '.join(f'{f} {n}' for f, n in runtime.PREFETCH_PROGRAMS_PER_FAMILY.items())}, or "
                          "HISPARSE_PREFETCH_PROGRAMS): "
                          "more fetch faster, fewer leave more multiprocessors to the layers it overlaps; "
                          "several values time prefetch once per value")
@@ -166,6 +167,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.workload == "model" and args.family == "dsa":
         ap.error("--workload model: the dsa family replays its calibrated trace; model applies to quest and nsa")
+    args.prefetch_programs = args.prefetch_programs or [runtime.prefetch_programs(args.family)]
     bad = [n for n in args.prefetch_programs if n < 1]
     if bad:
         ap.error(f"--prefetch-programs {bad[0]}: expected a positive integer")

@@ -67,7 +67,8 @@ RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_t
 # a few batches or with another timer), read per point rather than per run; with the columns a rerun
 # of a point may add or change in that file (bench_prefetch's variant: older rows lack it, and
 # `default_prefetch_variant` keeps the default one only)
-PREFETCH_VARIANT = {"prefetch_programs": 32, "prefetch_priority": "normal"}   # hisparse.runtime's defaults
+# hisparse.runtime's defaults for DSA (the figures draw DSA's prefetch rows)
+PREFETCH_VARIANT = {"prefetch_programs": 16, "prefetch_priority": "normal"}
 PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": tuple(PREFETCH_VARIANT), "attention.csv": ()}
 
 

@@ -104,6 +104,8 @@ class KernelDsaAttention(UnitResolver):
     projection (the model computes the query after the selection); `attend` waits for it.
     """
 
+    family = "DSA"
+
     def __init__(self, mode: str = "resident", check_values: bool = True, prefetch: bool = False,
                  shared: dict[int, list[HierMlaKV]] | None = None, early_resolve: bool = False):
         super().__init__(mode, check_values, prefetch, shared)

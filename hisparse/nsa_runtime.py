@@ -127,6 +127,8 @@ class KernelNsaAttention(UnitResolver):
     [N, HKV, n_select] each layer attended over in the last step. shared, prefetch: layers sharing an
     anchor's selection (`hisparse.runtime.UnitResolver`)."""
 
+    family = "NSA"
+
     def __init__(self, mode: str, n_select: int, check_values: bool = True, prefetch: bool = False,
                  shared: dict[int, list[HierNsaKV]] | None = None):
         super().__init__(mode, check_values, prefetch, shared)

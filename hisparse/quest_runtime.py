@@ -121,6 +121,8 @@ class KernelQuestAttention(UnitResolver):
     shared, prefetch: layers sharing an anchor's selection (`hisparse.runtime.UnitResolver`).
     """
 
+    family = "Quest"
+
     def __init__(self, mode: str = "resident", token_budget: int = 4096, check_values: bool = True,
                  prefetch: bool = False, shared: dict[int, list[HierQuestKV]] | None = None):
         super().__init__(mode, check_values, prefetch, shared)

@@ -26,11 +26,30 @@ from hisparse.models.base import DecodeState
 from hisparse.resolve import ResolveResult
 
 KV_MODES = ("resident", "hisparse", "noio")
-# Layer-wise prefetch (every family): the copy's width in programs (a copy from pinned host memory
-# needs few to keep PCIe busy; more would crowd out the layers it overlaps with: on the H200, NSA's
-# shared layers hid 76-78% of their copies with 32 programs at batch 32 and 64, 37% and 16% with 256;
-# results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt) and its side stream.
-PREFETCH_PROGRAMS = int(os.environ.get("HISPARSE_PREFETCH_PROGRAMS", "32"))
+# Layer-wise prefetch (every family): the copy's width in programs, per family (a copy from pinned
+# host memory needs few to keep PCIe busy; more crowd out the layers it overlaps with). On the H200:
+# NSA's shared layers hid 76-78% of their copies with 32 programs at batch 32 and 64, 37% and 16% with
+# 256 (results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt), and 16 gained nothing (74-79%); DSA's
+# hid more with 16 than with 32 at every batch from 32 to 128 (hidden 1024 batch 64: 71% against 54%,
+# batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
+# were within a few points either way. HISPARSE_PREFETCH_PROGRAMS sets one width for every family.
+PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 16, "NSA": 32, "Quest": 32}
+PREFETCH_PROGRAMS = os.environ.get("HISPARSE_PREFETCH_PROGRAMS")       # None: each family's default
+if PREFETCH_PROGRAMS is not None:
+    if not PREFETCH_PROGRAMS.isdigit() or int(PREFETCH_PROGRAMS) < 1:
+        raise ValueError(f"HISPARSE_PREFETCH_PROGRAMS={PREFETCH_PROGRAMS!r}: expected a positive integer")
+    PREFETCH_PROGRAMS = int(PREFETCH_PROGRAMS)
+
+
+def prefetch_programs(family: str) -> int:
+    """The prefetch copy's width for `family` ("DSA", "NSA" or "Quest", any case):
+    HISPARSE_PREFETCH_PROGRAMS where set, else the family's measured default."""
+    names = {name.lower(): name for name in PREFETCH_PROGRAMS_PER_FAMILY}
+    if family.lower() not in names:
+        raise ValueError(f"family {family!r}: expected one of {tuple(PREFETCH_PROGRAMS_PER_FAMILY)}")
+    return PREFETCH_PROGRAMS or PREFETCH_PROGRAMS_PER_FAMILY[names[family.lower()]]
+
+
 # the prefetch side stream's priority: "high" lets the copies' programs take a multiprocessor before
 # the next block of the compute they overlap. Captured kernel nodes keep their stream's priority,
 # which PyTorch's graphs honour since pytorch#167346 (instantiated with node priorities). On the H200
@@ -168,13 +187,15 @@ class UnitResolver:
     selections against stream lengths before each resolve (a host sync; off inside a captured CUDA
     graph)."""
 
+    family: str        # "DSA", "NSA" or "Quest" (each subclass's): the prefetch copy's default width
+
     def __init__(self, mode: str, check_values: bool, prefetch: bool, shared: dict[int, list] | None):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         self.mode, self.check_values = mode, check_values
         self.shared = shared or {}
         self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
-        self.prefetch_programs = PREFETCH_PROGRAMS
+        self.prefetch_programs = prefetch_programs(self.family)
         self._plans: dict[int, ResolveResult] = {}      # anchor layer -> its resolve results, refilled per step
         # selections from a trace instead of the model's, [layers, N, (HKV,) k] int32, filled by the
         # caller before each step; and what each layer attended over in the last step

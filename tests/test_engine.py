@@ -216,3 +216,26 @@ def test_a_bad_prefetch_priority_in_the_environment_fails_at_import():
                           text=True, timeout=300)
     assert done.returncode != 0
     assert "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')" in done.stderr
+
+
+def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypatch):
+    from hisparse import runtime
+    from hisparse.dsa_runtime import KernelDsaAttention
+    monkeypatch.setattr(runtime, "PREFETCH_PROGRAMS", None)
+    assert [runtime.prefetch_programs(f) for f in ("DSA", "nsa", "Quest")] == [16, 32, 32]
+    assert KernelDsaAttention().prefetch_programs == 16
+    monkeypatch.setattr(runtime, "PREFETCH_PROGRAMS", 64)             # as HISPARSE_PREFETCH_PROGRAMS=64 sets it
+    assert runtime.prefetch_programs("DSA") == 64 and KernelDsaAttention().prefetch_programs == 64
+    with pytest.raises(ValueError, match=r"family 'mamba': expected one of \('DSA', 'NSA', 'Quest'\)"):
+        runtime.prefetch_programs("mamba")
+
+
+def test_a_bad_prefetch_width_in_the_environment_fails_at_import():
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, HISPARSE_PREFETCH_PROGRAMS="0")
+    done = subprocess.run([sys.executable, "-c", "import hisparse.runtime"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0
+    assert "HISPARSE_PREFETCH_PROGRAMS='0': expected a positive integer" in done.stderr

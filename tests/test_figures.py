@@ -307,13 +307,14 @@ def test_prefetch_rows_read_older_runs_as_random_first_layers_and_the_default_va
     def run(value, **columns):
         return [{"mode": "prefetch", "batch": 8, "metric": m, "value": value, **columns}
                 for m in ("tpot_ms", "tokens_per_s")]
+    width = figures.PREFETCH_VARIANT["prefetch_programs"]
     old = frame("prefetch", run(1.0))
-    capped = frame("prefetch", run(2.0, prefetch_programs=32), commit="beef", timestamp="2026-11-29T13:00:00+00:00")
-    new = frame("prefetch", run(3.0, random_layers=0, prefetch_programs=32), commit="cafe",
+    capped = frame("prefetch", run(2.0, prefetch_programs=width), commit="beef", timestamp="2026-11-29T13:00:00+00:00")
+    new = frame("prefetch", run(3.0, random_layers=0, prefetch_programs=width), commit="cafe",
                 timestamp="2026-11-29T14:00:00+00:00")
     tuning = frame("prefetch", run(4.0, random_layers=0, prefetch_programs=128, prefetch_priority="normal"),
                    commit="cafe", timestamp="2026-11-29T14:00:00+00:00")
-    high = frame("prefetch", run(5.0, random_layers=0, prefetch_programs=32, prefetch_priority="high"),
+    high = frame("prefetch", run(5.0, random_layers=0, prefetch_programs=width, prefetch_priority="high"),
                  commit="cafe", timestamp="2026-11-29T14:00:00+00:00")
     pd.concat([old, capped, new, tuning, high]).to_csv(tmp_path / "prefetch.csv", index=False)
     got = figures.read_results(tmp_path, ("prefetch.csv",)).sort_values("value")   # the default variant only
@@ -340,7 +341,7 @@ def test_the_figures_default_prefetch_variant_is_the_runtimes():
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_PREFETCH")}
-    code = "from hisparse import runtime as r; print(r.PREFETCH_PROGRAMS, r.PREFETCH_PRIORITY)"
+    code = "from hisparse import runtime as r; print(r.prefetch_programs('DSA'), r.PREFETCH_PRIORITY)"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == [str(v) for v in figures.PREFETCH_VARIANT.values()], done.stderr[-2000:]
 
