@@ -207,17 +207,6 @@ def test_prefetch_priority_is_checked_before_a_stream_is_made():
         runtime.side_stream("urgent")
 
 
-def test_a_bad_prefetch_priority_in_the_environment_fails_at_import():
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, HISPARSE_PREFETCH_PRIORITY="urgent")
-    done = subprocess.run([sys.executable, "-c", "import hisparse.runtime"], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode != 0
-    assert "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')" in done.stderr
-
-
 def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypatch):
     from hisparse import runtime
     from hisparse.dsa_runtime import KernelDsaAttention
@@ -230,12 +219,16 @@ def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypat
         runtime.prefetch_programs("mamba")
 
 
-def test_a_bad_prefetch_width_in_the_environment_fails_at_import():
+@pytest.mark.parametrize("variable, value, message", [
+    ("HISPARSE_PREFETCH_PRIORITY", "urgent", "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')"),
+    ("HISPARSE_PREFETCH_PROGRAMS", "0", "HISPARSE_PREFETCH_PROGRAMS='0': expected a positive integer"),
+    ("HISPARSE_PREFETCH_PROGRAMS", "16k", "HISPARSE_PREFETCH_PROGRAMS='16k': expected a positive integer")])
+def test_a_bad_prefetch_setting_in_the_environment_fails_at_import(variable, value, message):
     import os
     import subprocess
     import sys
-    env = dict(os.environ, HISPARSE_PREFETCH_PROGRAMS="0")
+    env = dict(os.environ, **{variable: value})
     done = subprocess.run([sys.executable, "-c", "import hisparse.runtime"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode != 0
-    assert "HISPARSE_PREFETCH_PROGRAMS='0': expected a positive integer" in done.stderr
+    assert message in done.stderr
