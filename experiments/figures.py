@@ -67,8 +67,11 @@ RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_t
 # a few batches or with another timer), read per point rather than per run; with the columns a rerun
 # of a point may add or change in that file (bench_prefetch's variant: older rows lack it, and
 # `default_prefetch_variant` keeps the default one only)
-# hisparse.runtime's defaults for DSA (the figures draw DSA's prefetch rows)
+# hisparse.runtime's defaults for DSA (the figures draw DSA's prefetch rows), and DSA's earlier default
+# copy widths (32 from 7bbb095b7367 to 5970ba755d44): a point not run at the default is drawn from its
+# run at the default of its day
 PREFETCH_VARIANT = {"prefetch_programs": 16, "prefetch_priority": "normal"}
+EARLIER_PREFETCH_PROGRAMS = (32,)
 PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": tuple(PREFETCH_VARIANT), "attention.csv": ()}
 
 
@@ -84,18 +87,25 @@ def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COL
 
 def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
     """bench_prefetch's rows as the figures read them: prefetch with the default copy width and stream
-    priority (or from before those were options), the other variants being tuning runs; runs from
+    priority (or from before those were options; a point without a run at today's default width is
+    read from its run at an earlier default), the other variants being tuning runs; runs from
     before `random_layers` had the first anchor select at random, as --random-layers 2 does now.
     DSA's rows only: the figures draw the glm_moe_dsa model (`--family quest / nsa` rows are summed
     up by benchmarks/summary.py)."""
-    keep = frame["family"].fillna("dsa") == "dsa" if "family" in frame else pd.Series(True, index=frame.index)
-    for column, default in PREFETCH_VARIANT.items():
-        if column in frame:
-            values = frame[column]
-            values = pd.to_numeric(values, errors="coerce") if isinstance(default, int) else values.astype(str)
-            keep &= frame[column].isna() | (values == default)
     if "random_layers" in frame:
         frame = frame.assign(random_layers=frame["random_layers"].fillna(2))
+    keep = frame["family"].fillna("dsa") == "dsa" if "family" in frame else pd.Series(True, index=frame.index)
+    if "prefetch_priority" in frame:
+        priority = frame["prefetch_priority"]
+        keep &= priority.isna() | (priority.astype(str) == PREFETCH_VARIANT["prefetch_priority"])
+    if "prefetch_programs" in frame:
+        programs = pd.to_numeric(frame["prefetch_programs"], errors="coerce")
+        default = programs == PREFETCH_VARIANT["prefetch_programs"]
+        keep &= programs.isna() | default | programs.isin(EARLIER_PREFETCH_PROGRAMS)
+        # where a point has a run at today's default width, its runs at earlier ones give way
+        point = [c for c in frame.columns if c not in RUN_COLUMNS + tuple(PREFETCH_VARIANT)]
+        has_default = (default & keep).groupby([frame[c] for c in point], dropna=False).transform("any")
+        keep &= default | ~has_default
     return frame[keep]
 
 
