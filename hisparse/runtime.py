@@ -30,15 +30,20 @@ KV_MODES = ("resident", "hisparse", "noio")
 # host memory needs few to keep PCIe busy; more crowd out the layers it overlaps with). On the H200:
 # NSA's shared layers hid 76-78% of their copies with 32 programs at batch 32 and 64, 37% and 16% with
 # 256 (results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt), and 16 gained nothing (74-79%); DSA's
-# hid more with 16 than with 32 at every batch from 32 to 128 (hidden 1024 batch 64: 71% against 54%,
+# hid more with 16 than with 32 at every batch from 8 to 128 (hidden 1024 batch 64: 71% against 54%,
 # batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
 # were within a few points either way. HISPARSE_PREFETCH_PROGRAMS sets one width for every family.
 PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 16, "NSA": 32, "Quest": 32}
-PREFETCH_PROGRAMS = os.environ.get("HISPARSE_PREFETCH_PROGRAMS")       # None: each family's default
+# PREFETCH_PROGRAMS: one width for every family (HISPARSE_PREFETCH_PROGRAMS), or None for each one's own
+PREFETCH_PROGRAMS = os.environ.get("HISPARSE_PREFETCH_PROGRAMS")
 if PREFETCH_PROGRAMS is not None:
-    if not PREFETCH_PROGRAMS.isdigit() or int(PREFETCH_PROGRAMS) < 1:
-        raise ValueError(f"HISPARSE_PREFETCH_PROGRAMS={PREFETCH_PROGRAMS!r}: expected a positive integer")
-    PREFETCH_PROGRAMS = int(PREFETCH_PROGRAMS)
+    try:
+        PREFETCH_PROGRAMS = int(PREFETCH_PROGRAMS)
+    except ValueError:
+        PREFETCH_PROGRAMS = 0
+    if PREFETCH_PROGRAMS < 1:
+        raise ValueError(f"HISPARSE_PREFETCH_PROGRAMS={os.environ['HISPARSE_PREFETCH_PROGRAMS']!r}: "
+                         "expected a positive integer")
 
 
 def prefetch_programs(family: str) -> int:

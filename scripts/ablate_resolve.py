@@ -3,11 +3,12 @@
     python -m scripts.ablate_resolve
 
 `_ablate_kernel` is `kernels_triton/resolve.py`'s `_resolve_kernel_flat`, the default (miss-order
-plan, K and B unspecialised, the packed free-slot scan), with an exit after stage STOP, each exit storing a value that depends
-on the stage's results so the compiler keeps them: 0 launch only, 1 loads and the unit -> slot
-lookup, 2 the rank scan, 3 the marks (store, barrier, gather) and the free-slot scan, 4 the new LRU
-order (slots and their units) and the victims read back, 5 the unit -> slot map, plan and counters,
-6 the whole kernel. Keep it in step with the kernel when the kernel changes.
+plan, K and B unspecialised, the packed free-slot scan), with an exit after stage STOP, each exit
+storing a value that depends on the stage's results so the compiler keeps them: 0 launch only, 1
+loads and the unit -> slot lookup, 2 the rank scan, 3 the marks (store, barrier, gather) and the
+free-slot scan, 4 the new LRU order (slots and their units) and the victims read back, 5 the unit ->
+slot map, plan and counters, 6 the whole kernel. Keep it in step with the kernel when the kernel
+changes.
 Each figure: the median over 30 replays of a CUDA graph of 8 calls with fresh selections, per call
 (benchmarks/bench_resolve.py's workload), at k = 2048, B = 4096. Copies that stop before stage 4
 leave the maps and the LRU order as the warm-up call (the production kernel) left them; those that

@@ -47,8 +47,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     k_pad, b_pad = triton.next_power_of_2(args.k), max(2, triton.next_power_of_2(args.cache_slots))  # as resolve()
     variants = {"_resolve_kernel": (_resolve_kernel, POINTERS + SIZES, False),
-                "_resolve_kernel_flat": (_resolve_kernel_flat, POINTERS, False),
-                "flat, packed_scan": (_resolve_kernel_flat, POINTERS, True)}
+                "_resolve_kernel_flat (single scan)": (_resolve_kernel_flat, POINTERS, False),
+                "flat, packed_scan": (_resolve_kernel_flat, POINTERS, True)}   # resolve()'s default up to B = 32768
     if b_pad > 1 << 15:                  # resolve() refuses packed_scan there (its halves count in 16 bits)
         del variants["flat, packed_scan"]
     even = (k_pad, b_pad) == (args.k, args.cache_slots)           # as the launcher passes EVEN

@@ -300,6 +300,10 @@ def test_bad_calls_on_streams_change_nothing(device):
         resolve(big, _i32([0], device), _i32([[1]], device), torch.zeros(8, 2, device=device),
                 torch.zeros(1, 40001, 2, device=device), fetch=False, packed_scan=True)
     assert (big.lru_unit == -1).all() and (big.epoch == 0).all(), "a refused call launches nothing"
+    got = resolve(big, _i32([0], device), _i32([[1]], device), torch.zeros(8, 2, device=device),
+                  torch.zeros(1, 40001, 2, device=device), fetch=False)     # the default: the single scan there
+    assert got.counts.tolist() == [[0, 1]] and big.epoch.tolist() == [1]
+    assert big.lru_unit[0, -1].item() == 1 and big.unit_slot[1].item() == got.slots.item()
 
 
 def test_host_regions_are_contiguous_and_reused():

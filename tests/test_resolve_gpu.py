@@ -59,7 +59,7 @@ def check_step(gpu, cpu, streams, sel, res):
     assert torch.equal(got.view(torch.int16), want_rows.view(torch.int16))
 
 
-VARIANTS = {"vector": dict(flat_layout=False), "flat": dict(flat_layout=True),
+VARIANTS = {"vector": dict(flat_layout=False, packed_scan=False), "flat": dict(flat_layout=True),
             "flat+single_scan": dict(flat_layout=True, packed_scan=False)}
 
 
