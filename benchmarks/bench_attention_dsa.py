@@ -9,7 +9,8 @@ Appends `us`, `TFLOPs`, `GBps` and `roofline_frac` rows (family `dsa`) to DIR/at
 The sparse modes count the work of the ideal kernel: each selected row read once (N*k*1152 bytes
 plus q and out) and 2*N*H*k*(576+512) FLOPs; dense counts the whole context the same way. The
 roofline is the binding one of HBM 4.3 TB/s and bf16 matrix 790 TFLOP/s.
-`--tune` times decode configurations at one shape (no CSV rows), to choose the defaults.
+`--tune` times decode configurations at one shape (no CSV rows), to choose the defaults, and on a
+Hopper GPU the experimental Gluon kernel (kernels_triton/dsa_gluon.py) beside them.
 `--indexer` times the selection instead and appends to DIR/indexer.csv: lightning-indexer scores over
 every resident indexer key (64 heads x 128 dims, `triton` with bf16 keys, `triton_fp8` with fp8 keys
 and a per-token scale, `torch` an einsum in bf16) and the top-k (`topk`, hisparse.dsa.topk_select).
@@ -169,10 +170,31 @@ def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False) -
             print(f"  {config}: {type(exc).__name__}")
             continue
         results.append((us, config, err))
+    results += tune_gluon(q, kv, rows, ref, cudagraph)
     print(f"tune at batch={batch} heads={heads} k={k}: roofline {roofline_us:.1f} us (default"
           f" {dsa.default_decode_config(heads, D_QK, q.dtype)})")
     for us, config, err in sorted(results, key=lambda r: -r[0]):
         print(f"  {us:10.1f} us  roofline_frac {roofline_us / us:.3f}  rel err {err:.1e}  {config}")
+
+
+def tune_gluon(q, kv, rows, ref, cudagraph: bool) -> list[tuple]:
+    """(us, label, rel err) of the experimental Gluon kernel (kernels_triton/dsa_gluon.py: QK^T once
+    per tile) at its tile and ring shapes, on a Hopper GPU with Triton's Gluon; none elsewhere."""
+    from kernels_triton.dsa_gluon import GLUON_IMPORT_ERROR, sparse_mla_decode_gluon
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9 or GLUON_IMPORT_ERROR:
+        print(f"  gluon: not timed ({GLUON_IMPORT_ERROR or 'needs a Hopper GPU'})")
+        return []
+    results = []
+    for block_k, stages in ((64, 2), (32, 3), (32, 4)):
+        label = f"gluon(block_k={block_k}, num_stages={stages})"
+        def call():
+            return sparse_mla_decode_gluon(q, kv, rows, SM_SCALE, block_k=block_k, num_stages=stages)
+        try:
+            err = ((call()[0].float() - ref).abs().max() / ref.abs().max()).item()
+            results.append((time_us(call, cudagraph)[0], label, err))
+        except Exception as exc:  # noqa: BLE001 - an experimental kernel that fails is reported, not fatal
+            print(f"  {label}: {type(exc).__name__}: {str(exc)[:200]}")
+    return results
 
 
 def indexer_modes(batch: int, context: int, k: int, device: torch.device, gen) -> dict:
