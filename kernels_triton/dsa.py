@@ -84,7 +84,8 @@ def _sparse_mla_decode_kernel(
     through P, the accumulator's rescale, and the rope part accumulating onto the rest) the one-axis
     warp layout; P through a scratch tile splits it, but then a barrier stops the pipelining or, without
     one, the pipeliner fetches the scratch before it is written
-    (results/cpu_logs/34b2cf411b96_sass_dsa_qk_split_probe.txt).
+    (results/cpu_logs/34b2cf411b96_sass_dsa_qk_split_probe.txt). kernels_triton/dsa_gluon.py writes the
+    layouts, shared memory and copies out by hand in Gluon so that QK^T is computed once (experimental).
     """
     i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
     i_n = tl.program_id(1).to(tl.int64)
