@@ -305,13 +305,7 @@ def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: Decode
     d_v = out.shape[2]
     k = rows.shape[1]
     chunk, splits = split_plan(n, h, k, cfg, q.device, num_splits)
-    if splits == 1:
-        part, part_lse = out, lse
-        split_strides = (0, 0)
-    else:
-        part = torch.empty((n, h, splits, d_v), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
-        split_strides = (part.stride(2), part_lse.stride(2))
+    part, part_lse, split_strides = split_buffers(out, lse, splits)
     _sparse_mla_decode_kernel[(triton.cdiv(h, cfg.block_h), n, splits)](
         q, kv, rows, rows if row_base is None else row_base, part, part_lse,
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
@@ -322,14 +316,32 @@ def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: Decode
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        _sparse_mla_combine_kernel[(n, h)](
-            part, part_lse, out, lse,
-            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-            part_lse.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            splits,
-            D_V=d_v, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
-        )
+        combine_splits(part, part_lse, out, lse)
+
+
+def split_buffers(out: torch.Tensor, lse: torch.Tensor, splits: int):
+    """Where a decode kernel writes: out [N, H, D_V] and lse [N, H] themselves for one split, else
+    float32 partials [N, H, splits, D_V] and [N, H, splits] for `combine_splits`; with the split
+    strides the kernel takes (0 for one split)."""
+    if splits == 1:
+        return out, lse, (0, 0)
+    n, h, d_v = out.shape
+    part = torch.empty((n, h, splits, d_v), dtype=torch.float32, device=out.device)
+    part_lse = torch.empty((n, h, splits), dtype=torch.float32, device=out.device)
+    return part, part_lse, (part.stride(2), part_lse.stride(2))
+
+
+def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge a decode kernel's per-split partials into out and lse, in split order."""
+    n, h, splits, d_v = part.shape
+    _sparse_mla_combine_kernel[(n, h)](
+        part, part_lse, out, lse,
+        part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+        part_lse.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        splits,
+        D_V=d_v, BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=4,
+    )
 
 
 def sparse_mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,

@@ -248,8 +248,7 @@ def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: in
         raise RuntimeError(f"Gluon kernel unavailable under Triton {triton.__version__}: {GLUON_IMPORT_ERROR}")
     import torch
 
-    from hisparse.dsa import _check_decode_inputs, _require
-    from kernels_triton.dsa import _sparse_mla_combine_kernel
+    from hisparse.dsa import _check_decode_inputs, _require, combine_splits, split_buffers
 
     _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
     _require(q.is_cuda, "the Gluon kernel needs a CUDA (Hopper) device")
@@ -265,12 +264,7 @@ def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: in
         return out, lse
     chunk = triton.cdiv(triton.cdiv(k, num_splits), block_k) * block_k
     splits = triton.cdiv(k, chunk)
-    if splits == 1:
-        part, part_lse, split_strides = out, lse, (0, 0)
-    else:
-        part = torch.empty((n, h, splits, d_v), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
-        split_strides = (part.stride(2), part_lse.stride(2))
+    part, part_lse, split_strides = split_buffers(out, lse, splits)
     _sparse_mla_decode_gluon_kernel[(triton.cdiv(h, BLOCK_H), n, splits)](
         q, kv, rows, rows if row_base is None else row_base, part, part_lse,
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
@@ -280,12 +274,5 @@ def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: in
         NUM_STAGES=num_stages, num_warps=NUM_WARPS,
     )
     if splits > 1:
-        _sparse_mla_combine_kernel[(n, h)](
-            part, part_lse, out, lse,
-            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-            part_lse.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            splits,
-            D_V=d_v, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
-        )
+        combine_splits(part, part_lse, out, lse)
     return out, lse

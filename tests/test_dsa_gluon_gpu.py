@@ -7,15 +7,13 @@ reference, on a Hopper GPU only (Gluon kernels do not run in the interpreter; sk
 bf16 at the model's shapes: 128 heads, D 576 (512 + 64), k = 2048, batch 2-4; scattered -1 rows, a
 short request, a request with no valid row, row_base, and one and two splits.
 """
-import math
-
 import pytest
 import torch
+from test_dsa import DSV32_SCALE, TOL, rel_err
 
 from hisparse import dsa
 
-TOL_BF16 = 2e-2
-DSV32_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # as tests/test_dsa.py
+TOL_BF16 = TOL[torch.bfloat16]
 
 
 def _skip_reason():
@@ -27,18 +25,6 @@ def _skip_reason():
     if dg.GLUON_IMPORT_ERROR is not None:
         return f"no usable Gluon: {dg.GLUON_IMPORT_ERROR}"
     return None
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| over max |expected| on the finite entries; infinities must coincide."""
-    actual, expected = actual.float(), expected.float()
-    assert torch.equal(torch.isinf(actual), torch.isinf(expected)), "infinities differ"
-    assert not torch.isnan(actual).any(), "NaN in the output"
-    finite = torch.isfinite(expected)
-    if not finite.any():
-        return 0.0
-    diff = (actual[finite] - expected[finite]).abs().max()
-    return (diff / expected[finite].abs().max().clamp_min(1e-6)).item()
 
 
 def decode_inputs(n: int, context: int, k: int = 2048, h: int = 128, seed: int = 20):
