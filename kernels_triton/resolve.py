@@ -20,6 +20,32 @@ import triton.language as tl
 
 
 @triton.jit
+def _selection_ranks(m_hit, m_miss):
+    """Ranks of the hits and of the misses in selection order ([K_PAD] each, from 0), and their counts.
+    One scan for both: hits count in the low 16 bits, misses in the high ones (K < 2**16)."""
+    ranks = tl.cumsum(m_hit.to(tl.int32) | (m_miss.to(tl.int32) << 16), 0)
+    totals = tl.max(ranks, 0)
+    return (ranks & 0xFFFF) - 1, (ranks >> 16) - 1, totals & 0xFFFF, totals >> 16
+
+
+@triton.jit
+def _free_slot_ranks(m_free, PACKED: tl.constexpr):
+    """Rank (from 0) of each free slot among the free ones, in LRU order ([B_PAD], B_PAD >= 2).
+    PACKED: one scan for both halves of the padded LRU order (positions [0, B_PAD/2) count in the low
+    16 bits, [B_PAD/2, B_PAD) in the high ones, so B_PAD <= 2**15): the scan's cost is per element a
+    thread holds, and in this layout the halves are a register apart."""
+    B_PAD: tl.constexpr = m_free.shape[0]
+    if PACKED:
+        lo, hi = tl.split(tl.trans(tl.reshape(m_free.to(tl.int32), [2, B_PAD // 2])))
+        packed = tl.cumsum(lo | (hi << 16), 0)
+        lo_total = tl.max(packed, 0) & 0xFFFF
+        free_count = tl.join(packed & 0xFFFF, lo_total + (packed >> 16))            # [B_PAD // 2, 2]
+        return tl.reshape(tl.trans(free_count), [B_PAD]) - 1
+    else:
+        return tl.cumsum(m_free.to(tl.int32), 0) - 1
+
+
+@triton.jit
 def _resolve_kernel(
     sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
     stream_ptr,      # [N] int32 stream of each row, -1 for a padded batch row
@@ -78,30 +104,14 @@ def _resolve_kernel(
         b_hit_slot = tl.load(p_map + b_sel, mask=m_sel, other=-1)
         m_hit = b_hit_slot >= 0
         m_miss = m_sel & (b_hit_slot < 0)
-        # one scan for both ranks: hits count in the low 16 bits, misses in the high ones (K < 2**16)
-        ranks = tl.cumsum(m_hit.to(tl.int32) | (m_miss.to(tl.int32) << 16), 0)
-        hit_rank = (ranks & 0xFFFF) - 1
-        miss_rank = (ranks >> 16) - 1
-        totals = tl.max(ranks, 0)
-        n_hit = totals & 0xFFFF
-        n_miss = totals >> 16
+        hit_rank, miss_rank, n_hit, n_miss = _selection_ranks(m_hit, m_miss)
 
         # -- mark hit slots with this call's epoch, then read the marks in LRU order
         tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
         tl.debug_barrier()
         b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=0) == epoch
         m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
-        if PACKED_SCAN:
-            # one scan for both halves of the padded LRU order (positions [0, B_PAD/2) count in the
-            # low 16 bits, [B_PAD/2, B_PAD) in the high ones): the scan's cost is per element a
-            # thread holds, and in this layout the halves are a register apart (B_PAD >= 2)
-            lo, hi = tl.split(tl.trans(tl.reshape(m_free.to(tl.int32), [2, B_PAD // 2])))
-            packed = tl.cumsum(lo | (hi << 16), 0)
-            lo_total = tl.max(packed, 0) & 0xFFFF
-            free_count = tl.join(packed & 0xFFFF, lo_total + (packed >> 16))            # [B_PAD // 2, 2]
-            free_rank = tl.reshape(tl.trans(free_count), [B_PAD]) - 1
-        else:
-            free_rank = tl.cumsum(m_free.to(tl.int32), 0) - 1
+        free_rank = _free_slot_ranks(m_free, PACKED_SCAN)
         m_victim = m_free & (free_rank < n_miss)
 
         # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).

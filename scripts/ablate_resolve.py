@@ -28,6 +28,7 @@ import triton.language as tl
 
 from benchmarks.bench_resolve import Point, Workload, point_state
 from hisparse.resolve import resolve
+from kernels_triton.resolve import _free_slot_ranks, _selection_ranks
 
 
 @triton.jit(do_not_specialize=["K", "B"])
@@ -58,22 +59,14 @@ def _ablate_kernel(sel_ptr, stream_ptr, host_base_ptr, lru_unit_ptr, lru_ptr, un
         return
     m_hit = b_hit_slot >= 0
     m_miss = m_sel & (b_hit_slot < 0)
-    ranks = tl.cumsum(m_hit.to(tl.int32) | (m_miss.to(tl.int32) << 16), 0)
-    hit_rank = (ranks & 0xFFFF) - 1
-    miss_rank = (ranks >> 16) - 1
-    totals = tl.max(ranks, 0)
-    n_hit = totals & 0xFFFF
-    n_miss = totals >> 16
+    hit_rank, miss_rank, n_hit, n_miss = _selection_ranks(m_hit, m_miss)
     if STOP == 2:
         tl.store(counts_ptr + i_n * 2, n_hit + tl.sum(b_order_unit, 0) + tl.sum(hit_rank + miss_rank, 0))
         return
     tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
     tl.debug_barrier()
     m_free = tl.load(p_mark + b_order) != epoch
-    lo, hi = tl.split(tl.trans(tl.reshape(m_free.to(tl.int32), [2, B_PAD // 2])))     # the packed scan
-    packed = tl.cumsum(lo | (hi << 16), 0)
-    free_count = tl.join(packed & 0xFFFF, (tl.max(packed, 0) & 0xFFFF) + (packed >> 16))
-    free_rank = tl.reshape(tl.trans(free_count), [B_PAD]) - 1
+    free_rank = _free_slot_ranks(m_free, True)
     m_victim = m_free & (free_rank < n_miss)
     if STOP == 3:
         kept = tl.sum(b_order_unit, 0) + tl.sum(free_rank, 0) + tl.sum(hit_rank + miss_rank, 0)
