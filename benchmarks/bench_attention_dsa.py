@@ -1,16 +1,18 @@
-"""DSA sparse MLA decode: the Triton kernel beside a torch gather baseline and dense attention.
+"""DSA sparse MLA decode: the project's kernel beside a torch gather baseline and dense attention.
 
-    python -m benchmarks.bench_attention_dsa [--out DIR] [--quick] [--tune]
+    python -m benchmarks.bench_attention_dsa [--out DIR] [--quick] [--tune] [--backend auto|triton|gluon]
 
-Modes, in one run: `triton` (hisparse.dsa.sparse_mla_decode over k selected rows of a resident pool),
+Modes, in one run: `triton` (hisparse.dsa.sparse_mla_decode over k selected rows of a resident pool;
+its `kernel` column says which one ran: `gluon` on Hopper with Triton 3.6, else `triton`; --backend
+picks one, as HISPARSE_DSA_DECODE does),
 `torch_gather` (gather the selected rows, then matmul-softmax-matmul in torch) and `dense` (torch's
 scaled_dot_product_attention over the whole context, the 128 heads as 128 queries of one MQA head).
 Appends `us`, `TFLOPs`, `GBps` and `roofline_frac` rows (family `dsa`) to DIR/attention.csv.
 The sparse modes count the work of the ideal kernel: each selected row read once (N*k*1152 bytes
 plus q and out) and 2*N*H*k*(576+512) FLOPs; dense counts the whole context the same way. The
 roofline is the binding one of HBM 4.3 TB/s and bf16 matrix 790 TFLOP/s.
-`--tune` times decode configurations at one shape (no CSV rows), to choose the defaults, and on a
-Hopper GPU the experimental Gluon kernel (kernels_triton/dsa_gluon.py) beside them.
+`--tune` times the Triton kernel's configurations at one shape (no CSV rows), to choose the defaults,
+and on a Hopper GPU the Gluon kernel (kernels_triton/dsa_gluon.py) at its tile shapes beside them.
 `--indexer` times the selection instead and appends to DIR/indexer.csv: lightning-indexer scores over
 every resident indexer key (64 heads x 128 dims, `triton` with bf16 keys, `triton_fp8` with fp8 keys
 and a per-token scale, `torch` an einsum in bf16) and the top-k (`topk`, hisparse.dsa.topk_select).
@@ -111,6 +113,7 @@ def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False) ->
         base = {"bench": "attention", "family": "dsa", "mode": mode, "batch": batch, "context": context,
                 "k": k if mode != "dense" else "", "unit_bytes": D_QK * kv.element_size(), "heads": heads,
                 "num_splits": splits if mode == "triton" else "", "us_p20": p20, "us_p80": p80,
+                "kernel": dsa.decode_backend(q, D_V) if mode == "triton" else "",
                 "timer": "cudagraph" if cudagraph else "do_bench"}
         rows_out += metric_rows(base, us, flops, nbytes)
     if {"triton", "torch_gather"} <= times.keys():
@@ -128,7 +131,7 @@ def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = Fals
     gen = torch.Generator(device=device).manual_seed(0)
     print(f"DSA sparse MLA decode: heads={cfg['heads']} k={cfg['k']} D={D_QK} (V {D_V}) scale={SM_SCALE:.4f}"
           f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'},"
-          f" timer {'cudagraph' if cudagraph else 'do_bench'}")
+          f" timer {'cudagraph' if cudagraph else 'do_bench'}, decode backend {dsa.DECODE_BACKEND}")
     print(f"{'batch':>6s} {'context':>8s} {'mode':13s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
           f" {'roofline':>9s} {'vs gather':>10s}")
     for context in cfg["contexts"]:
@@ -142,11 +145,11 @@ def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = Fals
             print_table(rows, times)
             append_rows(out_dir / "attention.csv", rows)
             if batch == 64 and cfg["k"] == 2048 and {"triton", "torch_gather"} <= times.keys():
-                frac = next(r["value"] for r in rows
-                            if r["mode"] == "triton" and r["metric"] == "roofline_frac")
+                frac, kernel = next((r["value"], r["kernel"]) for r in rows
+                                    if r["mode"] == "triton" and r["metric"] == "roofline_frac")
                 speedup = times["torch_gather"] / times["triton"]
-                print(f"  target (batch 64, k 2048): roofline_frac {frac:.2f} (>= 0.40: {frac >= 0.4}),"
-                      f" {speedup:.2f}x torch_gather (>= 3: {speedup >= 3})")
+                print(f"  target (batch 64, k 2048, {kernel} kernel): roofline_frac {frac:.3f} (>= 0.40:"
+                      f" {frac >= 0.4}), {speedup:.2f}x torch_gather (>= 3: {speedup >= 3})")
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -178,11 +181,11 @@ def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False) -
 
 
 def tune_gluon(q, kv, rows, ref, cudagraph: bool) -> list[tuple]:
-    """(us, label, rel err) of the experimental Gluon kernel (kernels_triton/dsa_gluon.py: QK^T once
-    per tile) at its tile and ring shapes, on a Hopper GPU with Triton's Gluon; none elsewhere."""
-    from kernels_triton.dsa_gluon import GLUON_IMPORT_ERROR, sparse_mla_decode_gluon
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9 or GLUON_IMPORT_ERROR:
-        print(f"  gluon: not timed ({GLUON_IMPORT_ERROR or 'needs a Hopper GPU'})")
+    """(us, label, rel err) of the Gluon kernel (kernels_triton/dsa_gluon.py: QK^T once per tile) at
+    its tile and ring shapes, on a Hopper GPU with Triton's Gluon; none elsewhere."""
+    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
+    if reason := dsa.gluon_decode_unsupported(q, D_V):
+        print(f"  gluon: not timed ({reason})")
         return []
     results = []
     for block_k, stages in ((64, 2), (32, 3), (32, 4)):
@@ -265,7 +268,10 @@ def main() -> None:
     parser.add_argument("--indexer", action="store_true", help="time indexer scores and top-k instead")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time CUDA graph replays, as the decode loop runs (no host launch overhead)")
+    parser.add_argument("--backend", choices=dsa.DECODE_BACKENDS, default=dsa.DECODE_BACKEND,
+                        help="decode kernel of mode `triton` (default %(default)s: HISPARSE_DSA_DECODE, else auto)")
     args = parser.parse_args()
+    dsa.DECODE_BACKEND = args.backend
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
         raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")

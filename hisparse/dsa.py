@@ -16,6 +16,7 @@ Every `*_ref` function is the plain-torch definition the kernels are tested agai
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.runtime.errors
 
+from kernels_triton import dsa_gluon
 from kernels_triton.dsa import _indexer_scores_kernel, _sparse_mla_combine_kernel, _sparse_mla_decode_kernel
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -257,11 +259,54 @@ def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base=None) ->
 
 _FITTED_CONFIGS: dict[tuple, DecodeConfig] = {}  # default configs that had to shrink to launch
 
+# Which decode kernel `sparse_mla_decode` runs: "gluon" (kernels_triton/dsa_gluon.py, Hopper only:
+# 112 us against the Triton kernel's 151 us at batch 64 on the H200), "triton" (everywhere), or
+# "auto": Gluon where `gluon_decode_unsupported` finds nothing against it, else Triton.
+# HISPARSE_DSA_DECODE sets the default for the process (e.g. to time the decode loop with either).
+DECODE_BACKENDS = ("auto", "triton", "gluon")
+DECODE_BACKEND = os.environ.get("HISPARSE_DSA_DECODE", "auto")
+if DECODE_BACKEND not in DECODE_BACKENDS:
+    raise ValueError(f"HISPARSE_DSA_DECODE={DECODE_BACKEND!r}: expected one of {DECODE_BACKENDS}")
+
+
+def gluon_decode_unsupported(q: torch.Tensor, d_v: int) -> str | None:
+    """Why the Gluon decode kernel cannot run q [N, H, D] with d_v value columns, or None if it can."""
+    if dsa_gluon.GLUON_IMPORT_ERROR is not None:
+        return f"Triton {triton.__version__} has no usable Gluon ({dsa_gluon.GLUON_IMPORT_ERROR})"
+    if not q.is_cuda:
+        return f"q is on {q.device}, not a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"it needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
+    if triton.__version__.split(".")[:2] != ["3", "6"]:
+        return f"it is written against Triton 3.6's Gluon, this is {triton.__version__}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q dtype {q.dtype}: it takes bf16 or fp16"
+    if (d_v, q.shape[2] - d_v) != (512, 64):
+        return f"rows of {d_v} + {q.shape[2] - d_v}: it takes 512 + 64 (MLA's latent and rope)"
+    if q.shape[1] < dsa_gluon.BLOCK_H:
+        return f"{q.shape[1]} heads: it runs {dsa_gluon.BLOCK_H} a program, so needs at least that many"
+    return None
+
+
+def decode_backend(q: torch.Tensor, d_v: int, backend: str | None = None, config: DecodeConfig | None = None) -> str:
+    """The kernel `sparse_mla_decode` runs for these arguments: "gluon" or "triton" (resolving
+    "auto"; None means DECODE_BACKEND). Raises when "gluon" is asked for and cannot run."""
+    backend = DECODE_BACKEND if backend is None else backend
+    _require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
+    if backend == "triton" or (backend == "auto" and config is not None):
+        return "triton"
+    reason = gluon_decode_unsupported(q, d_v)
+    if backend == "gluon":
+        _require(config is None, f"config={config} is the Triton kernel's: the Gluon one takes none")
+        _require(reason is None, f"backend='gluon': the Gluon decode kernel cannot run this: {reason}")
+    return "gluon" if reason is None else "triton"
+
 
 def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float, d_v: int = 512,
                       num_splits: int | None = None, config: DecodeConfig | None = None,
                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                      row_base: torch.Tensor | None = None):
+                      row_base: torch.Tensor | None = None, backend: str | None = None):
     """Absorbed-MLA decode over selected rows: returns out [N, H, d_v] (q's dtype), lse [N, H] float32.
 
     q [N, H, D]; kv [R, D] (the hot cache or the resident pool viewed as rows; V = kv[:, :d_v]);
@@ -270,15 +315,21 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_
     directly); not range-checked, that would sync.
     A request with no valid row gets zeros and lse -inf. The k axis is split into `num_splits`
     chunks (default: `split_plan`) merged in order by a combine kernel. Equal inputs in equal order
-    give bitwise-equal outputs whatever R and wherever the rows sit in kv. Without `config`, the
-    default one is used; should it not fit this GPU, smaller tiles are tried and the one that
-    launches is kept for the rest of the process (so results stay reproducible within a run).
+    give bitwise-equal outputs whatever R and wherever the rows sit in kv (for one backend: the Gluon
+    and Triton kernels accumulate in different orders). `backend` picks the kernel (`decode_backend`;
+    default DECODE_BACKEND, "auto"). Without `config`, the Triton kernel uses its default one; should
+    it not fit this GPU, smaller tiles are tried and the one that launches is kept for the rest of
+    the process (so results stay reproducible within a run).
     """
     _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
+    kernel = decode_backend(q, d_v, backend, config)
     n, h, d = q.shape
     out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:
+        return out, lse
+    if kernel == "gluon":
+        dsa_gluon.launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale, num_splits)
         return out, lse
     if config is not None:
         _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits)

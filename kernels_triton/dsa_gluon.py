@@ -1,7 +1,11 @@
 """Sparse MLA decode in Gluon (Triton 3.6's `triton.experimental.gluon`): the DSA decode kernel with its
-QK^T computed once per tile on Hopper. Experimental: compiled for sm_90a offline
-(scripts/sass_dsa_gluon.py), checked against the torch reference only on a GPU
-(tests/test_dsa_gluon_gpu.py).
+QK^T computed once per tile on Hopper. `hisparse.dsa.sparse_mla_decode` runs it where it applies
+(`gluon_decode_unsupported` says why not elsewhere): an sm_90 GPU, bf16 / fp16, at least 64 heads,
+512 + 64 wide rows. Its SASS can be inspected offline (scripts/sass_dsa_gluon.py); it is checked
+against the torch reference on a GPU (tests/test_dsa_gluon_gpu.py).
+
+On the H200 at batch 64, 128 heads, k 2048 (graph replays): 112 us, 0.41 of the roofline, against
+151 us for the Triton kernel (results/gpu_logs/22aef4f_gluon_decode_variants.txt).
 
 Why
 ---
@@ -29,24 +33,27 @@ Work split between the two warp groups (warps_per_cta [4, 2] in both MMA layouts
   (36 HGMMA.64x32x16 per group per 64-row tile, both operands from shared memory, against the
   Triton kernel's 72 in each group). This differs from the FlashMLA-style split (warp group 0
   computes all of S while group 1 waits for P) but does the same tensor-core work, balanced.
-- online softmax in the log2 domain: the row max and row sum reduce across the two groups (Gluon
-  lowers these reductions through a little shared memory); P (bf16) is written to shared memory,
-  fenced for the async proxy, then a block barrier.
+- online softmax in the log2 domain: the row max reduces across the two groups (Gluon lowers the
+  reduction through a little shared memory); the row sum is kept per thread (a [64, BLOCK_K] running
+  sum rescaled like O) and reduced once after the loop, which saved 3% on the H200. P (bf16) is
+  written to shared memory, fenced for the async proxy, then a block barrier.
 - O += P V: each group owns a 64 x 256 fp32 accumulator (columns g*256 ... (g+1)*256 of V): A = P
-  (shared, all of it), B = the tile's first D_V columns (shared).
+  (shared, all of it), B = the tile's first D_V columns (shared). PV of tile i is issued without
+  waiting, then (once tile i+1 has landed) QK^T of tile i+1 behind it, and the warps wait for both:
+  the tensor cores run them back to back, without the barrier and copy issue between them (2% on
+  the H200).
 - rows are gathered with cp.async (pointer tensors: rows[n, j] index kv) into a ring of NUM_STAGES
-  buffers: tile i + NUM_STAGES - 1 is issued right after the barrier that publishes tile i (by then
-  every warp is done with tile i - 1, whose buffer it reuses), so it lands while tiles i ... are
-  computed. One block barrier publishes the tile, one P; the two softmax reductions add their own.
-  Rows -1 (and rows past the chunk's end) are masked copies (cp.async zero-fills them) and their
-  logits are -inf.
+  buffers. Tile i + NUM_STAGES - 1 goes into the buffer of tile i - 1, so it is issued at the top of
+  iteration i, after the barrier that follows PV(i-1)'s wait; with 2 stages it must have landed once
+  PV(i) is issued, and the warps' wait for it overlaps PV(i) on the tensor cores. Rows -1 (and rows
+  past the chunk's end) are masked copies (cp.async zero-fills them) and their logits are -inf.
 
 Semantics are `_sparse_mla_decode_kernel`'s: output = acc / l (zeros without a valid row), lse in
 natural log (-inf without a valid row), fp32 accumulation, rows read in order BLOCK_K at a time.
 The accumulation order differs from the Triton kernel's (no bitwise equality between the two).
 
 Only bf16 / fp16 on sm_90 with BLOCK_H = 64, 8 warps, written against Triton 3.6's Gluon (it
-compiles there: 208 registers, no spills, 224 KiB shared at BLOCK_K 64; not yet run on a GPU). The
+compiles there: 244 registers, no spills, 224 KiB shared at BLOCK_K 64). The
 module imports under any Triton; where Gluon or its Hopper API is missing (GLUON_IMPORT_ERROR is set)
 the launcher raises; under Triton 3.9 it imports but the kernel does not build (Gluon's async_copy
 API changed).
@@ -169,20 +176,27 @@ if GLUON_IMPORT_ERROR is None:
                 async_copy.commit_group()
 
             m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
+            l_part = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)  # row sums, reduced at the end
             acc = gl.zeros([BLOCK_H, D_V], gl.float32, layout=o_layout)
             s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
             o_kc = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+
+            # S of tile 0 (for n_tiles == 0 it reads unwritten shared memory and is never used).
+            async_copy.wait_group(NUM_STAGES - 2)
+            fence_async_shared()
+            gl.thread_barrier()
+            s_tok = warpgroup_mma(q_rope, k_rope.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(q_nope, k_nope.index(0).permute((1, 0)), s_tok, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
             for i in range(n_tiles):
+                # Here S = Q K^T of tile i is in registers and PV of tile i-1 is done in this warp group.
                 j0 = start + i * BLOCK_K
                 stage = i % NUM_STAGES
-                # Tile i has landed (this thread's copies: at most NUM_STAGES-2 later groups pending), is
-                # visible to the async proxy (wgmma), and every warp has finished tile i-1 (its QK^T and PV
-                # read stage (i-1) % NUM_STAGES, which the prefetch below overwrites, and P).
-                async_copy.wait_group(NUM_STAGES - 2)
-                fence_async_shared()
+                o_j = j0 + o_kc
+                row = gl.load(p_rows + o_j, mask=o_j < end, other=-1)
+                # Every warp is past PV(i-1): P and stage (i-1) % NUM_STAGES may be overwritten.
                 gl.thread_barrier()
-                if i + NUM_STAGES - 1 < n_tiles:  # prefetch tile i + NUM_STAGES - 1
+                if i + NUM_STAGES - 1 < n_tiles:  # prefetch tile i + NUM_STAGES - 1 into that stage
                     j_pre = j0 + (NUM_STAGES - 1) * BLOCK_K
                     s_pre = (i + NUM_STAGES - 1) % NUM_STAGES
                     _gather_rows(kv_ptr, p_rows, j_pre, end, stride_kv, k_nope.index(s_pre), 0, D_V, BLOCK_K,
@@ -190,33 +204,40 @@ if GLUON_IMPORT_ERROR is None:
                     _gather_rows(kv_ptr, p_rows, j_pre, end, stride_kv, k_rope.index(s_pre), D_V, D_ROPE, BLOCK_K,
                                  rope_reg)
                 async_copy.commit_group()
-                kn = k_nope.index(stage)
-                kr = k_rope.index(stage)
 
-                # S = Q K^T: each warp group its half of the tile's rows, once.
-                s = warpgroup_mma(q_rope, kr.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, is_async=True)
-                o_j = j0 + o_kc
-                row = gl.load(p_rows + o_j, mask=o_j < end, other=-1)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-
-                # Online softmax, log2 domain (row max and sum reduce across the two warp groups).
+                # Online softmax, log2 domain. The row max reduces across the two warp groups; the row
+                # sum does not: each thread keeps its own elements' running sums (rescaled by alpha
+                # like the output), summed once after the loop.
                 s = gl.where((row >= 0)[None, :], s * qk_scale_log2, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
                 alpha = gl.exp2(m_i - m_safe)
                 p = gl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + gl.sum(p, axis=1)
+                l_part = l_part * alpha[:, None] + p
                 m_i = m_new
 
-                # P to shared memory for both warp groups, then O = O * alpha + P V (own half of V).
+                # P to shared memory for both warp groups, then O = O * alpha + P V (own half of V),
+                # issued without waiting: S of tile i+1 is issued behind it, so the tensor cores run
+                # the two back to back while the warps wait for both.
                 p_smem.store(p.to(dtype))
                 fence_async_shared()
                 gl.thread_barrier()
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                acc_tok = warpgroup_mma(p_smem, k_nope.index(stage), acc, is_async=True)
+                if i + 1 < n_tiles:
+                    # tile i+1 landed (this thread's copies) and is visible to every warp and to wgmma
+                    async_copy.wait_group(NUM_STAGES - 2)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    nxt = (i + 1) % NUM_STAGES
+                    s_tok = warpgroup_mma(q_rope, k_rope.index(nxt).permute((1, 0)), s_zero, use_acc=False,
+                                          is_async=True)
+                    s_tok = warpgroup_mma(q_nope, k_nope.index(nxt).permute((1, 0)), s_tok, is_async=True)
+                    s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, acc_tok))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
             async_copy.wait_group(0)  # the last (empty) groups
+            l_i = gl.sum(l_part, axis=1)
 
             m_any = l_i > 0.0
             l_safe = gl.where(m_any, l_i, 1.0)
@@ -238,32 +259,42 @@ if GLUON_IMPORT_ERROR is not None:
 
 def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: int = 512, num_splits: int = 1,
                             out=None, lse=None, block_k: int = BLOCK_K, num_stages: int = NUM_STAGES):
-    """`hisparse.dsa.sparse_mla_decode` through the Gluon kernel (Hopper, bf16/fp16, 64 heads a
+    """`hisparse.dsa.sparse_mla_decode` through the Gluon kernel alone (Hopper, bf16/fp16, 64 heads a
     program, block_k rows a tile, a ring of num_stages tiles): returns out [N, H, d_v] (q's dtype),
     lse [N, H] float32. Same argument conventions:
     q [N, H, D], kv [R, D] (V = kv[:, :d_v]), rows [N, k] int32 (-1 skipped), row_base [N] int64 or
     None. num_splits > 1 splits k into chunks merged by the Triton combine kernel (default 1: one
-    program per (head block, request) reads all k rows)."""
-    if GLUON_IMPORT_ERROR is not None:
-        raise RuntimeError(f"Gluon kernel unavailable under Triton {triton.__version__}: {GLUON_IMPORT_ERROR}")
+    program per (head block, request) reads all k rows). For other tile shapes than the default
+    (`sparse_mla_decode` runs only that one) and for tests."""
     import torch
 
-    from hisparse.dsa import _check_decode_inputs, _require, combine_splits, split_buffers
+    from hisparse.dsa import _check_decode_inputs, _require, gluon_decode_unsupported
 
     _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
-    _require(q.is_cuda, "the Gluon kernel needs a CUDA (Hopper) device")
-    _require(q.dtype in (torch.bfloat16, torch.float16), f"q dtype {q.dtype}: expected bf16 or fp16")
-    _require(d_v <= 512, f"d_v={d_v}: expected <= 512 (a warp group's half is one wgmma)")
+    reason = gluon_decode_unsupported(q, d_v)
+    _require(reason is None, f"the Gluon decode kernel cannot run this: {reason}")
     _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
-    _require(block_k in (32, 64, 128) and num_stages >= 2, f"block_k={block_k}, num_stages={num_stages}")
-    n, h, d = q.shape
-    k = rows.shape[1]
+    _require(block_k in (32, 64, 128) and num_stages >= 2,
+             f"block_k={block_k}, num_stages={num_stages}: expected block_k 32, 64 or 128 and num_stages >= 2")
+    n, h, _ = q.shape
     out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
-    if n == 0 or h == 0:
-        return out, lse
-    chunk = triton.cdiv(triton.cdiv(k, num_splits), block_k) * block_k
-    splits = triton.cdiv(k, chunk)
+    if n > 0 and h > 0:
+        launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale, num_splits, block_k, num_stages)
+    return out, lse
+
+
+def launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale: float, num_splits: int | None,
+                        block_k: int = BLOCK_K, num_stages: int = NUM_STAGES) -> None:
+    """The launch alone, into out / lse, for inputs already checked (`sparse_mla_decode` and the
+    launcher above): k split by `split_plan` (into num_splits chunks; None: its default)."""
+    from hisparse.dsa import DecodeConfig, combine_splits, split_buffers, split_plan
+
+    n, h, d = q.shape
+    d_v = out.shape[2]
+    k = rows.shape[1]
+    tiles = DecodeConfig(block_h=BLOCK_H, block_k=block_k, num_warps=NUM_WARPS, num_stages=num_stages)
+    chunk, splits = split_plan(n, h, k, tiles, q.device, num_splits)
     part, part_lse, split_strides = split_buffers(out, lse, splits)
     _sparse_mla_decode_gluon_kernel[(triton.cdiv(h, BLOCK_H), n, splits)](
         q, kv, rows, rows if row_base is None else row_base, part, part_lse,
@@ -275,4 +306,3 @@ def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: in
     )
     if splits > 1:
         combine_splits(part, part_lse, out, lse)
-    return out, lse

@@ -296,6 +296,38 @@ def test_launchers_reject_bad_inputs():
         dsa.DecodeConfig(block_h=16, block_k=24, num_warps=4, num_stages=1)
 
 
+def test_decode_backend_choice_and_refusals():
+    """Off Hopper, "auto" is the Triton kernel; asking for Gluon there, an unknown backend, or Gluon
+    with a Triton config, is refused before any launch, naming why."""
+    q, kv = torch.randn(2, 4, 80), torch.randn(30, 80)
+    rows = torch.zeros(2, 8, dtype=torch.int32)
+    assert dsa.decode_backend(q, 64) == "triton" and dsa.decode_backend(q, 64, "auto") == "triton"
+    assert dsa.decode_backend(q, 64, "auto", SMALL_TILES) == "triton"
+    assert "not a CUDA GPU" in dsa.gluon_decode_unsupported(q, 64) or dsa.dsa_gluon.GLUON_IMPORT_ERROR
+    refused = {"gluon": "backend='gluon': the Gluon decode kernel cannot run this", "flash": "backend='flash'"}
+    for backend, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=64, backend=backend)
+    with pytest.raises(ValueError, match="is the Triton kernel's"):
+        dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=64, backend="gluon", config=SMALL_TILES)
+    with pytest.raises(ValueError, match="cannot run this"):
+        from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
+        sparse_mla_decode_gluon(q, kv, rows, 0.1, d_v=64)
+
+
+def test_decode_backend_from_the_environment():
+    """HISPARSE_DSA_DECODE sets the process default, checked when hisparse.dsa is imported."""
+    def imported(value):
+        env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"} | {
+            "HISPARSE_DSA_DECODE": value}
+        return subprocess.run([sys.executable, "-c", "import hisparse.dsa as d; print(d.DECODE_BACKEND)"],
+                              cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+    assert imported("triton").stdout.strip() == "triton"
+    bad = imported("fast")
+    assert bad.returncode != 0 and "HISPARSE_DSA_DECODE='fast': expected one of" in bad.stderr
+
+
 # The GPU machine's Triton (3.6) builds the default config without spilling; other versions
 # allocate registers differently (3.9: 216 B), so the check bounds the spill by what 3.9 needs.
 SPILL_BOUND = {(3, 6): 0}
@@ -326,9 +358,16 @@ def test_decode_kernel_compiles_for_hopper_within_registers():
 # GPU: bf16 at the model's shapes (128 heads, k = 2048, 32K and 128K contexts)
 # ---------------------------------------------------------------------------------------------
 
+def needs_backend(backend: str, q: torch.Tensor) -> None:
+    """Skip a GPU test of the Gluon decode kernel where it cannot run (not Hopper, not Triton 3.6)."""
+    if backend == "gluon" and (reason := dsa.gluon_decode_unsupported(q, 512)):
+        pytest.skip(reason)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
 @pytest.mark.parametrize("context", [32768, 131072], ids=["ctx32K", "ctx128K"])
-def test_gpu_sparse_mla_decode_real_shapes(context):
+def test_gpu_sparse_mla_decode_real_shapes(context, backend):
     gen = torch.Generator(device="cuda").manual_seed(10)
     n, h, k = 4, 128, 2048
     kv = torch.randn(n * context, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -337,23 +376,26 @@ def test_gpu_sparse_mla_decode_real_shapes(context):
     rows = (tokens + torch.arange(n, device="cuda")[:, None] * context).to(torch.int32)
     rows[1, 1000:] = -1  # a short request
     rows[2] = -1  # a request with nothing selected
+    needs_backend(backend, q)
     ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
     for splits in (None, 1, 7):
-        out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits)
+        out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits, backend=backend)
         assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
         assert rel_err(lse, ref_lse) < 1e-4, f"num_splits={splits}"
         assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
 @pytest.mark.parametrize("batch", [2, 64], ids=["N2-split", "N64"])
-def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch):
+def test_gpu_hot_cache_and_resident_pool_bitwise_equal(batch, backend):
     gen = torch.Generator().manual_seed(11)
     kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(batch, 8192, 4096, 2048, 576, torch.bfloat16,
                                                                 gen)
     q = torch.randn(batch, 128, 576, generator=gen).to(torch.bfloat16).cuda()
-    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE)
-    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE)
+    needs_backend(backend, q)
+    out_res, lse_res = dsa.sparse_mla_decode(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE, backend=backend)
+    out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, backend=backend)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
 
 
@@ -382,15 +424,17 @@ def test_gpu_indexer_and_topk_real_shapes(context, key_dtype):
 
 @pytest.mark.gpu
 def test_gpu_offsets_beyond_int32():
-    """Row and key offsets past 2^31 elements: 64-bit addressing in both kernels."""
+    """Row and key offsets past 2^31 elements: 64-bit addressing in the kernels (both decode ones)."""
     rows_total = 2 ** 31 // 576 + 4096
     kv = torch.zeros(rows_total, 576, device="cuda", dtype=torch.bfloat16)
     kv[-4096:] = torch.randn(4096, 576, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(2, 128, 576, device="cuda", dtype=torch.bfloat16)
     rows = (rows_total - 1 - torch.stack([torch.randperm(4096, device="cuda")[:2048] for _ in range(2)]))
     rows = rows.to(torch.int32)
-    out, _ = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE)
-    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)[0]) < TOL[torch.bfloat16]
+    expected = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)[0]
+    for backend in ("triton", "gluon") if dsa.gluon_decode_unsupported(q, 512) is None else ("triton",):
+        out, _ = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, backend=backend)
+        assert rel_err(out, expected) < TOL[torch.bfloat16], backend
     del kv
     t = 2 ** 31 // 128 + 1024
     keys = torch.zeros(2, t, 128, device="cuda", dtype=torch.bfloat16)

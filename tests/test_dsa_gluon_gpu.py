@@ -65,8 +65,23 @@ def test_gpu_gluon_decode_matches_ref(batch, splits, nan_empty):
     assert torch.equal(out[-1], torch.zeros_like(out[-1])), "no valid row must give zeros"
     assert torch.isneginf(lse[-1]).all()
     # and close to the Triton kernel (not bitwise: the accumulation order differs)
-    tri_out, tri_lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits)
+    tri_out, tri_lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits, backend="triton")
     assert rel_err(out, tri_out) < TOL_BF16 and rel_err(lse, tri_lse) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_is_the_default_decode_here():
+    """On this Hopper GPU with Triton 3.6, sparse_mla_decode runs the Gluon kernel at the model's
+    shape (bitwise its output) unless asked for the Triton one (HISPARSE_DSA_DECODE unset)."""
+    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
+    q, kv, rows = decode_inputs(2, 8192, seed=24)
+    assert dsa.gluon_decode_unsupported(q, 512) is None
+    if dsa.DECODE_BACKEND == "auto":
+        assert dsa.decode_backend(q, 512) == "gluon"
+    assert dsa.decode_backend(q[:, :32], 512) == "triton", "fewer than 64 heads: Triton"
+    out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=1, backend="auto")
+    g_out, g_lse = sparse_mla_decode_gluon(q, kv, rows, DSV32_SCALE, num_splits=1)
+    assert torch.equal(out, g_out) and torch.equal(lse, g_lse)
 
 
 @pytest.mark.gpu
