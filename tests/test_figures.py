@@ -70,6 +70,19 @@ def test_newest_per_point_replaces_a_point_rerun_with_its_place_in_the_process_r
     assert picked["value"].tolist() == [29.5] and picked["commit"].tolist() == ["b"]
 
 
+def test_newest_per_point_replaces_attention_rows_run_by_another_kernel():
+    """DSA's `triton` mode is the project's decode kernel: rows that record which one ran (`kernel`)
+    replace the point's older rows without the column, and the attention figure draws the newer."""
+    old = frame("attention", [{"family": "dsa", "mode": "triton", "batch": 64, "context": 32768, "metric": "us",
+                               "value": 151.0, "timer": "cudagraph"}], commit="a", timestamp="2026-11-29T10:00:00+00:00")
+    new = frame("attention", [{"family": "dsa", "mode": "triton", "batch": 64, "context": 32768, "metric": "us",
+                               "value": 112.0, "timer": "cudagraph", "kernel": "gluon"}], commit="b",
+                timestamp="2026-11-30T10:00:00+00:00")
+    picked = figures.newest_per_point(pd.concat([old, new], ignore_index=True))
+    assert picked["value"].tolist() == [112.0] and picked["kernel"].tolist() == ["gluon"]
+    assert list(lines(figures.attention_kernels(picked).axes[0]).values()) == [([64], [112.0])]
+
+
 def test_select_names_what_is_missing():
     rows = decode_frame(["resident"], ["tokens_per_s"])
     with pytest.raises(MissingData, match="tpot_ms for modes resident, hisparse"):
