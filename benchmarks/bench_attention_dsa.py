@@ -195,7 +195,7 @@ def tune_gluon(q, kv, rows, ref, cudagraph: bool) -> list[tuple]:
         try:
             err = ((call()[0].float() - ref).abs().max() / ref.abs().max()).item()
             results.append((time_us(call, cudagraph)[0], label, err))
-        except Exception as exc:  # noqa: BLE001 - an experimental kernel that fails is reported, not fatal
+        except Exception as exc:  # noqa: BLE001 - a tile shape that fails (e.g. too much shared memory) is reported, not fatal
             print(f"  {label}: {type(exc).__name__}: {str(exc)[:200]}")
     return results
 
