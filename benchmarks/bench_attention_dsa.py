@@ -91,7 +91,9 @@ def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False) ->
     baseline) is reported and skipped, so the other modes' rows are still recorded.
     """
     q, kv, rows = make_inputs(batch, context, heads, k, device, gen)
-    _, splits = dsa.split_plan(batch, heads, k, dsa.default_decode_config(heads, D_QK, q.dtype), device)
+    kernel = dsa.decode_backend(q, D_V)
+    tiles = dsa.GLUON_TILES if kernel == "gluon" else dsa.default_decode_config(heads, D_QK, q.dtype)
+    _, splits = dsa.split_plan(batch, heads, k, tiles, device)
     modes = {
         "triton": (lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE)[0], k),
         "torch_gather": (lambda: torch_gather_decode(q, kv, rows, SM_SCALE), k),
@@ -113,7 +115,7 @@ def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False) ->
         base = {"bench": "attention", "family": "dsa", "mode": mode, "batch": batch, "context": context,
                 "k": k if mode != "dense" else "", "unit_bytes": D_QK * kv.element_size(), "heads": heads,
                 "num_splits": splits if mode == "triton" else "", "us_p20": p20, "us_p80": p80,
-                "kernel": dsa.decode_backend(q, D_V) if mode == "triton" else "",
+                "kernel": kernel if mode == "triton" else "",
                 "timer": "cudagraph" if cudagraph else "do_bench"}
         rows_out += metric_rows(base, us, flops, nbytes)
     if {"triton", "torch_gather"} <= times.keys():
@@ -166,9 +168,10 @@ def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False) -
     for bh, bk, warps, stages in itertools.product((32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
         config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
         try:
-            out, _ = dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config)
-            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-            us = time_us(lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config), cudagraph)[0]
+            def call():
+                return dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, config=config, backend="triton")
+            err = ((call()[0].float() - ref).abs().max() / ref.abs().max()).item()
+            us = time_us(call, cudagraph)[0]
         except Exception as exc:  # a config that does not fit (shared memory, registers) is skipped
             print(f"  {config}: {type(exc).__name__}")
             continue

@@ -269,6 +269,11 @@ if DECODE_BACKEND not in DECODE_BACKENDS:
     raise ValueError(f"HISPARSE_DSA_DECODE={DECODE_BACKEND!r}: expected one of {DECODE_BACKENDS}")
 
 
+# The Gluon kernel's tiles, as `split_plan` takes them (64 heads x 64 rows a program, 8 warps, 2 stages)
+GLUON_TILES = DecodeConfig(block_h=dsa_gluon.BLOCK_H, block_k=dsa_gluon.BLOCK_K, num_warps=dsa_gluon.NUM_WARPS,
+                           num_stages=dsa_gluon.NUM_STAGES)
+
+
 def gluon_decode_unsupported(q: torch.Tensor, d_v: int) -> str | None:
     """Why the Gluon decode kernel cannot run q [N, H, D] with d_v value columns, or None if it can."""
     if dsa_gluon.GLUON_IMPORT_ERROR is not None:

@@ -296,9 +296,10 @@ def test_launchers_reject_bad_inputs():
         dsa.DecodeConfig(block_h=16, block_k=24, num_warps=4, num_stages=1)
 
 
-def test_decode_backend_choice_and_refusals():
+def test_decode_backend_choice_and_refusals(monkeypatch):
     """Off Hopper, "auto" is the Triton kernel; asking for Gluon there, an unknown backend, or Gluon
     with a Triton config, is refused before any launch, naming why."""
+    monkeypatch.setattr(dsa, "DECODE_BACKEND", "auto")
     q, kv = torch.randn(2, 4, 80), torch.randn(30, 80)
     rows = torch.zeros(2, 8, dtype=torch.int32)
     assert dsa.decode_backend(q, 64) == "triton" and dsa.decode_backend(q, 64, "auto") == "triton"
@@ -423,18 +424,18 @@ def test_gpu_indexer_and_topk_real_shapes(context, key_dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_offsets_beyond_int32():
-    """Row and key offsets past 2^31 elements: 64-bit addressing in the kernels (both decode ones)."""
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
+def test_gpu_offsets_beyond_int32(backend):
+    """Row and key offsets past 2^31 elements: 64-bit addressing in the kernels (each decode one)."""
     rows_total = 2 ** 31 // 576 + 4096
+    q = torch.randn(2, 128, 576, device="cuda", dtype=torch.bfloat16)
+    needs_backend(backend, q)
     kv = torch.zeros(rows_total, 576, device="cuda", dtype=torch.bfloat16)
     kv[-4096:] = torch.randn(4096, 576, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(2, 128, 576, device="cuda", dtype=torch.bfloat16)
     rows = (rows_total - 1 - torch.stack([torch.randperm(4096, device="cuda")[:2048] for _ in range(2)]))
     rows = rows.to(torch.int32)
-    expected = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)[0]
-    for backend in ("triton", "gluon") if dsa.gluon_decode_unsupported(q, 512) is None else ("triton",):
-        out, _ = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, backend=backend)
-        assert rel_err(out, expected) < TOL[torch.bfloat16], backend
+    out, _ = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, backend=backend)
+    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)[0]) < TOL[torch.bfloat16]
     del kv
     t = 2 ** 31 // 128 + 1024
     keys = torch.zeros(2, t, 128, device="cuda", dtype=torch.bfloat16)
