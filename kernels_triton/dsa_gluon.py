@@ -53,10 +53,10 @@ natural log (-inf without a valid row), fp32 accumulation, rows read in order BL
 The accumulation order differs from the Triton kernel's (no bitwise equality between the two).
 
 Only bf16 / fp16 on sm_90 with BLOCK_H = 64, 8 warps, written against Triton 3.6's Gluon (it
-compiles there: 244 registers, no spills, 224 KiB shared at BLOCK_K 64). The
-module imports under any Triton; where Gluon or its Hopper API is missing (GLUON_IMPORT_ERROR is set)
-the launcher raises; under Triton 3.9 it imports but the kernel does not build (Gluon's async_copy
-API changed).
+compiles there: 244 registers, no spills, 224 KiB shared at BLOCK_K 64;
+results/cpu_logs/680a96ff7232_sass_dsa_gluon.txt). The module imports under any Triton; where Gluon
+or its Hopper API is missing, GLUON_IMPORT_ERROR says so. Under Triton 3.9 it imports but the kernel
+does not build (Gluon's async_copy API changed), so `gluon_decode_unsupported` admits Triton 3.6 only.
 """
 from __future__ import annotations
 
