@@ -74,7 +74,8 @@ def test_newest_per_point_replaces_attention_rows_run_by_another_kernel():
     """DSA's `triton` mode is the project's decode kernel: rows that record which one ran (`kernel`)
     replace the point's older rows without the column, and the attention figure draws the newer."""
     old = frame("attention", [{"family": "dsa", "mode": "triton", "batch": 64, "context": 32768, "metric": "us",
-                               "value": 151.0, "timer": "cudagraph"}], commit="a", timestamp="2026-11-29T10:00:00+00:00")
+                               "value": 151.0, "timer": "cudagraph"}], commit="a",
+                timestamp="2026-11-29T10:00:00+00:00")
     new = frame("attention", [{"family": "dsa", "mode": "triton", "batch": 64, "context": 32768, "metric": "us",
                                "value": 112.0, "timer": "cudagraph", "kernel": "gluon"}], commit="b",
                 timestamp="2026-11-30T10:00:00+00:00")
