@@ -25,7 +25,9 @@ directory. Selections come from the model (workload = "model") or replay a synth
 How a decode study runs, recorded beside each row: `graph` (CUDA graphs, on a GPU), `prefetch`
 (layer-wise prefetch, for models whose layers share a selection), `early_resolve` (DSA, hierarchical
 modes, a GPU: each anchor layer's resolve starts on a stream of its own as soon as its selection is
-known, overlapping the query's projection; newest rows reach the host pool once per step).
+known, overlapping the query's projection; newest rows reach the host pool once per step), and
+`attention_kernel` (DSA: the sparse MLA decode kernel, `gluon` on Hopper with Triton 3.6 since
+6c44dc9ab649, else `triton`; `triton` for NSA and Quest; HISPARSE_DSA_DECODE picks DSA's).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ if not torch.cuda.is_available():
 
 import pandas as pd  # noqa: E402
 
+from hisparse import dsa  # noqa: E402
 from hisparse.dsa_runtime import KV_MODES  # noqa: E402
 from hisparse.engine import Engine  # noqa: E402
 from hisparse.host_pool import release_cached_memory  # noqa: E402
@@ -385,6 +388,17 @@ def kv_bytes_per_request(model, mode: str, context: int, cache_slots: int | None
     return cfg.num_hidden_layers * (cache_slots + 1) * row + index, cfg.num_hidden_layers * context * row
 
 
+def attention_kernel(model) -> str:
+    """The sparse attention kernel the model's decode runs: for DSA the one `sparse_mla_decode` picks
+    for its query shape, dtype and device ("gluon" or "triton"); "triton" for the other families."""
+    cfg, weight = model.config, model.model.embed_tokens.weight
+    if family(cfg) != "dsa":
+        return "triton"
+    q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=weight.dtype,
+                    device=weight.device)
+    return dsa.decode_backend(q, cfg.kv_lora_rank)
+
+
 def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
     cfg, elem = model.config, model.model.embed_tokens.weight.element_size()
     if point["family"] == "quest":      # a unit is a 16-token page of one KV head's keys and values
@@ -396,7 +410,7 @@ def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
     early = study.get("early_resolve", False) and point["mode"] != "resident" and torch.cuda.is_available()
     point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers,
                  hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
-                 graph=graph, prefetch=prefetch, early_resolve=early)
+                 graph=graph, prefetch=prefetch, early_resolve=early, attention_kernel=attention_kernel(model))
     if point["bench"] == "decode":
         out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"],
                          host_write="step" if early else "layer", early_resolve=early)

@@ -48,6 +48,7 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     assert (decode.new_tokens == 3).all() and (decode.warmup_steps == 2).all()
     assert not decode.graph.any() and not decode.prefetch.any()       # how it ran: eager on a CPU, no prefetch
     assert (decode.k == 8).all() and decode.commit.notna().all() and (decode.gpu == "cpu").all()
+    assert (decode.attention_kernel == "triton").all(), "off Hopper DSA decodes with the Triton kernel"
     runs = decode.drop_duplicates("run").run           # each decode point's run in this process, in order
     assert len(runs) == 2 and runs.is_monotonic_increasing and runs.iloc[1] == runs.iloc[0] + 1
     tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
@@ -249,6 +250,24 @@ def test_early_resolve_runs_hierarchical_modes_on_a_gpu_and_is_recorded(tmp_path
     assert early["resident"] == {False} and early["hisparse"] == {on_gpu}
     assert decode.value.notna().all()
     assert ("early_resolve needs a CUDA GPU" in capsys.readouterr().out) != on_gpu
+
+
+def test_attention_kernel_is_what_dsa_decode_picks_for_the_models_query(monkeypatch):
+    """Rows record the DSA decode kernel `sparse_mla_decode` picks for the model's query shape, dtype and
+    device (here made to admit Gluon, and then asked about the real shape); Quest models say triton."""
+    from types import SimpleNamespace
+
+    from hisparse import dsa
+    asked = []
+    monkeypatch.setattr(dsa, "DECODE_BACKEND", "auto")
+    monkeypatch.setattr(dsa, "gluon_decode_unsupported", lambda q, d_v: asked.append((tuple(q.shape), d_v)))
+    weight = torch.zeros(2, 2, dtype=torch.bfloat16)
+    dsa_model = SimpleNamespace(config=SimpleNamespace(model_type="deepseek_v32", num_attention_heads=128,
+                                                       kv_lora_rank=512, qk_rope_head_dim=64),
+                                model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)))
+    assert sweep.attention_kernel(dsa_model) == "gluon" and asked == [((1, 128, 576), 512)]
+    quest_model = SimpleNamespace(config=SimpleNamespace(model_type="llama"), model=dsa_model.model)
+    assert sweep.attention_kernel(quest_model) == "triton"
 
 
 def test_quest_studies_run_per_kv_head_in_pages(tmp_path):
