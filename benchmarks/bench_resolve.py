@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from benchmarks.common import PINNED_BYTES_PER_S  # noqa: E402
-from hisparse.resolve import CacheState, resolve  # noqa: E402
+from hisparse.resolve import CacheState, resolve, write_rows  # noqa: E402
 from hisparse.results import append_rows  # noqa: E402
 
 PINNED_GBPS = PINNED_BYTES_PER_S / 1e9
@@ -163,25 +163,46 @@ def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
     return result
 
 
-def time_decode_like(p: Point, layers: int, device, reps: int) -> dict:
+WRITES = ("none", "separate", "fused")
+
+
+def time_decode_like(p: Point, layers: int, device, reps: int, write: str = "none") -> dict:
     """Median no-IO microseconds per call with `layers` layers' streams taking turns, as in a decode
-    step: one state of layers x batch streams, layer l's calls on streams [l*batch, (l+1)*batch)."""
+    step: one state of layers x batch streams, layer l's calls on streams [l*batch, (l+1)*batch).
+    write: with each call, the step's newest row of every stream (16-byte rows in a pinned host pool
+    on a GPU) written as the decode loop did before (`write_rows`, then the resolve: "separate") or
+    does now (`resolve(newest=...)`, one launch: "fused"); "none" times the resolve alone."""
+    if write not in WRITES:
+        raise ValueError(f"write={write!r}: expected one of {WRITES}")
     num_streams = layers * p.batch
     host = torch.zeros(1, 8, dtype=torch.float16, device=device)     # never read without IO
+    if write != "none":                  # every stream's region, as host_base says; written, never read
+        host = torch.zeros(num_streams * p.context, 8, dtype=torch.float16, pin_memory=device.type == "cuda")
+        host = host if device.type == "cuda" else host.to(device)
     cache = torch.empty(num_streams, p.cache_slots + 1, 8, dtype=torch.float16, device=device)
     state = point_state(p, num_streams, device)
     streams = [torch.arange(layer * p.batch, (layer + 1) * p.batch, dtype=torch.int32, device=device)
                for layer in range(layers)]
     works = [Workload(p, device, seed=layer) for layer in range(layers)]
+    new_units = torch.full((p.batch,), p.context - 1, dtype=torch.int64, device=device)
+    new_rows = torch.randn(layers, p.batch, 8, device=device).to(torch.float16)
 
     def next_sels() -> torch.Tensor:
         return torch.stack([w.next(STEPS_PER_GRAPH) for w in works], dim=1)      # [steps, L, N, k]
 
     sels = next_sels()
 
+    def call(i: int, layer: int):
+        newest = None
+        if write == "separate":
+            write_rows(streams[layer], new_units, new_rows[layer], state.host_base, state.unit_slot, host, cache,
+                       to_reserved=True)
+        elif write == "fused":
+            newest = new_units, new_rows[layer]
+        return resolve(state, streams[layer], sels[i, layer], host, cache, fetch=False, newest=newest)
+
     def run():
-        return [resolve(state, streams[layer], sels[i, layer], host, cache, fetch=False)
-                for i in range(STEPS_PER_GRAPH) for layer in range(layers)]
+        return [call(i, layer) for i in range(STEPS_PER_GRAPH) for layer in range(layers)]
 
     us, outs = time_calls(run, lambda: sels.copy_(next_sels()), STEPS_PER_GRAPH * layers, reps, device)
     hits, misses = miss_counts(outs)

@@ -179,8 +179,9 @@ class HierarchicalKVCache:
         """Slots of the selected units (in selection order), fetching misses from the host pool.
 
         streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). mode "noio" is the oracle
-        that does everything but the copy. `check_values` validates ids against stream lengths
-        (a host sync; turn it off inside captured decode steps).
+        that does everything but the copy. `check_values` validates ids (and `newest` units) against
+        stream lengths (a host sync; turn it off inside captured decode steps). `newest` = (units [N]
+        int64, rows [N, E]): each row's newest unit, written in the same launch (see `resolve`).
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -189,18 +190,18 @@ class HierarchicalKVCache:
             closed = [s for s in streams.tolist() if 0 <= s < self.max_streams and s not in self._open]
             if closed:
                 raise ValueError(f"stream {closed[0]} is not open")
-            check_resolve_inputs(self.state, streams, sel, torch.tensor(self.stream_len))
+            kwargs["stream_len"] = torch.tensor(self.stream_len)     # the values, checked by `resolve`
         return resolve(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
                        **kwargs)
 
     def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal",
-                    sort_plan: bool = False) -> ResolveResult:
+                    sort_plan: bool = False, newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
         """The torch reference of `resolve`, on this cache's state (for tests and notebooks)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_resolve_inputs(self.state, streams, sel, torch.tensor(self.stream_len))
         return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
-                           sort_plan=sort_plan)
+                           sort_plan=sort_plan, newest=newest)
 
     def row_base(self, streams: torch.Tensor) -> torch.Tensor:
         """Row of each stream's slot 0 in `self.slots.view(-1, E)`: streams [N] -> [N] int64."""

@@ -55,15 +55,17 @@ class HierMlaKV(MlaKV):
     anchor_streams: torch.Tensor | None = None
     prefetched: torch.cuda.Event | None = None
     to_host: bool = True                       # host_write "layer"; False: "step" (`write_late`)
+    newest: tuple | None = None                # an anchor's (units [B], rows [B, D]) its resolve writes
     step_streams: torch.Tensor | None = None   # "step", on the last layer: every layer's streams, layer-major
     _late: tuple | None = None                 # "step": (units [B], rows [B, D]) the layer writes late
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Decode-step write (positions [B, 1]): the latent goes to the host pool, the reserved slot
         and any cached copy; the indexer key stays on the GPU. A selection that holds the newest
-        token then fetches its row from the host like any miss. A prefetched shared layer first
-        waits for its copy, so the write-through of the newest row lands after (not under) the copy.
-        With `to_host` off only the indexer key is written here; the latent waits for `write_late`."""
+        token then fetches its row from the host like any miss. An anchor layer leaves the latent to
+        its resolve, which writes it first in the same launch (`newest`). A prefetched shared layer
+        first waits for its copy, so the write-through of the newest row lands after (not under) the
+        copy. With `to_host` off only the indexer key is written here; the latent waits for `write_late`."""
         if positions.shape[1] != 1:
             raise ValueError("a hierarchical state takes one token per row; prefill runs on a resident state")
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
@@ -71,6 +73,12 @@ class HierMlaKV(MlaKV):
             self.index_keys[rows, positions] = index_keys
         if not self.to_host:
             self._late = positions[:, 0], latent[:, 0].contiguous()
+            return
+        if self.anchor_layer is None:
+            if self.newest is not None:
+                raise RuntimeError("the last step's newest latents were never written: an anchor layer's "
+                                   "write must be followed by its resolve (KernelDsaAttention)")
+            self.newest = positions[:, 0].to(torch.int64), latent[:, 0].contiguous()
             return
         if self.prefetched is not None:
             torch.cuda.current_stream().wait_event(self.prefetched)
@@ -112,6 +120,10 @@ class KernelDsaAttention(UnitResolver):
         self.resolver = torch.cuda.Stream() if early_resolve and torch.cuda.is_available() else None
         self._early: dict[int, torch.cuda.Event] = {}      # layer -> its resolve's event, until attended
         self._bases: dict[tuple, torch.Tensor] = {}
+
+    def _newest_rows(self, kv: HierMlaKV) -> tuple[torch.Tensor, torch.Tensor] | None:
+        newest, kv.newest = kv.newest, None
+        return newest
 
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
                lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:

@@ -172,6 +172,16 @@ def _check_rows(host: torch.Tensor, cache: torch.Tensor) -> None:
                                                   "(zero-copy reads) or device memory")
 
 
+def _check_new_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host: torch.Tensor) -> None:
+    """rows [M, E] in the host pool's dtype, stored as unit units[m] (int64) of stream streams[m] (int32)."""
+    _expect(rows.dim() == 2 and rows.shape[1] == host.shape[1] and rows.dtype == host.dtype,
+            f"rows must be [M, {host.shape[1]}] {host.dtype}, got {tuple(rows.shape)} {rows.dtype}")
+    _expect(streams.shape == units.shape == rows.shape[:1], f"streams {tuple(streams.shape)} and units "
+            f"{tuple(units.shape)} must be [M] = [{rows.shape[0]}]")
+    _expect(streams.dtype == torch.int32 and units.dtype == torch.int64,
+            f"streams must be int32 and units int64, got {streams.dtype} and {units.dtype}")
+
+
 def as_words(rows: torch.Tensor) -> torch.Tensor:
     """View rows as the widest integer words their size allows, so the copy moves whole words."""
     row_bytes = rows.shape[-1] * rows.element_size()
@@ -189,14 +199,18 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
             num_warps: int | None = None, flat_layout: bool = True,
-            packed_scan: bool | None = None) -> ResolveResult:
+            packed_scan: bool | None = None,
+            newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
     streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). host [R, E] is the host pool,
     cache [S, B+1, E] the device slots (slot B is the reserved newest-token slot, never a victim).
     `fetch=False` is the no-IO oracle: every step but the byte copy. Pass `stream_len` to check the
     values too (a host sync); `out` reuses result buffers, so a captured CUDA graph sees static
-    addresses and allocates nothing. `num_warps`, `flat_layout` and `packed_scan` are tuning knobs
+    addresses and allocates nothing. `newest` = (units [N] int64, rows [N, E] on the device): the
+    decode step's write of each row's newest unit, done in the same launch with the same result as
+    `write_rows(streams, units, rows, ..., to_reserved=True)` just before the call (host pool,
+    reserved slot, and the unit's cached copy if it has one), so the selection may hold that unit. `num_warps`, `flat_layout` and `packed_scan` are tuning knobs
     (same results): the default flat layout (the kernel compiled without size specialisation: one
     layout throughout, see kernels_triton/resolve.py) measured faster at every point of
     scripts/tune_resolve.py on the H200. `packed_scan` ranks the free slots with one scan over half
@@ -207,6 +221,17 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
+    if newest is not None:
+        _check_new_rows(streams, *newest, host)
+        _expect(all(t.device == cache.device for t in newest), f"newest rows and units must be on the cache's "
+                f"device {cache.device}, got {newest[0].device} and {newest[1].device}")
+        if stream_len is not None:
+            live = streams.cpu() >= 0
+            units, lengths = newest[0].cpu()[live], stream_len.cpu().long()[streams.cpu()[live].long()]
+            bad = ((units < 0) | (units >= lengths)).nonzero().flatten()
+            _expect(bad.numel() == 0, f"newest unit {units[bad[:1]].tolist()} of stream "
+                    f"{streams.cpu()[live][bad[:1]].tolist()} out of range: expected 0..length-1 (record it "
+                    f"with `advance` first)")
     n, k = sel.shape
     cache_slots = state.lru.shape[1]
     _expect(cache.shape[:2] == (state.lru.shape[0], cache_slots + 1),
@@ -228,11 +253,17 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     _expect(not packed_scan or b_pad <= 1 << 15, f"packed_scan counts half of B={cache_slots} slots in 16 bits: "
                                                  f"expected B <= {1 << 15}")
     kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
+    host_w, cache_w = as_words(host), as_words(cache)
+    # without newest rows their pointers are placeholders the kernel never reads
+    new_units, new_rows = newest if newest is not None else (state.host_base, cache_w)
+    new_rows = as_words(new_rows.contiguous())
     kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
+        new_units.contiguous(), new_rows, host_w, cache_w,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
-        PACKED_SCAN=packed_scan,
+        PACKED_SCAN=packed_scan, WRITE_NEWEST=newest is not None, ROW_WORDS=host_w.shape[1],
+        BLOCK_W=min(triton.next_power_of_2(host_w.shape[1]), 1024),
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:
@@ -290,12 +321,7 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
     reserved slot, so `to_reserved` is required)."""
     _expect(to_host or to_reserved, "a row kept off the host (to_host=False) must go to the reserved slot")
     _check_rows(host, cache)
-    _expect(rows.dim() == 2 and rows.shape[1] == host.shape[1] and rows.dtype == host.dtype,
-            f"rows must be [M, {host.shape[1]}] {host.dtype}, got {tuple(rows.shape)} {rows.dtype}")
-    _expect(streams.shape == units.shape == rows.shape[:1], f"streams {tuple(streams.shape)} and units "
-            f"{tuple(units.shape)} must be [M] = [{rows.shape[0]}]")
-    _expect(streams.dtype == torch.int32 and units.dtype == torch.int64,
-            f"streams must be int32 and units int64, got {streams.dtype} and {units.dtype}")
+    _check_new_rows(streams, units, rows, host)
     map_streams = streams if map_streams is None else map_streams
     _expect(map_streams.shape == streams.shape and map_streams.dtype == torch.int32,
             f"map_streams must be int32 {tuple(streams.shape)}, got {map_streams.dtype} {tuple(map_streams.shape)}")
@@ -382,8 +408,18 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
 
 
 def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
-                cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False) -> ResolveResult:
-    """The same resolve, one stream at a time in plain torch and Python, updating `state` in place."""
+                cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
+                newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
+    """The same resolve, one stream at a time in plain torch and Python, updating `state` in place;
+    `newest` rows are written first, as `write_rows` would (host row, reserved slot, cached copy)."""
+    if newest is not None:
+        for stream, unit, row in zip(streams.tolist(), newest[0].tolist(), newest[1]):
+            if stream >= 0:
+                host_row = int(state.host_base[stream]) + unit
+                host[host_row] = row.to(host.device)
+                slot = int(state.unit_slot[host_row])
+                for place in [cache[stream, -1]] + ([cache[stream, slot]] if slot >= 0 else []):
+                    place.copy_(row)
     n, k = sel.shape
     slots = torch.full((n, k), -1, dtype=torch.int32)
     counts = torch.zeros(n, 2, dtype=torch.int32)

@@ -233,6 +233,12 @@ class UnitResolver:
             plan = self._plans[layer_idx] = ResolveResult.empty(n, k, selection.device)
         return plan
 
+    def _newest_rows(self, kv) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's newest rows that its resolve is to write (`resolve(newest=...)`), if any: a
+        family whose step write is one whole row per stream leaves it to the resolve, one launch
+        fewer per layer. None here: the per-KV-head families write their tokens themselves."""
+        return None
+
     def _slots(self, layer_idx: int, kv, selection: torch.Tensor) -> torch.Tensor:
         """Slots [N, k] of selection [N, k] in this layer's streams: resolved (an anchor), or the
         anchor's, whose plan the layer's own copies replay (a shared layer, in lockstep)."""
@@ -243,7 +249,8 @@ class UnitResolver:
                 kv.cache.replay_plan(plan, kv.streams.view(-1))
             return plan.slots
         plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
-                                check_values=self.check_values, out=self._plan_buffers(layer_idx, selection))
+                                check_values=self.check_values, out=self._plan_buffers(layer_idx, selection),
+                                newest=self._newest_rows(kv))
         if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
             prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
         return plan.slots

@@ -7,7 +7,8 @@ Two kernels, launched back to back (both capture into a CUDA graph: static shape
   the missed rows from the host pool (a pinned host pointer, read zero-copy) into their victim slots.
   The same kernel replays an anchor's miss plan into a shared layer's cache (layer-wise prefetch).
 And the decode step's writes, from the device: `_write_rows_kernel` stores new rows (DSA's newest
-token) into the host pool, write-through to a cached copy, and optionally into the reserved slot;
+token) into the host pool, write-through to a cached copy, and optionally into the reserved slot (the
+resolve does the same for one row per stream with WRITE_NEWEST, saving a launch);
 `_store_reserved_kernel` stores reserved slots into the host pool (the host half of a row write,
 deferred to once per step);
 `_write_unit_token_kernel` adds one token to the newest unit of several tokens (Quest's page, NSA's
@@ -46,6 +47,24 @@ def _free_slot_ranks(m_free, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _put_row(src, p_host, p_cached, p_reserved, slot, ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
+             TO_HOST: tl.constexpr, TO_RESERVED: tl.constexpr):
+    """Store the row at `src` (ROW_WORDS words, on the device) into the host pool row `p_host`, the
+    unit's cached copy `p_cached` where `slot` >= 0 (write-through: a cached copy never goes stale)
+    and the reserved slot `p_reserved`."""
+    for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
+        o_w = w + tl.arange(0, BLOCK_W)
+        m_w = o_w < ROW_WORDS
+        b_row = tl.load(src + o_w, mask=m_w)                                              # [BLOCK_W]
+        if TO_HOST:
+            tl.store(p_host + o_w, b_row, mask=m_w)
+        # a vector mask: the interpreter does not combine scalar and vector masks
+        tl.store(p_cached + o_w, b_row, mask=m_w & ((o_w * 0 + slot) >= 0))
+        if TO_RESERVED:
+            tl.store(p_reserved + o_w, b_row, mask=m_w)
+
+
+@triton.jit
 def _resolve_kernel(
     sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
     stream_ptr,      # [N] int32 stream of each row, -1 for a padded batch row
@@ -60,9 +79,14 @@ def _resolve_kernel(
     plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
+    new_unit_ptr,    # [N] int64 unit of each row's newest row (WRITE_NEWEST; else unused)
+    new_row_ptr,     # [N, ROW_WORDS] the newest rows, on the device (WRITE_NEWEST)
+    host_ptr,        # [R, ROW_WORDS] host pool rows (WRITE_NEWEST)
+    cache_ptr,       # [S, B + 1, ROW_WORDS] device cache rows, slot B the reserved one (WRITE_NEWEST)
     K, B,
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
     PACKED_SCAN: tl.constexpr = False,
+    WRITE_NEWEST: tl.constexpr = False, ROW_WORDS: tl.constexpr = 1, BLOCK_W: tl.constexpr = 1,
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
     # is its warps' instruction chains (one program per stream; Nsight Compute on the H200 found 8
@@ -91,9 +115,17 @@ def _resolve_kernel(
         p_lru = lru_ptr + i_s * B
         p_lru_unit = lru_unit_ptr + i_s * B
         p_mark = mark_ptr + i_s * B
-        p_map = unit_slot_ptr + tl.load(host_base_ptr + i_s)     # the stream's unit -> slot map
+        host_base = tl.load(host_base_ptr + i_s)
+        p_map = unit_slot_ptr + host_base                         # the stream's unit -> slot map
 
         # -- independent loads first, so their latencies overlap
+        if WRITE_NEWEST:
+            # the step's newest row joins the stream as `write_rows` before this call would put it
+            # (one launch fewer per layer): its cached copy, if any, is the one the map names before
+            # this call. The row itself is read and stored last, so that no wait on it holds up the
+            # chain below; its host row is written before any fetch reads it (the next launch).
+            new_unit = tl.load(new_unit_ptr + i_n)
+            new_slot = tl.load(p_map + new_unit)
         epoch = tl.load(epoch_ptr + i_s) + 1
         b_sel = tl.load(sel_ptr + i_n * K + o_k, mask=m_k, other=-1)                  # [K_PAD]
         b_order = tl.load(p_lru + o_b, mask=m_b, other=0)                              # [B_PAD] slots
@@ -152,6 +184,13 @@ def _resolve_kernel(
         # default acq_rel ordering would add a block barrier and a GPU-wide fence around each
         tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64), sem="relaxed")
         tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
+
+        if WRITE_NEWEST:
+            # a victim slot that held the newest unit gets its row too: a fetch overwrites it next
+            first_slot = i_s * (B + 1)                                    # int64 offsets throughout
+            _put_row(new_row_ptr + i_n * ROW_WORDS, host_ptr + (host_base + new_unit) * ROW_WORDS,
+                     cache_ptr + (first_slot + tl.maximum(new_slot, 0)) * ROW_WORDS,
+                     cache_ptr + (first_slot + B) * ROW_WORDS, new_slot, ROW_WORDS, BLOCK_W, True, True)
 
 
 # The same kernel with K and B left unspecialised (Triton specialises integer arguments divisible by
@@ -240,16 +279,8 @@ def _write_rows_kernel(
         slot = tl.load(unit_slot_ptr + map_base + unit, mask=map_stream >= 0, other=-1)
         p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW_WORDS
         p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW_WORDS
-        for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
-            o_w = w + tl.arange(0, BLOCK_W)
-            m_w = o_w < ROW_WORDS
-            b_row = tl.load(src_ptr + i_m * ROW_WORDS + o_w, mask=m_w)                   # [BLOCK_W]
-            if TO_HOST:
-                tl.store(host_ptr + host_row * ROW_WORDS + o_w, b_row, mask=m_w)
-            # write-through: a cached copy of the unit never goes stale
-            tl.store(p_cached + o_w, b_row, mask=m_w & ((o_w * 0 + slot) >= 0))
-            if TO_RESERVED:
-                tl.store(p_reserved + o_w, b_row, mask=m_w)
+        _put_row(src_ptr + i_m * ROW_WORDS, host_ptr + host_row * ROW_WORDS, p_cached, p_reserved, slot,
+                 ROW_WORDS, BLOCK_W, TO_HOST, TO_RESERVED)
 
 
 @triton.jit

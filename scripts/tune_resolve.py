@@ -6,6 +6,7 @@ slots ranked by one scan over B), `packed` (the default: flat, ranking the free 
 half as many elements: packed_scan).
 
     python -m scripts.tune_resolve
+    python -m scripts.tune_resolve --newest    # the newest rows' write: its own launch or the resolve's
 """
 import argparse
 import itertools
@@ -13,15 +14,32 @@ import sys
 
 import torch
 
-from benchmarks.bench_resolve import Point, fill_random, time_point
+from benchmarks.bench_resolve import WRITES, Point, fill_random, time_decode_like, time_point
+
+
+def time_newest_writes(device) -> None:
+    """--newest: a decode step's per-layer write of the newest rows beside the resolve, as two launches
+    (`write_rows`, then the resolve) and as one (`resolve(newest=...)`), against the resolve alone:
+    61 layers' streams taking turns over 32K contexts, 20% misses, no IO (bench_resolve --decode-like)."""
+    print(f"{'batch':>5} {'miss':>5} {'layers':>6} {'write':>9} | {'us per layer':>12}")
+    for batch, write in itertools.product((8, 16, 64), WRITES):
+        r = time_decode_like(Point(batch, 2048, 4096, 0.2, 1152, min_context=32768), 61, device, 10, write=write)
+        print(f"{batch:5d} {r['miss_rate']:5.3f} {61:6d} {write:>9} | {r['noio_us']:12.1f}", flush=True)
+        torch.cuda.empty_cache()
 
 
 def main(argv=None):
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--newest", action="store_true",
+                    help="time the newest rows' write beside the resolve instead (separate launch or fused)")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("scripts.tune_resolve times kernels on a CUDA GPU, and none is available here "
                  "(python -m scripts.sass_resolve compares the variants' compiled code without one)")
     device = torch.device("cuda")
+    if args.newest:
+        time_newest_writes(device)
+        return
     points = [Point(64, 2048, 4096, m, 1152) for m in (0.001, 0.2, 1.0)] + [
         Point(1, 2048, 4096, 0.2, 1152), Point(64, 2048, 2048, 0.2, 1152), Point(64, 2048, 8192, 0.2, 1152)]
     pool_bytes = max(p.batch * p.context * p.row_bytes for p in points)

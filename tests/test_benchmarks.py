@@ -98,6 +98,17 @@ def test_resolve_decode_like_points_keep_their_miss_rates(tmp_path):
     assert (rows[rows.metric == "noio_us"].value > 0).all()
 
 
+def test_resolve_decode_like_with_the_newest_rows_written_both_ways():
+    """scripts/tune_resolve.py --newest's timing: the newest rows written in a launch of their own or
+    by the resolve; the same selections, so the same misses, and a bad choice named."""
+    from benchmarks.bench_resolve import WRITES, Point, time_decode_like
+    p = Point(2, 16, 32, 0.25, 16, min_context=64)
+    rates = {w: time_decode_like(p, 2, torch.device("cpu"), 1, write=w)["miss_rate"] for w in WRITES}
+    assert len(set(rates.values())) == 1 and rates["none"] > 0, rates
+    with pytest.raises(ValueError, match="write='both': expected one of"):
+        time_decode_like(p, 2, torch.device("cpu"), 1, write="both")
+
+
 def test_summary_prefetch_lines_name_each_variant_beside_its_targets():
     from benchmarks import summary
 

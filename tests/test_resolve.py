@@ -569,3 +569,82 @@ def test_bad_huge_pages_setting_is_refused_at_import():
     run = subprocess.run([sys.executable, "-c", "import hisparse.host_pool"], capture_output=True, text=True,
                          env=dict(os.environ, HISPARSE_HOST_HUGE_PAGES="yes"), timeout=120)
     assert run.returncode != 0 and "HISPARSE_HOST_HUGE_PAGES='yes': expected 0 or 1" in run.stderr
+
+
+@pytest.mark.parametrize("mode", ["normal", "noio"])
+def test_resolve_with_newest_rows_is_write_then_resolve(mode, device):
+    """resolve(newest=...) writes each stream's newest row in the same launch; the result is
+    `write_newest` followed by `resolve`, and the reference's, bit for bit: slots, plans, state, host
+    pool and every cache slot. The newest unit is a new one (a token just decoded, often selected at
+    once: a miss fetched from the host row the same call wrote) or an existing one that may be cached
+    (a page that grew: its cached copy is written through, then hit or evicted)."""
+    gen = torch.Generator().manual_seed(11)
+    num_streams, k, cache_slots, row_elems, steps = 4, 8, 13, 6, 24
+    lengths = [int(x) for x in torch.randint(k, 40, (num_streams,), generator=gen)]
+    data = [torch.randn(n, row_elems, generator=gen) for n in lengths]
+    fused, split, ref = (HierarchicalKVCache(num_streams, cache_slots, host_rows=sum(lengths) + num_streams * steps,
+                                             row_elems=row_elems, dtype=torch.float32, device=device)
+                         for _ in range(3))
+    for cache in (fused, split, ref):
+        cache.slots.fill_(float("nan"))
+        for rows in data:
+            cache.append(cache.open_stream(capacity=len(rows) + steps), rows.to(device))
+    sel = None
+    for step in range(steps):
+        grow = torch.rand(num_streams, generator=gen) < 0.7
+        for cache in (fused, split, ref):
+            cache.advance([s for s in range(num_streams) if grow[s]])
+        lengths = fused.stream_len[:num_streams]
+        units = [n - 1 if grow[s] else int(torch.randint(0, n, (1,), generator=gen)) for s, n in enumerate(lengths)]
+        sel = next_selection(sel, lengths, k, gen)
+        for s, unit in enumerate(units):
+            if unit not in sel[s].tolist() and torch.rand(1, generator=gen) < 0.6:
+                sel[s, int(torch.randint(0, k, (1,), generator=gen))] = unit
+        order = torch.randperm(num_streams, generator=gen)
+        streams = torch.cat([order, torch.tensor([-1])]).to(torch.int32)            # and a padded row
+        batch_sel = torch.cat([sel[order], torch.full((1, k), -1, dtype=torch.int32)])
+        new_units = torch.tensor([units[s] for s in order] + [0])
+        new_rows = torch.randn(num_streams + 1, row_elems, generator=gen)
+        newest = (new_units.to(device), new_rows.to(device))
+        got = fused.resolve(streams.to(device), batch_sel.to(device), mode=mode, newest=newest,
+                            flat_layout=step % 2 == 0)
+        split.write_newest(streams.to(device), *newest)
+        want = split.resolve(streams.to(device), batch_sel.to(device), mode=mode)
+        ref_out = ref.resolve_ref(streams, batch_sel, mode=mode, newest=(new_units, new_rows))
+        for other in (want, ref_out):
+            assert torch.equal(got.slots.cpu(), other.slots.cpu()), f"step {step}"
+            assert torch.equal(got.counts.cpu(), other.counts.cpu()), f"step {step}"
+            assert all(got.plan(r) == other.plan(r) for r in range(num_streams + 1)), f"step {step}"
+        for other in (split, ref):
+            assert_same_state(fused, other)
+            for s, n in enumerate(lengths):              # the written rows (the rest were never set)
+                region = slice(int(fused.state.host_base[s]), int(fused.state.host_base[s]) + n)
+                assert torch.equal(fused.host.rows[region].view(torch.int32),
+                                   other.host.rows[region].view(torch.int32)), f"step {step}"
+            assert torch.equal(fused.slots.cpu().view(torch.int32), other.slots.cpu().view(torch.int32)), f"step {step}"
+        for row, s in enumerate(streams.tolist()[:-1]):
+            base = int(fused.state.host_base[s])
+            assert torch.equal(fused.host.rows[base + units[s]], new_rows[row])
+            assert torch.equal(fused.slots[s, fused.reserved_slot].cpu(), new_rows[row])
+        if mode == "normal":
+            assert_slots_hold_units(fused, streams, batch_sel, got.slots)
+    assert fused.stats.sum(0).tolist()[1] > 0
+
+
+def test_resolve_rejects_bad_newest_rows_before_launch(device):
+    """Bad newest rows or units: a clear error, and nothing stored or resolved changes."""
+    cache = _small_cache(device)
+    cache.resolve(_i32([0], device), _i32([[4, 1]], device))
+    host, slots, state = cache.host.rows.clone(), cache.slots.clone(), cache.state.clone()
+    row, unit = torch.randn(1, 4).to(device), torch.tensor([3], device=device)
+    cases = [((unit.to(torch.int32), row), "units int64"),
+             ((unit, torch.randn(1, 5).to(device)), r"rows must be \[M, 4\]"),
+             ((unit, row.double()), r"rows must be \[M, 4\] torch.float32"),
+             ((torch.tensor([3, 4], device=device), row), r"must be \[M\] = \[1\]"),
+             ((torch.tensor([cache.stream_len[0]], device=device), row), "newest unit .* out of range")]
+    for newest, match in cases:
+        with pytest.raises(ValueError, match=match):
+            cache.resolve(_i32([0], device), _i32([[2, 1]], device), newest=newest)
+    assert torch.equal(cache.host.rows, host) and torch.equal(cache.slots.view(torch.int32), slots.view(torch.int32))
+    for name in ("lru", "lru_unit", "unit_slot", "stats", "epoch"):
+        assert torch.equal(getattr(cache.state, name), getattr(state, name)), name
