@@ -210,9 +210,10 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     addresses and allocates nothing. `newest` = (units [N] int64, rows [N, E] on the device): the
     decode step's write of each row's newest unit, done in the same launch with the same result as
     `write_rows(streams, units, rows, ..., to_reserved=True)` just before the call (host pool,
-    reserved slot, and the unit's cached copy if it has one), so the selection may hold that unit. `num_warps`, `flat_layout` and `packed_scan` are tuning knobs
-    (same results): the default flat layout (the kernel compiled without size specialisation: one
-    layout throughout, see kernels_triton/resolve.py) measured faster at every point of
+    reserved slot, and the unit's cached copy if it has one), so the selection may hold that unit.
+    `num_warps`, `flat_layout` and `packed_scan` are tuning knobs (same results): the default flat
+    layout (the kernel compiled without size specialisation: one layout throughout, see
+    kernels_triton/resolve.py) measured faster at every point of
     scripts/tune_resolve.py on the H200. `packed_scan` ranks the free slots with one scan over half
     as many elements, both halves of the LRU order packed in one int32 (1656 SASS instructions against
     1952 under Triton 3.6; on the H200 0.4 to 1.4 us faster at every point of tune_resolve, 8 warps:

@@ -21,7 +21,8 @@ from kernels_triton.resolve import _resolve_kernel, _resolve_kernel_flat
 from scripts.sass import compile_sm90, sass_ops
 
 SIZES_ARGS = ("K", "B")
-SIGNATURE = {name: ("*i64" if name in ("host_base_ptr", "stats_ptr", "new_unit_ptr") else "*i32") if name.endswith("_ptr")
+I64_POINTERS = ("host_base_ptr", "stats_ptr", "new_unit_ptr")
+SIGNATURE = {name: ("*i64" if name in I64_POINTERS else "*i32") if name.endswith("_ptr")
              else "i32" if name in SIZES_ARGS else "constexpr" for name in _resolve_kernel.arg_names}
 POINTERS = [i for i, t in enumerate(SIGNATURE.values()) if t.startswith("*")]
 SIZES = [list(SIGNATURE).index(name) for name in SIZES_ARGS]
