@@ -158,7 +158,8 @@ class HierarchicalKVCache:
                    self.host.rows, self.slots, max_programs)
 
     def advance(self, streams: list[int], n: int = 1) -> None:
-        """Record on the host that each stream gets `n` more units (written by `write_newest`); a
+        """Record on the host that each stream gets `n` more units (written by `write_newest`, or by
+        `resolve(newest=...)`); a
         stream listed twice gets 2n. Nothing changes on failure."""
         n = as_int(n, "n must be an int >= 0 (units per stream)", minimum=0)
         added: dict[int, int] = {}
@@ -185,6 +186,12 @@ class HierarchicalKVCache:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if kwargs.get("newest") is not None:                       # any integer units, as write_newest
+            if not (isinstance(kwargs["newest"], (tuple, list)) and len(kwargs["newest"]) == 2):
+                raise ValueError(f"newest must be (units [N], rows [N, E]), got {type(kwargs['newest']).__name__}")
+            units, rows = kwargs["newest"]
+            _check_integer("units", units)
+            kwargs["newest"] = units.to(torch.int64), rows
         if check_values:
             check_resolve_inputs(self.state, streams, sel)           # shapes and layouts first
             closed = [s for s in streams.tolist() if 0 <= s < self.max_streams and s not in self._open]

@@ -121,10 +121,6 @@ class KernelDsaAttention(UnitResolver):
         self._early: dict[int, torch.cuda.Event] = {}      # layer -> its resolve's event, until attended
         self._bases: dict[tuple, torch.Tensor] = {}
 
-    def _newest_rows(self, kv: HierMlaKV) -> tuple[torch.Tensor, torch.Tensor] | None:
-        newest, kv.newest = kv.newest, None
-        return newest
-
     def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
                lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
         if self.replay_sel is not None:
@@ -133,6 +129,11 @@ class KernelDsaAttention(UnitResolver):
             # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
             selection = dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
         if self.resolver is not None and isinstance(kv, HierMlaKV) and kv.anchor_layer is None:
+            if kv.newest is not None:
+                # the resolve would read the main stream's newest latents from the resolver stream,
+                # which the caching allocator does not know of: early_resolve writes them late instead
+                raise ValueError("early_resolve needs the newest latents written after the resolve "
+                                 "(host_write='step'); this layer left them to its resolve")
             selection = selection.to(torch.int32)
             self._plan_buffers(layer_idx, selection)      # made on this stream, before the fork
             self.resolver.wait_stream(torch.cuda.current_stream())

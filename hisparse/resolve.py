@@ -211,6 +211,8 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     decode step's write of each row's newest unit, done in the same launch with the same result as
     `write_rows(streams, units, rows, ..., to_reserved=True)` just before the call (host pool,
     reserved slot, and the unit's cached copy if it has one), so the selection may hold that unit.
+    Its units are checked against the streams' lengths with `stream_len` only: without, a unit
+    outside its stream's region writes there, as with `write_rows`.
     `num_warps`, `flat_layout` and `packed_scan` are tuning knobs (same results): the default flat
     layout (the kernel compiled without size specialisation: one layout throughout, see
     kernels_triton/resolve.py) measured faster at every point of
@@ -258,13 +260,14 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     # without newest rows their pointers are placeholders the kernel never reads
     new_units, new_rows = newest if newest is not None else (state.host_base, cache_w)
     new_rows = as_words(new_rows.contiguous())
+    row_words = host_w.shape[1] if newest is not None else 1     # no kernel per row size without rows
     kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         new_units.contiguous(), new_rows, host_w, cache_w,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
-        PACKED_SCAN=packed_scan, WRITE_NEWEST=newest is not None, ROW_WORDS=host_w.shape[1],
-        BLOCK_W=min(triton.next_power_of_2(host_w.shape[1]), 1024),
+        PACKED_SCAN=packed_scan, WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
+        BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:
@@ -414,6 +417,7 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
     """The same resolve, one stream at a time in plain torch and Python, updating `state` in place;
     `newest` rows are written first, as `write_rows` would (host row, reserved slot, cached copy)."""
     if newest is not None:
+        _check_new_rows(streams, *newest, host)
         for stream, unit, row in zip(streams.tolist(), newest[0].tolist(), newest[1]):
             if stream >= 0:
                 host_row = int(state.host_base[stream]) + unit

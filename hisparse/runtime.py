@@ -74,8 +74,8 @@ def side_stream(priority: str) -> torch.cuda.Stream:
 
 
 # When a decode step's newest rows reach the host pool in the hierarchical modes: "layer", as each
-# layer writes its row (zero-copy stores, one launch per layer, which also writes the reserved slot
-# and any cached copy); "step", all layers' rows in one launch after the last layer, from the
+# layer writes its row (zero-copy stores, which also write the reserved slot and any cached copy: a
+# DSA anchor layer's resolve does it, other layers launch a write of their own); "step", all layers' rows in one launch after the last layer, from the
 # reserved slots (the layers' launches then write the device only). Either way every row is on the
 # host before the next step's resolve can fetch it.
 HOST_WRITES = ("layer", "step")
@@ -233,12 +233,6 @@ class UnitResolver:
             plan = self._plans[layer_idx] = ResolveResult.empty(n, k, selection.device)
         return plan
 
-    def _newest_rows(self, kv) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The layer's newest rows that its resolve is to write (`resolve(newest=...)`), if any: a
-        family whose step write is one whole row per stream leaves it to the resolve, one launch
-        fewer per layer. None here: the per-KV-head families write their tokens themselves."""
-        return None
-
     def _slots(self, layer_idx: int, kv, selection: torch.Tensor) -> torch.Tensor:
         """Slots [N, k] of selection [N, k] in this layer's streams: resolved (an anchor), or the
         anchor's, whose plan the layer's own copies replay (a shared layer, in lockstep)."""
@@ -248,9 +242,14 @@ class UnitResolver:
             if copy and kv.prefetched is None:
                 kv.cache.replay_plan(plan, kv.streams.view(-1))
             return plan.slots
+        # a state whose step write is one whole row per stream (DSA's) leaves it in `newest` for the
+        # resolve to write (one launch fewer per layer); the per-KV-head families write their tokens
+        newest = getattr(kv, "newest", None)
         plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
                                 check_values=self.check_values, out=self._plan_buffers(layer_idx, selection),
-                                newest=self._newest_rows(kv))
+                                newest=newest)
+        if newest is not None:
+            kv.newest = None                            # written (kept if the resolve refused the call)
         if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
             prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
         return plan.slots

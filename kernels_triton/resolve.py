@@ -79,7 +79,7 @@ def _resolve_kernel(
     plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
-    new_unit_ptr,    # [N] int64 unit of each row's newest row (WRITE_NEWEST; else unused)
+    new_unit_ptr,    # [N] int64 the unit each row's newest row becomes (WRITE_NEWEST; else unused)
     new_row_ptr,     # [N, ROW_WORDS] the newest rows, on the device (WRITE_NEWEST)
     host_ptr,        # [R, ROW_WORDS] host pool rows (WRITE_NEWEST)
     cache_ptr,       # [S, B + 1, ROW_WORDS] device cache rows, slot B the reserved one (WRITE_NEWEST)
@@ -186,7 +186,8 @@ def _resolve_kernel(
         tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
 
         if WRITE_NEWEST:
-            # a victim slot that held the newest unit gets its row too: a fetch overwrites it next
+            # a slot this call took from the newest unit gets its row too, as it would have before the
+            # call: a fetch then overwrites it (noio leaves it)
             first_slot = i_s * (B + 1)                                    # int64 offsets throughout
             _put_row(new_row_ptr + i_n * ROW_WORDS, host_ptr + (host_base + new_unit) * ROW_WORDS,
                      cache_ptr + (first_slot + tl.maximum(new_slot, 0)) * ROW_WORDS,

@@ -185,6 +185,11 @@ def test_32bit_address_overflow_is_avoided():
             sel = torch.tensor([[3, 39, 0, 17]], dtype=torch.int32)
             res = cache.resolve(torch.tensor([far], dtype=torch.int32), sel)
             assert torch.equal(cache.slots[far, res.slots[0].long()], rows[sel[0].long()])
+            # the newest row written by the resolve lands there too: unit 39 (cached) rewritten
+            new = torch.randn(1, E)
+            cache.resolve(torch.tensor([far], dtype=torch.int32), sel, mode="noio", newest=(torch.tensor([39]), new))
+            assert torch.equal(cache.host.rows[int(cache.state.host_base[far]) + 39], new[0])
+            assert torch.equal(cache.slots[far, int(res.slots[0, 1])], new[0])
         print("fetched-past-2**31-ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
@@ -639,16 +644,54 @@ def test_resolve_rejects_bad_newest_rows_before_launch(device):
     cache.resolve(_i32([0], device), _i32([[4, 1]], device))
     host, slots, state = cache.host.rows.clone(), cache.slots.clone(), cache.state.clone()
     row, unit = torch.randn(1, 4).to(device), torch.tensor([3], device=device)
-    cases = [((unit.to(torch.int32), row), "units int64"),
-             ((unit, torch.randn(1, 5).to(device)), r"rows must be \[M, 4\]"),
+    cases = [((unit, torch.randn(1, 5).to(device)), r"rows must be \[M, 4\]"),
              ((unit, row.double()), r"rows must be \[M, 4\] torch.float32"),
              ((torch.tensor([3, 4], device=device), row), r"must be \[M\] = \[1\]"),
-             ((torch.tensor([cache.stream_len[0]], device=device), row), "newest unit .* out of range")]
+             ((torch.tensor([cache.stream_len[0]], device=device), row), "newest unit .* out of range"),
+             ((torch.tensor([-1], device=device), row), "newest unit .* out of range"),
+             ((unit.float(), row), "units must be an integer tensor"),
+             ((unit,), r"newest must be \(units \[N\], rows \[N, E\]\)")]
     for newest, match in cases:
         with pytest.raises(ValueError, match=match):
             cache.resolve(_i32([0], device), _i32([[2, 1]], device), newest=newest)
+    with pytest.raises(ValueError, match="units int64"):      # the launcher; the cache converts integers
+        resolve(cache.state, _i32([0], device), _i32([[2, 1]], device), cache.host.rows, cache.slots,
+                newest=(unit.to(torch.int32), row))
     # bits, not values: unwritten host rows and slots may hold NaN
     assert torch.equal(cache.host.rows.view(torch.int32), host.view(torch.int32))
     assert torch.equal(cache.slots.view(torch.int32), slots.view(torch.int32))
     for name in ("lru", "lru_unit", "unit_slot", "stats", "epoch"):
         assert torch.equal(getattr(cache.state, name), getattr(state, name)), name
+
+
+@pytest.mark.parametrize("mode", ["normal", "noio"])
+def test_newest_row_of_a_cached_unit_that_is_hit_or_evicted(mode, device):
+    """The cases a new token never meets but a rewritten unit does (a page that grew), pinned down:
+    the newest unit cached at slot 0 and evicted by this call's misses, then cached and hit. As
+    `write_newest` then `resolve` would leave them: the evicted slot holds the new row in noio and
+    the fetched unit's row otherwise; the hit slot holds the new row."""
+    caches = [HierarchicalKVCache(1, 4, host_rows=32, row_elems=3, dtype=torch.float32, device=device)
+              for _ in range(2)]
+    data = torch.randn(20, 3)
+    for cache in caches:
+        cache.append(cache.open_stream(capacity=20), data.to(device))
+        cache.resolve(_i32([0], device), _i32([[0, 1, 2, 3]], device))   # unit u in slot u, LRU order 0..3
+    fused, split = caches
+    s0 = _i32([0], device)
+    for unit, sel, slot in ((0, [[4, 5, -1, -1]], 0),     # unit 0 not selected: its slot 0 is the first victim
+                            (2, [[2, 6, -1, -1]], 2)):    # unit 2 selected: a hit in slot 2
+        new = torch.randn(1, 3).to(device)
+        got = fused.resolve(s0, _i32(sel, device), mode=mode, newest=(_i32([unit], device), new))  # int32: converted
+        split.write_newest(s0, torch.tensor([unit], device=device), new)
+        want = split.resolve(s0, _i32(sel, device), mode=mode)
+        assert torch.equal(got.slots, want.slots) and got.plan(0) == want.plan(0)
+        assert_same_state(fused, split)
+        assert torch.equal(fused.slots.view(torch.int32), split.slots.view(torch.int32))
+        assert torch.equal(fused.host.rows[unit], new[0].cpu())
+        assert torch.equal(fused.slots[0, fused.reserved_slot], new[0])
+        if unit == 0:
+            assert int(got.slots[0, 0]) == slot, "unit 4 takes the slot unit 0 left"
+            held = new[0] if mode == "noio" else data[4].to(device)
+            assert torch.equal(fused.slots[0, slot], held)
+        else:
+            assert int(got.slots[0, 0]) == slot and torch.equal(fused.slots[0, slot], new[0])

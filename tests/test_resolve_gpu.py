@@ -109,6 +109,13 @@ def test_fetch_past_2_31_words_on_gpu():
     sel = torch.tensor([[3, 39, 0, 17]], dtype=torch.int32, device=device)
     res = cache.resolve(torch.tensor([far], dtype=torch.int32, device=device), sel)
     assert torch.equal(cache.slots[far, res.slots[0].long()].cpu(), rows[sel[0].long().cpu()])
+    # the newest row written by the resolve lands there too: unit 39 (cached) rewritten
+    new = torch.randn(1, e).to(torch.bfloat16)
+    cache.resolve(torch.tensor([far], dtype=torch.int32, device=device), sel, mode="noio",
+                  newest=(torch.tensor([39], device=device), new.to(device)))
+    torch.cuda.synchronize()
+    assert torch.equal(cache.host.rows[int(cache.state.host_base[far]) + 39], new[0])
+    assert torch.equal(cache.slots[far, int(res.slots[0, 1])].cpu(), new[0])
 
 
 @pytest.mark.parametrize("huge_pages", [False, True], ids=["4k-pages", "huge-pages"])
