@@ -234,31 +234,34 @@ def test_a_bad_prefetch_setting_in_the_environment_fails_at_import(variable, val
     assert message in done.stderr
 
 
-def test_an_anchor_layers_newest_latents_wait_for_its_resolve():
+def test_an_anchor_layers_newest_latents_wait_for_its_resolve(device):
     """A DSA anchor layer's decode write leaves its latents to the layer's resolve (one launch fewer);
     a second write before that resolve is a fault of the caller, refused rather than a row lost, and
     a resolve that refuses its call keeps them for the retry."""
     from hisparse.cache import HierarchicalKVCache
     from hisparse.dsa_runtime import HierMlaKV, KernelDsaAttention
-    cache = HierarchicalKVCache(2, 4, host_rows=64, row_elems=3, dtype=torch.float32, device="cpu")
+    cache = HierarchicalKVCache(2, 4, host_rows=64, row_elems=3, dtype=torch.float32, device=device)
     ids = [cache.open_stream(32) for _ in range(2)]
     for s in ids:
-        cache.append(s, torch.randn(8, 3))
-    streams = torch.tensor(ids, dtype=torch.int32)
+        cache.append(s, torch.randn(8, 3).to(device))
+    streams = torch.tensor(ids, dtype=torch.int32, device=device)
     kv = HierMlaKV(latent=None, index_keys=None, cache=cache, host_streams=ids, streams=streams,
                    row_base=cache.row_base(streams))
     cache.advance(ids)
-    positions, latent = torch.tensor([[8], [8]]), torch.randn(2, 1, 3)
+    positions, latent = torch.tensor([[8], [8]], device=device), torch.randn(2, 1, 3).to(device)
     kv.write(positions, latent, None)
-    assert kv.newest is not None and not torch.equal(cache.host.rows[8], latent[0, 0])   # not yet written
+    assert kv.newest is not None and not torch.equal(cache.host.rows[8], latent[0, 0].cpu())   # not yet written
     with pytest.raises(RuntimeError, match="never written"):
         kv.write(positions, latent, None)
     attention = KernelDsaAttention("noio", check_values=True)
+    sel = torch.tensor([[9, -1], [0, 1]], dtype=torch.int32, device=device)                    # unit 9 not there
     with pytest.raises(ValueError, match="out of range"):
-        attention._slots(0, kv, torch.tensor([[9, -1], [0, 1]], dtype=torch.int32))       # unit 9 not there
+        attention._slots(0, kv, sel)
     assert kv.newest is not None, "a refused resolve keeps the rows"
-    attention._slots(0, kv, torch.tensor([[8, 0], [1, -1]], dtype=torch.int32))
+    attention._slots(0, kv, torch.tensor([[8, 0], [1, -1]], dtype=torch.int32, device=device))
     assert kv.newest is None
+    if cache.slots.is_cuda:
+        torch.cuda.synchronize()
     for b, s in enumerate(ids):
-        assert torch.equal(cache.host.rows[int(cache.state.host_base[s]) + 8], latent[b, 0])
+        assert torch.equal(cache.host.rows[int(cache.state.host_base[s]) + 8], latent[b, 0].cpu())
         assert torch.equal(cache.slots[s, cache.reserved_slot], latent[b, 0])
