@@ -158,9 +158,8 @@ class HierarchicalKVCache:
                    self.host.rows, self.slots, max_programs)
 
     def advance(self, streams: list[int], n: int = 1) -> None:
-        """Record on the host that each stream gets `n` more units (written by `write_newest`, or by
-        `resolve(newest=...)`); a
-        stream listed twice gets 2n. Nothing changes on failure."""
+        """Record on the host that each stream gets `n` more units (written by `write_newest` or by
+        `resolve(newest=...)`); a stream listed twice gets 2n. Nothing changes on failure."""
         n = as_int(n, "n must be an int >= 0 (units per stream)", minimum=0)
         added: dict[int, int] = {}
         for s in streams:

@@ -122,9 +122,9 @@ class Engine:
                              f"models, got {host_write!r}")
         self.runtime.host_write = host_write
         if early_resolve and (mode == "resident" or host_write != "step"):
-            raise ValueError(f"early_resolve overlaps a hierarchical mode's resolve with the query's projection, on a "
-                             f"stream of its own, and needs host_write='step' (each layer's newest row then follows its "
-                             f"resolve, on the main stream); got mode {mode!r}, host_write {host_write!r}")
+            raise ValueError(f"early_resolve overlaps a hierarchical mode's resolve with the query's projection, on "
+                             f"a stream of its own, and needs host_write='step' (each layer's newest row then follows "
+                             f"its resolve, on the main stream); got mode {mode!r}, host_write {host_write!r}")
         self.runtime.early_resolve = early_resolve
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "

@@ -75,9 +75,9 @@ def side_stream(priority: str) -> torch.cuda.Stream:
 
 # When a decode step's newest rows reach the host pool in the hierarchical modes: "layer", as each
 # layer writes its row (zero-copy stores, which also write the reserved slot and any cached copy: a
-# DSA anchor layer's resolve does it, other layers launch a write of their own); "step", all layers' rows in one launch after the last layer, from the
-# reserved slots (the layers' launches then write the device only). Either way every row is on the
-# host before the next step's resolve can fetch it.
+# DSA anchor layer's resolve does it, other layers launch a write of their own); "step", all layers'
+# rows in one launch after the last layer, from the reserved slots (the layers' launches then write
+# the device only). Either way every row is on the host before the next step's resolve can fetch it.
 HOST_WRITES = ("layer", "step")
 
 Rows = Callable[[int, int], tuple]     # rows(request, layer) -> that request's prefilled KV of the layer
