@@ -175,22 +175,22 @@ class HierarchicalKVCache:
     # -- resolve -----------------------------------------------------------------------------
 
     def resolve(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal",
-                check_values: bool = True, **kwargs) -> ResolveResult:
+                check_values: bool = True, newest: tuple[torch.Tensor, torch.Tensor] | None = None,
+                **kwargs) -> ResolveResult:
         """Slots of the selected units (in selection order), fetching misses from the host pool.
 
         streams [N] int32 (-1 = padded row), sel [N, k] int32 (-1 pads). mode "noio" is the oracle
         that does everything but the copy. `check_values` validates ids (and `newest` units) against
-        stream lengths (a host sync; turn it off inside captured decode steps). `newest` = (units [N]
-        int64, rows [N, E]): each row's newest unit, written in the same launch (see `resolve`).
+        stream lengths (a host sync; turn it off inside captured decode steps). `newest` = (units [N],
+        any integer dtype, rows [N, E]): each row's newest unit, written in the same launch (see `resolve`).
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if kwargs.get("newest") is not None:                       # any integer units, as write_newest
-            if not (isinstance(kwargs["newest"], (tuple, list)) and len(kwargs["newest"]) == 2):
-                raise ValueError(f"newest must be (units [N], rows [N, E]), got {type(kwargs['newest']).__name__}")
-            units, rows = kwargs["newest"]
-            _check_integer("units", units)
-            kwargs["newest"] = units.to(torch.int64), rows
+        if newest is not None:                                     # any integer units, as write_newest
+            if not (isinstance(newest, (tuple, list)) and len(newest) == 2):
+                raise ValueError(f"newest must be (units [N], rows [N, E]), got {type(newest).__name__}")
+            _check_integer("units", newest[0])
+            newest = newest[0].to(torch.int64), newest[1]
         if check_values:
             check_resolve_inputs(self.state, streams, sel)           # shapes and layouts first
             closed = [s for s in streams.tolist() if 0 <= s < self.max_streams and s not in self._open]
@@ -198,7 +198,7 @@ class HierarchicalKVCache:
                 raise ValueError(f"stream {closed[0]} is not open")
             kwargs["stream_len"] = torch.tensor(self.stream_len)     # the values, checked by `resolve`
         return resolve(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
-                       **kwargs)
+                       newest=newest, **kwargs)
 
     def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal",
                     sort_plan: bool = False, newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
