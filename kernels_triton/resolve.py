@@ -217,6 +217,13 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # Nor does a binary search for the victims through tl.gather (12 probes of the free counts) promise
 # more than the reload it replaces: 2928 instructions and 32 block barriers under Triton 3.6, against
 # 2280 and 7 (each tl.gather stores its source to shared memory again, behind a barrier).
+# Tried and not kept (2026-11-30, b07e654): asking L2 for the stream's slot marks at the kernel's start
+# (`prefetch.global.L2` through inline PTX, one per 128 bytes), so that the marks' read in LRU order,
+# two dependent round trips later, would not wait on HBM in a decode step, where other layers' work has
+# pushed them out of L2. On the H200, no IO, k = 2048, B = 4096, 61 layers' streams taking turns over
+# 32K contexts: 10.8 / 15.9 us without against 10.6 / 15.6 with at 20% / 100% misses and batch 64,
+# 8.1 / 8.0 at 20% and batch 8, and no better with a warm L2: within noise everywhere, so the cold
+# calls' extra time is not the marks' (results/gpu_logs/b07e654_tune_prefetch_marks_not_kept.txt).
 
 
 @triton.jit
