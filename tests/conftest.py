@@ -2,6 +2,12 @@
 
 `@triton.jit` decides between interpreter and compiler when a kernel module is imported, so the
 switch must happen here, before any test module imports `kernels_triton`.
+
+Under pytest-xdist (the README's `-n auto --dist loadgroup`: the interpreter is single-threaded
+Python, so workers on separate cores divide the suite's time), each test file runs in one worker,
+whose module-level caches (a tiny model, its resident run) then serve all of that file's tests, and
+every GPU test in one worker too, so that two never share the GPU at once. Each worker takes its share
+of torch's threads.
 """
 import os
 
@@ -14,7 +20,16 @@ if not HAS_GPU:
 import pytest  # noqa: E402
 
 
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:          # --dist loadgroup: one worker per group
+            group = "gpu" if "gpu" in item.keywords else item.path.name
+            item.add_marker(pytest.mark.xdist_group(group))
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_suite.sh on one)")

@@ -118,6 +118,22 @@ def check_hisparse_against_resident_on_gpu(engine, prompts, k: int, new_tokens: 
     assert noio.tokens.shape == base.tokens.shape and noio.misses > 0
 
 
+def prefetch_settings(device) -> tuple[bool, ...]:
+    """The prefetch settings a shared-selection test runs in full: off and on with a GPU; off alone on
+    a CPU, where prefetch has no side stream and copies in line, the same path (so a second full
+    run there would repeat the first; `assert_prefetch_in_line` checks that in a short one)."""
+    return (False, True) if torch.device(device).type == "cuda" else (False,)
+
+
+def assert_prefetch_in_line(engine, resident, prompts) -> None:
+    """On a CPU, an engine with prefetch on copies in line: two new tokens give the resident engine's
+    bitwise (a run of the same length: capacity can change float rounding), and no copy ran on a side
+    stream (check_shared_selections_on_gpu runs prefetch in full)."""
+    out = engine.generate(prompts, 2)
+    assert out.prefetched_layers == 0
+    assert_bitwise(resident.generate(prompts, 2), out, "prefetch on, in line on a CPU")
+
+
 def check_shared_selections_on_gpu(engine, prompts, k: int, shared_layers: int, new_tokens: int = 65) -> None:
     """engine(mode, slots, prefetch) -> Engine of a model whose layers share selections. hisparse at
     B = k with the shared layers' copies in line and, with prefetch, on the side stream (eager and

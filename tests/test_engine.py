@@ -17,6 +17,7 @@ from hisparse.synthetic import generate as generate_trace
 from hisparse.traces import load_trace, with_anchors
 
 PROMPT_LENGTHS = (27, 5)   # requests of different lengths, one shorter than k (few: the interpreter is slow)
+NEW_TOKENS = 33            # the long runs': the prefill's token, then 32 decode steps
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +31,7 @@ def tiny_model(family: str):
 
 @functools.cache
 def resident_run(family: str):
-    return Engine(tiny_model(family), "resident").generate(prompts(), new_tokens=65)
+    return Engine(tiny_model(family), "resident").generate(prompts(), new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(params=["deepseek_v32", "glm_moe_dsa"])
@@ -46,12 +47,12 @@ def prompts(seed=0, vocab=97):
 @pytest.mark.parametrize("family,slots_per_k", [("deepseek_v32", 1), ("deepseek_v32", 2), ("glm_moe_dsa", 1)],
                          ids=["dsv32-B=k", "dsv32-B=2k", "glm-B=k"])
 def test_hisparse_is_bitwise_resident(family, slots_per_k):
-    """64 decode steps; glm_moe_dsa has a shared layer replaying its anchor's miss plan (in line;
+    """32 decode steps; glm_moe_dsa has a shared layer replaying its anchor's miss plan (in line;
     on a side stream with prefetch, which needs a GPU: tests/test_engine_gpu.py)."""
     model, resident = tiny_model(family), resident_run(family)
     k = model.config.index_topk
-    out = Engine(model, "hisparse", cache_slots=slots_per_k * k).generate(prompts(), new_tokens=65)
-    assert len(out.logits) == 65
+    out = Engine(model, "hisparse", cache_slots=slots_per_k * k).generate(prompts(), new_tokens=NEW_TOKENS)
+    assert len(out.logits) == NEW_TOKENS
     for step, (a, b) in enumerate(zip(resident.logits, out.logits)):
         assert torch.equal(a, b), f"logits differ at step {step}"
     assert torch.equal(resident.tokens, out.tokens)
@@ -66,7 +67,7 @@ def test_rows_stored_once_per_step_are_bitwise_resident_too():
     host: a row stored late or wrong would change the logits. glm_moe_dsa: shared layers too."""
     model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
     engine = Engine(model, "hisparse", cache_slots=model.config.index_topk, host_write="step")
-    out = engine.generate(prompts(), new_tokens=65)
+    out = engine.generate(prompts(), new_tokens=NEW_TOKENS)
     assert_bitwise(resident, out, "host_write=step")
     assert out.miss_rate > 0.2
     assert_newest_units_written_through(engine.cache)

@@ -7,8 +7,7 @@ window (short, to keep interpreter runs fast). The long prompt (500 tokens, 8 bl
 leaves a real choice besides the forced blocks (0 and the two newest), so blocks are evicted and
 fetched again at B = k; it opens a block at position 512, within the shared-selection runs' steps
 too. The short one (28 tokens) starts with no compressed block and one selection block (the
-selection is padded with -1), completes its first compressed blocks and opens its second block
-during the 40 decode steps."""
+selection is padded with -1) and completes its first compressed blocks during the 24 decode steps."""
 import functools
 import tempfile
 
@@ -21,9 +20,11 @@ from engine_checks import (
     assert_lockstep,
     assert_newest_units_written_through,
     assert_noio_wrote_only_shared_newest_units,
+    assert_prefetch_in_line,
     assert_torch_steps_agree,
     assert_unit_run,
     check_traces_replay_exactly,
+    prefetch_settings,
 )
 
 from hisparse.engine import Engine
@@ -39,7 +40,7 @@ from hisparse.traces import Trace
 PROMPT_LENGTHS = (500, 28)
 N_SELECT = 4                     # k: selection blocks per KV head and step
 TINY = {"num_hidden_layers": 1, "num_selected_blocks": N_SELECT, "sliding_window": 64}
-STEPS = 41                       # new tokens: the prefill's token, then 40 decode steps
+STEPS = 25                       # new tokens: the prefill's token, then 24 decode steps
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,7 +99,7 @@ def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
     assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
 
 
-SHARED_STEPS = 25              # new tokens of the shared-selection runs (two layers: twice the work per step)
+SHARED_STEPS = 15              # new tokens of the shared-selection runs (two layers: twice the work per step)
 
 
 def shared_to_anchor(model) -> dict[int, int]:
@@ -110,13 +111,14 @@ def shared_to_anchor(model) -> dict[int, int]:
 def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
     """selection_group 2 over 2 layers: layer 1 attends over layer 0's blocks (with its own compressed
     and window branches) and replays layer 0's miss plan, in line and through the prefetch path (in
-    line too on a CPU); bitwise the resident run; the shared streams do no resolve work."""
+    line too on a CPU, so there only briefly); bitwise the resident run; the shared streams do no
+    resolve work."""
     model = tiny_model(num_hidden_layers=2, selection_group=2)
     base = Engine(model, "resident").generate(prompts(), SHARED_STEPS)
     own = Engine(tiny_model(num_hidden_layers=2), "resident").generate(prompts(), 1)    # the prefill's logits
     assert not torch.equal(own.logits[0], base.logits[0]), "sharing the selection must change the model"
     heads = model.config.num_key_value_heads
-    for prefetch in (False, True):
+    for prefetch in prefetch_settings(DEVICE):
         engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=prefetch)
         out = engine.generate(prompts(), SHARED_STEPS)
         assert_bitwise(base, out, f"prefetch={prefetch}")
@@ -124,6 +126,9 @@ def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
         per_layer = engine.cache.stats.cpu().view(2, len(PROMPT_LENGTHS), heads, 2)
         assert (per_layer[1] == 0).all() and (per_layer[0].sum(-1) > 0).all()
         assert (out.hits, out.misses) == tuple(int(x) for x in 2 * per_layer[0].sum((0, 1)))
+    if DEVICE == "cpu":
+        assert_prefetch_in_line(Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=True),
+                                Engine(model, "resident"), prompts())
 
 
 def test_shared_selection_in_lockstep_after_every_step_and_agrees_with_the_torch_step(monkeypatch):

@@ -3,7 +3,7 @@ run's logits and tokens, on tiny checkpoints through the Triton kernels (the int
 
 The tiny models have 3 layers: two dense (resident KV in every mode) and one Quest layer with 2 KV
 heads, so 2 streams per request. A 48-token budget selects K = 3 pages per KV head; the prompts
-(64 and 21 tokens) grow to 128 and 85 tokens over 64 decode steps, so pages are really selected,
+(64 and 21 tokens) grow to 96 and 53 tokens over 32 decode steps, so pages are really selected,
 evicted and fetched again, a page opens at the first step, and the short request selects fewer
 than K pages for a while (padding)."""
 import functools
@@ -16,9 +16,11 @@ from engine_checks import (
     assert_lockstep,
     assert_newest_units_written_through,
     assert_noio_wrote_only_shared_newest_units,
+    assert_prefetch_in_line,
     assert_torch_steps_agree,
     assert_unit_run,
     check_traces_replay_exactly,
+    prefetch_settings,
 )
 
 from hisparse.engine import Engine
@@ -34,7 +36,7 @@ from hisparse.synthetic import generate as generate_trace
 PROMPT_LENGTHS = (64, 21)
 BUDGET = 48                      # tokens: K = 3 pages per KV head
 K = BUDGET // PAGE
-STEPS = 65                       # new tokens: the prefill's token, then 64 decode steps
+STEPS = 33                       # new tokens: the prefill's token, then 32 decode steps
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -50,18 +52,17 @@ def prompts(seed=0, vocab=97):
 
 
 @functools.cache
-def resident_run(family: str, new_tokens: int):
-    return Engine(tiny_model(family), "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
+def resident_run(family: str):
+    return Engine(tiny_model(family), "resident", token_budget=BUDGET).generate(prompts(), STEPS)
 
 
-@pytest.mark.parametrize("family,slots_per_k,new_tokens", [("llama", 1, STEPS), ("llama", 2, STEPS),
-                                                           ("qwen3", 1, 33), ("qwen3", 2, 33)],
-                         ids=["llama-B=k", "llama-B=2k", "qwen3-B=k", "qwen3-B=2k"])
-def test_hisparse_is_bitwise_resident(family, slots_per_k, new_tokens):
-    model, base = tiny_model(family), resident_run(family, new_tokens)
+@pytest.mark.parametrize("slots_per_k", [1, 2], ids=["B=k", "B=2k"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hisparse_is_bitwise_resident(family, slots_per_k):
+    model, base = tiny_model(family), resident_run(family)
     engine = Engine(model, "hisparse", cache_slots=slots_per_k * K, token_budget=BUDGET)
-    out = engine.generate(prompts(), new_tokens)
-    assert_unit_run(engine, base, out, PROMPT_LENGTHS, new_tokens, PAGE, heavy_eviction=slots_per_k == 1)
+    out = engine.generate(prompts(), STEPS)
+    assert_unit_run(engine, base, out, PROMPT_LENGTHS, STEPS, PAGE, heavy_eviction=slots_per_k == 1)
 
 
 def test_dense_layers_stay_resident_and_noio_copies_nothing():
@@ -87,7 +88,7 @@ def test_dense_layers_stay_resident_and_noio_copies_nothing():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_kernel_step_agrees_with_the_torch_quest_step(family, monkeypatch):
     """The kernels' decode step against the model's torch Quest step (hisparse.models.quest_decode)."""
-    model, ours = tiny_model(family), resident_run(family, {"llama": STEPS, "qwen3": 33}[family])
+    model, ours = tiny_model(family), resident_run(family)
     steps = 8
     monkeypatch.setattr(model, "sparse_attention", TorchQuestAttention(BUDGET))    # restored after the test
     capacity = max(PROMPT_LENGTHS) + steps
@@ -147,14 +148,14 @@ def shared_to_anchor(model) -> dict[int, int]:
 def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
     """quest_selection_group 2: layer 3 attends over layer 2's pages with no resolve of its own,
     replaying layer 2's miss plan (in line, and through the prefetch path, which on a CPU is in line
-    too); bitwise the resident run, the shared layer's slots in lockstep with its anchor's."""
+    too, so there only briefly); bitwise the resident run, the shared layer's slots in lockstep with its anchor's."""
     model, new_tokens = shared_model(), 33
     assert [model.config.selection_anchor(i) for i in range(5)] == [0, 1, 2, 2, 4]
     base = Engine(model, "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
     own = Engine(shared_model(1), "resident", token_budget=BUDGET).generate(prompts(), 2)   # prefill (dense), 1 step
     assert not torch.equal(own.logits[1], base.logits[1]), "sharing the selection must change the model"
     heads = model.config.num_key_value_heads
-    for prefetch in (False, True):
+    for prefetch in prefetch_settings(DEVICE):
         engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=prefetch)
         out = engine.generate(prompts(), new_tokens)
         assert_bitwise(base, out, f"prefetch={prefetch}")
@@ -164,6 +165,9 @@ def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
         assert (per_layer[1] == 0).all() and (per_layer[[0, 2]].sum(-1) > 0).all()
         anchor, alone = per_layer[0].sum((0, 1)), per_layer[2].sum((0, 1))
         assert (out.hits, out.misses) == (int(2 * anchor[0] + alone[0]), int(2 * anchor[1] + alone[1]))
+    if DEVICE == "cpu":
+        assert_prefetch_in_line(Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=True),
+                                Engine(model, "resident", token_budget=BUDGET), prompts())
     capacity = max(PROMPT_LENGTHS) + new_tokens
     engine.cache = None
     engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, K)
