@@ -307,7 +307,7 @@ def default_dtype(dtype: torch.dtype):
 def build(study: dict, device: torch.device) -> torch.nn.Module:
     spec = study["model"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if not spec.startswith("tiny:") and spec != "dsa":
+    if not spec.startswith("tiny:") and spec not in ("dsa", "quest"):     # a checkpoint directory
         return load_model(spec, dtype=dtype, device=device)
     # made on the device in the run's dtype: at DeepSeek's hidden size the 61 layers hold 62 GB of
     # bf16 weights, which in float32 on the host would not fit the GPU machine's memory

@@ -172,6 +172,17 @@ def test_models_are_made_where_they_run_with_the_same_weights(monkeypatch):
     assert torch.get_default_dtype() == torch.float32 and torch.empty(0).device.type == "cpu"
 
 
+@pytest.mark.parametrize("spec,model_type", [("dsa", "deepseek_v32"), ("quest", "llama")])
+def test_the_named_full_scale_models_are_built(spec, model_type):
+    """"dsa" and "quest" (the h200 configs' models) are built from their geometry, at the study's size
+    (on the meta device: no memory)."""
+    study = {"_index": 0, "kind": "throughput", "model": spec, "layers": 3, "hidden": 256}
+    model = sweep.build(study, torch.device("meta"))
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size) == (model_type, 3, 256)
+    assert {t.device.type for t in model.state_dict().values()} == {"meta"}
+
+
 def test_a_dsa_model_of_another_size_is_another_point():
     import pandas as pd
     study = {"kind": "decode", "model": "dsa", "layers": 61, "modes": ["resident"], "contexts": [32768],
