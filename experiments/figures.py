@@ -209,7 +209,8 @@ def provenance(rows: pd.DataFrame) -> str:
 
 def new_figure(title: str, rows: pd.DataFrame, nrows: int, ncols: int) -> tuple[Figure, list]:
     fig = Figure(figsize=(4.3 * ncols, 3.3 * nrows + 0.6), layout="constrained")
-    fig.suptitle(f"{title}\n{provenance(rows)}", fontsize=10)
+    # the provenance line wrapped to the figure's width (about 13 characters an inch at this size)
+    fig.suptitle(f"{title}\n{textwrap.fill(provenance(rows), width=int(13 * 4.3 * ncols))}", fontsize=10)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
