@@ -145,6 +145,13 @@ def _resolve_kernel(
         m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
         free_rank = _free_slot_ranks(m_free, PACKED_SCAN)
         m_victim = m_free & (free_rank < n_miss)
+        # -- evicted units leave the unit -> slot map (missed units enter it below; the two sets are
+        # disjoint, and every read of the map is behind us). Scattered stores that depend on nothing
+        # to come: issued here, they drain while the LRU order is rewritten and read back, rather
+        # than queueing with the missed units' stores at the end (H200, no IO, batch 64: 12.1 -> 11.9
+        # us at 100% misses, 16.1 -> 15.8 with 61 layers taking turns, the same elsewhere; +32 SASS
+        # instructions under Triton 3.6: results/gpu_logs/d18fd1d_ncu_resolve_evicted_units_early.txt)
+        tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32), mask=m_victim & (b_order_unit >= 0))
 
         # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).
         # Miss m takes the m-th least recently used free slot, which lands at n_untouched + m of the
@@ -160,8 +167,7 @@ def _resolve_kernel(
         b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)    # [K_PAD]
         tl.store(slot_out_ptr + i_n * K + o_k, tl.where(m_hit, b_hit_slot, b_victim), mask=m_k)
 
-        # -- unit -> slot map: evicted units leave, missed units enter (the two sets are disjoint)
-        tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32), mask=m_victim & (b_order_unit >= 0))
+        # -- missed units enter the unit -> slot map
         tl.store(p_map + b_sel, b_victim, mask=m_miss)
 
         # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
