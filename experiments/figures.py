@@ -194,13 +194,14 @@ def without(rows: pd.DataFrame, *columns: str) -> pd.DataFrame:
     return rows
 
 
-def provenance(rows: pd.DataFrame) -> str:
-    """'GPU, commit C' (or 'commits C1, C2') per GPU in `rows`, wrapped to fit a figure's title."""
+def provenance(rows: pd.DataFrame, width: int = 110) -> str:
+    """'GPU, commit C' (or 'commits C1, C2') per GPU in `rows`, wrapped to `width` characters (a figure's
+    title: about 13 a figure inch)."""
     parts = []
     for gpu, commits in rows.groupby("gpu", sort=False)["commit"]:
         commits = list(dict.fromkeys(commits))
         parts.append(f"{gpu}, commit{'s' if len(commits) > 1 else ''} {', '.join(map(str, commits))}")
-    return "\n".join(textwrap.wrap("; ".join(parts), width=110))
+    return "\n".join(textwrap.wrap("; ".join(parts), width=width))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,8 +210,7 @@ def provenance(rows: pd.DataFrame) -> str:
 
 def new_figure(title: str, rows: pd.DataFrame, nrows: int, ncols: int) -> tuple[Figure, list]:
     fig = Figure(figsize=(4.3 * ncols, 3.3 * nrows + 0.6), layout="constrained")
-    # the provenance line wrapped to the figure's width (about 13 characters an inch at this size)
-    fig.suptitle(f"{title}\n{textwrap.fill(provenance(rows), width=int(13 * 4.3 * ncols))}", fontsize=10)
+    fig.suptitle(f"{title}\n{provenance(rows, width=int(13 * 4.3 * ncols))}", fontsize=10)
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 

@@ -150,7 +150,8 @@ def _resolve_kernel(
         # to come: issued here, they drain while the LRU order is rewritten and read back, rather
         # than queueing with the missed units' stores at the end (H200, no IO, batch 64: 12.1 -> 11.9
         # us at 100% misses, 16.1 -> 15.8 with 61 layers taking turns, the same elsewhere; +32 SASS
-        # instructions under Triton 3.6: results/gpu_logs/d18fd1d_ncu_resolve_evicted_units_early.txt)
+        # instructions under Triton 3.6: results/gpu_logs/d18fd1d_ncu_resolve_evicted_units_early.txt,
+        # results/cpu_logs/e9d0f82adbc4_sass_resolve_evicted_early.txt)
         tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32), mask=m_victim & (b_order_unit >= 0))
 
         # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).

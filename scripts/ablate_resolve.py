@@ -8,7 +8,9 @@ storing a value that depends on the stage's results so the compiler keeps them: 
 loads and the unit -> slot lookup, 2 the rank scan, 3 the marks (store, barrier, gather) and the
 free-slot scan, 4 the new LRU order (slots and their units) and the victims read back, 5 the unit ->
 slot map, plan and counters, 6 the whole kernel. Keep it in step with the kernel when the kernel
-changes.
+changes. One difference on purpose: the kernel clears the evicted units' map entries as soon as the
+victims are known (stage 3, since e9d0f82adbc4); this copy clears them in stage 5, so that copies
+stopping at 3 or 4 leave the map as it was (the premise below).
 Each figure: the median over 30 replays of a CUDA graph of 8 calls with fresh selections, per call
 (benchmarks/bench_resolve.py's workload), at k = 2048, B = 4096. Copies that stop before stage 4
 leave the maps and the LRU order as the warm-up call (the production kernel) left them; those that

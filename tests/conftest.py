@@ -6,7 +6,8 @@ switch must happen here, before any test module imports `kernels_triton`.
 Under pytest-xdist (the README's `-n auto --dist loadgroup`: the interpreter is single-threaded
 Python, so workers on separate cores divide the suite's time), each test file runs in one worker,
 whose module-level caches (a tiny model, its resident run) then serve all of that file's tests, and
-every GPU test in one worker too, so that two never share the GPU at once. Each worker takes its share
+the GPU-marked tests in one worker of their own. On a machine with a GPU every test goes to that one
+worker (the others run on the GPU too), so no two share the GPU at once. Each worker takes its share
 of torch's threads.
 """
 import os
@@ -25,16 +26,17 @@ if WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 
+@pytest.hookimpl(tryfirst=True)         # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:          # --dist loadgroup: one worker per group
-            group = "gpu" if "gpu" in item.keywords else item.path.name
+            group = "gpu" if HAS_GPU or item.get_closest_marker("gpu") else item.path.name
             item.add_marker(pytest.mark.xdist_group(group))
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_suite.sh on one)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
 
