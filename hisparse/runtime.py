@@ -32,8 +32,12 @@ KV_MODES = ("resident", "hisparse", "noio")
 # 256 (results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt), and 16 gained nothing (74-79%); DSA's
 # hid more with 16 than with 32 at every batch from 8 to 128 (hidden 1024 batch 64: 71% against 54%,
 # batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
-# were within a few points either way. HISPARSE_PREFETCH_PROGRAMS sets one width for every family.
-PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 16, "NSA": 32, "Quest": 32}
+# were within a few points either way. Fewer programs take larger tiles (`hisparse.resolve.fetch_rows`),
+# and with them DSA's hid more still with 4 (hidden 1024 batch 32: 84% against 67%; batch 64: 81%
+# against 70%): 132 multiprocessors less 4 leave a whole wave to the model's 128-program kernels
+# (results/gpu_logs/3a9e1f0_prefetch_copy_tiles.txt). HISPARSE_PREFETCH_PROGRAMS sets one width for
+# every family.
+PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 4, "NSA": 32, "Quest": 32}
 # PREFETCH_PROGRAMS: one width for every family (HISPARSE_PREFETCH_PROGRAMS), or None for each one's own
 PREFETCH_PROGRAMS = os.environ.get("HISPARSE_PREFETCH_PROGRAMS")
 if PREFETCH_PROGRAMS is not None:

@@ -210,8 +210,8 @@ def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypat
     from hisparse import runtime
     from hisparse.dsa_runtime import KernelDsaAttention
     monkeypatch.setattr(runtime, "PREFETCH_PROGRAMS", None)
-    assert [runtime.prefetch_programs(f) for f in ("DSA", "nsa", "Quest")] == [16, 32, 32]
-    assert KernelDsaAttention().prefetch_programs == 16
+    assert [runtime.prefetch_programs(f) for f in ("DSA", "nsa", "Quest")] == [4, 32, 32]
+    assert KernelDsaAttention().prefetch_programs == 4
     monkeypatch.setattr(runtime, "PREFETCH_PROGRAMS", 64)             # as HISPARSE_PREFETCH_PROGRAMS=64 sets it
     assert runtime.prefetch_programs("DSA") == 64 and KernelDsaAttention().prefetch_programs == 64
     with pytest.raises(ValueError, match=r"family 'mamba': expected one of \('DSA', 'NSA', 'Quest'\)"):
