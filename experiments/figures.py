@@ -69,10 +69,10 @@ RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_t
 # of a point may add or change in that file (bench_prefetch's variant: older rows lack it, and
 # `default_prefetch_variant` keeps the default one only)
 # hisparse.runtime's defaults for DSA (the figures draw DSA's prefetch rows), and DSA's earlier default
-# copy widths (32 from 7bbb095b7367 to 5970ba755d44): a point not run at the default is drawn from its
-# run at the default of its day
-PREFETCH_VARIANT = {"prefetch_programs": 16, "prefetch_priority": "normal"}
-EARLIER_PREFETCH_PROGRAMS = (32,)
+# copy widths (32 from 7bbb095b7367 to 5970ba755d44, then 16 until bb4a71085805): a point not run at
+# the default is drawn from its newest run at an earlier default
+PREFETCH_VARIANT = {"prefetch_programs": 4, "prefetch_priority": "normal"}
+EARLIER_PREFETCH_PROGRAMS = (16, 32)
 PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": tuple(PREFETCH_VARIANT), "attention.csv": ()}
 
 
@@ -89,7 +89,7 @@ def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COL
 def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
     """bench_prefetch's rows as the figures read them: prefetch with the default copy width and stream
     priority (or from before those were options; a point without a run at today's default width is
-    read from its run at an earlier default), the other variants being tuning runs; runs from
+    read from its runs at earlier defaults, the newest of them), the other variants being tuning runs; runs from
     before `random_layers` had the first anchor select at random, as --random-layers 2 does now.
     DSA's rows only: the figures draw the glm_moe_dsa model (`--family quest / nsa` rows are summed
     up by benchmarks/summary.py)."""

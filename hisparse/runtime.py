@@ -34,8 +34,9 @@ KV_MODES = ("resident", "hisparse", "noio")
 # batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
 # were within a few points either way. Fewer programs take larger tiles (`hisparse.resolve.fetch_rows`),
 # and with them DSA's hid more still with 4 (hidden 1024 batch 32: 84% against 67%; batch 64: 81%
-# against 70%): 132 multiprocessors less 4 leave a whole wave to the model's 128-program kernels
-# (results/gpu_logs/3a9e1f0_prefetch_copy_tiles.txt). HISPARSE_PREFETCH_PROGRAMS sets one width for
+# against 70%). Its compute never waited on a copy: it ran slower beside one, and 132 multiprocessors
+# less 4 still hold a whole wave of the step's 128-program kernels, less 6 or 8 do not (hid 72-74%;
+# results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt). HISPARSE_PREFETCH_PROGRAMS sets one width for
 # every family.
 PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 4, "NSA": 32, "Quest": 32}
 # PREFETCH_PROGRAMS: one width for every family (HISPARSE_PREFETCH_PROGRAMS), or None for each one's own

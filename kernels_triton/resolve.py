@@ -231,6 +231,12 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # 32K contexts: 10.8 / 15.9 us without against 10.6 / 15.6 with at 20% / 100% misses and batch 64,
 # 8.1 / 8.0 at 20% and batch 8, and no better with a warm L2: within noise everywhere, so the cold
 # calls' extra time is not the marks' (results/gpu_logs/b07e654_tune_prefetch_marks_not_kept.txt).
+# Tried and not kept (2026-11-30, on 383546d98556): the victims taken in the LRU order's domain (the
+# free slot of rank m serves miss m), their units and places in the selection read back from the plan
+# stored before the marks' barrier, so that the map, slot and plan stores wait on no new LRU order, no
+# second barrier and no read-back. 1984 SASS instructions against 1688 under Triton 3.6 (16 elements
+# a thread in that domain, 8 in the selection's), and on the H200 0.5-1.1 us slower at nearly every
+# point, 100% misses included (results/gpu_logs/383546d98556_resolve_victims_from_plan_not_kept.txt).
 
 
 @triton.jit

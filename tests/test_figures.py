@@ -341,18 +341,19 @@ def test_prefetch_rows_read_older_runs_as_random_first_layers_and_the_default_va
 
 def test_a_prefetch_point_not_run_at_todays_width_is_read_from_its_run_at_an_earlier_default(tmp_path):
     """A point run at today's default copy width and at an earlier default (in the same run, the
-    earlier one written last) is drawn at today's; a point run only at the earlier default is drawn
-    from that run; a tuning width is not drawn."""
-    width, earlier = figures.PREFETCH_VARIANT["prefetch_programs"], figures.EARLIER_PREFETCH_PROGRAMS[0]
+    earlier one written last) is drawn at today's; a point run only at earlier defaults is drawn
+    from the newest of those runs; a tuning width is not drawn."""
+    width, (earlier, earliest) = figures.PREFETCH_VARIANT["prefetch_programs"], figures.EARLIER_PREFETCH_PROGRAMS
 
     def run(batch, programs, value):
         return [{"mode": "prefetch", "batch": batch, "metric": m, "value": value, "random_layers": 0,
                  "prefetch_programs": programs, "prefetch_priority": "normal"} for m in ("tpot_ms", "tokens_per_s")]
-    rows = frame("prefetch", run(8, width, 1.0) + run(8, earlier, 2.0) + run(32, earlier, 3.0) + run(32, 128, 4.0),
-                 timestamp="2026-11-30T10:00:00+00:00")
-    rows.to_csv(tmp_path / "prefetch.csv", index=False)
+    before = frame("prefetch", run(64, earliest, 5.0), timestamp="2026-11-29T10:00:00+00:00")
+    rows = frame("prefetch", run(8, width, 1.0) + run(8, earlier, 2.0) + run(32, earlier, 3.0) + run(32, 128, 4.0)
+                 + run(64, earlier, 6.0), timestamp="2026-11-30T10:00:00+00:00")
+    pd.concat([before, rows]).to_csv(tmp_path / "prefetch.csv", index=False)
     got = figures.read_results(tmp_path, ("prefetch.csv",))
-    assert sorted(zip(got["batch"], got["value"])) == [(8, 1.0), (8, 1.0), (32, 3.0), (32, 3.0)]
+    assert sorted(zip(got["batch"], got["value"])) == [(8, 1.0), (8, 1.0), (32, 3.0), (32, 3.0), (64, 6.0), (64, 6.0)]
 
 
 def test_time_per_token_columns_leave_out_points_timed_another_way():

@@ -1,0 +1,139 @@
+"""Where layer-wise prefetch loses time: one decode step's kernels on a timeline (GPU only).
+
+    python -m scripts.timeline_prefetch [--batch 32] [--hidden 1024 --intermediate 2048] [--modes sync prefetch]
+
+Runs bench_prefetch's DSA model and workload (8 layers, 1 anchor : 3 shared) under torch.profiler,
+graphed, and prints for each mode, over the timed steps (median per step):
+- the copies: the anchors' own (in line) and the shared layers' (in line with `sync`, on the side
+  stream with `prefetch`), each with its duration and its rate against the pinned-copy ceiling;
+- the compute stream's idle gaps (over 2 us) and the kernel each one precedes: with prefetch, a
+  gap before a shared layer's attention is its wait for its copy, the time prefetch failed to hide;
+- one step's kernels in order, with start times from the step's first resolve (`--list`).
+The side-stream copies are told from the anchors' in-line ones by their grid (at most the prefetch
+width's programs). Kernel times are CUPTI's, so they include the graph's own scheduling.
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from types import SimpleNamespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.bench_prefetch import MODES, TYPES, build_family, workload
+from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch
+from hisparse import runtime
+from hisparse.engine import Engine
+from hisparse.host_pool import release_cached_memory
+
+GAP_US = 2.0
+
+
+def kernels_of(trace_path: str) -> list[dict]:
+    """Kernel events of a chrome trace, sorted by start: name, start and end (us), grid programs."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    out = []
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        grid = e.get("args", {}).get("grid", [0, 0, 0])
+        out.append(dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]),
+                        programs=grid[0] * grid[1] * grid[2]))
+    return sorted(out, key=lambda k: k["start"])
+
+
+def short(name: str) -> str:
+    return name.split("(")[0].split("<")[0][:48]
+
+
+def steps_of(kernels: list[dict], anchors: int) -> list[list[dict]]:
+    """The kernels split into decode steps at the first anchor's resolve (every `anchors`-th resolve)."""
+    starts = [i for i, k in enumerate(kernels) if "_resolve_kernel" in k["name"]][::anchors]
+    return [kernels[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def analyse(step: list[dict], side_programs: int, copy_bytes: float) -> dict:
+    t0 = step[0]["start"]
+    side = [k for k in step if "_fetch_rows_kernel" in k["name"] and k["programs"] <= side_programs]
+    main = [k for k in step if k not in side]
+    inline = [k for k in main if "_fetch_rows_kernel" in k["name"]]
+    gaps, busy_until = [], main[0]["end"]
+    for k in main[1:]:
+        if k["start"] - busy_until > GAP_US:
+            gaps.append((k["start"] - t0, k["start"] - busy_until, short(k["name"])))
+        busy_until = max(busy_until, k["end"])
+    return dict(t0=t0, step_us=step[-1]["end"] - t0, side=[(k["start"] - t0, k["end"] - k["start"]) for k in side],
+                inline=[(k["start"] - t0, k["end"] - k["start"]) for k in inline], gaps=gaps,
+                copy_bytes=copy_bytes, kernels=[(k["start"] - t0, k["end"] - k["start"], k["programs"],
+                                                 short(k["name"])) for k in step])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps (the first two, eager and upload, untimed)")
+    ap.add_argument("--modes", nargs="+", default=["sync", "prefetch"], choices=list(MODES))
+    ap.add_argument("--list", action="store_true", help="also print the median step's kernels in order")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("scripts.timeline_prefetch profiles the GPU's kernels; no CUDA GPU here")
+    fam = SimpleNamespace(family="dsa", quick=False, hidden=args.hidden, intermediate=args.intermediate)
+    model, geometry, k, unit_bytes, _ = build_family(fam, True)
+    anchors = TYPES.count("full")
+    trace = workload(args.context, args.steps + 1, k, args.batch, False, 0)
+    prompts = [torch.zeros(args.context, dtype=torch.int64)] * args.batch
+    width = runtime.prefetch_programs("dsa")
+    pass_graph_switch()
+    print(f"DSA, hidden {args.hidden}, batch {args.batch}, context {args.context}, k {k}, B {2 * k}, "
+          f"{len(TYPES)} layers ({anchors} anchors), prefetch width {width} programs")
+    for name in args.modes:
+        mode, prefetch = MODES[name]
+        engine = Engine(model, mode, cache_slots=None if mode == "resident" else 2 * k, prefetch=prefetch,
+                        prefill="random")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            kernels = kernels_of(path)
+        copy_bytes = out.miss_rate * k * unit_bytes * args.batch          # one layer's rows per step
+        steps = [analyse(s, width, copy_bytes) for s in steps_of(kernels, anchors)[2:]]
+        tpot = out.decode_s / out.timed_steps * 1e3
+        print(f"\n== {name}: {tpot:.2f} ms per step (timed), miss rate {out.miss_rate:.3f}, "
+              f"{copy_bytes / 1e6:.2f} MB per layer copy ({copy_bytes / PINNED_BYTES_PER_S * 1e6:.0f} us at "
+              f"{PINNED_BYTES_PER_S / 1e9:.1f} GB/s); {len(steps)} profiled steps")
+        med = lambda xs: statistics.median(xs) if xs else float("nan")      # noqa: E731
+        print(f"   step (first resolve to last kernel): {med([s['step_us'] for s in steps]):8.0f} us")
+        for label, key in (("in-line copies", "inline"), ("side-stream copies", "side")):
+            durs = [d for s in steps for _, d in s[key]]
+            if durs:
+                print(f"   {label:<20} {len(durs) / len(steps):4.1f} per step, {med(durs):6.0f} us each "
+                      f"(median; {copy_bytes / med(durs) / 1e3:5.1f} GB/s), {sum(durs) / len(steps):6.0f} us per step")
+        gap_total = [sum(g for _, g, _ in s["gaps"]) for s in steps]
+        print(f"   compute-stream gaps > {GAP_US:.0f} us: {med(gap_total):6.0f} us per step (median), before:")
+        by_next: dict[str, list[float]] = {}
+        for s in steps:
+            for _, g, nxt in s["gaps"]:
+                by_next.setdefault(nxt, []).append(g)
+        for nxt, gs in sorted(by_next.items(), key=lambda kv: -sum(kv[1])):
+            print(f"     {sum(gs) / len(steps):7.0f} us per step over {len(gs) / len(steps):4.1f} gaps: {nxt}")
+        mid = sorted(steps, key=lambda s: s["step_us"])[len(steps) // 2]
+        print("   median step's side copies (start, duration us):",
+              ", ".join(f"({a:.0f}, {d:.0f})" for a, d in mid["side"]) or "none")
+        print("   median step's gaps (start, gap us, next kernel):",
+              ", ".join(f"({a:.0f}, {g:.0f}, {n})" for a, g, n in mid["gaps"]) or "none")
+        if args.list:
+            for start, dur, progs, kname in mid["kernels"]:
+                print(f"     {start:8.1f} {dur:7.1f} {progs:6d} {kname}")
+        del engine, out, prof
+        release_cached_memory()
+
+
+if __name__ == "__main__":
+    main()
