@@ -271,3 +271,41 @@ def test_ncu_kernels_names_its_kernels_and_needs_a_gpu(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="on a CUDA GPU; none is available here"):
             ncu_kernels.main(["resolve"])
+
+
+def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
+    """scripts/timeline_prefetch.py on a chrome trace shaped as torch.profiler writes it: steps split
+    at the first anchor's resolve, side-stream copies told from in-line ones by their grid, and a gap
+    in the compute stream named by the kernel it precedes."""
+    import json
+    from scripts import timeline_prefetch as tp
+    events, t = [], 100.0
+
+    def kernel(name, dur, grid, gap=0.0):
+        nonlocal t
+        t += gap
+        events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"grid": grid}})
+        t += dur
+    events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 1.0})       # not a kernel: ignored
+    for _ in range(3):                 # 3 steps of 2 anchors; the side copy runs beside the anchor's MLP
+        for _ in range(2):
+            kernel("_resolve_kernel", 10, [32, 1, 1])
+            kernel("_fetch_rows_kernel", 100, [32, 256, 1])                  # the anchor's own, in line
+            kernel("_fetch_rows_kernel", 150, [4, 1, 1])                     # a shared layer's, capped
+            t -= 150                                                         # ... overlapping the next
+            kernel("mlp_kernel", 50, [128, 1, 1])
+            kernel("_sparse_mla_decode_gluon_kernel", 40, [128, 1, 1], gap=120)   # waits for the copy
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    kernels = tp.kernels_of(str(path))
+    assert len(kernels) == 30 and kernels[0]["programs"] == 32
+    steps = tp.steps_of(kernels, anchors=2)
+    assert [len(s) for s in steps] == [10, 10]          # the last step has no next resolve to end it
+    step = tp.analyse(steps[0], side_programs=4, copy_bytes=1e6)
+    assert step["side"] == [(110.0, 150.0), (430.0, 150.0)]
+    assert step["inline"] == [(10.0, 100.0), (330.0, 100.0)]
+    assert step["gaps"] == [(280.0, 120.0, "_sparse_mla_decode_gluon_kernel"),
+                            (600.0, 120.0, "_sparse_mla_decode_gluon_kernel")]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA GPU here"):
+            tp.main([])
