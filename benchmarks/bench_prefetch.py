@@ -40,7 +40,9 @@ give no locality; rows say "model").
 
 Prefetch can be timed in several variants in one run (`--prefetch-programs 16 32 64`,
 `--prefetch-priority normal high`: every combination, beside one resident, sync and noio run per
-batch); each prefetch row records its `prefetch_programs` and `prefetch_priority`.
+batch); each prefetch row records its `prefetch_programs` and `prefetch_priority`. A width under
+32 programs moves larger tiles (`hisparse.resolve.copy_tile`; before bb4a71085805 every width moved
+the base tile, so older rows at 16 programs are not reproduced by --prefetch-programs 16).
 
     python -m benchmarks.bench_prefetch [--out DIR] [--quick] [--hidden 7168 --intermediate 18432]
     python -m benchmarks.bench_prefetch --family quest|nsa [--batches 8 32]

@@ -34,7 +34,7 @@ from kernels_triton.resolve import (
 MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
 MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan (16 + 15 bits)
 # A copy capped below this many programs (`fetch_rows`' max_programs) grows its tiles to keep as many
-# rows in flight. On the H200, DSA's side copies (1152-byte rows, hidden 1024) at 4 programs with
+# rows in flight (`copy_tile`). On the H200, DSA's side copies (1152-byte rows, hidden 1024) at 4 programs with
 # 32 and 64-row tiles hid 84% and 83% of the shared layers' copies at batch 32, against 67-69% at 16
 # programs of 8 rows, 72-74% at 6 or 8 programs of 32, and 66% at 4 programs of 16; at batch 64, 64-row
 # tiles hid 81% against 73% with 32 (results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt).
@@ -305,25 +305,37 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
                 f"(contiguous: {t.is_contiguous()})")
     host_w, cache_w = as_words(host), as_words(cache)
     row_words = host_w.shape[1]
-    block_w = min(triton.next_power_of_2(row_words), 1024)
-    chunk, num_warps = max(1, min(32, 4096 // block_w)), 4       # rows per program step: 4096-word tiles
-    rows_at_once, per_row = n, triton.cdiv(k, chunk)
     if max_programs is not None:
         _expect(isinstance(max_programs, int) and max_programs >= 1,
                 f"max_programs={max_programs!r}: expected a positive int (or None, uncapped)")
-        # fewer programs take larger tiles (up to 64 rows and 32768 words, 8 warps), so that the copy
-        # keeps as many rows in flight as CAPPED_COPY_TILES programs of the base tile would: PCIe
-        # stays as busy while fewer multiprocessors are held (DSA's 4 programs take 64-row tiles)
-        grow = max(1, CAPPED_COPY_TILES // max_programs)
-        grow = min(1 << (grow.bit_length() - 1), 32768 // (chunk * block_w), max(1, 64 // chunk))  # powers of 2
-        chunk, num_warps = chunk * grow, 8 if grow > 1 else 4
+    block_w, chunk, num_warps = copy_tile(row_words, max_programs)
+    rows_at_once, per_row = n, triton.cdiv(k, chunk)
+    if max_programs is not None:
         rows_at_once = max(1, min(n, max_programs))
-        per_row = max(1, min(triton.cdiv(k, chunk), max_programs // rows_at_once))
+        per_row = max(1, min(per_row, max_programs // rows_at_once))
     grid = (rows_at_once, per_row)
     _fetch_rows_kernel[grid](
         plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, n, k, cache.shape[1],
         ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=num_warps,
     )
+
+
+def copy_tile(row_words: int, max_programs: int | None = None) -> tuple[int, int, int]:
+    """The copy's shape for rows of `row_words` words: (BLOCK_W, the words of a row one slice moves;
+    CHUNK, the rows a program moves per step; num_warps). The base tile holds 4096 words. A copy capped
+    below CAPPED_COPY_TILES programs takes tiles that many times larger (powers of two), so that it keeps
+    as many rows in flight as CAPPED_COPY_TILES programs of the base tile would: PCIe stays as busy
+    while fewer multiprocessors are held (DSA's 4 programs move 64 rows a step). At most 64 rows and
+    32768 words of whole rows a step: for sm_90 under Triton 3.6, 64 DSA rows (288 words) take 242
+    registers a thread and 16 NSA rows (8192 words) spill."""
+    block_w = min(triton.next_power_of_2(row_words), 1024)
+    chunk = max(1, min(32, 4096 // block_w))
+    if max_programs is None or max_programs >= CAPPED_COPY_TILES:
+        return block_w, chunk, 4
+    padded_row = triton.cdiv(row_words, block_w) * block_w          # the words a row's slices span
+    grow = min(CAPPED_COPY_TILES // max_programs, 64 // chunk, 32768 // (chunk * padded_row))
+    grow = 1 << (max(1, grow).bit_length() - 1)                     # a power of two, at least 1
+    return block_w, chunk * grow, 8 if grow > 1 else 4
 
 
 def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host_base: torch.Tensor,

@@ -33,9 +33,10 @@ KV_MODES = ("resident", "hisparse", "noio")
 # hid more with 16 than with 32 at every batch from 8 to 128 (hidden 1024 batch 64: 71% against 54%,
 # batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
 # were within a few points either way. Fewer programs take larger tiles (`hisparse.resolve.fetch_rows`),
-# and with them DSA's hid more still with 4 (hidden 1024 batch 32: 84% against 67%; batch 64: 81%
-# against 70%). Its compute never waited on a copy: it ran slower beside one, and 132 multiprocessors
-# less 4 still hold a whole wave of the step's 128-program kernels, less 6 or 8 do not (hid 72-74%;
+# and with them DSA's hid more still with 4 (hidden 1024 batch 32: 83-84% against 67-69%; batch 64:
+# 81% against 70%). Its compute never waited on a copy: it ran slower beside one, and 132
+# multiprocessors less 4 still hold a whole wave of the step's 128-program kernels (the decode
+# kernel's, some projections'), less 6 or 8 do not (hid 72-74%;
 # results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt). HISPARSE_PREFETCH_PROGRAMS sets one width for
 # every family.
 PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 4, "NSA": 32, "Quest": 32}

@@ -235,8 +235,9 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # free slot of rank m serves miss m), their units and places in the selection read back from the plan
 # stored before the marks' barrier, so that the map, slot and plan stores wait on no new LRU order, no
 # second barrier and no read-back. 1984 SASS instructions against 1688 under Triton 3.6 (16 elements
-# a thread in that domain, 8 in the selection's), and on the H200 0.5-1.1 us slower at nearly every
-# point, 100% misses included (results/gpu_logs/383546d98556_resolve_victims_from_plan_not_kept.txt).
+# a thread in that domain, 8 in the selection's), and on the H200 0.5-1.1 us slower at every point but
+# the decode-like ones at 100% misses (one layer's streams: 0.7 us faster; 61 layers': equal;
+# results/gpu_logs/383546d98556_resolve_victims_from_plan_not_kept.txt).
 
 
 @triton.jit

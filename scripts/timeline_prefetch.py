@@ -126,7 +126,7 @@ def main(argv=None) -> None:
         mid = sorted(steps, key=lambda s: s["step_us"])[len(steps) // 2]
         print("   median step's side copies (start, duration us):",
               ", ".join(f"({a:.0f}, {d:.0f})" for a, d in mid["side"]) or "none")
-        print("   median step's gaps (start, gap us, next kernel):",
+        print("   median step's gaps (next kernel's start, gap us, its name):",
               ", ".join(f"({a:.0f}, {g:.0f}, {n})" for a, g, n in mid["gaps"]) or "none")
         if args.list:
             for start, dur, progs, kname in mid["kernels"]:

@@ -294,13 +294,16 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
             kernel("_fetch_rows_kernel", 150, [4, 1, 1])                     # a shared layer's, capped
             t -= 150                                                         # ... overlapping the next
             kernel("mlp_kernel", 50, [128, 1, 1])
+            t -= 40
+            kernel("norm_kernel", 10, [128, 1, 1])               # inside the MLP's span: no gap after it
+            t += 30
             kernel("_sparse_mla_decode_gluon_kernel", 40, [128, 1, 1], gap=120)   # waits for the copy
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     kernels = tp.kernels_of(str(path))
-    assert len(kernels) == 30 and kernels[0]["programs"] == 32
+    assert len(kernels) == 36 and kernels[0]["programs"] == 32
     steps = tp.steps_of(kernels, anchors=2)
-    assert [len(s) for s in steps] == [10, 10]          # the last step has no next resolve to end it
+    assert [len(s) for s in steps] == [12, 12]          # the last step has no next resolve to end it
     step = tp.analyse(steps[0], side_programs=4, copy_bytes=1e6)
     assert step["side"] == [(110.0, 150.0), (430.0, 150.0)]
     assert step["inline"] == [(10.0, 100.0), (330.0, 100.0)]

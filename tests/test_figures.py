@@ -348,12 +348,14 @@ def test_a_prefetch_point_not_run_at_todays_width_is_read_from_its_run_at_an_ear
     def run(batch, programs, value):
         return [{"mode": "prefetch", "batch": batch, "metric": m, "value": value, "random_layers": 0,
                  "prefetch_programs": programs, "prefetch_priority": "normal"} for m in ("tpot_ms", "tokens_per_s")]
-    before = frame("prefetch", run(64, earliest, 5.0), timestamp="2026-11-29T10:00:00+00:00")
+    before = frame("prefetch", run(64, earliest, 5.0) + run(16, earlier, 7.0), timestamp="2026-11-29T10:00:00+00:00")
     rows = frame("prefetch", run(8, width, 1.0) + run(8, earlier, 2.0) + run(32, earlier, 3.0) + run(32, 128, 4.0)
-                 + run(64, earlier, 6.0), timestamp="2026-11-30T10:00:00+00:00")
+                 + run(64, earlier, 6.0) + run(16, earliest, 8.0) + run(128, earliest, 9.0),
+                 timestamp="2026-11-30T10:00:00+00:00")
     pd.concat([before, rows]).to_csv(tmp_path / "prefetch.csv", index=False)
     got = figures.read_results(tmp_path, ("prefetch.csv",))
-    assert sorted(zip(got["batch"], got["value"])) == [(8, 1.0), (8, 1.0), (32, 3.0), (32, 3.0), (64, 6.0), (64, 6.0)]
+    assert sorted(set(zip(got["batch"], got["value"]))) == [(8, 1.0), (16, 8.0), (32, 3.0), (64, 6.0), (128, 9.0)]
+    assert len(got) == 10                                  # two metrics a point
 
 
 def test_time_per_token_columns_leave_out_points_timed_another_way():

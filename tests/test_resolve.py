@@ -375,6 +375,28 @@ def test_fetch_with_few_programs_copies_every_planned_row(device, max_programs):
     assert_slots_hold_units(cache, streams, sel.to(device), res.slots)
 
 
+def test_copy_tile_grows_a_narrow_copys_tiles_within_bounds():
+    """A capped copy's tile: DSA's prefetch width (4 programs) moves 8x the base tile's rows, as
+    measured on the H200; larger rows grow less (Quest's 8 KB pages) or not at all (NSA's 32 KB
+    blocks, which would spill); every tile is a power of two of rows, at most 64 rows or 32768 words
+    of whole rows, and a copy at CAPPED_COPY_TILES programs or more keeps the base tile."""
+    from hisparse.resolve import CAPPED_COPY_TILES, copy_tile
+    assert copy_tile(288) == (512, 8, 4)                  # DSA's 1152-byte rows, uncapped: 4096-word tiles
+    assert copy_tile(288, 4) == (512, 64, 8)
+    assert copy_tile(288, 16) == (512, 16, 8)
+    assert copy_tile(2048, 4) == (1024, 16, 8)
+    assert copy_tile(8192, 4) == (1024, 4, 4)
+    for row_words in (1, 7, 8, 100, 288, 1000, 2048, 3000, 8192):
+        block_w, base, _ = copy_tile(row_words)
+        padded_row = -(-row_words // block_w) * block_w
+        for programs in range(1, 3 * CAPPED_COPY_TILES):
+            got_w, chunk, warps = copy_tile(row_words, programs)
+            assert got_w == block_w and chunk & (chunk - 1) == 0 and chunk >= base, (row_words, programs)
+            assert chunk == base or (chunk <= 64 and chunk * padded_row <= 32768 and warps == 8), (row_words, programs)
+            if programs >= CAPPED_COPY_TILES:
+                assert (chunk, warps) == (base, 4)
+
+
 def test_fetch_rejects_a_cap_of_no_programs(device):
     from hisparse.resolve import fetch_rows
     cache, _ = make_pair(1, 8, 4, torch.float32, device, [10], seed=1)
