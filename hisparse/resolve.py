@@ -34,8 +34,8 @@ from kernels_triton.resolve import (
 MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
 MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan (16 + 15 bits)
 # A copy capped below this many programs (`fetch_rows`' max_programs) grows its tiles to keep as many
-# rows in flight (`copy_tile`). On the H200, DSA's side copies (1152-byte rows, hidden 1024) at 4 programs with
-# 32 and 64-row tiles hid 84% and 83% of the shared layers' copies at batch 32, against 67-69% at 16
+# rows in flight (`copy_tile`). On the H200, DSA's side copies (1152-byte rows, hidden 1024) at 4
+# programs with 32 and 64-row tiles hid 84% and 83% of the shared layers' copies at batch 32, against 67-69% at 16
 # programs of 8 rows, 72-74% at 6 or 8 programs of 32, and 66% at 4 programs of 16; at batch 64, 64-row
 # tiles hid 81% against 73% with 32 (results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt).
 CAPPED_COPY_TILES = 32

@@ -32,7 +32,7 @@ KV_MODES = ("resident", "hisparse", "noio")
 # 256 (results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt), and 16 gained nothing (74-79%); DSA's
 # hid more with 16 than with 32 at every batch from 8 to 128 (hidden 1024 batch 64: 71% against 54%,
 # batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
-# were within a few points either way. Fewer programs take larger tiles (`hisparse.resolve.fetch_rows`),
+# were within a few points either way. Fewer programs take larger tiles (`hisparse.resolve.copy_tile`),
 # and with them DSA's hid more still with 4 (hidden 1024 batch 32: 83-84% against 67-69%; batch 64:
 # 81% against 70%). Its compute never waited on a copy: it ran slower beside one, and 132
 # multiprocessors less 4 still hold a whole wave of the step's 128-program kernels (the decode

@@ -5,7 +5,8 @@
 Runs bench_prefetch's DSA model and workload (8 layers, 1 anchor : 3 shared) under torch.profiler,
 graphed, and prints for each mode, over the timed steps (median per step):
 - the copies: the anchors' own (in line) and the shared layers' (in line with `sync`, on the side
-  stream with `prefetch`), each with its duration and its rate against the pinned-copy ceiling;
+  stream with `prefetch`), each with its duration and its rate (bytes from the run's miss rate, the
+  untimed first step's misses included, so the rate reads high when that step misses more);
 - the compute stream's idle gaps (over 2 us) and the kernel each one precedes: with prefetch, a
   gap before a shared layer's attention is its wait for its copy, the time prefetch failed to hide;
 - one step's kernels in order, with start times from the step's first resolve (`--list`).
@@ -55,7 +56,9 @@ def steps_of(kernels: list[dict], anchors: int) -> list[list[dict]]:
     return [kernels[a:b] for a, b in zip(starts, starts[1:])]
 
 
-def analyse(step: list[dict], side_programs: int, copy_bytes: float) -> dict:
+def analyse(step: list[dict], side_programs: int) -> dict:
+    """One step's side-stream copies and in-line copies (start from the step's first kernel, duration),
+    the compute stream's gaps over GAP_US (the next kernel's start, the gap, its name) and every kernel."""
     t0 = step[0]["start"]
     side = [k for k in step if "_fetch_rows_kernel" in k["name"] and k["programs"] <= side_programs]
     main = [k for k in step if k not in side]
@@ -65,10 +68,9 @@ def analyse(step: list[dict], side_programs: int, copy_bytes: float) -> dict:
         if k["start"] - busy_until > GAP_US:
             gaps.append((k["start"] - t0, k["start"] - busy_until, short(k["name"])))
         busy_until = max(busy_until, k["end"])
-    return dict(t0=t0, step_us=step[-1]["end"] - t0, side=[(k["start"] - t0, k["end"] - k["start"]) for k in side],
-                inline=[(k["start"] - t0, k["end"] - k["start"]) for k in inline], gaps=gaps,
-                copy_bytes=copy_bytes, kernels=[(k["start"] - t0, k["end"] - k["start"], k["programs"],
-                                                 short(k["name"])) for k in step])
+    span = lambda k: (k["start"] - t0, k["end"] - k["start"])                # noqa: E731
+    return dict(t0=t0, step_us=step[-1]["end"] - t0, side=[span(k) for k in side], inline=[span(k) for k in inline],
+                gaps=gaps, kernels=[(*span(k), k["programs"], short(k["name"])) for k in step])
 
 
 def main(argv=None) -> None:
@@ -103,7 +105,7 @@ def main(argv=None) -> None:
             prof.export_chrome_trace(path)
             kernels = kernels_of(path)
         copy_bytes = out.miss_rate * k * unit_bytes * args.batch          # one layer's rows per step
-        steps = [analyse(s, width, copy_bytes) for s in steps_of(kernels, anchors)[2:]]
+        steps = [analyse(s, width) for s in steps_of(kernels, anchors)[2:]]
         tpot = out.decode_s / out.timed_steps * 1e3
         print(f"\n== {name}: {tpot:.2f} ms per step (timed), miss rate {out.miss_rate:.3f}, "
               f"{copy_bytes / 1e6:.2f} MB per layer copy ({copy_bytes / PINNED_BYTES_PER_S * 1e6:.0f} us at "

@@ -304,7 +304,7 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
     assert len(kernels) == 36 and kernels[0]["programs"] == 32
     steps = tp.steps_of(kernels, anchors=2)
     assert [len(s) for s in steps] == [12, 12]          # the last step has no next resolve to end it
-    step = tp.analyse(steps[0], side_programs=4, copy_bytes=1e6)
+    step = tp.analyse(steps[0], side_programs=4)
     assert step["side"] == [(110.0, 150.0), (430.0, 150.0)]
     assert step["inline"] == [(10.0, 100.0), (330.0, 100.0)]
     assert step["gaps"] == [(280.0, 120.0, "_sparse_mla_decode_gluon_kernel"),
