@@ -131,6 +131,8 @@ def model_config(study: dict) -> dict:
             raise ConfigError(f"{where}: model {spec!r} has model_type {raw.get('model_type')!r}: the sweep runs "
                               f"DSA models (deepseek_v32, glm_moe_dsa); other families run through "
                               f"python -m hisparse.generate and the benchmarks")
+        if not any(Path(spec).glob("*.safetensors")):
+            raise ConfigError(f"{where}: model {spec!r} has a config.json but no *.safetensors weights")
     else:
         raise ConfigError(f"{where}: model {spec!r} is neither tiny:<family>, dsa, quest, nor a checkpoint directory")
     if "layers" in study and spec.startswith("tiny:"):
@@ -186,7 +188,12 @@ def validate(studies: list[dict]) -> None:
         for key in ("graph", "prefetch", "early_resolve"):
             if key in study and not isinstance(study[key], bool):
                 raise ConfigError(f"{where}: {key} = {study[key]!r}: expected true or false")
-        for key in ("layers", "hidden"):
+        sizes = {"layers": "the 'dsa', 'quest' and tiny: models", "hidden": "the 'dsa' and 'quest' models"}
+        for key, models in sizes.items():
+            sized = study["model"] in ("dsa", "quest") or (key == "layers" and study["model"].startswith("tiny:"))
+            if key in study and not sized:
+                raise ConfigError(f"{where}: {key} = {study[key]!r} sizes {models}; model {study['model']!r} has "
+                                  f"its own: drop {key}")
             if key in study:
                 _positive_int(study, key, where)
         raw = model_config(study)
@@ -210,13 +217,13 @@ def validate(studies: list[dict]) -> None:
         if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
-        _positive_ints(study, "contexts", where)
+        study["contexts"] = _positive_ints(study, "contexts", where)       # one value or a list: a list
         study.setdefault("new_tokens", 8)
         _positive_int(study, "new_tokens", where)
         study.setdefault("warmup_steps", 1)
         _positive_int(study, "warmup_steps", where)
         if kind == "decode":
-            _positive_ints(study, "batches", where)
+            study["batches"] = _positive_ints(study, "batches", where)
         if workload != "model":         # the synthetic selections need room for k units at every context
             for context in study["contexts"]:
                 try:
@@ -238,7 +245,7 @@ def validate(studies: list[dict]) -> None:
                 if key in study and not (isinstance(study[key], (int, float)) and study[key] > 0):
                     raise ConfigError(f"{where}: {key} = {study[key]!r}: expected a positive number")
             study.setdefault("max_batch", 256)
-            _positive_ints(study, "max_batch", where)
+            _positive_int(study, "max_batch", where)
 
 
 # -- points ----------------------------------------------------------------------------------
@@ -253,6 +260,8 @@ def points(study: dict) -> list[dict]:
     if study["model"] in ("dsa", "quest"):     # its size is part of the point: two sizes' rows are not one point
         base.update(layers=study.get("layers", {"dsa": 61, "quest": 32}[study["model"]]),
                     hidden=study.get("hidden", 1024))
+    elif "layers" in study:                    # a tiny model of other than its own layer count
+        base.update(layers=study["layers"])
     if budget is not None:
         base.update(token_budget=budget)
     slots = study.get("cache_slots", [None])
@@ -272,7 +281,18 @@ def points(study: dict) -> list[dict]:
 
 
 def done_points(path: Path) -> pd.DataFrame | None:
-    return pd.read_csv(path) if path.exists() else None
+    """The rows already in a results file (None if there is none), read to skip the points they hold."""
+    if not path.exists():
+        return None
+    try:
+        done = pd.read_csv(path)
+    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not a results CSV ({type(exc).__name__}: {exc}); move it away or pass "
+                          f"another --out") from None
+    if "gpu" not in done:
+        raise ConfigError(f"{path} has no 'gpu' column: not a results file of this project; move it away or pass "
+                          f"another --out")
+    return done
 
 
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str) -> bool:
@@ -474,11 +494,15 @@ def main(argv=None) -> int:
         print(f"error: --out {out_dir} is a file, not a folder for the result CSVs", file=sys.stderr)
         return 2
     todo = []
-    for study in studies:
-        done = done_points(out_dir / f"{points(study)[0]['bench']}.csv")
-        for point in points(study):
-            if args.force or not already_done(done, point, gpu):
-                todo.append((study, point))
+    try:
+        for study in studies:
+            done = done_points(out_dir / f"{points(study)[0]['bench']}.csv")
+            for point in points(study):
+                if args.force or not already_done(done, point, gpu):
+                    todo.append((study, point))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     keys = [tuple(sorted((k, str(v)) for k, v in point.items())) for _, point in todo]
     if args.runs_per_process and len(set(keys)) < len(keys):
         print("error: two studies share a point (they differ only in how it runs: new_tokens, warmup_steps, "

@@ -93,9 +93,12 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("warmup_steps = 2", "warmup_steps = 2\nprefetch = true"),
      "prefetch = true needs layers that share a selection .* model 'tiny:deepseek_v32' has none"),
     (("warmup_steps = 2", "warmup_steps = 2\nearly_resolve = 1"), "early_resolve = 1: expected true or false"),
+    (("warmup_steps = 2", "warmup_steps = 2\nhidden = 64"),
+     "hidden = 64 sizes the 'dsa' and 'quest' models; model 'tiny:deepseek_v32' has its own: drop hidden"),
+    (("max_batch = 3", "max_batch = [3]"), "max_batch = \\[3\\]: expected one positive integer"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
         "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
-        "early-resolve-int"])
+        "early-resolve-int", "hidden-tiny", "max-batch-list"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
@@ -118,6 +121,38 @@ def test_a_checkpoint_of_another_family_an_out_file_and_a_single_study_table_are
     one_table = TINY.split("\n\n[[study]]")[0].replace("[[study]]", "[study]")
     assert sweep.main(["--config", write(tmp_path, one_table), "--dry-run"]) == 2
     assert "write [[study]], not [study]" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_weights_and_a_damaged_results_file_are_refused(tmp_path, capsys):
+    from hisparse.models.tiny import write_tiny_checkpoint
+    ckpt = write_tiny_checkpoint("deepseek_v32", str(tmp_path / "dsa"))
+    for weights in (tmp_path / "dsa").glob("*.safetensors"):
+        weights.unlink()
+    config = write(tmp_path, TINY.replace('model = "tiny:deepseek_v32"', f'model = "{ckpt}"', 1))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "results"), "--dry-run"]) == 2
+    assert "has a config.json but no *.safetensors weights" in capsys.readouterr().err
+    out = tmp_path / "damaged"
+    out.mkdir()
+    for text, message in (("", "is not a results CSV"), ("a,b\n1,2\n", "has no 'gpu' column")):
+        (out / "decode.csv").write_text(text)
+        assert sweep.main(["--config", write(tmp_path, TINY), "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err and (out / "decode.csv").read_text() == text
+        assert not (out / "throughput.csv").exists(), "nothing may run"
+
+
+def test_one_context_or_batch_may_be_written_without_a_list(tmp_path, capsys):
+    config = write(tmp_path, TINY.replace("contexts = [24]\nbatches = [2]", "contexts = 24\nbatches = 2", 1))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "r"), "--dry-run"]) == 0
+    assert "4 points, 0 already in" in capsys.readouterr().out
+
+
+def test_a_tiny_model_of_another_layer_count_is_another_point():
+    study = {"kind": "decode", "model": "tiny:deepseek_v32", "modes": ["resident"], "contexts": [24], "batches": [2]}
+    default, deeper = sweep.points(study)[0], sweep.points(dict(study, layers=3))[0]
+    assert "layers" not in default and deeper["layers"] == 3
+    done = pd.DataFrame([dict(default, gpu="cpu", metric="tpot_ms", value=1.0)])
+    assert sweep.already_done(done, default, "cpu") and not sweep.already_done(done, deeper, "cpu")
+    assert sweep.model_config(dict(study, layers=3))["num_hidden_layers"] == 3
 
 
 def test_dry_run_lists_points_and_runs_nothing(tmp_path, capsys):
