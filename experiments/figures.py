@@ -159,6 +159,9 @@ def read_results(results: Path, names: tuple[str, ...], device: str | None = Non
             raise MissingData(f"{results / name} is empty") from None
         if frame.empty:
             raise MissingData(f"{results / name} has no rows")
+        absent = [c for c in ("metric", "value", "gpu", "timestamp") if c not in frame]
+        if absent:
+            raise MissingData(f"{results / name} has no {absent[0]!r} column (DESIGN section 9's long format)")
         frames[str(results / name)] = frame
     picked = []
     for path, frame in on_device(frames, device).items():
@@ -538,6 +541,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not Path(args.results).is_dir():
         parser.error(f"--results {args.results}: no such folder (run python -m experiments.sweep first)")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file, not a folder for the figures")
     draw_all(args.results, args.out or Path(args.results) / "figures", args.device)
 
 

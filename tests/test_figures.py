@@ -419,3 +419,11 @@ def test_a_gpus_rows_are_drawn_over_newer_cpu_rows_unless_asked(tmp_path, capsys
     with pytest.raises(SystemExit):
         figures.main(["--results", str(tmp_path / "nowhere")])
     assert "--results " in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit):
+        figures.main(["--results", str(tmp_path), "--out", str(tmp_path / "afile")])
+    assert "--out " in capsys.readouterr().err and (tmp_path / "afile").read_text() == ""
+    # a file that is not in the long format: its figures are skipped, naming the column, the others drawn
+    policies_frame().drop(columns="timestamp").to_csv(tmp_path / "policies.csv", index=False)
+    figures.draw_all(tmp_path, tmp_path / "figures")
+    assert "skipped policy_miss_rates: " in (out := capsys.readouterr().out) and "no 'timestamp' column" in out
