@@ -39,9 +39,10 @@ from benchmarks.common import (  # noqa: E402
     metric_rows,
     print_table,
     time_us,
+    timer_name,
 )
 from hisparse import dsa  # noqa: E402
-from hisparse.results import append_rows  # noqa: E402
+from hisparse.results import append_rows, check_out_folder  # noqa: E402
 
 D_QK, D_V = 576, 512
 SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3.2: qk head dim 192, YaRN factor 40
@@ -116,7 +117,7 @@ def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False) ->
                 "k": k if mode != "dense" else "", "unit_bytes": D_QK * kv.element_size(), "heads": heads,
                 "num_splits": splits if mode == "triton" else "", "us_p20": p20, "us_p80": p80,
                 "kernel": kernel if mode == "triton" else "",
-                "timer": "cudagraph" if cudagraph else "do_bench"}
+                "timer": timer_name(cudagraph)}
         rows_out += metric_rows(base, us, flops, nbytes)
     if {"triton", "torch_gather"} <= times.keys():
         baseline = outputs["torch_gather"]
@@ -133,7 +134,7 @@ def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = Fals
     gen = torch.Generator(device=device).manual_seed(0)
     print(f"DSA sparse MLA decode: heads={cfg['heads']} k={cfg['k']} D={D_QK} (V {D_V}) scale={SM_SCALE:.4f}"
           f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'},"
-          f" timer {'cudagraph' if cudagraph else 'do_bench'}, decode backend {dsa.DECODE_BACKEND}")
+          f" timer {timer_name(cudagraph)}, decode backend {dsa.DECODE_BACKEND}")
     print(f"{'batch':>6s} {'context':>8s} {'mode':13s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
           f" {'roofline':>9s} {'vs gather':>10s}")
     for context in cfg["contexts"]:
@@ -274,6 +275,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=dsa.DECODE_BACKENDS, default=dsa.DECODE_BACKEND,
                         help="decode kernel of mode `triton` (default %(default)s: HISPARSE_DSA_DECODE, else auto)")
     args = parser.parse_args()
+    check_out_folder(parser, args.out)
     dsa.DECODE_BACKEND = args.backend
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
@@ -282,6 +284,13 @@ def main() -> None:
         raise SystemExit("--cudagraph needs a CUDA GPU")
     if args.tune_batch < 1:
         parser.error(f"--tune-batch {args.tune_batch}: expected a positive integer")
+    if args.backend == "gluon" and not args.indexer:
+        cfg = QUICK if args.quick else FULL
+        probe = torch.empty(1, cfg["heads"], D_QK, device=device, dtype=torch.bfloat16 if device.type == "cuda"
+                            else torch.float32)
+        reason = dsa.gluon_decode_unsupported(probe, D_V)
+        if reason:
+            parser.error(f"--backend gluon: the Gluon decode kernel cannot run here: {reason}")
     cfg = QUICK if args.quick else FULL
     if args.tune:
         tune(cfg, device, args.tune_batch, args.cudagraph)

@@ -40,9 +40,10 @@ from benchmarks.common import (  # noqa: E402
     metric_rows,
     print_table,
     time_us,
+    timer_name,
 )
 from hisparse import nsa  # noqa: E402
-from hisparse.results import append_rows  # noqa: E402
+from hisparse.results import append_rows, check_out_folder  # noqa: E402
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=32, kv_heads=8, d=128, n_select=nsa.N_SELECT, window=nsa.WINDOW)
@@ -138,7 +139,7 @@ def run_shape(batch, context, cfg, device, gen, cudagraph) -> tuple[list[dict], 
     """Time the three modes at one shape; returns result rows and {mode: us}."""
     elem = 2 if device.type == "cuda" else 4
     base = {"bench": "attention", "family": "nsa", "batch": batch, "context": context, "heads": cfg["heads"],
-            "kv_heads": cfg["kv_heads"], "head_dim": cfg["d"], "timer": "cudagraph" if cudagraph else "do_bench"}
+            "kv_heads": cfg["kv_heads"], "head_dim": cfg["d"], "timer": timer_name(cudagraph)}
     rows_out, times = [], {}
 
     def timed(mode, fn, keys, extra):
@@ -207,7 +208,7 @@ def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool, with_
     gen = torch.Generator(device=device).manual_seed(0)
     print(f"NSA decode: heads={cfg['heads']} kv_heads={cfg['kv_heads']} D={cfg['d']} n={cfg['n_select']}"
           f" blocks of {nsa.SEL_BLOCK}, compressed {nsa.CMP_BLOCK}/{nsa.CMP_STRIDE}, window {cfg['window']},"
-          f" timer {'cudagraph' if cudagraph else 'do_bench'}"
+          f" timer {timer_name(cudagraph)}"
           f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}")
     print(f"{'batch':>6s} {'context':>8s} {'mode':13s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
           f" {'roofline':>9s} {'vs gather':>10s}")
@@ -262,6 +263,7 @@ def main() -> None:
     parser.add_argument("--tune-batch", type=int, default=32, help="batch of --tune")
     parser.add_argument("--tune-context", type=int, default=32768, help="context of --tune")
     args = parser.parse_args()
+    check_out_folder(parser, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
         raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
@@ -270,6 +272,9 @@ def main() -> None:
     bad = [n for n in (args.batches or []) + (args.contexts or []) + [args.tune_batch, args.tune_context] if n < 1]
     if bad:
         parser.error(f"batches, contexts and --tune-batch / --tune-context must be positive, got {bad[0]}")
+    short = [c for c in (args.contexts or []) + [args.tune_context] if c < nsa.CMP_BLOCK]
+    if short:       # the compressed branch needs one whole block of CMP_BLOCK tokens
+        parser.error(f"context {short[0]}: expected at least {nsa.CMP_BLOCK} tokens (one compressed block)")
     cfg = dict(QUICK if args.quick else FULL)
     cfg["batches"] = tuple(args.batches or cfg["batches"])
     cfg["contexts"] = tuple(args.contexts or cfg["contexts"])

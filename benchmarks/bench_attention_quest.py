@@ -31,10 +31,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from benchmarks.common import metric_rows as common_metric_rows  # noqa: E402
-from benchmarks.common import time_us  # noqa: E402
+from benchmarks.common import time_us, timer_name  # noqa: E402
 from hisparse import quest  # noqa: E402
 from hisparse.quest import PAGE  # noqa: E402
-from hisparse.results import append_rows  # noqa: E402
+from hisparse.results import append_rows, check_out_folder  # noqa: E402
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=32, kv_heads=8, head_dim=128, budget=2048)
@@ -159,7 +159,7 @@ def run_shape(cfg: dict, batch: int, context: int, device, dtype, gen, cudagraph
     splits, _ = quest.split_plan(batch * shape.hkv, shape.k, device)
     base = {"bench": "attention", "family": "quest", "batch": batch, "context": context,
             "unit_bytes": shape.row_bytes, "heads": shape.hq, "kv_heads": shape.hkv, "head_dim": shape.d,
-            "budget_tokens": shape.k * PAGE, "timer": "cudagraph" if cudagraph else "do_bench"}
+            "budget_tokens": shape.k * PAGE, "timer": timer_name(cudagraph)}
     rows = []
     for make in (sparse_modes, dense_mode):
         try:
@@ -213,7 +213,7 @@ def sweep(cfg: dict, device, dtype, out_dir: Path, cudagraph: bool = False) -> N
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     print(f"Quest decode: HQ={cfg['heads']} HKV={cfg['kv_heads']} D={cfg['head_dim']} budget={cfg['budget']}"
           f" tokens ({cfg['budget'] // PAGE} pages of {PAGE}) {dtype} on {name},"
-          f" timer {'cudagraph' if cudagraph else 'do_bench'}")
+          f" timer {timer_name(cudagraph)}")
     print(f"{'batch':>6s} {'context':>8s} {'mode':14s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
           f" {'roofline':>9s} {'vs gather':>10s}")
     all_rows = []
@@ -248,13 +248,14 @@ def tune(cfg: dict, device, dtype) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder of attention.csv")
     parser.add_argument("--quick", action="store_true", help="tiny configuration (works on the CPU interpreter)")
     parser.add_argument("--tune", action="store_true", help="time attention configurations, write nothing")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time CUDA graph replays, as the decode loop runs (no host launch overhead)")
     args = parser.parse_args()
+    check_out_folder(parser, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and args.cudagraph:
         raise SystemExit("--cudagraph needs a CUDA GPU")

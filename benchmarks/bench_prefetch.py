@@ -66,8 +66,9 @@ from hisparse.host_pool import release_cached_memory  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model  # noqa: E402
 from hisparse.models.tiny import randomize_  # noqa: E402
-from hisparse.results import append_rows  # noqa: E402
-from hisparse.synthetic import generate, per_kv_head_workload, preset, repeat_request  # noqa: E402
+from hisparse.results import append_rows, check_out_folder  # noqa: E402
+from hisparse.synthetic import (generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
+                                repeat_request)
 from hisparse.traces import Trace, with_anchors  # noqa: E402
 
 TYPES = ["full", "shared", "shared", "shared"] * 2
@@ -167,6 +168,7 @@ def main(argv=None) -> None:
                     help="synthetic workload: how many of the 8 layers select at random, as a real model's first "
                          "2 do (default 0)")
     args = ap.parse_args(argv)
+    check_out_folder(ap, args.out)
     if args.workload == "model" and args.family == "dsa":
         ap.error("--workload model: the dsa family replays its calibrated trace; model applies to quest and nsa")
     args.prefetch_programs = args.prefetch_programs or [runtime.prefetch_programs(args.family)]
@@ -175,14 +177,16 @@ def main(argv=None) -> None:
         ap.error(f"--prefetch-programs {bad[0]}: expected a positive integer")
     # the prefetch runs: one per (programs, priority); the other modes run once per batch
     variants = list(dict.fromkeys(itertools.product(args.prefetch_programs, args.prefetch_priority)))
+    bad = [n for n in (args.batches or []) + [args.context, args.steps] if n < 1]
+    if bad:
+        ap.error(f"--batches, --context and --steps must be positive, got {bad[0]}")
+    if args.steps < 2:
+        ap.error(f"--steps {args.steps}: expected at least 2 (the first decode step compiles and is not timed)")
     gpu = torch.cuda.is_available() and not args.quick
     if not gpu and not args.quick:
         ap.error("the full-size run needs a CUDA GPU; --quick runs a tiny model on the CPU")
     if args.quick and (args.batches or args.context != 32768 or args.steps != 24):
         ap.error("--quick sets its own --batches, --context and --steps; leave them out")
-    bad = [n for n in (args.batches or []) + [args.context, args.steps] if n < 1]
-    if bad:
-        ap.error(f"--batches, --context and --steps must be positive, got {bad[0]}")
     if args.batches is None:
         args.batches = [8, 32, 64, 128] if args.family == "dsa" else [8, 32, 64]
     if args.quick:     # contexts long enough for the synthetic selections (k + 2 units at least)
@@ -196,6 +200,15 @@ def main(argv=None) -> None:
         args.cache_slots = 16 if args.quick and args.family == "dsa" else 2 * k
     if args.cache_slots < k:
         ap.error(f"--cache-slots {args.cache_slots}: the cache must hold one whole selection, k = {k}")
+    try:        # the synthetic selections need room for k units at this context: checked before any run
+        if args.family == "dsa":
+            workload(args.context, args.steps + 1, k, 1, args.quick, args.random_layers)
+        elif args.workload == "synthetic":
+            unit_size = 16 if args.family == "quest" else model.config.selection_block_size
+            per_kv_head_config("tiny" if args.quick else "dsa_100k", unit_size, args.context, args.steps + 1, k,
+                               layers, streams_per_layer, args.random_layers)
+    except ValueError as exc:
+        ap.error(f"--context {args.context}: {exc}")
     print(f"{args.family} model: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
           f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}, "
           f"prefetch (programs, priority) {variants}; on {'GPU' if gpu else 'CPU'}")

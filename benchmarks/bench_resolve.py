@@ -38,7 +38,7 @@ if not torch.cuda.is_available():
 
 from benchmarks.common import PINNED_BYTES_PER_S  # noqa: E402
 from hisparse.resolve import CacheState, resolve, write_rows  # noqa: E402
-from hisparse.results import append_rows  # noqa: E402
+from hisparse.results import append_rows, check_out_folder  # noqa: E402
 
 PINNED_GBPS = PINNED_BYTES_PER_S / 1e9
 RANDOM_ROWS_MPS = 39.0      # random rows over a large pinned pool, millions per second
@@ -271,6 +271,7 @@ def main(argv=None):
     ap.add_argument("--decode-like", action="store_true",
                     help="time no-IO calls as the decode loop makes them instead (resolve_layers.csv)")
     args = ap.parse_args(argv)
+    check_out_folder(ap, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.reps is not None and args.reps < 1:
         ap.error(f"--reps {args.reps}: expected a positive integer")

@@ -11,6 +11,14 @@ MMA_FLOPS_PER_S = 790e12        # bf16 8192^3 matrix product on random data, mea
 PINNED_BYTES_PER_S = 55.4e9     # pinned host <-> device copy, each way (DESIGN section 7)
 
 
+def timer_name(cudagraph: bool) -> str:
+    """How `time_us` times, as result rows record it: "cudagraph" or "do_bench" on a GPU,
+    "wall_clock" on the CPU (its p20 and p80 are then the min and max of 3 calls)."""
+    if not torch.cuda.is_available():
+        return "wall_clock"
+    return "cudagraph" if cudagraph else "do_bench"
+
+
 def time_us(fn, cudagraph: bool = False) -> tuple[float, float, float]:
     """Median, p20 and p80 of fn's time in microseconds (do_bench on the GPU, wall clock on the CPU).
     cudagraph: time graph replays (do_bench_cudagraph), which leaves out host launch overhead."""

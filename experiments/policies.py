@@ -23,7 +23,7 @@ import numpy as np
 
 from hisparse.policies import (adjacent_layer_overlap, consecutive_overlap, gap_quantiles, reuse_gaps,
                                simulate)
-from hisparse.results import append_rows
+from hisparse.results import append_rows, check_out_folder
 from hisparse.synthetic import SyntheticConfig, generate, layer_weights, preset
 
 PUBLISHED = {"last": 0.30, "lru": 0.134}   # DESIGN section 7: B = k and LRU at B = 2k = 4096
@@ -212,6 +212,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results", help="directory for policies.csv (default results/)")
     parser.add_argument("--quick", action="store_true", help="tiny preset, no calibration (seconds)")
     args = parser.parse_args(argv)
+    check_out_folder(parser, args.out)
     start = time.perf_counter()
     if args.quick:
         workload, cfg = "tiny", preset("tiny")

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "('1,2,3;4,5') give one request each")
     ap.add_argument("--new-tokens", type=_positive, default=16, metavar="N",
                     help="tokens generated per request, the first from the prefill's logits (default 16); "
-                         "timing needs N >= 2 (N >= 3 with --graph: the first decode step warms up)")
+                         "timing needs N >= 3 (the first decode step compiles and, with --graph, precedes the capture)")
     ap.add_argument("--batch", type=_positive, default=None, metavar="N",
                     help="number of requests decoded together (default 1, or the number of --prompt-lens / "
                          "';'-separated --prompt-ids)")

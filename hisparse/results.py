@@ -47,6 +47,13 @@ def environment() -> dict:
     }
 
 
+def check_out_folder(parser, out: str | os.PathLike) -> None:
+    """Before any work: an --out that exists as a file (not a folder for result CSVs) is the
+    parser's error, not a failure at the first write after the run."""
+    if Path(out).exists() and not Path(out).is_dir():
+        parser.error(f"--out {out} is a file, not a folder for the result CSVs")
+
+
 def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     """Append `rows` (dicts with at least bench, metric, value, unit) to the CSV at `path`.
 

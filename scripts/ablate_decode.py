@@ -47,7 +47,7 @@ from experiments.sweep import build, run_decode  # noqa: E402
 import hisparse.cache  # noqa: E402
 import hisparse.host_pool as host_pool  # noqa: E402
 from hisparse.host_pool import HostPool  # noqa: E402
-from hisparse.results import append_rows  # noqa: E402
+from hisparse.results import append_rows, check_out_folder  # noqa: E402
 
 # variant -> (mode, host_write, early_resolve)
 VARIANTS = {"resident": ("resident", "layer", False), "noio": ("noio", "layer", False),
@@ -116,6 +116,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="folder: append rows to OUT/decode_ablation.csv")
     ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU, eager (checks the script)")
     args = ap.parse_args(argv)
+    if args.out:
+        check_out_folder(ap, args.out)
     if args.rounds < 1 or args.batch < 1 or args.steps < 1:
         raise SystemExit(f"--rounds, --batch and --steps must be >= 1, got {args.rounds}, {args.batch}, {args.steps}")
     if args.quick:

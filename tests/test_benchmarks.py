@@ -189,12 +189,15 @@ def test_repeat_runs_refuses_bad_arguments_and_a_cpu_clearly():
             repeat_runs.main([])
 
 
-def test_bench_prefetch_refuses_bad_sizes_before_any_run(capsys):
+def test_bench_prefetch_refuses_bad_sizes_before_any_run(capsys, tmp_path):
     from benchmarks import bench_prefetch
+    (tmp_path / "afile").write_text("")
     for argv, message in ([["--quick", "--cache-slots", "4"], "--cache-slots 4: the cache must hold one whole "
                                                               "selection, k = 8"],
                           [["--quick", "--batches", "2", "4"], "--quick sets its own --batches"],
-                          [["--workload", "model"], "--workload model: the dsa family replays"]):
+                          [["--workload", "model"], "--workload model: the dsa family replays"],
+                          [["--steps", "1"], "--steps 1: expected at least 2"],
+                          [["--quick", "--out", str(tmp_path / "afile")], "is a file, not a folder"]):
         with pytest.raises(SystemExit):
             bench_prefetch.main(argv)
         assert message in capsys.readouterr().err
@@ -202,6 +205,28 @@ def test_bench_prefetch_refuses_bad_sizes_before_any_run(capsys):
         with pytest.raises(SystemExit):
             bench_prefetch.main([])
         assert "the full-size run needs a CUDA GPU" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == ""
+
+
+def test_every_command_with_an_out_folder_refuses_a_file_before_its_run(tmp_path):
+    """The benchmarks and studies that write result CSVs check --out first (not at the first write,
+    after the run): a file there is the parser's error, and the file is left as it was."""
+    (tmp_path / "afile").write_text("keep")
+    for module in ("benchmarks.bench_resolve", "benchmarks.bench_attention_dsa", "benchmarks.bench_attention_nsa",
+                   "benchmarks.bench_attention_quest", "experiments.policies"):
+        done = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(tmp_path / "afile")], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and "is a file, not a folder for the result CSVs" in done.stderr, module
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where the Gluon kernel cannot run (no GPU)")
+def test_bench_attention_dsa_refuses_the_gluon_backend_where_it_cannot_run(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention_dsa", "--quick", "--backend", "gluon",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--backend gluon: the Gluon decode kernel cannot run here: " in done.stderr
+    assert not list(tmp_path.iterdir()), "nothing may run or be written"
 
 
 def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
