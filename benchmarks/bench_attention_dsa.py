@@ -284,14 +284,13 @@ def main() -> None:
         raise SystemExit("--cudagraph needs a CUDA GPU")
     if args.tune_batch < 1:
         parser.error(f"--tune-batch {args.tune_batch}: expected a positive integer")
+    cfg = QUICK if args.quick else FULL
     if args.backend == "gluon" and not args.indexer:
-        cfg = QUICK if args.quick else FULL
         probe = torch.empty(1, cfg["heads"], D_QK, device=device, dtype=torch.bfloat16 if device.type == "cuda"
                             else torch.float32)
         reason = dsa.gluon_decode_unsupported(probe, D_V)
         if reason:
             parser.error(f"--backend gluon: the Gluon decode kernel cannot run here: {reason}")
-    cfg = QUICK if args.quick else FULL
     if args.tune:
         tune(cfg, device, args.tune_batch, args.cudagraph)
     elif args.indexer:

@@ -18,9 +18,10 @@ Models: "tiny:<family>" (a small random model of a hisparse.models.tiny family: 
 glm_moe_dsa, llama, qwen3), "dsa" (DSA's real KV geometry: 128 heads, 512 + 64 latents, k = 2048, a
 64 x 128 indexer), "quest" (Llama-3-8B's KV geometry under Quest: 32 query and 8 KV heads of 128, the
 first 2 of 32 layers dense, k = token_budget // 16 pages; `token_budget`, default 2048), with
-`layers` and `hidden` setting the rest, which is smaller than the real models; or a DSA checkpoint
-directory. Selections come from the model (workload = "model") or replay a synthetic preset
-(`hisparse.synthetic.PRESETS`) with realistic locality (Quest: per KV head, in pages,
+`layers` and `hidden` setting the rest, which is smaller than the real models (a tiny model takes
+`layers` too; both are part of each point); or a DSA checkpoint directory. Selections come from the
+model (workload = "model") or replay a synthetic preset (`hisparse.synthetic.PRESETS`) with realistic
+locality (Quest: per KV head, in pages,
 `per_kv_head_workload`); decode and throughput runs fill the prompt's KV with random rows.
 How a decode study runs, recorded beside each row: `graph` (CUDA graphs, on a GPU), `prefetch`
 (layer-wise prefetch, for models whose layers share a selection), `early_resolve` (DSA, hierarchical
