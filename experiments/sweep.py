@@ -21,8 +21,8 @@ first 2 of 32 layers dense, k = token_budget // 16 pages; `token_budget`, defaul
 `layers` and `hidden` setting the rest, which is smaller than the real models (a tiny model takes
 `layers` too; both are part of each point); or a DSA checkpoint directory. Selections come from the
 model (workload = "model") or replay a synthetic preset (`hisparse.synthetic.PRESETS`) with realistic
-locality (Quest: per KV head, in pages,
-`per_kv_head_workload`); decode and throughput runs fill the prompt's KV with random rows.
+locality (Quest: per KV head, in pages, `per_kv_head_workload`); decode and throughput runs fill the
+prompt's KV with random rows.
 How a decode study runs, recorded beside each row: `graph` (CUDA graphs, on a GPU), `prefetch`
 (layer-wise prefetch, for models whose layers share a selection), `early_resolve` (DSA, hierarchical
 modes, a GPU: each anchor layer's resolve starts on a stream of its own as soon as its selection is
