@@ -327,7 +327,7 @@ def copy_tile(row_words: int, max_programs: int | None = None) -> tuple[int, int
     as many rows in flight as CAPPED_COPY_TILES programs of the base tile would: PCIe stays as busy
     while fewer multiprocessors are held (DSA's 4 programs move 64 rows a step). At most 64 rows and
     32768 words of whole rows a step: for sm_90 under Triton 3.6, 64 DSA rows (288 words) take 242
-    registers a thread and 16 NSA rows (8192 words) spill."""
+    registers a thread and 16 NSA rows (8192 words) spill (results/cpu_logs/9d87af5c4f0d_fetch_tile_registers.txt)."""
     block_w = min(triton.next_power_of_2(row_words), 1024)
     chunk = max(1, min(32, 4096 // block_w))
     if max_programs is None or max_programs >= CAPPED_COPY_TILES:
