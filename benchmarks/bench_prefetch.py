@@ -40,9 +40,10 @@ give no locality; rows say "model").
 
 Prefetch can be timed in several variants in one run (`--prefetch-programs 16 32 64`,
 `--prefetch-priority normal high`: every combination, beside one resident, sync and noio run per
-batch); each prefetch row records its `prefetch_programs` and `prefetch_priority`. A width under
-32 programs moves larger tiles (`hisparse.resolve.copy_tile`; before bb4a71085805 every width moved
-the base tile, so older rows at 16 programs are not reproduced by --prefetch-programs 16).
+batch); each prefetch row records its `prefetch_programs`, `prefetch_priority` and `prefetch_rows`
+(the rows a copy program moves a step). A width under 32 programs moves larger tiles
+(`hisparse.resolve.copy_tile`; before bb4a71085805, and in rows without `prefetch_rows`, every width
+moved the base tile, so older rows at 16 programs are not reproduced by --prefetch-programs 16).
 
     python -m benchmarks.bench_prefetch [--out DIR] [--quick] [--hidden 7168 --intermediate 18432]
     python -m benchmarks.bench_prefetch --family quest|nsa [--batches 8 32]
@@ -63,6 +64,7 @@ from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch  # noqa: E40
 from hisparse import runtime  # noqa: E402
 from hisparse.engine import Engine  # noqa: E402
 from hisparse.host_pool import release_cached_memory  # noqa: E402
+from hisparse.resolve import copy_tile  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model  # noqa: E402
 from hisparse.models.tiny import randomize_  # noqa: E402
@@ -257,11 +259,13 @@ def main(argv=None) -> None:
                 metrics["hidden_frac"] = (hidden, "fraction")
                 metrics["vs_noio_ceiling"] = (ceiling, "fraction")
             programs, priority = variant or ("", "")
+            tile_rows = copy_tile(unit_bytes // 4, programs)[1] if variant else ""   # rows a copy program moves a step
             workload_name = "model" if args.workload == "model" else ("tiny" if args.quick else "dsa_100k")
             rows += [dict(bench="prefetch", family=args.family, mode=name, batch=batch, context=args.context, k=k,
                           cache_slots="" if name == "resident" else args.cache_slots, unit_bytes=unit_bytes,
                           layers=layers, shared_layers=shared, hidden=geometry["hidden_size"],
                           intermediate=geometry["intermediate_size"], prefetch_programs=programs,
+                          prefetch_rows=tile_rows,
                           prefetch_priority=priority, workload=workload_name,
                           random_layers=args.random_layers if args.workload == "synthetic" else "", metric=m,
                           value=v, unit=u)

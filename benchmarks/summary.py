@@ -76,7 +76,7 @@ def prefetch_lines(frame: pd.DataFrame) -> list[str]:
     would reach with every shared layer's copy hidden (bench_prefetch's ceiling, where recorded)."""
     f = latest(frame)
     point = [c for c in ("batch", "family", "context", "layers", "hidden", "intermediate", "random_layers") if c in f]
-    variant = [c for c in ("prefetch_programs", "prefetch_priority") if c in f]
+    variant = [c for c in ("prefetch_programs", "prefetch_priority", "prefetch_rows") if c in f]
     tpot = f[f.metric == "tpot_ms"]
     noio = tpot.loc[tpot["mode"] == "noio", point + ["value"]].rename(columns={"value": "noio"})
     table = tpot.loc[tpot["mode"] == "prefetch", point + variant + ["value"]].merge(noio, on=point, how="left")

@@ -61,9 +61,11 @@ def newest(frame: pd.DataFrame) -> pd.DataFrame:
 
 # what a rerun of a point changes (the sweep's timed and warm-up steps and how it ran, with its place in
 # its process, the attention timings' spread, the DSA decode kernel that ran: `kernel` in attention.csv,
-# `attention_kernel` in the sweep's files; Gluon on Hopper since 6c44dc9ab649, rows before without them)
+# `attention_kernel` in the sweep's files; Gluon on Hopper since 6c44dc9ab649, rows before without them;
+# the prefetch copy's tile, which its width sets)
 RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_tokens", "warmup_steps",
-               "us_p20", "us_p80", "graph", "prefetch", "early_resolve", "run", "kernel", "attention_kernel")
+               "us_p20", "us_p80", "graph", "prefetch", "early_resolve", "run", "kernel", "attention_kernel",
+               "prefetch_rows")
 # files whose runs add points to earlier ones (the sweep resumes across commits; a benchmark rerun at
 # a few batches or with another timer), read per point rather than per run; with the columns a rerun
 # of a point may add or change in that file (bench_prefetch's variant: older rows lack it, and

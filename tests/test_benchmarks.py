@@ -66,6 +66,12 @@ def test_prefetch_variants_each_get_their_rows(tmp_path):
     hidden = rows[rows.metric == "hidden_frac"]
     assert sorted(zip(hidden.prefetch_programs, hidden.prefetch_priority)) == [
         (8, "high"), (8, "normal"), (32, "high"), (32, "normal")]
+    from hisparse.resolve import copy_tile          # each prefetch row records its copy's tile
+    words = int(rows.unit_bytes.iloc[0]) // 4
+    assert sorted(set(zip(hidden.prefetch_programs, hidden.prefetch_rows))) == [
+        (8, copy_tile(words, 8)[1]), (32, copy_tile(words, 32)[1])]
+    assert copy_tile(words, 8)[1] > copy_tile(words, 32)[1]
+    assert rows.loc[rows["mode"] != "prefetch", "prefetch_rows"].isna().all()
     assert sorted(rows[rows.metric == "tpot_ms"]["mode"]) == ["noio"] + ["prefetch"] * 4 + ["resident", "sync"]
     # the ceiling: noio's step plus the anchors' copies (2 of 8 layers here) at the pinned-copy rate
     from benchmarks.common import PINNED_BYTES_PER_S
