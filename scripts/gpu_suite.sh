@@ -18,9 +18,11 @@
 # (e.g. "--graphs-first 3 --graph-kernels 1"; set PYTORCH_CUDA_ALLOC_CONF for another allocator);
 # SWEEP_ARGS (e.g. "--config experiments/configs/h200.toml --kind decode --runs-per-process 3") first runs
 # experiments.sweep with them into $OUT/sweep/ (every point: the copied results/ are not read), capped by
-# SWEEP_TIMEOUT (s, default 540). NCU=1 first profiles one launch of each of NCU_TARGETS (scripts/ncu_kernels.py
-# arguments, "|"-separated; default the resolve at 20% and 100% misses, and DSA decode at batch 64)
-# with Nsight Compute: $OUT/ncu_*.ncu-rep, with each report's details and SASS source view as text beside it.
+# SWEEP_TIMEOUT (s, default 540). TIMELINE_ARGS (e.g. "--batch 32 --modes sync prefetch noio") first runs
+# scripts/timeline_prefetch.py with them into $OUT/timeline_prefetch.txt, its summary in the log. NCU=1 first
+# profiles one launch of each of NCU_TARGETS (scripts/ncu_kernels.py arguments, "|"-separated; default the
+# resolve at 20% and 100% misses, and DSA decode at batch 64) with Nsight Compute: $OUT/ncu_*.ncu-rep, with
+# each report's details and SASS source view as text beside it.
 # $OUT/gpu_monitor.txt samples clocks, temperature and power every 0.5 s (runs print wall-clock times).
 # Copy $OUT/*.csv into results/ afterwards (rows carry the GPU, versions and commit).
 set -uo pipefail
@@ -87,6 +89,14 @@ if [ -n "${SWEEP_ARGS:-}" ]; then
   read -r -a sweep <<< "$SWEEP_ARGS"
   capped "${SWEEP_TIMEOUT:-540}" python3 -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" 2>&1 | grep -v Warning \
     | tee -a "$log" || status=1
+fi
+if [ -n "${TIMELINE_ARGS:-}" ]; then
+  # one prefetch step's kernels on a timeline (scripts/timeline_prefetch.py): $OUT/timeline_prefetch.txt
+  echo "== timeline_prefetch ${TIMELINE_ARGS}" | tee -a "$log"
+  read -r -a timeline <<< "$TIMELINE_ARGS"
+  capped "${BENCH_TIMEOUT:-300}" python3 -m scripts.timeline_prefetch "${timeline[@]}" > "$OUT/timeline_prefetch.txt" 2>&1 \
+    || status=1
+  grep -v -e "^     " -e Warning "$OUT/timeline_prefetch.txt" | tee -a "$log"
 fi
 if [ "${NCU:-0}" = 1 ]; then
   # Nsight Compute, one launch per target (scripts/ncu_kernels.py): NCU_TARGETS, "|"-separated argument lists
