@@ -91,8 +91,9 @@ def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COL
 def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
     """bench_prefetch's rows as the figures read them: prefetch with the default copy width and stream
     priority (or from before those were options; a point without a run at today's default width is
-    read from its runs at earlier defaults, the newest of them), the other variants being tuning runs; runs from
-    before `random_layers` had the first anchor select at random, as --random-layers 2 does now.
+    read from its runs at earlier defaults, the newest of them), the other variants being tuning
+    runs; runs from before `random_layers` had the first anchor select at random, as --random-layers
+    2 does now.
     DSA's rows only: the figures draw the glm_moe_dsa model (`--family quest / nsa` rows are summed
     up by benchmarks/summary.py)."""
     if "random_layers" in frame:
@@ -544,7 +545,7 @@ def main(argv=None) -> None:
     if not Path(args.results).is_dir():
         parser.error(f"--results {args.results}: no such folder (run python -m experiments.sweep first)")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
-        parser.error(f"--out {args.out} is a file, not a folder for the figures")
+        parser.error(f"--out {args.out} is a file, not a folder for the figures")   # figures import no torch
     draw_all(args.results, args.out or Path(args.results) / "figures", args.device)
 
 

@@ -35,9 +35,10 @@ MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while
 MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan (16 + 15 bits)
 # A copy capped below this many programs (`fetch_rows`' max_programs) grows its tiles to keep as many
 # rows in flight (`copy_tile`). On the H200, DSA's side copies (1152-byte rows, hidden 1024) at 4
-# programs with 32 and 64-row tiles hid 84% and 83% of the shared layers' copies at batch 32, against 67-69% at 16
-# programs of 8 rows, 72-74% at 6 or 8 programs of 32, and 66% at 4 programs of 16; at batch 64, 64-row
-# tiles hid 81% against 73% with 32 (results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt).
+# programs with 32 and 64-row tiles hid 82-84% and 83% of the shared layers' copies at batch 32,
+# against 67-69% at 16 programs of 8 rows, 72-74% at 6 or 8 programs of 32, and 66% at 4 programs of
+# 16; at batch 64, 64-row tiles hid 81% against 73% with 32
+# (results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt).
 CAPPED_COPY_TILES = 32
 
 
@@ -323,11 +324,12 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
 def copy_tile(row_words: int, max_programs: int | None = None) -> tuple[int, int, int]:
     """The copy's shape for rows of `row_words` words: (BLOCK_W, the words of a row one slice moves;
     CHUNK, the rows a program moves per step; num_warps). The base tile holds 4096 words. A copy capped
-    below CAPPED_COPY_TILES programs takes tiles that many times larger (powers of two), so that it keeps
-    as many rows in flight as CAPPED_COPY_TILES programs of the base tile would: PCIe stays as busy
-    while fewer multiprocessors are held (DSA's 4 programs move 64 rows a step). At most 64 rows and
-    32768 words of whole rows a step: for sm_90 under Triton 3.6, 64 DSA rows (288 words) take 242
-    registers a thread and 16 NSA rows (8192 words) spill (results/cpu_logs/9d87af5c4f0d_fetch_tile_registers.txt)."""
+    at p < CAPPED_COPY_TILES programs takes tiles up to CAPPED_COPY_TILES // p times larger (a power of
+    two), so that it keeps as many rows in flight as CAPPED_COPY_TILES programs of the base tile would:
+    PCIe stays as busy while fewer multiprocessors are held (DSA's 4 programs move 64 rows a step). At
+    most 64 rows and 32768 words of whole rows a step: for sm_90 under Triton 3.6, 64 DSA rows (288
+    words) take 242 registers a thread and 16 NSA rows (8192 words) spill
+    (results/cpu_logs/9d87af5c4f0d_fetch_tile_registers.txt)."""
     block_w = min(triton.next_power_of_2(row_words), 1024)
     chunk = max(1, min(32, 4096 // block_w))
     if max_programs is None or max_programs >= CAPPED_COPY_TILES:
