@@ -282,7 +282,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
         state.epoch, state.read_epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         new_units.contiguous(), new_rows, host_w, cache_w,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
-        PACKED_SCAN=packed_scan, SPLIT=split, WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
+        PACKED_SCAN=packed_scan, SPLIT=int(split), WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
         BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )

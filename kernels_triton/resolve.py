@@ -181,6 +181,12 @@ def _resolve_kernel(
                      mask=m_victim & (b_order_unit >= 0))
 
         if places:
+            if SPLIT == 2:
+                # the victims by miss rank through the plan's slots (the free slot of rank m serves
+                # miss m), so that the wait below comes after this round trip
+                tl.store(plan_slot_ptr + i_n * K + free_rank, b_order, mask=m_victim)
+                tl.debug_barrier()
+                b_victim = tl.load(plan_slot_ptr + i_n * K + miss_rank, mask=m_miss, other=-1)
             if SPLIT:
                 while tl.atomic_add(read_ptr + i_s, 0, sem="acquire") != epoch:
                     pass
@@ -196,8 +202,9 @@ def _resolve_kernel(
             tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
             tl.store(p_lru_unit + n_untouched + tl.where(m_hit, n_miss + hit_rank, miss_rank), b_sel,
                      mask=m_sel)
-            tl.debug_barrier()
-            b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)    # [K_PAD]
+            if SPLIT != 2:
+                tl.debug_barrier()
+                b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)    # [K_PAD]
             tl.store(slot_out_ptr + i_n * K + o_k, tl.where(m_hit, b_hit_slot, b_victim), mask=m_k)
 
             # -- missed units enter the unit -> slot map
@@ -213,7 +220,8 @@ def _resolve_kernel(
                 tl.store(plan_slot_ptr + i_n * K + o_k, (key & 0xFFFFF).to(tl.int32), mask=m_plan)
             else:
                 tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
-                tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
+                if SPLIT != 2:              # SPLIT 2 stored them above
+                    tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
             tl.store(epoch_ptr + i_s, epoch)
 
         if evicts:

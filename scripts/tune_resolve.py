@@ -29,7 +29,7 @@ def time_newest_writes(device) -> None:
         torch.cuda.empty_cache()
 
 
-def time_split(device, rounds: int = 2) -> None:
+def time_split(device, rounds: int = 3) -> None:
     """--split: the default kernel with one program per stream against two (`split`), in alternating
     rounds (the lowest of each variant's per-round medians is printed, and every round's): standalone
     at batch 1 to 128 (two programs a stream fill more multiprocessors than the GPU has past batch 66,
@@ -41,19 +41,20 @@ def time_split(device, rounds: int = 2) -> None:
     pool_bytes = max(p.batch * p.context * p.row_bytes for p, layers in points if layers == 1)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
     fill_random(flat, device)
-    print(f"{'batch':>5} {'miss':>5} {'context':>7} {'layers':>6} | {'1 program us':>22} | {'2 programs us':>22}")
+    variants = (0, 1, 2)
+    print(f"{'batch':>5} {'miss':>5} {'context':>7} {'layers':>6} | " + " | ".join(f"{f'split {v} us':>22}" for v in variants))
     for p, layers in points:
-        times = {False: [], True: []}
+        times = {v: [] for v in variants}
         for r in range(rounds):
-            for split in ((False, True) if r % 2 == 0 else (True, False)):
+            for split in variants[r % 3:] + variants[:r % 3]:
                 if layers == 1 and p.min_context == 0:
                     host = flat[:p.batch * p.context * 576].view(p.batch * p.context, 576)
                     times[split].append(time_point(p, host, device, 10, split=split)["noio_us"])
                 else:
                     times[split].append(time_decode_like(p, layers, device, 10, split=split)["noio_us"])
                 torch.cuda.empty_cache()
-        cols = [f"{min(times[s]):5.1f} ({' '.join(f'{t:.1f}' for t in times[s])})" for s in (False, True)]
-        print(f"{p.batch:5d} {p.target_miss:5.3f} {p.context:7d} {layers:6d} | {cols[0]:>22} | {cols[1]:>22}",
+        cols = [f"{min(times[s]):5.1f} ({' '.join(f'{t:.1f}' for t in times[s])})" for s in variants]
+        print(f"{p.batch:5d} {p.target_miss:5.3f} {p.context:7d} {layers:6d} | " + " | ".join(f"{c:>22}" for c in cols),
               flush=True)
 
 
