@@ -9,9 +9,8 @@ State of the cache, shared by the kernel and the reference (S streams, B slots, 
 - `unit_slot [R]` int32: for each host row, the slot holding its unit, -1 if not cached. Indexed by
   host row (host_base[stream] + unit), so it is one dense map for all streams: 4 bytes per unit.
 - `stats [S, 2]` int64: cumulative hits and misses per stream.
-- `slot_mark [S, B]`, `epoch [S]`, `read_epoch [S]` int32: kernel bookkeeping. A slot hit in a call
-  is marked with that call's epoch, so the marks never need clearing; `read_epoch` is the last call
-  whose reads of the stream's state are done (the split kernel's two programs per stream use it).
+- `slot_mark [S, B]`, `epoch [S]` int32: kernel bookkeeping. A slot hit in a call is marked with
+  that call's epoch, so the marks never need clearing.
 
 One call resolves a batch of N rows (stream, selection of k units) and returns the slot of every
 selected unit in selection order, this call's counts, and the miss plan: the (unit, slot) pairs of
@@ -53,7 +52,6 @@ class CacheState:
     stats: torch.Tensor       # [S, 2] int64
     slot_mark: torch.Tensor   # [S, B] int32
     epoch: torch.Tensor       # [S] int32
-    read_epoch: torch.Tensor  # [S] int32
 
     @classmethod
     def empty(cls, num_streams: int, cache_slots: int, host_rows: int, device) -> "CacheState":
@@ -65,7 +63,6 @@ class CacheState:
             stats=torch.zeros(num_streams, 2, dtype=torch.int64, device=device),
             slot_mark=torch.zeros(num_streams, cache_slots, dtype=torch.int32, device=device),
             epoch=torch.zeros(num_streams, dtype=torch.int32, device=device),
-            read_epoch=torch.zeros(num_streams, dtype=torch.int32, device=device),
         )
 
     def clone(self) -> "CacheState":
@@ -80,7 +77,6 @@ class CacheState:
         self.stats[stream] = 0
         self.slot_mark[stream] = 0
         self.epoch[stream] = 0
-        self.read_epoch[stream] = 0
 
 
 @dataclass
@@ -210,7 +206,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
             num_warps: int | None = None, flat_layout: bool = True,
-            packed_scan: bool | None = None, split: bool | None = None,
+            packed_scan: bool | None = None,
             newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
@@ -224,17 +220,14 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     reserved slot, and the unit's cached copy if it has one), so the selection may hold that unit.
     Its units are checked against the streams' lengths with `stream_len` only: without, a unit
     outside its stream's region writes there, as with `write_rows`.
-    `num_warps`, `flat_layout`, `packed_scan` and `split` are tuning knobs (same results): the default flat
+    `num_warps`, `flat_layout` and `packed_scan` are tuning knobs (same results): the default flat
     layout (the kernel compiled without size specialisation: one layout throughout, see
     kernels_triton/resolve.py) measured faster at every point of
     scripts/tune_resolve.py on the H200. `packed_scan` ranks the free slots with one scan over half
     as many elements, both halves of the LRU order packed in one int32 (1656 SASS instructions against
     1952 under Triton 3.6; on the H200 0.4 to 1.4 us faster at every point of tune_resolve, 8 warps:
     results/gpu_logs/4973232b6e43_tune_packed_scan.txt). Its halves count in 16 bits, so the default
-    (None) uses it wherever B <= 32768 and the single scan above; True insists on it. `split` gives
-    each stream two programs, which share its scattered map stores (kernels_triton/resolve.py says
-    how); the default (None) splits where the GPU has a multiprocessor for each of the 2N programs
-    (and on the CPU, whose interpreter runs the programs in order).
+    (None) uses it wherever B <= 32768 and the single scan above; True insists on it.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -269,20 +262,18 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
         packed_scan = b_pad <= 1 << 15
     _expect(not packed_scan or b_pad <= 1 << 15, f"packed_scan counts half of B={cache_slots} slots in 16 bits: "
                                                  f"expected B <= {1 << 15}")
-    if split is None:
-        split = not sel.is_cuda or 2 * n <= torch.cuda.get_device_properties(sel.device).multi_processor_count
     kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
     host_w, cache_w = as_words(host), as_words(cache)
     # without newest rows their pointers are placeholders the kernel never reads
     new_units, new_rows = newest if newest is not None else (state.host_base, cache_w)
     new_rows = as_words(new_rows.contiguous())
     row_words = host_w.shape[1] if newest is not None else 1     # no kernel per row size without rows
-    kernel[(n, 2) if split else (n,)](
+    kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
-        state.epoch, state.read_epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
+        state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         new_units.contiguous(), new_rows, host_w, cache_w,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
-        PACKED_SCAN=packed_scan, SPLIT=int(split), WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
+        PACKED_SCAN=packed_scan, WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
         BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )

@@ -74,7 +74,6 @@ def _resolve_kernel(
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
     mark_ptr,        # [S, B] int32 epoch of the last call in which each slot hit
     epoch_ptr,       # [S] int32 calls so far per stream
-    read_ptr,        # [S] int32 the last call whose first program has read the stream's state (SPLIT)
     slot_out_ptr,    # [N, K] int32 out: slot of each selected unit, -1 where sel is -1
     plan_unit_ptr,   # [N, K] int32 out: missed units (miss order, or address order if SORT_PLAN)
     plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
@@ -86,7 +85,7 @@ def _resolve_kernel(
     cache_ptr,       # [S, B + 1, ROW_WORDS] device cache rows, slot B the reserved one (WRITE_NEWEST)
     K, B,
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
-    PACKED_SCAN: tl.constexpr = False, SPLIT: tl.constexpr = False,
+    PACKED_SCAN: tl.constexpr = False,
     WRITE_NEWEST: tl.constexpr = False, ROW_WORDS: tl.constexpr = 1, BLOCK_W: tl.constexpr = 1,
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
@@ -98,23 +97,7 @@ def _resolve_kernel(
     # Under Triton 3.6 that took the flat kernel from 2280 SASS instructions to 1952 and on the H200
     # from 7.5 / 8.6 / 13.0 us to 6.9 / 7.7 / 12.2 at 0.1 / 20 / 100% misses (no IO, batch 64, k =
     # 2048, B = 4096; results/gpu_logs/3a5390c98150_resolve_decode_noio_prefetch.txt).
-    # SPLIT: two programs per stream, grid (N, 2), so that the scattered unit -> slot map stores the
-    # kernel ends with (one multiprocessor serves a program's, one cache line each) drain on two
-    # multiprocessors. Both look up, rank and read the marks (and mark the hits: the same values).
-    # The first ("evicts") then clears the evicted units from the map and keeps the counters; the
-    # second ("places") writes the new LRU order, the slots, the missed units' map entries, the plan
-    # and the epoch. Those stores would change what the first reads, so the second waits for the
-    # first to publish, in `read_ptr`, that its reads are done. Only the second waits, and only on a
-    # program before it in the grid's order (blocks start in that order, as a decoupled look-back's
-    # do), so no program waits on one that cannot start. The evicted units are never selected, so
-    # the first's stores change nothing the second reads.
     i_n = tl.program_id(0).to(tl.int64)
-    if SPLIT:
-        evicts = tl.program_id(1) == 0
-        places = tl.program_id(1) == 1
-    else:
-        evicts = True
-        places = True
     stream = tl.load(stream_ptr + i_n)
     o_k = tl.arange(0, K_PAD)
     o_b = tl.arange(0, B_PAD)
@@ -125,9 +108,8 @@ def _resolve_kernel(
         m_b = tl.full([B_PAD], 1, dtype=tl.int1)
     if stream < 0:
         # a padded batch row reads and writes no stream state: slots -1, no hits, no misses
-        if evicts:
-            tl.store(slot_out_ptr + i_n * K + o_k, tl.full([K_PAD], -1, dtype=tl.int32), mask=m_k)
-            tl.store(counts_ptr + i_n * 2 + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
+        tl.store(slot_out_ptr + i_n * K + o_k, tl.full([K_PAD], -1, dtype=tl.int32), mask=m_k)
+        tl.store(counts_ptr + i_n * 2 + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
     else:
         i_s = stream.to(tl.int64)
         p_lru = lru_ptr + i_s * B
@@ -163,83 +145,61 @@ def _resolve_kernel(
         m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
         free_rank = _free_slot_ranks(m_free, PACKED_SCAN)
         m_victim = m_free & (free_rank < n_miss)
-        if SPLIT and evicts:
-            # every read of the stream's state is behind this program (the barrier covers every
-            # thread's, the release orders them before the flag): the second may store now
-            tl.debug_barrier()
-            tl.atomic_xchg(read_ptr + i_s, epoch, sem="release")
-        if evicts:
-            # -- evicted units leave the unit -> slot map (missed units enter it below; the two sets
-            # are disjoint, and every read of the map is behind us). Scattered stores that depend on
-            # nothing to come: issued here, they drain while the LRU order is rewritten and read back,
-            # rather than queueing with the missed units' stores at the end (H200, no IO, batch 64:
-            # 12.1 -> 11.9 us at 100% misses, 16.1 -> 15.8 with 61 layers taking turns, the same
-            # elsewhere; +32 SASS instructions under Triton 3.6:
-            # results/gpu_logs/d18fd1d_ncu_resolve_evicted_units_early.txt,
-            # results/cpu_logs/e9d0f82adbc4_sass_resolve_evicted_early.txt)
-            tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32),
-                     mask=m_victim & (b_order_unit >= 0))
+        # -- evicted units leave the unit -> slot map (missed units enter it below; the two sets are
+        # disjoint, and every read of the map is behind us). Scattered stores that depend on nothing
+        # to come: issued here, they drain while the LRU order is rewritten and read back, rather
+        # than queueing with the missed units' stores at the end (H200, no IO, batch 64: 12.1 -> 11.9
+        # us at 100% misses, 16.1 -> 15.8 with 61 layers taking turns, the same elsewhere; +32 SASS
+        # instructions under Triton 3.6: results/gpu_logs/d18fd1d_ncu_resolve_evicted_units_early.txt,
+        # results/cpu_logs/e9d0f82adbc4_sass_resolve_evicted_early.txt)
+        tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32), mask=m_victim & (b_order_unit >= 0))
 
-        if places:
-            if SPLIT == 2:
-                # the victims by miss rank through the plan's slots (the free slot of rank m serves
-                # miss m), so that the wait below comes after this round trip
-                tl.store(plan_slot_ptr + i_n * K + free_rank, b_order, mask=m_victim)
-                tl.debug_barrier()
-                b_victim = tl.load(plan_slot_ptr + i_n * K + miss_rank, mask=m_miss, other=-1)
-            if SPLIT:
-                while tl.atomic_add(read_ptr + i_s, 0, sem="acquire") != epoch:
-                    pass
-            # -- new LRU order: untouched (old order), misses (selection order), hits (selection
-            # order). Miss m takes the m-th least recently used free slot, which lands at n_untouched
-            # + m of the new order: the free slots move in one store (stable compaction, no sort), the
-            # victims are read back by miss rank. The units follow their slots; every store is
-            # contiguous in its ranks.
-            n_untouched = B - n_hit - n_miss
-            new_pos = tl.where(m_victim, n_untouched + free_rank, free_rank - n_miss)   # [B_PAD]
-            tl.store(p_lru + new_pos, b_order, mask=m_free)
-            tl.store(p_lru_unit + new_pos, b_order_unit, mask=m_free & ~m_victim)
-            tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
-            tl.store(p_lru_unit + n_untouched + tl.where(m_hit, n_miss + hit_rank, miss_rank), b_sel,
-                     mask=m_sel)
-            if SPLIT != 2:
-                tl.debug_barrier()
-                b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)    # [K_PAD]
-            tl.store(slot_out_ptr + i_n * K + o_k, tl.where(m_hit, b_hit_slot, b_victim), mask=m_k)
+        # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).
+        # Miss m takes the m-th least recently used free slot, which lands at n_untouched + m of the
+        # new order: the free slots move in one store (stable compaction, no sort), the victims are
+        # read back by miss rank. The units follow their slots; every store is contiguous in its ranks.
+        n_untouched = B - n_hit - n_miss
+        new_pos = tl.where(m_victim, n_untouched + free_rank, free_rank - n_miss)       # [B_PAD]
+        tl.store(p_lru + new_pos, b_order, mask=m_free)
+        tl.store(p_lru_unit + new_pos, b_order_unit, mask=m_free & ~m_victim)
+        tl.store(p_lru + n_untouched + n_miss + hit_rank, b_hit_slot, mask=m_hit)
+        tl.store(p_lru_unit + n_untouched + tl.where(m_hit, n_miss + hit_rank, miss_rank), b_sel, mask=m_sel)
+        tl.debug_barrier()
+        b_victim = tl.load(p_lru + n_untouched + miss_rank, mask=m_miss, other=-1)    # [K_PAD]
+        tl.store(slot_out_ptr + i_n * K + o_k, tl.where(m_hit, b_hit_slot, b_victim), mask=m_k)
 
-            # -- missed units enter the unit -> slot map
-            tl.store(p_map + b_sel, b_victim, mask=m_miss)
+        # -- missed units enter the unit -> slot map
+        tl.store(p_map + b_sel, b_victim, mask=m_miss)
 
-            # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
-            if SORT_PLAN:
-                BIG: tl.constexpr = 0x7FFFFFFFFFFFFFFF
-                key = tl.where(m_miss, (b_sel.to(tl.int64) << 20) | b_victim.to(tl.int64), BIG)
-                key = tl.sort(key, 0)
-                m_plan = o_k < n_miss
-                tl.store(plan_unit_ptr + i_n * K + o_k, (key >> 20).to(tl.int32), mask=m_plan)
-                tl.store(plan_slot_ptr + i_n * K + o_k, (key & 0xFFFFF).to(tl.int32), mask=m_plan)
-            else:
-                tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
-                if SPLIT != 2:              # SPLIT 2 stored them above
-                    tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
-            tl.store(epoch_ptr + i_s, epoch)
+        # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
+        if SORT_PLAN:
+            BIG: tl.constexpr = 0x7FFFFFFFFFFFFFFF
+            key = tl.where(m_miss, (b_sel.to(tl.int64) << 20) | b_victim.to(tl.int64), BIG)
+            key = tl.sort(key, 0)
+            m_plan = o_k < n_miss
+            tl.store(plan_unit_ptr + i_n * K + o_k, (key >> 20).to(tl.int32), mask=m_plan)
+            tl.store(plan_slot_ptr + i_n * K + o_k, (key & 0xFFFFF).to(tl.int32), mask=m_plan)
+        else:
+            tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
+            tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
 
-        if evicts:
-            # -- counters stay on the device: this call's, and the stream's running totals
-            tl.store(counts_ptr + i_n * 2, n_hit)
-            tl.store(counts_ptr + i_n * 2 + 1, n_miss)
-            # relaxed atomics whose result is unused compile to fire-and-forget reductions (RED); the
-            # default acq_rel ordering would add a block barrier and a GPU-wide fence around each
-            tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64), sem="relaxed")
-            tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
+        # -- counters stay on the device: this call's, and the stream's running totals
+        tl.store(counts_ptr + i_n * 2, n_hit)
+        tl.store(counts_ptr + i_n * 2 + 1, n_miss)
+        tl.store(epoch_ptr + i_s, epoch)
+        # relaxed atomics whose result is unused compile to fire-and-forget reductions (RED); the
+        # default acq_rel ordering would add a block barrier and a GPU-wide fence around each
+        tl.atomic_add(stats_ptr + i_s * 2, n_hit.to(tl.int64), sem="relaxed")
+        tl.atomic_add(stats_ptr + i_s * 2 + 1, n_miss.to(tl.int64), sem="relaxed")
 
-            if WRITE_NEWEST:
-                # a slot this call took from the newest unit gets its row too, as it would have
-                # before the call: a fetch then overwrites it (noio leaves it)
-                first_slot = i_s * (B + 1)                                # int64 offsets throughout
-                _put_row(new_row_ptr + i_n * ROW_WORDS, host_ptr + (host_base + new_unit) * ROW_WORDS,
-                         cache_ptr + (first_slot + tl.maximum(new_slot, 0)) * ROW_WORDS,
-                         cache_ptr + (first_slot + B) * ROW_WORDS, new_slot, ROW_WORDS, BLOCK_W, True, True)
+        if WRITE_NEWEST:
+            # a slot this call took from the newest unit gets its row too, as it would have before the
+            # call: a fetch then overwrites it (noio leaves it)
+            first_slot = i_s * (B + 1)                                    # int64 offsets throughout
+            _put_row(new_row_ptr + i_n * ROW_WORDS, host_ptr + (host_base + new_unit) * ROW_WORDS,
+                     cache_ptr + (first_slot + tl.maximum(new_slot, 0)) * ROW_WORDS,
+                     cache_ptr + (first_slot + B) * ROW_WORDS, new_slot, ROW_WORDS, BLOCK_W, True, True)
+
 
 # The same kernel with K and B left unspecialised (Triton specialises integer arguments divisible by
 # 16). Unable to prove the selection and LRU rows 16-byte aligned, Triton loads them one element per
@@ -278,6 +238,14 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # a thread in that domain, 8 in the selection's), and on the H200 0.5-1.1 us slower at every point but
 # the decode-like ones at 100% misses (one layer's streams: 0.7 us faster; 61 layers': equal;
 # results/gpu_logs/383546d98556_resolve_victims_from_plan_not_kept.txt).
+# Tried and not kept (2026-11-30, fa5a2c168ced): each stream split over two programs, so that the
+# scattered map stores drain on two multiprocessors: the first cleared the evicted units and kept the
+# counters; the second, once the first had published (a release exchange on a per-stream flag) that
+# its reads were done, wrote the LRU order, slots, missed units and plan. Bitwise equal on the CPU, but
+# on the H200 1.6-2.6 us slower at every point with several streams (batch 64, no IO: 13.2 against
+# 11.5 us at 100% misses, 10.2 against 7.8 at 20%) and no faster with one (batch 1, 100%: 9.9 against
+# 10.0), so those stores are not what holds the 100% point up
+# (results/gpu_logs/fa5a2c168ced_resolve_split_two_programs_not_kept.txt).
 
 
 @triton.jit

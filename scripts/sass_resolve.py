@@ -6,8 +6,7 @@ The variants of kernels_triton/resolve.py are compiled as a launch at these size
 them: every pointer 16-byte aligned, and K and B divisible by 16 for `_resolve_kernel` (Triton's
 default for such integers) but not for `_resolve_kernel_flat` (do_not_specialize); the flat one also
 with `packed_scan` (the free slots ranked by one scan over half as many elements), and that one
-writing a DSA row per stream too (`newest`, the decode step's write in the same launch), and both of
-those split over two programs per stream (`split`: each program's code holds both roles). Printed per
+writing a DSA row per stream too (`newest`, the decode step's write in the same launch). Printed per
 variant: SASS instructions in all, global loads and stores (and how many are 16-byte vectors), block
 barriers, shared-memory traffic, warp shuffles, and the layout conversions in the Triton GPU IR.
 Compiled and read by scripts/sass.py (the cuobjdump that ships with Triton's NVIDIA backend). The
@@ -34,9 +33,8 @@ DSA_ROW_WORDS = 288       # a DSA row (576 bf16) in the int32 words the launcher
 
 
 def compile_counts(kernel, divisible: list[int], k_pad: int, b_pad: int, warps: int, even: bool,
-                   packed_scan: bool = False, newest: bool = False, split: bool = False) -> dict:
+                   packed_scan: bool = False, newest: bool = False) -> dict:
     constexprs = {"K_PAD": k_pad, "B_PAD": b_pad, "SORT_PLAN": False, "EVEN": even, "PACKED_SCAN": packed_scan,
-                  "SPLIT": split,
                   "WRITE_NEWEST": newest, "ROW_WORDS": DSA_ROW_WORDS if newest else 1,
                   "BLOCK_W": triton.next_power_of_2(DSA_ROW_WORDS) if newest else 1}
     compiled = compile_sm90(kernel, SIGNATURE, constexprs, divisible, num_warps=warps)
@@ -55,25 +53,21 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-slots", type=int, default=4096, help="B (default 4096)")
     args = ap.parse_args(argv)
     k_pad, b_pad = triton.next_power_of_2(args.k), max(2, triton.next_power_of_2(args.cache_slots))  # as resolve()
-    # name -> (kernel, divisible arguments, packed_scan, newest, split)
-    variants = {"_resolve_kernel": (_resolve_kernel, POINTERS + SIZES, False, False, False),
-                "_resolve_kernel_flat (single scan)": (_resolve_kernel_flat, POINTERS, False, False, False),
-                "flat, packed_scan": (_resolve_kernel_flat, POINTERS, True, False, False),  # to B = 32768
-                "flat, packed, newest": (_resolve_kernel_flat, POINTERS, True, True, False),  # + DSA's newest rows
-                # two programs per stream (resolve()'s default where the GPU has a multiprocessor for each)
-                "flat, packed, split": (_resolve_kernel_flat, POINTERS, True, False, True),
-                "flat, packed, newest, split": (_resolve_kernel_flat, POINTERS, True, True, True)}
+    variants = {"_resolve_kernel": (_resolve_kernel, POINTERS + SIZES, False, False),
+                "_resolve_kernel_flat (single scan)": (_resolve_kernel_flat, POINTERS, False, False),
+                "flat, packed_scan": (_resolve_kernel_flat, POINTERS, True, False),  # resolve()'s default to B = 32768
+                "flat, packed, newest": (_resolve_kernel_flat, POINTERS, True, True)}  # + DSA's newest rows
     if b_pad > 1 << 15:                  # resolve() refuses packed_scan there (its halves count in 16 bits)
-        variants = {name: v for name, v in variants.items() if not v[2]}
+        del variants["flat, packed_scan"], variants["flat, packed, newest"]
     even = (k_pad, b_pad) == (args.k, args.cache_slots)           # as the launcher passes EVEN
-    rows = {name: compile_counts(fn, div, k_pad, b_pad, args.warps, even, packed, newest, split)
-            for name, (fn, div, packed, newest, split) in variants.items()}
+    rows = {name: compile_counts(fn, div, k_pad, b_pad, args.warps, even, packed, newest)
+            for name, (fn, div, packed, newest) in variants.items()}
     print(f"Triton {triton.__version__}, sm_90, k={args.k}, B={args.cache_slots}, {args.warps} warps "
           f"(static counts: instructions in the program)")
     names = list(next(iter(rows.values())))
-    print(f"{'SASS':28s}" + "".join(f"{n:>8s}" for n in names))
+    print(f"{'SASS':22s}" + "".join(f"{n:>8s}" for n in names))
     for variant, counts in rows.items():
-        print(f"{variant:28s}" + "".join(f"{counts[n]:8d}" for n in names))
+        print(f"{variant:22s}" + "".join(f"{counts[n]:8d}" for n in names))
 
 
 if __name__ == "__main__":

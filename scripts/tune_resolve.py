@@ -7,7 +7,6 @@ half as many elements: packed_scan).
 
     python -m scripts.tune_resolve
     python -m scripts.tune_resolve --newest    # the newest rows' write: its own launch or the resolve's
-    python -m scripts.tune_resolve --split     # one program per stream against two (resolve(split=...))
 """
 import argparse
 import itertools
@@ -29,41 +28,10 @@ def time_newest_writes(device) -> None:
         torch.cuda.empty_cache()
 
 
-def time_split(device, rounds: int = 2) -> None:
-    """--split: the default kernel with one program per stream against two (`split`), in alternating
-    rounds (the lowest of each variant's per-round medians is printed, and every round's): standalone
-    at batch 1 to 128 (two programs a stream fill more multiprocessors than the GPU has past batch 66,
-    where the default keeps one), and as the decode loop calls it, 61 layers' streams taking turns."""
-    points = [(Point(b, 2048, 4096, m, 1152), 1) for b, m in
-              ((64, 1.0), (64, 0.2), (64, 0.001), (1, 1.0), (128, 1.0))]
-    points += [(Point(b, 2048, 4096, m, 1152, min_context=32768), layers)
-               for b, m, layers in ((64, 1.0, 1), (64, 1.0, 61), (64, 0.2, 61))]
-    pool_bytes = max(p.batch * p.context * p.row_bytes for p, layers in points if layers == 1)
-    flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
-    fill_random(flat, device)
-    variants = (0, 1, 2)
-    print(f"{'batch':>5} {'miss':>5} {'context':>7} {'layers':>6} | " + " | ".join(f"{f'split {v} us':>22}" for v in variants))
-    for p, layers in points:
-        times = {v: [] for v in variants}
-        for r in range(rounds):
-            for split in variants[r % 3:] + variants[:r % 3]:
-                if layers == 1 and p.min_context == 0:
-                    host = flat[:p.batch * p.context * 576].view(p.batch * p.context, 576)
-                    times[split].append(time_point(p, host, device, 10, split=split)["noio_us"])
-                else:
-                    times[split].append(time_decode_like(p, layers, device, 10, split=split)["noio_us"])
-                torch.cuda.empty_cache()
-        cols = [f"{min(times[s]):5.1f} ({' '.join(f'{t:.1f}' for t in times[s])})" for s in variants]
-        print(f"{p.batch:5d} {p.target_miss:5.3f} {p.context:7d} {layers:6d} | " + " | ".join(f"{c:>22}" for c in cols),
-              flush=True)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--newest", action="store_true",
                     help="time the newest rows' write beside the resolve instead (separate launch or fused)")
-    ap.add_argument("--split", action="store_true",
-                    help="time one program per stream against two instead (resolve(split=False / True))")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("scripts.tune_resolve times kernels on a CUDA GPU, and none is available here "
@@ -71,9 +39,6 @@ def main(argv=None):
     device = torch.device("cuda")
     if args.newest:
         time_newest_writes(device)
-        return
-    if args.split:
-        time_split(device)
         return
     points = [Point(64, 2048, 4096, m, 1152) for m in (0.001, 0.2, 1.0)] + [
         Point(1, 2048, 4096, 0.2, 1152), Point(64, 2048, 2048, 0.2, 1152), Point(64, 2048, 8192, 0.2, 1152)]

@@ -108,11 +108,9 @@ def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype,
                                             (num_streams + 1, k), (num_streams + 1, k))))
         # odd steps: the kernel compiled without size specialisation (same code, one layout); the
         # free slots ranked by the default (the packed scan at these B), the packed scan insisted on,
-        # and the single scan, in turn; two programs per stream in two steps of four (with both
-        # layouts), one in the others
-        split = step % 4 < 2
+        # and the single scan, in turn
         got = kern.resolve(streams.to(device), batch_sel.to(device), out=out, sort_plan=sort_plan,
-                           flat_layout=step % 2 == 1, packed_scan=(None, True, False)[step % 3], split=split)
+                           flat_layout=step % 2 == 1, packed_scan=(None, True, False)[step % 3])
         want = ref.resolve_ref(streams.to(device), batch_sel.to(device), sort_plan=sort_plan)
         assert torch.equal(got.slots.cpu(), want.slots), f"step {step}"
         assert torch.equal(got.counts.cpu(), want.counts), f"step {step}"
@@ -121,11 +119,6 @@ def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype,
         assert_same_state(kern, ref)
         assert_maps_agree(kern)
         assert_slots_hold_units(kern, streams, batch_sel, got.slots)
-        # one call per stream and step, whichever program stores the epoch; a split call's first
-        # program published this call's reads
-        assert kern.state.epoch.tolist() == [step + 1] * num_streams, f"step {step}"
-        if split:
-            assert kern.state.read_epoch.tolist() == [step + 1] * num_streams, f"step {step}"
     hits, misses = kern.stats.sum(0).tolist()
     assert hits > 0 and misses > 0, "the selections must exercise both hits and misses"
 
@@ -643,7 +636,7 @@ def test_resolve_with_newest_rows_is_write_then_resolve(mode, device):
         new_rows = torch.randn(num_streams + 1, row_elems, generator=gen)
         newest = (new_units.to(device), new_rows.to(device))
         got = fused.resolve(streams.to(device), batch_sel.to(device), mode=mode, newest=newest,
-                            flat_layout=step % 2 == 0, split=step % 4 < 2)
+                            flat_layout=step % 2 == 0)
         split.write_newest(streams.to(device), *newest)
         want = split.resolve(streams.to(device), batch_sel.to(device), mode=mode)
         ref_out = ref.resolve_ref(streams.to(device), batch_sel.to(device), mode=mode, newest=newest)

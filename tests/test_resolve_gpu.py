@@ -60,8 +60,7 @@ def check_step(gpu, cpu, streams, sel, res):
 
 
 VARIANTS = {"vector": dict(flat_layout=False, packed_scan=False), "flat": dict(flat_layout=True),
-            "flat+single_scan": dict(flat_layout=True, packed_scan=False),
-            "flat+one_program": dict(flat_layout=True, split=False), "flat+split": dict(flat_layout=True, split=True)}
+            "flat+single_scan": dict(flat_layout=True, packed_scan=False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -95,59 +94,6 @@ def test_resolve_matches_reference_eager_and_graph(variant):
         check_step(gpu, cpu, streams, static_sel, out)
     hits, misses = gpu.stats.sum(0).tolist()
     assert hits > 0 and misses > 0
-
-
-def test_split_resolve_with_more_programs_than_fit_at_once():
-    """Two programs per stream where they cannot all be resident: 8 x 132 streams (2112 programs of
-    8 warps), split forced, against one program per stream on a copy of the state, graphed and
-    replayed with changing selections. The second program of a stream waits for its first, which the
-    GPU starts earlier (grid order); a wait on a program that never starts would hang here."""
-    device = torch.device("cuda")
-    n, k, b, context = 8 * torch.cuda.get_device_properties(device).multi_processor_count, 2048, 4096, 8192
-    caches = [HierarchicalKVCache(n, b, host_rows=n * context, row_elems=2, dtype=torch.bfloat16, device=device)
-              for _ in range(2)]
-    for cache in caches:
-        for _ in range(n):
-            cache.stream_len[cache.open_stream(context)] = context    # noio: the rows are never read
-    gen = torch.Generator().manual_seed(3)
-    streams = torch.randperm(n, generator=gen).to(torch.int32).to(device)
-    sel = torch.stack([torch.randperm(context, generator=gen)[:k] for _ in range(n)]).to(torch.int32).to(device)
-    outs = [ResolveResult.empty(n, k, device) for _ in caches]
-    graphs = [torch.cuda.CUDAGraph() for _ in caches]
-    for cache, out, graph, split in zip(caches, outs, graphs, (True, False)):
-        cache.resolve(streams, sel, mode="noio", out=out, split=split)          # warm-up: compile
-        with torch.cuda.graph(graph):
-            cache.resolve(streams, sel, mode="noio", check_values=False, out=out, split=split)
-    for step in range(6):
-        keep = torch.rand(n, k, generator=gen) < 0.8
-        fresh = torch.stack([torch.randperm(context, generator=gen)[:k] for _ in range(n)]).to(torch.int32)
-        new = torch.where(keep, sel.cpu(), fresh)
-        # unique ids per row: repeated draws pad with -1 (duplicates are refused)
-        new = torch.stack([torch.where(_first_occurrence(row), row, -1) for row in new])
-        sel.copy_(new.to(device))
-        for graph in graphs:
-            graph.replay()
-        torch.cuda.synchronize()
-        for name in ("slots", "counts", "plan_unit", "plan_slot"):
-            got, want = getattr(outs[0], name), getattr(outs[1], name)
-            if name.startswith("plan"):      # the first `misses` entries of each row are the plan
-                valid = torch.arange(k, device=device)[None, :] < outs[1].counts[:, 1:]
-                got, want = got[valid], want[valid]
-            assert torch.equal(got, want), f"step {step}: {name}"
-        for name in ("lru", "lru_unit", "unit_slot", "stats", "epoch"):
-            assert torch.equal(getattr(caches[0].state, name), getattr(caches[1].state, name)), f"step {step}: {name}"
-    assert int(outs[0].counts[:, 1].sum()) > 0 and int(outs[0].counts[:, 0].sum()) > 0
-
-
-def _first_occurrence(row: torch.Tensor) -> torch.Tensor:
-    """Mask of the first occurrence of each value in a 1-D tensor."""
-    order = torch.argsort(row, stable=True)
-    sorted_row = row[order]
-    first_sorted = torch.ones_like(sorted_row, dtype=torch.bool)
-    first_sorted[1:] = sorted_row[1:] != sorted_row[:-1]
-    mask = torch.empty_like(first_sorted)
-    mask[order] = first_sorted
-    return mask
 
 
 def test_fetch_past_2_31_words_on_gpu():
