@@ -18,6 +18,7 @@ The semantics are DESIGN section 3; `hisparse.resolve.resolve_ref` is the same a
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -87,6 +88,7 @@ def _resolve_kernel(
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
     PACKED_SCAN: tl.constexpr = False,
     WRITE_NEWEST: tl.constexpr = False, ROW_WORDS: tl.constexpr = 1, BLOCK_W: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
     # is its warps' instruction chains (one program per stream; Nsight Compute on the H200 found 8
@@ -97,6 +99,11 @@ def _resolve_kernel(
     # Under Triton 3.6 that took the flat kernel from 2280 SASS instructions to 1952 and on the H200
     # from 7.5 / 8.6 / 13.0 us to 6.9 / 7.7 / 12.2 at 0.1 / 20 / 100% misses (no IO, batch 64, k =
     # 2048, B = 4096; results/gpu_logs/3a5390c98150_resolve_decode_noio_prefetch.txt).
+    if PDL:
+        # launched as a programmatic dependent (launch_pdl): wait here for the kernel before to finish
+        # (its writes visible), and let the next one launch now, to wait in turn
+        gdc_wait()
+        gdc_launch_dependents()
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
     o_k = tl.arange(0, K_PAD)
