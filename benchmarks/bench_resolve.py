@@ -166,7 +166,7 @@ def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
 WRITES = ("none", "separate", "fused")
 
 
-def time_decode_like(p: Point, layers: int, device, reps: int, write: str = "none", **opts) -> dict:
+def time_decode_like(p: Point, layers: int, device, reps: int, write: str = "none") -> dict:
     """Median no-IO microseconds per call with `layers` layers' streams taking turns, as in a decode
     step: one state of layers x batch streams, layer l's calls on streams [l*batch, (l+1)*batch).
     write: with each call, the step's newest row of every stream (16-byte rows in a pinned host pool
@@ -199,7 +199,7 @@ def time_decode_like(p: Point, layers: int, device, reps: int, write: str = "non
                        to_reserved=True)
         elif write == "fused":
             newest = new_units, new_rows[layer]
-        return resolve(state, streams[layer], sels[i, layer], host, cache, fetch=False, newest=newest, **opts)
+        return resolve(state, streams[layer], sels[i, layer], host, cache, fetch=False, newest=newest)
 
     def run():
         return [call(i, layer) for i in range(STEPS_PER_GRAPH) for layer in range(layers)]

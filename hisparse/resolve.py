@@ -206,7 +206,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
             cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
             num_warps: int | None = None, flat_layout: bool = True,
-            packed_scan: bool | None = None, pdl: bool = False,
+            packed_scan: bool | None = None,
             newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
@@ -275,7 +275,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
         PACKED_SCAN=packed_scan, WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
         BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
-        num_warps=num_warps or (8 if b_pad >= 2048 else 4), PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        num_warps=num_warps or (8 if b_pad >= 2048 else 4),
     )
     if fetch:
         fetch_rows(out.plan_unit, out.plan_slot, out.counts, streams, state.host_base, host, cache)

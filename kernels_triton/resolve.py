@@ -18,7 +18,6 @@ The semantics are DESIGN section 3; `hisparse.resolve.resolve_ref` is the same a
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -88,7 +87,6 @@ def _resolve_kernel(
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
     PACKED_SCAN: tl.constexpr = False,
     WRITE_NEWEST: tl.constexpr = False, ROW_WORDS: tl.constexpr = 1, BLOCK_W: tl.constexpr = 1,
-    PDL: tl.constexpr = False,
 ):
     # Every vector element costs instructions in each of the program's warps, and the kernel's time
     # is its warps' instruction chains (one program per stream; Nsight Compute on the H200 found 8
@@ -99,11 +97,6 @@ def _resolve_kernel(
     # Under Triton 3.6 that took the flat kernel from 2280 SASS instructions to 1952 and on the H200
     # from 7.5 / 8.6 / 13.0 us to 6.9 / 7.7 / 12.2 at 0.1 / 20 / 100% misses (no IO, batch 64, k =
     # 2048, B = 4096; results/gpu_logs/3a5390c98150_resolve_decode_noio_prefetch.txt).
-    if PDL:
-        # launched as a programmatic dependent (launch_pdl): wait here for the kernel before to finish
-        # (its writes visible), and let the next one launch now, to wait in turn
-        gdc_wait()
-        gdc_launch_dependents()
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
     o_k = tl.arange(0, K_PAD)
@@ -253,6 +246,12 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # 11.5 us at 100% misses, 10.2 against 7.8 at 20%) and no faster with one (batch 1, 100%: 9.9 against
 # 10.0), so those stores are not what holds the 100% point up
 # (results/gpu_logs/fa5a2c168ced_resolve_split_two_programs_not_kept.txt).
+# Tried and not kept (2026-11-30, 77d7ee185ec8): a programmatic dependent launch (launch_pdl, with
+# gdc_wait and gdc_launch_dependents at the start), so that a call's launch overlaps the call before.
+# On the H200, with resolves back to back, 0.3-1.0 us less a call (batch 64, no IO: 10.4 against 11.5
+# us at 100% misses, 7.1 against 7.4 at 20%), 0.4 more at batch 128; but in a decode step the kernel
+# before a resolve is the selection, so that gain is the benchmark's, not the decode loop's
+# (results/gpu_logs/77d7ee185ec8_resolve_pdl_not_kept.txt).
 
 
 @triton.jit

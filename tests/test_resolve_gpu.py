@@ -60,7 +60,7 @@ def check_step(gpu, cpu, streams, sel, res):
 
 
 VARIANTS = {"vector": dict(flat_layout=False, packed_scan=False), "flat": dict(flat_layout=True),
-            "flat+single_scan": dict(flat_layout=True, packed_scan=False), "flat+pdl": dict(flat_layout=True, pdl=True)}
+            "flat+single_scan": dict(flat_layout=True, packed_scan=False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
