@@ -9,11 +9,17 @@ graphed, and prints for each mode, over the timed steps (median per step):
   untimed first step's misses included, so the rate reads high when that step misses more);
 - the compute stream's idle gaps (over 2 us) and the kernel each one precedes: with prefetch, a
   gap before a shared layer's attention is its wait for its copy, the time prefetch failed to hide;
-- one step's kernels in order, with start times from the step's first resolve (`--list`).
+- one step's kernels in order, with start times from the step's first resolve (`--list`);
+- with two modes or more, each mode's compute-stream kernels (the copies left out) against the last
+  mode's (noio, say): the time per step each (kernel, programs) gained, split between kernels of
+  under SMALL_PROGRAMS programs and the rest, and the largest increases; so a mode that slows the
+  compute says which kernels pay (at DSA's 4 copy programs the step's small kernels paid most:
+  results/gpu_logs/e343a3dfc6cc_timeline_prefetch_4_programs.txt).
 The side-stream copies are told from the anchors' in-line ones by their grid (at most the prefetch
 width's programs). Kernel times are CUPTI's, so they include the graph's own scheduling.
 """
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -30,6 +36,10 @@ from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
 
 GAP_US = 2.0
+# kernels of fewer programs than the step's large ones (the decode kernel and the projections launch
+# 128-132 on the H200) are latency-bound: they gain time beside a copy for other reasons than a lack
+# of multiprocessors
+SMALL_PROGRAMS = 128
 
 
 def kernels_of(trace_path: str) -> list[dict]:
@@ -73,6 +83,33 @@ def analyse(step: list[dict], side_programs: int) -> dict:
                 gaps=gaps, kernels=[(*span(k), k["programs"], short(k["name"])) for k in step])
 
 
+def compute_us(steps: list[dict]) -> dict[tuple[str, int], float]:
+    """Mean time per step (us) of each (kernel, programs) on the compute stream: every kernel of the
+    analysed steps but the copies (`_fetch_rows_kernel`, in line or on the side stream)."""
+    total: dict[tuple[str, int], float] = collections.defaultdict(float)
+    for step in steps:
+        for _, dur, programs, name in step["kernels"]:
+            if "_fetch_rows_kernel" not in name:
+                total[(name, programs)] += dur
+    return {key: us / len(steps) for key, us in total.items()}
+
+
+def compare_compute(mode: dict, base: dict, top: int = 12) -> list[str]:
+    """Lines comparing one mode's compute-stream times (`compute_us`) with a base mode's: the total
+    gained per step, split at SMALL_PROGRAMS, then the `top` largest gains (kernel, programs, base and
+    mode us per step, gain, ratio)."""
+    gain = {key: mode.get(key, 0.0) - base.get(key, 0.0) for key in mode.keys() | base.keys()}
+    small = sum(g for (_, programs), g in gain.items() if programs < SMALL_PROGRAMS)
+    lines = [f"{sum(mode.values()):8.0f} us per step against {sum(base.values()):.0f}: {sum(gain.values()):+.0f} "
+             f"(kernels of under {SMALL_PROGRAMS} programs {small:+.0f}, the rest {sum(gain.values()) - small:+.0f}); "
+             f"the largest gains (kernel, programs: base / this us per step):"]
+    for (name, programs), g in sorted(gain.items(), key=lambda kv: -kv[1])[:top]:
+        b, m = base.get((name, programs), 0.0), mode.get((name, programs), 0.0)
+        ratio = f"x{m / b:.2f}" if b > 0 else "new"
+        lines.append(f"  {g:+7.1f} us  {name:<48} {programs:6d}: {b:7.1f} / {m:7.1f}  {ratio}")
+    return lines
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
@@ -94,6 +131,7 @@ def main(argv=None) -> None:
     pass_graph_switch()
     print(f"DSA, hidden {args.hidden}, batch {args.batch}, context {args.context}, k {k}, B {2 * k}, "
           f"{len(TYPES)} layers ({anchors} anchors), prefetch width {width} programs")
+    compute: dict[str, dict] = {}          # mode -> compute_us of its steps
     for name in args.modes:
         mode, prefetch = MODES[name]
         engine = Engine(model, mode, cache_slots=None if mode == "resident" else 2 * k, prefetch=prefetch,
@@ -133,8 +171,13 @@ def main(argv=None) -> None:
         if args.list:
             for start, dur, progs, kname in mid["kernels"]:
                 print(f"     {start:8.1f} {dur:7.1f} {progs:6d} {kname}")
+        compute[name] = compute_us(steps)
         del engine, out, prof
         release_cached_memory()
+    base = args.modes[-1]
+    for name in args.modes[:-1]:
+        print(f"\n== compute-stream kernels, {name} against {base}:")
+        print("\n".join(compare_compute(compute[name], compute[base])))
 
 
 if __name__ == "__main__":

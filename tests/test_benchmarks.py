@@ -355,6 +355,16 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
     assert step["inline"] == [(10.0, 100.0), (330.0, 100.0)]
     assert step["gaps"] == [(280.0, 120.0, "_sparse_mla_decode_gluon_kernel"),
                             (600.0, 120.0, "_sparse_mla_decode_gluon_kernel")]
+    # the compute stream's kernels per step, copies left out, and one mode's gains over another's
+    times = tp.compute_us([tp.analyse(s, side_programs=4) for s in steps])
+    assert times == {("_resolve_kernel", 32): 20.0, ("mlp_kernel", 128): 100.0, ("norm_kernel", 128): 20.0,
+                     ("_sparse_mla_decode_gluon_kernel", 128): 80.0}
+    slower = {("_resolve_kernel", 32): 26.0, ("mlp_kernel", 128): 100.0, ("norm_kernel", 128): 21.0,
+              ("_sparse_mla_decode_gluon_kernel", 128): 80.0, ("extra_kernel", 2): 3.0}
+    lines = tp.compare_compute(slower, times, top=2)
+    assert lines[0].startswith("     230 us per step against 220: +10 (kernels of under 128 programs +9, the rest +1)")
+    assert "+6.0 us  _resolve_kernel" in lines[1] and lines[1].endswith("20.0 /    26.0  x1.30")
+    assert "+3.0 us  extra_kernel" in lines[2] and lines[2].endswith("new") and len(lines) == 3
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA GPU here"):
             tp.main([])
