@@ -368,3 +368,30 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA GPU here"):
             tp.main([])
+
+
+def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
+    """scripts/copy_interference.py: bad counts and row sizes are refused by name before any GPU work,
+    the copies are repeated to outlast the chain they run beside, and a CPU is told it needs a GPU."""
+    from scripts import copy_interference as ci
+    for argv, message in ((["--programs", "4", "0"], "--programs 0: expected a positive count"),
+                          (["--rows", "-1"], "--rows -1: expected a positive count"),
+                          (["--row-bytes", "1150"], "--row-bytes 1150: expected a positive multiple of 4")):
+        with pytest.raises(SystemExit):
+            ci.main(argv)
+        assert message in capsys.readouterr().err
+    copies = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"))
+    slots, units = copies.plan_slot[0].long(), copies.plan_unit[0].long()
+    for name in ("host", "device"):                  # each fills the planned slots from its own pool
+        copies.cache.zero_()
+        getattr(copies, name)()
+        assert torch.equal(copies.cache[0, slots], copies.pool[units]), name
+    copies.engine()
+    assert torch.equal(copies.staging, copies.pool[:8])
+    assert ci.repeats_to_cover(900.0, 300.0) == 5            # 1.5 x 900 us = 1350 us: 5 copies of 300
+    assert ci.repeats_to_cover(100.0, 300.0) == 1
+    with pytest.raises(ValueError, match="expected positive times"):
+        ci.repeats_to_cover(100.0, 0.0)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="on a CUDA GPU; none here"):
+            ci.main([])
