@@ -242,14 +242,14 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # scattered map stores drain on two multiprocessors: the first cleared the evicted units and kept the
 # counters; the second, once the first had published (a release exchange on a per-stream flag) that
 # its reads were done, wrote the LRU order, slots, missed units and plan. Bitwise equal on the CPU, but
-# on the H200 1.6-2.6 us slower at every point with several streams (batch 64, no IO: 13.2 against
+# on the H200 1.3-2.6 us slower at every point with several streams (batch 64, no IO: 13.2 against
 # 11.5 us at 100% misses, 10.2 against 7.8 at 20%) and no faster with one (batch 1, 100%: 9.9 against
 # 10.0), so those stores are not what holds the 100% point up
 # (results/gpu_logs/fa5a2c168ced_resolve_split_two_programs_not_kept.txt).
 # Tried and not kept (2026-11-30, 77d7ee185ec8): a programmatic dependent launch (launch_pdl, with
 # gdc_wait and gdc_launch_dependents at the start), so that a call's launch overlaps the call before.
-# On the H200, with resolves back to back, 0.3-1.0 us less a call (batch 64, no IO: 10.4 against 11.5
-# us at 100% misses, 7.1 against 7.4 at 20%), 0.4 more at batch 128; but in a decode step the kernel
+# On the H200, with resolves back to back, 0.3-1.1 us less a call (batch 64, no IO: 10.4 against 11.5
+# us at 100% misses, the lower of two rounds; 7.1 against 7.4 at 20%), 0.4 more at batch 128; but in a decode step the kernel
 # before a resolve is the selection, so that gain is the benchmark's, not the decode loop's
 # (results/gpu_logs/77d7ee185ec8_resolve_pdl_not_kept.txt).
 

@@ -3,53 +3,122 @@
     python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200]
 
 Beside DSA's prefetch copies (4 programs), the decode step's compute ran 196 us a step slower at hidden
-1024 batch 32, and the step's small kernels paid most, though 4 programs leave 128 multiprocessors free
-(results/gpu_logs/e343a3dfc6cc_timeline_prefetch_4_programs.txt). This separates the candidates. Two
-chains of kernels are captured in CUDA graphs and timed alone and beside a copy on another stream
-that outlasts them:
+1024 batch 32, and only while a copy was in flight: kernels overlapping one ran 14-23% slower, the others
+1-2% (results/gpu_logs/e343a3dfc6cc_timeline_prefetch_4_programs.txt). This separates the candidates.
+Two chains of kernels are captured in CUDA graphs and timed alone and beside copies launched eagerly on
+another stream (in the decode step they are captured with it), repeated to outlast the chain:
 - `small`: `--kernels` torch elementwise ops on a [batch, hidden] bf16 tensor, a few programs each,
   as the step's norms and residual adds;
-- `gemm`: [batch, hidden] x [hidden, 4 hidden] products, as its projections.
-The copies move `--rows` rows of `--row-bytes` from random rows of a pool to random slots:
+- `gemm`: a tenth as many [batch, hidden] x [hidden, 4 hidden] products and back, as its projections.
+The copies move `--rows` rows of `--row-bytes` from random rows of a pool of 16 x rows (each repeat
+its own rows, so that no repeat finds them in L2) to random slots:
 - `host`: `fetch_rows` at `--programs`, the prefetch copy, reading the rows zero-copy from pinned host
   memory;
-- `device`: the same kernel, programs and tiles, reading the rows from device memory;
+- `device`: the same kernel, programs and tiles, reading the rows from device memory (it moves them
+  faster: more bytes a microsecond beside the chain, none of them over PCIe);
 - `engine`: the same bytes, contiguous, host to device by cudaMemcpyAsync (the copy engines: no
   multiprocessor, no zero-copy reads).
-Reading the table: if `host` slows a chain and `device` does not, the copy's zero-copy reads are what
-slows it, not the multiprocessors it holds; if `engine` slows it too, the PCIe traffic itself does.
-Printed per chain: its us alone and beside each copy (the median of `--reps` replays), the ratio, and
-each copy's rate alone.
+Reading the table: if `host` slows a chain and `device` does not, the copy's reads from the host slow
+it, not the multiprocessors it holds nor the bytes it moves; if `engine` slows it too, the PCIe traffic
+itself does. Every time is a median over `--reps` runs, each started after a GPU sleep long enough for
+the host to queue the whole run, so no launch is timed. Printed per copy: its rate alone, and per chain
+the us alone (timed beside each copy's run, against drift), beside the copy, their ratio, and whether
+the copies lasted the whole chain.
 """
 import argparse
+import math
 import statistics
+import time
 
 import torch
 
 from hisparse.resolve import fetch_rows
 
 COPIES = ("host", "device", "engine")
+PLANS = 16              # the pool holds this many copies' rows, each repeat copies the next plan's
+SLEEP_CYCLES = 10**7    # about 5 ms at the H200's clock: the host queues a whole run meanwhile
 
 
 def repeats_to_cover(chain_us: float, copy_us: float, margin: float = 1.5) -> int:
     """How many copies, back to back, run at least `margin` times as long as the chain."""
     if chain_us <= 0 or copy_us <= 0:
         raise ValueError(f"chain {chain_us} us, copy {copy_us} us: expected positive times")
-    return max(1, -(-int(margin * chain_us * 1000) // int(copy_us * 1000)))
+    return max(1, math.ceil(margin * chain_us / copy_us))
 
 
-def median_us(fn, reps: int, stream=None) -> float:
-    """Median time of fn() (us) over `reps` calls, by events on `stream` (default: the current one)."""
-    stream = stream or torch.cuda.current_stream()
-    times = []
+class Copies:
+    """Copies of `rows` rows of `row_bytes` bytes three ways (COPIES); the method of each name launches
+    one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ... in turn; each
+    plan random rows of a pool of PLANS x rows) to random slots of `cache` [1, rows + 1, E]: slot
+    plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies the pool's first rows,
+    contiguous, into `staging`. `pool` is host memory (pinned on a GPU machine); `pool_on_device` a
+    copy of it in device memory."""
+
+    def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        elems = row_bytes // 2                                           # bf16 rows
+        pool = torch.randn(PLANS * rows, elems, generator=gen).to(torch.bfloat16)
+        self.pool = pool.pin_memory() if device.type == "cuda" else pool
+        self.pool_on_device = pool.to(device, copy=True)
+        self.cache = torch.zeros(1, rows + 1, elems, dtype=torch.bfloat16, device=device)
+        self.staging = torch.empty(rows, elems, dtype=torch.bfloat16, device=device)
+        order = torch.randperm(PLANS * rows, generator=gen).to(torch.int32)
+        self.plan_units = [order[i * rows:(i + 1) * rows][None].to(device) for i in range(PLANS)]
+        self.plan_slot = torch.randperm(rows, generator=gen).to(torch.int32)[None].to(device)
+        self.counts = torch.tensor([[0, rows]], dtype=torch.int32, device=device)
+        self.streams = torch.zeros(1, dtype=torch.int32, device=device)
+        self.host_base = torch.zeros(1, dtype=torch.int64, device=device)
+        self.programs = programs
+        self.launched = 0
+
+    def _fetch(self, pool: torch.Tensor) -> None:
+        plan = self.plan_units[self.launched % PLANS]
+        self.launched += 1
+        fetch_rows(plan, self.plan_slot, self.counts, self.streams, self.host_base, pool, self.cache, self.programs)
+
+    def host(self) -> None:
+        self._fetch(self.pool)
+
+    def device(self) -> None:
+        self._fetch(self.pool_on_device)
+
+    def engine(self) -> None:
+        self.staging.copy_(self.pool[:self.staging.shape[0]], non_blocking=True)
+
+
+def sleep_us() -> float:
+    """How long the GPU sleeps SLEEP_CYCLES (us)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def timed(run, reps: int, side: torch.cuda.Stream, queue_us: float) -> tuple[float, float]:
+    """Medians over `reps` runs of (us from the start to the current stream's end, to the side stream's
+    end). Each run starts after a GPU sleep on the current stream, behind which `run()` queues its work
+    (the side stream's after a wait on the start), so no launch is timed; a run the host takes longer
+    than `queue_us` to queue is refused, since its launches would be."""
+    main, ends = torch.cuda.current_stream(), ([], [])
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        torch.cuda._sleep(SLEEP_CYCLES)
+        events[0].record(main)
+        side.wait_event(events[0])
+        queued = time.perf_counter()
+        run()
+        queued = (time.perf_counter() - queued) * 1e6
+        if queued > queue_us:
+            raise RuntimeError(f"queueing a run took {queued:.0f} us, more than the {queue_us:.0f} us the GPU "
+                               "sleeps before it, so its launches would be timed: copy more --rows a launch")
+        events[1].record(main)
+        events[2].record(side)
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+        for times, end in zip(ends, events[1:]):
+            times.append(events[0].elapsed_time(end) * 1e3)
+    return statistics.median(ends[0]), statistics.median(ends[1])
 
 
 def graphed(fn) -> torch.cuda.CUDAGraph:
@@ -62,11 +131,12 @@ def graphed(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def chains(batch: int, hidden: int, kernels: int, device) -> dict:
-    """name -> a graph of the chain's kernels."""
+def chains(batch: int, hidden: int, kernels: int, device) -> dict[str, torch.cuda.CUDAGraph]:
+    """name -> a graph of the chain's kernels: `small` (`kernels` elementwise kernels), `gemm`
+    (kernels // 10 products)."""
     x = torch.randn(batch, hidden, device=device, dtype=torch.bfloat16)
-    w = torch.randn(hidden, 4 * hidden, device=device, dtype=torch.bfloat16) / hidden ** 0.5
-    w_back = torch.randn(4 * hidden, hidden, device=device, dtype=torch.bfloat16) / hidden ** 0.5
+    w_up = torch.randn(hidden, 4 * hidden, device=device, dtype=torch.bfloat16) / hidden ** 0.5
+    w_down = torch.randn(4 * hidden, hidden, device=device, dtype=torch.bfloat16) / (4 * hidden) ** 0.5
 
     def small():
         y = x
@@ -77,42 +147,9 @@ def chains(batch: int, hidden: int, kernels: int, device) -> dict:
     def gemm():
         y = x
         for _ in range(kernels // 20):
-            y = (y @ w) @ w_back
+            y = (y @ w_up) @ w_down
         return y
     return {"small": graphed(small), "gemm": graphed(gemm)}
-
-
-class Copies:
-    """One copy of `rows` rows of `row_bytes` three ways (COPIES); the method of each name launches one
-    on the current stream. `host` and `device` move random rows of a pool of 4 x rows to random slots of
-    `cache` [1, rows + 1, E] (slot = plan_slot[0, i] gets pool row plan_unit[0, i]); `engine` copies
-    the pool's first rows, contiguous, into `staging`. The pool is pinned on a GPU."""
-
-    def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        elems = row_bytes // 2
-        pool = torch.randn(4 * rows, elems, generator=gen).to(torch.bfloat16)
-        self.pool = pool.pin_memory() if device.type == "cuda" else pool
-        self.pool_on_device = pool.to(device)
-        self.cache = torch.zeros(1, rows + 1, elems, dtype=torch.bfloat16, device=device)
-        self.staging = torch.empty(rows, elems, dtype=torch.bfloat16, device=device)
-        self.plan_unit = torch.randperm(4 * rows, generator=gen)[:rows].to(torch.int32)[None].to(device)
-        self.plan_slot = torch.randperm(rows, generator=gen).to(torch.int32)[None].to(device)
-        self.counts = torch.tensor([[0, rows]], dtype=torch.int32, device=device)
-        self.streams = torch.zeros(1, dtype=torch.int32, device=device)
-        self.host_base = torch.zeros(1, dtype=torch.int64, device=device)
-        self.programs = programs
-
-    def host(self) -> None:
-        fetch_rows(self.plan_unit, self.plan_slot, self.counts, self.streams, self.host_base, self.pool, self.cache,
-                   self.programs)
-
-    def device(self) -> None:
-        fetch_rows(self.plan_unit, self.plan_slot, self.counts, self.streams, self.host_base, self.pool_on_device,
-                   self.cache, self.programs)
-
-    def engine(self) -> None:
-        self.staging.copy_(self.pool[:self.staging.shape[0]], non_blocking=True)
 
 
 def main(argv=None) -> None:
@@ -120,45 +157,49 @@ def main(argv=None) -> None:
     ap.add_argument("--programs", type=int, nargs="+", default=[4, 16], help="the copy kernel's programs")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--kernels", type=int, default=200, help="kernels in a chain (small; a tenth as many GEMMs)")
+    ap.add_argument("--kernels", type=int, default=200,
+                    help="elementwise kernels in the small chain (at least 20; the GEMM chain has a tenth)")
     ap.add_argument("--rows", type=int, default=16384, help="rows a copy moves (default 16384)")
     ap.add_argument("--row-bytes", type=int, default=1152, help="bytes a row (default 1152, DSA's latent)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
-    bad = [f"--{name} {getattr(args, name)}" for name in ("batch", "hidden", "kernels", "rows", "reps")
+    bad = [f"--{name} {getattr(args, name)}" for name in ("batch", "hidden", "rows", "reps")
            if getattr(args, name) < 1] + [f"--programs {p}" for p in args.programs if p < 1]
     if bad:
         ap.error(f"{', '.join(bad)}: expected a positive count")
-    if args.row_bytes < 4 or args.row_bytes % 4:
-        ap.error(f"--row-bytes {args.row_bytes}: expected a positive multiple of 4 (the copy moves 4-byte words)")
+    if args.kernels < 20:
+        ap.error(f"--kernels {args.kernels}: expected at least 20 (the GEMM chain has a tenth as many)")
+    if args.row_bytes < 2 or args.row_bytes % 2:
+        ap.error(f"--row-bytes {args.row_bytes}: expected a positive even number (rows of bf16)")
     if not torch.cuda.is_available():
         raise SystemExit("scripts.copy_interference times kernels beside copies on a CUDA GPU; none here")
     device = torch.device("cuda")
     side = torch.cuda.Stream()
     graphs = chains(args.batch, args.hidden, args.kernels, device)
-    alone = {name: median_us(g.replay, args.reps) for name, g in graphs.items()}
-    print(f"batch {args.batch}, hidden {args.hidden}; chains alone: "
-          + ", ".join(f"{name} {us:.0f} us" for name, us in alone.items()))
-    print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name + ' us':>10} {'x':>5}" for name in graphs))
+    queue_us = 0.8 * sleep_us()                      # the host's time to queue a run, with a margin
+    print(f"batch {args.batch}, hidden {args.hidden}, {args.kernels} small kernels or {args.kernels // 10} GEMMs; "
+          f"copies of {args.rows} rows of {args.row_bytes} bytes; us: alone -> beside (ratio), and '!' where "
+          "the copies ended before the chain")
+    print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>26}" for name in graphs), flush=True)
     for programs in args.programs:
-        launches = Copies(args.rows, args.row_bytes, programs, device)
+        copies = Copies(args.rows, args.row_bytes, programs, device)
         for name in COPIES if programs == args.programs[0] else COPIES[:2]:   # the engine's has no programs
-            launch = getattr(launches, name)
-            launch()
-            copy_us = median_us(launch, args.reps)
+            launch = getattr(copies, name)
+            launch()                                                          # compiles the copy kernel
+            copy_us = timed(launch, args.reps, side, queue_us)[0]
             cells = []
-            for chain, graph in graphs.items():
-                repeats = repeats_to_cover(alone[chain], copy_us)
+            for graph in graphs.values():
+                alone_us = timed(graph.replay, args.reps, side, queue_us)[0]
+                repeats = repeats_to_cover(alone_us, copy_us)
 
                 def beside():
-                    side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
                         for _ in range(repeats):
                             launch()
                     graph.replay()
-                us = median_us(beside, args.reps)
-                torch.cuda.current_stream().wait_stream(side)
-                cells.append(f"{us:10.0f} {us / alone[chain]:5.2f}")
+                chain_us, copies_us = timed(beside, args.reps, side, queue_us)
+                short = "!" if copies_us < chain_us else " "
+                cells.append(f"{alone_us:7.0f} -> {chain_us:7.0f} ({chain_us / alone_us:4.2f}){short}")
             rate = args.rows * args.row_bytes / copy_us / 1e3
             shown = "-" if name == "engine" else programs
             print(f"{name:>8} {shown:>8} {rate:6.1f} | " + " | ".join(cells), flush=True)

@@ -43,7 +43,7 @@ SMALL_PROGRAMS = 128
 
 
 def kernels_of(trace_path: str) -> list[dict]:
-    """Kernel events of a chrome trace, sorted by start: name, start and end (us), grid programs."""
+    """Kernel events of a chrome trace, sorted by start: name, start and end (us), grid programs, stream."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     out = []
@@ -52,12 +52,13 @@ def kernels_of(trace_path: str) -> list[dict]:
             continue
         grid = e.get("args", {}).get("grid", [0, 0, 0])
         out.append(dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]),
-                        programs=grid[0] * grid[1] * grid[2]))
+                        programs=grid[0] * grid[1] * grid[2], stream=e.get("args", {}).get("stream")))
     return sorted(out, key=lambda k: k["start"])
 
 
 def short(name: str) -> str:
-    return name.split("(")[0].split("<")[0][:48]
+    """A kernel's name without its return type's, namespaces' and arguments' noise, for printing."""
+    return name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0][:48]
 
 
 def steps_of(kernels: list[dict], anchors: int) -> list[list[dict]]:
@@ -79,18 +80,21 @@ def analyse(step: list[dict], side_programs: int) -> dict:
             gaps.append((k["start"] - t0, k["start"] - busy_until, short(k["name"])))
         busy_until = max(busy_until, k["end"])
     span = lambda k: (k["start"] - t0, k["end"] - k["start"])                # noqa: E731
+    # the compute: the kernels on the stream of the step's first (the first anchor's resolve, on the
+    # main stream in every mode this script runs), the in-line copies left out; full names
+    compute = [(k["name"], k["programs"], k["end"] - k["start"]) for k in main
+               if k["stream"] == step[0]["stream"] and k not in inline]
     return dict(t0=t0, step_us=step[-1]["end"] - t0, side=[span(k) for k in side], inline=[span(k) for k in inline],
-                gaps=gaps, kernels=[(*span(k), k["programs"], short(k["name"])) for k in step])
+                gaps=gaps, kernels=[(*span(k), k["programs"], short(k["name"])) for k in step], compute=compute)
 
 
 def compute_us(steps: list[dict]) -> dict[tuple[str, int], float]:
-    """Mean time per step (us) of each (kernel, programs) on the compute stream: every kernel of the
-    analysed steps but the copies (`_fetch_rows_kernel`, in line or on the side stream)."""
+    """Mean time per step (us) of each (kernel, programs) on the compute stream (`analyse`'s
+    `compute`: the copies left out), keyed by the kernel's full name."""
     total: dict[tuple[str, int], float] = collections.defaultdict(float)
     for step in steps:
-        for _, dur, programs, name in step["kernels"]:
-            if "_fetch_rows_kernel" not in name:
-                total[(name, programs)] += dur
+        for name, programs, dur in step["compute"]:
+            total[(name, programs)] += dur
     return {key: us / len(steps) for key, us in total.items()}
 
 
@@ -106,7 +110,7 @@ def compare_compute(mode: dict, base: dict, top: int = 12) -> list[str]:
     for (name, programs), g in sorted(gain.items(), key=lambda kv: -kv[1])[:top]:
         b, m = base.get((name, programs), 0.0), mode.get((name, programs), 0.0)
         ratio = f"x{m / b:.2f}" if b > 0 else "new"
-        lines.append(f"  {g:+7.1f} us  {name:<48} {programs:6d}: {b:7.1f} / {m:7.1f}  {ratio}")
+        lines.append(f"  {g:+7.1f} us  {short(name):<48} {programs:6d}: {b:7.1f} / {m:7.1f}  {ratio}")
     return lines
 
 

@@ -327,17 +327,18 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
     from scripts import timeline_prefetch as tp
     events, t = [], 100.0
 
-    def kernel(name, dur, grid, gap=0.0):
+    def kernel(name, dur, grid, gap=0.0, stream=7):
         nonlocal t
         t += gap
-        events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"grid": grid}})
+        events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"grid": grid, "stream": stream}})
         t += dur
     events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 1.0})       # not a kernel: ignored
-    for _ in range(3):                 # 3 steps of 2 anchors; the side copy runs beside the anchor's MLP
+    for i in range(3):                 # 3 steps of 2 anchors; the side copy runs beside the anchor's MLP
         for _ in range(2):
-            kernel("_resolve_kernel", 10, [32, 1, 1])
+            kernel("_resolve_kernel", 10 + 2 * i, [32, 1, 1])               # 10, then 12 us: a mean of 11
+            t -= 2 * i
             kernel("_fetch_rows_kernel", 100, [32, 256, 1])                  # the anchor's own, in line
-            kernel("_fetch_rows_kernel", 150, [4, 1, 1])                     # a shared layer's, capped
+            kernel("_fetch_rows_kernel", 150, [4, 1, 1], stream=9)           # a shared layer's, capped
             t -= 150                                                         # ... overlapping the next
             kernel("mlp_kernel", 50, [128, 1, 1])
             t -= 40
@@ -357,14 +358,16 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
                             (600.0, 120.0, "_sparse_mla_decode_gluon_kernel")]
     # the compute stream's kernels per step, copies left out, and one mode's gains over another's
     times = tp.compute_us([tp.analyse(s, side_programs=4) for s in steps])
-    assert times == {("_resolve_kernel", 32): 20.0, ("mlp_kernel", 128): 100.0, ("norm_kernel", 128): 20.0,
+    assert times == {("_resolve_kernel", 32): 22.0, ("mlp_kernel", 128): 100.0, ("norm_kernel", 128): 20.0,
                      ("_sparse_mla_decode_gluon_kernel", 128): 80.0}
-    slower = {("_resolve_kernel", 32): 26.0, ("mlp_kernel", 128): 100.0, ("norm_kernel", 128): 21.0,
-              ("_sparse_mla_decode_gluon_kernel", 128): 80.0, ("extra_kernel", 2): 3.0}
-    lines = tp.compare_compute(slower, times, top=2)
-    assert lines[0].startswith("     230 us per step against 220: +10 (kernels of under 128 programs +9, the rest +1)")
-    assert "+6.0 us  _resolve_kernel" in lines[1] and lines[1].endswith("20.0 /    26.0  x1.30")
-    assert "+3.0 us  extra_kernel" in lines[2] and lines[2].endswith("new") and len(lines) == 3
+    slower = {("_resolve_kernel", 32): 28.0, ("mlp_kernel", 128): 99.0, ("norm_kernel", 128): 21.0,
+              ("_sparse_mla_decode_gluon_kernel", 128): 80.0, ("void at::native::(anonymous namespace)::k<2>(int)", 2): 3.0}
+    base = {**times, ("base_only_kernel", 64): 2.0}
+    lines = tp.compare_compute(slower, base, top=2)
+    assert lines[0].startswith("     231 us per step against 224: +7 (kernels of under 128 programs +7, the rest +0)")
+    assert "+6.0 us  _resolve_kernel" in lines[1] and lines[1].endswith("22.0 /    28.0  x1.27")
+    assert "+3.0 us  void at::native::k " in lines[2] and lines[2].endswith("new") and len(lines) == 3
+    assert "-2.0 us  base_only_kernel" in tp.compare_compute(slower, base)[-1]      # gains sorted, losses last
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA GPU here"):
             tp.main([])
@@ -376,20 +379,24 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     from scripts import copy_interference as ci
     for argv, message in ((["--programs", "4", "0"], "--programs 0: expected a positive count"),
                           (["--rows", "-1"], "--rows -1: expected a positive count"),
-                          (["--row-bytes", "1150"], "--row-bytes 1150: expected a positive multiple of 4")):
+                          (["--kernels", "10"], "--kernels 10: expected at least 20"),
+                          (["--row-bytes", "1151"], "--row-bytes 1151: expected a positive even number")):
         with pytest.raises(SystemExit):
             ci.main(argv)
         assert message in capsys.readouterr().err
     copies = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"))
-    slots, units = copies.plan_slot[0].long(), copies.plan_unit[0].long()
-    for name in ("host", "device"):                  # each fills the planned slots from its own pool
+    assert copies.pool_on_device.data_ptr() != copies.pool.data_ptr()
+    slots = copies.plan_slot[0].long()
+    for plan, name in enumerate(("host", "device", "host")):   # each launch copies the next plan's rows
         copies.cache.zero_()
         getattr(copies, name)()
-        assert torch.equal(copies.cache[0, slots], copies.pool[units]), name
+        assert torch.equal(copies.cache[0, slots], copies.pool[copies.plan_units[plan][0].long()]), name
+    assert len({tuple(p[0].tolist()) for p in copies.plan_units}) == ci.PLANS    # distinct rows each
     copies.engine()
     assert torch.equal(copies.staging, copies.pool[:8])
     assert ci.repeats_to_cover(900.0, 300.0) == 5            # 1.5 x 900 us = 1350 us: 5 copies of 300
     assert ci.repeats_to_cover(100.0, 300.0) == 1
+    assert ci.repeats_to_cover(1.0, 0.0001) == 15000          # no rounding of tiny times to zero
     with pytest.raises(ValueError, match="expected positive times"):
         ci.repeats_to_cover(100.0, 0.0)
     if not torch.cuda.is_available():
