@@ -19,7 +19,8 @@
 # SWEEP_ARGS (e.g. "--config experiments/configs/h200.toml --kind decode --runs-per-process 3") first runs
 # experiments.sweep with them into $OUT/sweep/ (every point: the copied results/ are not read), capped by
 # SWEEP_TIMEOUT (s, default 540). TIMELINE_ARGS (e.g. "--batch 32 --modes sync prefetch noio") first runs
-# scripts/timeline_prefetch.py with them into $OUT/timeline_prefetch.txt, its summary in the log. NCU=1 first
+# scripts/timeline_prefetch.py with them into $OUT/timeline_prefetch.txt, its summary in the log. INTERFERENCE=1
+# first runs scripts/copy_interference.py (with INTERFERENCE_ARGS) into $OUT/copy_interference.txt. NCU=1 first
 # profiles one launch of each of NCU_TARGETS (scripts/ncu_kernels.py arguments, "|"-separated; default the
 # resolve at 20% and 100% misses, and DSA decode at batch 64) with Nsight Compute: $OUT/ncu_*.ncu-rep, with
 # each report's details and SASS source view as text beside it.
@@ -97,6 +98,14 @@ if [ -n "${TIMELINE_ARGS:-}" ]; then
   capped "${BENCH_TIMEOUT:-300}" python3 -m scripts.timeline_prefetch "${timeline[@]}" > "$OUT/timeline_prefetch.txt" 2>&1 \
     || status=1
   grep -v -e "^     " -e Warning "$OUT/timeline_prefetch.txt" | tee -a "$log"
+fi
+if [ "${INTERFERENCE:-0}" = 1 ]; then
+  # small kernels and GEMMs beside each kind of copy (scripts/copy_interference.py): $OUT/copy_interference.txt
+  echo "== copy_interference ${INTERFERENCE_ARGS:-}" | tee -a "$log"
+  read -r -a interference <<< "${INTERFERENCE_ARGS:-}"
+  capped "${BENCH_TIMEOUT:-300}" python3 -m scripts.copy_interference "${interference[@]}" \
+    > "$OUT/copy_interference.txt" 2>&1 || status=1
+  grep -v Warning "$OUT/copy_interference.txt" | tee -a "$log"
 fi
 if [ "${NCU:-0}" = 1 ]; then
   # Nsight Compute, one launch per target (scripts/ncu_kernels.py): NCU_TARGETS, "|"-separated argument lists

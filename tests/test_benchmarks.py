@@ -250,17 +250,20 @@ def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks how the suite reports a timeline that cannot run")
 def test_gpu_suite_runs_the_timeline_into_its_out_folder_and_reports_a_failure(tmp_path):
-    """TIMELINE_ARGS runs scripts/timeline_prefetch.py into $OUT/timeline_prefetch.txt; on a CPU it
-    refuses, which the log shows and the suite's status reports."""
+    """TIMELINE_ARGS runs scripts/timeline_prefetch.py into $OUT/timeline_prefetch.txt, INTERFERENCE=1
+    scripts/copy_interference.py into $OUT/copy_interference.txt; on a CPU both refuse, which the log
+    shows and the suite's status reports."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TESTS="none", HOST_GROW_GIB="0", TIMELINE_ARGS="--batch 2 --modes prefetch",
-               OUT=str(tmp_path / "out"))
+               INTERFERENCE="1", INTERFERENCE_ARGS="--programs 4", OUT=str(tmp_path / "out"))
     done = subprocess.run([shutil.which("bash"), "scripts/gpu_suite.sh", "none"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     log = (tmp_path / "out" / "gpu_log.txt").read_text()
     assert "== timeline_prefetch --batch 2 --modes prefetch" in log and "no CUDA GPU here" in log
     assert "no CUDA GPU here" in (tmp_path / "out" / "timeline_prefetch.txt").read_text()
+    assert "== copy_interference --programs 4" in log and "on a CUDA GPU; none here" in log
+    assert "on a CUDA GPU; none here" in (tmp_path / "out" / "copy_interference.txt").read_text()
 
 
 def test_gpu_suite_says_when_it_has_no_ncu_and_fails(tmp_path):
