@@ -249,9 +249,9 @@ _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.
 # Tried and not kept (2026-11-30, 77d7ee185ec8): a programmatic dependent launch (launch_pdl, with
 # gdc_wait and gdc_launch_dependents at the start), so that a call's launch overlaps the call before.
 # On the H200, with resolves back to back, 0.3-1.1 us less a call (batch 64, no IO: 10.4 against 11.5
-# us at 100% misses, the lower of two rounds; 7.1 against 7.4 at 20%), 0.4 more at batch 128; but in a decode step the kernel
-# before a resolve is the selection, so that gain is the benchmark's, not the decode loop's
-# (results/gpu_logs/77d7ee185ec8_resolve_pdl_not_kept.txt).
+# us at 100% misses, the lower of two rounds; 7.1 against 7.4 at 20%), 0.4 more at batch 128; but in a
+# decode step the kernel before a resolve is the selection, so that gain is the benchmark's, not the
+# decode loop's (results/gpu_logs/77d7ee185ec8_resolve_pdl_not_kept.txt).
 
 
 @triton.jit

@@ -338,7 +338,7 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
     events.append({"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 1.0})       # not a kernel: ignored
     for i in range(3):                 # 3 steps of 2 anchors; the side copy runs beside the anchor's MLP
         for _ in range(2):
-            kernel("_resolve_kernel", 10 + 2 * i, [32, 1, 1])               # 10, then 12 us: a mean of 11
+            kernel("_resolve_kernel", 10 + 2 * i, [32, 1, 1])               # 20 us a step, then 24: 22 on average
             t -= 2 * i
             kernel("_fetch_rows_kernel", 100, [32, 256, 1])                  # the anchor's own, in line
             kernel("_fetch_rows_kernel", 150, [4, 1, 1], stream=9)           # a shared layer's, capped
@@ -364,7 +364,8 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
     assert times == {("_resolve_kernel", 32): 22.0, ("mlp_kernel", 128): 100.0, ("norm_kernel", 128): 20.0,
                      ("_sparse_mla_decode_gluon_kernel", 128): 80.0}
     slower = {("_resolve_kernel", 32): 28.0, ("mlp_kernel", 128): 99.0, ("norm_kernel", 128): 21.0,
-              ("_sparse_mla_decode_gluon_kernel", 128): 80.0, ("void at::native::(anonymous namespace)::k<2>(int)", 2): 3.0}
+              ("_sparse_mla_decode_gluon_kernel", 128): 80.0,
+              ("void at::native::(anonymous namespace)::k<2>(int)", 2): 3.0}     # shortened when printed
     base = {**times, ("base_only_kernel", 64): 2.0}
     lines = tp.compare_compute(slower, base, top=2)
     assert lines[0].startswith("     231 us per step against 224: +7 (kernels of under 128 programs +7, the rest +0)")
