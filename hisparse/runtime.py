@@ -29,16 +29,17 @@ KV_MODES = ("resident", "hisparse", "noio")
 # Layer-wise prefetch (every family): the copy's width in programs, per family (a copy from pinned
 # host memory needs few to keep PCIe busy; more crowd out the layers it overlaps with). On the H200:
 # NSA's shared layers hid 76-78% of their copies with 32 programs at batch 32 and 64, 37% and 16% with
-# 256 (results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt), and 16 gained nothing (74-79%); DSA's
+# 256 (results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt), 16 gained nothing (74-79%) and 8 hid
+# 38-56% (e343a3dfc6cc_prefetch_dsa_h7168_b8_nsa_narrow.txt); DSA's
 # hid more with 16 than with 32 at every batch from 8 to 128 (hidden 1024 batch 64: 71% against 54%,
 # batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
 # were within a few points either way. Fewer programs take larger tiles (`hisparse.resolve.copy_tile`),
 # and with them DSA's hid more still with 4 (hidden 1024 batch 32: 83-84% against 67-69%; batch 64:
-# 81% against 70%). Its compute never waited on a copy: it ran slower beside one, and 132
-# multiprocessors less 4 still hold a whole wave of the step's 128-program kernels (the decode
-# kernel's, some projections'), less 6 or 8 do not (hid 72-74%;
-# results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt). HISPARSE_PREFETCH_PROGRAMS sets one width for
-# every family.
+# 81% against 70%; 6 or 8 programs hid 72-74%, 3 no more than 4;
+# results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt, 4f3263a3ae87_prefetch_programs_priority.txt).
+# Its compute never waits on a copy: it runs slower beside one, small kernels most, which the 4
+# multiprocessors a copy holds do not explain (e343a3dfc6cc_timeline_prefetch_4_programs.txt).
+# HISPARSE_PREFETCH_PROGRAMS sets one width for every family.
 PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 4, "NSA": 32, "Quest": 32}
 # PREFETCH_PROGRAMS: one width for every family (HISPARSE_PREFETCH_PROGRAMS), or None for each one's own
 PREFETCH_PROGRAMS = os.environ.get("HISPARSE_PREFETCH_PROGRAMS")
