@@ -1,6 +1,6 @@
 """Does a side-stream copy slow the kernels beside it, and through what? (GPU only)
 
-    python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200]
+    python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200] [--graphed]
 
 Beside DSA's prefetch copies (4 programs), the decode step's compute ran 196 us a step slower at hidden
 1024 batch 32, and only while a copy was in flight: kernels overlapping one ran 14-23% slower, the others
@@ -17,13 +17,20 @@ its own rows, so that no repeat finds them in L2) to random slots:
 - `device`: the same kernel, programs and tiles, reading the rows from device memory (it moves them
   faster: more bytes a microsecond beside the chain, none of them over PCIe);
 - `engine`: the same bytes, contiguous, host to device by cudaMemcpyAsync (the copy engines: no
-  multiprocessor, no zero-copy reads).
+  multiprocessor, no zero-copy reads);
+- `spin`: no copy, one thread spinning (torch.cuda._sleep) as long as the `host` copy takes: a kernel
+  on another stream that loads nothing.
 Reading the table: if `host` slows a chain and `device` does not, the copy's reads from the host slow
 it, not the multiprocessors it holds nor the bytes it moves; if `engine` slows it too, the PCIe traffic
-itself does. Every time is a median over `--reps` runs, each started after a GPU sleep long enough for
-the host to queue the whole run, so no launch is timed. Printed per copy: its rate alone, and per chain
-the us alone (timed beside each copy's run, against drift), beside the copy, their ratio, and whether
-the copies lasted the whole chain.
+itself does; if `spin` does, any kernel running beside it does. Every time is a median over `--reps`
+runs, each started after a GPU sleep long enough for the host to queue the whole run, so no launch is
+timed. Printed per copy: its rate alone, and per chain the us alone (timed beside each copy's run,
+against drift), beside the copy, their ratio, and whether the copies lasted the whole chain.
+With `--graphed`, chain and copies are captured together in one graph, the copies on a branch that
+forks at its start and joins at its end, as the decode step captures them. The copies then cover only
+about GRAPHED_COVER of the chain alone (use a long chain: --kernels 2000), so that the graph's time is
+the chain's, and each cell adds the chain's extra time per microsecond of copying ("/us"), which in the
+eager mode is the ratio - 1.
 """
 import argparse
 import math
@@ -34,9 +41,10 @@ import torch
 
 from hisparse.resolve import fetch_rows
 
-COPIES = ("host", "device", "engine")
+COPIES = ("host", "device", "engine", "spin")
 PLANS = 16              # the pool holds this many copies' rows, each repeat copies the next plan's
 SLEEP_CYCLES = 10**7    # about 5 ms at the H200's clock: the host queues a whole run meanwhile
+GRAPHED_COVER = 0.5     # with --graphed, the copies run for about this share of the chain alone
 
 
 def repeats_to_cover(chain_us: float, copy_us: float, margin: float = 1.5) -> int:
@@ -70,6 +78,7 @@ class Copies:
         self.host_base = torch.zeros(1, dtype=torch.int64, device=device)
         self.programs = programs
         self.launched = 0
+        self.spin_cycles = 0        # `spin`'s length: set to the `host` copy's once that is timed
 
     def _fetch(self, pool: torch.Tensor) -> None:
         plan = self.plan_units[self.launched % PLANS]
@@ -84,6 +93,9 @@ class Copies:
 
     def engine(self) -> None:
         self.staging.copy_(self.pool[:self.staging.shape[0]], non_blocking=True)
+
+    def spin(self) -> None:
+        torch.cuda._sleep(self.spin_cycles)
 
 
 def sleep_us() -> float:
@@ -131,8 +143,8 @@ def graphed(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def chains(batch: int, hidden: int, kernels: int, device) -> dict[str, torch.cuda.CUDAGraph]:
-    """name -> a graph of the chain's kernels: `small` (`kernels` elementwise kernels), `gemm`
+def chains(batch: int, hidden: int, kernels: int, device) -> dict:
+    """name -> the chain's kernels, a function: `small` (`kernels` elementwise kernels), `gemm`
     (kernels // 10 products)."""
     x = torch.randn(batch, hidden, device=device, dtype=torch.bfloat16)
     w_up = torch.randn(hidden, 4 * hidden, device=device, dtype=torch.bfloat16) / hidden ** 0.5
@@ -149,7 +161,21 @@ def chains(batch: int, hidden: int, kernels: int, device) -> dict[str, torch.cud
         for _ in range(kernels // 20):
             y = (y @ w_up) @ w_down
         return y
-    return {"small": graphed(small), "gemm": graphed(gemm)}
+    return {"small": small, "gemm": gemm}
+
+
+def with_copies_beside(chain, launch, repeats: int, side: torch.cuda.Stream):
+    """A function that runs `repeats` copies on `side` and the chain on the current stream, the copies
+    forking from the current stream's work and joining it at the end (as captured in a graph)."""
+    def run():
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(repeats):
+                launch()
+        chain()
+        main.wait_stream(side)
+    return run
 
 
 def main(argv=None) -> None:
@@ -162,6 +188,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=16384, help="rows a copy moves (default 16384)")
     ap.add_argument("--row-bytes", type=int, default=1152, help="bytes a row (default 1152, DSA's latent)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--graphed", action="store_true",
+                    help="capture chain and copies in one graph, the copies on a forked branch (see above)")
     args = ap.parse_args(argv)
     bad = [f"--{name} {getattr(args, name)}" for name in ("batch", "hidden", "rows", "reps")
            if getattr(args, name) < 1] + [f"--programs {p}" for p in args.programs if p < 1]
@@ -175,34 +203,49 @@ def main(argv=None) -> None:
         raise SystemExit("scripts.copy_interference times kernels beside copies on a CUDA GPU; none here")
     device = torch.device("cuda")
     side = torch.cuda.Stream()
-    graphs = chains(args.batch, args.hidden, args.kernels, device)
-    queue_us = 0.8 * sleep_us()                      # the host's time to queue a run, with a margin
+    fns = chains(args.batch, args.hidden, args.kernels, device)
+    graphs = {name: graphed(fn) for name, fn in fns.items()}
+    sleep = sleep_us()
+    queue_us = 0.8 * sleep                           # the host's time to queue a run, with a margin
     print(f"batch {args.batch}, hidden {args.hidden}, {args.kernels} small kernels or {args.kernels // 10} GEMMs; "
-          f"copies of {args.rows} rows of {args.row_bytes} bytes; us: alone -> beside (ratio), and '!' where "
-          "the copies ended before the chain")
-    print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>26}" for name in graphs), flush=True)
+          f"copies of {args.rows} rows of {args.row_bytes} bytes, "
+          + ("captured with the chain in one graph, covering about half of it" if args.graphed else
+             "launched eagerly beside the chain's graph, outlasting it")
+          + "; us: alone -> beside (ratio), '!' where the copies "
+          + ("outlast the chain alone (longer chains: --kernels), and the extra us per us of copying"
+             if args.graphed else "ended before the chain"))
+    print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>36}" for name in graphs), flush=True)
     for programs in args.programs:
         copies = Copies(args.rows, args.row_bytes, programs, device)
-        for name in COPIES if programs == args.programs[0] else COPIES[:2]:   # the engine's has no programs
+        first = programs == args.programs[0]
+        for name in COPIES if first else COPIES[:2]:        # the engine and the spin have no programs
             launch = getattr(copies, name)
             launch()                                                          # compiles the copy kernel
             copy_us = timed(launch, args.reps, side, queue_us)[0]
+            if name == "host":
+                copies.spin_cycles = round(SLEEP_CYCLES * copy_us / sleep)
+            if first and name == COPIES[0]:
+                # the first beside-runs of a process leave its later chains slower (on the H200 the small
+                # chain's alone time went 199 -> 234 us after one): one round of each, untimed
+                for chain, graph in zip(fns.values(), graphs.values()):
+                    timed(with_copies_beside(graph.replay, launch, 1, side), 3, side, queue_us)
             cells = []
-            for graph in graphs.values():
+            for chain, graph in zip(fns.values(), graphs.values()):
                 alone_us = timed(graph.replay, args.reps, side, queue_us)[0]
-                repeats = repeats_to_cover(alone_us, copy_us)
-
-                def beside():
-                    with torch.cuda.stream(side):
-                        for _ in range(repeats):
-                            launch()
-                    graph.replay()
-                chain_us, copies_us = timed(beside, args.reps, side, queue_us)
-                short = "!" if copies_us < chain_us else " "
-                cells.append(f"{alone_us:7.0f} -> {chain_us:7.0f} ({chain_us / alone_us:4.2f}){short}")
+                repeats = (max(1, int(GRAPHED_COVER * alone_us / copy_us)) if args.graphed
+                           else repeats_to_cover(alone_us, copy_us))
+                beside = with_copies_beside(chain if args.graphed else graph.replay, launch, repeats, side)
+                run = graphed(beside).replay if args.graphed else beside
+                chain_us, copies_us = timed(run, args.reps, side, queue_us)
+                # eager: the copies must outlast the chain; graphed: the chain must outlast them
+                short = "!" if (repeats * copy_us > alone_us if args.graphed else copies_us < chain_us) else " "
+                cell = f"{alone_us:7.0f} -> {chain_us:7.0f} ({chain_us / alone_us:4.2f}){short}"
+                if args.graphed:
+                    cell += f" {(chain_us - alone_us) / (repeats * copy_us):+5.2f}/us"
+                cells.append(cell)
             rate = args.rows * args.row_bytes / copy_us / 1e3
-            shown = "-" if name == "engine" else programs
-            print(f"{name:>8} {shown:>8} {rate:6.1f} | " + " | ".join(cells), flush=True)
+            shown = programs if name in ("host", "device") else "-"
+            print(f"{name:>8} {shown:>8} {rate:6.1f} | " + " | ".join(f"{c:>36}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

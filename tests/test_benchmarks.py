@@ -404,5 +404,6 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     with pytest.raises(ValueError, match="expected positive times"):
         ci.repeats_to_cover(100.0, 0.0)
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="on a CUDA GPU; none here"):
-            ci.main([])
+        for argv in ([], ["--graphed"]):
+            with pytest.raises(SystemExit, match="on a CUDA GPU; none here"):
+                ci.main(argv)
