@@ -164,9 +164,10 @@ def chains(batch: int, hidden: int, kernels: int, device) -> dict:
     return {"small": small, "gemm": gemm}
 
 
-def with_copies_beside(chain, launch, repeats: int, side: torch.cuda.Stream):
+def with_copies_beside(chain, launch, repeats: int, side: torch.cuda.Stream, join: bool):
     """A function that runs `repeats` copies on `side` and the chain on the current stream, the copies
-    forking from the current stream's work and joining it at the end (as captured in a graph)."""
+    forking from the current stream's work; with `join`, the current stream then waits for them (as
+    a graph's capture needs; in an eager run that would time the copies as the chain)."""
     def run():
         main = torch.cuda.current_stream()
         side.wait_stream(main)
@@ -174,7 +175,8 @@ def with_copies_beside(chain, launch, repeats: int, side: torch.cuda.Stream):
             for _ in range(repeats):
                 launch()
         chain()
-        main.wait_stream(side)
+        if join:
+            main.wait_stream(side)
     return run
 
 
@@ -205,7 +207,7 @@ def main(argv=None) -> None:
     side = torch.cuda.Stream()
     fns = chains(args.batch, args.hidden, args.kernels, device)
     graphs = {name: graphed(fn) for name, fn in fns.items()}
-    sleep = sleep_us()
+    sleep = min(sleep_us() for _ in range(3))       # the clock rises from idle over the first ones
     queue_us = 0.8 * sleep                           # the host's time to queue a run, with a margin
     print(f"batch {args.batch}, hidden {args.hidden}, {args.kernels} small kernels or {args.kernels // 10} GEMMs; "
           f"copies of {args.rows} rows of {args.row_bytes} bytes, "
@@ -228,13 +230,14 @@ def main(argv=None) -> None:
                 # the first beside-runs of a process leave its later chains slower (on the H200 the small
                 # chain's alone time went 199 -> 234 us after one): one round of each, untimed
                 for chain, graph in zip(fns.values(), graphs.values()):
-                    timed(with_copies_beside(graph.replay, launch, 1, side), 3, side, queue_us)
+                    timed(with_copies_beside(graph.replay, launch, 1, side, join=False), 3, side, queue_us)
             cells = []
             for chain, graph in zip(fns.values(), graphs.values()):
                 alone_us = timed(graph.replay, args.reps, side, queue_us)[0]
                 repeats = (max(1, int(GRAPHED_COVER * alone_us / copy_us)) if args.graphed
                            else repeats_to_cover(alone_us, copy_us))
-                beside = with_copies_beside(chain if args.graphed else graph.replay, launch, repeats, side)
+                beside = with_copies_beside(chain if args.graphed else graph.replay, launch, repeats, side,
+                                            join=args.graphed)
                 run = graphed(beside).replay if args.graphed else beside
                 chain_us, copies_us = timed(run, args.reps, side, queue_us)
                 # eager: the copies must outlast the chain; graphed: the chain must outlast them
