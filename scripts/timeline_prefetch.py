@@ -17,6 +17,11 @@ graphed, and prints for each mode, over the timed steps (median per step):
   results/gpu_logs/e343a3dfc6cc_timeline_prefetch_4_programs.txt).
 The side-stream copies are told from the anchors' in-line ones by their grid (at most the prefetch
 width's programs). Kernel times are CUPTI's, so they include the graph's own scheduling.
+Mode `noio_copies` (this script's own) is noio with the shared layers' copies made all the same, on
+the side stream right after their anchor's resolve, as prefetch makes them, but with nothing waiting
+for them until the step's end (their rows are not read: noio's attention reads its slots as they
+are). Against noio it says what the copies alone cost the compute beside them, without prefetch's
+waits and in-line anchor copies.
 """
 import argparse
 import collections
@@ -40,6 +45,37 @@ GAP_US = 2.0
 # 128-132 on the H200) are latency-bound: they gain time beside a copy for other reasons than a lack
 # of multiprocessors
 SMALL_PROGRAMS = 128
+
+
+def detach_copies(engine: Engine):
+    """Make `engine` (noio, DSA) run each anchor's shared-layer copies on a side stream, as prefetch
+    does, with nothing waiting on them until the step's end (mode `noio_copies`). Returns a function
+    that puts the model's own decode back (the model outlives the engine)."""
+    side = torch.cuda.Stream()
+    make_attention, decode = engine.runtime.attention, engine.model.decode
+
+    def attention(*args, **kwargs):
+        att = make_attention(*args, **kwargs)
+        plain = att._slots
+
+        def slots(layer_idx, kv, selection):
+            out = plain(layer_idx, kv, selection)
+            if kv.anchor_layer is None and att.shared.get(layer_idx):
+                plan = att._plans[layer_idx]
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for shared in att.shared[layer_idx]:
+                        shared.cache.replay_plan(plan, shared.streams.view(-1), att.prefetch_programs)
+            return out
+        att._slots = slots
+        return att
+
+    def decode_then_join(*args, **kwargs):
+        logits = decode(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        return logits
+    engine.runtime.attention, engine.model.decode = attention, decode_then_join
+    return lambda: delattr(engine.model, "decode")
 
 
 def kernels_of(trace_path: str) -> list[dict]:
@@ -121,7 +157,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8, help="decode steps (the first two, eager and upload, untimed)")
-    ap.add_argument("--modes", nargs="+", default=["sync", "prefetch"], choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=["sync", "prefetch"], choices=list(MODES) + ["noio_copies"])
     ap.add_argument("--list", action="store_true", help="also print the median step's kernels in order")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -137,9 +173,10 @@ def main(argv=None) -> None:
           f"{len(TYPES)} layers ({anchors} anchors), prefetch width {width} programs")
     compute: dict[str, dict] = {}          # mode -> compute_us of its steps
     for name in args.modes:
-        mode, prefetch = MODES[name]
+        mode, prefetch = MODES.get(name, ("noio", False))
         engine = Engine(model, mode, cache_slots=None if mode == "resident" else 2 * k, prefetch=prefetch,
                         prefill="random")
+        undo = detach_copies(engine) if name == "noio_copies" else (lambda: None)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)
         with tempfile.TemporaryDirectory() as tmp:
@@ -176,6 +213,7 @@ def main(argv=None) -> None:
             for start, dur, progs, kname in mid["kernels"]:
                 print(f"     {start:8.1f} {dur:7.1f} {progs:6d} {kname}")
         compute[name] = compute_us(steps)
+        undo()
         del engine, out, prof
         release_cached_memory()
     base = args.modes[-1]
