@@ -79,7 +79,7 @@ def detach_copies(engine: Engine):
 
 
 def kernels_of(trace_path: str) -> list[dict]:
-    """Kernel events of a chrome trace, sorted by start: name, start and end (us), grid programs, stream."""
+    """Kernel events of a chrome trace, sorted by start: name, start and end (us), grid programs."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     out = []
@@ -88,7 +88,7 @@ def kernels_of(trace_path: str) -> list[dict]:
             continue
         grid = e.get("args", {}).get("grid", [0, 0, 0])
         out.append(dict(name=e["name"], start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]),
-                        programs=grid[0] * grid[1] * grid[2], stream=e.get("args", {}).get("stream")))
+                        programs=grid[0] * grid[1] * grid[2]))
     return sorted(out, key=lambda k: k["start"])
 
 
@@ -116,10 +116,10 @@ def analyse(step: list[dict], side_programs: int) -> dict:
             gaps.append((k["start"] - t0, k["start"] - busy_until, short(k["name"])))
         busy_until = max(busy_until, k["end"])
     span = lambda k: (k["start"] - t0, k["end"] - k["start"])                # noqa: E731
-    # the compute: the kernels on the stream of the step's first (the first anchor's resolve, on the
-    # main stream in every mode this script runs), the in-line copies left out; full names
-    compute = [(k["name"], k["programs"], k["end"] - k["start"]) for k in main
-               if k["stream"] == step[0]["stream"] and k not in inline]
+    # the compute: every kernel but the copies, full names. Not told by stream: CUPTI puts a graph's
+    # kernels on the streams the graph launches on, and after a fork (prefetch) the main branch's
+    # kernels came on several (H200, 4afa07c777f0)
+    compute = [(k["name"], k["programs"], k["end"] - k["start"]) for k in main if k not in inline]
     return dict(t0=t0, step_us=step[-1]["end"] - t0, side=[span(k) for k in side], inline=[span(k) for k in inline],
                 gaps=gaps, kernels=[(*span(k), k["programs"], short(k["name"])) for k in step], compute=compute)
 

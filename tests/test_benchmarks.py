@@ -345,7 +345,8 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
             t -= 150                                                         # ... overlapping the next
             kernel("mlp_kernel", 50, [128, 1, 1])
             t -= 40
-            kernel("norm_kernel", 10, [128, 1, 1])               # inside the MLP's span: no gap after it
+            kernel("norm_kernel", 10, [128, 1, 1], stream=8)     # inside the MLP's span: no gap after it
+                                                                 # (on a stream of the graph's own: compute)
             t += 30
             kernel("_sparse_mla_decode_gluon_kernel", 40, [128, 1, 1], gap=120)   # waits for the copy
     path = tmp_path / "trace.json"
