@@ -57,21 +57,26 @@ def repeats_to_cover(chain_us: float, copy_us: float, margin: float = 1.5) -> in
 class Copies:
     """Copies of `rows` rows of `row_bytes` bytes three ways (COPIES); the method of each name launches
     one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ... in turn; each
-    plan random rows of a pool of PLANS x rows) to random slots of `cache` [1, rows + 1, E]: slot
-    plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies the pool's first rows,
-    contiguous, into `staging`. `pool` is host memory (pinned on a GPU machine); `pool_on_device` a
-    copy of it in device memory."""
+    plan random rows of a pool of `pool_rows`, default PLANS x rows) to random slots of `cache`
+    [1, rows + 1, E]: slot plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies the pool's
+    first rows, contiguous, into `staging`. `pool` is host memory (pinned on a GPU machine), random
+    values (a larger pool than the default is left as allocated: the copies' speed does not depend on
+    the bytes); `pool_on_device` a copy of it in device memory."""
 
-    def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0):
+    def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
-        pool = torch.randn(PLANS * rows, elems, generator=gen).to(torch.bfloat16)
+        pool_rows = max(pool_rows, PLANS * rows)
+        if pool_rows == PLANS * rows:
+            pool = torch.randn(pool_rows, elems, generator=gen).to(torch.bfloat16)
+        else:
+            pool = torch.empty(pool_rows, elems, dtype=torch.bfloat16)
         self.pool = pool.pin_memory() if device.type == "cuda" else pool
         self.pool_on_device = pool.to(device, copy=True)
+        order = torch.randperm(pool_rows, generator=gen)[:PLANS * rows].to(torch.int32)
+        self.plan_units = [order[i * rows:(i + 1) * rows][None].to(device) for i in range(PLANS)]
         self.cache = torch.zeros(1, rows + 1, elems, dtype=torch.bfloat16, device=device)
         self.staging = torch.empty(rows, elems, dtype=torch.bfloat16, device=device)
-        order = torch.randperm(PLANS * rows, generator=gen).to(torch.int32)
-        self.plan_units = [order[i * rows:(i + 1) * rows][None].to(device) for i in range(PLANS)]
         self.plan_slot = torch.randperm(rows, generator=gen).to(torch.int32)[None].to(device)
         self.counts = torch.tensor([[0, rows]], dtype=torch.int32, device=device)
         self.streams = torch.zeros(1, dtype=torch.int32, device=device)
@@ -190,6 +195,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=16384, help="rows a copy moves (default 16384)")
     ap.add_argument("--row-bytes", type=int, default=1152, help="bytes a row (default 1152, DSA's latent)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--pool-gib", type=float, default=0.0,
+                    help="the host pool's size (GiB; default 16 copies' rows): the copies read random rows of it, "
+                         "as a decode step's read rows of a pool of many GiB")
     ap.add_argument("--graphed", action="store_true",
                     help="capture chain and copies in one graph, the copies on a forked branch (see above)")
     args = ap.parse_args(argv)
@@ -201,6 +209,9 @@ def main(argv=None) -> None:
         ap.error(f"--kernels {args.kernels}: expected at least 20 (the GEMM chain has a tenth as many)")
     if args.row_bytes < 2 or args.row_bytes % 2:
         ap.error(f"--row-bytes {args.row_bytes}: expected a positive even number (rows of bf16)")
+    if args.pool_gib < 0:
+        ap.error(f"--pool-gib {args.pool_gib}: expected a size >= 0 (0: 16 copies' rows)")
+    pool_rows = max(int(args.pool_gib * 2**30) // args.row_bytes, PLANS * args.rows)
     if not torch.cuda.is_available():
         raise SystemExit("scripts.copy_interference times kernels beside copies on a CUDA GPU; none here")
     device = torch.device("cuda")
@@ -210,7 +221,8 @@ def main(argv=None) -> None:
     sleep = min(sleep_us() for _ in range(3))       # the clock rises from idle over the first ones
     queue_us = 0.8 * sleep                           # the host's time to queue a run, with a margin
     print(f"batch {args.batch}, hidden {args.hidden}, {args.kernels} small kernels or {args.kernels // 10} GEMMs; "
-          f"copies of {args.rows} rows of {args.row_bytes} bytes, "
+          f"copies of {args.rows} rows of {args.row_bytes} bytes from a host pool of "
+          f"{pool_rows * args.row_bytes / 2**30:.2f} GiB, "
           + ("captured with the chain in one graph, covering about half of it" if args.graphed else
              "launched eagerly beside the chain's graph, outlasting it")
           + "; us: alone -> beside (ratio), '!' where the copies "
@@ -218,7 +230,7 @@ def main(argv=None) -> None:
              if args.graphed else "ended before the chain"))
     print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>36}" for name in graphs), flush=True)
     for programs in args.programs:
-        copies = Copies(args.rows, args.row_bytes, programs, device)
+        copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows)
         first = programs == args.programs[0]
         for name in COPIES if first else COPIES[:2]:        # the engine and the spin have no programs
             launch = getattr(copies, name)

@@ -385,7 +385,8 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     for argv, message in ((["--programs", "4", "0"], "--programs 0: expected a positive count"),
                           (["--rows", "-1"], "--rows -1: expected a positive count"),
                           (["--kernels", "10"], "--kernels 10: expected at least 20"),
-                          (["--row-bytes", "1151"], "--row-bytes 1151: expected a positive even number")):
+                          (["--row-bytes", "1151"], "--row-bytes 1151: expected a positive even number"),
+                          (["--pool-gib", "-1"], "--pool-gib -1.0: expected a size >= 0")):
         with pytest.raises(SystemExit):
             ci.main(argv)
         assert message in capsys.readouterr().err
@@ -399,6 +400,11 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     assert len({tuple(p[0].tolist()) for p in copies.plan_units}) == ci.PLANS    # distinct rows each
     copies.engine()
     assert torch.equal(copies.staging, copies.pool[:8])
+    large = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000)
+    assert large.pool.shape == (1000, 6) and max(int(p.max()) for p in large.plan_units) >= 128   # beyond 16 x 8
+    large.host()                          # a larger pool is left as allocated: compare bits, not values
+    got = large.cache[0, large.plan_slot[0].long()].view(torch.int16)
+    assert torch.equal(got, large.pool[large.plan_units[0][0].long()].view(torch.int16))
     assert ci.repeats_to_cover(900.0, 300.0) == 5            # 1.5 x 900 us = 1350 us: 5 copies of 300
     assert ci.repeats_to_cover(100.0, 300.0) == 1
     assert ci.repeats_to_cover(1.0, 0.0001) == 15000          # no rounding of tiny times to zero
