@@ -36,9 +36,12 @@ import argparse
 import math
 import statistics
 import time
+import weakref
 
 import torch
 
+from hisparse.host_pool import pinned_empty, unpin
+from scripts.ablate_decode import huge_page_kib
 from hisparse.resolve import fetch_rows
 
 COPIES = ("host", "device", "engine", "spin")
@@ -63,16 +66,19 @@ class Copies:
     values (a larger pool than the default is left as allocated: the copies' speed does not depend on
     the bytes); `pool_on_device` a copy of it in device memory."""
 
-    def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0):
+    def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
+                 huge_pages: bool = False):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
         pool_rows = max(pool_rows, PLANS * rows)
-        if pool_rows == PLANS * rows:
-            pool = torch.randn(pool_rows, elems, generator=gen).to(torch.bfloat16)
+        if device.type == "cuda":      # pinned as the host pool pins it (hisparse.host_pool)
+            self.pool = pinned_empty(pool_rows, elems, torch.bfloat16, huge_pages=huge_pages)
+            weakref.finalize(self, unpin, self.pool)
         else:
-            pool = torch.empty(pool_rows, elems, dtype=torch.bfloat16)
-        self.pool = pool.pin_memory() if device.type == "cuda" else pool
-        self.pool_on_device = pool.to(device, copy=True)
+            self.pool = torch.empty(pool_rows, elems, dtype=torch.bfloat16)
+        if pool_rows == PLANS * rows:
+            self.pool.copy_(torch.randn(pool_rows, elems, generator=gen))
+        self.pool_on_device = self.pool.to(device, copy=True)
         order = torch.randperm(pool_rows, generator=gen)[:PLANS * rows].to(torch.int32)
         self.plan_units = [order[i * rows:(i + 1) * rows][None].to(device) for i in range(PLANS)]
         self.cache = torch.zeros(1, rows + 1, elems, dtype=torch.bfloat16, device=device)
@@ -198,6 +204,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pool-gib", type=float, default=0.0,
                     help="the host pool's size (GiB; default 16 copies' rows): the copies read random rows of it, "
                          "as a decode step's read rows of a pool of many GiB")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="back the host pool with 2 MiB pages (hisparse.host_pool.pinned_empty's huge_pages)")
     ap.add_argument("--graphed", action="store_true",
                     help="capture chain and copies in one graph, the copies on a forked branch (see above)")
     args = ap.parse_args(argv)
@@ -230,7 +238,9 @@ def main(argv=None) -> None:
              if args.graphed else "ended before the chain"))
     print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>36}" for name in graphs), flush=True)
     for programs in args.programs:
-        copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows)
+        copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows, huge_pages=args.huge_pages)
+        if args.huge_pages:
+            print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
         first = programs == args.programs[0]
         for name in COPIES if first else COPIES[:2]:        # the engine and the spin have no programs
             launch = getattr(copies, name)
