@@ -29,8 +29,9 @@ against drift), beside the copy, their ratio, and whether the copies lasted the 
 With `--graphed`, chain and copies are captured together in one graph, the copies on a branch that
 forks at its start and joins at its end, as the decode step captures them. The copies then cover only
 about GRAPHED_COVER of the chain alone (use a long chain: --kernels 2000), so that the graph's time is
-the chain's, and each cell adds the chain's extra time per microsecond of copying ("/us"), which in the
-eager mode is the ratio - 1.
+the chain's, and each cell adds the chain's extra time per microsecond of copying ("/us"; in the
+eager mode the ratio - 1) and per MB copied ("/MB": what moving a layer's rows costs the compute, for
+comparing copies of different rates).
 """
 import argparse
 import math
@@ -234,9 +235,10 @@ def main(argv=None) -> None:
           + ("captured with the chain in one graph, covering about half of it" if args.graphed else
              "launched eagerly beside the chain's graph, outlasting it")
           + "; us: alone -> beside (ratio), '!' where the copies "
-          + ("outlast the chain alone (longer chains: --kernels), and the extra us per us of copying"
+          + ("outlast the chain alone (longer chains: --kernels), and the extra us per us and per MB of copying"
              if args.graphed else "ended before the chain"))
-    print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>36}" for name in graphs), flush=True)
+    width = 48 if args.graphed else 36
+    print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>{width}}" for name in graphs), flush=True)
     for programs in args.programs:
         copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows, huge_pages=args.huge_pages)
         if args.huge_pages:
@@ -266,11 +268,13 @@ def main(argv=None) -> None:
                 short = "!" if (repeats * copy_us > alone_us if args.graphed else copies_us < chain_us) else " "
                 cell = f"{alone_us:7.0f} -> {chain_us:7.0f} ({chain_us / alone_us:4.2f}){short}"
                 if args.graphed:
-                    cell += f" {(chain_us - alone_us) / (repeats * copy_us):+5.2f}/us"
+                    extra_us = chain_us - alone_us
+                    cell += (f" {extra_us / (repeats * copy_us):+5.2f}/us "
+                             f"{extra_us / (repeats * args.rows * args.row_bytes / 1e6):+5.2f}/MB")
                 cells.append(cell)
             rate = args.rows * args.row_bytes / copy_us / 1e3
             shown = programs if name in ("host", "device") else "-"
-            print(f"{name:>8} {shown:>8} {rate:6.1f} | " + " | ".join(f"{c:>36}" for c in cells), flush=True)
+            print(f"{name:>8} {shown:>8} {rate:6.1f} | " + " | ".join(f"{c:>{width}}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
