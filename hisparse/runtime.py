@@ -38,7 +38,9 @@ KV_MODES = ("resident", "hisparse", "noio")
 # 81% against 70%; 6 or 8 programs hid 72-74%, 3 no more than 4;
 # results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt, 4f3263a3ae87_prefetch_programs_priority.txt).
 # Its compute never waits on a copy: it runs slower beside one, small kernels most, which the 4
-# multiprocessors a copy holds do not explain (e343a3dfc6cc_timeline_prefetch_4_programs.txt).
+# multiprocessors a copy holds do not explain (e343a3dfc6cc_timeline_prefetch_4_programs.txt): the
+# copy's reads of rows spread over a host pool of many GiB slow the kernels beside it, whatever its
+# width (c21295b4d6aa_copy_interference.txt, a9751032cbcd_timeline_noio_copies.txt).
 # HISPARSE_PREFETCH_PROGRAMS sets one width for every family.
 PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 4, "NSA": 32, "Quest": 32}
 # PREFETCH_PROGRAMS: one width for every family (HISPARSE_PREFETCH_PROGRAMS), or None for each one's own
