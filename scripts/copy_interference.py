@@ -63,12 +63,13 @@ class Copies:
     one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ... in turn; each
     plan random rows of a pool of `pool_rows`, default PLANS x rows) to random slots of `cache`
     [1, rows + 1, E]: slot plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies the pool's
-    first rows, contiguous, into `staging`. `pool` is host memory (pinned on a GPU machine), random
+    first rows, contiguous, into `staging`. sorted_rows: each plan's rows in host-address order (the
+    resolve's sort_plan), else in random order (a selection's). `pool` is host memory (pinned on a GPU machine), random
     values (a larger pool than the default is left as allocated: the copies' speed does not depend on
     the bytes); `pool_on_device` a copy of it in device memory."""
 
     def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
-                 huge_pages: bool = False):
+                 huge_pages: bool = False, sorted_rows: bool = False):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
         pool_rows = max(pool_rows, PLANS * rows)
@@ -80,8 +81,10 @@ class Copies:
         if pool_rows == PLANS * rows:
             self.pool.copy_(torch.randn(pool_rows, elems, generator=gen))
         self.pool_on_device = self.pool.to(device, copy=True)
-        order = torch.randperm(pool_rows, generator=gen)[:PLANS * rows].to(torch.int32)
-        self.plan_units = [order[i * rows:(i + 1) * rows][None].to(device) for i in range(PLANS)]
+        order = torch.randperm(pool_rows, generator=gen)[:PLANS * rows].to(torch.int32).view(PLANS, rows)
+        if sorted_rows:
+            order = order.sort(dim=1).values
+        self.plan_units = [order[i][None].to(device) for i in range(PLANS)]
         self.cache = torch.zeros(1, rows + 1, elems, dtype=torch.bfloat16, device=device)
         self.staging = torch.empty(rows, elems, dtype=torch.bfloat16, device=device)
         self.plan_slot = torch.randperm(rows, generator=gen).to(torch.int32)[None].to(device)
@@ -205,6 +208,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pool-gib", type=float, default=0.0,
                     help="the host pool's size (GiB; default 16 copies' rows): the copies read random rows of it, "
                          "as a decode step's read rows of a pool of many GiB")
+    ap.add_argument("--sorted", action="store_true",
+                    help="each copy reads its rows in host-address order (the resolve's sort_plan), not at random")
     ap.add_argument("--huge-pages", action="store_true",
                     help="back the host pool with 2 MiB pages (hisparse.host_pool.pinned_empty's huge_pages)")
     ap.add_argument("--graphed", action="store_true",
@@ -231,7 +236,7 @@ def main(argv=None) -> None:
     queue_us = 0.8 * sleep                           # the host's time to queue a run, with a margin
     print(f"batch {args.batch}, hidden {args.hidden}, {args.kernels} small kernels or {args.kernels // 10} GEMMs; "
           f"copies of {args.rows} rows of {args.row_bytes} bytes from a host pool of "
-          f"{pool_rows * args.row_bytes / 2**30:.2f} GiB, "
+          f"{pool_rows * args.row_bytes / 2**30:.2f} GiB{' in address order' if args.sorted else ''}, "
           + ("captured with the chain in one graph, covering about half of it" if args.graphed else
              "launched eagerly beside the chain's graph, outlasting it")
           + "; us: alone -> beside (ratio), '!' where the copies "
@@ -240,7 +245,8 @@ def main(argv=None) -> None:
     width = 48 if args.graphed else 36
     print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>{width}}" for name in graphs), flush=True)
     for programs in args.programs:
-        copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows, huge_pages=args.huge_pages)
+        copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows, huge_pages=args.huge_pages,
+                        sorted_rows=args.sorted)
         if args.huge_pages:
             print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
         first = programs == args.programs[0]

@@ -405,6 +405,9 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     large.host()                          # a larger pool is left as allocated: compare bits, not values
     got = large.cache[0, large.plan_slot[0].long()].view(torch.int16)
     assert torch.equal(got, large.pool[large.plan_units[0][0].long()].view(torch.int16))
+    ordered = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, sorted_rows=True)
+    assert all(bool((p[0][1:] > p[0][:-1]).all()) for p in ordered.plan_units)          # host-address order
+    assert not all(bool((p[0][1:] > p[0][:-1]).all()) for p in large.plan_units)
     assert ci.repeats_to_cover(900.0, 300.0) == 5            # 1.5 x 900 us = 1350 us: 5 copies of 300
     assert ci.repeats_to_cover(100.0, 300.0) == 1
     assert ci.repeats_to_cover(1.0, 0.0001) == 15000          # no rounding of tiny times to zero
