@@ -210,6 +210,9 @@ class UnitResolver:
         self.shared = shared or {}
         self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
         self.prefetch_programs = prefetch_programs(self.family)
+        # the anchors' miss plans in host-address order (`resolve`'s sort_plan: a sort of k keys in each
+        # anchor's resolve) rather than selection order; off by default (an experiment)
+        self.sort_plan = False
         self._plans: dict[int, ResolveResult] = {}      # anchor layer -> its resolve results, refilled per step
         # selections from a trace instead of the model's, [layers, N, (HKV,) k] int32, filled by the
         # caller before each step; and what each layer attended over in the last step
@@ -256,7 +259,7 @@ class UnitResolver:
         newest = getattr(kv, "newest", None)
         plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
                                 check_values=self.check_values, out=self._plan_buffers(layer_idx, selection),
-                                newest=newest)
+                                newest=newest, sort_plan=self.sort_plan)
         if newest is not None:
             kv.newest = None                            # written (kept if the resolve refused the call)
         if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make

@@ -21,7 +21,8 @@ Mode `noio_copies` (this script's own) is noio with the shared layers' copies ma
 the side stream right after their anchor's resolve, as prefetch makes them, but with nothing waiting
 for them until the step's end (their rows are not read: noio's attention reads its slots as they
 are). Against noio it says what the copies alone cost the compute beside them, without prefetch's
-waits and in-line anchor copies.
+waits and in-line anchor copies. Mode `prefetch_sorted` is prefetch with the anchors' miss plans in
+host-address order (their resolves sort them), so that every copy reads its rows in that order.
 """
 import argparse
 import collections
@@ -41,10 +42,28 @@ from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
 
 GAP_US = 2.0
+# this script's own modes (see the docstring): name -> (engine mode, prefetch)
+OWN_MODES = {"noio_copies": ("noio", False), "prefetch_sorted": ("hisparse", True)}
 # kernels of fewer programs than the step's large ones (the decode kernel and the projections launch
 # 128-132 on the H200) are latency-bound: they gain time beside a copy for other reasons than a lack
 # of multiprocessors
 SMALL_PROGRAMS = 128
+
+
+def with_attention(engine: Engine, tweak) -> None:
+    """Call tweak(attention) on each sparse-attention object `engine` makes (one per `generate`)."""
+    make_attention = engine.runtime.attention
+
+    def attention(*args, **kwargs):
+        att = make_attention(*args, **kwargs)
+        tweak(att)
+        return att
+    engine.runtime.attention = attention
+
+
+def sort_plans(att) -> None:
+    """Mode `prefetch_sorted`: the anchors' miss plans in host-address order."""
+    att.sort_plan = True
 
 
 def detach_copies(engine: Engine):
@@ -52,10 +71,9 @@ def detach_copies(engine: Engine):
     does, with nothing waiting on them until the step's end (mode `noio_copies`). Returns a function
     that puts the model's own decode back (the model outlives the engine)."""
     side = torch.cuda.Stream()
-    make_attention, decode = engine.runtime.attention, engine.model.decode
+    decode = engine.model.decode
 
-    def attention(*args, **kwargs):
-        att = make_attention(*args, **kwargs)
+    def copy_beside(att):
         plain = att._slots
 
         def slots(layer_idx, kv, selection):
@@ -68,13 +86,13 @@ def detach_copies(engine: Engine):
                         shared.cache.replay_plan(plan, shared.streams.view(-1), att.prefetch_programs)
             return out
         att._slots = slots
-        return att
+    with_attention(engine, copy_beside)
 
     def decode_then_join(*args, **kwargs):
         logits = decode(*args, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
         return logits
-    engine.runtime.attention, engine.model.decode = attention, decode_then_join
+    engine.model.decode = decode_then_join
     return lambda: delattr(engine.model, "decode")
 
 
@@ -157,7 +175,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8, help="decode steps (the first two, eager and upload, untimed)")
-    ap.add_argument("--modes", nargs="+", default=["sync", "prefetch"], choices=list(MODES) + ["noio_copies"])
+    ap.add_argument("--modes", nargs="+", default=["sync", "prefetch"], choices=list(MODES) + list(OWN_MODES))
     ap.add_argument("--list", action="store_true", help="also print the median step's kernels in order")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -173,10 +191,14 @@ def main(argv=None) -> None:
           f"{len(TYPES)} layers ({anchors} anchors), prefetch width {width} programs")
     compute: dict[str, dict] = {}          # mode -> compute_us of its steps
     for name in args.modes:
-        mode, prefetch = MODES.get(name, ("noio", False))
+        mode, prefetch = MODES[name] if name in MODES else OWN_MODES[name]
         engine = Engine(model, mode, cache_slots=None if mode == "resident" else 2 * k, prefetch=prefetch,
                         prefill="random")
-        undo = detach_copies(engine) if name == "noio_copies" else (lambda: None)
+        undo = lambda: None                                             # noqa: E731
+        if name == "noio_copies":
+            undo = detach_copies(engine)
+        elif name == "prefetch_sorted":
+            with_attention(engine, sort_plans)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)
         with tempfile.TemporaryDirectory() as tmp:

@@ -59,6 +59,26 @@ def test_hisparse_is_bitwise_resident(family, slots_per_k):
         assert out.miss_rate > 0.2, "B = k must evict heavily"
 
 
+def test_miss_plans_in_host_address_order_are_bitwise_resident_too():
+    """The anchors' miss plans sorted by host row (`sort_plan`, an experiment against the copies'
+    cost beside the compute): the shared layer replays the sorted plan in line; the same logits."""
+    model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
+    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk)
+    make_attention, made = engine.runtime.attention, []
+
+    def sorting_attention(*args, **kwargs):
+        made.append(make_attention(*args, **kwargs))
+        made[-1].sort_plan = True
+        return made[-1]
+    engine.runtime.attention = sorting_attention
+    out = engine.generate(prompts(), new_tokens=NEW_TOKENS)
+    assert_bitwise(resident, out, "sort_plan")
+    assert len(made) == 1 and out.miss_rate > 0.2
+    for plan in made[0]._plans.values():             # the last step's plans: ascending host rows
+        for units, n in zip(plan.plan_unit.tolist(), plan.counts[:, 1].tolist()):
+            assert units[:n] == sorted(units[:n])
+
+
 def test_rows_stored_once_per_step_are_bitwise_resident_too():
     """host_write="step": the layers write only the device, and the last layer stores every layer's
     newest row in the host pool in one launch. B = k evicts heavily, so recent rows come back from the
