@@ -33,7 +33,8 @@ KV_MODES = ("resident", "hisparse", "noio")
 # 38-56% (e343a3dfc6cc_prefetch_dsa_h7168_b8_nsa_narrow.txt); DSA's
 # hid more with 16 than with 32 at every batch from 8 to 128 (hidden 1024 batch 64: 71% against 54%,
 # batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
-# were within a few points either way. Fewer programs take larger tiles (`hisparse.resolve.copy_tile`),
+# were within a few points either way (PCIe-bound: at batch 64, 8 and 16 hid 24% and 28% against 30%;
+# 5a00a38e2dd7_prefetch_quest_b64_narrow.txt). Fewer programs take larger tiles (`hisparse.resolve.copy_tile`),
 # and with them DSA's hid more still with 4 (hidden 1024 batch 32: 83-84% against 67-69%; batch 64:
 # 81% against 70%; 6 or 8 programs hid 72-74%, 3 no more than 4;
 # results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt, 4f3263a3ae87_prefetch_programs_priority.txt).
@@ -211,7 +212,9 @@ class UnitResolver:
         self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
         self.prefetch_programs = prefetch_programs(self.family)
         # the anchors' miss plans in host-address order (`resolve`'s sort_plan: a sort of k keys in each
-        # anchor's resolve) rather than selection order; off by default (an experiment)
+        # anchor's resolve) rather than selection order. Off: on the H200 (DSA, hidden 1024, batch 32)
+        # it saved 10% of the anchors' copies, not the compute's slowing beside the prefetch copies,
+        # and its sort cost 45 us a resolve (5a00a38e2dd7_timeline_prefetch_sorted_plans.txt)
         self.sort_plan = False
         self._plans: dict[int, ResolveResult] = {}      # anchor layer -> its resolve results, refilled per step
         # selections from a trace instead of the model's, [layers, N, (HKV,) k] int32, filled by the
