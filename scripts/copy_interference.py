@@ -1,17 +1,19 @@
 """Does a side-stream copy slow the kernels beside it, and through what? (GPU only)
 
-    python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200] [--graphed]
+    python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200]
+        [--graphed] [--pool-gib 12] [--sorted] [--huge-pages]
 
 Beside DSA's prefetch copies (4 programs), the decode step's compute ran 196 us a step slower at hidden
 1024 batch 32, and only while a copy was in flight: kernels overlapping one ran 14-23% slower, the others
 1-2% (results/gpu_logs/e343a3dfc6cc_timeline_prefetch_4_programs.txt). This separates the candidates.
 Two chains of kernels are captured in CUDA graphs and timed alone and beside copies launched eagerly on
-another stream (in the decode step they are captured with it), repeated to outlast the chain:
+another stream (in the decode step they are captured with it: `--graphed`), repeated to outlast the chain:
 - `small`: `--kernels` torch elementwise ops on a [batch, hidden] bf16 tensor, a few programs each,
   as the step's norms and residual adds;
 - `gemm`: a tenth as many [batch, hidden] x [hidden, 4 hidden] products and back, as its projections.
-The copies move `--rows` rows of `--row-bytes` from random rows of a pool of 16 x rows (each repeat
-its own rows, so that no repeat finds them in L2) to random slots:
+The copies move `--rows` rows of `--row-bytes` from random rows of a pool of 16 x rows, or of
+`--pool-gib` (each repeat its own rows, so that no repeat finds them in L2; `--sorted`: in address
+order; `--huge-pages`: a pool in 2 MiB pages) to random slots:
 - `host`: `fetch_rows` at `--programs`, the prefetch copy, reading the rows zero-copy from pinned host
   memory;
 - `device`: the same kernel, programs and tiles, reading the rows from device memory (it moves them
@@ -32,6 +34,11 @@ about GRAPHED_COVER of the chain alone (use a long chain: --kernels 2000), so th
 the chain's, and each cell adds the chain's extra time per microsecond of copying ("/us"; in the
 eager mode the ratio - 1) and per MB copied ("/MB": what moving a layer's rows costs the compute, for
 comparing copies of different rates).
+Found on the H200 (results/gpu_logs/c21295b4d6aa_copy_interference.txt): neither `spin` nor `engine`
+slows the chains; `host` slows them more the larger its pool (graphed, 4 programs, small kernels: 0.2
+us per MB from 0.28 GiB, 10.7 from 12 GiB), in 2 MiB pages as much; `device` about as much as `host`
+from 12 GiB. Rows in address order halve the cost from 12 GiB here
+(5a00a38e2dd7_timeline_prefetch_sorted_plans.txt), but not in the decode step.
 """
 import argparse
 import math
@@ -42,8 +49,8 @@ import weakref
 import torch
 
 from hisparse.host_pool import pinned_empty, unpin
-from scripts.ablate_decode import huge_page_kib
 from hisparse.resolve import fetch_rows
+from scripts.ablate_decode import huge_page_kib
 
 COPIES = ("host", "device", "engine", "spin")
 PLANS = 16              # the pool holds this many copies' rows, each repeat copies the next plan's
@@ -59,21 +66,22 @@ def repeats_to_cover(chain_us: float, copy_us: float, margin: float = 1.5) -> in
 
 
 class Copies:
-    """Copies of `rows` rows of `row_bytes` bytes three ways (COPIES); the method of each name launches
-    one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ... in turn; each
+    """Copies of `rows` rows of `row_bytes` bytes three ways, and a spin (COPIES); the method of each
+    name launches one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ... in turn; each
     plan random rows of a pool of `pool_rows`, default PLANS x rows) to random slots of `cache`
     [1, rows + 1, E]: slot plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies the pool's
     first rows, contiguous, into `staging`. sorted_rows: each plan's rows in host-address order (the
-    resolve's sort_plan), else in random order (a selection's). `pool` is host memory (pinned on a GPU machine), random
-    values (a larger pool than the default is left as allocated: the copies' speed does not depend on
-    the bytes); `pool_on_device` a copy of it in device memory."""
+    resolve's sort_plan), else in random order (a selection's). `pool` is host memory (pinned as the
+    host pool pins it on a GPU machine, in 2 MiB pages with huge_pages), random values (a pool larger
+    than the default is left as allocated: the copies' speed does not depend on the bytes);
+    `pool_on_device` a copy of it in device memory."""
 
     def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
                  huge_pages: bool = False, sorted_rows: bool = False):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
         pool_rows = max(pool_rows, PLANS * rows)
-        if device.type == "cuda":      # pinned as the host pool pins it (hisparse.host_pool)
+        if device.type == "cuda":
             self.pool = pinned_empty(pool_rows, elems, torch.bfloat16, huge_pages=huge_pages)
             weakref.finalize(self, unpin, self.pool)
         else:
