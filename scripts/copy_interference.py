@@ -1,7 +1,7 @@
 """Does a side-stream copy slow the kernels beside it, and through what? (GPU only)
 
     python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200]
-        [--graphed] [--pool-gib 12] [--sorted] [--huge-pages]
+        [--graphed] [--pool-gib 12 [--span-gib 0.25]] [--sorted] [--huge-pages]
 
 Beside DSA's prefetch copies (4 programs), the decode step's compute ran 196 us a step slower at hidden
 1024 batch 32, and only while a copy was in flight: kernels overlapping one ran 14-23% slower, the others
@@ -12,8 +12,9 @@ another stream (in the decode step they are captured with it: `--graphed`), repe
   as the step's norms and residual adds;
 - `gemm`: a tenth as many [batch, hidden] x [hidden, 4 hidden] products and back, as its projections.
 The copies move `--rows` rows of `--row-bytes` from random rows of a pool of 16 x rows, or of
-`--pool-gib` (each repeat its own rows, so that no repeat finds them in L2; `--sorted`: in address
-order; `--huge-pages`: a pool in 2 MiB pages) to random slots:
+`--pool-gib` (each repeat its own rows, so that no repeat finds them in L2; `--span-gib`: from the
+pool's first GiB only; `--sorted`: in address order; `--huge-pages`: a pool in 2 MiB pages) to random
+slots:
 - `host`: `fetch_rows` at `--programs`, the prefetch copy, reading the rows zero-copy from pinned host
   memory;
 - `device`: the same kernel, programs and tiles, reading the rows from device memory (it moves them
@@ -70,14 +71,15 @@ class Copies:
     name launches one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ... in turn; each
     plan random rows of a pool of `pool_rows`, default PLANS x rows) to random slots of `cache`
     [1, rows + 1, E]: slot plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies the pool's
-    first rows, contiguous, into `staging`. sorted_rows: each plan's rows in host-address order (the
+    first rows, contiguous, into `staging`. span_rows: the plans' rows come from the pool's first
+    span_rows (at least PLANS x rows; default all of it). sorted_rows: each plan's rows in host-address order (the
     resolve's sort_plan), else in random order (a selection's). `pool` is host memory (pinned as the
     host pool pins it on a GPU machine, in 2 MiB pages with huge_pages), random values (a pool larger
     than the default is left as allocated: the copies' speed does not depend on the bytes);
     `pool_on_device` a copy of it in device memory."""
 
     def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
-                 huge_pages: bool = False, sorted_rows: bool = False):
+                 huge_pages: bool = False, sorted_rows: bool = False, span_rows: int = 0):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
         pool_rows = max(pool_rows, PLANS * rows)
@@ -89,7 +91,8 @@ class Copies:
         if pool_rows == PLANS * rows:
             self.pool.copy_(torch.randn(pool_rows, elems, generator=gen))
         self.pool_on_device = self.pool.to(device, copy=True)
-        order = torch.randperm(pool_rows, generator=gen)[:PLANS * rows].to(torch.int32).view(PLANS, rows)
+        span_rows = min(pool_rows, max(span_rows, PLANS * rows)) if span_rows else pool_rows
+        order = torch.randperm(span_rows, generator=gen)[:PLANS * rows].to(torch.int32).view(PLANS, rows)
         if sorted_rows:
             order = order.sort(dim=1).values
         self.plan_units = [order[i][None].to(device) for i in range(PLANS)]
@@ -216,6 +219,9 @@ def main(argv=None) -> None:
     ap.add_argument("--pool-gib", type=float, default=0.0,
                     help="the host pool's size (GiB; default 16 copies' rows): the copies read random rows of it, "
                          "as a decode step's read rows of a pool of many GiB")
+    ap.add_argument("--span-gib", type=float, default=0.0,
+                    help="draw the copies' rows from the pool's first GiB of this many (default all of it): a "
+                         "large pool pinned, a small part of it read")
     ap.add_argument("--sorted", action="store_true",
                     help="each copy reads its rows in host-address order (the resolve's sort_plan), not at random")
     ap.add_argument("--huge-pages", action="store_true",
@@ -231,8 +237,9 @@ def main(argv=None) -> None:
         ap.error(f"--kernels {args.kernels}: expected at least 20 (the GEMM chain has a tenth as many)")
     if args.row_bytes < 2 or args.row_bytes % 2:
         ap.error(f"--row-bytes {args.row_bytes}: expected a positive even number (rows of bf16)")
-    if args.pool_gib < 0:
-        ap.error(f"--pool-gib {args.pool_gib}: expected a size >= 0 (0: 16 copies' rows)")
+    for name in ("pool_gib", "span_gib"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a size >= 0 (0: the default)")
     pool_rows = max(int(args.pool_gib * 2**30) // args.row_bytes, PLANS * args.rows)
     if not torch.cuda.is_available():
         raise SystemExit("scripts.copy_interference times kernels beside copies on a CUDA GPU; none here")
@@ -244,7 +251,8 @@ def main(argv=None) -> None:
     queue_us = 0.8 * sleep                           # the host's time to queue a run, with a margin
     print(f"batch {args.batch}, hidden {args.hidden}, {args.kernels} small kernels or {args.kernels // 10} GEMMs; "
           f"copies of {args.rows} rows of {args.row_bytes} bytes from a host pool of "
-          f"{pool_rows * args.row_bytes / 2**30:.2f} GiB{' in address order' if args.sorted else ''}, "
+          f"{pool_rows * args.row_bytes / 2**30:.2f} GiB{f' (its first {args.span_gib} GiB)' if args.span_gib else ''}"
+          f"{' in address order' if args.sorted else ''}, "
           + ("captured with the chain in one graph, covering about half of it" if args.graphed else
              "launched eagerly beside the chain's graph, outlasting it")
           + "; us: alone -> beside (ratio), '!' where the copies "
@@ -254,7 +262,7 @@ def main(argv=None) -> None:
     print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>{width}}" for name in graphs), flush=True)
     for programs in args.programs:
         copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows, huge_pages=args.huge_pages,
-                        sorted_rows=args.sorted)
+                        sorted_rows=args.sorted, span_rows=int(args.span_gib * 2**30) // args.row_bytes)
         if args.huge_pages:
             print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
         first = programs == args.programs[0]

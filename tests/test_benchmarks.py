@@ -386,7 +386,8 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
                           (["--rows", "-1"], "--rows -1: expected a positive count"),
                           (["--kernels", "10"], "--kernels 10: expected at least 20"),
                           (["--row-bytes", "1151"], "--row-bytes 1151: expected a positive even number"),
-                          (["--pool-gib", "-1"], "--pool-gib -1.0: expected a size >= 0")):
+                          (["--pool-gib", "-1"], "--pool-gib -1.0: expected a size >= 0"),
+                          (["--span-gib", "-2"], "--span-gib -2.0: expected a size >= 0")):
         with pytest.raises(SystemExit):
             ci.main(argv)
         assert message in capsys.readouterr().err
@@ -408,6 +409,8 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     ordered = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, sorted_rows=True)
     assert all(bool((p[0][1:] > p[0][:-1]).all()) for p in ordered.plan_units)          # host-address order
     assert not all(bool((p[0][1:] > p[0][:-1]).all()) for p in large.plan_units)
+    spanned = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, span_rows=200)
+    assert spanned.pool.shape[0] == 1000 and max(int(p.max()) for p in spanned.plan_units) < 200
     assert ci.repeats_to_cover(900.0, 300.0) == 5            # 1.5 x 900 us = 1350 us: 5 copies of 300
     assert ci.repeats_to_cover(100.0, 300.0) == 1
     assert ci.repeats_to_cover(1.0, 0.0001) == 15000          # no rounding of tiny times to zero
