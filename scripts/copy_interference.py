@@ -68,15 +68,15 @@ def repeats_to_cover(chain_us: float, copy_us: float, margin: float = 1.5) -> in
 
 class Copies:
     """Copies of `rows` rows of `row_bytes` bytes three ways, and a spin (COPIES); the method of each
-    name launches one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ... in turn; each
-    plan random rows of a pool of `pool_rows`, default PLANS x rows) to random slots of `cache`
-    [1, rows + 1, E]: slot plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies the pool's
-    first rows, contiguous, into `staging`. span_rows: the plans' rows come from the pool's first
-    span_rows (at least PLANS x rows; default all of it). sorted_rows: each plan's rows in host-address order (the
-    resolve's sort_plan), else in random order (a selection's). `pool` is host memory (pinned as the
-    host pool pins it on a GPU machine, in 2 MiB pages with huge_pages), random values (a pool larger
-    than the default is left as allocated: the copies' speed does not depend on the bytes);
-    `pool_on_device` a copy of it in device memory."""
+    name launches one on the current stream. `host` and `device` move the rows of plan i (i = 0, 1, ...
+    in turn; each plan random rows of a pool of `pool_rows`, default PLANS x rows) to random slots of
+    `cache` [1, rows + 1, E]: slot plan_slot[0, j] gets pool row plan_units[i][0, j]. `engine` copies
+    the pool's first rows, contiguous, into `staging`. span_rows: the plans' rows come from the pool's
+    first span_rows only (at least PLANS x rows; default all of it). sorted_rows: each plan's rows in
+    host-address order (the resolve's sort_plan), else in random order (a selection's). `pool` is host
+    memory (pinned as the host pool pins it on a GPU machine, in 2 MiB pages with huge_pages), random
+    values (a pool larger than the default is left as allocated: the copies' speed does not depend on
+    the bytes); `pool_on_device` a copy of it in device memory."""
 
     def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
                  huge_pages: bool = False, sorted_rows: bool = False, span_rows: int = 0):
