@@ -12,9 +12,9 @@ another stream (in the decode step they are captured with it: `--graphed`), repe
   as the step's norms and residual adds;
 - `gemm`: a tenth as many [batch, hidden] x [hidden, 4 hidden] products and back, as its projections.
 The copies move `--rows` rows of `--row-bytes` from random rows of a pool of 16 x rows, or of
-`--pool-gib` (each repeat its own rows, so that no repeat finds them in L2; `--span-gib`: from the
-pool's first GiB only; `--sorted`: in address order; `--huge-pages`: a pool in 2 MiB pages) to random
-slots:
+`--pool-gib` (each repeat its own rows, so that no repeat finds them in L2 within a run; `--span-gib
+S`: from the pool's first S GiB only; `--sorted`: in address order; `--huge-pages`: a pool in 2 MiB
+pages) to random slots:
 - `host`: `fetch_rows` at `--programs`, the prefetch copy, reading the rows zero-copy from pinned host
   memory;
 - `device`: the same kernel, programs and tiles, reading the rows from device memory (it moves them
@@ -34,11 +34,15 @@ forks at its start and joins at its end, as the decode step captures them. The c
 about GRAPHED_COVER of the chain alone (use a long chain: --kernels 2000), so that the graph's time is
 the chain's, and each cell adds the chain's extra time per microsecond of copying ("/us"; in the
 eager mode the ratio - 1) and per MB copied ("/MB": what moving a layer's rows costs the compute, for
-comparing copies of different rates).
+comparing copies of different rates). Two caveats: the microseconds of copying are the copies' own,
+timed alone and eagerly (no event marks their end inside a graph), and every replay of a graph copies
+the same plans' rows. Each cell's graph is a new one, captured after the chains' own (the H200 has
+replayed a process's 4th graph and later ones slower: README); in the runs logged so far the `spin`
+and `engine` rows, whose graphs come after the first copies', added nothing, so no such effect.
 Found on the H200 (results/gpu_logs/c21295b4d6aa_copy_interference.txt): neither `spin` nor `engine`
 slows the chains; `host` slows them more the larger its pool (graphed, 4 programs, small kernels: 0.2
-us per MB from 0.28 GiB, 10.7 from 12 GiB), in 2 MiB pages as much; `device` about as much as `host`
-from 12 GiB. Rows in address order halve the cost from 12 GiB here
+us per MB from 0.28 GiB, 10.7-11.2 from 12 GiB), in 2 MiB pages as much; `device` about as much per
+us as `host` from 12 GiB. Rows in address order cut the cost by more than half from 12 GiB here
 (5a00a38e2dd7_timeline_prefetch_sorted_plans.txt), but not in the decode step.
 """
 import argparse
@@ -190,6 +194,31 @@ def chains(batch: int, hidden: int, kernels: int, device) -> dict:
     return {"small": small, "gemm": gemm}
 
 
+def graphed_repeats(chain_us: float, copy_us: float) -> int:
+    """--graphed: how many copies, back to back, run about GRAPHED_COVER of the chain (at least one;
+    rounded down, so 35-50% of it for copies of a sixth of the chain or less)."""
+    if chain_us <= 0 or copy_us <= 0:
+        raise ValueError(f"chain {chain_us} us, copy {copy_us} us: expected positive times")
+    return max(1, int(GRAPHED_COVER * chain_us / copy_us))
+
+
+def cell(alone_us: float, beside_us: float, copies_end_us: float, repeats: int, copy_us: float,
+         copy_mb: float | None, graphed: bool) -> str:
+    """One table cell: the chain's us alone -> beside the copies (ratio), then '!' where the reading
+    is off (eager: the copies, ending at `copies_end_us`, ended before the chain; graphed: `repeats`
+    copies of `copy_us` each, timed alone, outlast the chain alone, so the graph's time is theirs),
+    and with `graphed` the chain's extra us per us of copying and per MB copied (`copy_mb` MB a copy;
+    None for the spin, which copies nothing). The copies' time is their eager time alone: inside the
+    graph no event can mark their end."""
+    off = repeats * copy_us > alone_us if graphed else copies_end_us < beside_us
+    text = f"{alone_us:7.0f} -> {beside_us:7.0f} ({beside_us / alone_us:4.2f}){'!' if off else ' '}"
+    if graphed:
+        extra_us = beside_us - alone_us
+        per_mb = f"{extra_us / (repeats * copy_mb):+5.2f}/MB" if copy_mb else "      -"
+        text += f" {extra_us / (repeats * copy_us):+5.2f}/us {per_mb:>8}"
+    return text
+
+
 def with_copies_beside(chain, launch, repeats: int, side: torch.cuda.Stream, join: bool):
     """A function that runs `repeats` copies on `side` and the chain on the current stream, the copies
     forking from the current stream's work; with `join`, the current stream then waits for them (as
@@ -220,8 +249,8 @@ def main(argv=None) -> None:
                     help="the host pool's size (GiB; default 16 copies' rows): the copies read random rows of it, "
                          "as a decode step's read rows of a pool of many GiB")
     ap.add_argument("--span-gib", type=float, default=0.0,
-                    help="draw the copies' rows from the pool's first GiB of this many (default all of it): a "
-                         "large pool pinned, a small part of it read")
+                    help="draw the copies' rows from the pool's first SPAN_GIB GiB only (default, or more than "
+                         "the pool: all of it): a large pool pinned, a small part of it read")
     ap.add_argument("--sorted", action="store_true",
                     help="each copy reads its rows in host-address order (the resolve's sort_plan), not at random")
     ap.add_argument("--huge-pages", action="store_true",
@@ -260,11 +289,14 @@ def main(argv=None) -> None:
              if args.graphed else "ended before the chain"))
     width = 48 if args.graphed else 36
     print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>{width}}" for name in graphs), flush=True)
+    copies = Copies(args.rows, args.row_bytes, args.programs[0], device, pool_rows=pool_rows,
+                    huge_pages=args.huge_pages, sorted_rows=args.sorted,
+                    span_rows=int(args.span_gib * 2**30) // args.row_bytes)     # one pool for every width
+    if args.huge_pages:
+        print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
+    copy_mb = args.rows * args.row_bytes / 1e6
     for programs in args.programs:
-        copies = Copies(args.rows, args.row_bytes, programs, device, pool_rows=pool_rows, huge_pages=args.huge_pages,
-                        sorted_rows=args.sorted, span_rows=int(args.span_gib * 2**30) // args.row_bytes)
-        if args.huge_pages:
-            print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
+        copies.programs = programs
         first = programs == args.programs[0]
         for name in COPIES if first else COPIES[:2]:        # the engine and the spin have no programs
             launch = getattr(copies, name)
@@ -275,28 +307,22 @@ def main(argv=None) -> None:
             if first and name == COPIES[0]:
                 # the first beside-runs of a process leave its later chains slower (on the H200 the small
                 # chain's alone time went 199 -> 234 us after one): one round of each, untimed
-                for chain, graph in zip(fns.values(), graphs.values()):
+                for graph in graphs.values():
                     timed(with_copies_beside(graph.replay, launch, 1, side, join=False), 3, side, queue_us)
             cells = []
             for chain, graph in zip(fns.values(), graphs.values()):
                 alone_us = timed(graph.replay, args.reps, side, queue_us)[0]
-                repeats = (max(1, int(GRAPHED_COVER * alone_us / copy_us)) if args.graphed
+                repeats = (graphed_repeats(alone_us, copy_us) if args.graphed
                            else repeats_to_cover(alone_us, copy_us))
                 beside = with_copies_beside(chain if args.graphed else graph.replay, launch, repeats, side,
                                             join=args.graphed)
                 run = graphed(beside).replay if args.graphed else beside
-                chain_us, copies_us = timed(run, args.reps, side, queue_us)
-                # eager: the copies must outlast the chain; graphed: the chain must outlast them
-                short = "!" if (repeats * copy_us > alone_us if args.graphed else copies_us < chain_us) else " "
-                cell = f"{alone_us:7.0f} -> {chain_us:7.0f} ({chain_us / alone_us:4.2f}){short}"
-                if args.graphed:
-                    extra_us = chain_us - alone_us
-                    cell += (f" {extra_us / (repeats * copy_us):+5.2f}/us "
-                             f"{extra_us / (repeats * args.rows * args.row_bytes / 1e6):+5.2f}/MB")
-                cells.append(cell)
-            rate = args.rows * args.row_bytes / copy_us / 1e3
+                beside_us, copies_end_us = timed(run, args.reps, side, queue_us)
+                moved = None if name == "spin" else copy_mb
+                cells.append(cell(alone_us, beside_us, copies_end_us, repeats, copy_us, moved, args.graphed))
+            rate = "-" if name == "spin" else f"{copy_mb / copy_us * 1e3:.1f}"
             shown = programs if name in ("host", "device") else "-"
-            print(f"{name:>8} {shown:>8} {rate:6.1f} | " + " | ".join(f"{c:>{width}}" for c in cells), flush=True)
+            print(f"{name:>8} {shown:>8} {rate:>6} | " + " | ".join(f"{c:>{width}}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

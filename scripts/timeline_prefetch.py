@@ -10,7 +10,7 @@ graphed, and prints for each mode, over the timed steps (median per step):
 - the compute stream's idle gaps (over 2 us) and the kernel each one precedes: with prefetch, a
   gap before a shared layer's attention is its wait for its copy, the time prefetch failed to hide;
 - one step's kernels in order, with start times from the step's first resolve (`--list`);
-- with two modes or more, each mode's compute-stream kernels (the copies left out) against the last
+- with two modes or more, each mode's compute kernels (the copies left out) against the last
   mode's (noio, say): the time per step each (kernel, programs) gained, split between kernels of
   under SMALL_PROGRAMS programs and the rest, and the largest increases; so a mode that slows the
   compute says which kernels pay (at DSA's 4 copy programs the step's small kernels paid most:
@@ -21,12 +21,15 @@ Mode `noio_copies` (this script's own) is noio with the shared layers' copies ma
 the side stream right after their anchor's resolve, as prefetch makes them, but with nothing waiting
 for them until the step's end (their rows are not read: noio's attention reads its slots as they
 are). Against noio it says what the copies alone cost the compute beside them, without prefetch's
-waits and in-line anchor copies (on the H200 at hidden 1024 batch 32, as much as prefetch's copies:
-results/gpu_logs/a9751032cbcd_timeline_noio_copies.txt). Mode `prefetch_sorted` is prefetch with the anchors' miss plans in
-host-address order (their resolves sort them), so that every copy reads its rows in that order.
+waits and in-line anchor copies (on the H200 at hidden 1024 batch 32, as much as prefetch's
+copies: results/gpu_logs/a9751032cbcd_timeline_noio_copies.txt). Mode `prefetch_sorted` is
+prefetch with the anchors' miss plans in host-address order (their resolves sort them), so that every
+copy reads its rows in that order (no less cost beside the compute, and 45 us a resolve for the sort:
+results/gpu_logs/5a00a38e2dd7_timeline_prefetch_sorted_plans.txt).
 """
 import argparse
 import collections
+import gc
 import json
 import os
 import statistics
@@ -71,8 +74,9 @@ def detach_copies(engine: Engine):
     """Make `engine` (noio, DSA) run each anchor's shared-layer copies on a side stream, as prefetch
     does, with nothing waiting on them until the step's end (mode `noio_copies`). Returns a function
     that puts the model's own decode back (the model outlives the engine)."""
-    side = torch.cuda.Stream()
-    decode = engine.model.decode
+    side = runtime.side_stream(runtime.PREFETCH_PRIORITY)                 # as prefetch's
+    model = engine.model
+    decode = model.decode
 
     def copy_beside(att):
         plain = att._slots
@@ -93,8 +97,8 @@ def detach_copies(engine: Engine):
         logits = decode(*args, **kwargs)
         torch.cuda.current_stream().wait_stream(side)
         return logits
-    engine.model.decode = decode_then_join
-    return lambda: delattr(engine.model, "decode")
+    model.decode = decode_then_join
+    return lambda: delattr(model, "decode")          # holds the model, not the engine and its pool
 
 
 def kernels_of(trace_path: str) -> list[dict]:
@@ -154,7 +158,7 @@ def compute_us(steps: list[dict]) -> dict[tuple[str, int], float]:
 
 
 def compare_compute(mode: dict, base: dict, top: int = 12) -> list[str]:
-    """Lines comparing one mode's compute-stream times (`compute_us`) with a base mode's: the total
+    """Lines comparing one mode's compute times (`compute_us`) with a base mode's: the total
     gained per step, split at SMALL_PROGRAMS, then the `top` largest gains (kernel, programs, base and
     mode us per step, gain, ratio)."""
     gain = {key: mode.get(key, 0.0) - base.get(key, 0.0) for key in mode.keys() | base.keys()}
@@ -200,8 +204,11 @@ def main(argv=None) -> None:
             undo = detach_copies(engine)
         elif name == "prefetch_sorted":
             with_attention(engine, sort_plans)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)
+        finally:
+            undo()                                  # the model's own decode back, even after a failure
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
@@ -220,7 +227,7 @@ def main(argv=None) -> None:
                 print(f"   {label:<20} {len(durs) / len(steps):4.1f} per step, {med(durs):6.0f} us each "
                       f"(median; {copy_bytes / med(durs) / 1e3:5.1f} GB/s), {sum(durs) / len(steps):6.0f} us per step")
         gap_total = [sum(g for _, g, _ in s["gaps"]) for s in steps]
-        print(f"   compute-stream gaps > {GAP_US:.0f} us: {med(gap_total):6.0f} us per step (median), before:")
+        print(f"   compute gaps > {GAP_US:.0f} us: {med(gap_total):6.0f} us per step (median), before:")
         by_next: dict[str, list[float]] = {}
         for s in steps:
             for _, g, nxt in s["gaps"]:
@@ -236,12 +243,12 @@ def main(argv=None) -> None:
             for start, dur, progs, kname in mid["kernels"]:
                 print(f"     {start:8.1f} {dur:7.1f} {progs:6d} {kname}")
         compute[name] = compute_us(steps)
-        undo()
         del engine, out, prof
+        gc.collect()            # a patched attention's slots function refers back to it: a cycle
         release_cached_memory()
     base = args.modes[-1]
     for name in args.modes[:-1]:
-        print(f"\n== compute-stream kernels, {name} against {base}:")
+        print(f"\n== compute kernels (the copies left out), {name} against {base}:")
         print("\n".join(compare_compute(compute[name], compute[base])))
 
 

@@ -374,8 +374,9 @@ def test_timeline_prefetch_finds_side_copies_and_the_computes_waits(tmp_path):
     assert "+3.0 us  void at::native::k " in lines[2] and lines[2].endswith("new") and len(lines) == 3
     assert "-2.0 us  base_only_kernel" in tp.compare_compute(slower, base)[-1]      # gains sorted, losses last
     if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="no CUDA GPU here"):
-            tp.main([])
+        for argv in ([], ["--modes", "noio_copies", "prefetch_sorted", "noio"]):     # its own modes are choices
+            with pytest.raises(SystemExit, match="no CUDA GPU here"):
+                tp.main(argv)
 
 
 def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
@@ -411,6 +412,17 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     assert not all(bool((p[0][1:] > p[0][:-1]).all()) for p in large.plan_units)
     spanned = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, span_rows=200)
     assert spanned.pool.shape[0] == 1000 and max(int(p.max()) for p in spanned.plan_units) < 200
+    assert ci.graphed_repeats(2316.0, 401.0) == 2             # 0.5 x 2316 us: 2 copies of 401, rounded down
+    assert ci.graphed_repeats(100.0, 300.0) == 1              # at least one (the cell then says '!')
+    with pytest.raises(ValueError, match="expected positive times"):
+        ci.graphed_repeats(0.0, 300.0)
+    # cells: alone -> beside (ratio), '!' where the reading is off, and graphed the extra per us and per MB
+    assert ci.cell(200.0, 250.0, 300.0, 3, 100.0, None, graphed=False) == "    200 ->     250 (1.25) "
+    assert ci.cell(200.0, 250.0, 240.0, 3, 100.0, None, graphed=False).endswith("(1.25)!")   # copies ended first
+    graphed = ci.cell(1000.0, 1100.0, 0.0, 2, 250.0, 10.0, graphed=True)      # 100 us over 500 us, 20 MB
+    assert graphed == "   1000 ->    1100 (1.10)  +0.20/us +5.00/MB"
+    assert ci.cell(1000.0, 1100.0, 0.0, 1, 1200.0, 10.0, graphed=True).split()[3] == "(1.10)!"   # outlasts it
+    assert ci.cell(1000.0, 1010.0, 0.0, 2, 250.0, None, graphed=True).endswith("+0.02/us        -")  # the spin
     assert ci.repeats_to_cover(900.0, 300.0) == 5            # 1.5 x 900 us = 1350 us: 5 copies of 300
     assert ci.repeats_to_cover(100.0, 300.0) == 1
     assert ci.repeats_to_cover(1.0, 0.0001) == 15000          # no rounding of tiny times to zero

@@ -62,15 +62,10 @@ def test_hisparse_is_bitwise_resident(family, slots_per_k):
 def test_miss_plans_in_host_address_order_are_bitwise_resident_too():
     """The anchors' miss plans sorted by host row (`sort_plan`, an experiment against the copies'
     cost beside the compute): the shared layer replays the sorted plan in line; the same logits."""
+    from scripts.timeline_prefetch import sort_plans, with_attention     # its mode prefetch_sorted's switch
     model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
-    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk)
-    make_attention, made = engine.runtime.attention, []
-
-    def sorting_attention(*args, **kwargs):
-        made.append(make_attention(*args, **kwargs))
-        made[-1].sort_plan = True
-        return made[-1]
-    engine.runtime.attention = sorting_attention
+    engine, made = Engine(model, "hisparse", cache_slots=model.config.index_topk), []
+    with_attention(engine, lambda att: (sort_plans(att), made.append(att)))
     out = engine.generate(prompts(), new_tokens=NEW_TOKENS)
     assert_bitwise(resident, out, "sort_plan")
     assert len(made) == 1 and out.miss_rate > 0.2
