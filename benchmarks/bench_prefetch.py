@@ -64,10 +64,10 @@ from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch  # noqa: E40
 from hisparse import runtime  # noqa: E402
 from hisparse.engine import Engine  # noqa: E402
 from hisparse.host_pool import release_cached_memory  # noqa: E402
-from hisparse.resolve import copy_tile  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model  # noqa: E402
 from hisparse.models.tiny import randomize_  # noqa: E402
+from hisparse.resolve import copy_tile  # noqa: E402
 from hisparse.results import append_rows, check_out_folder  # noqa: E402
 from hisparse.synthetic import (generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
                                 repeat_request)
