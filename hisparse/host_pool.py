@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from hisparse import host_vmm
+
 # cudaHostRegister flags: pinned for every context (portable), and mapped into the device's address
 # space, so kernels read it zero-copy through the host pointer
 _REGISTER_PORTABLE_MAPPED = 1 | 2
@@ -48,15 +50,30 @@ def huge_page_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tens
     return t
 
 
-def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool | None = None) -> torch.Tensor:
+# Allocate a pinned pool through the driver's virtual memory API instead (cuMemCreate of host memory,
+# mapped for CPU and GPU at the driver's granularity for it): madvise'd huge pages are huge for the
+# CPU only, the GPU still maps registered memory page by page, and a copy reading random rows of a
+# many-GiB pool slowed the kernels beside it more the larger the pool (scripts/copy_interference.py).
+# An experiment, off by default: HISPARSE_HOST_VMM=1 turns it on.
+VMM = os.environ.get("HISPARSE_HOST_VMM", "0")
+if VMM not in ("0", "1"):
+    raise ValueError(f"HISPARSE_HOST_VMM={VMM!r}: expected 0 or 1")
+VMM = VMM == "1"
+
+
+def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool | None = None,
+                 vmm: bool | None = None) -> torch.Tensor:
     """An uninitialised [rows, row_elems] host tensor, page-locked with cudaHostRegister.
 
     Not `torch.empty(..., pin_memory=True)`: PyTorch's pinned allocator rounds each block up to a
     power of two, so an 88 GiB pool would ask for 128 GiB (out of memory on a 128 GiB machine).
     The caller unregisters it (`unpin`) before the last reference goes. huge_pages: back it with
-    2 MiB pages (default HUGE_PAGES, from HISPARSE_HOST_HUGE_PAGES)."""
+    2 MiB pages (default HUGE_PAGES, from HISPARSE_HOST_HUGE_PAGES). vmm: allocate and map it with
+    the driver's virtual memory API instead (default VMM, from HISPARSE_HOST_VMM; hisparse.host_vmm)."""
     if not torch.cuda.is_available():
         raise RuntimeError("pinning a host pool needs a CUDA GPU; pass pin=False on a CPU-only machine")
+    if VMM if vmm is None else vmm:
+        return host_vmm.host_empty(rows, row_elems, dtype)
     huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
     t = huge_page_empty(rows, row_elems, dtype) if huge_pages else torch.empty(rows, row_elems, dtype=dtype)
     # Register the whole buffer, not only the view: an aligned huge-page view starts inside its buffer,
@@ -74,6 +91,9 @@ def unpin(t: torch.Tensor) -> None:
     """Unregister a `pinned_empty` tensor (memory pinned for every device: wait for all of them)."""
     for device in range(torch.cuda.device_count()):
         torch.cuda.synchronize(device)      # no kernel or copy in flight may still read or write it
+    if host_vmm.is_mapped(t):
+        host_vmm.free(t)
+        return
     err = torch.cuda.cudart().cudaHostUnregister(t.untyped_storage().data_ptr())
     if int(err) != 0:
         warnings.warn(f"cudaHostUnregister of a host pool returned {err}", RuntimeWarning, stacklevel=2)

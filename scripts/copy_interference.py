@@ -1,7 +1,7 @@
 """Does a side-stream copy slow the kernels beside it, and through what? (GPU only)
 
     python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200]
-        [--graphed] [--pool-gib 12 [--span-gib 0.25]] [--sorted] [--huge-pages]
+        [--graphed] [--pool-gib 12 [--span-gib 0.25]] [--sorted] [--huge-pages | --vmm]
 
 Beside DSA's prefetch copies (4 programs), the decode step's compute ran 196 us a step slower at hidden
 1024 batch 32, and only while a copy was in flight: kernels overlapping one ran 14-23% slower, the others
@@ -14,7 +14,7 @@ another stream (in the decode step they are captured with it: `--graphed`), repe
 The copies move `--rows` rows of `--row-bytes` from random rows of a pool of 16 x rows, or of
 `--pool-gib` (each repeat its own rows, so that no repeat finds them in L2 within a run; `--span-gib
 S`: from the pool's first S GiB only; `--sorted`: in address order; `--huge-pages`: a pool in 2 MiB
-pages) to random slots:
+pages; `--vmm`: a pool made and mapped by cuMemCreate, hisparse.host_vmm) to random slots:
 - `host`: `fetch_rows` at `--programs`, the prefetch copy, reading the rows zero-copy from pinned host
   memory;
 - `device`: the same kernel, programs and tiles, reading the rows from device memory (it moves them
@@ -53,6 +53,7 @@ import weakref
 
 import torch
 
+from hisparse import host_vmm
 from hisparse.host_pool import pinned_empty, unpin
 from hisparse.resolve import fetch_rows
 from scripts.ablate_decode import huge_page_kib
@@ -78,17 +79,18 @@ class Copies:
     the pool's first rows, contiguous, into `staging`. span_rows: the plans' rows come from the pool's
     first span_rows only (at least PLANS x rows; default all of it). sorted_rows: each plan's rows in
     host-address order (the resolve's sort_plan), else in random order (a selection's). `pool` is host
-    memory (pinned as the host pool pins it on a GPU machine, in 2 MiB pages with huge_pages), random
+    memory (pinned as the host pool pins it on a GPU machine, in 2 MiB pages with huge_pages, made by
+    cuMemCreate with vmm), random
     values (a pool larger than the default is left as allocated: the copies' speed does not depend on
     the bytes); `pool_on_device` a copy of it in device memory."""
 
     def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
-                 huge_pages: bool = False, sorted_rows: bool = False, span_rows: int = 0):
+                 huge_pages: bool = False, sorted_rows: bool = False, span_rows: int = 0, vmm: bool = False):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
         pool_rows = max(pool_rows, PLANS * rows)
         if device.type == "cuda":
-            self.pool = pinned_empty(pool_rows, elems, torch.bfloat16, huge_pages=huge_pages)
+            self.pool = pinned_empty(pool_rows, elems, torch.bfloat16, huge_pages=huge_pages, vmm=vmm)
             weakref.finalize(self, unpin, self.pool)
         else:
             self.pool = torch.empty(pool_rows, elems, dtype=torch.bfloat16)
@@ -255,6 +257,9 @@ def main(argv=None) -> None:
                     help="each copy reads its rows in host-address order (the resolve's sort_plan), not at random")
     ap.add_argument("--huge-pages", action="store_true",
                     help="back the host pool with 2 MiB pages (hisparse.host_pool.pinned_empty's huge_pages)")
+    ap.add_argument("--vmm", action="store_true",
+                    help="make the host pool with the driver's virtual memory API (hisparse.host_vmm), not "
+                         "cudaHostRegister")
     ap.add_argument("--graphed", action="store_true",
                     help="capture chain and copies in one graph, the copies on a forked branch (see above)")
     args = ap.parse_args(argv)
@@ -270,6 +275,8 @@ def main(argv=None) -> None:
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a size >= 0 (0: the default)")
     pool_rows = max(int(args.pool_gib * 2**30) // args.row_bytes, PLANS * args.rows)
+    if args.huge_pages and args.vmm:
+        ap.error("--huge-pages and --vmm: expected one of them (cuMemCreate picks its own pages)")
     if not torch.cuda.is_available():
         raise SystemExit("scripts.copy_interference times kernels beside copies on a CUDA GPU; none here")
     device = torch.device("cuda")
@@ -291,9 +298,12 @@ def main(argv=None) -> None:
     print(f"{'copy':>8} {'programs':>8} {'GB/s':>6} | " + " | ".join(f"{name:>{width}}" for name in graphs), flush=True)
     copies = Copies(args.rows, args.row_bytes, args.programs[0], device, pool_rows=pool_rows,
                     huge_pages=args.huge_pages, sorted_rows=args.sorted,
-                    span_rows=int(args.span_gib * 2**30) // args.row_bytes)     # one pool for every width
+                    span_rows=int(args.span_gib * 2**30) // args.row_bytes,     # one pool for every width
+                    vmm=args.vmm)
     if args.huge_pages:
         print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
+    if args.vmm:
+        print(f"   pool made by cuMemCreate: {host_vmm.mapping(copies.pool)}", flush=True)
     copy_mb = args.rows * args.row_bytes / 1e6
     for programs in args.programs:
         copies.programs = programs

@@ -388,7 +388,8 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
                           (["--kernels", "10"], "--kernels 10: expected at least 20"),
                           (["--row-bytes", "1151"], "--row-bytes 1151: expected a positive even number"),
                           (["--pool-gib", "-1"], "--pool-gib -1.0: expected a size >= 0"),
-                          (["--span-gib", "-2"], "--span-gib -2.0: expected a size >= 0")):
+                          (["--span-gib", "-2"], "--span-gib -2.0: expected a size >= 0"),
+                          (["--huge-pages", "--vmm"], "--huge-pages and --vmm: expected one of them")):
         with pytest.raises(SystemExit):
             ci.main(argv)
         assert message in capsys.readouterr().err

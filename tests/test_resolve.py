@@ -594,10 +594,11 @@ def test_huge_page_host_rows_start_on_a_huge_page_and_hold_their_values():
     assert torch.equal(rows, values)
 
 
-def test_bad_huge_pages_setting_is_refused_at_import():
+@pytest.mark.parametrize("setting", ["HISPARSE_HOST_HUGE_PAGES", "HISPARSE_HOST_VMM"])
+def test_bad_host_pool_setting_is_refused_at_import(setting):
     run = subprocess.run([sys.executable, "-c", "import hisparse.host_pool"], capture_output=True, text=True,
-                         env=dict(os.environ, HISPARSE_HOST_HUGE_PAGES="yes"), timeout=120)
-    assert run.returncode != 0 and "HISPARSE_HOST_HUGE_PAGES='yes': expected 0 or 1" in run.stderr
+                         env=dict(os.environ, **{setting: "yes"}), timeout=120)
+    assert run.returncode != 0 and f"{setting}='yes': expected 0 or 1" in run.stderr
 
 
 @pytest.mark.parametrize("mode", ["normal", "noio"])
