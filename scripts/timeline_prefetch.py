@@ -25,7 +25,10 @@ waits and in-line anchor copies (on the H200 at hidden 1024 batch 32, as much as
 copies: results/gpu_logs/a9751032cbcd_timeline_noio_copies.txt). Mode `prefetch_sorted` is
 prefetch with the anchors' miss plans in host-address order (their resolves sort them), so that every
 copy reads its rows in that order (no less cost beside the compute, and 45 us a resolve for the sort:
-results/gpu_logs/5a00a38e2dd7_timeline_prefetch_sorted_plans.txt).
+results/gpu_logs/5a00a38e2dd7_timeline_prefetch_sorted_plans.txt). Mode `prefetch_anchor_overlap`
+times a schedule, not a correct decode: prefetch with each anchor's own copy moved beside its
+attention (`overlap_anchor_fetch`), what an attention reading its missed rows from the host as they
+arrive could gain.
 """
 import argparse
 import collections
@@ -47,7 +50,8 @@ from hisparse.host_pool import release_cached_memory
 
 GAP_US = 2.0
 # this script's own modes (see the docstring): name -> (engine mode, prefetch)
-OWN_MODES = {"noio_copies": ("noio", False), "prefetch_sorted": ("hisparse", True)}
+OWN_MODES = {"noio_copies": ("noio", False), "prefetch_sorted": ("hisparse", True),
+             "prefetch_anchor_overlap": ("hisparse", True)}
 # kernels of fewer programs than the step's large ones (the decode kernel and the projections launch
 # 128-132 on the H200) are latency-bound: they gain time beside a copy for other reasons than a lack
 # of multiprocessors
@@ -99,6 +103,39 @@ def detach_copies(engine: Engine):
         return logits
     model.decode = decode_then_join
     return lambda: delattr(model, "decode")          # holds the model, not the engine and its pool
+
+
+def overlap_anchor_fetch(att) -> None:
+    """Mode `prefetch_anchor_overlap` (timing only, inexact): an anchor's resolve makes its plan
+    without copying, and its own copy runs on the side stream ahead of its shared layers' copies,
+    beside its attention; the layer waits for it after the attention. The attention reads its slots
+    before their rows arrive, so its output is wrong: the mode times the schedule an attention that
+    read its missed rows straight from the host pool, as they arrive, would have (an estimate of
+    what such a fused kernel could gain), and nothing else."""
+    plain_slots, plain_attend, fetched = att._slots, att.attend, {}
+
+    def slots(layer_idx, kv, selection):
+        if kv.anchor_layer is not None or att.side is None:
+            return plain_slots(layer_idx, kv, selection)
+        newest = getattr(kv, "newest", None)
+        plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="noio", check_values=att.check_values,
+                                out=att._plan_buffers(layer_idx, selection), newest=newest)
+        kv.newest = None
+        att.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(att.side):
+            kv.cache.replay_plan(plan, kv.streams.view(-1))                 # as wide as the in-line copy
+            fetched.setdefault(layer_idx, torch.cuda.Event()).record(att.side)
+            for shared in att.shared.get(layer_idx, []):
+                shared.cache.replay_plan(plan, shared.streams.view(-1), att.prefetch_programs)
+                shared.prefetched.record(att.side)
+        return plan.slots
+
+    def attend(layer_idx, *args, **kwargs):
+        out = plain_attend(layer_idx, *args, **kwargs)
+        if layer_idx in fetched:
+            torch.cuda.current_stream().wait_event(fetched[layer_idx])
+        return out
+    att._slots, att.attend = slots, attend
 
 
 def kernels_of(trace_path: str) -> list[dict]:
@@ -204,6 +241,8 @@ def main(argv=None) -> None:
             undo = detach_copies(engine)
         elif name == "prefetch_sorted":
             with_attention(engine, sort_plans)
+        elif name == "prefetch_anchor_overlap":
+            with_attention(engine, overlap_anchor_fetch)
         try:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)
