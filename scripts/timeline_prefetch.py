@@ -123,7 +123,8 @@ def overlap_anchor_fetch(att) -> None:
         kv.newest = None
         att.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(att.side):
-            kv.cache.replay_plan(plan, kv.streams.view(-1))                 # as wide as the in-line copy
+            # as narrow as prefetch's: the attention's 128 programs keep their multiprocessors
+            kv.cache.replay_plan(plan, kv.streams.view(-1), att.prefetch_programs)
             fetched.setdefault(layer_idx, torch.cuda.Event()).record(att.side)
             for shared in att.shared.get(layer_idx, []):
                 shared.cache.replay_plan(plan, shared.streams.view(-1), att.prefetch_programs)
