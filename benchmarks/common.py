@@ -58,18 +58,27 @@ def pass_graph_switch() -> None:
         _graph_switch_passed = True
 
 
-def throwaway_graphs(count: int, kernels: int) -> None:
-    """`count` graphs of `kernels` small kernels each, captured, replayed once and freed."""
+def throwaway_graphs(count: int, kernels: int, replay: bool = True, keep: bool = False,
+                     shared_pool: bool = False) -> list:
+    """`count` graphs of `kernels` small kernels each, captured, replayed once (unless not `replay`)
+    and freed (unless `keep`: then returned); with `shared_pool`, all in the first one's memory pool."""
     x = torch.zeros(1024, device="cuda")
+    kept, pool = [], None
     for _ in range(count):
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             for _ in range(kernels):
                 x.add_(1)
-        graph.replay()
+        if shared_pool and pool is None:
+            pool = graph.pool()
+        if replay:
+            graph.replay()
         torch.cuda.synchronize()
+        if keep:
+            kept.append(graph)
         del graph
+    return kept
 
 
 def print_table(rows: list[dict], times: dict) -> None:

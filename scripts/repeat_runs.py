@@ -64,6 +64,10 @@ def main(argv=None) -> None:
                          "run (default 0): is the switch the count of graphs a process has made?")
     ap.add_argument("--graph-kernels", type=int, default=4000,
                     help="kernels in each of those graphs (default 4000, about a 61-layer decode step's)")
+    ap.add_argument("--graphs-how", choices=["replayed", "captured", "kept", "shared-pool"], default="replayed",
+                    help="those graphs: captured, replayed once and freed (default); captured and freed, never "
+                         "replayed; replayed and kept alive through the runs; or replayed and freed, all in one "
+                         "memory pool")
     args = ap.parse_args(argv)
     counts = (args.runs, args.batch, args.steps, args.graph_kernels)
     if min(counts) < 1 or min(args.pin_gib, args.pause_s, args.graphs_first) < 0:
@@ -78,9 +82,11 @@ def main(argv=None) -> None:
                              workload="dsa_100k"), torch.device("cuda"))
     point = dict(mode=args.mode, context=args.context, workload="dsa_100k",
                  cache_slots=None if args.mode == "resident" else 4096)
-    throwaway_graphs(args.graphs_first, args.graph_kernels)
+    kept = throwaway_graphs(args.graphs_first, args.graph_kernels, replay=args.graphs_how != "captured",
+                            keep=args.graphs_how == "kept", shared_pool=args.graphs_how == "shared-pool")
     if args.graphs_first:
-        print(f"  made, replayed and freed {args.graphs_first} graphs of {args.graph_kernels} kernels", flush=True)
+        print(f"  made {args.graphs_first} graphs of {args.graph_kernels} kernels ({args.graphs_how}; "
+              f"{len(kept)} kept)", flush=True)
     row_elems = 1 << 20                      # 2 MiB bf16 rows
     for run in range(1, args.runs + 1):
         if args.pin_gib and run > 1:
