@@ -6,6 +6,8 @@ import time
 import torch
 import triton
 
+from hisparse import graph_flags
+
 HBM_BYTES_PER_S = 4.3e12        # device-to-device copy, read + write counted (DESIGN section 7: 4.27 TB/s)
 MMA_FLOPS_PER_S = 790e12        # bf16 8192^3 matrix product on random data, measured on this H200
 PINNED_BYTES_PER_S = 55.4e9     # pinned host <-> device copy, each way (DESIGN section 7)
@@ -66,18 +68,19 @@ def throwaway_graphs(count: int, kernels: int, replay: bool = True, keep: bool =
     kept, pool = [], None
     for _ in range(count):
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
+        graph = graph_flags.new_graph()
         with torch.cuda.graph(graph, pool=pool):
             for _ in range(kernels):
                 x.add_(1)
         if shared_pool and pool is None:
             pool = graph.pool()
+        launch = graph_flags.replayer(graph)
         if replay:
-            graph.replay()
+            launch()
         torch.cuda.synchronize()
         if keep:
-            kept.append(graph)
-        del graph
+            kept.append(launch)
+        del graph, launch
     return kept
 
 

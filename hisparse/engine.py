@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hisparse import graph_flags
 from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa_runtime import DsaRuntime
 from hisparse.models.base import DecodeState
@@ -319,15 +320,16 @@ class Engine:
 
         Capturing records without executing, so the model's host-side length bound is put back."""
         static_tokens = tokens.clone()
-        graph = torch.cuda.CUDAGraph()
+        graph = graph_flags.new_graph()
         max_length = state.max_length
         with torch.cuda.graph(graph):
             static_logits = self.model.decode(static_tokens, state)
         state.max_length = max_length
+        replay = graph_flags.replayer(graph)
 
         def step(new_tokens: torch.Tensor) -> torch.Tensor:
             static_tokens.copy_(new_tokens)
-            graph.replay()
+            replay()
             state.max_length += 1
             return static_logits
 

@@ -1,0 +1,66 @@
+"""An experiment on the H200's graph-count switch (README): decode graphs instantiated with chosen flags.
+
+PyTorch instantiates every captured graph itself (recent versions with auto-free-on-launch and node
+priorities). On the H200 a process's 4th graph and every later one replayed about 11% slower, its
+kernels no slower but the GPU idling between them, and a graph only captured, never replayed, counts
+too (results/gpu_logs/199e80a18191_graph_switch_how.txt). HISPARSE_GRAPH_FLAGS=F (an int, the driver's
+CUDA_GRAPH_INSTANTIATE_FLAG_* bits: 1 auto-free on launch, 2 upload, 8 use node priority) makes the
+engine's decode graphs (and benchmarks.common.throwaway_graphs) instantiate with flags F through the
+driver API and replay with cuGraphLaunch instead. Unset (the default): PyTorch's own path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+FLAGS = os.environ.get("HISPARSE_GRAPH_FLAGS")
+if FLAGS is not None:
+    if not FLAGS.isdigit() or int(FLAGS) > 15:
+        raise ValueError(f"HISPARSE_GRAPH_FLAGS={FLAGS!r}: expected an int from 0 to 15 (cuGraphInstantiate flags)")
+    FLAGS = int(FLAGS)
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuGraphInstantiateWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong]
+    lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuGraphExecDestroy.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} returned CUDA driver error {result}")
+
+
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A graph to capture into: one PyTorch keeps the captured graph of when FLAGS is set."""
+    return torch.cuda.CUDAGraph(keep_graph=True) if FLAGS is not None else torch.cuda.CUDAGraph()
+
+
+def replayer(graph: torch.cuda.CUDAGraph):
+    """The function that replays captured `graph` on the current stream: graph.replay, or with FLAGS
+    set a launch of the graph instantiated with those flags (destroyed with the returned function)."""
+    if FLAGS is None:
+        return graph.replay
+    lib, exec_ = _driver(), ctypes.c_void_p()
+    _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), ctypes.c_void_p(graph.raw_cuda_graph()), FLAGS),
+           f"cuGraphInstantiateWithFlags(flags={FLAGS})")
+    if FLAGS & 2:
+        _check(lib.cuGraphUpload(exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "cuGraphUpload")
+
+    class Replay:
+        def __call__(self) -> None:
+            _check(lib.cuGraphLaunch(exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "cuGraphLaunch")
+
+        def __del__(self) -> None:
+            lib.cuGraphExecDestroy(exec_)
+
+    replay = Replay()
+    replay.graph = graph                    # the captured graph (and its memory pool) lives as long
+    return replay
