@@ -3,10 +3,11 @@
 PyTorch instantiates every captured graph itself (recent versions with auto-free-on-launch and node
 priorities). On the H200 a process's 4th graph and every later one replayed about 11% slower, its
 kernels no slower but the GPU idling between them, and a graph only captured, never replayed, counts
-too (results/gpu_logs/199e80a18191_graph_switch_how.txt). HISPARSE_GRAPH_FLAGS=F (an int, the driver's
-CUDA_GRAPH_INSTANTIATE_FLAG_* bits: 1 auto-free on launch, 2 upload, 8 use node priority) makes the
-engine's decode graphs (and benchmarks.common.throwaway_graphs) instantiate with flags F through the
-driver API and replay with cuGraphLaunch instead. Unset (the default): PyTorch's own path.
+too. HISPARSE_GRAPH_FLAGS=F (an int, the driver's CUDA_GRAPH_INSTANTIATE_FLAG_* bits: 1 auto-free on
+launch, 2 upload, 4 device launch, 8 use node priority) makes the engine's decode graphs (and
+benchmarks.common.throwaway_graphs) instantiate with flags F through the driver API and replay with
+cuGraphLaunch instead. Unset (the default): PyTorch's own path. Found: with flags 0, 1, 4, 8 or 9 the
+4th graph was as slow (results/gpu_logs/0fc8fe55765c_graph_switch_flags.txt).
 """
 from __future__ import annotations
 

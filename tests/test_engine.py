@@ -233,16 +233,19 @@ def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypat
         runtime.prefetch_programs("mamba")
 
 
-@pytest.mark.parametrize("variable, value, message", [
-    ("HISPARSE_PREFETCH_PRIORITY", "urgent", "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')"),
-    ("HISPARSE_PREFETCH_PROGRAMS", "0", "HISPARSE_PREFETCH_PROGRAMS='0': expected a positive integer"),
-    ("HISPARSE_PREFETCH_PROGRAMS", "16k", "HISPARSE_PREFETCH_PROGRAMS='16k': expected a positive integer")])
-def test_a_bad_prefetch_setting_in_the_environment_fails_at_import(variable, value, message):
+@pytest.mark.parametrize("module, variable, value, message", [
+    ("runtime", "HISPARSE_PREFETCH_PRIORITY", "urgent",
+     "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')"),
+    ("runtime", "HISPARSE_PREFETCH_PROGRAMS", "0", "HISPARSE_PREFETCH_PROGRAMS='0': expected a positive integer"),
+    ("runtime", "HISPARSE_PREFETCH_PROGRAMS", "16k", "HISPARSE_PREFETCH_PROGRAMS='16k': expected a positive integer"),
+    ("graph_flags", "HISPARSE_GRAPH_FLAGS", "16", "HISPARSE_GRAPH_FLAGS='16': expected an int from 0 to 15"),
+    ("graph_flags", "HISPARSE_GRAPH_FLAGS", "-1", "HISPARSE_GRAPH_FLAGS='-1': expected an int from 0 to 15")])
+def test_a_bad_setting_in_the_environment_fails_at_import(module, variable, value, message):
     import os
     import subprocess
     import sys
     env = dict(os.environ, **{variable: value})
-    done = subprocess.run([sys.executable, "-c", "import hisparse.runtime"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", f"import hisparse.{module}"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode != 0
     assert message in done.stderr

@@ -84,3 +84,17 @@ def test_prefetch_side_stream_priorities():
     """"high" is a stream of higher priority (a lower number) than "normal", which is CUDA's default."""
     assert runtime.side_stream("normal").priority == 0
     assert runtime.side_stream("high").priority < 0
+
+
+@pytest.mark.parametrize("flags", [0, 9])
+def test_graph_flags_replay_the_same_decode(model, flags, monkeypatch):
+    """HISPARSE_GRAPH_FLAGS's path (the decode graph instantiated by the driver with those flags and
+    replayed with cuGraphLaunch) gives the eager decode's tokens and logits."""
+    from hisparse import graph_flags
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 2100)]
+    base = Engine(model, "resident", chunk_size=1024).generate(prompts, 9)
+    monkeypatch.setattr(graph_flags, "FLAGS", flags)
+    out = Engine(model, "hisparse", cache_slots=2048, chunk_size=1024).generate(prompts, 9, graph=True)
+    assert torch.equal(out.tokens, base.tokens)
+    assert all(torch.equal(a, b) for a, b in zip(base.logits, out.logits))
