@@ -51,10 +51,10 @@ def huge_page_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tens
 
 
 # Allocate a pinned pool through the driver's virtual memory API instead (cuMemCreate of host memory,
-# mapped for CPU and GPU at the driver's granularity for it): madvise'd huge pages are huge for the
-# CPU only, the GPU still maps registered memory page by page, and a copy reading random rows of a
-# many-GiB pool slowed the kernels beside it more the larger the pool (scripts/copy_interference.py).
-# An experiment, off by default: HISPARSE_HOST_VMM=1 turns it on.
+# mapped for CPU and GPU in 2 MiB chunks here): a copy reading random rows of a many-GiB pool slows
+# the kernels beside it more the wider the rows' spread, and madvise'd huge pages did not change that.
+# Nor did this, on the H200 (results/gpu_logs/e9882268f059_copy_interference_span_vmm.txt). An
+# experiment, off by default: HISPARSE_HOST_VMM=1 turns it on.
 VMM = os.environ.get("HISPARSE_HOST_VMM", "0")
 if VMM not in ("0", "1"):
     raise ValueError(f"HISPARSE_HOST_VMM={VMM!r}: expected 0 or 1")

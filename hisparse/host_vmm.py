@@ -4,7 +4,9 @@ cudaHostRegister pins memory the process already has, and the GPU maps it page b
 CPU's page size; cuMemCreate of a host location makes the allocation itself, in chunks of the
 driver's granularity, and maps it at one address for CPU and GPU. Whether the GPU then reaches
 random rows of a many-GiB pool with fewer translation misses is what scripts/copy_interference.py
---vmm measures. Linux with a CUDA driver only; the driver API through ctypes, no extra dependency.
+--vmm measures: on the H200 it does not (a 12 GiB pool in 2 MiB chunks slowed the kernels beside the
+copy as much as a registered one: results/gpu_logs/e9882268f059_copy_interference_span_vmm.txt).
+Linux with a CUDA driver only; the driver API through ctypes, no extra dependency.
 """
 from __future__ import annotations
 
@@ -66,12 +68,12 @@ def _call(name: str, *args) -> None:
 
 def _gpu_numa_node(device: int) -> int:
     """The host NUMA node the GPU hangs off (sysfs), 0 where the system does not say."""
-    props = torch.cuda.get_device_properties(device)
-    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
     try:
+        props = torch.cuda.get_device_properties(device)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
             return max(0, int(f.read()))
-    except (OSError, ValueError):
+    except (AttributeError, OSError, ValueError):        # an older torch, or no such file
         return 0
 
 
