@@ -2,12 +2,15 @@
 
 PyTorch instantiates every captured graph itself (recent versions with auto-free-on-launch and node
 priorities). On the H200 a process's 4th graph and every later one replayed about 11% slower, its
-kernels no slower but the GPU idling between them, and a graph only captured, never replayed, counts
-too. HISPARSE_GRAPH_FLAGS=F (an int, the driver's CUDA_GRAPH_INSTANTIATE_FLAG_* bits: 1 auto-free on
-launch, 2 upload, 4 device launch, 8 use node priority) makes the engine's decode graphs (and
+kernels no slower but the GPU idling between them, and a graph captured and instantiated, never
+replayed, counts too. HISPARSE_GRAPH_FLAGS=F (an int, a sum of the driver's CUDA_GRAPH_INSTANTIATE_FLAG_* bits that
+cuGraphInstantiateWithFlags takes: 1 auto-free on launch, 4 device launch, 8 use node priority; 2,
+upload, only cuGraphInstantiateWithParams takes) makes the engine's decode graphs (and
 benchmarks.common.throwaway_graphs) instantiate with flags F through the driver API and replay with
-cuGraphLaunch instead. Unset (the default): PyTorch's own path. Found: with flags 0, 1, 4, 8 or 9 the
-4th graph was as slow (results/gpu_logs/0fc8fe55765c_graph_switch_flags.txt).
+cuGraphLaunch instead. That launch skips PyTorch's replay prologue, which advances the random-number
+offsets a graph captured (the decode loop draws none: it decodes greedily). Unset (the default):
+PyTorch's own path. Found: with flags 0, 1, 4, 8 or 9 the 4th graph was as slow
+(results/gpu_logs/0fc8fe55765c_graph_switch_flags.txt).
 """
 from __future__ import annotations
 
@@ -17,10 +20,12 @@ import os
 
 import torch
 
+_FLAG_BITS = 1 | 4 | 8
 FLAGS = os.environ.get("HISPARSE_GRAPH_FLAGS")
 if FLAGS is not None:
-    if not FLAGS.isdigit() or int(FLAGS) > 15:
-        raise ValueError(f"HISPARSE_GRAPH_FLAGS={FLAGS!r}: expected an int from 0 to 15 (cuGraphInstantiate flags)")
+    if not FLAGS.isdigit() or int(FLAGS) & ~_FLAG_BITS:
+        raise ValueError(f"HISPARSE_GRAPH_FLAGS={FLAGS!r}: expected a sum of 1 (auto-free on launch), 4 (device "
+                         f"launch) and 8 (node priority), as cuGraphInstantiateWithFlags takes them")
     FLAGS = int(FLAGS)
 
 
@@ -29,7 +34,6 @@ def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuGraphInstantiateWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong]
     lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.cuGraphExecDestroy.argtypes = [ctypes.c_void_p]
     return lib
 
@@ -52,8 +56,6 @@ def replayer(graph: torch.cuda.CUDAGraph):
     lib, exec_ = _driver(), ctypes.c_void_p()
     _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), ctypes.c_void_p(graph.raw_cuda_graph()), FLAGS),
            f"cuGraphInstantiateWithFlags(flags={FLAGS})")
-    if FLAGS & 2:
-        _check(lib.cuGraphUpload(exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "cuGraphUpload")
 
     class Replay:
         def __call__(self) -> None:

@@ -88,7 +88,8 @@ def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool
 
 
 def unpin(t: torch.Tensor) -> None:
-    """Unregister a `pinned_empty` tensor (memory pinned for every device: wait for all of them)."""
+    """Unregister a `pinned_empty` tensor, or unmap it if cuMemCreate made it (registered memory is
+    pinned for every device: wait for all of them)."""
     for device in range(torch.cuda.device_count()):
         torch.cuda.synchronize(device)      # no kernel or copy in flight may still read or write it
     if host_vmm.is_mapped(t):

@@ -79,7 +79,7 @@ def _gpu_numa_node(device: int) -> int:
 
 def host_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised [rows, row_elems] tensor of pinned host memory made by cuMemCreate and mapped
-    read-write for the CPU and the current GPU at one address (kernels read it zero-copy). Its size
+    read-write for the CPU and the current GPU (only) at one address (kernels read it zero-copy). Its size
     is rounded up to the driver's recommended granularity. Free it with `free` (host_pool.unpin does)
     before the last reference goes."""
     torch.cuda.synchronize()                  # the runtime's context made and current on this thread
@@ -140,7 +140,10 @@ def free(t: torch.Tensor) -> None:
     """Unmap and release a `host_empty` tensor's memory; no kernel may be reading it (synchronize
     first), and nothing may touch `t` or its views afterwards."""
     start = t.untyped_storage().data_ptr()
-    size, handle, _, _ = _mappings.pop(start)
+    if start not in _mappings:
+        raise ValueError(f"no cuMemCreate mapping starts at {start:#x}: not a host_empty tensor, or freed already")
+    size, handle, _, _ = _mappings[start]
     _call("cuMemUnmap", start, size)
     _call("cuMemAddressFree", start, size)
     _call("cuMemRelease", handle)
+    del _mappings[start]

@@ -1,6 +1,8 @@
 """The decode loop on the GPU with DSA's real KV geometry (128 heads, 512 + 64 latents, k = 2048,
 a 64 x 128 indexer) and a small rest (2 layers, hidden 1024, dense MLPs): resident and hisparse
 give bitwise-equal logits and tokens over 64 decode steps, eager and graph-replayed, B = k and 2k."""
+import collections
+
 import pytest
 import torch
 
@@ -89,12 +91,25 @@ def test_prefetch_side_stream_priorities():
 @pytest.mark.parametrize("flags", [0, 9])
 def test_graph_flags_replay_the_same_decode(model, flags, monkeypatch):
     """HISPARSE_GRAPH_FLAGS's path (the decode graph instantiated by the driver with those flags and
-    replayed with cuGraphLaunch) gives the eager decode's tokens and logits."""
+    replayed with cuGraphLaunch, once per step but the first, which runs eagerly) gives the eager
+    decode's tokens and logits."""
     from hisparse import graph_flags
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 2100)]
     base = Engine(model, "resident", chunk_size=1024).generate(prompts, 9)
+    driver, calls = graph_flags._driver(), collections.Counter()
+
+    class Spy:                               # the driver, counting the graph calls made through it
+        def __getattr__(self, name):
+            fn = getattr(driver, name)
+
+            def counted(*args):
+                calls[name] += 1
+                return fn(*args)
+            return counted
+    monkeypatch.setattr(graph_flags, "_driver", Spy)
     monkeypatch.setattr(graph_flags, "FLAGS", flags)
     out = Engine(model, "hisparse", cache_slots=2048, chunk_size=1024).generate(prompts, 9, graph=True)
+    assert calls["cuGraphInstantiateWithFlags"] == 1 and calls["cuGraphLaunch"] >= 6, dict(calls)
     assert torch.equal(out.tokens, base.tokens)
     assert all(torch.equal(a, b) for a, b in zip(base.logits, out.logits))
