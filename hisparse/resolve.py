@@ -283,7 +283,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
 
 
 def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
-               max_programs: int | None = None) -> None:
+               max_programs: int | None = None, evict_first: bool = False) -> None:
     """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
 
     Also replays an anchor layer's plan into a shared layer: pass the shared layer's streams.
@@ -294,6 +294,7 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
     copies with 32 programs and 11% with 128:
     results/gpu_logs/bb3a8198ed2f_tune_deferred_tests_resolve_layers_prefetch.txt). A capped copy of
     fewer than CAPPED_COPY_TILES programs takes larger tiles, so as many rows stay in flight.
+    evict_first: mark the rows' loads and stores to leave L2 first (an experiment, off by default).
     """
     _check_rows(host, cache)
     n, k = plan_unit.shape
@@ -317,7 +318,7 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
     grid = (rows_at_once, per_row)
     _fetch_rows_kernel[grid](
         plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, n, k, cache.shape[1],
-        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=num_warps,
+        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, EVICT_FIRST=bool(evict_first), num_warps=num_warps,
     )
 
 

@@ -264,8 +264,10 @@ def _fetch_rows_kernel(
     host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows
     N, K, SLOTS,
-    ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr,
+    ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr, EVICT_FIRST: tl.constexpr = False,
 ):
+    # EVICT_FIRST: the rows' loads and stores marked to leave L2 first, so that a copy beside other
+    # kernels pushes less of their data out (an experiment: scripts/copy_interference.py --evict-first)
     # grid (G, P): program (g, c) copies chunks c, c + P, c + 2P, ... of the plans of rows g, g + G,
     # g + 2G, ... (G = N but for a capped copy, whose programs then take several rows each)
     i_c = tl.program_id(1)
@@ -286,8 +288,12 @@ def _fetch_rows_kernel(
             for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
                 o_w = w + tl.arange(0, BLOCK_W)
                 m = m_m[:, None] & (o_w < ROW_WORDS)[None, :]
-                b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)       # [CHUNK, BLOCK_W]
-                tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
+                if EVICT_FIRST:
+                    b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m, eviction_policy="evict_first")
+                    tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m, eviction_policy="evict_first")
+                else:
+                    b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)   # [CHUNK, BLOCK_W]
+                    tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
 
 
 @triton.jit

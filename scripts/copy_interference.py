@@ -1,7 +1,7 @@
 """Does a side-stream copy slow the kernels beside it, and through what? (GPU only)
 
     python -m scripts.copy_interference [--programs 4 16] [--batch 32 --hidden 1024] [--kernels 200]
-        [--graphed] [--pool-gib 12 [--span-gib 0.25]] [--sorted] [--huge-pages | --vmm]
+        [--graphed] [--pool-gib 12 [--span-gib 0.25]] [--sorted] [--huge-pages | --vmm] [--evict-first]
 
 Beside DSA's prefetch copies (4 programs), the decode step's compute ran 196 us a step slower at hidden
 1024 batch 32, and only while a copy was in flight: kernels overlapping one ran 14-23% slower, the others
@@ -14,7 +14,8 @@ another stream (in the decode step they are captured with it: `--graphed`), repe
 The copies move `--rows` rows of `--row-bytes` from random rows of a pool of 16 x rows, or of
 `--pool-gib` (each repeat its own rows, so that no repeat finds them in L2 within a run; `--span-gib
 S`: from the pool's first S GiB only; `--sorted`: in address order; `--huge-pages`: a pool in 2 MiB
-pages; `--vmm`: a pool made and mapped by cuMemCreate, hisparse.host_vmm) to random slots:
+pages; `--vmm`: a pool made and mapped by cuMemCreate, hisparse.host_vmm; `--evict-first`: loads
+and stores marked to leave L2 first) to random slots:
 - `host`: `fetch_rows` at `--programs`, the prefetch copy, reading the rows zero-copy from pinned host
   memory;
 - `device`: the same kernel, programs and tiles, reading the rows from device memory (it moves them
@@ -85,7 +86,8 @@ class Copies:
     the bytes); `pool_on_device` a copy of it in device memory."""
 
     def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
-                 huge_pages: bool = False, sorted_rows: bool = False, span_rows: int = 0, vmm: bool = False):
+                 huge_pages: bool = False, sorted_rows: bool = False, span_rows: int = 0, vmm: bool = False,
+                 evict_first: bool = False):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
         pool_rows = max(pool_rows, PLANS * rows)
@@ -109,13 +111,15 @@ class Copies:
         self.streams = torch.zeros(1, dtype=torch.int32, device=device)
         self.host_base = torch.zeros(1, dtype=torch.int64, device=device)
         self.programs = programs
+        self.evict_first = evict_first
         self.launched = 0
         self.spin_cycles = 0        # `spin`'s length: set to the `host` copy's once that is timed
 
     def _fetch(self, pool: torch.Tensor) -> None:
         plan = self.plan_units[self.launched % PLANS]
         self.launched += 1
-        fetch_rows(plan, self.plan_slot, self.counts, self.streams, self.host_base, pool, self.cache, self.programs)
+        fetch_rows(plan, self.plan_slot, self.counts, self.streams, self.host_base, pool, self.cache, self.programs,
+                   evict_first=self.evict_first)
 
     def host(self) -> None:
         self._fetch(self.pool)
@@ -260,6 +264,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vmm", action="store_true",
                     help="make the host pool with the driver's virtual memory API (hisparse.host_vmm), not "
                          "cudaHostRegister")
+    ap.add_argument("--evict-first", action="store_true",
+                    help="the copies' loads and stores marked to leave L2 first (fetch_rows' evict_first)")
     ap.add_argument("--graphed", action="store_true",
                     help="capture chain and copies in one graph, the copies on a forked branch (see above)")
     args = ap.parse_args(argv)
@@ -299,7 +305,7 @@ def main(argv=None) -> None:
     copies = Copies(args.rows, args.row_bytes, args.programs[0], device, pool_rows=pool_rows,
                     huge_pages=args.huge_pages, sorted_rows=args.sorted,
                     span_rows=int(args.span_gib * 2**30) // args.row_bytes,     # one pool for every width
-                    vmm=args.vmm)
+                    vmm=args.vmm, evict_first=args.evict_first)
     if args.huge_pages:
         print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
     if args.vmm:

@@ -411,6 +411,9 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     ordered = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, sorted_rows=True)
     assert all(bool((p[0][1:] > p[0][:-1]).all()) for p in ordered.plan_units)          # host-address order
     assert not all(bool((p[0][1:] > p[0][:-1]).all()) for p in large.plan_units)
+    marked = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), evict_first=True)
+    marked.host()                                             # the rows marked to leave L2 first: same copy
+    assert torch.equal(marked.cache[0, marked.plan_slot[0].long()], marked.pool[marked.plan_units[0][0].long()])
     spanned = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, span_rows=200)
     assert spanned.pool.shape[0] == 1000 and max(int(p.max()) for p in spanned.plan_units) < 200
     assert ci.graphed_repeats(2316.0, 401.0) == 2             # 0.5 x 2316 us: 2 copies of 401, rounded down
