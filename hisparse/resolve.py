@@ -21,6 +21,7 @@ order inside one stream's plan does not reach the PCIe link (results/resolve.csv
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -40,6 +41,12 @@ MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan
 # 16; at batch 64, 64-row tiles hid 81% against 73% with 32
 # (results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt).
 CAPPED_COPY_TILES = 32
+# Every miss copy's rows marked to leave L2 first (`fetch_rows`' evict_first): an experiment, off by
+# default; HISPARSE_COPY_EVICT_FIRST=1 turns it on.
+COPY_EVICT_FIRST = os.environ.get("HISPARSE_COPY_EVICT_FIRST", "0")
+if COPY_EVICT_FIRST not in ("0", "1"):
+    raise ValueError(f"HISPARSE_COPY_EVICT_FIRST={COPY_EVICT_FIRST!r}: expected 0 or 1")
+COPY_EVICT_FIRST = COPY_EVICT_FIRST == "1"
 
 
 @dataclass
@@ -283,7 +290,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
 
 
 def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
-               max_programs: int | None = None, evict_first: bool = False) -> None:
+               max_programs: int | None = None, evict_first: bool | None = None) -> None:
     """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
 
     Also replays an anchor layer's plan into a shared layer: pass the shared layer's streams.
@@ -294,7 +301,8 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
     copies with 32 programs and 11% with 128:
     results/gpu_logs/bb3a8198ed2f_tune_deferred_tests_resolve_layers_prefetch.txt). A capped copy of
     fewer than CAPPED_COPY_TILES programs takes larger tiles, so as many rows stay in flight.
-    evict_first: mark the rows' loads and stores to leave L2 first (an experiment, off by default).
+    evict_first: mark the rows' loads and stores to leave L2 first (default COPY_EVICT_FIRST, from
+    HISPARSE_COPY_EVICT_FIRST; an experiment, off by default).
     """
     _check_rows(host, cache)
     n, k = plan_unit.shape
@@ -316,9 +324,10 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
         rows_at_once = max(1, min(n, max_programs))
         per_row = max(1, min(per_row, max_programs // rows_at_once))
     grid = (rows_at_once, per_row)
+    evict_first = COPY_EVICT_FIRST if evict_first is None else bool(evict_first)
     _fetch_rows_kernel[grid](
         plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, n, k, cache.shape[1],
-        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, EVICT_FIRST=bool(evict_first), num_warps=num_warps,
+        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, EVICT_FIRST=evict_first, num_warps=num_warps,
     )
 
 

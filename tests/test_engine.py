@@ -238,6 +238,7 @@ def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypat
      "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')"),
     ("runtime", "HISPARSE_PREFETCH_PROGRAMS", "0", "HISPARSE_PREFETCH_PROGRAMS='0': expected a positive integer"),
     ("runtime", "HISPARSE_PREFETCH_PROGRAMS", "16k", "HISPARSE_PREFETCH_PROGRAMS='16k': expected a positive integer"),
+    ("resolve", "HISPARSE_COPY_EVICT_FIRST", "yes", "HISPARSE_COPY_EVICT_FIRST='yes': expected 0 or 1"),
     ("graph_flags", "HISPARSE_GRAPH_FLAGS", "2", "HISPARSE_GRAPH_FLAGS='2': expected a sum of 1 (auto-free"),
     ("graph_flags", "HISPARSE_GRAPH_FLAGS", "16", "HISPARSE_GRAPH_FLAGS='16': expected a sum of 1 (auto-free"),
     ("graph_flags", "HISPARSE_GRAPH_FLAGS", "-1", "HISPARSE_GRAPH_FLAGS='-1': expected a sum of 1 (auto-free")])
