@@ -42,7 +42,8 @@ MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan
 # (results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt).
 CAPPED_COPY_TILES = 32
 # Every miss copy's rows marked to leave L2 first (`fetch_rows`' evict_first): an experiment, off by
-# default; HISPARSE_COPY_EVICT_FIRST=1 turns it on.
+# default (no gain in the decode step on the H200: results/gpu_logs/e2a9e92ade46_copy_evict_first.txt);
+# HISPARSE_COPY_EVICT_FIRST=1 turns it on.
 COPY_EVICT_FIRST = os.environ.get("HISPARSE_COPY_EVICT_FIRST", "0")
 if COPY_EVICT_FIRST not in ("0", "1"):
     raise ValueError(f"HISPARSE_COPY_EVICT_FIRST={COPY_EVICT_FIRST!r}: expected 0 or 1")

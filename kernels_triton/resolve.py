@@ -267,7 +267,9 @@ def _fetch_rows_kernel(
     ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr, EVICT_FIRST: tl.constexpr = False,
 ):
     # EVICT_FIRST: the rows' loads and stores marked to leave L2 first, so that a copy beside other
-    # kernels pushes less of their data out (an experiment: scripts/copy_interference.py --evict-first)
+    # kernels pushes less of their data out (an experiment, off by default: on the H200 it took most of
+    # a device-memory copy's cost to the kernels beside it away, none of a host copy's:
+    # results/gpu_logs/e2a9e92ade46_copy_evict_first.txt)
     # grid (G, P): program (g, c) copies chunks c, c + P, c + 2P, ... of the plans of rows g, g + G,
     # g + 2G, ... (G = N but for a capped copy, whose programs then take several rows each)
     i_c = tl.program_id(1)
