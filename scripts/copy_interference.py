@@ -42,8 +42,11 @@ replayed a process's 4th graph and later ones slower: README); in the runs logge
 and `engine` rows, whose graphs come after the first copies', added nothing, so no such effect.
 Found on the H200 (results/gpu_logs/c21295b4d6aa_copy_interference.txt): neither `spin` nor `engine`
 slows the chains; `host` slows them more the larger its pool (graphed, 4 programs, small kernels: 0.2
-us per MB from 0.28 GiB, 10.7-11.2 from 12 GiB), in 2 MiB pages as much; `device` about as much per
-us as `host` from 12 GiB. Rows in address order cut the cost by more than half from 12 GiB here
+us per MB from 0.28 GiB, 10.7-11.2 from 12 GiB), in 2 MiB pages or made by cuMemCreate as much, but
+0.4 with its rows from the first 0.25 GiB of the 12 (e9882268f059_copy_interference_span_vmm.txt): the
+rows' spread, not the memory pinned; `device` about as much per us as `host` from 12 GiB, and with
+`--evict-first` a fifth of that, while `host` stays (e2a9e92ade46_copy_evict_first.txt). Rows in
+address order cut the cost by more than half from 12 GiB here
 (5a00a38e2dd7_timeline_prefetch_sorted_plans.txt), but not in the decode step.
 """
 import argparse
