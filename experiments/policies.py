@@ -86,7 +86,8 @@ def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
     fits = {}                                                  # drift -> (noise, last miss)
 
     def lru_miss(drift: float) -> float:
-        last_miss = lambda noise: layer_rates(replace(one, noise=noise, drift=drift), "last", None)[0]
+        def last_miss(noise: float) -> float:
+            return layer_rates(replace(one, noise=noise, drift=drift), "last", None)[0]
         fits[drift] = solve_increasing(last_miss, 0.0, 1.0, goal_last, tol)
         miss = layer_rates(replace(one, noise=fits[drift][0], drift=drift), "lru", lru_slots)[0]
         print(f"  drift {drift:.5f}: noise {fits[drift][0]:.4f} -> last {fits[drift][1]:.4f}, "

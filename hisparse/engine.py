@@ -236,7 +236,8 @@ class Engine:
             out.kv_bytes_per_request = self.runtime.kv_bytes(state.layers, self.cache) / batch
             out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
 
-            step = lambda toks: self.model.decode(toks, state)
+            def step(toks: torch.Tensor) -> torch.Tensor:
+                return self.model.decode(toks, state)
             timed_from = 1 + warmup_steps           # step 1 compiles, and precedes any capture
             clock = StepClock(first.is_cuda)
             for t in range(1, new_tokens):

@@ -97,7 +97,8 @@ def simulate_trace(trace, policy: str, cache_slots: int | None = None, *, seed: 
     own = sel.reshape(trace.steps, trace.layers, per_layer, -1)[:, anchors].reshape(trace.steps, -1, trace.k)
     res = simulate(own, policy, cache_slots, seed=seed)
     position = np.searchsorted(anchors, trace.layer_anchor)
-    expand = lambda a: a.reshape(trace.steps, len(anchors), per_layer)[:, position].reshape(trace.steps, -1)
+    def expand(a: np.ndarray) -> np.ndarray:
+        return a.reshape(trace.steps, len(anchors), per_layer)[:, position].reshape(trace.steps, -1)
     return SimResult(expand(res.misses), expand(res.accesses), None)
 
 

@@ -197,7 +197,8 @@ def test_resolve_split_stacks_probe_and_io():
     by_ratio, by_batch = fig.axes[0], fig.axes[2]                     # miss 0.2: vs B/k, vs batch
     assert by_ratio.get_title() == "miss 20.0%, batch 64"
     assert by_batch.get_title() == "miss 20.0%, B = 2k"
-    heights = lambda ax: [round(p.get_height(), 6) for p in ax.patches]
+    def heights(ax) -> list:
+        return [round(p.get_height(), 6) for p in ax.patches]
     # bars: probe-and-scan for each x, then IO on top; address-order and 8 KB rows left out
     assert heights(by_ratio) == [31.0, 32.0, 34.0, 128.0, 128.0, 128.0]
     assert heights(by_batch) == [32.0, 32.0, 32.0, 2.0, 32.0, 128.0]

@@ -192,8 +192,9 @@ def test_prefetch_runs_for_a_quest_checkpoint_with_shared_selections(tmp_path, c
 
 
 def test_quest_tokens_equal_the_engine_with_a_token_budget(tiny_llama, capsys):
-    rc, out, err = cli(capsys, "--model", tiny_llama, "--prompt-lens", "40,21", "--new-tokens", "3", "--show-tokens", "40",
-                       "--mode", "hisparse", "--token-budget", str(QUEST_BUDGET), "--cache-slots", "3")
+    rc, out, err = cli(capsys, "--model", tiny_llama, "--prompt-lens", "40,21", "--new-tokens", "3",
+                       "--show-tokens", "40", "--mode", "hisparse", "--token-budget", str(QUEST_BUDGET),
+                       "--cache-slots", "3")
     assert rc == 0, err
     printed = requests(out)
     model = load_model(tiny_llama, dtype=torch.float32, device=DEVICE)
@@ -206,8 +207,8 @@ def test_quest_tokens_equal_the_engine_with_a_token_budget(tiny_llama, capsys):
 
 
 def test_nsa_tokens_equal_the_engine(tiny_nsa, capsys):
-    rc, out, err = cli(capsys, "--model", tiny_nsa, "--prompt-lens", "330,20", "--new-tokens", "3", "--show-tokens", "330",
-                       "--mode", "hisparse", "--cache-slots", "4")
+    rc, out, err = cli(capsys, "--model", tiny_nsa, "--prompt-lens", "330,20", "--new-tokens", "3",
+                       "--show-tokens", "330", "--mode", "hisparse", "--cache-slots", "4")
     assert rc == 0, err
     printed = requests(out)
     model = load_model(tiny_nsa, dtype=torch.float32, device=DEVICE)
