@@ -15,10 +15,11 @@ PyTorch's own path. Found: with flags 0, 1, 4, 8 or 9 the 4th graph was as slow
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 
 import torch
+
+from hisparse import cuda_driver
 
 _FLAG_BITS = 1 | 4 | 8
 FLAGS = os.environ.get("HISPARSE_GRAPH_FLAGS")
@@ -27,20 +28,6 @@ if FLAGS is not None:
         raise ValueError(f"HISPARSE_GRAPH_FLAGS={FLAGS!r}: expected a sum of 1 (auto-free on launch), 4 (device "
                          f"launch) and 8 (node priority), as cuGraphInstantiateWithFlags takes them")
     FLAGS = int(FLAGS)
-
-
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuGraphInstantiateWithFlags.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong]
-    lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuGraphExecDestroy.argtypes = [ctypes.c_void_p]
-    return lib
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        raise RuntimeError(f"{what} returned CUDA driver error {result}")
 
 
 def new_graph() -> torch.cuda.CUDAGraph:
@@ -53,16 +40,16 @@ def replayer(graph: torch.cuda.CUDAGraph):
     set a launch of the graph instantiated with those flags (destroyed with the returned function)."""
     if FLAGS is None:
         return graph.replay
-    lib, exec_ = _driver(), ctypes.c_void_p()
-    _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), ctypes.c_void_p(graph.raw_cuda_graph()), FLAGS),
-           f"cuGraphInstantiateWithFlags(flags={FLAGS})")
+    exec_ = ctypes.c_void_p()
+    cuda_driver.call("cuGraphInstantiateWithFlags", ctypes.byref(exec_), ctypes.c_void_p(graph.raw_cuda_graph()),
+                     FLAGS)
 
     class Replay:
         def __call__(self) -> None:
-            _check(lib.cuGraphLaunch(exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "cuGraphLaunch")
+            cuda_driver.call("cuGraphLaunch", exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
 
         def __del__(self) -> None:
-            lib.cuGraphExecDestroy(exec_)
+            cuda_driver.driver().cuGraphExecDestroy(exec_)
 
     replay = Replay()
     replay.graph = graph                    # the captured graph (and its memory pool) lives as long

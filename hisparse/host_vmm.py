@@ -6,14 +6,15 @@ driver's granularity, and maps it at one address for CPU and GPU. Whether the GP
 random rows of a many-GiB pool with fewer translation misses is what scripts/copy_interference.py
 --vmm measures: on the H200 it does not (a 12 GiB pool in 2 MiB chunks slowed the kernels beside the
 copy as much as a registered one: results/gpu_logs/e9882268f059_copy_interference_span_vmm.txt).
-Linux with a CUDA driver only; the driver API through ctypes, no extra dependency.
+Linux with a CUDA driver only; the driver API through ctypes (`hisparse.cuda_driver`).
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
+
+from hisparse.cuda_driver import call as _call
 
 # cuda.h's values
 _HOST, _HOST_NUMA = 2, 3                      # CUmemLocationType
@@ -39,31 +40,6 @@ class _AccessDesc(ctypes.Structure):
 
 # start address -> (bytes, allocation handle, location type, granularity) of every live mapping
 _mappings: dict[int, tuple[int, int, int, int]] = {}
-
-
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    u64, size, ptr = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
-    for name, args in {
-        "cuMemGetAllocationGranularity": [ptr, ptr, ctypes.c_int],
-        "cuMemCreate": [ptr, size, ptr, u64],
-        "cuMemAddressReserve": [ptr, size, size, u64, u64],
-        "cuMemMap": [u64, size, size, u64, u64],
-        "cuMemSetAccess": [u64, size, ptr, size],
-        "cuMemUnmap": [u64, size],
-        "cuMemAddressFree": [u64, size],
-        "cuMemRelease": [u64],
-    }.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
-
-
-def _call(name: str, *args) -> None:
-    result = getattr(_driver(), name)(*args)
-    if result != 0:
-        raise RuntimeError(f"{name} returned CUDA driver error {result}")
 
 
 def _gpu_numa_node(device: int) -> int:

@@ -93,11 +93,11 @@ def test_graph_flags_replay_the_same_decode(model, flags, monkeypatch):
     """HISPARSE_GRAPH_FLAGS's path (the decode graph instantiated by the driver with those flags and
     replayed with cuGraphLaunch, once per step but the first, which runs eagerly) gives the eager
     decode's tokens and logits."""
-    from hisparse import graph_flags
+    from hisparse import cuda_driver, graph_flags
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 2100)]
     base = Engine(model, "resident", chunk_size=1024).generate(prompts, 9)
-    driver, calls = graph_flags._driver(), collections.Counter()
+    driver, calls = cuda_driver.driver(), collections.Counter()
 
     class Spy:                               # the driver, counting the graph calls made through it
         def __getattr__(self, name):
@@ -107,7 +107,7 @@ def test_graph_flags_replay_the_same_decode(model, flags, monkeypatch):
                 calls[name] += 1
                 return fn(*args)
             return counted
-    monkeypatch.setattr(graph_flags, "_driver", Spy)
+    monkeypatch.setattr(cuda_driver, "driver", Spy)
     monkeypatch.setattr(graph_flags, "FLAGS", flags)
     out = Engine(model, "hisparse", cache_slots=2048, chunk_size=1024).generate(prompts, 9, graph=True)
     assert calls["cuGraphInstantiateWithFlags"] == 1 and calls["cuGraphLaunch"] >= 6, dict(calls)

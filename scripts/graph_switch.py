@@ -1,0 +1,85 @@
+"""The graph-count switch in its smallest form: does a process's N-th CUDA graph replay slower? GPU only.
+
+    python -m scripts.graph_switch [--graphs 6] [--kernels 4000] [--upload] [--uninstantiated 0]
+
+On the H200 a process's 4th decode graph and every later one replayed about 11% slower than its
+first three, the kernels no slower but the GPU idling between them (scripts/repeat_runs.py, README).
+This script makes --graphs graphs of --kernels small kernels each (one in-place add on 1024 floats,
+launch-bound, so a longer wait between kernels shows at once) and after making each one times its
+replay and again the first graph's: is a graph slow for being made late (its own replay slow, the
+first one's not), or is every graph slow once the process has made enough (both)? Options:
+--upload hands each graph to the driver's cuGraphUpload right after its instantiation (does an
+explicit upload place a late graph's launch data as an early one's?); --uninstantiated N first
+captures N graphs that are never instantiated (does a capture count, or an instantiation?).
+Each figure is the median of --replays replays, in ms, and per kernel in us.
+"""
+import argparse
+import ctypes
+import statistics
+
+import torch
+
+from hisparse import cuda_driver
+
+
+def capture_chain(x: torch.Tensor, kernels: int, instantiate: bool = True) -> torch.cuda.CUDAGraph:
+    """A graph of `kernels` in-place adds on x; PyTorch instantiates it at capture's end unless not
+    `instantiate` (keep_graph: instantiated at its first replay, which it never gets here)."""
+    graph = torch.cuda.CUDAGraph(keep_graph=not instantiate)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1)
+    return graph
+
+
+def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--graphs", type=int, default=6, help="graphs made and timed (default 6)")
+    ap.add_argument("--kernels", type=int, default=4000, help="kernels in each graph (default 4000)")
+    ap.add_argument("--replays", type=int, default=20, help="replays timed per figure (default 20)")
+    ap.add_argument("--upload", action="store_true", help="cuGraphUpload each graph after its instantiation")
+    ap.add_argument("--uninstantiated", type=int, default=0,
+                    help="graphs captured and freed, never instantiated, before the timed ones (default 0)")
+    args = ap.parse_args(argv)
+    if min(args.graphs, args.kernels, args.replays) < 1 or args.uninstantiated < 0:
+        raise SystemExit(f"--graphs, --kernels, --replays >= 1 and --uninstantiated >= 0 expected, got "
+                         f"{args.graphs}, {args.kernels}, {args.replays}, {args.uninstantiated}")
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    x = torch.zeros(1024, device="cuda")
+    for _ in range(args.uninstantiated):
+        capture_chain(x, args.kernels, instantiate=False)
+    torch.cuda.synchronize()
+    print(f"graphs of {args.kernels} kernels; {args.uninstantiated} captured and never instantiated first; "
+          f"upload {'on' if args.upload else 'off'}", flush=True)
+    graphs = []
+    for i in range(args.graphs):
+        graph = capture_chain(x, args.kernels)
+        if args.upload:
+            stream = torch.cuda.current_stream()
+            cuda_driver.call("cuGraphUpload", ctypes.c_void_p(graph.raw_cuda_graph_exec()),
+                             ctypes.c_void_p(stream.cuda_stream))
+            stream.synchronize()
+        graphs.append(graph)
+        own = median_replay_ms(graph, args.replays)
+        first = median_replay_ms(graphs[0], args.replays)
+        print(f"graph {i + 1}: its replay {own:7.3f} ms ({1e3 * own / args.kernels:.3f} us a kernel); "
+              f"graph 1's now {first:7.3f} ms ({1e3 * first / args.kernels:.3f} us a kernel)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
