@@ -1,13 +1,15 @@
 """The graph-count switch in its smallest form: does a process's N-th CUDA graph replay slower? GPU only.
 
-    python -m scripts.graph_switch [--graphs 6] [--kernels 4000] [--upload] [--uninstantiated 0]
+    python -m scripts.graph_switch [--graphs 6] [--kernels 4000] [--kind add] [--upload] [--uninstantiated 0]
 
 On the H200 a process's 4th decode graph and every later one replayed about 11% slower than its
 first three, the kernels no slower but the GPU idling between them (scripts/repeat_runs.py, README).
-This script makes --graphs graphs of --kernels small kernels each (one in-place add on 1024 floats,
-launch-bound, so a longer wait between kernels shows at once) and after making each one times its
-replay and again the first graph's: is a graph slow for being made late (its own replay slow, the
-first one's not), or is every graph slow once the process has made enough (both)? Options:
+This script makes --graphs graphs of --kernels small kernels each (launch-bound, so a longer wait
+between kernels shows at once; --kind: PyTorch's in-place add on 1024 floats, a Triton kernel doing
+the same, a cuBLAS matmul of [16, 1024] by [1024, 1024] in bf16, or the three in turn) and after
+making each one times its replay and again the first graph's: is a graph slow for being made late
+(its own replay slow, the first one's not), or is every graph slow once the process has made enough
+(both)? Options:
 --upload hands each graph to the driver's cuGraphUpload right after its instantiation (does an
 explicit upload place a late graph's launch data as an early one's?); --uninstantiated N first
 captures N graphs that are never instantiated (does a capture count, or an instantiation?).
@@ -15,21 +17,44 @@ Each figure is the median of --replays replays, in ms, and per kernel in us.
 """
 import argparse
 import ctypes
+import itertools
 import statistics
 
 import torch
+import triton
+import triton.language as tl
 
 from hisparse import cuda_driver
 
 
-def capture_chain(x: torch.Tensor, kernels: int, instantiate: bool = True) -> torch.cuda.CUDAGraph:
-    """A graph of `kernels` in-place adds on x; PyTorch instantiates it at capture's end unless not
+@triton.jit
+def _add_one_kernel(x_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(x_ptr + o, tl.load(x_ptr + o) + 1)
+
+
+def kernel_chain(kind: str):
+    """The function that launches one kernel of `kind` (see --kind), with its tensors."""
+    x = torch.zeros(1024, device="cuda")
+    a = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(16, 1024, device="cuda", dtype=torch.bfloat16)
+    launches = {"add": lambda: x.add_(1), "triton": lambda: _add_one_kernel[(1,)](x, 1024),
+                "matmul": lambda: torch.matmul(a, w, out=out)}
+    if kind != "mixed":
+        return launches[kind]
+    turns = itertools.cycle(launches.values())
+    return lambda: next(turns)()
+
+
+def capture_chain(launch, kernels: int, instantiate: bool = True) -> torch.cuda.CUDAGraph:
+    """A graph of `kernels` launches; PyTorch instantiates it at capture's end unless not
     `instantiate` (keep_graph: instantiated at its first replay, which it never gets here)."""
     graph = torch.cuda.CUDAGraph(keep_graph=not instantiate)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         for _ in range(kernels):
-            x.add_(1)
+            launch()
     return graph
 
 
@@ -50,6 +75,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--graphs", type=int, default=6, help="graphs made and timed (default 6)")
     ap.add_argument("--kernels", type=int, default=4000, help="kernels in each graph (default 4000)")
+    ap.add_argument("--kind", choices=["add", "triton", "matmul", "mixed"], default="add",
+                    help="the graphs' kernels (default add)")
     ap.add_argument("--replays", type=int, default=20, help="replays timed per figure (default 20)")
     ap.add_argument("--upload", action="store_true", help="cuGraphUpload each graph after its instantiation")
     ap.add_argument("--uninstantiated", type=int, default=0,
@@ -60,15 +87,17 @@ def main(argv=None) -> None:
                          f"{args.graphs}, {args.kernels}, {args.replays}, {args.uninstantiated}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    x = torch.zeros(1024, device="cuda")
+    launch = kernel_chain(args.kind)
+    for _ in range(3):
+        launch()                                           # compiled, loaded and planned before any capture
     for _ in range(args.uninstantiated):
-        capture_chain(x, args.kernels, instantiate=False)
+        capture_chain(launch, args.kernels, instantiate=False)
     torch.cuda.synchronize()
-    print(f"graphs of {args.kernels} kernels; {args.uninstantiated} captured and never instantiated first; "
+    print(f"graphs of {args.kernels} {args.kind} kernels; {args.uninstantiated} captured and never instantiated first; "
           f"upload {'on' if args.upload else 'off'}", flush=True)
     graphs = []
     for i in range(args.graphs):
-        graph = capture_chain(x, args.kernels)
+        graph = capture_chain(launch, args.kernels)
         if args.upload:
             stream = torch.cuda.current_stream()
             cuda_driver.call("cuGraphUpload", ctypes.c_void_p(graph.raw_cuda_graph_exec()),
