@@ -6,7 +6,9 @@ On the H200 a process's 4th decode graph and every later one replayed about 11% 
 first three, the kernels no slower but the GPU idling between them (scripts/repeat_runs.py, README).
 This script makes --graphs graphs of --kernels small kernels each (launch-bound, so a longer wait
 between kernels shows at once; --kind: PyTorch's in-place add on 1024 floats, a Triton kernel doing
-the same, a cuBLAS matmul of [16, 1024] by [1024, 1024] in bf16, or the three in turn) and after
+the same, a cuBLAS matmul of [16, 1024] by [1024, 1024] in bf16, or the three in turn; `alloc`:
+out-of-place adds, each result a new block of the graph's memory pool; `args`: the Triton kernel with
+23 more pointer arguments, as large as the resolve's; `distinct`: 32 compilations of it in turn) and after
 making each one times its replay and again the first graph's: is a graph slow for being made late
 (its own replay slow, the first one's not), or is every graph slow once the process has made enough
 (both)? Options:
@@ -28,7 +30,14 @@ from hisparse import cuda_driver
 
 
 @triton.jit
-def _add_one_kernel(x_ptr, N: tl.constexpr):
+def _add_one_kernel(x_ptr, N: tl.constexpr, SALT: tl.constexpr = 0):
+    o = tl.arange(0, N)
+    tl.store(x_ptr + o, tl.load(x_ptr + o) + 1 + SALT * 0)
+
+
+@triton.jit
+def _add_one_many_args_kernel(x_ptr, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16,
+                              a17, a18, a19, a20, a21, a22, a23, N: tl.constexpr):
     o = tl.arange(0, N)
     tl.store(x_ptr + o, tl.load(x_ptr + o) + 1)
 
@@ -39,10 +48,16 @@ def kernel_chain(kind: str):
     a = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(16, 1024, device="cuda", dtype=torch.bfloat16)
+    args = [torch.zeros(1, device="cuda") for _ in range(23)]
+    salts = itertools.cycle(range(32))
     launches = {"add": lambda: x.add_(1), "triton": lambda: _add_one_kernel[(1,)](x, 1024),
-                "matmul": lambda: torch.matmul(a, w, out=out)}
+                "matmul": lambda: torch.matmul(a, w, out=out),
+                "alloc": lambda: x + 1,
+                "args": lambda: _add_one_many_args_kernel[(1,)](x, *args, 1024),
+                "distinct": lambda: _add_one_kernel[(1,)](x, 1024, next(salts))}
     if kind != "mixed":
         return launches[kind]
+    launches = {name: launches[name] for name in ("add", "triton", "matmul")}
     turns = itertools.cycle(launches.values())
     return lambda: next(turns)()
 
@@ -75,7 +90,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--graphs", type=int, default=6, help="graphs made and timed (default 6)")
     ap.add_argument("--kernels", type=int, default=4000, help="kernels in each graph (default 4000)")
-    ap.add_argument("--kind", choices=["add", "triton", "matmul", "mixed"], default="add",
+    ap.add_argument("--kind", choices=["add", "triton", "matmul", "mixed", "alloc", "args", "distinct"], default="add",
                     help="the graphs' kernels (default add)")
     ap.add_argument("--replays", type=int, default=20, help="replays timed per figure (default 20)")
     ap.add_argument("--upload", action="store_true", help="cuGraphUpload each graph after its instantiation")
@@ -88,7 +103,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     launch = kernel_chain(args.kind)
-    for _ in range(3):
+    for _ in range(32):
         launch()                                           # compiled, loaded and planned before any capture
     for _ in range(args.uninstantiated):
         capture_chain(launch, args.kernels, instantiate=False)
