@@ -1,20 +1,21 @@
 """The graph-count switch in its smallest form: does a process's N-th CUDA graph replay slower? GPU only.
 
-    python -m scripts.graph_switch [--graphs 6] [--kernels 4000] [--kind add] [--upload] [--uninstantiated 0]
+    python -m scripts.graph_switch [--graphs 6] [--kernels 4000] [--kind add] [--free] [--upload]
+                                   [--uninstantiated 0]
 
 On the H200 a process's 4th decode graph and every later one replayed about 11% slower than its
 first three, the kernels no slower but the GPU idling between them (scripts/repeat_runs.py, README).
 This script makes --graphs graphs of --kernels small kernels each (launch-bound, so a longer wait
-between kernels shows at once; --kind: PyTorch's in-place add on 1024 floats, a Triton kernel doing
-the same, a cuBLAS matmul of [16, 1024] by [1024, 1024] in bf16, or the three in turn; `alloc`:
-out-of-place adds, each result a new block of the graph's memory pool; `args`: the Triton kernel with
-23 more pointer arguments, as large as the resolve's; `distinct`: 32 compilations of it in turn) and after
-making each one times its replay and again the first graph's: is a graph slow for being made late
-(its own replay slow, the first one's not), or is every graph slow once the process has made enough
-(both)? Options:
---upload hands each graph to the driver's cuGraphUpload right after its instantiation (does an
-explicit upload place a late graph's launch data as an early one's?); --uninstantiated N first
-captures N graphs that are never instantiated (does a capture count, or an instantiation?).
+between kernels shows at once) and after making each one times its replay and again the first
+graph's: is a graph slow for being made late (its own replay slow, the first one's not), or is
+every graph slow once the process has made enough (both)?
+--kind: `add`, PyTorch's in-place add on 1024 floats; `triton`, a Triton kernel doing the same;
+`matmul`, cuBLAS on [16, 1024] by [1024, 1024] in bf16; `mixed`, those three in turn; `alloc`,
+out-of-place adds, each result a new block of the graph's memory pool; `args`, the Triton kernel
+with 23 more pointer arguments (as many as the resolve has); `distinct`, 32 compilations of it in turn.
+--free frees each graph but the first once timed (do freed graphs count?); --upload hands each
+graph to the driver's cuGraphUpload right after its instantiation; --uninstantiated N first captures
+N graphs that are never instantiated (does a capture count, or an instantiation?).
 Each figure is the median of --replays replays, in ms, and per kernel in us.
 """
 import argparse
@@ -94,6 +95,7 @@ def main(argv=None) -> None:
                     help="the graphs' kernels (default add)")
     ap.add_argument("--replays", type=int, default=20, help="replays timed per figure (default 20)")
     ap.add_argument("--upload", action="store_true", help="cuGraphUpload each graph after its instantiation")
+    ap.add_argument("--free", action="store_true", help="free each graph after timing it (all but the first)")
     ap.add_argument("--uninstantiated", type=int, default=0,
                     help="graphs captured and freed, never instantiated, before the timed ones (default 0)")
     args = ap.parse_args(argv)
@@ -108,8 +110,9 @@ def main(argv=None) -> None:
     for _ in range(args.uninstantiated):
         capture_chain(launch, args.kernels, instantiate=False)
     torch.cuda.synchronize()
-    print(f"graphs of {args.kernels} {args.kind} kernels; {args.uninstantiated} captured and never instantiated first; "
-          f"upload {'on' if args.upload else 'off'}", flush=True)
+    print(f"graphs of {args.kernels} {args.kind} kernels; {args.uninstantiated} captured and never instantiated "
+          f"first; upload {'on' if args.upload else 'off'}; {'freed once timed' if args.free else 'all kept'}",
+          flush=True)
     graphs = []
     for i in range(args.graphs):
         graph = capture_chain(launch, args.kernels)
@@ -123,6 +126,9 @@ def main(argv=None) -> None:
         first = median_replay_ms(graphs[0], args.replays)
         print(f"graph {i + 1}: its replay {own:7.3f} ms ({1e3 * own / args.kernels:.3f} us a kernel); "
               f"graph 1's now {first:7.3f} ms ({1e3 * first / args.kernels:.3f} us a kernel)", flush=True)
+        if args.free and i > 0:
+            graphs.pop()
+            torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
