@@ -24,7 +24,9 @@ SIGNATURES = {
     "cuMemUnmap": [_u64, _size],
     "cuMemAddressFree": [_u64, _size],
     "cuMemRelease": [_u64],
-    # graphs (hisparse.graph_flags)
+    # graphs (hisparse.graph_flags, scripts/graph_switch.py)
+    "cuGraphCreate": [_ptr, ctypes.c_uint],
+    "cuGraphDestroy": [_ptr],
     "cuGraphInstantiateWithFlags": [_ptr, _ptr, ctypes.c_ulonglong],
     "cuGraphLaunch": [_ptr, _ptr],
     "cuGraphUpload": [_ptr, _ptr],

@@ -1,7 +1,8 @@
 """The graph-count switch in its smallest form: does a process's N-th CUDA graph replay slower? GPU only.
 
     python -m scripts.graph_switch [--graphs 6] [--kernels 4000] [--kind add] [--free] [--upload]
-                                   [--uninstantiated 0]
+                                   [--before 0 --before-how uninstantiated] [--capture-stream shared]
+                                   [--capture-mode global] [--replay-stream current]
 
 On the H200 a process's 4th decode graph and every later one replayed about 11% slower than its
 first three, the kernels no slower but the GPU idling between them (scripts/repeat_runs.py, README).
@@ -14,8 +15,9 @@ every graph slow once the process has made enough (both)?
 out-of-place adds, each result a new block of the graph's memory pool; `args`, the Triton kernel
 with 23 more pointer arguments (as many as the resolve has); `distinct`, 32 compilations of it in turn.
 --free frees each graph but the first once timed (do freed graphs count?); --upload hands each
-graph to the driver's cuGraphUpload right after its instantiation; --uninstantiated N first captures
-N graphs that are never instantiated (does a capture count, or an instantiation?).
+graph to the driver's cuGraphUpload right after its instantiation; --before N first makes N graphs
+and frees them (--before-how: which kind of making counts?); --capture-stream, --capture-mode and
+--replay-stream change where and how graphs are captured and replayed.
 Each figure is the median of --replays replays, in ms, and per kernel in us.
 """
 import argparse
@@ -63,27 +65,40 @@ def kernel_chain(kind: str):
     return lambda: next(turns)()
 
 
-def capture_chain(launch, kernels: int, instantiate: bool = True) -> torch.cuda.CUDAGraph:
-    """A graph of `kernels` launches; PyTorch instantiates it at capture's end unless not
-    `instantiate` (keep_graph: instantiated at its first replay, which it never gets here)."""
+def capture_chain(launch, kernels: int, instantiate: bool = True, stream: torch.cuda.Stream | None = None,
+                  mode: str = "global") -> torch.cuda.CUDAGraph:
+    """A graph of `kernels` launches captured on `stream` (None: PyTorch's one capture stream) in
+    capture `mode`; PyTorch instantiates it at capture's end unless not `instantiate` (keep_graph:
+    instantiated at its first replay, which it never gets here)."""
     graph = torch.cuda.CUDAGraph(keep_graph=not instantiate)
     torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
         for _ in range(kernels):
             launch()
     return graph
 
 
-def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    graph.replay()
+def make_before(how: str, launch, kernels: int) -> None:
+    """One of the graphs made before the timed ones (--before-how), freed at once."""
+    if how == "created":
+        graph = ctypes.c_void_p()
+        cuda_driver.call("cuGraphCreate", ctypes.byref(graph), 0)
+        cuda_driver.call("cuGraphDestroy", graph)
+    else:
+        capture_chain(launch, kernels if how == "uninstantiated" else 0, instantiate=how == "instantiated")
+
+
+def median_replay_ms(graph: torch.cuda.CUDAGraph, replays: int, stream: torch.cuda.Stream) -> float:
     times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    with torch.cuda.stream(stream):
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -96,34 +111,45 @@ def main(argv=None) -> None:
     ap.add_argument("--replays", type=int, default=20, help="replays timed per figure (default 20)")
     ap.add_argument("--upload", action="store_true", help="cuGraphUpload each graph after its instantiation")
     ap.add_argument("--free", action="store_true", help="free each graph after timing it (all but the first)")
-    ap.add_argument("--uninstantiated", type=int, default=0,
-                    help="graphs captured and freed, never instantiated, before the timed ones (default 0)")
+    ap.add_argument("--before", type=int, default=0, help="graphs made and freed before the timed ones (default 0)")
+    ap.add_argument("--before-how", choices=["instantiated", "uninstantiated", "empty", "created"],
+                    default="uninstantiated",
+                    help="those graphs: captured (--kernels) and instantiated; captured, never instantiated "
+                         "(default); captured with no kernel, never instantiated; or made by cuGraphCreate")
+    ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
+                    help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
+    ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
+                    help="the stream capture mode (default global, PyTorch's)")
+    ap.add_argument("--replay-stream", choices=["current", "side"], default="current",
+                    help="replay on the current (default) stream or on one side stream")
     args = ap.parse_args(argv)
-    if min(args.graphs, args.kernels, args.replays) < 1 or args.uninstantiated < 0:
-        raise SystemExit(f"--graphs, --kernels, --replays >= 1 and --uninstantiated >= 0 expected, got "
-                         f"{args.graphs}, {args.kernels}, {args.replays}, {args.uninstantiated}")
+    if min(args.graphs, args.kernels, args.replays) < 1 or args.before < 0:
+        raise SystemExit(f"--graphs, --kernels, --replays >= 1 and --before >= 0 expected, got "
+                         f"{args.graphs}, {args.kernels}, {args.replays}, {args.before}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     launch = kernel_chain(args.kind)
     for _ in range(32):
         launch()                                           # compiled, loaded and planned before any capture
-    for _ in range(args.uninstantiated):
-        capture_chain(launch, args.kernels, instantiate=False)
+    for _ in range(args.before):
+        make_before(args.before_how, launch, args.kernels)
     torch.cuda.synchronize()
-    print(f"graphs of {args.kernels} {args.kind} kernels; {args.uninstantiated} captured and never instantiated "
-          f"first; upload {'on' if args.upload else 'off'}; {'freed once timed' if args.free else 'all kept'}",
-          flush=True)
+    replay_stream = torch.cuda.Stream() if args.replay_stream == "side" else torch.cuda.current_stream()
+    print(f"graphs of {args.kernels} {args.kind} kernels after {args.before} {args.before_how} ones; upload "
+          f"{'on' if args.upload else 'off'}; {'freed once timed' if args.free else 'all kept'}; capture stream "
+          f"{args.capture_stream}, mode {args.capture_mode}; replay stream {args.replay_stream}", flush=True)
     graphs = []
     for i in range(args.graphs):
-        graph = capture_chain(launch, args.kernels)
+        graph = capture_chain(launch, args.kernels, stream=torch.cuda.Stream() if args.capture_stream == "fresh"
+                              else None, mode=args.capture_mode)
         if args.upload:
             stream = torch.cuda.current_stream()
             cuda_driver.call("cuGraphUpload", ctypes.c_void_p(graph.raw_cuda_graph_exec()),
                              ctypes.c_void_p(stream.cuda_stream))
             stream.synchronize()
         graphs.append(graph)
-        own = median_replay_ms(graph, args.replays)
-        first = median_replay_ms(graphs[0], args.replays)
+        own = median_replay_ms(graph, args.replays, replay_stream)
+        first = median_replay_ms(graphs[0], args.replays, replay_stream)
         print(f"graph {i + 1}: its replay {own:7.3f} ms ({1e3 * own / args.kernels:.3f} us a kernel); "
               f"graph 1's now {first:7.3f} ms ({1e3 * first / args.kernels:.3f} us a kernel)", flush=True)
         if args.free and i > 0:
