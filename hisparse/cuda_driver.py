@@ -26,6 +26,8 @@ SIGNATURES = {
     "cuMemRelease": [_u64],
     # graphs (hisparse.graph_flags, scripts/graph_switch.py)
     "cuGraphCreate": [_ptr, ctypes.c_uint],
+    "cuStreamBeginCapture_v2": [_ptr, ctypes.c_int],
+    "cuStreamEndCapture": [_ptr, _ptr],
     "cuGraphDestroy": [_ptr],
     "cuGraphInstantiateWithFlags": [_ptr, _ptr, ctypes.c_ulonglong],
     "cuGraphLaunch": [_ptr, _ptr],

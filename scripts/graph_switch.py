@@ -80,9 +80,21 @@ def capture_chain(launch, kernels: int, instantiate: bool = True, stream: torch.
 
 def make_before(how: str, launch, kernels: int) -> None:
     """One of the graphs made before the timed ones (--before-how), freed at once."""
+    graph = ctypes.c_void_p()
     if how == "created":
-        graph = ctypes.c_void_p()
         cuda_driver.call("cuGraphCreate", ctypes.byref(graph), 0)
+        cuda_driver.call("cuGraphDestroy", graph)
+    elif how.startswith("driver-captured"):
+        # the driver's own capture (global mode, 0), of nothing or of --kernels launches: PyTorch's
+        # capture machinery (memory pool, generator state) not involved
+        stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        cuda_driver.call("cuStreamBeginCapture_v2", ctypes.c_void_p(stream.cuda_stream), 0)
+        if how == "driver-captured-kernels":
+            with torch.cuda.stream(stream):
+                for _ in range(kernels):
+                    launch()
+        cuda_driver.call("cuStreamEndCapture", ctypes.c_void_p(stream.cuda_stream), ctypes.byref(graph))
         cuda_driver.call("cuGraphDestroy", graph)
     else:
         capture_chain(launch, kernels if how == "uninstantiated" else 0, instantiate=how == "instantiated")
@@ -112,10 +124,12 @@ def main(argv=None) -> None:
     ap.add_argument("--upload", action="store_true", help="cuGraphUpload each graph after its instantiation")
     ap.add_argument("--free", action="store_true", help="free each graph after timing it (all but the first)")
     ap.add_argument("--before", type=int, default=0, help="graphs made and freed before the timed ones (default 0)")
-    ap.add_argument("--before-how", choices=["instantiated", "uninstantiated", "empty", "created"],
+    ap.add_argument("--before-how", choices=["instantiated", "uninstantiated", "empty", "created", "driver-captured",
+                                             "driver-captured-kernels"],
                     default="uninstantiated",
-                    help="those graphs: captured (--kernels) and instantiated; captured, never instantiated "
-                         "(default); captured with no kernel, never instantiated; or made by cuGraphCreate")
+                    help="those graphs: captured by PyTorch (--kernels) and instantiated; the same, never "
+                         "instantiated (default); captured with no kernel, never instantiated; made by "
+                         "cuGraphCreate; captured by the driver's cuStreamBeginCapture, of nothing or of --kernels")
     ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
                     help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
     ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
