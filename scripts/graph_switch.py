@@ -81,7 +81,14 @@ def capture_chain(launch, kernels: int, instantiate: bool = True, stream: torch.
 def make_before(how: str, launch, kernels: int) -> None:
     """One of the graphs made before the timed ones (--before-how), freed at once."""
     graph = ctypes.c_void_p()
-    if how == "created":
+    if how == "empty-cache":
+        # what torch.cuda.graph does before each capture, here with a block cached to give back
+        torch.empty(1 << 21, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    elif how == "host-empty-cache":
+        torch._C._host_emptyCache()            # the other half of it: the pinned host blocks cached
+    elif how == "created":
         cuda_driver.call("cuGraphCreate", ctypes.byref(graph), 0)
         cuda_driver.call("cuGraphDestroy", graph)
     elif how.startswith("driver-captured"):
@@ -125,11 +132,13 @@ def main(argv=None) -> None:
     ap.add_argument("--free", action="store_true", help="free each graph after timing it (all but the first)")
     ap.add_argument("--before", type=int, default=0, help="graphs made and freed before the timed ones (default 0)")
     ap.add_argument("--before-how", choices=["instantiated", "uninstantiated", "empty", "created", "driver-captured",
-                                             "driver-captured-kernels"],
+                                             "driver-captured-kernels", "empty-cache", "host-empty-cache"],
                     default="uninstantiated",
                     help="those graphs: captured by PyTorch (--kernels) and instantiated; the same, never "
                          "instantiated (default); captured with no kernel, never instantiated; made by "
-                         "cuGraphCreate; captured by the driver's cuStreamBeginCapture, of nothing or of --kernels")
+                         "cuGraphCreate; captured by the driver's cuStreamBeginCapture, of nothing or of --kernels; "
+                         "or no graph: a 2 MiB block freed and torch.cuda.empty_cache(), or "
+                         "torch._C._host_emptyCache(), each as torch.cuda.graph does before a capture")
     ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
                     help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
     ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
