@@ -86,6 +86,11 @@ def make_before(how: str, launch, kernels: int) -> None:
         torch.empty(1 << 21, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    elif how == "mem-pool":
+        # the caching allocator's private pool (as a capture makes one), with a block allocated in it
+        with torch.cuda.use_mem_pool(torch.cuda.MemPool()):
+            torch.empty(1 << 21, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
     elif how == "host-empty-cache":
         torch._C._host_emptyCache()            # the other half of it: the pinned host blocks cached
     elif how == "created":
@@ -132,13 +137,15 @@ def main(argv=None) -> None:
     ap.add_argument("--free", action="store_true", help="free each graph after timing it (all but the first)")
     ap.add_argument("--before", type=int, default=0, help="graphs made and freed before the timed ones (default 0)")
     ap.add_argument("--before-how", choices=["instantiated", "uninstantiated", "empty", "created", "driver-captured",
-                                             "driver-captured-kernels", "empty-cache", "host-empty-cache"],
+                                             "driver-captured-kernels", "empty-cache", "host-empty-cache",
+                                             "mem-pool"],
                     default="uninstantiated",
                     help="those graphs: captured by PyTorch (--kernels) and instantiated; the same, never "
                          "instantiated (default); captured with no kernel, never instantiated; made by "
                          "cuGraphCreate; captured by the driver's cuStreamBeginCapture, of nothing or of --kernels; "
                          "or no graph: a 2 MiB block freed and torch.cuda.empty_cache(), or "
-                         "torch._C._host_emptyCache(), each as torch.cuda.graph does before a capture")
+                         "torch._C._host_emptyCache(), each as torch.cuda.graph does before a capture; or a block "
+                         "allocated in a torch.cuda.MemPool of its own, as a capture has")
     ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
                     help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
     ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
