@@ -78,6 +78,19 @@ def capture_chain(launch, kernels: int, instantiate: bool = True, stream: torch.
     return graph
 
 
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime library this process has loaded (PyTorch's)."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    if not paths:
+        raise RuntimeError("no libcudart loaded in this process")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    lib.cudaStreamBeginCapture.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.cudaStreamEndCapture.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cudaGraphDestroy.argtypes = [ctypes.c_void_p]
+    return lib
+
+
 def make_before(how: str, launch, kernels: int) -> None:
     """One of the graphs made before the timed ones (--before-how), freed at once."""
     graph = ctypes.c_void_p()
@@ -86,6 +99,22 @@ def make_before(how: str, launch, kernels: int) -> None:
         torch.empty(1 << 21, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    elif how == "capture-begin-end":
+        # PyTorch's C++ capture alone (CUDAGraph.capture_begin / capture_end), of nothing: none of
+        # torch.cuda.graph's Python steps before it
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            graph.capture_begin()
+            graph.capture_end()
+    elif how == "runtime-captured":
+        # the CUDA runtime's cudaStreamBeginCapture / EndCapture (PyTorch's calls) through ctypes, of nothing
+        cudart, stream = _cudart(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        for result in (cudart.cudaStreamBeginCapture(ctypes.c_void_p(stream.cuda_stream), 0),
+                       cudart.cudaStreamEndCapture(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(graph)),
+                       cudart.cudaGraphDestroy(graph)):
+            if result != 0:
+                raise RuntimeError(f"CUDA runtime error {result}")
     elif how == "mem-pool":
         # the caching allocator's private pool (as a capture makes one), with a block allocated in it
         with torch.cuda.use_mem_pool(torch.cuda.MemPool()):
@@ -138,14 +167,15 @@ def main(argv=None) -> None:
     ap.add_argument("--before", type=int, default=0, help="graphs made and freed before the timed ones (default 0)")
     ap.add_argument("--before-how", choices=["instantiated", "uninstantiated", "empty", "created", "driver-captured",
                                              "driver-captured-kernels", "empty-cache", "host-empty-cache",
-                                             "mem-pool"],
+                                             "mem-pool", "capture-begin-end", "runtime-captured"],
                     default="uninstantiated",
                     help="those graphs: captured by PyTorch (--kernels) and instantiated; the same, never "
                          "instantiated (default); captured with no kernel, never instantiated; made by "
                          "cuGraphCreate; captured by the driver's cuStreamBeginCapture, of nothing or of --kernels; "
                          "or no graph: a 2 MiB block freed and torch.cuda.empty_cache(), or "
                          "torch._C._host_emptyCache(), each as torch.cuda.graph does before a capture; or a block "
-                         "allocated in a torch.cuda.MemPool of its own, as a capture has")
+                         "allocated in a torch.cuda.MemPool of its own, as a capture has; CUDAGraph.capture_begin and "
+                         "capture_end alone, of nothing; the runtime's cudaStreamBeginCapture, of nothing")
     ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
                     help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
     ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
