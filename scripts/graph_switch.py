@@ -78,6 +78,33 @@ def capture_chain(launch, kernels: int, instantiate: bool = True, stream: torch.
     return graph
 
 
+class DriverGraph:
+    """A graph captured by the driver's own stream capture (cuStreamBeginCapture) with PyTorch's
+    allocations routed to a memory pool of its own (torch.cuda.use_mem_pool), instantiated with
+    flags 0; replay() launches it on the current stream, as CUDAGraph.replay does."""
+
+    def __init__(self, launch, kernels: int):
+        self.pool, stream, graph = torch.cuda.MemPool(), torch.cuda.Stream(), ctypes.c_void_p()
+        self.exec_ = ctypes.c_void_p()
+        torch.cuda.synchronize()
+        with torch.cuda.use_mem_pool(self.pool), torch.cuda.stream(stream):
+            cuda_driver.call("cuStreamBeginCapture_v2", ctypes.c_void_p(stream.cuda_stream), 0)
+            for _ in range(kernels):
+                launch()
+            cuda_driver.call("cuStreamEndCapture", ctypes.c_void_p(stream.cuda_stream), ctypes.byref(graph))
+        cuda_driver.call("cuGraphInstantiateWithFlags", ctypes.byref(self.exec_), graph, 0)
+        cuda_driver.call("cuGraphDestroy", graph)
+
+    def replay(self) -> None:
+        cuda_driver.call("cuGraphLaunch", self.exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+
+    def raw_cuda_graph_exec(self) -> int:
+        return self.exec_.value
+
+    def __del__(self) -> None:
+        cuda_driver.driver().cuGraphExecDestroy(self.exec_)
+
+
 def _cudart() -> ctypes.CDLL:
     """The CUDA runtime library this process has loaded (PyTorch's)."""
     with open("/proc/self/maps") as f:
@@ -176,6 +203,9 @@ def main(argv=None) -> None:
                          "torch._C._host_emptyCache(), each as torch.cuda.graph does before a capture; or a block "
                          "allocated in a torch.cuda.MemPool of its own, as a capture has; CUDAGraph.capture_begin and "
                          "capture_end alone, of nothing; the runtime's cudaStreamBeginCapture, of nothing")
+    ap.add_argument("--capture-how", choices=["torch", "driver"], default="torch",
+                    help="capture the timed graphs with torch.cuda.graph (default) or with the driver's stream "
+                         "capture, PyTorch's allocations in a torch.cuda.MemPool (scripts.graph_switch.DriverGraph)")
     ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
                     help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
     ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
@@ -197,11 +227,15 @@ def main(argv=None) -> None:
     replay_stream = torch.cuda.Stream() if args.replay_stream == "side" else torch.cuda.current_stream()
     print(f"graphs of {args.kernels} {args.kind} kernels after {args.before} {args.before_how} ones; upload "
           f"{'on' if args.upload else 'off'}; {'freed once timed' if args.free else 'all kept'}; capture stream "
-          f"{args.capture_stream}, mode {args.capture_mode}; replay stream {args.replay_stream}", flush=True)
+          f"{args.capture_stream}, mode {args.capture_mode}, by {args.capture_how}; replay stream "
+          f"{args.replay_stream}", flush=True)
     graphs = []
     for i in range(args.graphs):
-        graph = capture_chain(launch, args.kernels, stream=torch.cuda.Stream() if args.capture_stream == "fresh"
-                              else None, mode=args.capture_mode)
+        if args.capture_how == "driver":
+            graph = DriverGraph(launch, args.kernels)
+        else:
+            graph = capture_chain(launch, args.kernels, stream=torch.cuda.Stream() if args.capture_stream == "fresh"
+                                  else None, mode=args.capture_mode)
         if args.upload:
             stream = torch.cuda.current_stream()
             cuda_driver.call("cuGraphUpload", ctypes.c_void_p(graph.raw_cuda_graph_exec()),
