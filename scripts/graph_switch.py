@@ -23,6 +23,7 @@ Each figure is the median of --replays replays, in ms, and per kernel in us.
 import argparse
 import ctypes
 import itertools
+import os
 import statistics
 
 import torch
@@ -83,7 +84,7 @@ class DriverGraph:
     allocations routed to a memory pool of its own (torch.cuda.use_mem_pool), instantiated with
     flags 0; replay() launches it on the current stream, as CUDAGraph.replay does."""
 
-    def __init__(self, launch, kernels: int):
+    def __init__(self, launch, kernels: int, dump: str | None = None):
         self.pool, stream, graph = torch.cuda.MemPool(), torch.cuda.Stream(), ctypes.c_void_p()
         self.exec_ = ctypes.c_void_p()
         torch.cuda.synchronize()
@@ -92,6 +93,8 @@ class DriverGraph:
             for _ in range(kernels):
                 launch()
             cuda_driver.call("cuStreamEndCapture", ctypes.c_void_p(stream.cuda_stream), ctypes.byref(graph))
+        if dump:
+            cuda_driver.call("cuGraphDebugDotPrint", graph, dump.encode(), 1)       # 1: verbose
         cuda_driver.call("cuGraphInstantiateWithFlags", ctypes.byref(self.exec_), graph, 0)
         cuda_driver.call("cuGraphDestroy", graph)
 
@@ -206,6 +209,8 @@ def main(argv=None) -> None:
     ap.add_argument("--capture-how", choices=["torch", "driver"], default="torch",
                     help="capture the timed graphs with torch.cuda.graph (default) or with the driver's stream "
                          "capture, PyTorch's allocations in a torch.cuda.MemPool (scripts.graph_switch.DriverGraph)")
+    ap.add_argument("--dump", metavar="DIR", help="write each timed graph's nodes (cudaGraphDebugDotPrint, "
+                    "verbose) to DIR/graph<i>.dot")
     ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
                     help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
     ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
@@ -213,6 +218,8 @@ def main(argv=None) -> None:
     ap.add_argument("--replay-stream", choices=["current", "side"], default="current",
                     help="replay on the current (default) stream or on one side stream")
     args = ap.parse_args(argv)
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
     if min(args.graphs, args.kernels, args.replays) < 1 or args.before < 0:
         raise SystemExit(f"--graphs, --kernels, --replays >= 1 and --before >= 0 expected, got "
                          f"{args.graphs}, {args.kernels}, {args.replays}, {args.before}")
@@ -231,11 +238,16 @@ def main(argv=None) -> None:
           f"{args.replay_stream}", flush=True)
     graphs = []
     for i in range(args.graphs):
+        dump = os.path.join(args.dump, f"graph{i + 1}.dot") if args.dump else None
         if args.capture_how == "driver":
-            graph = DriverGraph(launch, args.kernels)
+            graph = DriverGraph(launch, args.kernels, dump)
         else:
-            graph = capture_chain(launch, args.kernels, stream=torch.cuda.Stream() if args.capture_stream == "fresh"
-                                  else None, mode=args.capture_mode)
+            graph = capture_chain(launch, args.kernels, instantiate=not dump,
+                                  stream=torch.cuda.Stream() if args.capture_stream == "fresh" else None,
+                                  mode=args.capture_mode)
+            if dump:                                           # kept, so that it can be printed
+                graph.debug_dump(dump)
+                graph.instantiate()
         if args.upload:
             stream = torch.cuda.current_stream()
             cuda_driver.call("cuGraphUpload", ctypes.c_void_p(graph.raw_cuda_graph_exec()),
