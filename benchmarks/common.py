@@ -62,25 +62,26 @@ def pass_graph_switch() -> None:
 
 def throwaway_graphs(count: int, kernels: int, replay: bool = True, keep: bool = False,
                      shared_pool: bool = False) -> list:
-    """`count` graphs of `kernels` small kernels each, captured, replayed once (unless not `replay`)
-    and freed (unless `keep`: then returned); with `shared_pool`, all in the first one's memory pool."""
+    """`count` graphs of `kernels` small kernels each, captured (hisparse.graph_flags.capture, as the
+    decode graphs are), replayed once (unless not `replay`) and freed (unless `keep`: then their
+    replay functions are returned); with `shared_pool`, all in one memory pool."""
     x = torch.zeros(1024, device="cuda")
-    kept, pool = [], None
+    pool = torch.cuda.graph_pool_handle() if shared_pool else None
+
+    def chain():
+        for _ in range(kernels):
+            x.add_(1)
+
+    kept = []
     for _ in range(count):
         torch.cuda.synchronize()
-        graph = graph_flags.new_graph()
-        with torch.cuda.graph(graph, pool=pool):
-            for _ in range(kernels):
-                x.add_(1)
-        if shared_pool and pool is None:
-            pool = graph.pool()
-        launch = graph_flags.replayer(graph)
+        launch, _ = graph_flags.capture(chain, pool)
         if replay:
             launch()
         torch.cuda.synchronize()
         if keep:
             kept.append(launch)
-        del graph, launch
+        del launch
     return kept
 
 

@@ -29,7 +29,6 @@ SIGNATURES = {
     "cuStreamBeginCapture_v2": [_ptr, ctypes.c_int],
     "cuStreamEndCapture": [_ptr, _ptr],
     "cuGraphDestroy": [_ptr],
-    "cuGraphDebugDotPrint": [_ptr, ctypes.c_char_p, ctypes.c_uint],
     "cuGraphInstantiateWithFlags": [_ptr, _ptr, ctypes.c_ulonglong],
     "cuGraphLaunch": [_ptr, _ptr],
     "cuGraphUpload": [_ptr, _ptr],

@@ -321,12 +321,9 @@ class Engine:
 
         Capturing records without executing, so the model's host-side length bound is put back."""
         static_tokens = tokens.clone()
-        graph = graph_flags.new_graph()
         max_length = state.max_length
-        with torch.cuda.graph(graph):
-            static_logits = self.model.decode(static_tokens, state)
+        replay, static_logits = graph_flags.capture(lambda: self.model.decode(static_tokens, state))
         state.max_length = max_length
-        replay = graph_flags.replayer(graph)
 
         def step(new_tokens: torch.Tensor) -> torch.Tensor:
             static_tokens.copy_(new_tokens)

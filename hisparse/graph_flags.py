@@ -1,4 +1,5 @@
-"""An experiment on the H200's graph-count switch (README): decode graphs instantiated with chosen flags.
+"""Experiments on the H200's graph-count switch (README): decode graphs captured and instantiated
+another way than PyTorch's.
 
 PyTorch instantiates every captured graph itself (recent versions with auto-free-on-launch and node
 priorities). On the H200 a process's 4th graph and every later one replayed about 11% slower, its
@@ -11,6 +12,14 @@ cuGraphLaunch instead. That launch skips PyTorch's replay prologue, which advanc
 offsets a graph captured (the decode loop draws none: it decodes greedily). Unset (the default):
 PyTorch's own path. Found: with flags 0, 1, 4, 8 or 9 the 4th graph was as slow
 (results/gpu_logs/0fc8fe55765c_graph_switch_flags.txt).
+
+HISPARSE_GRAPH_CAPTURE=driver captures them with the driver's own stream capture instead of
+torch.cuda.graph, PyTorch's allocations during it going to a torch.cuda.MemPool of the graph's own
+(`DriverGraph`; instantiated with HISPARSE_GRAPH_FLAGS, default 0). Why: scripts/graph_switch.py found
+that the switch follows the count of PyTorch's captures (CUDAGraph.capture_begin / capture_end, even
+of nothing) and slows only graphs PyTorch captured, old ones too, while the same kernels captured by
+the driver, before or after, replay at the first graphs' speed. A graph captured this way must draw
+no random numbers (PyTorch refuses: it finds no graph of its own capturing). Default: torch.
 """
 from __future__ import annotations
 
@@ -28,6 +37,60 @@ if FLAGS is not None:
         raise ValueError(f"HISPARSE_GRAPH_FLAGS={FLAGS!r}: expected a sum of 1 (auto-free on launch), 4 (device "
                          f"launch) and 8 (node priority), as cuGraphInstantiateWithFlags takes them")
     FLAGS = int(FLAGS)
+CAPTURE = os.environ.get("HISPARSE_GRAPH_CAPTURE", "torch")
+if CAPTURE not in ("torch", "driver"):
+    raise ValueError(f"HISPARSE_GRAPH_CAPTURE={CAPTURE!r}: expected 'torch' (torch.cuda.graph) or 'driver' "
+                     f"(the driver's stream capture, hisparse.graph_flags.DriverGraph)")
+
+
+def capture(fn, pool=None):
+    """(replay, out): fn's CUDA work captured in a graph (out = fn()'s result, its tensors static),
+    and the function that replays it on the current stream. By torch.cuda.graph (in memory pool
+    `pool` if given) or, with CAPTURE "driver", by `DriverGraph` (pool must then be None)."""
+    if CAPTURE == "driver":
+        if pool is not None:
+            raise ValueError("HISPARSE_GRAPH_CAPTURE=driver: each graph has a memory pool of its own, got pool="
+                             f"{pool}")
+        graph = DriverGraph(fn)
+        return graph.replay, graph.out
+    graph = new_graph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return replayer(graph), out
+
+
+class DriverGraph:
+    """fn's CUDA work captured by the driver's stream capture (cuStreamBeginCapture, global mode) on a
+    stream of its own, PyTorch's allocations meanwhile in a torch.cuda.MemPool that lives as long as
+    this object, and instantiated with FLAGS (None: 0). `out` is fn's result; `replay()` launches the
+    graph on the current stream. Work fn forks to other streams must join the capturing one, as with
+    torch.cuda.graph."""
+
+    def __init__(self, fn):
+        self.pool, stream, graph = torch.cuda.MemPool(), torch.cuda.Stream(), ctypes.c_void_p()
+        self.exec_ = ctypes.c_void_p()
+        torch.cuda.synchronize()
+        handle = ctypes.c_void_p(stream.cuda_stream)
+        with torch.cuda.use_mem_pool(self.pool), torch.cuda.stream(stream):
+            cuda_driver.call("cuStreamBeginCapture_v2", handle, 0)
+            try:
+                self.out = fn()
+            except BaseException:                # the stream leaves capture mode, its graph dropped
+                if cuda_driver.driver().cuStreamEndCapture(handle, ctypes.byref(graph)) == 0 and graph.value:
+                    cuda_driver.driver().cuGraphDestroy(graph)
+                raise
+            cuda_driver.call("cuStreamEndCapture", handle, ctypes.byref(graph))
+        try:
+            cuda_driver.call("cuGraphInstantiateWithFlags", ctypes.byref(self.exec_), graph, FLAGS or 0)
+        finally:
+            cuda_driver.call("cuGraphDestroy", graph)
+
+    def replay(self) -> None:
+        cuda_driver.call("cuGraphLaunch", self.exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+
+    def __del__(self) -> None:
+        if self.exec_.value:
+            cuda_driver.driver().cuGraphExecDestroy(self.exec_)
 
 
 def new_graph() -> torch.cuda.CUDAGraph:

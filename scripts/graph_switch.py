@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse import cuda_driver
+from hisparse import cuda_driver, graph_flags
 
 
 @triton.jit
@@ -77,35 +77,6 @@ def capture_chain(launch, kernels: int, instantiate: bool = True, stream: torch.
         for _ in range(kernels):
             launch()
     return graph
-
-
-class DriverGraph:
-    """A graph captured by the driver's own stream capture (cuStreamBeginCapture) with PyTorch's
-    allocations routed to a memory pool of its own (torch.cuda.use_mem_pool), instantiated with
-    flags 0; replay() launches it on the current stream, as CUDAGraph.replay does."""
-
-    def __init__(self, launch, kernels: int, dump: str | None = None):
-        self.pool, stream, graph = torch.cuda.MemPool(), torch.cuda.Stream(), ctypes.c_void_p()
-        self.exec_ = ctypes.c_void_p()
-        torch.cuda.synchronize()
-        with torch.cuda.use_mem_pool(self.pool), torch.cuda.stream(stream):
-            cuda_driver.call("cuStreamBeginCapture_v2", ctypes.c_void_p(stream.cuda_stream), 0)
-            for _ in range(kernels):
-                launch()
-            cuda_driver.call("cuStreamEndCapture", ctypes.c_void_p(stream.cuda_stream), ctypes.byref(graph))
-        if dump:
-            cuda_driver.call("cuGraphDebugDotPrint", graph, dump.encode(), 1)       # 1: verbose
-        cuda_driver.call("cuGraphInstantiateWithFlags", ctypes.byref(self.exec_), graph, 0)
-        cuda_driver.call("cuGraphDestroy", graph)
-
-    def replay(self) -> None:
-        cuda_driver.call("cuGraphLaunch", self.exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-
-    def raw_cuda_graph_exec(self) -> int:
-        return self.exec_.value
-
-    def __del__(self) -> None:
-        cuda_driver.driver().cuGraphExecDestroy(self.exec_)
 
 
 def _cudart() -> ctypes.CDLL:
@@ -208,9 +179,9 @@ def main(argv=None) -> None:
                          "capture_end alone, of nothing; the runtime's cudaStreamBeginCapture, of nothing")
     ap.add_argument("--capture-how", choices=["torch", "driver"], default="torch",
                     help="capture the timed graphs with torch.cuda.graph (default) or with the driver's stream "
-                         "capture, PyTorch's allocations in a torch.cuda.MemPool (scripts.graph_switch.DriverGraph)")
+                         "capture, PyTorch's allocations in a torch.cuda.MemPool (hisparse.graph_flags.DriverGraph)")
     ap.add_argument("--dump", metavar="DIR", help="write each timed graph's nodes (cudaGraphDebugDotPrint, "
-                    "verbose) to DIR/graph<i>.dot")
+                    "verbose) to DIR/graph<i>.dot (graphs captured by torch only)")
     ap.add_argument("--capture-stream", choices=["shared", "fresh"], default="shared",
                     help="capture every graph on PyTorch's one capture stream (default) or each on a new stream")
     ap.add_argument("--capture-mode", choices=["global", "thread_local", "relaxed"], default="global",
@@ -218,11 +189,13 @@ def main(argv=None) -> None:
     ap.add_argument("--replay-stream", choices=["current", "side"], default="current",
                     help="replay on the current (default) stream or on one side stream")
     args = ap.parse_args(argv)
-    if args.dump:
-        os.makedirs(args.dump, exist_ok=True)
     if min(args.graphs, args.kernels, args.replays) < 1 or args.before < 0:
         raise SystemExit(f"--graphs, --kernels, --replays >= 1 and --before >= 0 expected, got "
                          f"{args.graphs}, {args.kernels}, {args.replays}, {args.before}")
+    if args.dump and args.capture_how == "driver":
+        raise SystemExit("--dump prints graphs captured by torch only (--capture-how torch)")
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     launch = kernel_chain(args.kind)
@@ -240,7 +213,7 @@ def main(argv=None) -> None:
     for i in range(args.graphs):
         dump = os.path.join(args.dump, f"graph{i + 1}.dot") if args.dump else None
         if args.capture_how == "driver":
-            graph = DriverGraph(launch, args.kernels, dump)
+            graph = graph_flags.DriverGraph(lambda: [launch() for _ in range(args.kernels)])
         else:
             graph = capture_chain(launch, args.kernels, instantiate=not dump,
                                   stream=torch.cuda.Stream() if args.capture_stream == "fresh" else None,
@@ -250,7 +223,8 @@ def main(argv=None) -> None:
                 graph.instantiate()
         if args.upload:
             stream = torch.cuda.current_stream()
-            cuda_driver.call("cuGraphUpload", ctypes.c_void_p(graph.raw_cuda_graph_exec()),
+            exec_ = graph.exec_.value if args.capture_how == "driver" else graph.raw_cuda_graph_exec()
+            cuda_driver.call("cuGraphUpload", ctypes.c_void_p(exec_),
                              ctypes.c_void_p(stream.cuda_stream))
             stream.synchronize()
         graphs.append(graph)

@@ -241,7 +241,8 @@ def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypat
     ("resolve", "HISPARSE_COPY_EVICT_FIRST", "yes", "HISPARSE_COPY_EVICT_FIRST='yes': expected 0 or 1"),
     ("graph_flags", "HISPARSE_GRAPH_FLAGS", "2", "HISPARSE_GRAPH_FLAGS='2': expected a sum of 1 (auto-free"),
     ("graph_flags", "HISPARSE_GRAPH_FLAGS", "16", "HISPARSE_GRAPH_FLAGS='16': expected a sum of 1 (auto-free"),
-    ("graph_flags", "HISPARSE_GRAPH_FLAGS", "-1", "HISPARSE_GRAPH_FLAGS='-1': expected a sum of 1 (auto-free")])
+    ("graph_flags", "HISPARSE_GRAPH_FLAGS", "-1", "HISPARSE_GRAPH_FLAGS='-1': expected a sum of 1 (auto-free"),
+    ("graph_flags", "HISPARSE_GRAPH_CAPTURE", "cuda", "HISPARSE_GRAPH_CAPTURE='cuda': expected 'torch'")])
 def test_a_bad_setting_in_the_environment_fails_at_import(module, variable, value, message):
     import os
     import subprocess

@@ -82,6 +82,38 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
         assert out.prefetched_layers == (3 if prefetch else 0), "prefetch must run on the side stream"
 
 
+def test_driver_capture_replays_the_same_decode_with_prefetch(monkeypatch):
+    """HISPARSE_GRAPH_CAPTURE=driver's path (each decode graph captured by the driver's stream capture,
+    its allocations in a MemPool of its own) gives resident's tokens and logits, with prefetch's side
+    stream and an early resolve's stream joined inside the capture; and a graph that draws random
+    numbers is refused."""
+    from hisparse import graph_flags
+    monkeypatch.setattr(graph_flags, "CAPTURE", "driver")
+    types = ["full", "shared", "shared", "full", "full", "shared"]
+    m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=6,
+                                          first_k_dense_replace=6, indexer_types=types)))
+    randomize_(m, seed=1)
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
+    base = Engine(m, "resident", chunk_size=1024).generate(prompts, 33)
+    for prefetch, early in ((False, False), (True, False), (True, True)):
+        out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch, host_write="step",
+                     early_resolve=early).generate(prompts, 33, graph=True)
+        assert torch.equal(out.tokens, base.tokens), (prefetch, early)
+        assert all(torch.equal(a, b) for a, b in zip(base.logits, out.logits)), (prefetch, early)
+        assert out.misses > 0 and out.prefetched_layers == (3 if prefetch else 0)
+    replay, x = graph_flags.capture(lambda: torch.ones(4, device="cuda") * 2)
+    replay()
+    assert torch.equal(x, torch.full((4,), 2.0, device="cuda"))
+    with pytest.raises(RuntimeError):
+        graph_flags.capture(lambda: torch.rand(4, device="cuda"))
+    replay, y = graph_flags.capture(lambda: torch.ones(4, device="cuda") + 2)     # capturing works after it
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full((4,), 3.0, device="cuda"))
+
+
 def test_prefetch_side_stream_priorities():
     """"high" is a stream of higher priority (a lower number) than "normal", which is CUDA's default."""
     assert runtime.side_stream("normal").priority == 0
