@@ -62,9 +62,10 @@ def pass_graph_switch() -> None:
 
 def throwaway_graphs(count: int, kernels: int, replay: bool = True, keep: bool = False,
                      shared_pool: bool = False) -> list:
-    """`count` graphs of `kernels` small kernels each, captured (hisparse.graph_flags.capture, as the
-    decode graphs are), replayed once (unless not `replay`) and freed (unless `keep`: then their
-    replay functions are returned); with `shared_pool`, all in one memory pool."""
+    """`count` graphs of `kernels` small kernels each, captured by PyTorch (torch.cuda.graph, whose
+    captures the switch counts; instantiated as HISPARSE_GRAPH_FLAGS says), replayed once (unless not
+    `replay`) and freed (unless `keep`: then their replay functions are returned); with `shared_pool`,
+    all in one memory pool."""
     x = torch.zeros(1024, device="cuda")
     pool = torch.cuda.graph_pool_handle() if shared_pool else None
 
@@ -75,7 +76,7 @@ def throwaway_graphs(count: int, kernels: int, replay: bool = True, keep: bool =
     kept = []
     for _ in range(count):
         torch.cuda.synchronize()
-        launch, _ = graph_flags.capture(chain, pool)
+        launch, _ = graph_flags.capture(chain, pool, how="torch")
         if replay:
             launch()
         torch.cuda.synchronize()

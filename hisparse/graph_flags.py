@@ -43,11 +43,12 @@ if CAPTURE not in ("torch", "driver"):
                      f"(the driver's stream capture, hisparse.graph_flags.DriverGraph)")
 
 
-def capture(fn, pool=None):
+def capture(fn, pool=None, how: str | None = None):
     """(replay, out): fn's CUDA work captured in a graph (out = fn()'s result, its tensors static),
-    and the function that replays it on the current stream. By torch.cuda.graph (in memory pool
-    `pool` if given) or, with CAPTURE "driver", by `DriverGraph` (pool must then be None)."""
-    if CAPTURE == "driver":
+    and the function that replays it on the current stream. `how` (default CAPTURE): "torch", by
+    torch.cuda.graph (in memory pool `pool` if given), or "driver", by `DriverGraph` (pool must then
+    be None)."""
+    if (how or CAPTURE) == "driver":
         if pool is not None:
             raise ValueError("HISPARSE_GRAPH_CAPTURE=driver: each graph has a memory pool of its own, got pool="
                              f"{pool}")
