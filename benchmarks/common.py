@@ -43,10 +43,11 @@ def time_us(fn, cudagraph: bool = False) -> tuple[float, float, float]:
     return statistics.median(times), min(times), max(times)
 
 
-# On the H200 (torch 2.11, driver 580) the 4th CUDA graph a process captures, and every later one, replays
-# slower than the first three: +2 ms per 61-layer decode step, the GPU idling between kernels. Graphs
-# count, not kernels (scripts/repeat_runs.py: 3 one-kernel graphs first make the next run slow, one graph
-# of 16000 kernels does not). A server with a graph per batch size always runs past it.
+# On the H200 (torch 2.11, driver 580), once PyTorch has captured 4 CUDA graphs in a process, every graph it
+# captured replays slower than before: +2 ms per 61-layer decode step, the GPU idling between kernels.
+# Captures count, not kernels (scripts/repeat_runs.py, scripts/graph_switch.py: 3 captures of nothing first
+# make the next graph slow, one graph of 16000 kernels does not); graphs the driver captured
+# (HISPARSE_GRAPH_CAPTURE=driver) are untouched. A server with a graph per batch size always runs past it.
 GRAPHS_BEFORE_SWITCH = 3
 _graph_switch_passed = False
 

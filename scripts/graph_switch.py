@@ -19,6 +19,12 @@ graph to the driver's cuGraphUpload right after its instantiation; --before N fi
 and frees them (--before-how: which kind of making counts?); --capture-stream, --capture-mode and
 --replay-stream change where and how graphs are captured and replayed.
 Each figure is the median of --replays replays, in ms, and per kernel in us.
+
+Found on the H200 (results/gpu_logs/28e3b17dcb64_graph_switch_pytorch_capture.txt): with `args`,
+`distinct` or `alloc` kernels every graph, graph 1 too, takes +0.18 us a kernel from the 4th graph on
+(`add`, `triton`, `matmul` do not show it); PyTorch's captures count (3 empty ones, or capture_begin /
+capture_end alone, do it; the driver's or the runtime's own captures, cuGraphCreate, empty_cache or a
+MemPool do not), and graphs the driver captured (--capture-how driver) are not slowed.
 """
 import argparse
 import ctypes
