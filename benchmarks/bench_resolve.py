@@ -37,6 +37,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 from benchmarks.common import PINNED_BYTES_PER_S  # noqa: E402
+from hisparse import graph_flags  # noqa: E402
 from hisparse.resolve import CacheState, resolve, write_rows  # noqa: E402
 from hisparse.results import append_rows, check_out_folder  # noqa: E402
 
@@ -104,17 +105,16 @@ def time_calls(run, refresh, calls: int, reps: int, device) -> tuple[float, list
     once to warm up (compile, fill the hot units), then on a GPU captured in one CUDA graph and
     replayed `reps` times, on the CPU run `reps` times; `refresh()` writes fresh selections first."""
     outs = run()
-    graph = torch.cuda.CUDAGraph() if device.type == "cuda" else None
-    if graph is not None:
-        with torch.cuda.graph(graph):
-            outs = run()
+    replay = None
+    if device.type == "cuda":               # captured as the decode graphs are (HISPARSE_GRAPH_CAPTURE)
+        replay, outs = graph_flags.capture(run)
     times = []
     for _ in range(reps):
         refresh()
-        if graph is not None:
+        if replay is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            graph.replay()
+            replay()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3 / calls)
