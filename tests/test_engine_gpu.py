@@ -55,19 +55,25 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
     assert runs["hisparse-B=k"].kv_bytes_per_request < base.kv_bytes_per_request
 
 
+def shared_layers_model_and_prompts():
+    """A 6-layer glm_moe_dsa on the GPU whose layers 1, 2 and 5 share their anchor's selection (layer 3:
+    an anchor with no shared layer), and three prompts of 2100-5000 tokens."""
+    types = ["full", "shared", "shared", "full", "full", "shared"]
+    m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=6,
+                                          first_k_dense_replace=6, indexer_types=types)))
+    randomize_(m, seed=1)
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    return m, [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
+
+
 @pytest.mark.parametrize("priority", runtime.PREFETCH_PRIORITIES)
 def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
     """glm_moe_dsa with shared layers: prefetch on (side stream of either priority, inside the CUDA
     graph; with the host rows stored per layer or once per step, and the resolve started early on a
     stream of its own), off, and resident give bitwise-equal logits and tokens."""
     monkeypatch.setattr(runtime, "PREFETCH_PRIORITY", priority)
-    types = ["full", "shared", "shared", "full", "full", "shared"]      # layer 3: an anchor with no shared layer
-    m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=6,
-                                          first_k_dense_replace=6, indexer_types=types)))
-    randomize_(m, seed=1)
-    m = m.to(device="cuda", dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
+    m, prompts = shared_layers_model_and_prompts()
     base = Engine(m, "resident", chunk_size=1024).generate(prompts, 65, graph=True)
     runs = [(False, "layer", False), (True, "layer", False), (True, "step", False), (True, "step", True),
             (False, "step", True)]
@@ -89,13 +95,7 @@ def test_driver_capture_replays_the_same_decode_with_prefetch(monkeypatch):
     numbers is refused."""
     from hisparse import graph_flags
     monkeypatch.setattr(graph_flags, "CAPTURE", "driver")
-    types = ["full", "shared", "shared", "full", "full", "shared"]
-    m = build_model(config_from_dict(dict(GEOMETRY, model_type="glm_moe_dsa", num_hidden_layers=6,
-                                          first_k_dense_replace=6, indexer_types=types)))
-    randomize_(m, seed=1)
-    m = m.to(device="cuda", dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 1024, (n,), generator=gen) for n in (3000, 5000, 2100)]
+    m, prompts = shared_layers_model_and_prompts()
     base = Engine(m, "resident", chunk_size=1024).generate(prompts, 33)
     for prefetch, early in ((False, False), (True, False), (True, True)):
         out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch, host_write="step",
