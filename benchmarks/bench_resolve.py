@@ -12,9 +12,9 @@ the median replay time over S is the time per call. No-IO runs the same graph wi
 A sleep kernel holds the stream before each replay's start event, so that the replay is already
 queued when the GPU reaches it: the figure is the GPU's time for the calls, not the host's launch
 of the graph, which a decode step (one graph of thousands of kernels) does not pay per call (rows
-from before 2026-12-01 include it). Every point is timed past the graph-count switch
-(benchmarks.common.pass_graph_switch), as bench_prefetch's modes are (before 2026-12-01 the sweep's
-first points ran before it).
+before the sweep at 62479fe1c4fb include it). With PyTorch's capture (the default) every point is
+timed past the graph-count switch (benchmarks.common.pass_graph_switch), as bench_prefetch's modes
+are (before 62479fe1c4fb the sweep's first points ran before it).
 
     python -m benchmarks.bench_resolve                 # the full H200 sweep
     python -m benchmarks.bench_resolve --quick         # a tiny run (also on the CPU interpreter)

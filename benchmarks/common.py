@@ -45,16 +45,19 @@ def time_us(fn, cudagraph: bool = False) -> tuple[float, float, float]:
 
 # On the H200 (torch 2.11, driver 580), once PyTorch has captured 4 CUDA graphs in a process, every graph it
 # captured replays slower than before: +2 ms per 61-layer decode step, the GPU idling between kernels.
-# Captures count, not kernels (scripts/repeat_runs.py, scripts/graph_switch.py: 3 captures of nothing first
-# make the next graph slow, one graph of 16000 kernels does not); graphs the driver captured
-# (HISPARSE_GRAPH_CAPTURE=driver) are untouched. A server with a graph per batch size always runs past it.
+# PyTorch's captures count, not kernels (scripts/repeat_runs.py, scripts/graph_switch.py: 3 captures of
+# nothing first make the next graph slow, one graph of 16000 kernels does not); the driver's captures
+# (HISPARSE_GRAPH_CAPTURE=driver) do not count, and pass_graph_switch below, made of PyTorch's, does not
+# set it off for them. A server with a graph per batch size always runs past it.
 GRAPHS_BEFORE_SWITCH = 3
 _graph_switch_passed = False
 
 
 def pass_graph_switch() -> None:
-    """Capture, replay and free GRAPHS_BEFORE_SWITCH one-kernel graphs, once per process, so that every
-    graph this process times later runs on the same (slow) side of the switch above. GPU only."""
+    """Capture (by PyTorch), replay and free GRAPHS_BEFORE_SWITCH one-kernel graphs, once per process, so
+    that every graph PyTorch captures later in this process runs on the same (slow) side of the switch
+    above; a graph the driver captures (HISPARSE_GRAPH_CAPTURE=driver) then makes the 4th capture
+    through neither, and stays before it. GPU only."""
     global _graph_switch_passed
     if not _graph_switch_passed:
         throwaway_graphs(GRAPHS_BEFORE_SWITCH, kernels=1)

@@ -341,8 +341,10 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 
 
 # Decode runs so far in this process. On the H200 every run from a process's 4th on took about 11.5%
-# longer per step than the first three, whatever its mode: the 4th CUDA graph a process captures and every
-# later one replay slower (scripts/repeat_runs.py), and each run captures one. So rows record it.
+# longer per step than the first three, whatever its mode: once PyTorch has captured 4 CUDA graphs in a
+# process, the graphs it captured replay slower (scripts/repeat_runs.py, scripts/graph_switch.py), and each
+# run captures one (by PyTorch unless HISPARSE_GRAPH_CAPTURE=driver, whose captures do not count). So rows
+# record it.
 decode_runs = 0
 
 
@@ -463,8 +465,8 @@ def main(argv=None) -> int:
                     help="run only the studies of this kind (repeatable; default: every study)")
     ap.add_argument("--runs-per-process", type=int, default=None, metavar="N",
                     help="after N decode runs, go on in a fresh process (the sweep resumes where it stopped): on "
-                         "the H200 a process's 4th CUDA graph and every later one replay slower, so its 4th "
-                         "decode run and every later one take about 11%% longer per step "
+                         "the H200, once PyTorch has captured 4 CUDA graphs in a process, its graphs replay "
+                         "slower, so the 4th decode run and every later one take about 11%% longer per step "
                          "(scripts/repeat_runs.py), so N <= 3 keeps every run on the fast side; command "
                          "line only, not with --force")
     args = ap.parse_args(argv)

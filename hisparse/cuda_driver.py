@@ -4,7 +4,8 @@ expose (`hisparse.host_vmm`, `hisparse.graph_flags`): no extra dependency, Linux
     call("cuGraphLaunch", exec_, stream)     # raises RuntimeError naming the call and the error
 
 Each function's argument types are declared once, in SIGNATURES, so ctypes passes 64-bit values
-whole; a call of an undeclared function is refused rather than guessed at.
+whole; a call of an undeclared function is refused rather than guessed at, and one the installed
+driver lacks fails when called, not when the library loads (so an older driver still serves the rest).
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def driver() -> ctypes.CDLL:
     """libcuda with SIGNATURES declared (loaded on first use, so importing this needs no GPU)."""
     lib = ctypes.CDLL("libcuda.so.1")
     for name, args in SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = ctypes.c_int
+        if hasattr(lib, name):                   # absent from this driver: AttributeError when called
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = ctypes.c_int
     return lib
 
 

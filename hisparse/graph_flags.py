@@ -2,9 +2,11 @@
 another way than PyTorch's.
 
 PyTorch instantiates every captured graph itself (recent versions with auto-free-on-launch and node
-priorities). On the H200 a process's 4th graph and every later one replayed about 11% slower, its
-kernels no slower but the GPU idling between them, and a graph captured and instantiated, never
-replayed, counts too. HISPARSE_GRAPH_FLAGS=F (an int, a sum of the driver's CUDA_GRAPH_INSTANTIATE_FLAG_* bits that
+priorities). On the H200, once PyTorch has captured 4 graphs in a process, the graphs it captured,
+earlier ones too, replay slower (about 11% a decode step), their kernels no slower but the GPU idling
+between them; a graph captured and never replayed counts too.
+
+HISPARSE_GRAPH_FLAGS=F (an int, a sum of the driver's CUDA_GRAPH_INSTANTIATE_FLAG_* bits that
 cuGraphInstantiateWithFlags takes: 1 auto-free on launch, 4 device launch, 8 use node priority; 2,
 upload, only cuGraphInstantiateWithParams takes) makes the engine's decode graphs (and
 benchmarks.common.throwaway_graphs) instantiate with flags F through the driver API and replay with
@@ -17,9 +19,12 @@ HISPARSE_GRAPH_CAPTURE=driver captures them with the driver's own stream capture
 torch.cuda.graph, PyTorch's allocations during it going to a torch.cuda.MemPool of the graph's own
 (`DriverGraph`; instantiated with HISPARSE_GRAPH_FLAGS, default 0). Why: scripts/graph_switch.py found
 that the switch follows the count of PyTorch's captures (CUDAGraph.capture_begin / capture_end, even
-of nothing) and slows only graphs PyTorch captured, old ones too, while the same kernels captured by
-the driver, before or after, replay at the first graphs' speed. A graph captured this way must draw
-no random numbers (PyTorch refuses: it finds no graph of its own capturing). Default: torch.
+of nothing) and that the driver's captures do not count, so a process whose decode graphs are
+captured this way, and which makes fewer than 4 captures through PyTorch, never sets it off (H200:
+17.05 ms a decode step after 3 PyTorch captures, against 19.1). Whether graphs the driver captured
+slow down once 4 PyTorch captures have set it off was not measured. A graph captured this way must
+draw no random numbers: PyTorch 2.11 refuses (its generator finds no capture of its own), other
+versions may not and would replay the same numbers. Default: torch.
 """
 from __future__ import annotations
 
@@ -68,8 +73,8 @@ class DriverGraph:
     torch.cuda.graph."""
 
     def __init__(self, fn):
+        self.exec_ = ctypes.c_void_p()           # first, so that __del__ finds it whatever fails below
         self.pool, stream, graph = torch.cuda.MemPool(), torch.cuda.Stream(), ctypes.c_void_p()
-        self.exec_ = ctypes.c_void_p()
         torch.cuda.synchronize()
         handle = ctypes.c_void_p(stream.cuda_stream)
         with torch.cuda.use_mem_pool(self.pool), torch.cuda.stream(stream):
@@ -83,8 +88,8 @@ class DriverGraph:
             cuda_driver.call("cuStreamEndCapture", handle, ctypes.byref(graph))
         try:
             cuda_driver.call("cuGraphInstantiateWithFlags", ctypes.byref(self.exec_), graph, FLAGS or 0)
-        finally:
-            cuda_driver.call("cuGraphDestroy", graph)
+        finally:                                 # unchecked: an instantiation error is the one to raise
+            cuda_driver.driver().cuGraphDestroy(graph)
 
     def replay(self) -> None:
         cuda_driver.call("cuGraphLaunch", self.exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))

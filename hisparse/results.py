@@ -14,6 +14,8 @@ import pandas as pd
 import torch
 import triton
 
+from hisparse import graph_flags
+
 COLUMNS = [
     "bench", "family", "mode", "batch", "context", "k", "cache_slots", "unit_bytes",
     "metric", "value", "unit", "gpu", "torch", "triton", "commit", "timestamp",
@@ -36,15 +38,22 @@ def current_commit() -> str:
 
 
 def environment() -> dict:
-    """The columns that say where and with what a row was measured."""
+    """The columns that say where and with what a row was measured; and, only where set, the CUDA
+    graph experiments' settings (`hisparse.graph_flags`: HISPARSE_GRAPH_CAPTURE other than torch as
+    `graph_capture`, HISPARSE_GRAPH_FLAGS as `graph_flags`), so that such rows never pass for default ones."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {
+    env = {
         "gpu": gpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": current_commit(),
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if graph_flags.CAPTURE != "torch":
+        env["graph_capture"] = graph_flags.CAPTURE
+    if graph_flags.FLAGS is not None:
+        env["graph_flags"] = graph_flags.FLAGS
+    return env
 
 
 def check_out_folder(parser, out: str | os.PathLike) -> None:

@@ -37,9 +37,10 @@ the chain's, and each cell adds the chain's extra time per microsecond of copyin
 eager mode the ratio - 1) and per MB copied ("/MB": what moving a layer's rows costs the compute, for
 comparing copies of different rates). Two caveats: the microseconds of copying are the copies' own,
 timed alone and eagerly (no event marks their end inside a graph), and every replay of a graph copies
-the same plans' rows. Each cell's graph is a new one, captured after the chains' own (the H200 has
-replayed a process's 4th graph and later ones slower: README); in the runs logged so far the `spin`
-and `engine` rows, whose graphs come after the first copies', added nothing, so no such effect.
+the same plans' rows. Each cell's graph is a new one, captured after the chains' own (on the H200,
+once PyTorch has captured 4 graphs in a process, the graphs it captured, the chains' too, replay
+slower: README); in the runs logged so far the `spin` and `engine` rows, whose graphs come after the
+first copies', added nothing, so no such effect.
 Found on the H200 (results/gpu_logs/c21295b4d6aa_copy_interference.txt): neither `spin` nor `engine`
 slows the chains; `host` slows them more the larger its pool (graphed, 4 programs, small kernels: 0.2
 us per MB from 0.28 GiB, 10.7-11.2 from 12 GiB), in 2 MiB pages or made by cuMemCreate as much, but

@@ -198,8 +198,9 @@ def main(argv=None) -> None:
     if min(args.graphs, args.kernels, args.replays) < 1 or args.before < 0:
         raise SystemExit(f"--graphs, --kernels, --replays >= 1 and --before >= 0 expected, got "
                          f"{args.graphs}, {args.kernels}, {args.replays}, {args.before}")
-    if args.dump and args.capture_how == "driver":
-        raise SystemExit("--dump prints graphs captured by torch only (--capture-how torch)")
+    if args.capture_how == "driver" and (args.dump or args.capture_stream != "shared" or args.capture_mode != "global"):
+        raise SystemExit("--dump, --capture-stream and --capture-mode apply to graphs captured by torch only "
+                         "(--capture-how torch); the driver's capture takes a stream of its own, in global mode")
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     if not torch.cuda.is_available():

@@ -40,3 +40,28 @@ def test_call_raises_with_the_function_and_the_error_name(monkeypatch):
     monkeypatch.setattr(cuda_driver, "driver", lambda: fake)
     cuda_driver.call("cuGraphLaunch", ctypes.c_void_p(), ctypes.c_void_p())
     assert fake.calls == ["cuGraphLaunch"]
+
+
+def test_driver_declares_every_signature_and_skips_what_the_library_lacks(monkeypatch):
+    """driver() loads libcuda.so.1, gives each declared function its argument types and an int result,
+    and leaves out one the installed driver does not have (an older driver still serves the rest)."""
+    import types
+    missing = "cuGraphUpload"
+
+    class FakeLib:
+        def __init__(self, path):
+            assert path == "libcuda.so.1"
+            for name in cuda_driver.SIGNATURES:
+                if name != missing:
+                    setattr(self, name, types.SimpleNamespace())
+
+    monkeypatch.setattr(ctypes, "CDLL", FakeLib)
+    cuda_driver.driver.cache_clear()
+    try:
+        lib = cuda_driver.driver()
+        for name, args in cuda_driver.SIGNATURES.items():
+            if name != missing:
+                assert getattr(lib, name).argtypes == args and getattr(lib, name).restype is ctypes.c_int, name
+        assert not hasattr(lib, missing)
+    finally:
+        cuda_driver.driver.cache_clear()

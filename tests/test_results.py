@@ -22,3 +22,18 @@ def test_rows_without_required_columns_are_refused_and_nothing_is_written(tmp_pa
     with pytest.raises(ValueError, match=r"lacks the columns \['unit'\]"):
         append_rows(path, [dict(bench="b", metric="us", value=1.0)])
     assert not path.exists()
+
+
+def test_rows_made_under_a_graph_experiment_say_so(tmp_path, monkeypatch):
+    """HISPARSE_GRAPH_CAPTURE=driver or HISPARSE_GRAPH_FLAGS tag every row appended meanwhile; default
+    rows carry neither column."""
+    from hisparse import graph_flags
+    path = tmp_path / "bench.csv"
+    append_rows(path, [dict(bench="b", metric="us", value=1.0, unit="us")])
+    assert "graph_capture" not in pd.read_csv(path) and "graph_flags" not in pd.read_csv(path)
+    monkeypatch.setattr(graph_flags, "CAPTURE", "driver")
+    monkeypatch.setattr(graph_flags, "FLAGS", 9)
+    append_rows(path, [dict(bench="b", metric="us", value=2.0, unit="us")])
+    frame = pd.read_csv(path)
+    assert frame.graph_capture.isna().tolist() == [True, False] and frame.graph_capture[1] == "driver"
+    assert frame.graph_flags.tolist()[1] == 9
