@@ -24,7 +24,8 @@ Found on the H200 (results/gpu_logs/28e3b17dcb64_graph_switch_pytorch_capture.tx
 `distinct` or `alloc` kernels every graph, graph 1 too, takes +0.18 us a kernel from the 4th graph on
 (`add`, `triton`, `matmul` do not show it); PyTorch's captures count (3 empty ones, or capture_begin /
 capture_end alone, do it; the driver's or the runtime's own captures, cuGraphCreate, empty_cache or a
-MemPool do not), and graphs the driver captured (--capture-how driver) are not slowed.
+MemPool do not). Graphs the driver captured (--capture-how driver) ran fast in runs with at most 3
+PyTorch captures; how they fare once 4 have set the switch off was not timed.
 """
 import argparse
 import ctypes
