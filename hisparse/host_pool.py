@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import operator
-import os
 import sys
 import warnings
 import weakref
@@ -16,6 +15,7 @@ import weakref
 import torch
 
 from hisparse import host_vmm
+from hisparse.settings import env_switch
 
 # cudaHostRegister flags: pinned for every context (portable), and mapped into the device's address
 # space, so kernels read it zero-copy through the host pointer
@@ -27,10 +27,7 @@ _REGISTER_PORTABLE_MAPPED = 1 | 2
 # default: HISPARSE_HOST_HUGE_PAGES=1 turns it on.
 HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14
-HUGE_PAGES = os.environ.get("HISPARSE_HOST_HUGE_PAGES", "0")
-if HUGE_PAGES not in ("0", "1"):
-    raise ValueError(f"HISPARSE_HOST_HUGE_PAGES={HUGE_PAGES!r}: expected 0 or 1")
-HUGE_PAGES = HUGE_PAGES == "1"
+HUGE_PAGES = env_switch("HISPARSE_HOST_HUGE_PAGES")
 
 
 def huge_page_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
@@ -50,15 +47,13 @@ def huge_page_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tens
     return t
 
 
-# Allocate a pinned pool through the driver's virtual memory API instead (cuMemCreate of host memory,
-# mapped for CPU and GPU in 2 MiB chunks here): a copy reading random rows of a many-GiB pool slows
-# the kernels beside it more the wider the rows' spread, and madvise'd huge pages did not change that.
-# Nor did this, on the H200 (results/gpu_logs/e9882268f059_copy_interference_span_vmm.txt). An
-# experiment, off by default: HISPARSE_HOST_VMM=1 turns it on.
-VMM = os.environ.get("HISPARSE_HOST_VMM", "0")
-if VMM not in ("0", "1"):
-    raise ValueError(f"HISPARSE_HOST_VMM={VMM!r}: expected 0 or 1")
-VMM = VMM == "1"
+# Allocate a pinned pool through the driver's virtual memory API instead (cuMemCreate of host memory
+# at the driver's allocation granularity, 2 MiB on the H200, mapped for CPU and GPU): a copy reading
+# random rows of a many-GiB pool slows the kernels beside it more the wider the rows' spread, and
+# madvise'd huge pages did not change that. Nor did this, on the H200
+# (results/gpu_logs/e9882268f059_copy_interference_span_vmm.txt). An experiment, off by default:
+# HISPARSE_HOST_VMM=1 turns it on.
+VMM = env_switch("HISPARSE_HOST_VMM")
 
 
 def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool | None = None,

@@ -4,7 +4,7 @@ cudaHostRegister pins memory the process already has, and the GPU maps it page b
 CPU's page size; cuMemCreate of a host location makes the allocation itself, in chunks of the
 driver's granularity, and maps it at one address for CPU and GPU. Whether the GPU then reaches
 random rows of a many-GiB pool with fewer translation misses is what scripts/copy_interference.py
---vmm measures: on the H200 it does not (a 12 GiB pool in 2 MiB chunks slowed the kernels beside the
+--vmm measures: on the H200 it does not (a 12 GiB pool at 2 MiB granularity slowed the kernels beside the
 copy as much as a registered one: results/gpu_logs/e9882268f059_copy_interference_span_vmm.txt).
 Linux with a CUDA driver only; the driver API through ctypes (`hisparse.cuda_driver`).
 """

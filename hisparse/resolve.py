@@ -21,12 +21,12 @@ order inside one stream's plan does not reach the PCIe link (results/resolve.csv
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import torch
 import triton
 
+from hisparse.settings import env_switch
 from kernels_triton.resolve import (
     _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _store_reserved_kernel, _write_rows_kernel,
     _write_unit_token_kernel,
@@ -44,10 +44,7 @@ CAPPED_COPY_TILES = 32
 # Every miss copy's rows marked to leave L2 first (`fetch_rows`' evict_first): an experiment, off by
 # default (no gain in the decode step on the H200: results/gpu_logs/e2a9e92ade46_copy_evict_first.txt);
 # HISPARSE_COPY_EVICT_FIRST=1 turns it on.
-COPY_EVICT_FIRST = os.environ.get("HISPARSE_COPY_EVICT_FIRST", "0")
-if COPY_EVICT_FIRST not in ("0", "1"):
-    raise ValueError(f"HISPARSE_COPY_EVICT_FIRST={COPY_EVICT_FIRST!r}: expected 0 or 1")
-COPY_EVICT_FIRST = COPY_EVICT_FIRST == "1"
+COPY_EVICT_FIRST = env_switch("HISPARSE_COPY_EVICT_FIRST")
 
 
 @dataclass
