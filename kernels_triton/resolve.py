@@ -210,48 +210,9 @@ def _resolve_kernel(
 # default: on the H200 (Triton 3.6) it took 6.9 / 7.7 / 12.2 us against 8.1 / 9.5 / 13.7 at 0.1 / 20
 # / 100% misses (no IO, batch 64, k = 2048, B = 4096; scripts/tune_resolve.py at 3a5390c98150).
 _resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.fn)
-# Tried and not kept (2026-11-30, 84763bd12153): the marks loaded in slot order (coalesced) and put in
-# LRU order on chip by tl.gather (through shared memory), in place of B scattered global loads. Same
-# SASS size under Triton 3.6, and on the H200 no faster: 7.6 / 8.6 / 12.6 us against 7.6 / 8.5 / 12.5
-# (results/gpu_logs/84763bd12153_ncu_resolve_dsa.txt).
-# Tried and not kept (2026-11-30): reading the hit flags in LRU order and the victims on chip, with
-# tl.histogram of the hit slots as the scatter and tl.gather to read back, in place of the slot marks'
-# and the new LRU order's round trips through global memory. It matched the reference bitwise, but
-# Triton 3.6 (the GPU machine's) lowers tl.histogram to ballot and popc loops: 4008 SASS instructions
-# for 2048 values into 4096 bins (Triton 3.9: 112, with shared-memory atomics), and the whole kernel
-# to 15224 against this one's 2280 (static SASS counts, compiled for sm_90 on a CPU:
-# results/cpu_logs/8d12476_sass_resolve_on_chip_variants.txt, which also holds the search below).
-# Nor does a binary search for the victims through tl.gather (12 probes of the free counts) promise
-# more than the reload it replaces: 2928 instructions and 32 block barriers under Triton 3.6, against
-# 2280 and 7 (each tl.gather stores its source to shared memory again, behind a barrier).
-# Tried and not kept (2026-11-30, b07e654): asking L2 for the stream's slot marks at the kernel's start
-# (`prefetch.global.L2` through inline PTX, one per 128 bytes), so that the marks' read in LRU order,
-# two dependent round trips later, would not wait on HBM in a decode step, where other layers' work has
-# pushed them out of L2. On the H200, no IO, k = 2048, B = 4096, 61 layers' streams taking turns over
-# 32K contexts: 10.8 / 15.9 us without against 10.6 / 15.6 with at 20% / 100% misses and batch 64,
-# 8.1 / 8.0 at 20% and batch 8, and no better with a warm L2: within noise everywhere, so the cold
-# calls' extra time is not the marks' (results/gpu_logs/b07e654_tune_prefetch_marks_not_kept.txt).
-# Tried and not kept (2026-11-30, on 383546d98556): the victims taken in the LRU order's domain (the
-# free slot of rank m serves miss m), their units and places in the selection read back from the plan
-# stored before the marks' barrier, so that the map, slot and plan stores wait on no new LRU order, no
-# second barrier and no read-back. 1984 SASS instructions against 1688 under Triton 3.6 (16 elements
-# a thread in that domain, 8 in the selection's), and on the H200 0.5-1.1 us slower at every point but
-# the decode-like ones at 100% misses (one layer's streams: 0.7 us faster; 61 layers': equal;
-# results/gpu_logs/383546d98556_resolve_victims_from_plan_not_kept.txt).
-# Tried and not kept (2026-11-30, fa5a2c168ced): each stream split over two programs, so that the
-# scattered map stores drain on two multiprocessors: the first cleared the evicted units and kept the
-# counters; the second, once the first had published (a release exchange on a per-stream flag) that
-# its reads were done, wrote the LRU order, slots, missed units and plan. Bitwise equal on the CPU, but
-# on the H200 1.3-2.6 us slower at every point with several streams (batch 64, no IO: 13.2 against
-# 11.5 us at 100% misses, 10.2 against 7.8 at 20%) and no faster with one (batch 1, 100%: 9.9 against
-# 10.0), so those stores are not what holds the 100% point up
-# (results/gpu_logs/fa5a2c168ced_resolve_split_two_programs_not_kept.txt).
-# Tried and not kept (2026-11-30, 77d7ee185ec8): a programmatic dependent launch (launch_pdl, with
-# gdc_wait and gdc_launch_dependents at the start), so that a call's launch overlaps the call before.
-# On the H200, with resolves back to back, 0.3-1.1 us less a call (batch 64, no IO: 10.4 against 11.5
-# us at 100% misses, the lower of two rounds; 7.1 against 7.4 at 20%), 0.4 more at batch 128; but in a
-# decode step the kernel before a resolve is the selection, so that gain is the benchmark's, not the
-# decode loop's (results/gpu_logs/77d7ee185ec8_resolve_pdl_not_kept.txt).
+# Variants tried on the H200 and not kept (marks gathered on chip, tl.histogram, the victims taken in
+# the LRU order's domain, an L2 prefetch of the marks, two programs a stream, a programmatic dependent
+# launch): results/README.md, section Resolve, with their numbers and logs.
 
 
 @triton.jit
