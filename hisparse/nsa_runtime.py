@@ -52,6 +52,7 @@ from hisparse.runtime import (
     shared_states,
     stream_counts,
     write_newest_unit,
+    write_resident_unit,
 )
 
 
@@ -88,12 +89,7 @@ class NsaBlocksKV:
                             self.compressed_values, self.weight_k, self.weight_v)
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        n, hkv, _ = key.shape
-        heads = torch.arange(n * hkv, device=pos.device).view(n, hkv)
-        rows = heads * self.n_units + (pos // SEL_BLOCK)[:, None]                # [N, HKV]
-        offset = (pos % SEL_BLOCK)[:, None].expand(n, hkv)
-        self.pool[rows, 0, offset] = key
-        self.pool[rows, 1, offset] = value
+        write_resident_unit(self.pool, pos, key, value, SEL_BLOCK, self.n_units)
 
 
 @dataclass

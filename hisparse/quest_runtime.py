@@ -52,6 +52,7 @@ from hisparse.runtime import (
     shared_states,
     stream_counts,
     write_newest_unit,
+    write_resident_unit,
 )
 
 
@@ -80,12 +81,7 @@ class QuestKV:
             quest_metadata_append(self.kmin, self.kmax, key, pos.to(torch.int32))
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        n, hkv, _ = key.shape
-        heads = torch.arange(n * hkv, device=pos.device).view(n, hkv)
-        rows = heads * self.max_pages + (pos // PAGE)[:, None]               # [N, HKV]
-        offset = (pos % PAGE)[:, None].expand(n, hkv)
-        self.pool[rows, 0, offset] = key
-        self.pool[rows, 1, offset] = value
+        write_resident_unit(self.pool, pos, key, value, PAGE, self.max_pages)
 
 
 @dataclass

@@ -181,6 +181,19 @@ def prefetch_shared(plan, shared: list, side: torch.cuda.Stream, max_programs: i
             kv.prefetched.record(side)
 
 
+def write_resident_unit(pool: torch.Tensor, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        unit_tokens: int, units_per_head: int) -> None:
+    """A per-KV-head family's decode write into a resident layer (Quest's pages, NSA's blocks): the
+    token at position pos [N] into its unit's row of pool [N * HKV * units_per_head, 2, unit_tokens,
+    D], key and value [N, HKV, D] at the token's offset in the unit."""
+    n, hkv, _ = key.shape
+    heads = torch.arange(n * hkv, device=pos.device).view(n, hkv)
+    rows = heads * units_per_head + (pos // unit_tokens)[:, None]               # [N, HKV]
+    offset = (pos % unit_tokens)[:, None].expand(n, hkv)
+    pool[rows, 0, offset] = key
+    pool[rows, 1, offset] = value
+
+
 def write_newest_unit(kv, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor, unit_tokens: int) -> None:
     """A per-KV-head family's decode write into a hierarchical layer `kv` (Quest's HierQuestKV, NSA's
     HierNsaKV): the token into the newest unit's row in host pool, reserved slot and cached copy
