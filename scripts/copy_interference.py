@@ -91,7 +91,7 @@ class Copies:
 
     def __init__(self, rows: int, row_bytes: int, programs: int, device, seed: int = 0, pool_rows: int = 0,
                  huge_pages: bool = False, sorted_rows: bool = False, span_rows: int = 0, vmm: bool = False,
-                 evict_first: bool = False):
+                 evict_first: bool = False, interleave: int = 1):
         gen = torch.Generator().manual_seed(seed)
         elems = row_bytes // 2                                           # bf16 rows
         pool_rows = max(pool_rows, PLANS * rows)
@@ -104,7 +104,14 @@ class Copies:
             self.pool.copy_(torch.randn(pool_rows, elems, generator=gen))
         self.pool_on_device = self.pool.to(device, copy=True)
         span_rows = min(pool_rows, max(span_rows, PLANS * rows)) if span_rows else pool_rows
-        order = torch.randperm(span_rows, generator=gen)[:PLANS * rows].to(torch.int32).view(PLANS, rows)
+        if interleave > 1:
+            # plans interleave*g + j (j < interleave) read rows interleave*u + j of the same random u: as
+            # per-layer copies over a layout keeping a unit's rows of `interleave` layers side by side
+            units = torch.randperm(span_rows // interleave, generator=gen)[:PLANS // interleave * rows]
+            lanes = torch.arange(interleave).view(1, interleave, 1)
+            order = (units.view(-1, 1, rows) * interleave + lanes).to(torch.int32).view(PLANS, rows)
+        else:
+            order = torch.randperm(span_rows, generator=gen)[:PLANS * rows].to(torch.int32).view(PLANS, rows)
         if sorted_rows:
             order = order.sort(dim=1).values
         self.plan_units = [order[i][None].to(device) for i in range(PLANS)]
@@ -263,6 +270,10 @@ def main(argv=None) -> None:
                          "the pool: all of it): a large pool pinned, a small part of it read")
     ap.add_argument("--sorted", action="store_true",
                     help="each copy reads its rows in host-address order (the resolve's sort_plan), not at random")
+    ap.add_argument("--interleave", type=int, default=1,
+                    help="N > 1: each N copies in a row read the rows N*u, N*u+1, ... of the same random units u "
+                         "(per-layer copies of N layers whose rows of a unit lie side by side); a divisor of "
+                         f"{PLANS}")
     ap.add_argument("--huge-pages", action="store_true",
                     help="back the host pool with 2 MiB pages (hisparse.host_pool.pinned_empty's huge_pages)")
     ap.add_argument("--vmm", action="store_true",
@@ -285,6 +296,8 @@ def main(argv=None) -> None:
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a size >= 0 (0: the default)")
     pool_rows = max(int(args.pool_gib * 2**30) // args.row_bytes, PLANS * args.rows)
+    if args.interleave < 1 or PLANS % args.interleave:
+        ap.error(f"--interleave {args.interleave}: expected a divisor of {PLANS}")
     if args.huge_pages and args.vmm:
         ap.error("--huge-pages and --vmm: expected one of them (cuMemCreate picks its own pages)")
     if not torch.cuda.is_available():
@@ -298,7 +311,8 @@ def main(argv=None) -> None:
     print(f"batch {args.batch}, hidden {args.hidden}, {args.kernels} small kernels or {args.kernels // 10} GEMMs; "
           f"copies of {args.rows} rows of {args.row_bytes} bytes from a host pool of "
           f"{pool_rows * args.row_bytes / 2**30:.2f} GiB{f' (its first {args.span_gib} GiB)' if args.span_gib else ''}"
-          f"{' in address order' if args.sorted else ''}, "
+          f"{' in address order' if args.sorted else ''}"
+          f"{f', {args.interleave} copies in a row reading adjacent rows of the same units' * (args.interleave > 1)}, "
           + ("captured with the chain in one graph, covering about half of it" if args.graphed else
              "launched eagerly beside the chain's graph, outlasting it")
           + "; us: alone -> beside (ratio), '!' where the copies "
@@ -309,7 +323,7 @@ def main(argv=None) -> None:
     copies = Copies(args.rows, args.row_bytes, args.programs[0], device, pool_rows=pool_rows,
                     huge_pages=args.huge_pages, sorted_rows=args.sorted,
                     span_rows=int(args.span_gib * 2**30) // args.row_bytes,     # one pool for every width
-                    vmm=args.vmm, evict_first=args.evict_first)
+                    vmm=args.vmm, evict_first=args.evict_first, interleave=args.interleave)
     if args.huge_pages:
         print(f"   pool in huge pages: {huge_page_kib(copies.pool) / 2**20:.2f} GiB", flush=True)
     if args.vmm:

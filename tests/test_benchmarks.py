@@ -389,7 +389,8 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
                           (["--row-bytes", "1151"], "--row-bytes 1151: expected a positive even number"),
                           (["--pool-gib", "-1"], "--pool-gib -1.0: expected a size >= 0"),
                           (["--span-gib", "-2"], "--span-gib -2.0: expected a size >= 0"),
-                          (["--huge-pages", "--vmm"], "--huge-pages and --vmm: expected one of them")):
+                          (["--huge-pages", "--vmm"], "--huge-pages and --vmm: expected one of them"),
+                          (["--interleave", "3"], "--interleave 3: expected a divisor of 16")):
         with pytest.raises(SystemExit):
             ci.main(argv)
         assert message in capsys.readouterr().err
@@ -416,6 +417,14 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     assert torch.equal(marked.cache[0, marked.plan_slot[0].long()], marked.pool[marked.plan_units[0][0].long()])
     spanned = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, span_rows=200)
     assert spanned.pool.shape[0] == 1000 and max(int(p.max()) for p in spanned.plan_units) < 200
+    woven = ci.Copies(rows=8, row_bytes=12, programs=2, device=torch.device("cpu"), pool_rows=1000, interleave=4)
+    rows = torch.stack([p[0] for p in woven.plan_units]).view(ci.PLANS // 4, 4, 8)    # [groups, copy, row]
+    assert torch.equal(rows - rows[:, :1], torch.arange(4).view(1, 4, 1).expand_as(rows))    # adjacent rows
+    assert bool((rows[:, 0] % 4 == 0).all()) and int(rows.max()) < 1000
+    assert len(set(rows[:, 0].flatten().tolist())) == 32                           # distinct units throughout
+    woven.host()
+    assert torch.equal(woven.cache[0, woven.plan_slot[0].long()].view(torch.int16),
+                       woven.pool[woven.plan_units[0][0].long()].view(torch.int16))
     assert ci.graphed_repeats(2316.0, 401.0) == 2             # 0.5 x 2316 us: 2 copies of 401, rounded down
     assert ci.graphed_repeats(100.0, 300.0) == 1              # at least one (the cell then says '!')
     with pytest.raises(ValueError, match="expected positive times"):
