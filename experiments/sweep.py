@@ -184,8 +184,8 @@ def validate(studies: list[dict]) -> None:
         if not isinstance(modes, list) or not modes or any(m not in KV_MODES for m in modes):
             raise ConfigError(f"{where}: modes = {modes!r}: expected a list of {KV_MODES}")
         if not isinstance(study["model"], str):
-            raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa or a "
-                              f"checkpoint directory)")
+            raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa, quest or "
+                              f"a checkpoint directory)")
         for key in ("graph", "prefetch", "early_resolve"):
             if key in study and not isinstance(study[key], bool):
                 raise ConfigError(f"{where}: {key} = {study[key]!r}: expected true or false")
