@@ -28,10 +28,11 @@ def assert_newest_units_written_through(cache, map_streams: dict[int, int] | Non
 
 def assert_lockstep(cache, layers) -> None:
     """Every slot of a shared layer's stream holds that stream's row of the unit its anchor stream's
-    slot holds: the anchor's slot maps place the shared layer's pages too."""
-    for kv in layers:
-        if getattr(kv, "anchor_layer", None) is None:      # resident, dense, or an anchor
-            continue
+    slot holds: the anchor's slot maps place the shared layer's pages too. Fails where `layers` holds no
+    shared layer."""
+    shared = [kv for kv in layers if getattr(kv, "anchor_layer", None) is not None]
+    assert shared, "no shared layer to check (resident, dense or anchor layers only)"
+    for kv in shared:
         for stream, anchor in zip(kv.streams.view(-1).tolist(), kv.anchor_streams.view(-1).tolist()):
             held = dict(zip(cache.state.lru[anchor].tolist(), cache.state.lru_unit[anchor].tolist()))
             base = int(cache.state.host_base[stream])

@@ -144,7 +144,7 @@ def test_summary_prefetch_lines_keep_two_models_of_one_run_apart():
         "prefetch batch 32 (hidden 7168): hidden 0.72 (target >= 0.5), 0.50 of noio (target >= 0.85)"]
 
 
-def test_decode_ablation_quick_run_writes_every_variant_and_undoes_its_patches(tmp_path):
+def test_decode_ablation_quick_run_writes_every_variant(tmp_path):
     """scripts/ablate_decode.py on a tiny model: each variant's rows, and (the script checks it) each
     noio variant generates noio's tokens, so no variant changes what the step computes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -184,8 +184,7 @@ def test_recorded_selections_replay_to_the_same_run(tmp_path):
     assert (trace.layer_anchor == [0, 0, 2]).all()       # the shared layer reuses layer 0's selection
     replayed = Engine(model, "hisparse", cache_slots=model.config.index_topk).generate(
         prompts(), new_tokens=9, replay=trace)
-    assert torch.equal(recorded.tokens, replayed.tokens)
-    assert all(torch.equal(a, b) for a, b in zip(recorded.logits, replayed.logits))
+    assert_bitwise(recorded, replayed, "replayed trace")
     assert (recorded.hits, recorded.misses) == (replayed.hits, replayed.misses)
 
 

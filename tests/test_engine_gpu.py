@@ -5,6 +5,7 @@ import collections
 
 import pytest
 import torch
+from engine_checks import assert_bitwise
 
 from hisparse import runtime
 from hisparse.engine import Engine
@@ -47,9 +48,7 @@ def test_hisparse_bitwise_resident_eager_and_graph(model):
     }
     base = runs["resident"]
     for name, out in runs.items():
-        assert torch.equal(out.tokens, base.tokens), name
-        for step, (a, b) in enumerate(zip(base.logits, out.logits)):
-            assert torch.equal(a, b), f"{name}: logits differ at step {step}"
+        assert_bitwise(base, out, name)
     assert runs["hisparse-B=k"].misses > 0
     # the hot slots per request do not grow with the context; the resident latents do
     assert runs["hisparse-B=k"].kv_bytes_per_request < base.kv_bytes_per_request
@@ -98,9 +97,7 @@ def test_prefetch_bitwise_with_shared_layers_graphed(priority, monkeypatch):
         out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch, host_write=host_write,
                      early_resolve=early).generate(prompts, 65, graph=True)
         name = f"prefetch={prefetch}, host_write={host_write}, early_resolve={early}"
-        assert torch.equal(out.tokens, base.tokens), name
-        for step, (a, b) in enumerate(zip(base.logits, out.logits)):
-            assert torch.equal(a, b), f"{name}: logits differ at step {step}"
+        assert_bitwise(base, out, name)
         assert out.misses > 0
         assert out.prefetched_layers == (3 if prefetch else 0), "prefetch must run on the side stream"
 
@@ -118,8 +115,7 @@ def test_driver_capture_replays_the_same_decode_with_prefetch(monkeypatch):
     for prefetch, early in ((False, False), (True, False), (True, True)):
         out = Engine(m, "hisparse", cache_slots=2048, chunk_size=1024, prefetch=prefetch, host_write="step",
                      early_resolve=early).generate(prompts, 33, graph=True)
-        assert torch.equal(out.tokens, base.tokens), (prefetch, early)
-        assert all(torch.equal(a, b) for a, b in zip(base.logits, out.logits)), (prefetch, early)
+        assert_bitwise(base, out, f"prefetch={prefetch}, early_resolve={early}")
         assert out.misses > 0 and out.prefetched_layers == (3 if prefetch else 0)
     assert calls["cuStreamBeginCapture_v2"] == calls["cuGraphInstantiateWithFlags"] == 3, dict(calls)
     replay, x = graph_flags.capture(lambda: torch.ones(4, device="cuda") * 2)
@@ -153,5 +149,4 @@ def test_graph_flags_replay_the_same_decode(model, flags, monkeypatch):
     monkeypatch.setattr(graph_flags, "CAPTURE", "torch")
     out = Engine(model, "hisparse", cache_slots=2048, chunk_size=1024).generate(prompts, 9, graph=True)
     assert calls["cuGraphInstantiateWithFlags"] == 1 and calls["cuGraphLaunch"] >= 6, dict(calls)
-    assert torch.equal(out.tokens, base.tokens)
-    assert all(torch.equal(a, b) for a, b in zip(base.logits, out.logits))
+    assert_bitwise(base, out, "driver-instantiated graph")

@@ -150,7 +150,7 @@ def test_plan_order(sort_plan, device):
 
 
 def test_lru_order_after_a_step(device):
-    """The worked example of DESIGN section 3: untouched, then misses, then hits."""
+    """DESIGN section 3's new LRU order, worked by hand: untouched, then misses, then hits."""
     cache, _ = make_pair(1, 4, 2, torch.float32, device, [20], seed=1)
     s0 = torch.tensor([0], dtype=torch.int32, device=device)
     cache.resolve(s0, torch.tensor([[5, 6, 7]], dtype=torch.int32, device=device))   # slots 0,1,2
