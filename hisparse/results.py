@@ -5,6 +5,7 @@ what made it. Appends never rewrite rows already stored: a failed run leaves the
 """
 from __future__ import annotations
 
+import csv
 import datetime as _dt
 import os
 import subprocess
@@ -63,6 +64,31 @@ def check_out_folder(parser, out: str | os.PathLike) -> None:
         parser.error(f"--out {out} is a file, not a folder for the result CSVs")
 
 
+def read_stored_rows(path: Path) -> pd.DataFrame:
+    """The rows already in the results CSV at `path`, every value as its text; a file that is not
+    one (no header naming bench, metric, value and unit; an empty or repeated column name; a row
+    with more or fewer fields than the header) is refused by name, so that no append rewrites it."""
+    with open(path, newline="") as f:
+        table = list(csv.reader(f))
+    if not table:
+        return pd.DataFrame(columns=COLUMNS)
+    header, body = table[0], table[1:]
+    problems = []
+    if {"bench", "metric", "value", "unit"} - set(header):
+        problems.append(f"its header {header[:6]}{'...' if len(header) > 6 else ''} lacks "
+                        f"{sorted({'bench', 'metric', 'value', 'unit'} - set(header))}")
+    if any(not name for name in header) or len(set(header)) < len(header):
+        problems.append("its header has an empty or repeated column name")
+    widths = [i + 2 for i, row in enumerate(body) if row and len(row) != len(header)]
+    if widths:
+        problems.append(f"line {widths[0]} has {len(body[widths[0] - 2])} fields, the header {len(header)}"
+                        + (f" ({len(widths)} such lines)" if len(widths) > 1 else ""))
+    if problems:
+        raise ValueError(f"{path} is not a results CSV this can append to: {'; '.join(problems)}. "
+                         f"Nothing was written; move it aside or fix it.")
+    return pd.DataFrame([row for row in body if row], columns=header)
+
+
 def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     """Append `rows` (dicts with at least bench, metric, value, unit) to the CSV at `path`.
 
@@ -70,6 +96,9 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     parameter columns are kept. The file is rewritten through a temporary file and a rename, so an
     interrupted write never truncates the rows already there.
     """
+    if isinstance(rows, dict) or not all(isinstance(row, dict) for row in rows):
+        raise TypeError(f"rows: expected a list of dicts (one per row), got {type(rows).__name__}"
+                        + ("" if isinstance(rows, dict) else f" of {sorted({type(r).__name__ for r in rows})}"))
     if not rows:
         return pd.DataFrame(columns=COLUMNS)
     for row in rows:
@@ -81,8 +110,7 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # old rows as the text they are, so a rewrite never reformats them (4096 -> 4096.0)
-    old = (pd.read_csv(path, dtype=str, keep_default_na=False) if path.exists()
-           else pd.DataFrame(columns=COLUMNS))
+    old = read_stored_rows(path) if path.exists() else pd.DataFrame(columns=COLUMNS)
     frame = pd.concat([old, new], ignore_index=True) if len(old) else new
     ordered = COLUMNS + [c for c in frame.columns if c not in COLUMNS]
     frame = frame.reindex(columns=ordered)

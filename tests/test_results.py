@@ -37,3 +37,29 @@ def test_rows_made_under_a_graph_experiment_say_so(tmp_path, monkeypatch):
     frame = pd.read_csv(path)
     assert frame.graph_capture.isna().tolist() == [True, False] and frame.graph_capture[1] == "driver"
     assert frame.graph_flags.tolist()[1] == 9
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("bench,metric,value,unit\nb,m,1,us,\n", "line 2 has 5 fields, the header 4"),       # a trailing comma
+    ("bench,metric,value,unit\nx,b,m,1,us\nx,b,m,2,us\n", "(2 such lines)"),           # a leading field
+    ("x,y\n1,2\n", "lacks ['bench', 'metric', 'unit', 'value']"),                        # not a results file
+    ("bench;metric;value;unit\nb;m;1;us\n", "lacks"),                                     # another separator
+    ("bench,metric,value,unit,note,note\nb,m,1,us,a,b\n", "empty or repeated column name"),
+    ("bench,metric,value,unit,\nb,m,1,us,\n", "empty or repeated column name"),
+])
+def test_a_file_that_is_not_a_results_csv_is_refused_and_left_as_it_was(tmp_path, text, problem):
+    path = tmp_path / "bench.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="is not a results CSV") as err:
+        append_rows(path, [dict(bench="b", metric="us", value=1.0, unit="us")])
+    assert problem in str(err.value) and str(path) in str(err.value)
+    assert path.read_text() == text and not path.with_suffix(".csv.tmp").exists()
+
+
+def test_rows_must_be_a_list_of_dicts(tmp_path):
+    path = tmp_path / "bench.csv"
+    with pytest.raises(TypeError, match="expected a list of dicts"):
+        append_rows(path, dict(bench="b", metric="us", value=1.0, unit="us"))
+    with pytest.raises(TypeError, match=r"of \['str'\]"):
+        append_rows(path, ["bench"])
+    assert not path.exists()
