@@ -27,6 +27,15 @@ def _check_integer(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
+def _values_checked(check_values: bool | None) -> bool:
+    """Whether a write checks its values (a host sync): as asked, else unless a CUDA graph is being
+    captured on the current stream (where a sync is not allowed, and the step's first, eager run
+    has checked the same calls)."""
+    if check_values is not None:
+        return check_values
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 class HierarchicalKVCache:
     def __init__(self, max_streams: int, cache_slots: int, host_rows: int, row_elems: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
@@ -76,14 +85,46 @@ class HierarchicalKVCache:
         return stream
 
     def close_stream(self, stream: int) -> None:
-        self._check_open(stream)
+        stream = self._check_open(stream)
         self.host.release(int(self.state.host_base[stream]))
         self._open.remove(stream)
         self.stream_len[stream] = self.stream_capacity[stream] = 0
 
-    def _check_open(self, stream: int) -> None:
+    def _check_open(self, stream: int) -> int:
+        """`stream` as an int, if it is an open stream's id."""
+        stream = as_int(stream, "a stream id must be an int")
         if stream not in self._open:
             raise ValueError(f"stream {stream} is not open (open streams: {sorted(self._open)[:8]}...)")
+        return stream
+
+    def _check_newest_units(self, what: str, streams: torch.Tensor, units: torch.Tensor,
+                            map_streams: torch.Tensor | None = None, once: bool = True) -> None:
+        """Before a write that has no host sync of its own: every stream open (or -1, skipped) and
+        listed at most once (`once`), every unit one the stream has recorded (`advance`), every map
+        stream open. Reads the values on the host."""
+        if streams.dim() != 1 or units.shape != streams.shape:
+            raise ValueError(f"{what}: streams and units must be [N] each, got {tuple(streams.shape)} and "
+                             f"{tuple(units.shape)}")
+        _check_integer("streams", streams)
+        live = [(s, u) for s, u in zip(streams.tolist(), units.tolist()) if s != -1]
+        for s, u in live:
+            if s not in self._open:
+                raise ValueError(f"{what}: stream {s} is not open (expected -1 to skip, or one of the open "
+                                 f"streams {sorted(self._open)[:8]}...)")
+            if not 0 <= u < self.stream_len[s]:
+                raise ValueError(f"{what}: unit {u} of stream {s} is outside its recorded units 0.."
+                                 f"{self.stream_len[s] - 1} (record it with `advance` first)")
+        if once and len({s for s, _ in live}) < len(live):
+            raise ValueError(f"{what}: a stream is listed twice ({[s for s, _ in live][:8]}...): each may "
+                             f"take one row a call")
+        if map_streams is not None:
+            if map_streams.shape != streams.shape:
+                raise ValueError(f"{what}: map_streams must be [N]={tuple(streams.shape)}, got "
+                                 f"{tuple(map_streams.shape)}")
+            closed = [m for s, m in zip(streams.tolist(), map_streams.tolist())
+                      if s != -1 and m != -1 and m not in self._open]
+            if closed:
+                raise ValueError(f"{what}: map stream {closed[0]} is not open (expected -1 or an open stream)")
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -93,7 +134,7 @@ class HierarchicalKVCache:
         The last appended row is also written to the reserved newest-token slot. Raises before
         writing anything when the stream's region would overflow.
         """
-        self._check_open(stream)
+        stream = self._check_open(stream)
         if rows.dim() != 2 or rows.shape[0] == 0:
             raise ValueError(f"rows must be [n >= 1, E], got shape {tuple(rows.shape)}")
         n, length, capacity = rows.shape[0], self.stream_len[stream], self.stream_capacity[stream]
@@ -109,7 +150,8 @@ class HierarchicalKVCache:
         its cached copy, so a stale row is never read. Not for a stream in lockstep with an anchor's
         (a shared layer's): its copy is placed by the anchor's map, which this does not read; the
         decode loop writes those with `write_newest(..., map_streams=)`."""
-        self._check_open(stream)
+        stream = self._check_open(stream)
+        unit = as_int(unit, "unit must be an int (a unit of the stream)")
         if not 0 <= unit < self.stream_len[stream]:
             raise ValueError(f"unit {unit} of stream {stream} does not exist (length "
                              f"{self.stream_len[stream]})")
@@ -122,31 +164,50 @@ class HierarchicalKVCache:
             self.slots[stream, self.reserved_slot] = row
 
     def write_newest(self, streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor,
-                     map_streams: torch.Tensor | None = None, to_host: bool = True) -> None:
+                     map_streams: torch.Tensor | None = None, to_host: bool = True,
+                     check_values: bool | None = None) -> None:
         """The decode step's write, on the device with no host sync (capturable): rows [N, E] become
         unit units[n] of stream streams[n] (int32, -1 skips) in the host pool, in the reserved slot,
         and in the unit's cached copy if it has one. The caller records the new units on the host
         first (`advance`, which checks capacity); the units must lie inside the streams' regions.
         map_streams: the streams whose slot maps place the rows (a shared layer's anchor streams).
         to_host=False leaves the host pool for `store_newest`, which must run before the units can
-        be fetched (before the streams' next resolve)."""
+        be fetched (before the streams' next resolve). check_values: check streams and units on the
+        host first (a sync); default: unless a CUDA graph is being captured."""
         _check_integer("units", units)
+        if _values_checked(check_values):
+            self._check_newest_units("write_newest", streams, units, map_streams)
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
                    self.host.rows, self.slots, to_reserved=True, map_streams=map_streams, to_host=to_host)
 
-    def store_newest(self, streams: torch.Tensor, units: torch.Tensor) -> None:
+    def store_newest(self, streams: torch.Tensor, units: torch.Tensor, check_values: bool | None = None) -> None:
         """Store the reserved slot of each of streams [M] (int32, -1 skips) into the host pool as its
-        unit units[m]: the host half of `write_newest(to_host=False)`, for many streams in one launch."""
+        unit units[m]: the host half of `write_newest(to_host=False)`, for many streams in one launch.
+        check_values: as in `write_newest`."""
         _check_integer("units", units)
+        if _values_checked(check_values):
+            self._check_newest_units("store_newest", streams, units, once=False)
         store_reserved(streams, units.to(torch.int64), self.state.host_base, self.host.rows, self.slots)
 
     def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           unit_tokens: int, map_streams: torch.Tensor | None = None) -> None:
+                           unit_tokens: int, map_streams: torch.Tensor | None = None,
+                           check_values: bool | None = None) -> None:
         """The decode step's write when a unit holds `unit_tokens` tokens (rows [2, T, D]): token
         pos[n]'s keys and values [N, HKV, D] join the newest unit of streams [N * HKV] (-1 skips), in
         the host pool, the reserved slot and any cached copy (the token alone; the whole row, zeros but
         for the token, when it opens the unit). One launch, no host sync (capturable); the caller
-        records opened units first (`advance`). map_streams: as in `write_newest`."""
+        records opened units first (`advance`). map_streams, check_values: as in `write_newest`."""
+        unit_tokens = as_int(unit_tokens, "unit_tokens must be a positive int (tokens a unit)", minimum=1)
+        _check_integer("pos", pos)
+        if _values_checked(check_values):
+            if pos.dim() != 1 or pos.numel() == 0 or streams.dim() != 1 or streams.numel() % pos.numel():
+                raise ValueError(f"write_newest_token: pos must be [N] and streams [N * HKV], got "
+                                 f"{tuple(pos.shape)} and {tuple(streams.shape)}")
+            units = (pos.cpu().long() // unit_tokens).repeat_interleave(streams.numel() // pos.numel())
+            if bool((pos < 0).any()):
+                raise ValueError(f"write_newest_token: token positions must be >= 0, got {pos.tolist()[:8]}")
+            self._check_newest_units("write_newest_token", streams.cpu(), units,
+                                     None if map_streams is None else map_streams.cpu())
         write_unit_token(streams, pos, keys, values, self.state.host_base, self.state.unit_slot, self.host.rows,
                          self.slots, unit_tokens, map_streams)
 
@@ -163,7 +224,7 @@ class HierarchicalKVCache:
         n = as_int(n, "n must be an int >= 0 (units per stream)", minimum=0)
         added: dict[int, int] = {}
         for s in streams:
-            self._check_open(s)
+            s = self._check_open(s)
             added[s] = added.get(s, 0) + n
         for s, more in added.items():
             if self.stream_len[s] + more > self.stream_capacity[s]:
@@ -206,6 +267,9 @@ class HierarchicalKVCache:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         check_resolve_inputs(self.state, streams, sel, torch.tensor(self.stream_len))
+        if newest is not None:                       # as `resolve` checks them, with check_values
+            _check_integer("units", newest[0])
+            self._check_newest_units("resolve_ref newest", streams.cpu(), newest[0].cpu().long())
         return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
                            sort_plan=sort_plan, newest=newest)
 

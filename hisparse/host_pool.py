@@ -172,9 +172,12 @@ class HostPool:
         self._free = merged
 
     def write(self, first_row: int, values: torch.Tensor) -> None:
-        """Write values [n, E] (any device) into rows first_row .. first_row + n - 1."""
+        """Write values [n, E] (any device, the pool's dtype) into rows first_row .. first_row + n - 1."""
+        first_row = as_int(first_row, "first_row must be an int (a host pool row)")
         if values.dim() != 2 or values.shape[1] != self.rows.shape[1]:
             raise ValueError(f"rows to write must be [n, {self.rows.shape[1]}], got {tuple(values.shape)}")
+        if values.dtype != self.rows.dtype:      # a cast would store other bits than the caller's
+            raise ValueError(f"rows to write must be {self.rows.dtype}, the pool's dtype, got {values.dtype}")
         if not 0 <= first_row <= self.capacity - values.shape[0]:
             raise ValueError(f"rows {first_row}..{first_row + values.shape[0] - 1} are outside the host "
                              f"pool of {self.capacity} rows")

@@ -262,6 +262,29 @@ def test_append_past_capacity_keeps_stored_rows(device):
     assert torch.equal(cache.slots[s, cache.reserved_slot].cpu(), rows[-1])
 
 
+def test_appends_refuse_another_dtype_and_non_integer_ids(device):
+    """Rows of another dtype are refused, not cast (a cast stores other bits than the caller's), and
+    stream, unit and row ids must be ints: nothing is written either way."""
+    cache = _small_cache(device)          # float32 rows; streams 0 and 1: 20 and 30 units
+    host, lengths = cache.host.rows.clone(), list(cache.stream_len)
+    for dtype in (torch.bfloat16, torch.float64, torch.int64):
+        with pytest.raises(ValueError, match=f"rows to write must be torch.float32, the pool's dtype, got {dtype}"):
+            cache.append(0, torch.ones(2, 4, dtype=dtype, device=device))
+        with pytest.raises(ValueError, match="the pool's dtype"):
+            cache.write_unit(1, 3, torch.ones(4, dtype=dtype, device=device))
+    for stream in (True, 1.0, "0"):
+        with pytest.raises(ValueError, match="a stream id must be an int"):
+            cache.append(stream, torch.ones(1, 4, device=device))
+    with pytest.raises(ValueError, match="unit must be an int"):
+        cache.write_unit(0, 1.5, torch.ones(4, device=device))
+    for row in (1.5, True):
+        with pytest.raises(ValueError, match="first_row must be an int"):
+            cache.host.write(row, torch.ones(1, 4))
+    assert torch.equal(host.view(torch.int32), cache.host.rows.view(torch.int32)) and cache.stream_len == lengths
+    cache.append(torch.tensor(0), torch.ones(1, 4, device=device))      # a 0-d integer tensor is an int
+    assert cache.stream_len[0] == 21
+
+
 def test_bad_calls_on_streams_change_nothing(device):
     """advance, open_stream, append, the device writes, replay_plan and resolve_ref refuse bad input
     with a message naming it, and leave the stored state as it was."""
@@ -311,6 +334,50 @@ def test_bad_calls_on_streams_change_nothing(device):
                   torch.zeros(1, 40001, 2, device=device), fetch=False)     # the default: the single scan there
     assert got.counts.tolist() == [[0, 1]] and big.epoch.tolist() == [1]
     assert big.lru_unit[0, -1].item() == 1 and big.unit_slot[1].item() == got.slots.item()
+
+
+def test_device_writes_check_their_values_and_change_nothing_when_refused(device):
+    """write_newest, store_newest, write_newest_token and resolve_ref(newest=) check streams and units on
+    the host (outside a graph capture) before launching: a unit the stream has not recorded, a closed or
+    out-of-range stream, a stream listed twice, a negative position. Nothing stored changes; with
+    check_values=False the same call goes through (the caller's promise, as inside a captured step)."""
+    cache = _small_cache(device)          # streams 0 and 1: 20 and 30 of 40 units, stream 2 closed
+    row = torch.ones(1, 4, device=device)
+    host, slots, state = cache.host.rows.clone(), cache.slots.clone(), cache.state.clone()
+    refused = [
+        (lambda: cache.write_newest(_i32([0], device), _i32([20], device), row),
+         r"write_newest: unit 20 of stream 0 is outside its recorded units 0..19 \(record it with `advance`"),
+        (lambda: cache.write_newest(_i32([1], device), _i32([-1], device), row), "unit -1 of stream 1"),
+        (lambda: cache.write_newest(_i32([2], device), _i32([0], device), row), "write_newest: stream 2 is not open"),
+        (lambda: cache.write_newest(_i32([7], device), _i32([0], device), row), "stream 7 is not open"),
+        (lambda: cache.write_newest(_i32([0, 0], device), _i32([3, 4], device), row.expand(2, 4).contiguous()),
+         "a stream is listed twice"),
+        (lambda: cache.write_newest(_i32([0], device), _i32([3], device), row, map_streams=_i32([2], device)),
+         "map stream 2 is not open"),
+        (lambda: cache.store_newest(_i32([0], device), _i32([45], device)), "store_newest: unit 45 of stream 0"),
+        (lambda: cache.write_newest_token(_i32([0], device), torch.tensor([-2], device=device),
+                                          torch.ones(1, 1, 1, device=device), torch.ones(1, 1, 1, device=device), 2),
+         "token positions must be >= 0"),
+        (lambda: cache.write_newest_token(_i32([1], device), torch.tensor([90], device=device),
+                                          torch.ones(1, 1, 1, device=device), torch.ones(1, 1, 1, device=device), 2),
+         "write_newest_token: unit 45 of stream 1"),
+        (lambda: cache.write_newest_token(_i32([1], device), torch.tensor([9], device=device),
+                                          torch.ones(1, 1, 1, device=device), torch.ones(1, 1, 1, device=device), 2.0),
+         "unit_tokens must be a positive int"),
+        (lambda: cache.resolve_ref(_i32([0, -1], device), _i32([[1, 2], [-1, -1]], device),
+                                   newest=(torch.tensor([45, 0], device=device), row.expand(2, 4).contiguous())),
+         "resolve_ref newest: unit 45 of stream 0"),
+    ]
+    for call, message in refused:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert torch.equal(host.view(torch.int32), cache.host.rows.view(torch.int32))
+    assert torch.equal(slots.view(torch.int32), cache.slots.view(torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(state.__dict__.values(), cache.state.__dict__.values()))
+    cache.write_newest(_i32([0], device), _i32([19], device), 2 * row)         # a recorded unit: written
+    assert torch.equal(cache.host.rows[19].to(device), 2 * row[0])
+    cache.write_newest(_i32([0], device), _i32([20], device), 3 * row, check_values=False)   # unchecked
+    assert torch.equal(cache.host.rows[20].to(device), 3 * row[0])
 
 
 def test_host_regions_are_contiguous_and_reused():
