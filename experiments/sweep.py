@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -56,6 +57,7 @@ from hisparse.host_pool import release_cached_memory  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model, load_model  # noqa: E402
 from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
+from hisparse.resolve import MAX_SLOTS  # noqa: E402
 from hisparse.results import append_rows, environment  # noqa: E402
 from hisparse.synthetic import (PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
                                 repeat_request)
@@ -165,7 +167,7 @@ def validate(studies: list[dict]) -> None:
         study["_index"] = i
         kind = study.get("kind")
         where = f"study {i} ({kind})"
-        if kind not in KEYS:
+        if not isinstance(kind, str) or kind not in KEYS:
             raise ConfigError(f"study {i}: kind = {kind!r}: expected one of {sorted(KEYS)}")
         unknown = set(study) - KEYS[kind] - {"_index"}
         if unknown:
@@ -241,10 +243,14 @@ def validate(studies: list[dict]) -> None:
             k = selection_size(study, raw)
             if min(slots) < k:
                 raise ConfigError(f"{where}: cache_slots {min(slots)} is smaller than the model's k = {k}")
+            if max(slots) > MAX_SLOTS:
+                raise ConfigError(f"{where}: cache_slots {max(slots)} exceeds the supported {MAX_SLOTS}")
         if kind == "throughput":
             for key in ("kv_budget_gib", "host_budget_gib"):
-                if key in study and not (isinstance(study[key], (int, float)) and study[key] > 0):
-                    raise ConfigError(f"{where}: {key} = {study[key]!r}: expected a positive number")
+                value = study.get(key)
+                if key in study and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                     or not (math.isfinite(value) and value > 0)):
+                    raise ConfigError(f"{where}: {key} = {study[key]!r}: expected a positive, finite number (GiB)")
             study.setdefault("max_batch", 256)
             _positive_int(study, "max_batch", where)
 
@@ -479,7 +485,11 @@ def main(argv=None) -> int:
         if argv is not None:
             ap.error("--runs-per-process replaces the running process: use it from the command line")
     try:
-        studies = tomllib.loads(Path(args.config).read_text()).get("study", [])
+        config = tomllib.loads(Path(args.config).read_text())
+        if set(config) - {"study"}:
+            raise ConfigError(f"unknown top-level key {sorted(set(config) - {'study'})[0]!r}: a config holds "
+                              f"only [[study]] tables")
+        studies = config.get("study", [])
         validate(studies)
         if args.kind:
             studies = [s for s in studies if s["kind"] in args.kind]

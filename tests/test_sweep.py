@@ -96,9 +96,17 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("warmup_steps = 2", "warmup_steps = 2\nhidden = 64"),
      "hidden = 64 sizes the 'dsa' and 'quest' models; model 'tiny:deepseek_v32' has its own: drop hidden"),
     (("max_batch = 3", "max_batch = [3]"), "max_batch = \\[3\\]: expected one positive integer"),
+    (("kind = \"decode\"", "kind = [\"decode\"]"), "study 0: kind = \\['decode'\\]: expected one of"),
+    (("cache_slots = 8\ncontexts = [24]\nbatches", "cache_slots = [8, 2000000]\ncontexts = [24]\nbatches"),
+     "cache_slots 2000000 exceeds the supported 1048576"),
+    (("kv_budget_gib = 0.0001", "kv_budget_gib = true"), "kv_budget_gib = True: expected a positive, finite number"),
+    (("kv_budget_gib = 0.0001", "kv_budget_gib = inf"), "kv_budget_gib = inf: expected a positive, finite number"),
+    (("\n[[study]]\nkind = \"decode\"", "\nstduy = 1\n\n[[study]]\nkind = \"decode\""),
+     "unknown top-level key 'stduy': a config holds only \\[\\[study\\]\\] tables"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
         "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
-        "early-resolve-int", "hidden-tiny", "max-batch-list"])
+        "early-resolve-int", "hidden-tiny", "max-batch-list", "kind-list", "slots-above-max", "budget-bool",
+        "budget-inf", "top-level-key"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
