@@ -148,6 +148,8 @@ def check_resolve_inputs(state: CacheState, streams: torch.Tensor, sel: torch.Te
         _expect(t.is_contiguous(), f"{name} must be contiguous (strides {t.stride()})")
     if stream_len is None:
         return
+    _expect(tuple(stream_len.shape) == (num_streams,), f"stream_len must be [S]=[{num_streams}] (one length a "
+                                                       f"stream), got shape {tuple(stream_len.shape)}")
     streams_h, sel_h, len_h = streams.cpu().long(), sel.cpu().long(), stream_len.cpu().long()
     live = streams_h >= 0
     bad = streams_h[(streams_h < -1) | (streams_h >= num_streams)]

@@ -374,6 +374,9 @@ def test_device_writes_check_their_values_and_change_nothing_when_refused(device
     assert torch.equal(host.view(torch.int32), cache.host.rows.view(torch.int32))
     assert torch.equal(slots.view(torch.int32), cache.slots.view(torch.int32))
     assert all(torch.equal(a, b) for a, b in zip(state.__dict__.values(), cache.state.__dict__.values()))
+    with pytest.raises(ValueError, match=r"stream_len must be \[S\]=\[3\] \(one length a stream\), got shape \(1,\)"):
+        resolve(cache.state, _i32([0], device), _i32([[1, 2]], device), cache.host.rows, cache.slots,
+                stream_len=torch.tensor([20]))
     cache.write_newest(_i32([0], device), _i32([19], device), 2 * row)         # a recorded unit: written
     assert torch.equal(cache.host.rows[19].to(device), 2 * row[0])
     cache.write_newest(_i32([0], device), _i32([20], device), 3 * row, check_values=False)   # unchecked
