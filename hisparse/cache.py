@@ -27,13 +27,13 @@ def _check_integer(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
-def _values_checked(check_values: bool | None) -> bool:
+def _values_checked(check_values: bool | None, streams: torch.Tensor) -> bool:
     """Whether a write checks its values (a host sync): as asked, else unless a CUDA graph is being
     captured on the current stream (where a sync is not allowed, and the step's first, eager run
-    has checked the same calls)."""
+    has checked the same calls). A cache off the GPU never asks CUDA (which would make a context)."""
     if check_values is not None:
         return check_values
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not (streams.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 class HierarchicalKVCache:
@@ -106,7 +106,8 @@ class HierarchicalKVCache:
             raise ValueError(f"{what}: streams and units must be [N] each, got {tuple(streams.shape)} and "
                              f"{tuple(units.shape)}")
         _check_integer("streams", streams)
-        live = [(s, u) for s, u in zip(streams.tolist(), units.tolist()) if s != -1]
+        streams = streams.tolist()                                           # on the host, once
+        live = [(s, u) for s, u in zip(streams, units.tolist()) if s != -1]
         for s, u in live:
             if s not in self._open:
                 raise ValueError(f"{what}: stream {s} is not open (expected -1 to skip, or one of the open "
@@ -118,10 +119,10 @@ class HierarchicalKVCache:
             raise ValueError(f"{what}: a stream is listed twice ({[s for s, _ in live][:8]}...): each may "
                              f"take one row a call")
         if map_streams is not None:
-            if map_streams.shape != streams.shape:
-                raise ValueError(f"{what}: map_streams must be [N]={tuple(streams.shape)}, got "
+            if tuple(map_streams.shape) != (len(streams),):
+                raise ValueError(f"{what}: map_streams must be [N]=[{len(streams)}], got "
                                  f"{tuple(map_streams.shape)}")
-            closed = [m for s, m in zip(streams.tolist(), map_streams.tolist())
+            closed = [m for s, m in zip(streams, map_streams.tolist())
                       if s != -1 and m != -1 and m not in self._open]
             if closed:
                 raise ValueError(f"{what}: map stream {closed[0]} is not open (expected -1 or an open stream)")
@@ -166,7 +167,8 @@ class HierarchicalKVCache:
     def write_newest(self, streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor,
                      map_streams: torch.Tensor | None = None, to_host: bool = True,
                      check_values: bool | None = None) -> None:
-        """The decode step's write, on the device with no host sync (capturable): rows [N, E] become
+        """The decode step's write, on the device (capturable: no host sync while a CUDA graph is
+        captured or with check_values=False): rows [N, E] become
         unit units[n] of stream streams[n] (int32, -1 skips) in the host pool, in the reserved slot,
         and in the unit's cached copy if it has one. The caller records the new units on the host
         first (`advance`, which checks capacity); the units must lie inside the streams' regions.
@@ -175,7 +177,7 @@ class HierarchicalKVCache:
         be fetched (before the streams' next resolve). check_values: check streams and units on the
         host first (a sync); default: unless a CUDA graph is being captured."""
         _check_integer("units", units)
-        if _values_checked(check_values):
+        if _values_checked(check_values, streams):
             self._check_newest_units("write_newest", streams, units, map_streams)
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
                    self.host.rows, self.slots, to_reserved=True, map_streams=map_streams, to_host=to_host)
@@ -185,7 +187,7 @@ class HierarchicalKVCache:
         unit units[m]: the host half of `write_newest(to_host=False)`, for many streams in one launch.
         check_values: as in `write_newest`."""
         _check_integer("units", units)
-        if _values_checked(check_values):
+        if _values_checked(check_values, streams):
             self._check_newest_units("store_newest", streams, units, once=False)
         store_reserved(streams, units.to(torch.int64), self.state.host_base, self.host.rows, self.slots)
 
@@ -195,17 +197,19 @@ class HierarchicalKVCache:
         """The decode step's write when a unit holds `unit_tokens` tokens (rows [2, T, D]): token
         pos[n]'s keys and values [N, HKV, D] join the newest unit of streams [N * HKV] (-1 skips), in
         the host pool, the reserved slot and any cached copy (the token alone; the whole row, zeros but
-        for the token, when it opens the unit). One launch, no host sync (capturable); the caller
-        records opened units first (`advance`). map_streams, check_values: as in `write_newest`."""
+        for the token, when it opens the unit). One launch; no host sync while a CUDA graph is captured
+        or with check_values=False. The caller records opened units first (`advance`). map_streams,
+        check_values: as in `write_newest`."""
         unit_tokens = as_int(unit_tokens, "unit_tokens must be a positive int (tokens a unit)", minimum=1)
         _check_integer("pos", pos)
-        if _values_checked(check_values):
+        if _values_checked(check_values, streams):
             if pos.dim() != 1 or pos.numel() == 0 or streams.dim() != 1 or streams.numel() % pos.numel():
                 raise ValueError(f"write_newest_token: pos must be [N] and streams [N * HKV], got "
                                  f"{tuple(pos.shape)} and {tuple(streams.shape)}")
-            units = (pos.cpu().long() // unit_tokens).repeat_interleave(streams.numel() // pos.numel())
-            if bool((pos < 0).any()):
-                raise ValueError(f"write_newest_token: token positions must be >= 0, got {pos.tolist()[:8]}")
+            pos_h = pos.cpu().long()
+            if bool((pos_h < 0).any()):
+                raise ValueError(f"write_newest_token: token positions must be >= 0, got {pos_h.tolist()[:8]}")
+            units = (pos_h // unit_tokens).repeat_interleave(streams.numel() // pos.numel())
             self._check_newest_units("write_newest_token", streams.cpu(), units,
                                      None if map_streams is None else map_streams.cpu())
         write_unit_token(streams, pos, keys, values, self.state.host_base, self.state.unit_slot, self.host.rows,

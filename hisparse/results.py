@@ -96,9 +96,9 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     parameter columns are kept. The file is rewritten through a temporary file and a rename, so an
     interrupted write never truncates the rows already there.
     """
-    if isinstance(rows, dict) or not all(isinstance(row, dict) for row in rows):
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
         raise TypeError(f"rows: expected a list of dicts (one per row), got {type(rows).__name__}"
-                        + ("" if isinstance(rows, dict) else f" of {sorted({type(r).__name__ for r in rows})}"))
+                        + (f" of {sorted({type(r).__name__ for r in rows})}" if isinstance(rows, list) else ""))
     if not rows:
         return pd.DataFrame(columns=COLUMNS)
     for row in rows:

@@ -129,6 +129,10 @@ class Copies:
         self.launched = 0
         self.spin_cycles = 0        # `spin`'s length: set to the `host` copy's once that is timed
 
+    def align(self, n: int) -> None:
+        """Make the next copy start a group of n plans (a multiple of n), as `--interleave n` needs."""
+        self.launched = -(-self.launched // n) * n
+
     def _fetch(self, pool: torch.Tensor) -> None:
         plan = self.plan_units[self.launched % PLANS]
         self.launched += 1
@@ -351,6 +355,10 @@ def main(argv=None) -> None:
                 alone_us = timed(graph.replay, args.reps, side, queue_us)[0]
                 repeats = (graphed_repeats(alone_us, copy_us) if args.graphed
                            else repeats_to_cover(alone_us, copy_us))
+                # with --interleave N, runs of N copies that start at a plan of a group, so that each run
+                # reads its units' N side-by-side rows (the copies then may cover more of the chain)
+                repeats = -(-repeats // args.interleave) * args.interleave
+                copies.align(args.interleave)
                 beside = with_copies_beside(chain if args.graphed else graph.replay, launch, repeats, side,
                                             join=args.graphed)
                 run = graphed(beside).replay if args.graphed else beside

@@ -423,6 +423,8 @@ def test_copy_interference_checks_its_arguments_and_sizes_its_copies(capsys):
     assert bool((rows[:, 0] % 4 == 0).all()) and int(rows.max()) < 1000
     assert len(set(rows[:, 0].flatten().tolist())) == 32                           # distinct units throughout
     woven.host()
+    woven.align(4)                                            # the next copy starts a group of 4 plans
+    assert woven.launched == 4 and woven.plan_units[woven.launched % ci.PLANS][0][0] % 4 == 0
     assert torch.equal(woven.cache[0, woven.plan_slot[0].long()].view(torch.int16),
                        woven.pool[woven.plan_units[0][0].long()].view(torch.int16))
     assert ci.graphed_repeats(2316.0, 401.0) == 2             # 0.5 x 2316 us: 2 copies of 401, rounded down

@@ -62,4 +62,6 @@ def test_rows_must_be_a_list_of_dicts(tmp_path):
         append_rows(path, dict(bench="b", metric="us", value=1.0, unit="us"))
     with pytest.raises(TypeError, match=r"of \['str'\]"):
         append_rows(path, ["bench"])
+    with pytest.raises(TypeError, match="got generator"):          # not consumed into an empty append
+        append_rows(path, (dict(bench="b", metric="us", value=1.0, unit="us") for _ in range(2)))
     assert not path.exists()
