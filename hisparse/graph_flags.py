@@ -23,10 +23,9 @@ of nothing) and that the driver's captures do not count, so a process whose deco
 captured this way, and which makes fewer than 4 captures through PyTorch, never sets it off (H200:
 17.05 ms a decode step after 3 PyTorch captures, against 19.1). It does not shield a graph from the
 switch: once 4 PyTorch captures have set it off, graphs the driver captured slow as much as PyTorch's
-(0.775 -> 0.953 us a kernel; results/gpu_logs/595b4d5e2b02_gpu_tests_graph_switch_driver.txt). So
-the way round it holds only while the process keeps to 3 PyTorch captures. A graph captured this way must
-draw no random numbers: PyTorch 2.11 refuses (its generator finds no capture of its own), other
-versions may not and would replay the same numbers. Default: torch.
+(results/README.md), so the way round it holds only while the process keeps to 3 PyTorch captures.
+A graph captured this way must draw no random numbers: PyTorch 2.11 refuses (its generator finds no
+capture of its own), other versions may not and would replay the same numbers. Default: torch.
 """
 from __future__ import annotations
 

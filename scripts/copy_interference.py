@@ -49,9 +49,10 @@ rows' spread, not the memory pinned; `device` about as much per us as `host` fro
 `--evict-first` a fifth of that, while `host` stays (e2a9e92ade46_copy_evict_first.txt). Rows in
 address order cut the cost by more than half from 12 GiB here
 (5a00a38e2dd7_timeline_prefetch_sorted_plans.txt), but not in the decode step. The cost goes with
-the rows, not the bytes: 18.9 MB from 12 GiB in rows of 1152 / 4608 / 9216 bytes cost +10.2 / +2.4 /
-+0.3 us per MB; `--interleave 4` (per-layer copies of side-by-side rows) halved it at 4096 rows a copy
-and left it at 16384 (073bc99f94cc_copy_interference_row_size_interleave.txt).
+the rows, not the bytes, for the small kernels: 18.9 MB from 12 GiB in rows of 1152 / 4608 / 9216
+bytes cost them +10.2 / +2.4 / +0.3 us per MB; `--interleave 4` (per-layer copies of side-by-side
+rows) cut it to a third at 4096 rows a copy, by a tenth at 16384
+(073bc99f94cc_copy_interference_row_size_interleave.txt).
 """
 import argparse
 import math

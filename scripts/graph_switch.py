@@ -26,8 +26,7 @@ Found on the H200 (results/gpu_logs/28e3b17dcb64_graph_switch_pytorch_capture.tx
 capture_end alone, do it; the driver's or the runtime's own captures, cuGraphCreate, empty_cache or a
 MemPool do not). Graphs the driver captured (--capture-how driver) run fast while the process has made
 at most 3 PyTorch captures, and slow like the rest once 4 have set the switch off (`--capture-how
-driver --before 4 --before-how empty`: 0.953 us a kernel against 0.775 without the 4 captures;
-results/gpu_logs/595b4d5e2b02_gpu_tests_graph_switch_driver.txt).
+driver --before 4 --before-how empty`; results/gpu_logs/595b4d5e2b02_gpu_tests_graph_switch_driver.txt).
 """
 import argparse
 import ctypes
