@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from hisparse.host_pool import HostPool, as_int
-from hisparse.resolve import (MAX_SLOTS, CacheState, ResolveResult, check_resolve_inputs, fetch_rows, resolve,
-                              resolve_ref, store_reserved, write_rows, write_unit_token)
+from hisparse.resolve import (MAX_SLOTS, CacheState, ResolveResult, check_fetch_inputs, check_resolve_inputs,
+                              fetch_rows, resolve, resolve_ref, store_reserved, write_rows, write_unit_token)
 
 MODES = ("normal", "noio")
 
@@ -90,11 +90,12 @@ class HierarchicalKVCache:
         self._open.remove(stream)
         self.stream_len[stream] = self.stream_capacity[stream] = 0
 
-    def _check_open(self, stream: int) -> int:
-        """`stream` as an int, if it is an open stream's id."""
+    def _check_open(self, stream: int, what: str = "") -> int:
+        """`stream` as an int, if it is an open stream's id (`what`: the call, for the message)."""
         stream = as_int(stream, "a stream id must be an int")
         if stream not in self._open:
-            raise ValueError(f"stream {stream} is not open (open streams: {sorted(self._open)[:8]}...)")
+            raise ValueError(f"{what + ': ' if what else ''}stream {stream} is not open (open streams: "
+                             f"{sorted(self._open)[:8]}...)")
         return stream
 
     def _check_newest_units(self, what: str, streams: torch.Tensor, units: torch.Tensor,
@@ -109,9 +110,7 @@ class HierarchicalKVCache:
         streams = streams.tolist()                                           # on the host, once
         live = [(s, u) for s, u in zip(streams, units.tolist()) if s != -1]
         for s, u in live:
-            if s not in self._open:
-                raise ValueError(f"{what}: stream {s} is not open (expected -1 to skip, or one of the open "
-                                 f"streams {sorted(self._open)[:8]}...)")
+            self._check_open(s, what)
             if not 0 <= u < self.stream_len[s]:
                 raise ValueError(f"{what}: unit {u} of stream {s} is outside its recorded units 0.."
                                  f"{self.stream_len[s] - 1} (record it with `advance` first)")
@@ -215,10 +214,24 @@ class HierarchicalKVCache:
         write_unit_token(streams, pos, keys, values, self.state.host_base, self.state.unit_slot, self.host.rows,
                          self.slots, unit_tokens, map_streams)
 
-    def replay_plan(self, plan: ResolveResult, streams: torch.Tensor, max_programs: int | None = None) -> None:
+    def replay_plan(self, plan: ResolveResult, streams: torch.Tensor, max_programs: int | None = None,
+                    check_values: bool | None = None) -> None:
         """Copy an anchor's miss plan into other streams (a shared layer's, in lockstep with the
         anchor): each planned unit's row from their host regions into the same slots. No sync.
-        max_programs: see `fetch_rows` (a side-stream copy leaves SMs to the compute)."""
+        max_programs: see `fetch_rows` (a side-stream copy leaves SMs to the compute). check_values:
+        every stream open (or -1) and holding the planned units, read on the host first; default:
+        unless a CUDA graph is being captured."""
+        check_fetch_inputs(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.host.rows, self.slots)
+        if _values_checked(check_values, streams):
+            counts, units = plan.counts[:, 1].tolist(), plan.plan_unit.cpu()
+            for row, (stream, n) in enumerate(zip(streams.tolist(), counts)):
+                if stream == -1:
+                    continue
+                self._check_open(stream, "replay_plan")
+                planned = units[row, :n]
+                if n and int(planned.max()) >= self.stream_len[stream]:
+                    raise ValueError(f"replay_plan: row {row} plans unit {int(planned.max())}, past stream {stream}'s "
+                                     f"{self.stream_len[stream]} units (is it in lockstep with the plan's anchor?)")
         fetch_rows(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.state.host_base,
                    self.host.rows, self.slots, max_programs)
 

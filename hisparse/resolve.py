@@ -289,6 +289,20 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     return out
 
 
+def check_fetch_inputs(plan_unit, plan_slot, counts, streams, host, cache) -> None:
+    """Shapes, dtypes, devices and layouts of a `fetch_rows` call (its values are the caller's)."""
+    _check_rows(host, cache)
+    _expect(plan_unit.dim() == 2, f"plan_unit must be [N, k], got shape {tuple(plan_unit.shape)}")
+    n, k = plan_unit.shape
+    _expect(plan_slot.shape == (n, k) and counts.shape == (n, 2) and streams.shape == (n,),
+            f"a plan of {n} rows needs plan_slot [{n}, {k}], counts [{n}, 2] and streams [{n}]; got "
+            f"{list(plan_slot.shape)}, {list(counts.shape)} and {list(streams.shape)}")
+    for name, t in (("plan_unit", plan_unit), ("plan_slot", plan_slot), ("counts", counts), ("streams", streams)):
+        _expect(t.dtype == torch.int32 and t.is_contiguous() and t.device == cache.device,
+                f"{name} must be a contiguous int32 tensor on {cache.device}, got {t.dtype} on {t.device} "
+                f"(contiguous: {t.is_contiguous()})")
+
+
 def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
                max_programs: int | None = None, evict_first: bool | None = None) -> None:
     """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
@@ -304,15 +318,8 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
     evict_first: mark the rows' loads and stores to leave L2 first (default COPY_EVICT_FIRST, from
     HISPARSE_COPY_EVICT_FIRST; an experiment, off by default).
     """
-    _check_rows(host, cache)
+    check_fetch_inputs(plan_unit, plan_slot, counts, streams, host, cache)
     n, k = plan_unit.shape
-    _expect(plan_slot.shape == (n, k) and counts.shape == (n, 2) and streams.shape == (n,),
-            f"a plan of {n} rows needs plan_slot [{n}, {k}], counts [{n}, 2] and streams [{n}]; got "
-            f"{list(plan_slot.shape)}, {list(counts.shape)} and {list(streams.shape)}")
-    for name, t in (("plan_unit", plan_unit), ("plan_slot", plan_slot), ("counts", counts), ("streams", streams)):
-        _expect(t.dtype == torch.int32 and t.is_contiguous() and t.device == cache.device,
-                f"{name} must be a contiguous int32 tensor on {cache.device}, got {t.dtype} on {t.device} "
-                f"(contiguous: {t.is_contiguous()})")
     host_w, cache_w = as_words(host), as_words(cache)
     row_words = host_w.shape[1]
     if max_programs is not None:

@@ -337,14 +337,16 @@ def test_bad_calls_on_streams_change_nothing(device):
 
 
 def test_device_writes_check_their_values_and_change_nothing_when_refused(device):
-    """write_newest, store_newest, write_newest_token and resolve_ref(newest=) check streams and units on
-    the host (outside a graph capture) before launching: a unit the stream has not recorded, a closed or
+    """write_newest, store_newest, write_newest_token, replay_plan and resolve_ref(newest=) check streams
+    and units on the host (outside a graph capture) before launching: a unit the stream has not recorded, a closed or
     out-of-range stream, a stream listed twice, a negative position. Nothing stored changes; with
     check_values=False the same call goes through (the caller's promise, as inside a captured step)."""
     cache = _small_cache(device)          # streams 0 and 1: 20 and 30 of 40 units, stream 2 closed
     row = torch.ones(1, 4, device=device)
+    plan = cache.resolve(_i32([0, 1], device), _i32([[1, 2], [25, 4]], device))    # unit 25: past stream 0
     host, slots, state = cache.host.rows.clone(), cache.slots.clone(), cache.state.clone()
     refused = [
+        (lambda: cache.replay_plan(plan, _i32([1, 0], device)), "replay_plan: row 1 plans unit 25, past stream 0's 20"),
         (lambda: cache.write_newest(_i32([0], device), _i32([20], device), row),
          r"write_newest: unit 20 of stream 0 is outside its recorded units 0..19 \(record it with `advance`"),
         (lambda: cache.write_newest(_i32([1], device), _i32([-1], device), row), "unit -1 of stream 1"),
@@ -364,6 +366,8 @@ def test_device_writes_check_their_values_and_change_nothing_when_refused(device
         (lambda: cache.write_newest_token(_i32([1], device), torch.tensor([9], device=device),
                                           torch.ones(1, 1, 1, device=device), torch.ones(1, 1, 1, device=device), 2.0),
          "unit_tokens must be a positive int"),
+        (lambda: cache.replay_plan(plan, _i32([0, 2], device)), "replay_plan: stream 2 is not open"),
+        (lambda: cache.replay_plan(plan, _i32([0], device)), r"a plan of 2 rows needs .* streams \[2\]"),
         (lambda: cache.resolve_ref(_i32([0, -1], device), _i32([[1, 2], [-1, -1]], device),
                                    newest=(torch.tensor([45, 0], device=device), row.expand(2, 4).contiguous())),
          "resolve_ref newest: unit 45 of stream 0"),
