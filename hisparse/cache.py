@@ -217,10 +217,10 @@ class HierarchicalKVCache:
     def replay_plan(self, plan: ResolveResult, streams: torch.Tensor, max_programs: int | None = None,
                     check_values: bool | None = None) -> None:
         """Copy an anchor's miss plan into other streams (a shared layer's, in lockstep with the
-        anchor): each planned unit's row from their host regions into the same slots. No sync.
-        max_programs: see `fetch_rows` (a side-stream copy leaves SMs to the compute). check_values:
-        every stream open (or -1) and holding the planned units, read on the host first; default:
-        unless a CUDA graph is being captured."""
+        anchor): each planned unit's row from their host regions into the same slots (no host sync
+        while a CUDA graph is captured or with check_values=False). max_programs: see `fetch_rows` (a
+        side-stream copy leaves SMs to the compute). check_values: every stream open (or -1) and holding
+        the planned units, read on the host first; default: unless a CUDA graph is being captured."""
         check_fetch_inputs(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.host.rows, self.slots)
         if _values_checked(check_values, streams):
             counts, units = plan.counts[:, 1].tolist(), plan.plan_unit.cpu()
