@@ -21,6 +21,7 @@ COLUMNS = [
     "bench", "family", "mode", "batch", "context", "k", "cache_slots", "unit_bytes",
     "metric", "value", "unit", "gpu", "torch", "triton", "commit", "timestamp",
 ]
+REQUIRED = ("bench", "metric", "value", "unit")          # what every row and every results file has
 
 
 def current_commit() -> str:
@@ -74,9 +75,9 @@ def read_stored_rows(path: Path) -> pd.DataFrame:
         return pd.DataFrame(columns=COLUMNS)
     header, body = table[0], table[1:]
     problems = []
-    if {"bench", "metric", "value", "unit"} - set(header):
+    if set(REQUIRED) - set(header):
         problems.append(f"its header {header[:6]}{'...' if len(header) > 6 else ''} lacks "
-                        f"{sorted({'bench', 'metric', 'value', 'unit'} - set(header))}")
+                        f"{sorted(set(REQUIRED) - set(header))}")
     if any(not name for name in header) or len(set(header)) < len(header):
         problems.append("its header has an empty or repeated column name")
     widths = [i + 2 for i, row in enumerate(body) if row and len(row) != len(header)]
@@ -102,7 +103,7 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame(columns=COLUMNS)
     for row in rows:
-        missing = {"bench", "metric", "value", "unit"} - row.keys()
+        missing = set(REQUIRED) - row.keys()
         if missing:
             raise ValueError(f"result row {row} lacks the columns {sorted(missing)}")
     env = environment()

@@ -10,8 +10,9 @@ prefill, decode steps, CUDA graph, timing, traces.
 Quest and NSA select per KV head with a unit of several tokens (a 16-token page, a 64-token block):
 one stream per (request, layer, KV head), rows `[2, T, D]` (the unit's keys, then its values). The
 newest unit grows every step: each token goes into its row in the host pool, the reserved slot and
-any cached copy alike (`HierarchicalKVCache.write_newest_token`, one launch, no host sync inside a captured step), so a
-cached copy is never stale; `advance_unit_streams` records on the host which streams gain a unit.
+any cached copy alike (`HierarchicalKVCache.write_newest_token`, one launch, no host sync inside a
+captured step), so a cached copy is never stale; `advance_unit_streams` records on the host which
+streams gain a unit.
 """
 from __future__ import annotations
 
