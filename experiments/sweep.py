@@ -58,7 +58,7 @@ from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model, load_model  # noqa: E402
 from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
 from hisparse.resolve import MAX_SLOTS  # noqa: E402
-from hisparse.results import append_rows, environment  # noqa: E402
+from hisparse.results import append_rows, environment, read_stored_rows  # noqa: E402
 from hisparse.synthetic import (PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
                                 repeat_request)
 from hisparse.traces import with_anchors  # noqa: E402
@@ -299,6 +299,10 @@ def done_points(path: Path) -> pd.DataFrame | None:
     if "gpu" not in done:
         raise ConfigError(f"{path} has no 'gpu' column: not a results file of this project; move it away or pass "
                           f"another --out")
+    try:                    # what append_rows would refuse after the first point ran (a row wider than the header)
+        read_stored_rows(path)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (or pass another --out)") from None
     return done
 
 

@@ -141,7 +141,9 @@ def test_a_checkpoint_without_weights_and_a_damaged_results_file_are_refused(tmp
     assert "has a config.json but no *.safetensors weights" in capsys.readouterr().err
     out = tmp_path / "damaged"
     out.mkdir()
-    for text, message in (("", "is not a results CSV"), ("a,b\n1,2\n", "has no 'gpu' column")):
+    header = "bench,metric,value,unit,gpu\n"
+    for text, message in (("", "is not a results CSV"), ("a,b\n1,2\n", "has no 'gpu' column"),
+                          (header + "decode,tpot,1,ms,cpu,\n", "line 2 has 6 fields, the header 5")):
         (out / "decode.csv").write_text(text)
         assert sweep.main(["--config", write(tmp_path, TINY), "--out", str(out)]) == 2
         assert message in capsys.readouterr().err and (out / "decode.csv").read_text() == text
