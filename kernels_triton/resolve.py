@@ -138,12 +138,19 @@ def _resolve_kernel(
         m_miss = m_sel & (b_hit_slot < 0)
         hit_rank, miss_rank, n_hit, n_miss = _selection_ranks(m_hit, m_miss)
 
-        # -- mark hit slots with this call's epoch, then read the marks in LRU order
-        tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
-        tl.debug_barrier()
-        b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=0) == epoch
-        m_free = m_b & ~b_order_hit               # slots that may be victims, in LRU order
-        free_rank = _free_slot_ranks(m_free, PACKED_SCAN)
+        # -- slots that may be victims (m_free, in LRU order) and their ranks among themselves
+        if n_hit > 0:
+            # mark hit slots with this call's epoch, then read the marks in LRU order
+            tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
+            tl.debug_barrier()
+            b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=0) == epoch
+            m_free = m_b & ~b_order_hit
+            free_rank = _free_slot_ranks(m_free, PACKED_SCAN)
+        else:
+            # no hit: every slot is free and ranks as its LRU position, so the marks' stores, barrier,
+            # gather and scan are skipped (a cold cache's first call, or a selection that misses everywhere)
+            m_free = m_b
+            free_rank = o_b
         m_victim = m_free & (free_rank < n_miss)
         # -- evicted units leave the unit -> slot map (missed units enter it below; the two sets are
         # disjoint, and every read of the map is behind us). Scattered stores that depend on nothing

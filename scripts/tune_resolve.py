@@ -17,6 +17,10 @@ import torch
 from benchmarks.bench_resolve import WRITES, Point, fill_random, time_decode_like, time_point
 
 
+VARIANTS = {"vector": dict(flat_layout=False, packed_scan=False), "flat": dict(flat_layout=True, packed_scan=False),
+            "packed": dict(flat_layout=True, packed_scan=True)}
+
+
 def time_newest_writes(device) -> None:
     """--newest: a decode step's per-layer write of the newest rows beside the resolve, as two launches
     (`write_rows`, then the resolve) and as one (`resolve(newest=...)`), against the resolve alone:
@@ -32,6 +36,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--newest", action="store_true",
                     help="time the newest rows' write beside the resolve instead (separate launch or fused)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                    help="the kernel variants to time (default: all)")
+    ap.add_argument("--warps", nargs="+", type=int, default=[8, 16], help="warps per program (default: 8 16)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("scripts.tune_resolve times kernels on a CUDA GPU, and none is available here "
@@ -45,12 +52,11 @@ def main(argv=None):
     pool_bytes = max(p.batch * p.context * p.row_bytes for p in points)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=True)
     fill_random(flat, device)
-    variants = {"vector": dict(flat_layout=False, packed_scan=False), "flat": dict(flat_layout=True, packed_scan=False),
-                "packed": dict(flat_layout=True, packed_scan=True)}
     print(f"{'batch':>5} {'B':>5} {'miss':>5} {'variant':>8} {'warps':>5} | {'noio us':>8} {'total us':>9}")
     for p in points:
         host = flat[:p.batch * p.context * 576].view(p.batch * p.context, 576)
-        for (name, opts), warps in itertools.product(variants.items(), (8, 16)):
+        for name, warps in itertools.product(args.variants, args.warps):
+            opts = VARIANTS[name]
             try:
                 r = time_point(p, host, device, 10, num_warps=warps, **opts)
             except Exception as e:  # noqa: BLE001 - report and go on with the next variant

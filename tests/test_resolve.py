@@ -163,6 +163,32 @@ def test_lru_order_after_a_step(device):
     assert res.counts.tolist() == [[1, 2]]
 
 
+@pytest.mark.parametrize("packed_scan", [True, False], ids=["packed-scan", "single-scan"])
+def test_call_without_hits_on_a_warm_cache(packed_scan, device):
+    """A call in which no selected unit hits skips the marks and the free-slot scan (every slot is a
+    candidate victim, ranked by its LRU position): the result must still be exact LRU, and a stream
+    of the same call that does hit must take the full path beside it."""
+    kern, ref = make_pair(2, 6, 4, torch.float32, device, [30, 30], seed=11)
+    streams = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    warm = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]], dtype=torch.int32, device=device)
+    for cache in (kern, ref):
+        cache.resolve(streams, warm)             # slots 0-3 hold units 1-4; LRU [4, 5, 0, 1, 2, 3]
+    # stream 0 misses everywhere (and pads); stream 1 hits unit 3
+    sel = torch.tensor([[20, -1, 21, 22], [3, 23, -1, 24]], dtype=torch.int32, device=device)
+    got = kern.resolve(streams, sel, packed_scan=packed_scan)
+    want = ref.resolve_ref(streams, sel)
+    assert got.counts.tolist() == [[0, 3], [1, 2]]
+    # stream 0: the three least recently used slots (4 and 5 empty, then 0, unit 1's) in selection order
+    assert got.slots.tolist()[0] == [4, -1, 5, 0]
+    assert kern.state.lru[0].tolist() == [1, 2, 3, 4, 5, 0]
+    assert kern.state.lru_unit[0].tolist() == [2, 3, 4, 20, 21, 22]
+    assert torch.equal(got.slots.cpu(), want.slots)
+    assert got.plan(0) == want.plan(0) and got.plan(1) == want.plan(1)
+    assert_same_state(kern, ref)
+    assert_maps_agree(kern)
+    assert_slots_hold_units(kern, streams, sel, got.slots)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check; on a GPU "
                     "tests/test_resolve_gpu.py::test_fetch_past_2_31_words_on_gpu makes it")
 def test_32bit_address_overflow_is_avoided():
