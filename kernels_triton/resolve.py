@@ -138,19 +138,21 @@ def _resolve_kernel(
         m_miss = m_sel & (b_hit_slot < 0)
         hit_rank, miss_rank, n_hit, n_miss = _selection_ranks(m_hit, m_miss)
 
+        # -- mark hit slots with this call's epoch (before the branch below, so that the stores need not
+        # wait for the hit count's reduction across the warps)
+        tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
         # -- the rank of each slot that may be a victim among those (in LRU order), -1 for the others. The
         # branches yield the ranks alone: a [B_PAD] mask through their merge would be packed into bits
         # and out again (Triton 3.6, sm_90: +130 SASS instructions at B = 8192)
         if n_hit > 0:
-            # mark hit slots with this call's epoch, then read the marks in LRU order
-            tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
+            # read the marks in LRU order
             tl.debug_barrier()
             b_order_hit = tl.load(p_mark + b_order, mask=m_b, other=0) == epoch
             m_free = m_b & ~b_order_hit
             free_rank = tl.where(m_free, _free_slot_ranks(m_free, PACKED_SCAN), -1)
         else:
-            # no hit: every slot is free and ranks as its LRU position, so the marks' stores, barrier,
-            # gather and scan are skipped (a cold cache's first call, or a selection that misses everywhere)
+            # no hit: every slot is free and ranks as its LRU position, so the marks' barrier, gather
+            # and scan are skipped (a cold cache's first call, or a selection that misses everywhere)
             free_rank = tl.where(m_b, o_b, -1)
         m_free = free_rank >= 0
         m_victim = m_free & (free_rank < n_miss)
