@@ -152,7 +152,10 @@ def _resolve_kernel(
             free_rank = tl.where(m_free, _free_slot_ranks(m_free, PACKED_SCAN), -1)
         else:
             # no hit: every slot is free and ranks as its LRU position, so the marks' barrier, gather
-            # and scan are skipped (a cold cache's first call, or a selection that misses everywhere)
+            # and scan are skipped (a cold cache's first call, or a selection that misses everywhere). On
+            # the H200 (no IO, batch 64, k = 2048, B = 4096) 10.5-10.7 -> 9.5-9.8 us at 100% misses, 15.3 ->
+            # 14.1 with 61 layers taking turns; about 0.2 us more where calls hit, as the branch waits on
+            # n_hit's reduction (results/gpu_logs/b7d0b2bf612f_resolve_no_hit_branch.txt)
             free_rank = tl.where(m_b, o_b, -1)
         m_free = free_rank >= 0
         m_victim = m_free & (free_rank < n_miss)
