@@ -28,7 +28,11 @@ copy reads its rows in that order (no less cost beside the compute, and 45 us a 
 results/gpu_logs/5a00a38e2dd7_timeline_prefetch_sorted_plans.txt). Mode `prefetch_anchor_overlap`
 times a schedule, not a correct decode: prefetch with each anchor's own copy moved beside its
 attention (`overlap_anchor_fetch`), what an attention reading its missed rows from the host as they
-arrive could gain.
+arrive could gain. Mode `prefetch_adjacent_rows` also times a layout, not a correct decode: prefetch
+with the j-th shared layer of a group reading unit u from its anchor's host row u + j
+(`read_beside_anchor`), so that a group's copies read neighbouring rows of the same units, as a host
+layout keeping a unit's rows of a group's layers side by side would (there each layer's rows would
+spread over the group's region, here over the anchor's: an optimistic stand-in).
 """
 import argparse
 import collections
@@ -51,7 +55,7 @@ from hisparse.host_pool import release_cached_memory
 GAP_US = 2.0
 # this script's own modes (see the docstring): name -> (engine mode, prefetch)
 OWN_MODES = {"noio_copies": ("noio", False), "prefetch_sorted": ("hisparse", True),
-             "prefetch_anchor_overlap": ("hisparse", True)}
+             "prefetch_anchor_overlap": ("hisparse", True), "prefetch_adjacent_rows": ("hisparse", True)}
 # kernels of fewer programs than the step's large ones (the decode kernel and the projections launch
 # 128-132 on the H200) are latency-bound: they gain time beside a copy for other reasons than a lack
 # of multiprocessors
@@ -137,6 +141,19 @@ def overlap_anchor_fetch(att) -> None:
             torch.cuda.current_stream().wait_event(fetched[layer_idx])
         return out
     att._slots, att.attend = slots, attend
+
+
+def read_beside_anchor(att) -> None:
+    """Mode `prefetch_adjacent_rows` (timing only, inexact): the j-th shared layer of each group
+    (j = 1, 2, ...) reads and writes unit u at its anchor's host row u + j, so that the copies of a
+    group read neighbouring rows of the same units. Its attention then reads another unit's latents:
+    the mode times what a side-by-side host layout could save the compute beside the copies, nothing
+    else. Its streams are never closed (the engine drops the whole cache), so their regions' bases
+    need not be put back; the rows past an anchor's region belong to other streams of the same pool."""
+    for shared in att.shared.values():
+        for j, kv in enumerate(shared, 1):
+            base = kv.cache.state.host_base
+            base[kv.streams.long()] = base[kv.anchor_streams.long()] + j
 
 
 def kernels_of(trace_path: str) -> list[dict]:
@@ -244,6 +261,8 @@ def main(argv=None) -> None:
             with_attention(engine, sort_plans)
         elif name == "prefetch_anchor_overlap":
             with_attention(engine, overlap_anchor_fetch)
+        elif name == "prefetch_adjacent_rows":
+            with_attention(engine, read_beside_anchor)
         try:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)

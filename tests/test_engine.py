@@ -74,6 +74,24 @@ def test_miss_plans_in_host_address_order_are_bitwise_resident_too():
             assert units[:n] == sorted(units[:n])
 
 
+def test_timeline_mode_adjacent_rows_puts_shared_layers_beside_their_anchor():
+    """scripts/timeline_prefetch's `prefetch_adjacent_rows` (timing only): the j-th shared layer of a
+    group reads unit u from its anchor's host row u + j, so its attention reads other units' latents."""
+    from scripts.timeline_prefetch import read_beside_anchor, with_attention
+    model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
+    engine, made = Engine(model, "hisparse", cache_slots=model.config.index_topk), []
+    with_attention(engine, lambda att: (read_beside_anchor(att), made.append(att)))
+    out = engine.generate(prompts(), new_tokens=4)
+    base = engine.cache.state.host_base
+    groups = list(made[0].shared.values())
+    assert groups and all(groups)
+    for shared in groups:
+        for j, kv in enumerate(shared, 1):
+            assert torch.equal(base[kv.streams.long()], base[kv.anchor_streams.long()] + j)
+    assert len(out.logits) == 4
+    assert not all(torch.equal(a, b) for a, b in zip(resident.logits, out.logits)), "shared layers read elsewhere"
+
+
 def test_rows_stored_once_per_step_are_bitwise_resident_too():
     """host_write="step": the layers write only the device, and the last layer stores every layer's
     newest row in the host pool in one launch. B = k evicts heavily, so recent rows come back from the
