@@ -1,6 +1,7 @@
 """Where layer-wise prefetch loses time: one decode step's kernels on a timeline (GPU only).
 
     python -m scripts.timeline_prefetch [--batch 32] [--hidden 1024 --intermediate 2048] [--modes sync prefetch]
+    python -m scripts.timeline_prefetch --no-profile --rounds 3 --steps 24 --modes prefetch prefetch_adjacent_rows noio
 
 Runs bench_prefetch's DSA model and workload (8 layers, 1 anchor : 3 shared) under torch.profiler,
 graphed, and prints for each mode, over the timed steps (median per step):
@@ -15,6 +16,8 @@ graphed, and prints for each mode, over the timed steps (median per step):
   under SMALL_PROGRAMS programs and the rest, and the largest increases; so a mode that slows the
   compute says which kernels pay (at DSA's 4 copy programs the step's small kernels paid most:
   results/gpu_logs/e343a3dfc6cc_timeline_prefetch_4_programs.txt).
+`--no-profile` times the modes only, in turn, `--rounds` times (the profiler slows every step), and
+prints each mode's median time per step and its speed against the last mode's.
 The side-stream copies are told from the anchors' in-line ones by their grid (at most the prefetch
 width's programs). Kernel times are CUPTI's, so they include the graph's own scheduling.
 Mode `noio_copies` (this script's own) is noio with the shared layers' copies made all the same, on
@@ -36,6 +39,7 @@ spread over the group's region, here over the anchor's: an optimistic stand-in).
 """
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import os
@@ -237,7 +241,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps (the first two, eager and upload, untimed)")
     ap.add_argument("--modes", nargs="+", default=["sync", "prefetch"], choices=list(MODES) + list(OWN_MODES))
     ap.add_argument("--list", action="store_true", help="also print the median step's kernels in order")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="time the modes only, without the profiler (which slows every step), in turn --rounds times")
+    ap.add_argument("--rounds", type=int, default=2, help="with --no-profile: rounds over the modes (default 2)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: expected a positive integer")
     if not torch.cuda.is_available():
         raise SystemExit("scripts.timeline_prefetch profiles the GPU's kernels; no CUDA GPU here")
     fam = SimpleNamespace(family="dsa", quick=False, hidden=args.hidden, intermediate=args.intermediate)
@@ -249,8 +258,9 @@ def main(argv=None) -> None:
     pass_graph_switch()
     print(f"DSA, hidden {args.hidden}, batch {args.batch}, context {args.context}, k {k}, B {2 * k}, "
           f"{len(TYPES)} layers ({anchors} anchors), prefetch width {width} programs")
-    compute: dict[str, dict] = {}          # mode -> compute_us of its steps
-    for name in args.modes:
+
+    def run(name: str, profiler):
+        """One graphed generate in mode `name` under `profiler` (a context manager); its engine and output."""
         mode, prefetch = MODES[name] if name in MODES else OWN_MODES[name]
         engine = Engine(model, mode, cache_slots=None if mode == "resident" else 2 * k, prefetch=prefetch,
                         prefill="random")
@@ -264,10 +274,32 @@ def main(argv=None) -> None:
         elif name == "prefetch_adjacent_rows":
             with_attention(engine, read_beside_anchor)
         try:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profiler:
                 out = engine.generate(prompts, args.steps + 1, graph=True, keep_logits=False, replay=trace)
         finally:
             undo()                                  # the model's own decode back, even after a failure
+        return engine, out
+
+    if args.no_profile:
+        tpot: dict[str, list[float]] = collections.defaultdict(list)
+        for round_ in range(args.rounds):
+            for name in args.modes:
+                engine, out = run(name, contextlib.nullcontext())
+                tpot[name].append(out.decode_s / out.timed_steps * 1e3)
+                print(f"round {round_ + 1} {name}: {tpot[name][-1]:.3f} ms per step, miss rate {out.miss_rate:.3f}",
+                      flush=True)
+                del engine, out
+                gc.collect()
+                release_cached_memory()
+        base = args.modes[-1]
+        for name in args.modes:
+            print(f"{name:>24}: {statistics.median(tpot[name]):.3f} ms per step (median of {args.rounds}), "
+                  f"{statistics.median(tpot[base]) / statistics.median(tpot[name]):.3f} of {base}'s speed")
+        return
+    compute: dict[str, dict] = {}          # mode -> compute_us of its steps
+    for name in args.modes:
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        engine, out = run(name, prof)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(path)
