@@ -157,6 +157,9 @@ def _resolve_kernel(
             # 14.1 with 61 layers taking turns; about 0.2 us more where calls hit, as the branch waits on
             # n_hit's reduction (results/gpu_logs/b7d0b2bf612f_resolve_no_hit_branch.txt)
             free_rank = tl.where(m_b, o_b, -1)
+            # every warp's loads of the LRU order (above) before any warp rewrites it (below), as the
+            # other branch's barrier orders them: at a small k no reduction's barrier comes between
+            tl.debug_barrier()
         m_free = free_rank >= 0
         m_victim = m_free & (free_rank < n_miss)
         # -- evicted units leave the unit -> slot map (missed units enter it below; the two sets are
