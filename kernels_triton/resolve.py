@@ -143,7 +143,8 @@ def _resolve_kernel(
         tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
         # -- the rank of each slot that may be a victim among those (in LRU order), -1 for the others. The
         # branches yield the ranks alone: a [B_PAD] mask through their merge would be packed into bits
-        # and out again (Triton 3.6, sm_90: +130 SASS instructions at B = 8192)
+        # and out again (Triton 3.6, sm_90: +120 SASS instructions at B = 8192;
+        # results/cpu_logs/5d5f21d7c7f1_sass_resolve_no_hit_branch.txt)
         if n_hit > 0:
             # read the marks in LRU order
             tl.debug_barrier()
@@ -154,8 +155,9 @@ def _resolve_kernel(
             # no hit: every slot is free and ranks as its LRU position, so the marks' barrier, gather
             # and scan are skipped (a cold cache's first call, or a selection that misses everywhere). On
             # the H200 (no IO, batch 64, k = 2048, B = 4096) 10.5-10.7 -> 9.5-9.8 us at 100% misses, 15.3 ->
-            # 14.1 with 61 layers taking turns; about 0.2 us more where calls hit, as the branch waits on
-            # n_hit's reduction (results/gpu_logs/b7d0b2bf612f_resolve_no_hit_branch.txt)
+            # 14.1 with 61 layers taking turns; up to 0.2 us more where calls hit, as the branch waits on
+            # n_hit's reduction (results/gpu_logs/b7d0b2bf612f_resolve_no_hit_branch.txt; with the barrier
+            # below, 9.5-10.1 and 14.0: 5d5f21d7c7f1_resolve_barrier_sweep.txt)
             free_rank = tl.where(m_b, o_b, -1)
             # every warp's loads of the LRU order (above) before any warp rewrites it (below), as the
             # other branch's barrier orders them: at a small k no reduction's barrier comes between

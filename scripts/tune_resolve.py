@@ -6,7 +6,9 @@ slots ranked by one scan over B), `packed` (the default: flat, ranking the free 
 half as many elements: packed_scan).
 
     python -m scripts.tune_resolve
+    python -m scripts.tune_resolve --variants packed --warps 8    # the default kernel only
     python -m scripts.tune_resolve --newest    # the newest rows' write: its own launch or the resolve's
+                                               # (the default kernel; --variants and --warps do not apply)
 """
 import argparse
 import itertools
@@ -40,6 +42,10 @@ def main(argv=None):
                     help="the kernel variants to time (default: all)")
     ap.add_argument("--warps", nargs="+", type=int, default=[8, 16], help="warps per program (default: 8 16)")
     args = ap.parse_args(argv)
+    if args.newest and (args.variants != list(VARIANTS) or args.warps != [8, 16]):
+        ap.error("--newest times the default kernel: --variants and --warps do not apply")
+    if any(w < 1 or w & (w - 1) for w in args.warps):
+        ap.error(f"--warps {args.warps}: expected powers of two")
     if not torch.cuda.is_available():
         sys.exit("scripts.tune_resolve times kernels on a CUDA GPU, and none is available here "
                  "(python -m scripts.sass_resolve compares the variants' compiled code without one)")
