@@ -36,8 +36,8 @@ with the j-th shared layer of a group reading unit u from its anchor's host row 
 (`read_beside_anchor`), so that a group's copies read neighbouring rows of the same units, as a host
 layout keeping a unit's rows of a group's layers side by side would. An optimistic stand-in: there
 each layer's rows would spread over the group's region, here over the anchor's; and here a shared
-layer's unit u is the row of the layer before's unit u + 1, so consecutive missed units are read twice
-(results/gpu_logs/c5da752669d9_timeline_adjacent_rows.txt).
+layer's unit u is the row of the layer before's unit u + 1, so where consecutive units miss, the
+group's copies read some rows twice (results/gpu_logs/c5da752669d9_timeline_adjacent_rows.txt).
 """
 import argparse
 import collections
