@@ -51,8 +51,8 @@ address order cut the cost by more than half from 12 GiB here
 (5a00a38e2dd7_timeline_prefetch_sorted_plans.txt), but not in the decode step. The cost goes with
 the rows, not the bytes, for the small kernels: 18.9 MB from 12 GiB in rows of 1152 / 4608 / 9216
 bytes cost them +10.2 / +2.4 / +0.3 us per MB; `--interleave 4` (per-layer copies of side-by-side
-rows) cut it to a third at 4096 rows a copy, by a tenth at 16384
-(073bc99f94cc_copy_interference_row_size_interleave.txt).
+rows) cut it to a third at 4096 rows a copy, by 41% at 8192, by a tenth at 16384
+(073bc99f94cc_copy_interference_row_size_interleave.txt, 4ae3eaf408d3_copy_interference_8192_rows_and_gpu_tests.txt).
 """
 import argparse
 import math
