@@ -27,6 +27,15 @@ def _check_integer(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
+def _check_listed_once(what: str, streams: list[int], why: str) -> None:
+    """ValueError naming the first stream listed more than once in `streams` (-1s already left out)."""
+    seen: set[int] = set()
+    for s in streams:
+        if s in seen:
+            raise ValueError(f"{what}: stream {s} is listed twice: {why}")
+        seen.add(s)
+
+
 def _values_checked(check_values: bool | None, streams: torch.Tensor) -> bool:
     """Whether a write checks its values (a host sync): as asked, else unless a CUDA graph is being
     captured on the current stream (where a sync is not allowed, and the step's first, eager run
@@ -114,17 +123,20 @@ class HierarchicalKVCache:
             if not 0 <= u < self.stream_len[s]:
                 raise ValueError(f"{what}: unit {u} of stream {s} is outside its recorded units 0.."
                                  f"{self.stream_len[s] - 1} (record it with `advance` first)")
-        if once and len({s for s, _ in live}) < len(live):
-            raise ValueError(f"{what}: a stream is listed twice ({[s for s, _ in live][:8]}...): each may "
-                             f"take one row a call")
+        if once:
+            _check_listed_once(what, [s for s, _ in live], "each may take one row a call")
         if map_streams is not None:
             if tuple(map_streams.shape) != (len(streams),):
                 raise ValueError(f"{what}: map_streams must be [N]=[{len(streams)}], got "
                                  f"{tuple(map_streams.shape)}")
-            closed = [m for s, m in zip(streams, map_streams.tolist())
-                      if s != -1 and m != -1 and m not in self._open]
-            if closed:
-                raise ValueError(f"{what}: map stream {closed[0]} is not open (expected -1 or an open stream)")
+            for (s, u), m in zip(zip(streams, units.tolist()), map_streams.tolist()):
+                if s == -1 or m == -1:
+                    continue
+                if m not in self._open:
+                    raise ValueError(f"{what}: map stream {m} is not open (expected -1 or an open stream)")
+                if u >= self.stream_len[m]:     # else the row would land in a slot of another unit's map
+                    raise ValueError(f"{what}: unit {u} of stream {s} is past its map stream {m}'s recorded "
+                                     f"units 0..{self.stream_len[m] - 1} (is {s} in lockstep with {m}?)")
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -223,15 +235,25 @@ class HierarchicalKVCache:
         the planned units, read on the host first; default: unless a CUDA graph is being captured."""
         check_fetch_inputs(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.host.rows, self.slots)
         if _values_checked(check_values, streams):
-            counts, units = plan.counts[:, 1].tolist(), plan.plan_unit.cpu()
+            counts, units, slots = plan.counts[:, 1].tolist(), plan.plan_unit.cpu(), plan.plan_slot.cpu()
+            live = [s for s in streams.tolist() if s != -1]
+            _check_listed_once("replay_plan", live, "two copies would write the same slots")
             for row, (stream, n) in enumerate(zip(streams.tolist(), counts)):
                 if stream == -1:
                     continue
                 self._check_open(stream, "replay_plan")
-                planned = units[row, :n]
+                if not 0 <= n <= units.shape[1]:
+                    raise ValueError(f"replay_plan: row {row} counts {n} planned units, expected 0..{units.shape[1]}")
+                planned, into = units[row, :n], slots[row, :n]
                 if n and int(planned.max()) >= self.stream_len[stream]:
                     raise ValueError(f"replay_plan: row {row} plans unit {int(planned.max())}, past stream {stream}'s "
                                      f"{self.stream_len[stream]} units (is it in lockstep with the plan's anchor?)")
+                if n and int(planned.min()) < 0:
+                    raise ValueError(f"replay_plan: row {row} plans unit {int(planned.min())}, expected units >= 0")
+                if n and not (0 <= int(into.min()) and int(into.max()) < self.cache_slots):
+                    bad = into[(into < 0) | (into >= self.cache_slots)][0]
+                    raise ValueError(f"replay_plan: row {row} plans slot {int(bad)}, expected "
+                                     f"0..{self.cache_slots - 1} (was the plan made by a cache of another size?)")
         fetch_rows(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.state.host_base,
                    self.host.rows, self.slots, max_programs)
 

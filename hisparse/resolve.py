@@ -155,9 +155,9 @@ def check_resolve_inputs(state: CacheState, streams: torch.Tensor, sel: torch.Te
     bad = streams_h[(streams_h < -1) | (streams_h >= num_streams)]
     _expect(bad.numel() == 0, f"stream id {bad[0].item() if bad.numel() else ''} out of range: expected "
                               f"-1 (padding) or 0..{num_streams - 1}")
-    uniq = torch.unique(streams_h[live])
-    _expect(uniq.numel() == int(live.sum()), "a stream appears twice in one resolve call: each stream "
-                                             "may be resolved once per call")
+    uniq, cnt = torch.unique(streams_h[live], return_counts=True)
+    _expect(bool((cnt == 1).all()), f"stream {int(uniq[cnt > 1][0]) if (cnt > 1).any() else ''} appears twice in "
+                                    f"one resolve call: each stream may be resolved once per call")
     lengths = torch.where(live, len_h[streams_h.clamp(min=0)], 0)
     for row in range(n):
         s = sel_h[row]

@@ -170,15 +170,17 @@ def stream_counts(cache: HierarchicalKVCache, streams: list[torch.Tensor]) -> tu
     return int(total[0]), int(total[1])
 
 
-def prefetch_shared(plan, shared: list, side: torch.cuda.Stream, max_programs: int) -> None:
+def prefetch_shared(plan, shared: list, side: torch.cuda.Stream, max_programs: int,
+                    check_values: bool | None = None) -> None:
     """Layer-wise prefetch (DESIGN section 4): right after an anchor layer's resolve, replay its miss
     `plan` into each of its `shared` layers' caches (states with `cache`, `streams` in the anchor's
     row order and a `prefetched` event) on the side stream, recording each layer's event after its
-    copy, so each shared layer waits for its own copy only."""
+    copy, so each shared layer waits for its own copy only. check_values: as `replay_plan`'s (a
+    check reads the plan on the host, so the host waits for the anchor's resolve)."""
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for kv in shared:
-            kv.cache.replay_plan(plan, kv.streams.view(-1), max_programs)
+            kv.cache.replay_plan(plan, kv.streams.view(-1), max_programs, check_values=check_values)
             kv.prefetched.record(side)
 
 
@@ -269,7 +271,7 @@ class UnitResolver:
         if kv.anchor_layer is not None:                 # shared: in lockstep with the anchor
             plan = self._plans[kv.anchor_layer]
             if copy and kv.prefetched is None:
-                kv.cache.replay_plan(plan, kv.streams.view(-1))
+                kv.cache.replay_plan(plan, kv.streams.view(-1), check_values=self.check_values)
             return plan.slots
         # a state whose step write is one whole row per stream (DSA's) leaves it in `newest` for the
         # resolve to write (one launch fewer per layer); the per-KV-head families write their tokens
@@ -280,7 +282,7 @@ class UnitResolver:
         if newest is not None:
             kv.newest = None                            # written (kept if the resolve refused the call)
         if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make
-            prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs)
+            prefetch_shared(plan, self.shared[layer_idx], self.side, self.prefetch_programs, self.check_values)
         return plan.slots
 
 
