@@ -182,13 +182,17 @@ def main(argv=None) -> None:
     bad = [n for n in (args.batches or []) + [args.context, args.steps] if n < 1]
     if bad:
         ap.error(f"--batches, --context and --steps must be positive, got {bad[0]}")
+    for name in ("hidden", "intermediate"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)}: expected a positive size")
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: expected at least 2 (the first decode step compiles and is not timed)")
     gpu = torch.cuda.is_available() and not args.quick
     if not gpu and not args.quick:
         ap.error("the full-size run needs a CUDA GPU; --quick runs a tiny model on the CPU")
-    if args.quick and (args.batches or args.context != 32768 or args.steps != 24):
-        ap.error("--quick sets its own --batches, --context and --steps; leave them out")
+    if args.quick and (args.batches or any(getattr(args, name) != ap.get_default(name)
+                                           for name in ("context", "steps", "hidden", "intermediate"))):
+        ap.error("--quick sets its own --batches, --context, --steps, --hidden and --intermediate; leave them out")
     if args.batches is None:
         args.batches = [8, 32, 64, 128] if args.family == "dsa" else [8, 32, 64]
     if args.quick:     # contexts long enough for the synthetic selections (k + 2 units at least)

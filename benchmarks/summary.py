@@ -9,8 +9,11 @@ import pandas as pd
 
 
 def latest(frame: pd.DataFrame) -> pd.DataFrame:
-    """Rows of the newest commit in the file (a results file accumulates runs)."""
-    return frame[frame.commit == frame.commit.iloc[-1]]
+    """Rows of each benchmark's newest commit in the file. A results file accumulates runs, and the
+    families in one file (attention.csv's, prefetch.csv's) are run separately, so each keeps its own."""
+    keys = [c for c in ("bench", "family") if c in frame]
+    newest = frame.groupby(keys, dropna=False, sort=False).commit.transform("last") if keys else frame.commit.iloc[-1]
+    return frame[frame.commit == newest]
 
 
 def resolve_lines(frame: pd.DataFrame) -> list[str]:

@@ -57,7 +57,7 @@ from hisparse.host_pool import release_cached_memory  # noqa: E402
 from hisparse.models.config import config_from_dict  # noqa: E402
 from hisparse.models.loading import build_model, load_model  # noqa: E402
 from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
-from hisparse.resolve import MAX_SLOTS  # noqa: E402
+from hisparse.resolve import MAX_SLOTS, CacheState  # noqa: E402
 from hisparse.results import append_rows, environment, read_stored_rows  # noqa: E402
 from hisparse.synthetic import (PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
                                 repeat_request)
@@ -306,21 +306,42 @@ def done_points(path: Path) -> pd.DataFrame | None:
     return done
 
 
-def already_done(done: pd.DataFrame | None, point: dict, gpu: str) -> bool:
+def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
+    """Whether `done` holds rows of `point` from `gpu`, run as `settings` say (`run_settings`; a row
+    from before a setting was recorded matches any value of it)."""
     if done is None or done.empty:
         return False
     mask = done.gpu == gpu
     for key, value in point.items():
         if key not in done:
             return False
-        col = done[key]
-        if value is None:
-            mask &= col.isna()
-        elif isinstance(value, (int, float)):
-            mask &= pd.to_numeric(col, errors="coerce") == value
-        else:
-            mask &= col.astype(str) == value
+        mask &= _matches(done[key], value)
+    for key, value in (settings or {}).items():
+        if key in done:
+            mask &= done[key].isna() | _matches(done[key], value)
     return bool(mask.any())
+
+
+def _matches(col: pd.Series, value) -> pd.Series:
+    if value is None:
+        return col.isna()
+    if isinstance(value, bool):           # stored as True / False, or as text where the column has gaps
+        return col.astype(str) == str(value)
+    if isinstance(value, (int, float)):
+        return pd.to_numeric(col, errors="coerce") == value
+    return col.astype(str) == value
+
+
+def run_settings(study: dict, point: dict, on_gpu: bool) -> dict:
+    """How a point runs, recorded beside its rows but not part of it: a point run again another way
+    adds rows that the figures read instead (the newest of a point's). Empty for policies."""
+    if point["bench"] == "policies":
+        return {}
+    hierarchical = point["mode"] != "resident"
+    return dict(new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
+                graph=study.get("graph", False) and on_gpu,
+                prefetch=study.get("prefetch", False) and point["mode"] == "hisparse",
+                early_resolve=study.get("early_resolve", False) and hierarchical and on_gpu)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -398,27 +419,38 @@ def decode_rows(point: dict, out, batch: int) -> list[dict]:
     return [dict(point, run=decode_runs, metric=m, value=v, unit=u) for m, (v, u) in metrics.items()]
 
 
-def kv_bytes_per_request(model, mode: str, context: int, cache_slots: int | None) -> tuple[float, float]:
-    """(GPU, host) bytes of one request's KV at `context` tokens. DSA: latents resident, or B + 1 slots
-    per layer with every latent on the host; plus the resident indexer keys. Quest: keys and values
-    resident, or, in its Quest layers, B + 1 page slots per KV head with every page on the host; plus
-    the resident page bounds (a min and a max key per page and KV head) and the dense layers."""
+def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | None) -> tuple[int, int]:
+    """(GPU, host) bytes of one request's KV as the engine allocates it for `capacity` tokens (its
+    prompt, the steps it decodes and one more: `run_decode`'s). DSA: latents resident, or B + 1 slots
+    per layer with every latent on the host; plus the resident indexer keys of the layers that select.
+    Quest: keys and values resident, or, in its Quest layers, B + 1 page slots per KV head with every
+    page on the host; plus the page bounds (a min and a max key per page and KV head) of the dense
+    layers and of the Quest layers that select. A hierarchical stream also holds its cache state (LRU
+    order, slot marks, counters and a 4-byte slot map entry per unit: `CacheState`). Exactly what
+    `Generation.kv_bytes_per_request` then measures (tests/test_sweep.py)."""
     cfg, elem = model.config, model.model.embed_tokens.weight.element_size()
+    pages = -(-capacity // 16)
+
+    def per_stream(units: int, row_bytes: int) -> int:     # slots and cache state of one stream
+        state = CacheState.empty(1, cache_slots, units, device="meta")
+        return (cache_slots + 1) * row_bytes + sum(t.numel() * t.element_size() for t in vars(state).values())
+
     if family(cfg) == "quest":
-        token = 2 * cfg.num_key_value_heads * cfg.head_dim * elem             # a token's keys and values, per layer
-        pages = -(-context // 16)
-        bounds = 2 * pages * cfg.num_key_value_heads * cfg.head_dim * elem     # per Quest layer
+        hkv, d = cfg.num_key_value_heads, cfg.head_dim
+        bounds = 2 * hkv * pages * d * elem                  # a layer's page min and max keys
         dense = min(cfg.quest_dense_layers, cfg.num_hidden_layers)
-        sparse = cfg.num_hidden_layers - dense
+        quest = range(dense, cfg.num_hidden_layers)
+        selecting = sum(1 for i in quest if cfg.selection_anchor(i) == i)
+        gpu = dense * (2 * hkv * capacity * d * elem + bounds) + selecting * bounds
+        page_row = 2 * 16 * d * elem
         if mode == "resident":
-            return cfg.num_hidden_layers * context * token + sparse * bounds, 0.0
-        slots = (cache_slots + 1) * cfg.num_key_value_heads * 16 * 2 * cfg.head_dim * elem
-        return dense * context * token + sparse * (slots + bounds), sparse * pages * 16 * token
+            return gpu + len(quest) * hkv * pages * page_row, 0
+        return gpu + len(quest) * hkv * per_stream(pages, page_row), len(quest) * hkv * pages * page_row
     row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
-    index = sum(1 for t in cfg.indexer_types if t == "full") * context * cfg.index_head_dim * elem
+    index = sum(1 for t in cfg.indexer_types if t == "full") * capacity * cfg.index_head_dim * elem
     if mode == "resident":
-        return cfg.num_hidden_layers * context * row + index, 0.0
-    return cfg.num_hidden_layers * (cache_slots + 1) * row + index, cfg.num_hidden_layers * context * row
+        return cfg.num_hidden_layers * capacity * row + index, 0
+    return cfg.num_hidden_layers * per_stream(capacity, row) + index, cfg.num_hidden_layers * capacity * row
 
 
 def attention_kernel(model) -> str:
@@ -432,23 +464,22 @@ def attention_kernel(model) -> str:
     return dsa.decode_backend(q, cfg.kv_lora_rank)
 
 
-def run_point(model, study: dict, point: dict, graph: bool) -> list[dict]:
+def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
     cfg, elem = model.config, model.model.embed_tokens.weight.element_size()
     if point["family"] == "quest":      # a unit is a 16-token page of one KV head's keys and values
         k, unit_bytes = point["token_budget"] // 16, 2 * 16 * cfg.head_dim * elem
     else:
         k, unit_bytes = cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
-    # how the point ran, recorded beside it (not part of it: a rerun another way replaces it, --force)
-    prefetch = study.get("prefetch", False) and point["mode"] == "hisparse"
-    early = study.get("early_resolve", False) and point["mode"] != "resident" and torch.cuda.is_available()
-    point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers,
-                 hidden=cfg.hidden_size, new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
-                 graph=graph, prefetch=prefetch, early_resolve=early, attention_kernel=attention_kernel(model))
+    settings = run_settings(study, point, on_gpu)
+    graph, prefetch, early = settings["graph"], settings["prefetch"], settings["early_resolve"]
+    point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                 **settings, attention_kernel=attention_kernel(model))
     if point["bench"] == "decode":
         out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"],
                          host_write="step" if early else "layer", early_resolve=early)
         return decode_rows(point, out, point["batch"])
-    gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], point["context"], point["cache_slots"])
+    capacity = point["context"] + study["new_tokens"] + study["warmup_steps"] + 1      # as run_decode runs it
+    gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], capacity, point["cache_slots"])
     fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
     fits = fits_gpu
     if host_bytes and "host_budget_gib" in study:
@@ -510,13 +541,15 @@ def main(argv=None) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         print(f"error: --out {out_dir} is a file, not a folder for the result CSVs", file=sys.stderr)
         return 2
-    todo = []
+    todo, rerun = [], 0                 # rerun: points stored, but run another way than the config asks
+    on_gpu = device.type == "cuda"
     try:
         for study in studies:
             done = done_points(out_dir / f"{points(study)[0]['bench']}.csv")
             for point in points(study):
-                if args.force or not already_done(done, point, gpu):
+                if args.force or not already_done(done, point, gpu, run_settings(study, point, on_gpu)):
                     todo.append((study, point))
+                    rerun += not args.force and already_done(done, point, gpu)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -527,7 +560,9 @@ def main(argv=None) -> int:
               "for --runs-per-process", file=sys.stderr)
         return 2
     total = sum(len(points(s)) for s in studies)
-    print(f"{args.config}: {total} points, {total - len(todo)} already in {out_dir}/, {len(todo)} to run on {gpu}")
+    print(f"{args.config}: {total} points, {total - len(todo)} already in {out_dir}/, {len(todo)} to run on {gpu}"
+          + (f" ({rerun} of them stored from runs made another way, in new_tokens, warmup_steps, graph, prefetch "
+             f"or early_resolve: they run again, and the figures read a point's newest rows)" if rerun else ""))
     if args.dry_run:
         for study, point in todo:
             print("  ", point)
@@ -543,7 +578,7 @@ def main(argv=None) -> int:
             if key not in models:
                 models.clear()
                 models[key] = build(study, device)
-            rows = run_point(models[key], study, point, graph=study.get("graph", False) and device.type == "cuda")
+            rows = run_point(models[key], study, point, on_gpu)
         append_rows(out_dir / f"{point['bench']}.csv", rows)
         elapsed = time.perf_counter() - start
         eta = elapsed / (i + 1) * (len(todo) - i - 1)

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from hisparse.cache import HierarchicalKVCache  # noqa: E402
 from hisparse.policies import simulate  # noqa: E402
+from hisparse.resolve import MAX_SLOTS  # noqa: E402
 from hisparse.synthetic import PRESETS, generate, preset  # noqa: E402
 
 
@@ -29,14 +30,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="decode steps (default: the preset's)")
     ap.add_argument("--row-bytes", type=int, default=64, help="bytes per row (default 64)")
     args = ap.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps {args.steps}: expected at least 1 decode step")
+    if args.row_bytes < 2 or args.row_bytes % 2:
+        ap.error(f"--row-bytes {args.row_bytes}: expected a positive even number (rows of fp16)")
+    cfg = preset(args.preset, **({"steps": args.steps} if args.steps is not None else {}))
+    cache_slots = 2 * cfg.k if args.cache_slots is None else args.cache_slots
+    if not cfg.k <= cache_slots <= MAX_SLOTS:
+        ap.error(f"--cache-slots {cache_slots}: expected at least k = {cfg.k} (the cache holds one whole "
+                 f"selection) and at most {MAX_SLOTS}")
 
-    cfg = preset(args.preset, **({"steps": args.steps} if args.steps else {}))
     trace = generate(cfg)
     sel_all, _ = trace.streams()                                   # [steps, S, k]
     steps, num_streams, k = sel_all.shape
-    cache_slots = args.cache_slots or 2 * k
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    row_elems = max(1, args.row_bytes // 2)
+    row_elems = args.row_bytes // 2
     capacity = int(trace.units_available().max())
     print(f"{trace}\n{num_streams} streams (layer x request), k={k}, B={cache_slots}, "
           f"{row_elems * 2}-byte rows, on {device}{' (Triton interpreter)' if device.type == 'cpu' else ''}")

@@ -22,6 +22,7 @@ leaner one): stages 1, 3, 4 and 5 each cost 1 to 3 us at batch 64, whatever num_
 grows with the misses; in-register alternatives to the
 marks and the victim read-back (tl.histogram + tl.gather) took 50 to 340 us on Triton 3.6.
 """
+import argparse
 import statistics
 
 import torch
@@ -141,7 +142,11 @@ def time_variant(p: Point, warps: int, stop: int | None, device) -> float:
     return time_graph(call, sels, work)
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("scripts.ablate_resolve times kernels in CUDA graphs: it needs a CUDA GPU, and none is here")
     device = torch.device("cuda")
     print(f"{'batch':>5} {'miss':>6} {'warps':>5} | {'resolve':>8} | " +
           " ".join(f"{'stop' + str(s):>6}" for s in range(7)) + "   (us per call)")

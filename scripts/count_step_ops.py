@@ -63,6 +63,7 @@ class StepCounter(TorchDispatchMode):
 
 
 def count_mode(model, mode: str, steps: int, prompts) -> StepCounter:
+    """The last of `steps` decode steps' launches in `mode`."""
     k = family_runtime(model).selection_size
     engine = Engine(model, mode, cache_slots=None if mode == "resident" else 2 * k)
     counter, decode = StepCounter(), model.decode
@@ -74,7 +75,7 @@ def count_mode(model, mode: str, steps: int, prompts) -> StepCounter:
             return decode(tokens, state)
     model.decode = counted_decode
     try:
-        engine.generate(prompts, new_tokens=steps, keep_logits=False)
+        engine.generate(prompts, new_tokens=steps + 1, keep_logits=False)   # the prefill makes the first token
     finally:
         model.decode = decode
     return counter
@@ -85,6 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--family", default="deepseek_v32", choices=sorted(TINY_CONFIGS), help="tiny model family")
     ap.add_argument("--steps", type=int, default=3, help="decode steps (the last one is counted; default 3)")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: expected at least 1 decode step")
     model = load_model(write_tiny_checkpoint(args.family, tempfile.mkdtemp(prefix=args.family), seed=0),
                        dtype=torch.float32, device="cpu")
     # value checks are host syncs (and small torch ops): off, as in a captured step

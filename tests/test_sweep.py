@@ -58,6 +58,7 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     assert (by_gpu >= batches).all() and (tput.kv_budget_gib == 0.0001).all()
     host = tput[tput.metric == "host_bytes_per_request"].set_index("mode").value
     assert host["resident"] == 0 and host["hisparse"] > 0
+    assert_sized_by_what_runs_hold(tput, 0.0001)
     rows = len(decode)
     capsys.readouterr()
     assert sweep.main(["--config", config, "--out", out]) == 0          # resumed: nothing left to run
@@ -338,7 +339,18 @@ def test_quest_studies_run_per_kv_head_in_pages(tmp_path):
     assert (decode[decode.metric == "miss_rate"].value > 0).all()
     tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
     host = tput[tput.metric == "host_bytes_per_request"].set_index("mode").value
-    assert host["resident"] == 0 and host["hisparse"] == 16 * 16 * 2 * 2 * 16 * 4     # 1 Quest layer, 16 pages
+    pages = -(-(256 + 2 + 1 + 1) // 16)          # the prompt, new_tokens, the warm-up step and one more
+    assert host["resident"] == 0 and host["hisparse"] == pages * 16 * 2 * 2 * 16 * 4     # 1 Quest layer of 2 KV heads
+    assert_sized_by_what_runs_hold(tput, 0.0002)
+
+
+def assert_sized_by_what_runs_hold(tput: pd.DataFrame, kv_budget_gib: float) -> None:
+    """The batch the GPU budget fits is sized by the bytes a request then holds (measured by the runs
+    the budget let run, cache state included): that many fit, one more would not."""
+    held = tput[tput.metric == "hbm_bytes_per_request"].set_index("mode").value
+    fits = tput[tput.metric == "max_batch_gpu_budget"].set_index("mode").value[held.index]
+    assert "hisparse" in held.index and (held > 0).all()
+    assert (fits * held <= kv_budget_gib * 2**30).all() and ((fits + 1) * held > kv_budget_gib * 2**30).all()
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -357,3 +369,21 @@ def test_bad_quest_studies_fail_before_running(tmp_path, capsys, edit, message):
     dsa = write(tmp_path, TINY.replace('workload = "tiny"\n', 'workload = "tiny"\ntoken_budget = 64\n', 1))
     assert sweep.main(["--config", dsa, "--dry-run"]) == 2
     assert "token_budget applies to Quest models" in capsys.readouterr().err
+
+
+def test_a_point_stored_from_a_run_made_another_way_runs_again(tmp_path, capsys):
+    """Run settings are not part of a point, but a config asking for other ones (here new_tokens)
+    must not skip the point silently: it runs again, and the dry run says why."""
+    out = str(tmp_path / "results")
+    one = TINY.split("[[study]]")[1]
+    assert sweep.main(["--config", write(tmp_path, "[[study]]" + one), "--out", out]) == 0
+    capsys.readouterr()
+    assert sweep.main(["--config", write(tmp_path, "[[study]]" + one), "--out", out, "--dry-run"]) == 0
+    assert "2 points, 2 already in" in capsys.readouterr().out
+    longer = "[[study]]" + one.replace("new_tokens = 3", "new_tokens = 4")
+    assert sweep.main(["--config", write(tmp_path, longer), "--out", out, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert "2 points, 0 already in" in said and "2 of them stored from runs made another way" in said
+    assert sweep.main(["--config", write(tmp_path, longer), "--out", out]) == 0
+    decode = pd.read_csv(tmp_path / "results" / "decode.csv")
+    assert sorted(decode.drop_duplicates(["mode", "new_tokens"]).new_tokens) == [3, 3, 4, 4]

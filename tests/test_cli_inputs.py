@@ -1,0 +1,74 @@
+"""Command lines refuse bad values by name before any work, and summarise what they were asked to."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_summary_prints_each_attention_family_from_its_own_latest_run(capsys):
+    """results/attention.csv's newest run is DSA's alone: NSA's and Quest's lines come from theirs."""
+    from benchmarks import summary
+    summary.main([str(REPO / "results")])
+    out = capsys.readouterr().out
+    for family in ("dsa", "nsa", "quest"):
+        assert f"attention {family}: roofline_frac at batch >= 32" in out, family
+        assert f"attention {family}: speed-up over torch_gather" in out, family
+
+
+def test_count_step_ops_counts_the_last_of_n_decode_steps_and_refuses_none():
+    """A subprocess: the script forces the Triton interpreter on import."""
+    script = """
+from scripts import count_step_ops as c
+entered, enter = [], c.StepCounter.__enter__
+c.StepCounter.__enter__ = lambda self: entered.append(1) or enter(self)
+try:
+    c.main(["--steps", "0"])
+except SystemExit as exc:
+    print("exit", exc.code)
+c.main(["--steps", "1"])
+print("decode steps", len(entered))
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--steps 0: expected at least 1 decode step" in run.stderr and "exit 2" in run.stdout
+    assert "decode steps 3" in run.stdout                  # one per mode
+    resident = next(line for line in run.stdout.splitlines() if line.startswith("resident "))
+    assert int(resident.split()[1]) > 0 and int(resident.split()[2]) > 0, resident
+
+
+def test_bench_prefetch_refuses_model_sizes_it_would_ignore_or_cannot_build(capsys):
+    from benchmarks import bench_prefetch
+    for argv, message in ((["--quick", "--hidden", "7168"], "--quick sets its own --batches, --context, --steps, "
+                                                            "--hidden and --intermediate"),
+                          (["--quick", "--intermediate", "18432"], "--quick sets its own"),
+                          (["--hidden", "0"], "--hidden 0: expected a positive size"),
+                          (["--intermediate", "-1"], "--intermediate -1: expected a positive size")):
+        with pytest.raises(SystemExit):
+            bench_prefetch.main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_ablate_resolve_has_help_and_says_it_needs_a_gpu(capsys):
+    from scripts import ablate_resolve
+    with pytest.raises(SystemExit) as done:
+        ablate_resolve.main(["--help"])
+    assert done.value.code == 0 and "Place the resolve kernel's no-IO time" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            ablate_resolve.main([])
+
+
+def test_demo_refuses_sizes_it_cannot_run(capsys):
+    from hisparse import demo
+    for argv, message in ((["--cache-slots", "10"], "--cache-slots 10: expected at least k = 32"),
+                          (["--cache-slots", "0"], "--cache-slots 0: expected at least k = 32"),
+                          (["--steps", "0"], "--steps 0: expected at least 1 decode step"),
+                          (["--row-bytes", "0"], "--row-bytes 0: expected a positive even number"),
+                          (["--row-bytes", "3"], "--row-bytes 3: expected a positive even number")):
+        with pytest.raises(SystemExit):
+            demo.main(argv)
+        assert message in capsys.readouterr().err
