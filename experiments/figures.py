@@ -75,7 +75,10 @@ RUN_COLUMNS = ("value", "unit", "timestamp", "commit", "torch", "triton", "new_t
 # the default is drawn from its newest run at an earlier default
 PREFETCH_VARIANT = {"prefetch_programs": 4, "prefetch_priority": "normal"}
 EARLIER_PREFETCH_PROGRAMS = (16, 32)
-PER_POINT = {"decode.csv": (), "throughput.csv": (), "prefetch.csv": tuple(PREFETCH_VARIANT), "attention.csv": ()}
+# (throughput.csv's batch is what the point's budget admitted, not part of the point: a rerun sized
+# another way replaces the older batch's rows rather than being drawn beside them)
+PER_POINT = {"decode.csv": (), "throughput.csv": ("batch",), "prefetch.csv": tuple(PREFETCH_VARIANT),
+             "attention.csv": ()}
 
 
 def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COLUMNS) -> pd.DataFrame:

@@ -252,6 +252,20 @@ def test_read_results_keeps_earlier_points_of_a_benchmark_rerun_at_a_few_batches
     assert figures.read_results(tmp_path, ("attention.csv",))["value"].tolist() == [7.0]
 
 
+def test_a_throughput_point_rerun_at_another_batch_replaces_the_earlier_batchs_rows(tmp_path):
+    """throughput.csv's batch is what the budget admitted: a rerun sized another way (a smaller batch
+    here, as when the sizing came to count a run's decoded tokens) replaces the earlier rows, though
+    they were faster, rather than being drawn as a second batch of the same point."""
+    point = {"family": "dsa", "mode": "hisparse", "context": 32768, "cache_slots": 4096, "kv_budget_gib": 24,
+             "metric": "tokens_per_s"}
+    old = frame("throughput", [dict(point, batch=32, value=1003.0)])
+    new = frame("throughput", [dict(point, batch=31, value=981.0)], commit="beef",
+                timestamp="2026-11-29T13:00:00+00:00")
+    pd.concat([old, new]).to_csv(tmp_path / "throughput.csv", index=False)
+    picked = figures.read_results(tmp_path, ("throughput.csv",))
+    assert picked[["batch", "value"]].values.tolist() == [[31, 981.0]]
+
+
 def test_decode_rows_run_with_early_resolve_are_drawn_only_where_nothing_else_was(tmp_path):
     """The sweep's `early_resolve` rows (newer here) do not replace the default runs' points; a file
     with only such rows is drawn as it is."""
