@@ -4,8 +4,8 @@
     python -m experiments.sweep --config experiments/configs/h200.toml --out results/
     python -m experiments.sweep --dry-run                        # list the points, run nothing
 
-A config is a list of `[[study]]` tables; each `kind` has its own keys (see KEYS below and the
-shipped configs). Every point is validated before anything runs; points whose rows are already in
+A config is a list of `[[study]]` tables; each `kind` has its own keys (listed after the options,
+and in the shipped configs). Every point is validated before anything runs; points whose rows are already in
 the output (same parameters, same GPU) are skipped unless --force, so an interrupted sweep resumes.
 
 kinds:
@@ -73,6 +73,37 @@ KEYS = {
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"}}
+# what each key means and, for an optional one, its default (`--help` lists them per kind)
+KEY_HELP = {
+    "kind": "policies, decode or throughput",
+    "workload": "a synthetic preset, or (decode, throughput) 'model': the model's own selections, the default",
+    "model": "tiny:<family>, dsa, quest, or a DSA checkpoint directory",
+    "layers": "layers of the dsa (61) / quest (32) / tiny model",
+    "hidden": "hidden size of the dsa / quest model (1024)",
+    "modes": "list of resident, hisparse, noio",
+    "cache_slots": "B, one or a list (needed by hisparse and noio)",
+    "contexts": "prompt tokens, one or a list",
+    "batches": "requests, one or a list",
+    "new_tokens": "timed decode steps (8)",
+    "warmup_steps": "untimed steps first (1)",
+    "graph": "CUDA graphs, on a GPU (false)",
+    "prefetch": "layer-wise prefetch, for models whose layers share a selection (false)",
+    "token_budget": "Quest: tokens per KV head and step (2048; tiny models 48)",
+    "early_resolve": "DSA on a GPU: anchor resolves on a stream of their own (false)",
+    "kv_budget_gib": "GPU memory for KV per point (GiB)",
+    "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
+    "max_batch": "largest batch tried (256)",
+}
+
+
+def keys_help() -> str:
+    """The keys of each kind, required ones first, for `--help`."""
+    out = ["keys of a [[study]] (* required; defaults in brackets):"]
+    for kind, keys in KEYS.items():
+        out.append(f"  {kind}:")
+        for key in sorted(keys - {"kind"}, key=lambda k: (k not in REQUIRED[kind], k)):
+            out.append(f"    {key + ('*' if key in REQUIRED[kind] else ''):15} {KEY_HELP[key]}")
+    return "\n".join(out)
 DSA_GEOMETRY = dict(model_type="deepseek_v32", vocab_size=1024, num_attention_heads=128, kv_lora_rank=512,
                     q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_topk=2048,
                     index_head_dim=128, index_n_heads=64, moe_intermediate_size=256, n_routed_experts=8,
@@ -152,9 +183,10 @@ def _positive_ints(study: dict, key: str, where: str) -> list[int]:
 
 
 def _positive_int(study: dict, key: str, where: str) -> int:
-    if isinstance(study.get(key), list):
-        raise ConfigError(f"{where}: {key} = {study[key]!r}: expected one positive integer")
-    return _positive_ints(study, key, where)[0]
+    value = study.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where}: {key} = {value!r}: expected one positive integer")
+    return value
 
 
 def validate(studies: list[dict]) -> None:
@@ -497,7 +529,8 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, epilog=keys_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep config (TOML); default: %(default)s")
     ap.add_argument("--out", default="results", help="folder for the result CSVs (default: results)")
     ap.add_argument("--force", action="store_true", help="rerun points already in the results")

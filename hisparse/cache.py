@@ -55,6 +55,9 @@ class HierarchicalKVCache:
         if cache_slots > MAX_SLOTS:
             raise ValueError(f"cache_slots B={cache_slots} exceeds the supported {MAX_SLOTS}")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"a cache on {self.device} needs a CUDA GPU, and none is here: pass device='cpu' (the "
+                             f"Triton kernels then run in the interpreter)")
         self.cache_slots = cache_slots
         self.host = HostPool(host_rows, row_elems, dtype,
                              pin=(self.device.type == "cuda") if pin is None else pin)

@@ -34,12 +34,14 @@ import torch
 from hisparse import graph_flags
 from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa_runtime import DsaRuntime
+from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
 from hisparse.models.deepseek_v32 import DsaModel
 from hisparse.models.llama_quest import QuestModel
 from hisparse.models.nsa_model import NsaModel
 from hisparse.nsa_runtime import NsaRuntime
 from hisparse.quest_runtime import QuestRuntime
+from hisparse.resolve import MAX_K, MAX_SLOTS
 from hisparse.runtime import KV_MODES, FamilyRuntime
 from hisparse.traces import Trace, TraceWriter, validate
 
@@ -97,6 +99,25 @@ class StepClock:
         return [(b - a) * 1e3 for a, b in pairs]
 
 
+def check_prompts(prompts) -> list[torch.Tensor]:
+    """prompts (a list of 1-D integer token sequences) as int64 tensors, or ValueError naming the bad one."""
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
+        shape = f" of shape {tuple(prompts.shape)}" if isinstance(prompts, torch.Tensor) else ""
+        raise ValueError(f"prompts must be a list of prompts, each a 1-D sequence of token ids; got a "
+                         f"{type(prompts).__name__}{shape} (one prompt: wrap it in a list)")
+    if not prompts:
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    out = []
+    for i, prompt in enumerate(prompts):
+        t = torch.as_tensor(prompt)
+        if t.dim() != 1 or len(t) == 0:
+            raise ValueError(f"prompt {i} must be a 1-D sequence of at least one token id, got shape {tuple(t.shape)}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"prompt {i} holds {t.dtype} values: token ids must be integers")
+        out.append(t.to(torch.int64))
+    return out
+
+
 class Engine:
     """prefetch: shared layers' copies overlap the layers after their anchor (hisparse mode on a GPU).
     prefill: "model" runs the model's prefill; "random" fills the prompt's KV with random rows and
@@ -117,6 +138,12 @@ class Engine:
             raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
         if prefill not in ("model", "random"):
             raise ValueError(f"prefill must be 'model' or 'random', got {prefill!r}")
+        if token_budget is not None:
+            token_budget = as_int(token_budget, "token_budget must be an int (tokens per KV head and step)", 1)
+        if max_context is not None:
+            max_context = as_int(max_context, "max_context must be an int >= 1 (tokens a request may reach)", 1)
+        if chunk_size is not None:
+            chunk_size = as_int(chunk_size, "chunk_size must be an int >= 1 (prompt tokens per prefill chunk)", 1)
         self.runtime = family_runtime(model, token_budget)
         if host_write not in self.runtime.host_writes:
             raise ValueError(f"host_write must be one of {self.runtime.host_writes} for {self.runtime.family} "
@@ -136,6 +163,12 @@ class Engine:
         if mode != "resident":
             if cache_slots is None:
                 raise ValueError(f"mode {mode!r} needs cache_slots (B >= k = {topk})")
+            cache_slots = as_int(cache_slots, f"cache_slots must be an int (B >= k = {topk})")
+            if topk > MAX_K:
+                raise ValueError(f"the selection size k={topk} ({self.runtime.selection_name}) exceeds the "
+                                 f"{MAX_K} the resolve kernel supports")
+            if cache_slots > MAX_SLOTS:
+                raise ValueError(f"cache_slots B={cache_slots} exceeds the supported {MAX_SLOTS}")
             if cache_slots < topk:
                 raise ValueError(f"cache_slots B={cache_slots} is smaller than the selection size "
                                  f"k={topk} ({self.runtime.selection_name}): the cache must hold one whole "
@@ -190,15 +223,12 @@ class Engine:
         (`trace_writer` makes one with this run's metadata). replay: a trace whose selections
         replace the indexer's (recorded from the same prompts, or synthetic); with it,
         `misses_per_step` holds each step's misses (hisparse modes; eager only)."""
-        prompts = [torch.as_tensor(p, dtype=torch.int64) for p in prompts]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt, each of at least one token")
-        if new_tokens < 1:
-            raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+        prompts = check_prompts(prompts)
+        new_tokens = as_int(new_tokens, "new_tokens must be an int >= 1", 1)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1 (the first step compiles), got {warmup_steps!r}")
         longest = max(len(p) for p in prompts)
-        capacity = self.max_context or longest + new_tokens
+        capacity = longest + new_tokens if self.max_context is None else self.max_context
         if longest + new_tokens - 1 > capacity:
             raise ValueError(f"a prompt of {longest} tokens plus {new_tokens} new ones exceeds "
                              f"max_context={capacity}")

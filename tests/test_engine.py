@@ -8,6 +8,7 @@ import torch
 from engine_checks import assert_bitwise, assert_newest_units_written_through
 
 from hisparse.engine import Engine
+from hisparse.resolve import MAX_K, MAX_SLOTS
 from hisparse.models.dsa_decode import TorchDsaAttention
 from hisparse.models.loading import load_model
 from hisparse.models.tiny import write_tiny_checkpoint
@@ -153,7 +154,7 @@ def test_warmup_steps_are_left_out_of_the_timing_and_the_tokens_are_the_same(mod
         Engine(model, "resident").generate(prompts(), new_tokens=6, warmup_steps=0)
 
 
-def test_bad_inputs_are_refused_before_any_state(model):
+def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
     k = model.config.index_topk
     with pytest.raises(ValueError, match=rf"cache_slots B={k - 1} is smaller than the selection size k={k}"):
         Engine(model, "hisparse", cache_slots=k - 1)
@@ -172,6 +173,24 @@ def test_bad_inputs_are_refused_before_any_state(model):
     assert engine.cache is None, "nothing may be allocated for a refused call"
     with pytest.raises(ValueError, match="token id 97 out of range"):
         engine.generate([[1, 2, 97]], new_tokens=2)
+    refused = [
+        (lambda: Engine(model, "hisparse", cache_slots=MAX_SLOTS + 1), rf"cache_slots B={MAX_SLOTS + 1} exceeds"),
+        (lambda: Engine(model, "hisparse", cache_slots=k + 0.5), r"cache_slots must be an int .* got \d+\.5"),
+        (lambda: Engine(model, "resident", max_context=0), "max_context must be an int >= 1 .* got 0"),
+        (lambda: Engine(model, "resident", chunk_size=0), "chunk_size must be an int >= 1 .* got 0"),
+        (lambda: engine.generate(torch.arange(5), 2), r"a Tensor of shape \(5,\) \(one prompt: wrap it in a list\)"),
+        (lambda: engine.generate([torch.ones(2, 5, dtype=torch.int64)], 2), r"prompt 0 must be a 1-D .* \(2, 5\)"),
+        (lambda: engine.generate([[1.0, 2.5]], 2), "prompt 0 holds torch.float32 values"),
+        (lambda: engine.generate(prompts(), 2.0), "new_tokens must be an int >= 1, got 2.0"),
+    ]
+    for call, message in refused:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert engine.cache is None
+    with monkeypatch.context() as patch:                 # a selection larger than the kernel's scan holds
+        patch.setattr(model.config, "index_topk", MAX_K + 1)
+        with pytest.raises(ValueError, match=rf"k={MAX_K + 1} .* exceeds the {MAX_K} the resolve kernel supports"):
+            Engine(model, "hisparse", cache_slots=MAX_K + 1)
 
 
 def test_a_failed_run_keeps_no_cache_and_restores_the_models_attention(model, monkeypatch):

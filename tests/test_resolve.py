@@ -420,6 +420,12 @@ def test_device_writes_check_their_values_and_change_nothing_when_refused(device
     assert torch.equal(cache.host.rows[20].to(device), 3 * row[0])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
+def test_a_cache_on_cuda_without_a_gpu_says_to_pass_device_cpu():
+    with pytest.raises(ValueError, match="a cache on cuda needs a CUDA GPU, and none is here: pass device='cpu'"):
+        HierarchicalKVCache(2, 4, host_rows=16, row_elems=8)
+
+
 def test_host_regions_are_contiguous_and_reused():
     cache = HierarchicalKVCache(4, 4, host_rows=100, row_elems=2, dtype=torch.float32, device="cpu")
     a, b, c = (cache.open_stream(capacity=30) for _ in range(3))

@@ -83,20 +83,21 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
       "model = \"tiny:llama\"\nmodes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts = [24]\nb"),
      r"contexts = \[24\]: workload 'tiny': context=24 tokens \(2 units at step 0\) is too short for k=3"),
     (("model = \"tiny:deepseek_v32\"", "model = \"tiny:mistral\""), "the sweep runs DSA and Quest families"),
-    (("warmup_steps = 2", "warmup_steps = 0"), "warmup_steps = 0: expected a positive integer"),
+    (("warmup_steps = 2", "warmup_steps = 0"), "warmup_steps = 0: expected one positive integer"),
     (("warmup_steps = 2", "warmup_steps = [2]"), "warmup_steps = \\[2\\]: expected one positive integer"),
     (("modes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts",
       "modes = 5\ncache_slots = 8\ncontexts"), "modes = 5: expected a list of"),
     (("model = \"tiny:deepseek_v32\"", "model = 5"), "model = 5: expected a string"),
     (("workload = \"tiny\"\n\n", "workload = [\"tiny\"]\n\n"), "workload = \\['tiny'\\]: expected"),
     (("warmup_steps = 2", "warmup_steps = 2\ngraph = \"no\""), "graph = 'no': expected true or false"),
-    (("warmup_steps = 2", "warmup_steps = 2\nlayers = 0"), "layers = 0: expected a positive integer"),
+    (("warmup_steps = 2", "warmup_steps = 2\nlayers = 0"), "layers = 0: expected one positive integer"),
     (("warmup_steps = 2", "warmup_steps = 2\nprefetch = true"),
      "prefetch = true needs layers that share a selection .* model 'tiny:deepseek_v32' has none"),
     (("warmup_steps = 2", "warmup_steps = 2\nearly_resolve = 1"), "early_resolve = 1: expected true or false"),
     (("warmup_steps = 2", "warmup_steps = 2\nhidden = 64"),
      "hidden = 64 sizes the 'dsa' and 'quest' models; model 'tiny:deepseek_v32' has its own: drop hidden"),
     (("max_batch = 3", "max_batch = [3]"), "max_batch = \\[3\\]: expected one positive integer"),
+    (("max_batch = 3", "max_batch = 0"), "max_batch = 0: expected one positive integer$"),
     (("kind = \"decode\"", "kind = [\"decode\"]"), "study 0: kind = \\['decode'\\]: expected one of"),
     (("cache_slots = 8\ncontexts = [24]\nbatches", "cache_slots = [8, 2000000]\ncontexts = [24]\nbatches"),
      "cache_slots 2000000 exceeds the supported 1048576"),
@@ -106,8 +107,8 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
      "unknown top-level key 'stduy': a config holds only \\[\\[study\\]\\] tables"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
         "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
-        "early-resolve-int", "hidden-tiny", "max-batch-list", "kind-list", "slots-above-max", "budget-bool",
-        "budget-inf", "top-level-key"])
+        "early-resolve-int", "hidden-tiny", "max-batch-list", "max-batch-0", "kind-list", "slots-above-max",
+        "budget-bool", "budget-inf", "top-level-key"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
@@ -387,3 +388,14 @@ def test_a_point_stored_from_a_run_made_another_way_runs_again(tmp_path, capsys)
     assert sweep.main(["--config", write(tmp_path, longer), "--out", out]) == 0
     decode = pd.read_csv(tmp_path / "results" / "decode.csv")
     assert sorted(decode.drop_duplicates(["mode", "new_tokens"]).new_tokens) == [3, 3, 4, 4]
+
+
+def test_help_lists_every_key_of_every_kind(capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["--help"])
+    said = capsys.readouterr().out
+    for kind, keys in sweep.KEYS.items():
+        block = re.search(rf"^  {kind}:\n((?:    .*\n?)*)", said, re.M).group(1)
+        listed = set(re.findall(r"^    (\w+)\*?", block, re.M))
+        assert listed == keys - {"kind"}, kind
+    assert "max_batch       largest batch tried (256)" in said and "contexts*" in said
