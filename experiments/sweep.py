@@ -6,7 +6,9 @@
 
 A config is a list of `[[study]]` tables; each `kind` has its own keys (listed after the options,
 and in the shipped configs). Every point is validated before anything runs; points whose rows are already in
-the output (same parameters, same GPU) are skipped unless --force, so an interrupted sweep resumes.
+the output (same parameters, same GPU) are skipped unless --force, so an interrupted sweep resumes;
+a point stored from a run made another way (new_tokens, warmup_steps, graph, prefetch, early_resolve)
+runs again, and the figures read its newest rows.
 
 kinds:
 - policies:   replacement policies on a synthetic workload preset  -> policies.csv
@@ -104,6 +106,8 @@ def keys_help() -> str:
         for key in sorted(keys - {"kind"}, key=lambda k: (k not in REQUIRED[kind], k)):
             out.append(f"    {key + ('*' if key in REQUIRED[kind] else ''):15} {KEY_HELP[key]}")
     return "\n".join(out)
+
+
 DSA_GEOMETRY = dict(model_type="deepseek_v32", vocab_size=1024, num_attention_heads=128, kv_lora_rank=512,
                     q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, index_topk=2048,
                     index_head_dim=128, index_n_heads=64, moe_intermediate_size=256, n_routed_experts=8,

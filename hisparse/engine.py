@@ -100,7 +100,10 @@ class StepClock:
 
 
 def check_prompts(prompts) -> list[torch.Tensor]:
-    """prompts (a list of 1-D integer token sequences) as int64 tensors, or ValueError naming the bad one."""
+    """prompts (a list of 1-D integer token sequences, or a [batch, len] tensor of equal-length ones) as
+    int64 tensors, or ValueError naming the bad one."""
+    if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+        prompts = list(prompts.unbind(0))
     if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
         shape = f" of shape {tuple(prompts.shape)}" if isinstance(prompts, torch.Tensor) else ""
         raise ValueError(f"prompts must be a list of prompts, each a 1-D sequence of token ids; got a "

@@ -187,6 +187,9 @@ def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
         with pytest.raises(ValueError, match=message):
             call()
     assert engine.cache is None
+    batch = torch.tensor([[1, 2, 3], [4, 5, 6]])          # a [batch, len] tensor is a batch of prompts
+    resident = Engine(model, "resident")
+    assert torch.equal(resident.generate(batch, 2).tokens, resident.generate([[1, 2, 3], [4, 5, 6]], 2).tokens)
     with monkeypatch.context() as patch:                 # a selection larger than the kernel's scan holds
         patch.setattr(model.config, "index_topk", MAX_K + 1)
         with pytest.raises(ValueError, match=rf"k={MAX_K + 1} .* exceeds the {MAX_K} the resolve kernel supports"):

@@ -399,3 +399,11 @@ def test_help_lists_every_key_of_every_kind(capsys):
         listed = set(re.findall(r"^    (\w+)\*?", block, re.M))
         assert listed == keys - {"kind"}, kind
     assert "max_batch       largest batch tried (256)" in said and "contexts*" in said
+
+
+def test_a_model_with_shared_indexer_layers_is_sized_by_what_its_runs_hold(tmp_path):
+    """glm_moe_dsa's shared layers keep no indexer keys of their own: the sizing counts the anchors' only."""
+    shared = TINY.split("[[study]]")[2].replace("tiny:deepseek_v32", "tiny:glm_moe_dsa")
+    out = str(tmp_path / "results")
+    assert sweep.main(["--config", write(tmp_path, "[[study]]" + shared), "--out", out]) == 0
+    assert_sized_by_what_runs_hold(pd.read_csv(tmp_path / "results" / "throughput.csv"), 0.0001)
