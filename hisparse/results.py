@@ -9,6 +9,8 @@ import csv
 import datetime as _dt
 import os
 import subprocess
+import tempfile
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -17,26 +19,45 @@ import triton
 
 from hisparse import graph_flags
 
+try:                        # appends from several processes to one folder take turns (POSIX)
+    import fcntl
+except ImportError:         # pragma: no cover - Windows: no lock
+    fcntl = None
+
 COLUMNS = [
     "bench", "family", "mode", "batch", "context", "k", "cache_slots", "unit_bytes",
     "metric", "value", "unit", "gpu", "torch", "triton", "commit", "timestamp",
 ]
 REQUIRED = ("bench", "metric", "value", "unit")          # what every row and every results file has
+STAMPS = ("gpu", "torch", "triton", "commit", "timestamp")  # where and with what: set here, or all by an imported row
 
 
-def current_commit() -> str:
-    """The commit that made a result: $HISPARSE_COMMIT (set where no .git travels), else git."""
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent     # the checkout holding hisparse/
+
+
+def current_commit(root: Path = PACKAGE_ROOT) -> str:
+    """The commit that made a result: $HISPARSE_COMMIT (set where no .git travels, or an older one
+    does: the GPU machine's copy of the working tree), else this package's git checkout, with
+    "-dirty" where its code differs from that commit (tracked files, or new .py / .toml files; the
+    results folder, which runs write to, left out). "unknown" outside a checkout of its own (an
+    installed or unpacked copy, or one inside another project's repository), with a warning."""
     if os.environ.get("HISPARSE_COMMIT"):
         return os.environ["HISPARSE_COMMIT"]
+    root = Path(root).resolve()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     try:
-        root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root:
+            raise ValueError("the git checkout around this package is another project's")
+        sha = git("rev-parse", "--short=12", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=all", "--", ".", ":(exclude)results")
+    except (OSError, ValueError, subprocess.CalledProcessError) as exc:
+        warnings.warn(f"results are stamped commit 'unknown': {root} is not a git checkout of hisparse ({exc}); "
+                      f"set HISPARSE_COMMIT to the commit this copy came from", RuntimeWarning, stacklevel=3)
         return "unknown"
+    code = [line for line in changed.splitlines() if not line.startswith("??") or line.endswith((".py", ".toml"))]
+    return sha + ("-dirty" if code else "")
 
 
 def environment() -> dict:
@@ -93,9 +114,11 @@ def read_stored_rows(path: Path) -> pd.DataFrame:
 def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     """Append `rows` (dicts with at least bench, metric, value, unit) to the CSV at `path`.
 
-    Missing standard columns are left empty and the environment columns are filled in; extra
-    parameter columns are kept. The file is rewritten through a temporary file and a rename, so an
-    interrupted write never truncates the rows already there.
+    Missing standard columns are left empty and the environment columns are filled in, unless a row
+    brings all of its own (rows measured elsewhere, copied here: gpu, torch, triton, commit and
+    timestamp, none empty); extra parameter columns are kept, new ones after the file's own. The
+    file is rewritten through a temporary file and a rename, under a lock on its folder, so an
+    interrupted write never truncates the rows already there and concurrent appends lose none.
     """
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
         raise TypeError(f"rows: expected a list of dicts (one per row), got {type(rows).__name__}"
@@ -106,16 +129,36 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
         missing = set(REQUIRED) - row.keys()
         if missing:
             raise ValueError(f"result row {row} lacks the columns {sorted(missing)}")
+        bad = [key for key in row if not isinstance(key, str) or not key.strip()]
+        if bad:
+            raise ValueError(f"result row {row} has the column name {bad[0]!r}: expected a non-empty string")
+        stamped = [key for key in STAMPS if key in row]
+        if stamped and (len(stamped) < len(STAMPS) or any(pd.isna(row[k]) or row[k] == "" for k in STAMPS)):
+            raise ValueError(f"result row {row} sets {stamped}: a row brings all of {list(STAMPS)}, none empty "
+                             f"(copied from where it was measured), or none (stamped here)")
     env = environment()
     new = pd.DataFrame([{**env, **row} for row in rows])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # old rows as the text they are, so a rewrite never reformats them (4096 -> 4096.0)
-    old = read_stored_rows(path) if path.exists() else pd.DataFrame(columns=COLUMNS)
-    frame = pd.concat([old, new], ignore_index=True) if len(old) else new
-    ordered = COLUMNS + [c for c in frame.columns if c not in COLUMNS]
-    frame = frame.reindex(columns=ordered)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    frame.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+        # old rows as the text they are, so a rewrite never reformats them (4096 -> 4096.0)
+        old = read_stored_rows(path) if path.exists() else pd.DataFrame(columns=COLUMNS)
+        header = list(old.columns)
+        ordered = header + [c for c in COLUMNS + list(new.columns) if c not in header]
+        ordered = list(dict.fromkeys(ordered))
+        frame = pd.concat([old, new], ignore_index=True) if len(old) else new
+        frame = frame.reindex(columns=ordered)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", newline="") as f:
+                frame.to_csv(f, index=False)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    finally:
+        os.close(folder)                  # and the lock with it
     return new.reindex(columns=ordered)
