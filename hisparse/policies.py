@@ -58,9 +58,23 @@ def _check_sel(sel: np.ndarray) -> np.ndarray:
     sel = np.asarray(sel)
     if sel.ndim != 3 or not np.issubdtype(sel.dtype, np.integer):
         raise ValueError(f"selections must be integers [steps, streams, k], got {sel.dtype} {sel.shape}")
+    if sel.size == 0:
+        raise ValueError(f"selections are empty: shape {sel.shape}, expected at least one step, one stream "
+                         f"and k >= 1")
     if (sel < -1).any():
         raise ValueError(f"unit ids must be >= -1 (-1 pads), got {sel.min()}")
+    ordered = np.sort(sel, axis=2)
+    dup = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if dup.any():
+        step, stream, i = np.unravel_index(int(np.argmax(dup)), dup.shape)
+        raise ValueError(f"unit {ordered[step, stream, i]} appears twice in the selection of step {step}, "
+                         f"stream {stream}: a selection holds unique ids")
     return sel.astype(np.int64)
+
+
+def _id_bound(sel: np.ndarray) -> int:
+    """Columns of a per-unit table: at least 1, so an all-padding selection indexes it safely."""
+    return max(int(sel.max()), 0) + 1
 
 
 def simulate(sel, policy: str, cache_slots: int | None = None, *, seed: int = 0,
@@ -104,7 +118,7 @@ def simulate_trace(trace, policy: str, cache_slots: int | None = None, *, seed: 
 
 def _simulate_last(sel: np.ndarray) -> SimResult:
     steps, streams, _ = sel.shape
-    seen_at = np.full((streams, int(sel.max()) + 1), -2, dtype=np.int64)
+    seen_at = np.full((streams, _id_bound(sel)), -2, dtype=np.int64)
     rows = np.broadcast_to(np.arange(streams)[:, None], sel.shape[1:])
     misses = np.zeros((steps, streams), dtype=np.int64)
     for t in range(steps):
@@ -117,7 +131,7 @@ def _simulate_last(sel: np.ndarray) -> SimResult:
 def next_use(sel: np.ndarray) -> np.ndarray:
     """int64 [steps, S, k]: the next step selecting the same unit in the same stream (steps if never)."""
     steps, streams, _ = sel.shape
-    upcoming = np.full((streams, int(sel.max()) + 1), steps, dtype=np.int64)
+    upcoming = np.full((streams, _id_bound(sel)), steps, dtype=np.int64)
     rows = np.broadcast_to(np.arange(streams)[:, None], sel.shape[1:])
     out = np.full(sel.shape, steps, dtype=np.int64)
     for t in range(steps - 1, -1, -1):
@@ -130,7 +144,7 @@ def next_use(sel: np.ndarray) -> np.ndarray:
 def _simulate_slots(sel, policy, cache_slots, rng, keep_slots) -> SimResult:
     steps, streams, k = sel.shape
     slot_unit = np.full((streams, cache_slots), -1, dtype=np.int64)
-    unit_slot = np.full((streams, int(sel.max()) + 1), -1, dtype=np.int64)
+    unit_slot = np.full((streams, _id_bound(sel)), -1, dtype=np.int64)
     key = _EMPTY_KEY + np.broadcast_to(np.arange(cache_slots), (streams, cache_slots)).copy()
     rows = np.broadcast_to(np.arange(streams)[:, None], (streams, k))
     order = np.broadcast_to(np.arange(k), (streams, k))
@@ -180,7 +194,7 @@ def reuse_gaps(sel) -> np.ndarray:
     unit; entry 0 counts first touches. A gap of 1 is a unit kept from the previous step."""
     sel = _check_sel(sel)
     steps, streams, _ = sel.shape
-    last = np.full((streams, int(sel.max()) + 1), -1, dtype=np.int64)
+    last = np.full((streams, _id_bound(sel)), -1, dtype=np.int64)
     rows = np.broadcast_to(np.arange(streams)[:, None], sel.shape[1:])
     counts = np.zeros(steps, dtype=np.int64)
     for t in range(steps):

@@ -22,6 +22,7 @@ of a 100K context on one core.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -49,6 +50,18 @@ class SyntheticConfig:
     seed: int = 0
 
     def __post_init__(self):
+        ints = ("context", "steps", "k", "layers", "batch", "sinks", "window", "random_layers", "unit_size", "seed")
+        for name in ints + (("model_layers",) if self.model_layers is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("noise", "drift", "layer_similarity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not 0 <= self.seed < 2 ** 32:  # seed * 1_000_003 + request must fit torch's int64 seeds
+            raise ValueError(f"seed must be in 0 .. 2**32 - 1, got {self.seed}")
         for name in ("context", "steps", "k", "layers", "batch", "unit_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

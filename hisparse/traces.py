@@ -107,7 +107,8 @@ def validate(trace: Trace, where: str = "trace") -> None:
         _fail(where, f"selections has an empty dimension: shape {tuple(sel.shape)}")
     if trace.family not in FAMILIES:
         _fail(where, f"family {trace.family!r} is not one of {FAMILIES}")
-    if not (isinstance(trace.unit_size, (int, np.integer)) and trace.unit_size >= 1):
+    size = trace.unit_size
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         _fail(where, f"unit_size must be a positive integer, got {trace.unit_size!r}")
     steps, layers, batch = sel.shape[:3]
     if ctx.shape != (batch,) or not np.issubdtype(ctx.dtype, np.integer):
@@ -185,9 +186,13 @@ def load_trace(path: str | os.PathLike) -> Trace:
     for key in ("family", "unit_size", "k", "per_head"):
         if key not in meta:
             _fail(where, f"metadata lacks {key!r} (it has {sorted(meta)})")
-    if not meta["unit_size"].isdigit() or not meta["k"].isdigit():
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses
+    if not all(meta[key].isascii() and meta[key].isdigit() for key in ("unit_size", "k")):
         _fail(where, f"metadata unit_size and k must be integers, got {meta['unit_size']!r}, {meta['k']!r}")
     sel = tensors["selections"]
+    if sel.ndim not in (4, 5):
+        _fail(where, f"selections must be [steps, layers, batch, (kv_heads,) k], got {sel.ndim} dims "
+                     f"{tuple(sel.shape)}")
     if int(meta["k"]) != sel.shape[-1]:
         _fail(where, f"metadata says k={meta['k']} but selections end in {sel.shape[-1]}")
     per_head = meta["per_head"] == "true"
@@ -245,8 +250,11 @@ class TraceWriter:
 def with_anchors(trace: Trace, layer_anchor) -> Trace:
     """The trace as a model whose layer l reuses layer layer_anchor[l]'s selection would see it:
     each shared layer's selections replaced by its anchor's."""
-    anchor = np.asarray(layer_anchor, dtype=np.int64)
-    if anchor.shape != (trace.layers,):
-        raise ValueError(f"layer_anchor must list the anchor of each of the trace's {trace.layers} layers, "
-                         f"got {anchor.tolist()}")
+    anchor = np.asarray(layer_anchor)
+    if anchor.shape != (trace.layers,) or not np.issubdtype(anchor.dtype, np.integer):
+        raise ValueError(f"layer_anchor must list the anchor (an integer) of each of the trace's {trace.layers} "
+                         f"layers, got {anchor.tolist()}")
+    if ((anchor < 0) | (anchor >= trace.layers)).any():
+        raise ValueError(f"layer_anchor {anchor.tolist()} names layers outside 0..{trace.layers - 1}")
+    anchor = anchor.astype(np.int64)
     return Trace(trace.selections[:, anchor], trace.family, trace.unit_size, trace.context, anchor, trace.source)

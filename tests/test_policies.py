@@ -126,6 +126,23 @@ def test_simulator_errors_name_the_values():
         simulate(sel, "last", 8)
 
 
+def test_simulator_refuses_duplicate_ids_and_empty_input():
+    dup = np.array([[[0, 0]], [[0, 1]], [[1, 0]]])           # a duplicate would corrupt later counts
+    for policy, slots in (("lru", 2), ("last", None)):
+        with pytest.raises(ValueError, match="unit 0 appears twice in the selection of step 0, stream 0"):
+            simulate(dup, policy, slots)
+    with pytest.raises(ValueError, match=r"selections are empty: shape \(0, 1, 2\)"):
+        simulate(np.zeros((0, 1, 2), dtype=np.int32), "lru", 2)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_all_padding_selects_nothing(policy):
+    pad = np.full((2, 1, 2), -1, dtype=np.int32)
+    res = simulate(pad, policy, None if policy == "last" else 2)
+    assert res.misses.tolist() == res.accesses.tolist() == [[0], [0]]
+    assert reuse_gaps(pad).tolist() == [0, 0]
+
+
 def test_shared_layers_get_their_anchors_counts():
     sel = local_trace(5, 12, 3, 6, 40)                          # [steps, layers, k], one request
     sel[:, 1] = sel[:, 0]
@@ -169,6 +186,18 @@ def test_generator_follows_its_parameters():
 def test_generator_rejects_a_context_too_short():
     with pytest.raises(ValueError, match=r"context=50 tokens \(51 units at step 0\) is too short for k=128"):
         SyntheticConfig(context=50, steps=2, k=128, layers=1)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("noise", float("nan"), "noise must be a finite number, got nan"),
+    ("k", 32.0, "k must be an integer, got 32.0"),
+    ("context", 400.7, "context must be an integer, got 400.7"),
+    ("batch", True, "batch must be an integer, got True"),
+    ("seed", -1, r"seed must be in 0 \.\. 2\*\*32 - 1, got -1"),
+])
+def test_generator_config_names_a_bad_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        preset("tiny", **{field: value})
 
 
 def test_quick_study_writes_every_policy(tmp_path):

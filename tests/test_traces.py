@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from hisparse.traces import Trace, TraceWriter, load_trace, save_trace
+from hisparse.traces import Trace, TraceWriter, load_trace, save_trace, with_anchors
 
 
 def _random_steps(rng, steps, layers, batch, heads, k, context):
@@ -77,6 +77,8 @@ MALFORMED = [
     ("per-head-mismatch", lambda t, m: m.update(per_head="true"), "metadata per_head=true"),
     ("float-ids", lambda t, m: t.update(selections=t["selections"].astype(np.float32)), "must be int32"),
     ("3-dims", lambda t, m: t.update(selections=t["selections"][:, 0]), "got 3 dims"),
+    ("0-dims", lambda t, m: t.update(selections=np.array(0, dtype=np.int32)), "got 0 dims"),
+    ("unicode-digit-unit-size", lambda t, m: m.update(unit_size="²"), "unit_size and k must be integers"),
     ("id-too-large", lambda t, m: _set(t, "selections", (0, 2, 0, 0), 4),
      "unit id 4 at [step, layer, request, ...] = (0, 2, 0) is out of range: expected -1 (padding) or 0..3"),
     ("id-below-minus-1", lambda t, m: _set(t, "selections", (1, 2, 0, 1), -5), "unit id -5"),
@@ -120,6 +122,15 @@ def test_save_refuses_an_invalid_trace(tmp_path):
     with pytest.raises(ValueError, match="unit id 99"):
         save_trace(trace, tmp_path / "t.safetensors")
     assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_bad_anchors_and_unit_size_are_refused():
+    tensors, _ = _good()
+    trace = Trace(tensors["selections"], "dsa", 1, tensors["context"], tensors["layer_anchor"])
+    with pytest.raises(ValueError, match=r"layer_anchor \[0, 5, 2\] names layers outside 0..2"):
+        with_anchors(trace, [0, 5, 2])
+    with pytest.raises(ValueError, match="unit_size must be a positive integer, got True"):
+        Trace(tensors["selections"], "dsa", True, tensors["context"], tensors["layer_anchor"])
 
 
 def test_writer_rejects_inconsistent_steps():
