@@ -110,6 +110,10 @@ def tensor_reads(monkeypatch):
     return reads
 
 
+def retype(name, dtype):
+    return lambda tensors: tensors.update({name: tensors[name].to(dtype)})
+
+
 BAD_TENSORS = {
     "missing": (lambda t: t.pop("model.layers.1.self_attn.kv_b_proj.weight"),
                 r"lacks tensors: \['model\.layers\.1\.self_attn\.kv_b_proj\.weight'\]"),
@@ -121,6 +125,10 @@ BAD_TENSORS = {
                    r"unexpected tensors .*'model\.layers\.0\.self_attn\.q_proj\.weight'"),
     "fp8-scales": (lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.zeros(1, 1)}),
                    r"FP8 block-quantized"),
+    "int-weight": (retype("model.layers.0.self_attn.q_b_proj.weight", torch.int16),
+                   r"q_b_proj\.weight in model\.safetensors has dtype I16, expected a floating point dtype"),
+    "bool-embedding": (retype("model.embed_tokens.weight", torch.bool),
+                       r"model\.embed_tokens\.weight in model\.safetensors has dtype BOOL"),
 }
 
 
@@ -146,6 +154,18 @@ def test_multi_token_prediction_layers_are_ignored(tmp_path):
     load_model(tmp_path)
 
 
+@pytest.mark.parametrize("family,extra", [("llama", "1, 2"), ("deepseek_v32", "2")])
+def test_layers_beyond_the_config_are_refused(family, extra, tmp_path):
+    """Only DSA's multi-token-prediction layer (here layer 1) may follow the last decoder layer."""
+    write_tiny_checkpoint(family, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw = {k: v for k, v in raw.items() if k not in ("mlp_layer_types", "indexer_types")}
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=1)))
+    with pytest.raises(ValueError, match=rf"unexpected tensors .*; layers \[{extra}\] are beyond config\.json's "
+                                         r"num_hidden_layers 1"):
+        load_model(tmp_path)
+
+
 def test_duplicate_tensor_across_shards_is_named(tmp_path):
     write_tiny_checkpoint("nsa", tmp_path, shards=2)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -164,6 +184,17 @@ def test_index_naming_a_missing_shard(tmp_path):
         load_model(tmp_path)
 
 
+def test_unreadable_files_are_named(tmp_path):
+    write_tiny_checkpoint("qwen3", tmp_path / "html", shards=2)
+    (tmp_path / "html" / "model-00002-of-00002.safetensors").write_text("<!DOCTYPE html><html>Not found</html>")
+    with pytest.raises(ValueError, match=r"model-00002-of-00002\.safetensors is not a readable safetensors file"):
+        load_model(tmp_path / "html")
+    write_tiny_checkpoint("qwen3", tmp_path / "index", shards=2)
+    (tmp_path / "index" / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json must hold .*'weight_map'"):
+        load_model(tmp_path / "index")
+
+
 def test_pickled_weights_are_refused(tmp_path, monkeypatch):
     write_tiny_checkpoint("llama", tmp_path)
     (tmp_path / "model.safetensors").unlink()
@@ -180,7 +211,8 @@ def test_pickled_weights_are_refused(tmp_path, monkeypatch):
     ({"num_key_value_heads": 3}, r"num_attention_heads 4 must be a multiple of num_key_value_heads 3"),
     ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_type 'longrope' is not supported"),
-], ids=["unknown-type", "no-type", "missing-key", "bad-gqa", "bad-act", "bad-rope"])
+    ({"num_attention_heads": 0, "head_dim": None}, r"num_attention_heads must be a positive int, found 0"),
+], ids=["unknown-type", "no-type", "missing-key", "bad-gqa", "bad-act", "bad-rope", "no-heads"])
 def test_bad_config_is_named(edit, message, tmp_path):
     write_tiny_checkpoint("llama", tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())

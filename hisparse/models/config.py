@@ -25,11 +25,12 @@ def _rope_parameters(raw: dict) -> dict:
     return params
 
 
-def _check_positive(config, names):
+def _check_positive(config, names, zero_allowed=False):
     for name in names:
         value = getattr(config, name)
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"config {name} must be a positive int, found {value!r}")
+        if not isinstance(value, int) or value < (0 if zero_allowed else 1):
+            kind = "a non-negative" if zero_allowed else "a positive"
+            raise ValueError(f"config {name} must be {kind} int, found {value!r}")
 
 
 @dataclass(slots=True)
@@ -59,6 +60,8 @@ class DsaConfig:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
     first_k_dense_replace: int = 3
+    # multi-token-prediction layers, stored after the last decoder layer; we load none of them
+    num_nextn_predict_layers: int = 1
     mlp_layer_types: list[str] | None = None
     indexer_types: list[str] | None = None
     rms_norm_eps: float = 1e-6
@@ -70,9 +73,13 @@ class DsaConfig:
     def __post_init__(self):
         if self.model_type not in ("deepseek_v32", "glm_moe_dsa"):
             raise ValueError(f"DsaConfig got model_type {self.model_type!r}")
-        _check_positive(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "index_topk",
-                               "index_head_dim", "index_n_heads"))
+        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+                               "qk_nope_head_dim", "v_head_dim", "index_topk", "index_head_dim", "index_n_heads",
+                               "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_group",
+                               "topk_group"))
+        _check_positive(self, ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"),
+                        zero_allowed=True)
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
         n = self.num_hidden_layers
@@ -83,7 +90,7 @@ class DsaConfig:
             self.indexer_types = ["full"] * n
         for name, allowed in (("mlp_layer_types", ("dense", "sparse")), ("indexer_types", ("full", "shared"))):
             values = getattr(self, name)
-            if len(values) != n or any(v not in allowed for v in values):
+            if not isinstance(values, list) or len(values) != n or any(v not in allowed for v in values):
                 raise ValueError(f"config {name} must list {n} values from {allowed}, found {values}")
         if self.indexer_types[0] != "full":
             raise ValueError(f"indexer_types[0] must be 'full' (a shared layer needs an anchor), found "
@@ -129,12 +136,13 @@ class LlamaConfig:
     def __post_init__(self):
         if self.model_type not in ("llama", "qwen3"):
             raise ValueError(f"LlamaConfig got model_type {self.model_type!r}")
+        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "quest_page_size", "quest_selection_group"))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        _check_positive(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "num_key_value_heads", "head_dim", "quest_page_size", "quest_selection_group"))
+        _check_positive(self, ("num_key_value_heads", "head_dim"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -180,9 +188,10 @@ class NsaConfig:
     def __post_init__(self):
         if self.model_type != "nsa":
             raise ValueError(f"NsaConfig got model_type {self.model_type!r}")
-        _check_positive(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "num_key_value_heads", "head_dim", "compress_block_size", "compress_block_stride",
-                               "selection_block_size", "num_selected_blocks", "sliding_window", "selection_group"))
+        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads", "head_dim", "compress_block_size",
+                               "compress_block_stride", "selection_block_size", "num_selected_blocks",
+                               "sliding_window", "selection_group"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -222,7 +231,9 @@ def config_from_dict(raw: dict) -> ModelConfig:
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in raw.items() if k in names}
     values["rope_parameters"] = _rope_parameters(raw)
-    if model_type == "glm_moe_dsa" and raw.get("indexer_types") is None and "num_hidden_layers" in raw:
+    # a bad num_hidden_layers is named by the config class's own checks
+    layers = raw.get("num_hidden_layers")
+    if model_type == "glm_moe_dsa" and raw.get("indexer_types") is None and isinstance(layers, int):
         values["indexer_types"] = _glm_indexer_types(raw)
     missing = [f.name for f in dataclasses.fields(cls)
                if f.name not in values and f.default is dataclasses.MISSING
@@ -240,4 +251,10 @@ def read_config(checkpoint_dir: str | Path) -> ModelConfig:
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in checkpoint directory {checkpoint_dir}")
-    return config_from_dict(json.loads(path.read_text()))
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, found {type(raw).__name__}")
+    return config_from_dict(raw)

@@ -10,10 +10,10 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hisparse.models.base import CausalLM
-from hisparse.models.config import ModelConfig, read_config
+from hisparse.models.config import DsaConfig, ModelConfig, read_config
 from hisparse.models.layers import Rotary
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -52,10 +52,22 @@ def checkpoint_layout(model: CausalLM, fused: frozenset = frozenset()) -> dict[s
     return layout
 
 
+def _index_shards(index: Path) -> list[str]:
+    try:
+        raw = json.loads(index.read_text())
+    except ValueError as e:
+        raise ValueError(f"{index} is not valid JSON: {e}") from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise ValueError(f"{index} must hold a JSON object whose 'weight_map' maps tensor names to shard "
+                         f"file names")
+    return sorted(set(weight_map.values()))
+
+
 def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
     index = checkpoint_dir / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = _index_shards(index)
         missing = [s for s in shards if not (checkpoint_dir / s).is_file()]
         if missing:
             raise ValueError(f"{index} names shard files that do not exist: {missing}")
@@ -67,32 +79,44 @@ def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
 
 
 def _is_ignored(name: str, config: ModelConfig) -> bool:
-    """Tensors real checkpoints carry that we do not model: DeepSeek's multi-token-prediction layers
-    (indices >= num_hidden_layers) and stale rotary tables."""
+    """Tensors real checkpoints carry that we do not model: the DSA families' multi-token-prediction
+    layers (model.layers.{n} .. {n + num_nextn_predict_layers - 1}, n = num_hidden_layers, as
+    transformers ignores them) and stale rotary tables."""
     layer = _LAYER.match(name)
-    beyond_last_layer = layer is not None and int(layer.group(1)) >= config.num_hidden_layers
-    return beyond_last_layer or name.endswith("rotary_emb.inv_freq")
+    if layer is not None and isinstance(config, DsaConfig):
+        n = config.num_hidden_layers
+        if n <= int(layer.group(1)) < n + config.num_nextn_predict_layers:
+            return True
+    return name.endswith("rotary_emb.inv_freq")
 
 
-def _read_headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
-    where, shapes = {}, {}
+def _read_headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]], dict[str, str]]:
+    """Where each tensor is, its shape and its safetensors dtype ("BF16", "I16", ...)."""
+    where, shapes, dtypes = {}, {}, {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name in where:
-                    raise ValueError(f"tensor {name} is in both {where[name].name} and {path.name}")
-                where[name], shapes[name] = path, tuple(f.get_slice(name).get_shape())
-    return where, shapes
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name in where:
+                        raise ValueError(f"tensor {name} is in both {where[name].name} and {path.name}")
+                    header = f.get_slice(name)
+                    where[name], shapes[name], dtypes[name] = path, tuple(header.get_shape()), header.get_dtype()
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    return where, shapes, dtypes
 
 
-def _check_names_and_shapes(where: dict, shapes: dict, layout: dict, config: ModelConfig) -> None:
+def _check_names_and_shapes(where: dict, shapes: dict, dtypes: dict, layout: dict, config: ModelConfig) -> None:
     if any(name.endswith("weight_scale_inv") for name in where):
         raise ValueError("FP8 block-quantized checkpoints (tensors named *.weight_scale_inv) are not supported; "
                          "convert to bf16 first")
     unexpected = sorted(n for n in where if n not in layout and not _is_ignored(n, config))
     if unexpected:
+        layers = config.num_hidden_layers
+        extra = sorted({int(m.group(1)) for m in map(_LAYER.match, unexpected) if m and int(m.group(1)) >= layers})
+        hint = f"; layers {extra} are beyond config.json's num_hidden_layers {layers}" if extra else ""
         raise ValueError(f"unexpected tensors for model_type {config.model_type!r}: {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all)")
+                         f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all){hint}")
     missing = sorted(n for n in layout if n not in where)
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''} "
@@ -101,6 +125,10 @@ def _check_names_and_shapes(where: dict, shapes: dict, layout: dict, config: Mod
         if shapes[name] != shape:
             raise ValueError(f"tensor {name} in {where[name].name} has shape {list(shapes[name])}, "
                              f"expected {list(shape)} from config.json")
+        # every parameter is floating point; ints or bools would be cast to meaningless weights
+        if not dtypes[name].startswith(("F", "BF")):
+            raise ValueError(f"tensor {name} in {where[name].name} has dtype {dtypes[name]}, "
+                             f"expected a floating point dtype (F32, F16, BF16, ...)")
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -111,9 +139,9 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     config = read_config(checkpoint_dir)
     with torch.device("meta"):
         model = build_model(config)
-    where, shapes = _read_headers(checkpoint_files(checkpoint_dir))
+    where, shapes, dtypes = _read_headers(checkpoint_files(checkpoint_dir))
     layout = checkpoint_layout(model, fused=frozenset(where))
-    _check_names_and_shapes(where, shapes, layout, config)
+    _check_names_and_shapes(where, shapes, dtypes, layout, config)
     targets = {}
     for name, tensor in model.state_dict().items():
         keep = any(part in name for part in getattr(model, "keep_in_float32", ()))
