@@ -61,6 +61,7 @@ from hisparse.models.loading import build_model, load_model  # noqa: E402
 from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
 from hisparse.resolve import MAX_SLOTS, CacheState  # noqa: E402
 from hisparse.results import append_rows, environment, read_stored_rows  # noqa: E402
+from hisparse.runtime import nbytes  # noqa: E402
 from hisparse.synthetic import (PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
                                 repeat_request)
 from hisparse.traces import with_anchors  # noqa: E402
@@ -75,6 +76,9 @@ KEYS = {
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"}}
+DEFAULTS = {"new_tokens": 8, "warmup_steps": 1, "max_batch": 256}     # optional keys validate fills in
+TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
+TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 # what each key means and, for an optional one, its default (`--help` lists them per kind)
 KEY_HELP = {
     "kind": "policies, decode or throughput",
@@ -86,15 +90,15 @@ KEY_HELP = {
     "cache_slots": "B, one or a list (needed by hisparse and noio)",
     "contexts": "prompt tokens, one or a list",
     "batches": "requests, one or a list",
-    "new_tokens": "timed decode steps (8)",
-    "warmup_steps": "untimed steps first (1)",
+    "new_tokens": f"timed decode steps ({DEFAULTS['new_tokens']})",
+    "warmup_steps": f"untimed steps first ({DEFAULTS['warmup_steps']})",
     "graph": "CUDA graphs, on a GPU (false)",
     "prefetch": "layer-wise prefetch, for models whose layers share a selection (false)",
-    "token_budget": "Quest: tokens per KV head and step (2048; tiny models 48)",
+    "token_budget": f"Quest: tokens per KV head and step ({TOKEN_BUDGET['quest']}; tiny models {TINY_TOKEN_BUDGET})",
     "early_resolve": "DSA on a GPU: anchor resolves on a stream of their own (false)",
     "kv_budget_gib": "GPU memory for KV per point (GiB)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
-    "max_batch": "largest batch tried (256)",
+    "max_batch": f"largest batch tried ({DEFAULTS['max_batch']})",
 }
 
 
@@ -115,8 +119,6 @@ DSA_GEOMETRY = dict(model_type="deepseek_v32", vocab_size=1024, num_attention_he
 QUEST_GEOMETRY = dict(model_type="llama", vocab_size=1024, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, quest_dense_layers=2)
 DSA_TYPES, QUEST_TYPES = ("deepseek_v32", "glm_moe_dsa"), ("llama", "qwen3")
-TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
-TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 
 
 def family(config) -> str:
@@ -257,9 +259,9 @@ def validate(studies: list[dict]) -> None:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
         study["contexts"] = _positive_ints(study, "contexts", where)       # one value or a list: a list
-        study.setdefault("new_tokens", 8)
+        study.setdefault("new_tokens", DEFAULTS["new_tokens"])
         _positive_int(study, "new_tokens", where)
-        study.setdefault("warmup_steps", 1)
+        study.setdefault("warmup_steps", DEFAULTS["warmup_steps"])
         _positive_int(study, "warmup_steps", where)
         if kind == "decode":
             study["batches"] = _positive_ints(study, "batches", where)
@@ -287,7 +289,7 @@ def validate(studies: list[dict]) -> None:
                 if key in study and (isinstance(value, bool) or not isinstance(value, (int, float))
                                      or not (math.isfinite(value) and value > 0)):
                     raise ConfigError(f"{where}: {key} = {study[key]!r}: expected a positive, finite number (GiB)")
-            study.setdefault("max_batch", 256)
+            study.setdefault("max_batch", DEFAULTS["max_batch"])
             _positive_int(study, "max_batch", where)
 
 
@@ -437,8 +439,8 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
                     prefetch=prefetch and point["mode"] == "hisparse", host_write=host_write,
                     early_resolve=early_resolve, **quest)
     replay = replay and with_anchors(replay, engine.anchors)
-    out = engine.generate(prompts, new_tokens + warmup_steps + 1, graph=graph, keep_logits=False, replay=replay,
-                          warmup_steps=warmup_steps)
+    out = engine.generate(prompts, generated_tokens(new_tokens, warmup_steps), graph=graph, keep_logits=False,
+                          replay=replay, warmup_steps=warmup_steps)
     del engine
     release_cached_memory()          # the next point's host pool must fit beside nothing
     return out
@@ -455,6 +457,11 @@ def decode_rows(point: dict, out, batch: int) -> list[dict]:
     return [dict(point, run=decode_runs, metric=m, value=v, unit=u) for m, (v, u) in metrics.items()]
 
 
+def generated_tokens(new_tokens: int, warmup_steps: int) -> int:
+    """Tokens a decode run generates: the prefill's, then the warm-up and the timed steps' ones."""
+    return 1 + warmup_steps + new_tokens
+
+
 def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | None) -> tuple[int, int]:
     """(GPU, host) bytes of one request's KV as the engine allocates it for `capacity` tokens (its
     prompt, the steps it decodes and one more: `run_decode`'s). DSA: latents resident, or B + 1 slots
@@ -468,8 +475,7 @@ def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | Non
     pages = -(-capacity // 16)
 
     def per_stream(units: int, row_bytes: int) -> int:     # slots and cache state of one stream
-        state = CacheState.empty(1, cache_slots, units, device="meta")
-        return (cache_slots + 1) * row_bytes + sum(t.numel() * t.element_size() for t in vars(state).values())
+        return (cache_slots + 1) * row_bytes + nbytes(*vars(CacheState.empty(1, cache_slots, units, "meta")).values())
 
     if family(cfg) == "quest":
         hkv, d = cfg.num_key_value_heads, cfg.head_dim
@@ -514,7 +520,7 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
         out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"],
                          host_write="step" if early else "layer", early_resolve=early)
         return decode_rows(point, out, point["batch"])
-    capacity = point["context"] + study["new_tokens"] + study["warmup_steps"] + 1      # as run_decode runs it
+    capacity = point["context"] + generated_tokens(study["new_tokens"], study["warmup_steps"])   # as run_decode
     gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], capacity, point["cache_slots"])
     fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
     fits = fits_gpu

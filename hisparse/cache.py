@@ -239,9 +239,10 @@ class HierarchicalKVCache:
         check_fetch_inputs(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.host.rows, self.slots)
         if _values_checked(check_values, streams):
             counts, units, slots = plan.counts[:, 1].tolist(), plan.plan_unit.cpu(), plan.plan_slot.cpu()
-            live = [s for s in streams.tolist() if s != -1]
-            _check_listed_once("replay_plan", live, "two copies would write the same slots")
-            for row, (stream, n) in enumerate(zip(streams.tolist(), counts)):
+            streams_h = streams.tolist()
+            _check_listed_once("replay_plan", [s for s in streams_h if s != -1],
+                               "two copies would write the same slots")
+            for row, (stream, n) in enumerate(zip(streams_h, counts)):
                 if stream == -1:
                     continue
                 self._check_open(stream, "replay_plan")

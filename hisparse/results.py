@@ -146,9 +146,7 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
             fcntl.flock(folder, fcntl.LOCK_EX)
         # old rows as the text they are, so a rewrite never reformats them (4096 -> 4096.0)
         old = read_stored_rows(path) if path.exists() else pd.DataFrame(columns=COLUMNS)
-        header = list(old.columns)
-        ordered = header + [c for c in COLUMNS + list(new.columns) if c not in header]
-        ordered = list(dict.fromkeys(ordered))
+        ordered = list(dict.fromkeys([*old.columns, *COLUMNS, *new.columns]))   # the file's own order first
         frame = pd.concat([old, new], ignore_index=True) if len(old) else new
         frame = frame.reindex(columns=ordered)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
