@@ -2,9 +2,9 @@
 
     python -m benchmarks.bench_attention_dsa [--out DIR] [--quick] [--tune] [--backend auto|triton|gluon]
 
-Modes, in one run: `triton` (hisparse.dsa.sparse_mla_decode over k selected rows of a resident pool;
+Modes, in one run: `triton` (hisparse.dsa.ops.sparse_mla_decode over k selected rows of a resident pool;
 its `kernel` column says which one ran: `gluon` on Hopper with Triton 3.6, else `triton`; --backend
-picks one, as HISPARSE_DSA_DECODE does),
+picks one),
 `torch_gather` (gather the selected rows, then matmul-softmax-matmul in torch) and `dense` (torch's
 scaled_dot_product_attention over the whole context, the 128 heads as 128 queries of one MQA head).
 Appends `us`, `TFLOPs`, `GBps` and `roofline_frac` rows (family `dsa`) to DIR/attention.csv.
@@ -15,7 +15,7 @@ roofline is the binding one of HBM 4.3 TB/s and bf16 matrix 790 TFLOP/s.
 and on a Hopper GPU the Gluon kernel (kernels_triton/dsa_gluon.py) at its tile shapes beside them.
 `--indexer` times the selection instead and appends to DIR/indexer.csv: lightning-indexer scores over
 every resident indexer key (64 heads x 128 dims, `triton` with bf16 keys, `triton_fp8` with fp8 keys
-and a per-token scale, `torch` an einsum in bf16) and the top-k (`topk`, hisparse.dsa.topk_select).
+and a per-token scale, `torch` an einsum in bf16) and the top-k (`topk`, hisparse.dsa.ops.topk_select).
 `--quick` runs a tiny configuration that also works on the CPU interpreter.
 """
 from __future__ import annotations
@@ -23,17 +23,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-
-import torch.nn.functional as F  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     HBM_BYTES_PER_S,
     MMA_FLOPS_PER_S,
     metric_rows,
@@ -41,8 +36,8 @@ from benchmarks.common import (  # noqa: E402
     time_us,
     timer_name,
 )
-from hisparse import dsa  # noqa: E402
-from hisparse.results import append_rows, check_out_folder  # noqa: E402
+from hisparse.dsa import ops as dsa
+from hisparse.results import append_rows, check_out_folder
 
 D_QK, D_V = 576, 512
 SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3.2: qk head dim 192, YaRN factor 40
@@ -85,18 +80,19 @@ def make_inputs(batch, context, heads, k, device, gen):
     return q, kv, rows
 
 
-def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False) -> tuple[list[dict], dict]:
+def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False,
+              backend: str = "auto") -> tuple[list[dict], dict]:
     """Time the three modes at one shape; returns result rows and {mode: us}.
 
     A mode that fails (out of memory, an unsupported backend, a kernel that disagrees with the
     baseline) is reported and skipped, so the other modes' rows are still recorded.
     """
     q, kv, rows = make_inputs(batch, context, heads, k, device, gen)
-    kernel = dsa.decode_backend(q, D_V)
+    kernel = dsa.decode_backend(q, D_V, backend)
     tiles = dsa.GLUON_TILES if kernel == "gluon" else dsa.default_decode_config(heads, D_QK, q.dtype)
     _, splits = dsa.split_plan(batch, heads, k, tiles, device)
     modes = {
-        "triton": (lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE)[0], k),
+        "triton": (lambda: dsa.sparse_mla_decode(q, kv, rows, SM_SCALE, backend=backend)[0], k),
         "torch_gather": (lambda: torch_gather_decode(q, kv, rows, SM_SCALE), k),
         "dense": (lambda: dense_decode(q, kv.view(batch, context, D_QK), SM_SCALE), context),
     }
@@ -130,17 +126,17 @@ def run_shape(batch, context, heads, k, device, gen, cudagraph: bool = False) ->
     return rows_out, times
 
 
-def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = False) -> None:
+def sweep(cfg: dict, device: torch.device, out_dir: Path, cudagraph: bool = False, backend: str = "auto") -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     print(f"DSA sparse MLA decode: heads={cfg['heads']} k={cfg['k']} D={D_QK} (V {D_V}) scale={SM_SCALE:.4f}"
           f" on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'},"
-          f" timer {timer_name(cudagraph)}, decode backend {dsa.DECODE_BACKEND}")
+          f" timer {timer_name(cudagraph)}, decode backend {backend}")
     print(f"{'batch':>6s} {'context':>8s} {'mode':13s} {'us':>10s} {'TFLOP/s':>12s} {'GB/s':>13s}"
           f" {'roofline':>9s} {'vs gather':>10s}")
     for context in cfg["contexts"]:
         for batch in cfg["batches"]:
             try:
-                rows, times = run_shape(batch, context, cfg["heads"], cfg["k"], device, gen, cudagraph)
+                rows, times = run_shape(batch, context, cfg["heads"], cfg["k"], device, gen, cudagraph, backend)
             except torch.OutOfMemoryError:
                 print(f"  batch={batch} context={context}: inputs do not fit in memory, skipped")
                 torch.cuda.empty_cache()
@@ -272,11 +268,10 @@ def main() -> None:
     parser.add_argument("--indexer", action="store_true", help="time indexer scores and top-k instead")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time CUDA graph replays, as the decode loop runs (no host launch overhead)")
-    parser.add_argument("--backend", choices=dsa.DECODE_BACKENDS, default=dsa.DECODE_BACKEND,
-                        help="decode kernel of mode `triton` (default %(default)s: HISPARSE_DSA_DECODE, else auto)")
+    parser.add_argument("--backend", choices=dsa.DECODE_BACKENDS, default="auto",
+                        help="decode kernel of mode `triton` (default %(default)s: Gluon where it runs, else Triton)")
     args = parser.parse_args()
     check_out_folder(parser, args.out)
-    dsa.DECODE_BACKEND = args.backend
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
         raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
@@ -296,7 +291,7 @@ def main() -> None:
     elif args.indexer:
         sweep_indexer(cfg, device, args.out)
     else:
-        sweep(cfg, device, args.out, args.cudagraph)
+        sweep(cfg, device, args.out, args.cudagraph, args.backend)
 
 
 if __name__ == "__main__":

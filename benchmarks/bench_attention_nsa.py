@@ -4,9 +4,9 @@
         [--batches 1 32 ...] [--contexts 8192 ...]
 
 Modes, in one run, per (batch, context), every request `context` tokens long:
-- `triton`: hisparse.nsa.nsa_decode over the resident pool (compressed branch, selection scores and
+- `triton`: hisparse.nsa.ops.nsa_decode over the resident pool (compressed branch, selection scores and
   top-16 per KV head, selected blocks, window, gates: six launches);
-- `torch_gather`: hisparse.nsa.nsa_decode_ref in bf16 (the same step in torch: gather the selected
+- `torch_gather`: hisparse.nsa_ref.nsa_decode_ref in bf16 (the same step in torch: gather the selected
   rows, then matmul-softmax-matmul per branch);
 - `dense`: torch's scaled_dot_product_attention over the whole context (the G query heads of a KV
   head as G queries of one head).
@@ -23,18 +23,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+import triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-
-from benchmarks.common import (  # noqa: E402
+from benchmarks.common import (
     HBM_BYTES_PER_S,
     MMA_FLOPS_PER_S,
     metric_rows,
@@ -42,8 +37,9 @@ from benchmarks.common import (  # noqa: E402
     time_us,
     timer_name,
 )
-from hisparse import nsa  # noqa: E402
-from hisparse.results import append_rows, check_out_folder  # noqa: E402
+from hisparse.nsa import ops as nsa
+from hisparse.nsa import reference as nsa_ref
+from hisparse.results import append_rows, check_out_folder
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=32, kv_heads=8, d=128, n_select=nsa.N_SELECT, window=nsa.WINDOW)
@@ -96,7 +92,7 @@ class Step:
                               self.gates, self.n_units, n_select=self.cfg["n_select"], config=config)
 
     def torch_gather(self):
-        return nsa.nsa_decode_ref(self.q, self.ck, self.cv, self.pool, self.win_k, self.win_v, self.lengths,
+        return nsa_ref.nsa_decode_ref(self.q, self.ck, self.cv, self.pool, self.win_k, self.win_v, self.lengths,
                                   self.gates, self.n_units, self.cfg["n_select"], dtype=self.dtype)
 
     def verify(self, out, blocks, requests=2):
@@ -105,16 +101,16 @@ class Step:
         q, lengths = self.q[:r], self.lengths[:r]
         _, lse, logits = nsa.nsa_compressed_attention(q, self.ck[:r], self.cv[:r], lengths)
         _, scores = nsa.nsa_select(logits, lse, lengths, self.cfg["kv_heads"], self.n_units, self.cfg["n_select"])
-        o_cmp, probs = nsa.nsa_compressed_attention_ref(q, self.ck[:r], self.cv[:r], lengths)
-        ref_scores = nsa.nsa_selection_scores_ref(probs, self.n_units)
+        o_cmp, probs = nsa_ref.nsa_compressed_attention_ref(q, self.ck[:r], self.cv[:r], lengths)
+        ref_scores = nsa_ref.nsa_selection_scores_ref(probs, self.n_units)
         checks = {"scores": rel_err(scores, ref_scores)}
-        if not torch.equal(blocks[:r], nsa.nsa_topn_ref(scores, lengths, self.cfg["n_select"])):
+        if not torch.equal(blocks[:r], nsa_ref.nsa_topn_ref(scores, lengths, self.cfg["n_select"])):
             raise RuntimeError(f"top-n of batch={self.batch} context={self.context} differs from nsa_topn_ref")
         pool = self.pool[: r * self.cfg["kv_heads"] * self.n_units]
-        o_slc = nsa.nsa_selected_attention_ref(q, pool, nsa.resident_rows(blocks[:r], self.n_units), blocks[:r],
+        o_slc = nsa_ref.nsa_selected_attention_ref(q, pool, nsa.resident_rows(blocks[:r], self.n_units), blocks[:r],
                                                lengths)
-        o_win = nsa.nsa_window_attention_ref(q, self.win_k[:r], self.win_v[:r], lengths)
-        checks["out"] = rel_err(out[:r], nsa.nsa_gate_ref(self.gates[:r], o_cmp, o_slc, o_win))
+        o_win = nsa_ref.nsa_window_attention_ref(q, self.win_k[:r], self.win_v[:r], lengths)
+        checks["out"] = rel_err(out[:r], nsa_ref.nsa_gate_ref(self.gates[:r], o_cmp, o_slc, o_win))
         for name, err in checks.items():
             if not err < 2e-2:
                 raise RuntimeError(f"triton {name} at batch={self.batch} context={self.context}: rel err {err:.3g}")

@@ -3,10 +3,10 @@
     python -m benchmarks.bench_attention_quest [--out DIR] [--quick] [--tune]
 
 Modes, in one run (family `quest`, rows appended to DIR/attention.csv):
-- `triton`: hisparse.quest.quest_attention over budget/16 selected pages per KV head, read through
+- `triton`: hisparse.quest.ops.quest_attention over budget/16 selected pages per KV head, read through
   rows of a resident pool (one [2, 16, D] row per (page, KV head)).
 - `torch_gather`: gather the same rows, then matmul-softmax(float32)-matmul in torch.
-- `dense`: torch's scaled_dot_product_attention over the whole context (hisparse.quest.dense_attention,
+- `dense`: torch's scaled_dot_product_attention over the whole context (hisparse.quest.ops.dense_attention,
   what the first two layers run).
 - `triton_score`, `triton_select`: the page scores over the min/max metadata and the top-page
   selection; `triton_step`: score + select + resident rows + attention, one whole Quest decode step
@@ -20,21 +20,16 @@ one of HBM 4.3 TB/s and bf16 matrix 790 TFLOP/s; `roofline_frac` = roofline time
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
+import triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-
-import triton  # noqa: E402
-
-from benchmarks.common import metric_rows as common_metric_rows  # noqa: E402
-from benchmarks.common import time_us, timer_name  # noqa: E402
-from hisparse import quest  # noqa: E402
-from hisparse.quest import PAGE  # noqa: E402
-from hisparse.results import append_rows, check_out_folder  # noqa: E402
+from benchmarks.common import metric_rows as common_metric_rows
+from benchmarks.common import time_us, timer_name
+from hisparse.quest import ops as quest
+from hisparse.quest.ops import PAGE
+from hisparse.results import append_rows, check_out_folder
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=32, kv_heads=8, head_dim=128, budget=2048)

@@ -38,12 +38,10 @@ published miss rates exist for these families. `--workload model` lets each laye
 with the model itself over the random prompt KV instead, which misses far more often (random keys
 give no locality; rows say "model").
 
-Prefetch can be timed in several variants in one run (`--prefetch-programs 16 32 64`,
-`--prefetch-priority normal high`: every combination, beside one resident, sync and noio run per
-batch); each prefetch row records its `prefetch_programs`, `prefetch_priority` and `prefetch_rows`
-(the rows a copy program moves a step). A width under 32 programs moves larger tiles
-(`hisparse.resolve.copy_tile`; before bb4a71085805, and in rows without `prefetch_rows`, every width
-moved the base tile, so older rows at 16 programs are not reproduced by --prefetch-programs 16).
+Prefetch can be timed at several copy widths in one run (`--prefetch-programs 16 32 64`, beside one
+resident, sync and noio run per batch); each prefetch row records its `prefetch_programs`,
+`prefetch_priority` (the side stream's: normal) and `prefetch_rows` (the rows a copy program moves a
+step; a width under 32 programs moves larger tiles, `hisparse.resolve.copy_tile`).
 
     python -m benchmarks.bench_prefetch [--out DIR] [--quick] [--hidden 7168 --intermediate 18432]
     python -m benchmarks.bench_prefetch --family quest|nsa [--batches 8 32]
@@ -51,27 +49,20 @@ moved the base tile, so older rows at 16 programs are not reproduced by --prefet
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-
-from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch  # noqa: E402
-from hisparse import runtime  # noqa: E402
-from hisparse.engine import Engine  # noqa: E402
-from hisparse.host_pool import release_cached_memory  # noqa: E402
-from hisparse.models.config import config_from_dict  # noqa: E402
-from hisparse.models.loading import build_model  # noqa: E402
-from hisparse.models.tiny import randomize_  # noqa: E402
-from hisparse.resolve import copy_tile  # noqa: E402
-from hisparse.results import append_rows, check_out_folder  # noqa: E402
-from hisparse.synthetic import (generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
-                                repeat_request)
-from hisparse.traces import Trace, with_anchors  # noqa: E402
+from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch
+from hisparse import runtime
+from hisparse.engine import Engine
+from hisparse.host_pool import release_cached_memory
+from hisparse.models.config import config_from_dict
+from hisparse.models.loading import build_model
+from hisparse.models.tiny import randomize_
+from hisparse.resolve import copy_tile
+from hisparse.results import append_rows, check_out_folder
+from hisparse.synthetic import generate, per_kv_head_config, per_kv_head_workload, preset, repeat_request
+from hisparse.traces import Trace, with_anchors
 
 TYPES = ["full", "shared", "shared", "shared"] * 2
 GEOMETRY = dict(model_type="glm_moe_dsa", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
@@ -105,18 +96,6 @@ def workload(context: int, steps: int, k: int, batch: int, quick: bool, random_l
            else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES), random_layers=random_layers))
     anchors = [max(j for j in range(i + 1) if TYPES[j] == "full") for i in range(len(TYPES))]
     return with_anchors(repeat_request(generate(cfg), batch), anchors)
-
-
-@contextlib.contextmanager
-def prefetch_variant(programs: int, priority: str):
-    """The prefetch copy width and side-stream priority (read when an engine builds its
-    attention) set for the block, and put back after it."""
-    saved = runtime.PREFETCH_PROGRAMS, runtime.PREFETCH_PRIORITY
-    runtime.PREFETCH_PROGRAMS, runtime.PREFETCH_PRIORITY = programs, priority
-    try:
-        yield
-    finally:
-        runtime.PREFETCH_PROGRAMS, runtime.PREFETCH_PRIORITY = saved
 
 
 def build_family(args, gpu: bool):
@@ -157,14 +136,8 @@ def main(argv=None) -> None:
     ap.add_argument("--intermediate", type=int, default=2048, help="dense MLP width (default 2048)")
     ap.add_argument("--prefetch-programs", type=int, nargs="+", default=None,
                     help="programs of a prefetch copy (default the family's: "
-                         f"{', '.join(f'{f} {n}' for f, n in runtime.PREFETCH_PROGRAMS_PER_FAMILY.items())}, or "
-                         "HISPARSE_PREFETCH_PROGRAMS): "
+                         f"{', '.join(f'{f} {n}' for f, n in runtime.PREFETCH_PROGRAMS_PER_FAMILY.items())}): "
                          "more fetch faster, fewer leave more multiprocessors to the layers it overlaps; "
-                         "several values time prefetch once per value")
-    ap.add_argument("--prefetch-priority", nargs="+", default=[runtime.PREFETCH_PRIORITY],
-                    choices=runtime.PREFETCH_PRIORITIES,
-                    help=f"the side stream's priority (default {runtime.PREFETCH_PRIORITY}, or "
-                         "HISPARSE_PREFETCH_PRIORITY); "
                          "several values time prefetch once per value")
     ap.add_argument("--random-layers", type=int, default=0, choices=(0, 1, 2),
                     help="synthetic workload: how many of the 8 layers select at random, as a real model's first "
@@ -173,12 +146,12 @@ def main(argv=None) -> None:
     check_out_folder(ap, args.out)
     if args.workload == "model" and args.family == "dsa":
         ap.error("--workload model: the dsa family replays its calibrated trace; model applies to quest and nsa")
-    args.prefetch_programs = args.prefetch_programs or [runtime.prefetch_programs(args.family)]
+    args.prefetch_programs = args.prefetch_programs or [runtime.prefetch_width(args.family)]
     bad = [n for n in args.prefetch_programs if n < 1]
     if bad:
         ap.error(f"--prefetch-programs {bad[0]}: expected a positive integer")
-    # the prefetch runs: one per (programs, priority); the other modes run once per batch
-    variants = list(dict.fromkeys(itertools.product(args.prefetch_programs, args.prefetch_priority)))
+    # the prefetch runs: one per copy width; the other modes run once per batch
+    variants = list(dict.fromkeys(args.prefetch_programs))
     bad = [n for n in (args.batches or []) + [args.context, args.steps] if n < 1]
     if bad:
         ap.error(f"--batches, --context and --steps must be positive, got {bad[0]}")
@@ -217,7 +190,7 @@ def main(argv=None) -> None:
         ap.error(f"--context {args.context}: {exc}")
     print(f"{args.family} model: {layers} layers ({shared} shared), k={k}, B={args.cache_slots}, context "
           f"{args.context}, hidden {geometry['hidden_size']}, MLP {geometry['intermediate_size']}, "
-          f"prefetch (programs, priority) {variants}; on {'GPU' if gpu else 'CPU'}")
+          f"prefetch copy programs {variants}; on {'GPU' if gpu else 'CPU'}")
     print(f"{'batch':>5} {'mode':>18} | {'tpot ms':>8} {'tok/s':>9} {'exposed IO ms':>13} {'io floor ms':>11} "
           f"{'hidden':>7} {'miss':>6} {'vs noio':>8} {'ceiling':>8}")
     if gpu:     # every timed graph past the H200's graph-count switch (benchmarks.common), not only the 4th on
@@ -236,10 +209,9 @@ def main(argv=None) -> None:
         tpot, misses = {}, {}
         for run in runs:
             mode, prefetch = MODES[run[0]]
-            with prefetch_variant(*run[1]) if run[1] else contextlib.nullcontext():
-                engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
-                                prefetch=prefetch, prefill="random", **engine_options)
-                out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)
+            engine = Engine(model, mode, cache_slots=None if mode == "resident" else args.cache_slots,
+                            prefetch=prefetch, prefill="random", prefetch_programs=run[1], **engine_options)
+            out = engine.generate(prompts, args.steps + 1, graph=gpu, keep_logits=False, replay=trace)
             tpot[run] = out.decode_s / out.timed_steps * 1e3
             misses[run] = out.miss_rate
             del engine, out
@@ -262,7 +234,7 @@ def main(argv=None) -> None:
             if name == "prefetch":
                 metrics["hidden_frac"] = (hidden, "fraction")
                 metrics["vs_noio_ceiling"] = (ceiling, "fraction")
-            programs, priority = variant or ("", "")
+            programs, priority = (variant, "normal") if variant else ("", "")     # the side stream's priority
             tile_rows = copy_tile(unit_bytes // 4, programs)[1] if variant else ""   # rows a copy program moves a step
             workload_name = "model" if args.workload == "model" else ("tiny" if args.quick else "dsa_100k")
             rows += [dict(bench="prefetch", family=args.family, mode=name, batch=batch, context=args.context, k=k,
@@ -274,7 +246,7 @@ def main(argv=None) -> None:
                           random_layers=args.random_layers if args.workload == "synthetic" else "", metric=m,
                           value=v, unit=u)
                      for m, (v, u) in metrics.items()]
-            label = name if variant is None or len(variants) == 1 else f"{name} {programs}/{priority}"
+            label = name if variant is None or len(variants) == 1 else f"{name} {programs}"
             print(f"{batch:5d} {label:>18} | {tpot[run]:8.2f} {batch / tpot[run] * 1e3:9.0f} {exposed:13.2f} "
                   f"{floor:11.2f} {hidden:7.2f} {misses[run]:6.3f} {noio / tpot[run]:8.2f} {ceiling:8.2f}", flush=True)
         append_rows(f"{args.out}/prefetch.csv", rows)

@@ -32,20 +32,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-
-from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch  # noqa: E402
-from hisparse import graph_flags  # noqa: E402
-from hisparse.resolve import CacheState, resolve, write_rows  # noqa: E402
-from hisparse.results import append_rows, check_out_folder  # noqa: E402
+from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch
+from hisparse.resolve import CacheState, resolve, write_rows
+from hisparse.results import append_rows, check_out_folder
 
 PINNED_GBPS = PINNED_BYTES_PER_S / 1e9
 RANDOM_ROWS_MPS = 39.0      # random rows over a large pinned pool, millions per second
@@ -60,7 +55,6 @@ class Point:
     cache_slots: int
     target_miss: float
     row_bytes: int
-    sort_plan: bool = False     # fetch in host-address order (costs a sort of k keys per call)
     min_context: int = 0        # spread each stream's units over at least this many rows
 
     @property
@@ -80,9 +74,7 @@ def sweep(quick: bool) -> list[Point]:
             itertools.product((1, 4, 16, 64, 128), (1, 2, 3, 4), (0.001, 0.2, 1.0))]
     rows = [Point(b, k, 2 * k, m, rb) for rb, b, m in
             itertools.product((656, 8192, 40960), (8, 32), (0.2, 1.0))]
-    address_order = [Point(b, k, 2 * k, m, rb, sort_plan=True) for rb, b, m in
-                     itertools.product((656, 1152), (16, 64), (0.2, 1.0))]
-    return main + rows + address_order
+    return main + rows
 
 
 class Workload:
@@ -113,8 +105,11 @@ def time_calls(run, refresh, calls: int, reps: int, device) -> tuple[float, list
     replayed `reps` times, on the CPU run `reps` times; `refresh()` writes fresh selections first."""
     outs = run()
     replay = None
-    if device.type == "cuda":               # captured as the decode graphs are (HISPARSE_GRAPH_CAPTURE)
-        replay, outs = graph_flags.capture(run)
+    if device.type == "cuda":               # captured as the decode graphs are
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = run()
+        replay = graph.replay
     times = []
     for _ in range(reps):
         refresh()
@@ -260,7 +255,7 @@ def rows_for(p: Point, r: dict) -> list[dict]:
     }
     params = dict(bench="resolve", family="", mode="hisparse", batch=p.batch, context=p.context, k=p.k,
                   cache_slots=p.cache_slots, unit_bytes=p.row_bytes, target_miss=p.target_miss,
-                  plan_order="address" if p.sort_plan else "miss")
+                  plan_order="miss")
     return [{**params, "metric": m, "value": v, "unit": u} for m, (v, u) in metrics.items()]
 
 
@@ -299,17 +294,16 @@ def main(argv=None):
     print(f"# pinning a host pool of {pool_bytes / 2**30:.1f} GiB on {device}", flush=True)
     flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=device.type == "cuda")
     fill_random(flat, device)
-    print(f"{'batch':>5} {'B/k':>4} {'miss':>6} {'row B':>6} {'plan':>7} | {'noio us':>8} {'total us':>9} | "
+    print(f"{'batch':>5} {'B/k':>4} {'miss':>6} {'row B':>6} | {'noio us':>8} {'total us':>9} | "
           f"{'fetch GB/s':>10} (limit {PINNED_GBPS}) {'Mrows/s':>8} (limit {RANDOM_ROWS_MPS:.0f})", flush=True)
     for i, p in enumerate(points):
         row_elems = p.row_bytes // 2
         host = flat[:p.batch * p.context * row_elems].view(p.batch * p.context, row_elems)
-        r = time_point(p, host, device, reps, sort_plan=p.sort_plan)
+        r = time_point(p, host, device, reps)
         out = append_rows(f"{args.out}/resolve.csv", rows_for(p, r))
         gbps = out.loc[out.metric == "fetch_GBps", "value"].item()
         mrows = out.loc[out.metric == "fetch_Mrows_per_s", "value"].item()
-        print(f"{p.batch:5d} {p.cache_slots / p.k:4.1f} {r['miss_rate']:6.3f} {p.row_bytes:6d} "
-              f"{'address' if p.sort_plan else 'miss':>7} | "
+        print(f"{p.batch:5d} {p.cache_slots / p.k:4.1f} {r['miss_rate']:6.3f} {p.row_bytes:6d} | "
               f"{r['noio_us']:8.1f} {r['total_us']:9.1f} | {gbps:10.1f} {'':12} {mrows:8.1f}   "
               f"[{i + 1}/{len(points)}]", flush=True)
 

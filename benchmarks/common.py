@@ -6,8 +6,6 @@ import time
 import torch
 import triton
 
-from hisparse import graph_flags
-
 HBM_BYTES_PER_S = 4.3e12        # device-to-device copy, read + write counted (DESIGN section 7: 4.27 TB/s)
 MMA_FLOPS_PER_S = 790e12        # bf16 8192^3 matrix product on random data, measured on this H200
 PINNED_BYTES_PER_S = 55.4e9     # pinned host <-> device copy, each way (DESIGN section 7)
@@ -44,50 +42,28 @@ def time_us(fn, cudagraph: bool = False) -> tuple[float, float, float]:
 
 
 # On the H200 (torch 2.11, driver 580), once PyTorch has captured 4 CUDA graphs in a process, every graph it
-# captured replays slower than before: +2 ms per 61-layer decode step, the GPU idling between kernels.
-# PyTorch's captures count, not kernels (scripts/repeat_runs.py, scripts/graph_switch.py: 3 captures of
-# nothing first make the next graph slow, one graph of 16000 kernels does not); the driver's captures
-# (HISPARSE_GRAPH_CAPTURE=driver) do not count, and pass_graph_switch below, made of PyTorch's, does not
-# set it off for them. A server with a graph per batch size always runs past it.
+# captured replays slower (+2 ms per 61-layer decode step, the GPU idling between kernels; results/notes/
+# graphs.md). Benchmarks that compare graphed runs pass that switch first, so every run sits on its slow side.
 GRAPHS_BEFORE_SWITCH = 3
 _graph_switch_passed = False
 
 
 def pass_graph_switch() -> None:
-    """Capture (by PyTorch), replay and free GRAPHS_BEFORE_SWITCH one-kernel graphs, once per process, so
-    that every graph PyTorch captures later in this process runs on the same (slow) side of the switch
-    above; a graph the driver captures (HISPARSE_GRAPH_CAPTURE=driver) then makes the 4th capture
-    through neither, and stays before it. GPU only."""
+    """Capture, replay and free GRAPHS_BEFORE_SWITCH one-kernel graphs, once per process, so that every
+    graph captured later in this process runs on the same (slow) side of the switch above. GPU only."""
     global _graph_switch_passed
-    if not _graph_switch_passed:
-        throwaway_graphs(GRAPHS_BEFORE_SWITCH, kernels=1)
-        _graph_switch_passed = True
-
-
-def throwaway_graphs(count: int, kernels: int, replay: bool = True, keep: bool = False,
-                     shared_pool: bool = False) -> list:
-    """`count` graphs of `kernels` small kernels each, captured by PyTorch (torch.cuda.graph, whose
-    captures the switch counts; instantiated as HISPARSE_GRAPH_FLAGS says), replayed once (unless not
-    `replay`) and freed (unless `keep`: then their replay functions are returned); with `shared_pool`,
-    all in one memory pool."""
+    if _graph_switch_passed:
+        return
     x = torch.zeros(1024, device="cuda")
-    pool = torch.cuda.graph_pool_handle() if shared_pool else None
-
-    def chain():
-        for _ in range(kernels):
+    for _ in range(GRAPHS_BEFORE_SWITCH):
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
             x.add_(1)
-
-    kept = []
-    for _ in range(count):
+        graph.replay()
         torch.cuda.synchronize()
-        launch, _ = graph_flags.capture(chain, pool, how="torch")
-        if replay:
-            launch()
-        torch.cuda.synchronize()
-        if keep:
-            kept.append(launch)
-        del launch
-    return kept
+        del graph
+    _graph_switch_passed = True
 
 
 def print_table(rows: list[dict], times: dict) -> None:

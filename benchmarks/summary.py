@@ -100,8 +100,9 @@ def prefetch_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def decode_ablation_lines(frame: pd.DataFrame) -> list[str]:
-    """scripts/ablate_decode.py: per point and variant, the median step over rounds, and in brackets the
-    median over rounds of its ratio to resident's in the same round (issue #6: noio within 3% of resident)."""
+    """decode_ablation.csv (the archived ablate_decode script: results/notes/investigations.md): per
+    point and variant, the median step over rounds, and in brackets the median over rounds of its
+    ratio to resident's in the same round (issue #6: noio within 3% of resident)."""
     f = latest(frame)
     f = f[f.metric == "tpot_median_ms"]
     lines = []

@@ -117,9 +117,9 @@ def default_prefetch_variant(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def default_decode_method(frame: pd.DataFrame) -> pd.DataFrame:
-    """The sweep's decode rows as the figures read them: those run the default way, the variants
-    (`early_resolve`, which the sweep records beside each row) left to the tables in results/README.md;
-    a file holding only variant rows is drawn as it is."""
+    """The sweep's decode rows as the figures read them: those run the default way, not the stored rows
+    of the retired `early_resolve` variant (results/notes/investigations.md); a file holding only
+    variant rows is drawn as it is."""
     if "early_resolve" not in frame:
         return frame
     default = frame[frame["early_resolve"].fillna(False).astype(str).str.lower() != "true"]

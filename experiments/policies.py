@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hisparse.policies import (adjacent_layer_overlap, consecutive_overlap, gap_quantiles, reuse_gaps,
-                               simulate)
+from hisparse.policies import adjacent_layer_overlap, consecutive_overlap, gap_quantiles, reuse_gaps, simulate
 from hisparse.results import append_rows, check_out_folder
 from hisparse.synthetic import SyntheticConfig, generate, layer_weights, preset
 

@@ -7,7 +7,7 @@
 A config is a list of `[[study]]` tables; each `kind` has its own keys (listed after the options,
 and in the shipped configs). Every point is validated before anything runs; points whose rows are already in
 the output (same parameters, same GPU) are skipped unless --force, so an interrupted sweep resumes;
-a point stored from a run made another way (new_tokens, warmup_steps, graph, prefetch, early_resolve)
+a point stored from a run made another way (new_tokens, warmup_steps, graph, prefetch, decode_backend)
 runs again, and the figures read its newest rows.
 
 kinds:
@@ -26,11 +26,9 @@ model (workload = "model") or replay a synthetic preset (`hisparse.synthetic.PRE
 locality (Quest: per KV head, in pages, `per_kv_head_workload`); decode and throughput runs fill the
 prompt's KV with random rows.
 How a decode study runs, recorded beside each row: `graph` (CUDA graphs, on a GPU), `prefetch`
-(layer-wise prefetch, for models whose layers share a selection), `early_resolve` (DSA, hierarchical
-modes, a GPU: each anchor layer's resolve starts on a stream of its own as soon as its selection is
-known, overlapping the query's projection; newest rows reach the host pool once per step), and
-`attention_kernel` (DSA: the sparse MLA decode kernel, `gluon` on Hopper with Triton 3.6 since
-6c44dc9ab649, else `triton`; `triton` for NSA and Quest; HISPARSE_DSA_DECODE picks DSA's).
+(layer-wise prefetch, for models whose layers share a selection), `decode_backend` (DSA: the sparse
+MLA decode kernel asked for, auto, triton or gluon) and `attention_kernel` (the one that ran: for DSA
+`gluon` on Hopper with Triton 3.6 under auto, else `triton`; `triton` for NSA and Quest).
 """
 from __future__ import annotations
 
@@ -45,32 +43,27 @@ import time
 import tomllib
 from pathlib import Path
 
+import pandas as pd
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
-
-import pandas as pd  # noqa: E402
-
-from hisparse import dsa  # noqa: E402
-from hisparse.dsa_runtime import KV_MODES  # noqa: E402
-from hisparse.engine import Engine  # noqa: E402
-from hisparse.host_pool import release_cached_memory  # noqa: E402
-from hisparse.models.config import config_from_dict  # noqa: E402
-from hisparse.models.loading import build_model, load_model  # noqa: E402
-from hisparse.models.tiny import TINY_CONFIGS, randomize_  # noqa: E402
-from hisparse.resolve import MAX_SLOTS, CacheState  # noqa: E402
-from hisparse.results import append_rows, environment, read_stored_rows  # noqa: E402
-from hisparse.runtime import nbytes  # noqa: E402
-from hisparse.synthetic import (PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset,  # noqa: E402
-                                repeat_request)
-from hisparse.traces import with_anchors  # noqa: E402
+from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsupported
+from hisparse.dsa.runtime import KV_MODES
+from hisparse.engine import Engine
+from hisparse.host_pool import release_cached_memory
+from hisparse.models.config import config_from_dict
+from hisparse.models.loading import build_model, load_model
+from hisparse.models.tiny import TINY_CONFIGS, randomize_
+from hisparse.resolve import MAX_SLOTS, CacheState
+from hisparse.results import append_rows, environment, read_stored_rows
+from hisparse.runtime import nbytes
+from hisparse.synthetic import PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset, repeat_request
+from hisparse.traces import with_anchors
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
     "policies": {"kind", "workload"},
     "decode": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "batches", "new_tokens",
-               "warmup_steps", "workload", "graph", "prefetch", "token_budget", "early_resolve"},
+               "warmup_steps", "workload", "graph", "prefetch", "token_budget", "decode_backend"},
     "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
                    "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph", "token_budget"},
 }
@@ -95,7 +88,7 @@ KEY_HELP = {
     "graph": "CUDA graphs, on a GPU (false)",
     "prefetch": "layer-wise prefetch, for models whose layers share a selection (false)",
     "token_budget": f"Quest: tokens per KV head and step ({TOKEN_BUDGET['quest']}; tiny models {TINY_TOKEN_BUDGET})",
-    "early_resolve": "DSA on a GPU: anchor resolves on a stream of their own (false)",
+    "decode_backend": "DSA: the sparse MLA decode kernel, auto, triton or gluon (auto)",
     "kv_budget_gib": "GPU memory for KV per point (GiB)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
     "max_batch": f"largest batch tried ({DEFAULTS['max_batch']})",
@@ -226,7 +219,7 @@ def validate(studies: list[dict]) -> None:
         if not isinstance(study["model"], str):
             raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa, quest or "
                               f"a checkpoint directory)")
-        for key in ("graph", "prefetch", "early_resolve"):
+        for key in ("graph", "prefetch"):
             if key in study and not isinstance(study[key], bool):
                 raise ConfigError(f"{where}: {key} = {study[key]!r}: expected true or false")
         sizes = {"layers": "the 'dsa', 'quest' and tiny: models", "hidden": "the 'dsa' and 'quest' models"}
@@ -252,9 +245,13 @@ def validate(studies: list[dict]) -> None:
             raise ConfigError(f"{where}: model {study['model']!r}: {exc}") from None
         shares = any(built.selection_anchor(i) != i for i in range(built.num_hidden_layers)) \
             if hasattr(built, "selection_anchor") else "shared" in getattr(built, "indexer_types", [])
-        if study.get("early_resolve") and family(raw) != "dsa":
-            raise ConfigError(f"{where}: early_resolve = true applies to DSA models (an anchor layer's resolve "
-                              f"overlaps its query projection); model {study['model']!r} is {family(raw)}")
+        if "decode_backend" in study:
+            backend = study["decode_backend"]
+            if family(raw) != "dsa":
+                raise ConfigError(f"{where}: decode_backend applies to DSA models (the sparse MLA decode kernel); "
+                                  f"model {study['model']!r} is {family(raw)}")
+            if backend not in DECODE_BACKENDS:
+                raise ConfigError(f"{where}: decode_backend = {backend!r}: expected one of {DECODE_BACKENDS}")
         if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
@@ -375,11 +372,12 @@ def run_settings(study: dict, point: dict, on_gpu: bool) -> dict:
     adds rows that the figures read instead (the newest of a point's). Empty for policies."""
     if point["bench"] == "policies":
         return {}
-    hierarchical = point["mode"] != "resident"
-    return dict(new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
-                graph=study.get("graph", False) and on_gpu,
-                prefetch=study.get("prefetch", False) and point["mode"] == "hisparse",
-                early_resolve=study.get("early_resolve", False) and hierarchical and on_gpu)
+    settings = dict(new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
+                    graph=study.get("graph", False) and on_gpu,
+                    prefetch=study.get("prefetch", False) and point["mode"] == "hisparse")
+    if point["family"] == "dsa":
+        settings["decode_backend"] = study.get("decode_backend", "auto")
+    return settings
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -411,14 +409,13 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 
 # Decode runs so far in this process. On the H200 every run from a process's 4th on took about 11.5%
 # longer per step than the first three, whatever its mode: once PyTorch has captured 4 CUDA graphs in a
-# process, the graphs it captured replay slower (scripts/repeat_runs.py, scripts/graph_switch.py), and each
-# run captures one (by PyTorch unless HISPARSE_GRAPH_CAPTURE=driver, whose captures do not count). So rows
-# record it.
+# process, the graphs it captured replay slower (results/notes/graphs.md), and each graphed run captures
+# one. So rows record it.
 decode_runs = 0
 
 
 def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
-               warmup_steps: int = 1, host_write: str = "layer", early_resolve: bool = False):
+               warmup_steps: int = 1, decode_backend: str = "auto"):
     global decode_runs
     decode_runs += 1
     cfg = model.config
@@ -436,8 +433,7 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
     quest = {} if budget is None else {"token_budget": budget}
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
-                    prefetch=prefetch and point["mode"] == "hisparse", host_write=host_write,
-                    early_resolve=early_resolve, **quest)
+                    prefetch=prefetch and point["mode"] == "hisparse", decode_backend=decode_backend, **quest)
     replay = replay and with_anchors(replay, engine.anchors)
     out = engine.generate(prompts, generated_tokens(new_tokens, warmup_steps), graph=graph, keep_logits=False,
                           replay=replay, warmup_steps=warmup_steps)
@@ -495,15 +491,15 @@ def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | Non
     return cfg.num_hidden_layers * per_stream(capacity, row) + index, cfg.num_hidden_layers * capacity * row
 
 
-def attention_kernel(model) -> str:
+def attention_kernel(model, backend: str = "auto") -> str:
     """The sparse attention kernel the model's decode runs: for DSA the one `sparse_mla_decode` picks
-    for its query shape, dtype and device ("gluon" or "triton"); "triton" for the other families."""
+    for its query shape, dtype, device and `backend` ("gluon" or "triton"); "triton" for the other families."""
     cfg, weight = model.config, model.model.embed_tokens.weight
     if family(cfg) != "dsa":
         return "triton"
     q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=weight.dtype,
                     device=weight.device)
-    return dsa.decode_backend(q, cfg.kv_lora_rank)
+    return decode_backend(q, cfg.kv_lora_rank, backend)
 
 
 def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
@@ -513,12 +509,12 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
     else:
         k, unit_bytes = cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
     settings = run_settings(study, point, on_gpu)
-    graph, prefetch, early = settings["graph"], settings["prefetch"], settings["early_resolve"]
+    graph, prefetch, backend = settings["graph"], settings["prefetch"], settings.get("decode_backend", "auto")
     point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                 **settings, attention_kernel=attention_kernel(model))
+                 **settings, attention_kernel=attention_kernel(model, backend))
     if point["bench"] == "decode":
         out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"],
-                         host_write="step" if early else "layer", early_resolve=early)
+                         decode_backend=backend)
         return decode_rows(point, out, point["batch"])
     capacity = point["context"] + generated_tokens(study["new_tokens"], study["warmup_steps"])   # as run_decode
     gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], capacity, point["cache_slots"])
@@ -551,7 +547,7 @@ def main(argv=None) -> int:
                     help="after N decode runs, go on in a fresh process (the sweep resumes where it stopped): on "
                          "the H200, once PyTorch has captured 4 CUDA graphs in a process, its graphs replay "
                          "slower, so the 4th decode run and every later one take about 11%% longer per step "
-                         "(scripts/repeat_runs.py), so N <= 3 keeps every run on the fast side; command "
+                         "(results/notes/graphs.md), so N <= 3 keeps every run on the fast side; command "
                          "line only, not with --force")
     args = ap.parse_args(argv)
     if args.runs_per_process is not None:
@@ -577,9 +573,16 @@ def main(argv=None) -> int:
         print(f"error: {args.config}: {exc}", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and any(s.get("early_resolve") for s in studies):
-        print("note: early_resolve needs a CUDA GPU (the resolve moves to a second stream); the decode points run "
-              "without it here, and their rows say so")
+    for study in studies:                    # before anything runs: a Gluon kernel that cannot run here
+        if study.get("decode_backend") == "gluon":
+            cfg = model_config(study)
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            probe = torch.empty(1, cfg["num_attention_heads"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"],
+                                dtype=dtype, device=device)
+            if reason := gluon_decode_unsupported(probe, cfg["kv_lora_rank"]):
+                print(f"error: {args.config}: study {study.get('_index', '')}: decode_backend = \"gluon\" cannot run "
+                      f"here: {reason}", file=sys.stderr)
+                return 2
     gpu, out_dir = environment()["gpu"], Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         print(f"error: --out {out_dir} is a file, not a folder for the result CSVs", file=sys.stderr)
@@ -599,13 +602,13 @@ def main(argv=None) -> int:
     keys = [tuple(sorted((k, str(v)) for k, v in point.items())) for _, point in todo]
     if args.runs_per_process and len(set(keys)) < len(keys):
         print("error: two studies share a point (they differ only in how it runs: new_tokens, warmup_steps, "
-              "graph, prefetch or early_resolve), which a resumed process would run once: split them into two configs "
+              "graph, prefetch or decode_backend), which a resumed process would run once: split them into two configs "
               "for --runs-per-process", file=sys.stderr)
         return 2
     total = sum(len(points(s)) for s in studies)
     print(f"{args.config}: {total} points, {total - len(todo)} already in {out_dir}/, {len(todo)} to run on {gpu}"
           + (f" ({rerun} of them stored from runs made another way, in new_tokens, warmup_steps, graph, prefetch "
-             f"or early_resolve: they run again, and the figures read a point's newest rows)" if rerun else ""))
+             f"or decode_backend: they run again, and the figures read a point's newest rows)" if rerun else ""))
     if args.dry_run:
         for study, point in todo:
             print("  ", point)

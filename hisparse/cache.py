@@ -15,8 +15,18 @@ from __future__ import annotations
 import torch
 
 from hisparse.host_pool import HostPool, as_int
-from hisparse.resolve import (MAX_SLOTS, CacheState, ResolveResult, check_fetch_inputs, check_resolve_inputs,
-                              fetch_rows, resolve, resolve_ref, store_reserved, write_rows, write_unit_token)
+from hisparse.resolve import (
+    MAX_SLOTS,
+    CacheState,
+    ResolveResult,
+    check_fetch_inputs,
+    check_resolve_inputs,
+    fetch_rows,
+    resolve,
+    write_rows,
+    write_unit_token,
+)
+from hisparse.resolve_ref import resolve_ref
 
 MODES = ("normal", "noio")
 
@@ -111,9 +121,9 @@ class HierarchicalKVCache:
         return stream
 
     def _check_newest_units(self, what: str, streams: torch.Tensor, units: torch.Tensor,
-                            map_streams: torch.Tensor | None = None, once: bool = True) -> None:
+                            map_streams: torch.Tensor | None = None) -> None:
         """Before a write that has no host sync of its own: every stream open (or -1, skipped) and
-        listed at most once (`once`), every unit one the stream has recorded (`advance`), every map
+        listed at most once, every unit one the stream has recorded (`advance`), every map
         stream open. Reads the values on the host."""
         if streams.dim() != 1 or units.shape != streams.shape:
             raise ValueError(f"{what}: streams and units must be [N] each, got {tuple(streams.shape)} and "
@@ -126,8 +136,7 @@ class HierarchicalKVCache:
             if not 0 <= u < self.stream_len[s]:
                 raise ValueError(f"{what}: unit {u} of stream {s} is outside its recorded units 0.."
                                  f"{self.stream_len[s] - 1} (record it with `advance` first)")
-        if once:
-            _check_listed_once(what, [s for s, _ in live], "each may take one row a call")
+        _check_listed_once(what, [s for s, _ in live], "each may take one row a call")
         if map_streams is not None:
             if tuple(map_streams.shape) != (len(streams),):
                 raise ValueError(f"{what}: map_streams must be [N]=[{len(streams)}], got "
@@ -179,31 +188,20 @@ class HierarchicalKVCache:
             self.slots[stream, self.reserved_slot] = row
 
     def write_newest(self, streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor,
-                     map_streams: torch.Tensor | None = None, to_host: bool = True,
-                     check_values: bool | None = None) -> None:
+                     map_streams: torch.Tensor | None = None, check_values: bool | None = None) -> None:
         """The decode step's write, on the device (capturable: no host sync while a CUDA graph is
         captured or with check_values=False): rows [N, E] become
         unit units[n] of stream streams[n] (int32, -1 skips) in the host pool, in the reserved slot,
         and in the unit's cached copy if it has one. The caller records the new units on the host
         first (`advance`, which checks capacity); the units must lie inside the streams' regions.
         map_streams: the streams whose slot maps place the rows (a shared layer's anchor streams).
-        to_host=False leaves the host pool for `store_newest`, which must run before the units can
-        be fetched (before the streams' next resolve). check_values: check streams and units on the
-        host first (a sync); default: unless a CUDA graph is being captured."""
+        check_values: check streams and units on the host first (a sync); default: unless a CUDA
+        graph is being captured."""
         _check_integer("units", units)
         if _values_checked(check_values, streams):
             self._check_newest_units("write_newest", streams, units, map_streams)
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
-                   self.host.rows, self.slots, to_reserved=True, map_streams=map_streams, to_host=to_host)
-
-    def store_newest(self, streams: torch.Tensor, units: torch.Tensor, check_values: bool | None = None) -> None:
-        """Store the reserved slot of each of streams [M] (int32, -1 skips) into the host pool as its
-        unit units[m]: the host half of `write_newest(to_host=False)`, for many streams in one launch.
-        check_values: as in `write_newest`."""
-        _check_integer("units", units)
-        if _values_checked(check_values, streams):
-            self._check_newest_units("store_newest", streams, units, once=False)
-        store_reserved(streams, units.to(torch.int64), self.state.host_base, self.host.rows, self.slots)
+                   self.host.rows, self.slots, to_reserved=True, map_streams=map_streams)
 
     def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            unit_tokens: int, map_streams: torch.Tensor | None = None,
@@ -305,7 +303,7 @@ class HierarchicalKVCache:
                        newest=newest, **kwargs)
 
     def resolve_ref(self, streams: torch.Tensor, sel: torch.Tensor, mode: str = "normal",
-                    sort_plan: bool = False, newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
+                    newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
         """The torch reference of `resolve`, on this cache's state (for tests and notebooks)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -314,7 +312,7 @@ class HierarchicalKVCache:
             _check_integer("units", newest[0])
             self._check_newest_units("resolve_ref newest", streams.cpu(), newest[0].cpu().long())
         return resolve_ref(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
-                           sort_plan=sort_plan, newest=newest)
+                           newest=newest)
 
     def row_base(self, streams: torch.Tensor) -> torch.Tensor:
         """Row of each stream's slot 0 in `self.slots.view(-1, E)`: streams [N] -> [N] int64."""

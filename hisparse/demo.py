@@ -8,19 +8,15 @@ LRU simulator, and every returned slot against the host row of its unit.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
-
-from hisparse.cache import HierarchicalKVCache  # noqa: E402
-from hisparse.policies import simulate  # noqa: E402
-from hisparse.resolve import MAX_SLOTS  # noqa: E402
-from hisparse.synthetic import PRESETS, generate, preset  # noqa: E402
+from hisparse.cache import HierarchicalKVCache
+from hisparse.policies import simulate
+from hisparse.resolve import MAX_SLOTS
+from hisparse.synthetic import PRESETS, generate, preset
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ Families: DSA (`deepseek_v32`, `glm_moe_dsa`: one stream per (request, layer), t
 Quest (`llama`, `qwen3`: 16-token pages on every layer but the first `quest_dense_layers`) and NSA
 (`nsa`: 64-token selection blocks; compressed blocks and the sliding window stay resident), the
 last two with one stream per (request, layer, KV head). What differs between them sits behind one
-`hisparse.runtime.FamilyRuntime` (dsa_runtime.py, quest_runtime.py, nsa_runtime.py). Every family
+`hisparse.runtime.FamilyRuntime` (hisparse/dsa/runtime.py, quest/runtime.py, nsa/runtime.py). Every family
 can share selections across layers (prefetch) and record and replay selection traces (per KV head
 for the last two: `hisparse.synthetic.split_kv_heads` shapes a synthetic trace for them).
 """
@@ -31,29 +31,34 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hisparse import graph_flags
 from hisparse.cache import HierarchicalKVCache
-from hisparse.dsa_runtime import DsaRuntime
+from hisparse.dsa.model import DsaModel
+from hisparse.dsa.runtime import DsaRuntime
 from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
-from hisparse.models.deepseek_v32 import DsaModel
-from hisparse.models.llama_quest import QuestModel
-from hisparse.models.nsa_model import NsaModel
-from hisparse.nsa_runtime import NsaRuntime
-from hisparse.quest_runtime import QuestRuntime
+from hisparse.nsa.model import NsaModel
+from hisparse.nsa.runtime import NsaRuntime
+from hisparse.quest.model import QuestModel
+from hisparse.quest.runtime import QuestRuntime
 from hisparse.resolve import MAX_K, MAX_SLOTS
-from hisparse.runtime import KV_MODES, FamilyRuntime
+from hisparse.runtime import KV_MODES, FamilyRuntime, prefetch_width
 from hisparse.traces import Trace, TraceWriter, validate
 
 RUNTIMES = {DsaModel: DsaRuntime, QuestModel: QuestRuntime, NsaModel: NsaRuntime}
 
 
-def family_runtime(model, token_budget: int | None = None) -> FamilyRuntime:
-    """The runtime of the model's family; checks the model fits its kernels. token_budget: Quest only."""
+def family_runtime(model, token_budget: int | None = None, decode_backend: str = "auto") -> FamilyRuntime:
+    """The runtime of the model's family; checks the model fits its kernels. token_budget: Quest only;
+    decode_backend: DSA only (`hisparse.dsa.DECODE_BACKENDS`)."""
     runtime = RUNTIMES.get(type(model))
     if runtime is None:
         raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa), Quest models (llama, qwen3) "
                          f"and NSA models (nsa), got {type(model).__name__}")
+    if runtime is DsaRuntime:
+        return DsaRuntime(model, token_budget, decode_backend)
+    if decode_backend != "auto":
+        raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
+                         f"{runtime.family} model ({type(model).__name__}) has none")
     return runtime(model, token_budget)
 
 
@@ -126,15 +131,15 @@ class Engine:
     prefill: "model" runs the model's prefill; "random" fills the prompt's KV with random rows and
     feeds the prompt's last token first (for timing decode at long contexts; outputs are noise).
     token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16
-    pages; default the model's `sparse_attention.token_budget`. host_write: when the step's newest
-    rows reach the host pool, "layer" (default) or "step" (DSA only; `hisparse.runtime.HOST_WRITES`).
-    early_resolve (with host_write "step"; a GPU): each anchor layer's resolve and copy start on a
-    stream of their own once its selection is known, overlapping the query's projection."""
+    pages; default the model's `sparse_attention.token_budget`. prefetch_programs: the prefetch copy's
+    width in programs (default: the family's measured one, `hisparse.runtime.PREFETCH_PROGRAMS_PER_FAMILY`).
+    decode_backend (DSA models only): the sparse MLA decode kernel, "auto" (Gluon on Hopper where it
+    runs, else Triton), "triton" or "gluon"."""
 
     def __init__(self, model: DsaModel | QuestModel | NsaModel, mode: str = "resident",
                  cache_slots: int | None = None, max_context: int | None = None, chunk_size: int | None = None,
                  prefetch: bool = False, prefill: str = "model", token_budget: int | None = None,
-                 host_write: str = "layer", early_resolve: bool = False):
+                 prefetch_programs: int | None = None, decode_backend: str = "auto"):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefetch and mode != "hisparse":
@@ -147,16 +152,8 @@ class Engine:
             max_context = as_int(max_context, "max_context must be an int >= 1 (tokens a request may reach)", 1)
         if chunk_size is not None:
             chunk_size = as_int(chunk_size, "chunk_size must be an int >= 1 (prompt tokens per prefill chunk)", 1)
-        self.runtime = family_runtime(model, token_budget)
-        if host_write not in self.runtime.host_writes:
-            raise ValueError(f"host_write must be one of {self.runtime.host_writes} for {self.runtime.family} "
-                             f"models, got {host_write!r}")
-        self.runtime.host_write = host_write
-        if early_resolve and (mode == "resident" or host_write != "step"):
-            raise ValueError(f"early_resolve overlaps a hierarchical mode's resolve with the query's projection, on "
-                             f"a stream of its own, and needs host_write='step' (each layer's newest row then follows "
-                             f"its resolve, on the main stream); got mode {mode!r}, host_write {host_write!r}")
-        self.runtime.early_resolve = early_resolve
+        self.runtime = family_runtime(model, token_budget, decode_backend)
+        self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
                              f"this {self.runtime.family} model ({type(model).__name__}) has none (they come "
@@ -253,7 +250,8 @@ class Engine:
             if self.mode != "resident":
                 self.cache = self.runtime.new_cache(batch, capacity, self.cache_slots)
             state, first = self._prefill(prompts, capacity)
-            attention = self.runtime.attention(self.mode, state.layers, check_values=not graph, prefetch=self.prefetch)
+            attention = self.runtime.attention(self.mode, state.layers, check_values=not graph, prefetch=self.prefetch,
+                                               prefetch_programs=self.prefetch_programs)
             if replay is not None:     # the whole trace on the device: each step copies its slice
                 steps = np.ascontiguousarray(replay.selections[:new_tokens - 1])
                 replay_steps = torch.from_numpy(steps).to(first.device)
@@ -355,12 +353,14 @@ class Engine:
         Capturing records without executing, so the model's host-side length bound is put back."""
         static_tokens = tokens.clone()
         max_length = state.max_length
-        replay, static_logits = graph_flags.capture(lambda: self.model.decode(static_tokens, state))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = self.model.decode(static_tokens, state)
         state.max_length = max_length
 
         def step(new_tokens: torch.Tensor) -> torch.Tensor:
             static_tokens.copy_(new_tokens)
-            replay()
+            graph.replay()
             state.max_length += 1
             return static_logits
 

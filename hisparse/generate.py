@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # before any kernel module is imported
+from hisparse.engine import Engine, family_runtime
+from hisparse.models.loading import load_model
+from hisparse.quest.ops import PAGE
+from hisparse.runtime import KV_MODES
 
 FAMILIES = {"deepseek_v32": "DSA", "glm_moe_dsa": "DSA", "llama": "Quest", "qwen3": "Quest", "nsa": "NSA"}
-QUEST_PAGE = 16                                     # hisparse.quest.PAGE (not imported here)
-MODES = ("resident", "hisparse", "noio")            # hisparse.runtime.KV_MODES (not imported here)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_PROMPT_LEN = 32
 
@@ -99,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=_positive, default=None, metavar="N",
                     help="number of requests decoded together (default 1, or the number of --prompt-lens / "
                          "';'-separated --prompt-ids)")
-    ap.add_argument("--mode", choices=MODES, default="resident",
+    ap.add_argument("--mode", choices=KV_MODES, default="resident",
                     help="where the selectable KV units live (DSA's MLA latents, Quest's pages, NSA's selection "
                          "blocks): resident (all on the GPU, the baseline), hisparse (host pool + --cache-slots GPU "
                          "slots per stream, exact), noio (hisparse without the copies: wrong outputs, the time's "
@@ -111,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "ignored in resident mode")
     ap.add_argument("--token-budget", type=_positive, default=None, metavar="T",
                     help="Quest checkpoints (llama, qwen3) only: tokens each KV head reads per decode step, "
-                         f"k = T // {QUEST_PAGE} pages, the current page included (at least {QUEST_PAGE}; "
+                         f"k = T // {PAGE} pages, the current page included (at least {PAGE}; "
                          "default 4096, the model's)")
     ap.add_argument("--prefetch", action="store_true",
                     help="hisparse mode, checkpoints whose layers share selections (glm_moe_dsa's shared indexer "
@@ -149,16 +148,6 @@ def _device(ap: argparse.ArgumentParser, text: str | None) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             ap.error(f"argument --device: {text!r} does not exist ({torch.cuda.device_count()} GPUs)")
     return device
-
-
-def _use_interpreter_on_cpu(ap: argparse.ArgumentParser) -> None:
-    """The CPU runs the kernels through Triton's interpreter, chosen when a kernel module is imported."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    if any(name.startswith("kernels_triton") for name in sys.modules):
-        ap.error("argument --device: cpu needs Triton's interpreter, but the kernels were already compiled "
-                 "for the GPU in this process; run in a fresh process")
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def _prompts(ap, args, vocab: int) -> list[torch.Tensor]:
@@ -203,8 +192,9 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             ap.error(f"argument --graph: CUDA graphs need a CUDA device, got --device {args.device}")
     if args.prefetch and args.mode != "hisparse":
         ap.error(f"argument --prefetch: applies to --mode hisparse, got --mode {args.mode}")
-    if device.type == "cpu":
-        _use_interpreter_on_cpu(ap)
+    if device.type == "cpu" and torch.cuda.is_available():
+        ap.error("argument --device: cpu runs the kernels in Triton's interpreter, which a process that sees a "
+                 "GPU does not use: run with CUDA_VISIBLE_DEVICES= instead")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
 
     config_path = Path(args.model) / "config.json"
@@ -222,11 +212,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if family != "Quest":
             ap.error(f"argument --token-budget: applies to Quest checkpoints (llama, qwen3), not model_type "
                      f"{model_type!r}")
-        if args.token_budget < QUEST_PAGE:
-            ap.error(f"argument --token-budget: {args.token_budget} is under one page ({QUEST_PAGE} tokens)")
-
-    from hisparse.engine import Engine, family_runtime  # after the interpreter choice
-    from hisparse.models.loading import load_model
+        if args.token_budget < PAGE:
+            ap.error(f"argument --token-budget: {args.token_budget} is under one page ({PAGE} tokens)")
 
     try:
         model = load_model(args.model, dtype=dtype, device=device)

@@ -6,76 +6,28 @@ limited by the number of rows per second, while rows kept close together stream 
 """
 from __future__ import annotations
 
-import ctypes
 import operator
-import sys
 import warnings
 import weakref
 
 import torch
 
-from hisparse import host_vmm
-from hisparse.settings import env_switch
-
 # cudaHostRegister flags: pinned for every context (portable), and mapped into the device's address
 # space, so kernels read it zero-copy through the host pointer
 _REGISTER_PORTABLE_MAPPED = 1 | 2
 
-# Back a pinned pool with 2 MiB pages (Linux transparent huge pages, asked for with madvise before the
-# pinning faults the pages in): a GPU reaching rows spread over a large pool through 4 KiB pages may
-# miss its address translation on every row. An experiment (scripts/ablate_decode.py), off by
-# default: HISPARSE_HOST_HUGE_PAGES=1 turns it on.
-HUGE_PAGE_BYTES = 2 << 20
-_MADV_HUGEPAGE = 14
-HUGE_PAGES = env_switch("HISPARSE_HOST_HUGE_PAGES")
 
-
-def huge_page_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised, untouched [rows, row_elems] host tensor starting on a 2 MiB boundary, advised
-    to be backed by transparent huge pages (granted when its pages are first touched, if the system
-    has them free). The view keeps its over-allocated buffer alive. Linux only."""
-    if not sys.platform.startswith("linux"):
-        raise RuntimeError(f"huge pages for the host pool need Linux, this is {sys.platform}")
-    nbytes = rows * row_elems * dtype.itemsize
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    t = raw[offset:offset + nbytes].view(dtype).view(rows, row_elems)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) != 0:
-        warnings.warn(f"madvise(MADV_HUGEPAGE) failed (errno {ctypes.get_errno()}): the host pool keeps "
-                      f"4 KiB pages", RuntimeWarning, stacklevel=2)
-    return t
-
-
-# Allocate a pinned pool through the driver's virtual memory API instead (cuMemCreate of host memory
-# at the driver's allocation granularity, 2 MiB on the H200, mapped for CPU and GPU): a copy reading
-# random rows of a many-GiB pool slows the kernels beside it more the wider the rows' spread, and
-# madvise'd huge pages did not change that. Nor did this, on the H200
-# (results/gpu_logs/e9882268f059_copy_interference_span_vmm.txt). An experiment, off by default:
-# HISPARSE_HOST_VMM=1 turns it on.
-VMM = env_switch("HISPARSE_HOST_VMM")
-
-
-def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool | None = None,
-                 vmm: bool | None = None) -> torch.Tensor:
+def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised [rows, row_elems] host tensor, page-locked with cudaHostRegister.
 
     Not `torch.empty(..., pin_memory=True)`: PyTorch's pinned allocator rounds each block up to a
     power of two, so an 88 GiB pool would ask for 128 GiB (out of memory on a 128 GiB machine).
-    The caller unregisters it (`unpin`) before the last reference goes. huge_pages: back it with
-    2 MiB pages (default HUGE_PAGES, from HISPARSE_HOST_HUGE_PAGES). vmm: allocate and map it with
-    the driver's virtual memory API instead (default VMM, from HISPARSE_HOST_VMM; hisparse.host_vmm)."""
+    The caller unregisters it (`unpin`) before the last reference goes."""
     if not torch.cuda.is_available():
         raise RuntimeError("pinning a host pool needs a CUDA GPU; pass pin=False on a CPU-only machine")
-    if VMM if vmm is None else vmm:
-        return host_vmm.host_empty(rows, row_elems, dtype)
-    huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
-    t = huge_page_empty(rows, row_elems, dtype) if huge_pages else torch.empty(rows, row_elems, dtype=dtype)
-    # Register the whole buffer, not only the view: an aligned huge-page view starts inside its buffer,
-    # and torch's is_pinned() asks about the buffer's start.
-    storage = t.untyped_storage()
-    nbytes = storage.nbytes()
-    err = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED)
+    t = torch.empty(rows, row_elems, dtype=dtype)
+    nbytes = t.untyped_storage().nbytes()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _REGISTER_PORTABLE_MAPPED)
     if int(err) != 0:
         raise MemoryError(f"could not pin a host pool of {nbytes / 2**30:.1f} GiB ({rows} rows x "
                           f"{row_elems} elements): cudaHostRegister returned {err}")
@@ -83,13 +35,10 @@ def pinned_empty(rows: int, row_elems: int, dtype: torch.dtype, huge_pages: bool
 
 
 def unpin(t: torch.Tensor) -> None:
-    """Unregister a `pinned_empty` tensor, or unmap it if cuMemCreate made it (registered memory is
-    pinned for every device: wait for all of them)."""
+    """Unregister a `pinned_empty` tensor (registered memory is pinned for every device: wait for
+    all of them)."""
     for device in range(torch.cuda.device_count()):
         torch.cuda.synchronize(device)      # no kernel or copy in flight may still read or write it
-    if host_vmm.is_mapped(t):
-        host_vmm.free(t)
-        return
     err = torch.cuda.cudart().cudaHostUnregister(t.untyped_storage().data_ptr())
     if int(err) != 0:
         warnings.warn(f"cudaHostUnregister of a host pool returned {err}", RuntimeWarning, stacklevel=2)

@@ -1,4 +1,4 @@
-"""Resolve launchers and their torch reference (DESIGN section 3).
+"""Resolve launchers (DESIGN section 3); their torch reference is hisparse/resolve_ref.py.
 
 State of the cache, shared by the kernel and the reference (S streams, B slots, R host rows):
 - `lru [S, B]` int32: the slot ids of each stream, least recently used first. Empty slots sit at the
@@ -14,10 +14,7 @@ State of the cache, shared by the kernel and the reference (S streams, B slots, 
 
 One call resolves a batch of N rows (stream, selection of k units) and returns the slot of every
 selected unit in selection order, this call's counts, and the miss plan: the (unit, slot) pairs of
-the misses, in selection order, or sorted by unit (host-address order) with `sort_plan=True`.
-Sorting costs about 27 us per call on an H200 (a bitonic sort of k keys in one program) and bought
-no fetch bandwidth there: the fetch kernel has every chunk of every stream in flight at once, so the
-order inside one stream's plan does not reach the PCIe link (results/resolve.csv, `plan_order`).
+the misses, in selection order.
 """
 from __future__ import annotations
 
@@ -26,25 +23,13 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 
-from hisparse.settings import env_switch
-from kernels_triton.resolve import (
-    _fetch_rows_kernel, _resolve_kernel, _resolve_kernel_flat, _store_reserved_kernel, _write_rows_kernel,
-    _write_unit_token_kernel,
-)
+from kernels_triton.resolve import _fetch_rows_kernel, _resolve_kernel, _write_rows_kernel, _write_unit_token_kernel
 
-MAX_SLOTS = 1 << 20  # the address-order plan packs a slot id into 20 bits while sorting
+MAX_SLOTS = 1 << 20  # B's bound (a stream's LRU order lives on chip, in one program)
 MAX_K = (1 << 15) - 1  # the kernel packs hit and miss ranks into one int32 scan (16 + 15 bits)
 # A copy capped below this many programs (`fetch_rows`' max_programs) grows its tiles to keep as many
-# rows in flight (`copy_tile`). On the H200, DSA's side copies (1152-byte rows, hidden 1024) at 4
-# programs with 32 and 64-row tiles hid 82-84% and 83% of the shared layers' copies at batch 32,
-# against 67-69% at 16 programs of 8 rows, 72-74% at 6 or 8 programs of 32, and 66% at 4 programs of
-# 16; at batch 64, 64-row tiles hid 81% against 73% with 32
-# (results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt).
+# rows in flight (`copy_tile`): larger tiles hid more of the shared layers' copies (results/prefetch.csv).
 CAPPED_COPY_TILES = 32
-# Every miss copy's rows marked to leave L2 first (`fetch_rows`' evict_first): an experiment, off by
-# default (no gain in the decode step on the H200: results/gpu_logs/e2a9e92ade46_copy_evict_first.txt);
-# HISPARSE_COPY_EVICT_FIRST=1 turns it on.
-COPY_EVICT_FIRST = env_switch("HISPARSE_COPY_EVICT_FIRST")
 
 
 @dataclass
@@ -210,10 +195,9 @@ def as_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
-            cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
+            cache: torch.Tensor, *, fetch: bool = True,
             stream_len: torch.Tensor | None = None, out: ResolveResult | None = None,
-            num_warps: int | None = None, flat_layout: bool = True,
-            packed_scan: bool | None = None,
+            num_warps: int | None = None, packed_scan: bool | None = None,
             newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
     """Resolve one selection per row: hits, exact-LRU victims, miss fetch, slots in selection order.
 
@@ -227,14 +211,10 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     reserved slot, and the unit's cached copy if it has one), so the selection may hold that unit.
     Its units are checked against the streams' lengths with `stream_len` only: without, a unit
     outside its stream's region writes there, as with `write_rows`.
-    `num_warps`, `flat_layout` and `packed_scan` are tuning knobs (same results): the default flat
-    layout (the kernel compiled without size specialisation: one layout throughout, see
-    kernels_triton/resolve.py) measured faster at every point of
-    scripts/tune_resolve.py on the H200. `packed_scan` ranks the free slots with one scan over half
-    as many elements, both halves of the LRU order packed in one int32 (1656 SASS instructions against
-    1952 under Triton 3.6; on the H200 0.4 to 1.4 us faster at every point of tune_resolve, 8 warps:
-    results/gpu_logs/4973232b6e43_tune_packed_scan.txt). Its halves count in 16 bits, so the default
-    (None) uses it wherever B <= 32768 and the single scan above; True insists on it.
+    `num_warps` and `packed_scan` are tuning knobs (same results). `packed_scan` ranks the free slots
+    with one scan over half as many elements, both halves of the LRU order packed in one int32 (fewer
+    instructions, and faster on the H200). Its halves count in 16 bits, so the default (None) uses it
+    wherever B <= 32768 and the single scan above; True insists on it.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
@@ -269,17 +249,16 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
         packed_scan = b_pad <= 1 << 15
     _expect(not packed_scan or b_pad <= 1 << 15, f"packed_scan counts half of B={cache_slots} slots in 16 bits: "
                                                  f"expected B <= {1 << 15}")
-    kernel = _resolve_kernel_flat if flat_layout else _resolve_kernel
     host_w, cache_w = as_words(host), as_words(cache)
     # without newest rows their pointers are placeholders the kernel never reads
     new_units, new_rows = newest if newest is not None else (state.host_base, cache_w)
     new_rows = as_words(new_rows.contiguous())
     row_words = host_w.shape[1] if newest is not None else 1     # no kernel per row size without rows
-    kernel[(n,)](
+    _resolve_kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
         new_units.contiguous(), new_rows, host_w, cache_w,
-        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, SORT_PLAN=sort_plan, EVEN=k == k_pad and cache_slots == b_pad,
+        k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, EVEN=k == k_pad and cache_slots == b_pad,
         PACKED_SCAN=packed_scan, WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
         BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
         num_warps=num_warps or (8 if b_pad >= 2048 else 4),
@@ -304,19 +283,15 @@ def check_fetch_inputs(plan_unit, plan_slot, counts, streams, host, cache) -> No
 
 
 def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
-               max_programs: int | None = None, evict_first: bool | None = None) -> None:
+               max_programs: int | None = None) -> None:
     """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
 
     Also replays an anchor layer's plan into a shared layer: pass the shared layer's streams.
     max_programs caps the copy's programs (each then loops over several chunks, and below N rows
     over several rows), so a copy on a side stream leaves multiprocessors to the kernels it should
     overlap with: a copy that takes more than it needs to keep PCIe busy holds them while it waits
-    on the host's reads (on the H200, DSA's shared layers at hidden 7168 and batch 32 hid 45% of their
-    copies with 32 programs and 11% with 128:
-    results/gpu_logs/bb3a8198ed2f_tune_deferred_tests_resolve_layers_prefetch.txt). A capped copy of
-    fewer than CAPPED_COPY_TILES programs takes larger tiles, so as many rows stay in flight.
-    evict_first: mark the rows' loads and stores to leave L2 first (default COPY_EVICT_FIRST, from
-    HISPARSE_COPY_EVICT_FIRST; an experiment, off by default).
+    on the host's reads. A capped copy of fewer than CAPPED_COPY_TILES programs takes larger tiles,
+    so as many rows stay in flight.
     """
     check_fetch_inputs(plan_unit, plan_slot, counts, streams, host, cache)
     n, k = plan_unit.shape
@@ -331,10 +306,9 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
         rows_at_once = max(1, min(n, max_programs))
         per_row = max(1, min(per_row, max_programs // rows_at_once))
     grid = (rows_at_once, per_row)
-    evict_first = COPY_EVICT_FIRST if evict_first is None else bool(evict_first)
     _fetch_rows_kernel[grid](
         plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, n, k, cache.shape[1],
-        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, EVICT_FIRST=evict_first, num_warps=num_warps,
+        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=num_warps,
     )
 
 
@@ -345,8 +319,7 @@ def copy_tile(row_words: int, max_programs: int | None = None) -> tuple[int, int
     two), so that it keeps as many rows in flight as CAPPED_COPY_TILES programs of the base tile would:
     PCIe stays as busy while fewer multiprocessors are held (DSA's 4 programs move 64 rows a step). At
     most 64 rows and 32768 words of whole rows a step: for sm_90 under Triton 3.6, 64 DSA rows (288
-    words) take 242 registers a thread and 16 NSA rows (8192 words) spill
-    (results/cpu_logs/9d87af5c4f0d_fetch_tile_registers.txt)."""
+    words) take 242 registers a thread and 16 NSA rows (8192 words) spill."""
     block_w = min(triton.next_power_of_2(row_words), 1024)
     chunk = max(1, min(32, 4096 // block_w))
     if max_programs is None or max_programs >= CAPPED_COPY_TILES:
@@ -359,15 +332,12 @@ def copy_tile(row_words: int, max_programs: int | None = None) -> tuple[int, int
 
 def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host_base: torch.Tensor,
                unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor, to_reserved: bool,
-               map_streams: torch.Tensor | None = None, to_host: bool = True) -> None:
+               map_streams: torch.Tensor | None = None) -> None:
     """Store rows [M, E] (device) as unit units[m] of stream streams[m]: into the host pool, into the
     cached copy if the unit is cached, and with `to_reserved` into the stream's reserved slot (at
     most one row per stream then). streams [M] int32 (-1 skips), units [M] int64. No host sync.
     map_streams [M] int32: whose unit -> slot map says where the unit is cached (default: streams;
-    a shared layer, moving in lockstep with its anchor, passes the anchor's streams). Without
-    `to_host` the host pool is left alone: `store_reserved` writes the rows there later (from the
-    reserved slot, so `to_reserved` is required)."""
-    _expect(to_host or to_reserved, "a row kept off the host (to_host=False) must go to the reserved slot")
+    a shared layer, moving in lockstep with its anchor, passes the anchor's streams)."""
     _check_rows(host, cache)
     _check_new_rows(streams, units, rows, host)
     map_streams = streams if map_streams is None else map_streams
@@ -379,34 +349,8 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
         rows_w, streams.contiguous(), map_streams.contiguous(), units.contiguous(), host_base, unit_slot,
         as_words(host),
         as_words(cache), cache.shape[1], ROW_WORDS=row_words,
-        BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved, TO_HOST=to_host,
+        BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved,
     )
-
-
-def store_reserved(streams: torch.Tensor, units: torch.Tensor, host_base: torch.Tensor, host: torch.Tensor,
-                   cache: torch.Tensor) -> None:
-    """Copy each stream's reserved slot into the host pool as its unit units[m]:
-    host[host_base[streams[m]] + units[m]] = cache[streams[m], -1]. streams [M] int32 (-1 skips),
-    units [M] int64. One launch for many streams (the host half of `write_rows(to_host=False)`,
-    once per decode step for every layer). No host sync."""
-    _check_rows(host, cache)
-    _expect(streams.dim() == 1 and streams.shape == units.shape, f"streams {tuple(streams.shape)} and units "
-            f"{tuple(units.shape)} must be [M]")
-    _expect(streams.dtype == torch.int32 and units.dtype == torch.int64,
-            f"streams must be int32 and units int64, got {streams.dtype} and {units.dtype}")
-    host_w, cache_w = as_words(host), as_words(cache)
-    row_words = host_w.shape[1]
-    _store_reserved_kernel[(streams.shape[0],)](
-        streams.contiguous(), units.contiguous(), host_base, host_w, cache_w, cache.shape[1],
-        ROW_WORDS=row_words, BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
-    )
-
-
-def store_reserved_ref(streams, units, host_base, host, cache) -> None:
-    """`store_reserved` in torch, in place."""
-    for stream, unit in zip(streams.tolist(), units.tolist()):
-        if stream >= 0:
-            host[int(host_base[stream]) + unit] = cache[stream, -1].to(host.device)
 
 
 def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int, map_streams) -> None:
@@ -439,7 +383,7 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
     and values must already be in the rows' dtype (unit stride in D) and pos int64: nothing is
     converted on the way. map_streams [N * HKV] int32: whose unit -> slot map places the cached copy
     (default: streams; a shared layer in lockstep with its anchor passes the anchor's streams; -1: no
-    write-through). See `write_unit_token_ref`."""
+    write-through). See `hisparse.resolve_ref.write_unit_token_ref`."""
     _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
     map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape
@@ -449,86 +393,3 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
         D=d, T=unit_tokens, BLOCK=min(triton.next_power_of_2(2 * unit_tokens * d), 1024),
         BLOCK_D=triton.next_power_of_2(d),
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# torch reference
-
-
-def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
-                cache: torch.Tensor, *, fetch: bool = True, sort_plan: bool = False,
-                newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
-    """The same resolve, one stream at a time in plain torch and Python, updating `state` in place;
-    `newest` rows are written first, as `write_rows` would (host row, reserved slot, cached copy)."""
-    if newest is not None:
-        _check_new_rows(streams, *newest, host)
-        for stream, unit, row in zip(streams.tolist(), newest[0].tolist(), newest[1]):
-            if stream >= 0:
-                host_row = int(state.host_base[stream]) + unit
-                host[host_row] = row.to(host.device)
-                slot = int(state.unit_slot[host_row])
-                for place in [cache[stream, -1]] + ([cache[stream, slot]] if slot >= 0 else []):
-                    place.copy_(row)
-    n, k = sel.shape
-    slots = torch.full((n, k), -1, dtype=torch.int32)
-    counts = torch.zeros(n, 2, dtype=torch.int32)
-    plan_unit = torch.full((n, k), -1, dtype=torch.int32)
-    plan_slot = torch.full((n, k), -1, dtype=torch.int32)
-    for row in range(n):
-        stream = int(streams[row])
-        if stream < 0:
-            continue
-        base = int(state.host_base[stream])
-        units = [int(u) for u in sel[row] if u >= 0]
-        order = state.lru[stream].tolist()
-        unit_of = dict(zip(order, state.lru_unit[stream].tolist()))   # slot -> unit it holds
-        cached = {u: int(state.unit_slot[base + u]) for u in units if state.unit_slot[base + u] >= 0}
-        hit_units = [u for u in units if u in cached]
-        miss_units = [u for u in units if u not in cached]
-        hit_slots = set(cached.values())
-        free = [s for s in order if s not in hit_slots]          # LRU first
-        victims = free[:len(miss_units)]
-        untouched = free[len(miss_units):]
-        for slot, unit in zip(victims, miss_units):
-            if unit_of[slot] >= 0:
-                state.unit_slot[base + unit_of[slot]] = -1
-            state.unit_slot[base + unit] = slot
-            unit_of[slot] = unit
-            if fetch:
-                cache[stream, slot] = host[base + unit].to(cache.device)
-        slot_of = {**cached, **dict(zip(miss_units, victims))}
-        new_order = untouched + victims + [cached[u] for u in hit_units]
-        state.lru[stream] = torch.tensor(new_order, dtype=torch.int32)
-        state.lru_unit[stream] = torch.tensor([unit_of[s] for s in new_order], dtype=torch.int32)
-        for i, u in enumerate(sel[row].tolist()):
-            if u >= 0:
-                slots[row, i] = slot_of[u]
-        planned = list(zip(miss_units, victims))
-        planned = sorted(planned) if sort_plan else planned
-        plan_unit[row, :len(planned)] = torch.tensor([u for u, _ in planned], dtype=torch.int32)
-        plan_slot[row, :len(planned)] = torch.tensor([s for _, s in planned], dtype=torch.int32)
-        counts[row] = torch.tensor([len(hit_units), len(miss_units)])
-        state.stats[stream] += counts[row].to(state.stats)
-    return ResolveResult(slots, counts, plan_unit, plan_slot)
-
-
-def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host, cache, unit_tokens: int,
-                         map_streams=None) -> None:
-    """`write_unit_token` in torch, in place."""
-    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
-    map_streams = streams if map_streams is None else map_streams
-    n, hkv, d = keys.shape
-    for m, stream in enumerate(streams.tolist()):
-        if stream < 0:
-            continue
-        req, head, p = m // hkv, m % hkv, int(pos[m // hkv])
-        host_row = int(host_base[stream]) + p // unit_tokens
-        map_stream = int(map_streams[m])
-        slot = int(unit_slot[int(host_base[map_stream]) + p // unit_tokens]) if map_stream >= 0 else -1
-        places = [host[host_row], cache[stream, -1]] + ([cache[stream, slot]] if slot >= 0 else [])
-        for place in places:                       # views: the writes land in host and cache
-            row = place.view(2, unit_tokens, d)
-            if p % unit_tokens == 0:               # a new unit: its whole row, zeros but for the token
-                row.zero_()
-            row[0, p % unit_tokens] = keys[req, head].to(row.device)
-            row[1, p % unit_tokens] = values[req, head].to(row.device)

@@ -17,8 +17,6 @@ import pandas as pd
 import torch
 import triton
 
-from hisparse import graph_flags
-
 try:                        # appends from several processes to one folder take turns (POSIX)
     import fcntl
 except ImportError:         # pragma: no cover - Windows: no lock
@@ -61,22 +59,15 @@ def current_commit(root: Path = PACKAGE_ROOT) -> str:
 
 
 def environment() -> dict:
-    """The columns that say where and with what a row was measured; and, only where set, the CUDA
-    graph experiments' settings (`hisparse.graph_flags`: HISPARSE_GRAPH_CAPTURE other than torch as
-    `graph_capture`, HISPARSE_GRAPH_FLAGS as `graph_flags`), so that such rows never pass for default ones."""
+    """The columns that say where and with what a row was measured."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    env = {
+    return {
         "gpu": gpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "commit": current_commit(),
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    if graph_flags.CAPTURE != "torch":
-        env["graph_capture"] = graph_flags.CAPTURE
-    if graph_flags.FLAGS is not None:
-        env["graph_flags"] = graph_flags.FLAGS
-    return env
 
 
 def check_out_folder(parser, out: str | os.PathLike) -> None:

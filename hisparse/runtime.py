@@ -1,7 +1,7 @@
 """What the decode loop needs from a model family, and the pieces the per-KV-head families share.
 
 `Engine` (hisparse/engine.py) runs every family through one `FamilyRuntime`: DSA
-(hisparse/dsa_runtime.py), Quest (quest_runtime.py) and NSA (nsa_runtime.py). A runtime knows its
+(hisparse/dsa/runtime.py), Quest (hisparse/quest/runtime.py) and NSA (hisparse/nsa/runtime.py). A runtime knows its
 family's selection size, how prefilled (or random) KV becomes each layer's decode state in a mode
 (resident pool, or host pool + hot cache), which sparse-attention object the model calls, how its
 streams grow, and how to count hits, misses and GPU bytes. The engine keeps the loop itself:
@@ -16,7 +16,6 @@ streams gain a unit.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -27,69 +26,23 @@ from hisparse.models.base import DecodeState
 from hisparse.resolve import ResolveResult
 
 KV_MODES = ("resident", "hisparse", "noio")
-# Layer-wise prefetch (every family): the copy's width in programs, per family (a copy from pinned
-# host memory needs few to keep PCIe busy; more crowd out the layers it overlaps with). On the H200:
-# NSA's shared layers hid 76-78% of their copies with 32 programs at batch 32 and 64, 37% and 16% with
-# 256 (results/gpu_logs/7bbb095b7367_prefetch_capped_copy.txt), 16 gained nothing (74-79%) and 8 hid
-# 38-56% (e343a3dfc6cc_prefetch_dsa_h7168_b8_nsa_narrow.txt); DSA's
-# hid more with 16 than with 32 at every batch from 8 to 128 (hidden 1024 batch 64: 71% against 54%,
-# batch 128: 69% against 62%; results/gpu_logs/6908a6cfb2e4_prefetch_width_per_family.txt); Quest's
-# were within a few points either way (PCIe-bound: at batch 64, 8 and 16 hid 24% and 28% against 30%;
-# 5a00a38e2dd7_prefetch_quest_b64_narrow.txt). Fewer programs take larger tiles (`hisparse.resolve.copy_tile`),
-# and with them DSA's hid more still with 4 (hidden 1024 batch 32: 83-84% against 67-69%; batch 64:
-# 81% against 70%; 6 or 8 programs hid 72-74%, 3 no more than 4;
-# results/gpu_logs/bb4a71085805_prefetch_copy_tiles.txt, 4f3263a3ae87_prefetch_programs_priority.txt).
-# Its compute never waits on a copy: it runs slower beside one, small kernels most, which the 4
-# multiprocessors a copy holds do not explain (e343a3dfc6cc_timeline_prefetch_4_programs.txt): the
-# copy's reads of rows spread over a host pool of many GiB slow the kernels beside it, whatever its
-# width (c21295b4d6aa_copy_interference.txt, a9751032cbcd_timeline_noio_copies.txt).
-# HISPARSE_PREFETCH_PROGRAMS sets one width for every family.
+# The prefetch copy's width in programs, per family: a copy from pinned host memory needs few programs
+# to keep PCIe busy, and more crowd out the layers it overlaps with (results/prefetch.csv).
 PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 4, "NSA": 32, "Quest": 32}
-# PREFETCH_PROGRAMS: one width for every family (HISPARSE_PREFETCH_PROGRAMS), or None for each one's own
-PREFETCH_PROGRAMS = os.environ.get("HISPARSE_PREFETCH_PROGRAMS")
-if PREFETCH_PROGRAMS is not None:
-    try:
-        PREFETCH_PROGRAMS = int(PREFETCH_PROGRAMS)
-    except ValueError:
-        PREFETCH_PROGRAMS = 0
-    if PREFETCH_PROGRAMS < 1:
-        raise ValueError(f"HISPARSE_PREFETCH_PROGRAMS={os.environ['HISPARSE_PREFETCH_PROGRAMS']!r}: "
-                         "expected a positive integer")
 
 
-def prefetch_programs(family: str) -> int:
-    """The prefetch copy's width for `family` ("DSA", "NSA" or "Quest", any case):
-    HISPARSE_PREFETCH_PROGRAMS where set, else the family's measured default."""
+def prefetch_width(family: str, programs: int | None = None) -> int:
+    """The prefetch copy's width for `family` ("DSA", "NSA" or "Quest", any case): `programs` where
+    given (an int >= 1), else the family's measured default."""
     names = {name.lower(): name for name in PREFETCH_PROGRAMS_PER_FAMILY}
     if family.lower() not in names:
         raise ValueError(f"family {family!r}: expected one of {tuple(PREFETCH_PROGRAMS_PER_FAMILY)}")
-    return PREFETCH_PROGRAMS or PREFETCH_PROGRAMS_PER_FAMILY[names[family.lower()]]
+    if programs is None:
+        return PREFETCH_PROGRAMS_PER_FAMILY[names[family.lower()]]
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"prefetch_programs must be an int >= 1 (programs of the prefetch copy), got {programs!r}")
+    return programs
 
-
-# the prefetch side stream's priority: "high" lets the copies' programs take a multiprocessor before
-# the next block of the compute they overlap. Captured kernel nodes keep their stream's priority,
-# which PyTorch's graphs honour since pytorch#167346 (instantiated with node priorities). On the H200
-# at batch 32 (DSA) it changed nothing (results/gpu_logs/bb3a8198ed2f_tune_deferred_tests_*.txt).
-PREFETCH_PRIORITIES = ("normal", "high")
-PREFETCH_PRIORITY = os.environ.get("HISPARSE_PREFETCH_PRIORITY", "normal")
-if PREFETCH_PRIORITY not in PREFETCH_PRIORITIES:
-    raise ValueError(f"HISPARSE_PREFETCH_PRIORITY={PREFETCH_PRIORITY!r}: expected one of {PREFETCH_PRIORITIES}")
-
-
-def side_stream(priority: str) -> torch.cuda.Stream:
-    """A CUDA stream for the prefetch copies at `priority` ("normal" or "high")."""
-    if priority not in PREFETCH_PRIORITIES:
-        raise ValueError(f"prefetch priority {priority!r}: expected one of {PREFETCH_PRIORITIES}")
-    # torch maps a priority past the device's range to the nearest one it has: -100 is the highest
-    return torch.cuda.Stream(priority=-100 if priority == "high" else 0)
-
-
-# When a decode step's newest rows reach the host pool in the hierarchical modes: "layer", as each
-# layer writes its row (zero-copy stores, which also write the reserved slot and any cached copy: a
-# DSA anchor layer's resolve does it, other layers launch a write of their own); "step", all layers'
-# rows in one launch after the last layer, from the reserved slots (the layers' launches then write
-# the device only). Either way every row is on the host before the next step's resolve can fetch it.
-HOST_WRITES = ("layer", "step")
 
 Rows = Callable[[int, int], tuple]     # rows(request, layer) -> that request's prefilled KV of the layer
 
@@ -103,9 +56,6 @@ class FamilyRuntime(Protocol):
     unit_size: int             # tokens per unit (a trace's unit_size)
     kv_heads: int | None       # selections per request and layer: one per KV head, or None for one in all
     dense_layers: int          # the first layers, which attend densely and select nothing (a trace's rows: -1)
-    host_writes: tuple[str, ...]   # when a step's newest rows may reach the host pool (HOST_WRITES)
-    host_write: str            # the one in use, set by the engine
-    early_resolve: bool        # resolve on a side stream from the selection on (set by the engine)
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """Random KV rows for prompts of these lengths (prefill="random": timing only)."""
@@ -120,7 +70,8 @@ class FamilyRuntime(Protocol):
                       capacity: int, prefetch: bool) -> list:
         """Every layer's batch decode state in `mode` (cache is None in resident mode)."""
 
-    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool):
+    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
+                  prefetch_programs: int | None = None):
         """The object to put in `model.sparse_attention` for decoding over `layers`."""
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
@@ -216,22 +167,18 @@ class UnitResolver:
     line, or with `prefetch` on a GPU on the side stream right after the anchor's resolve
     (`prefetch_shared`). shared: anchor layer -> its shared layers' states. check_values: validate
     selections against stream lengths before each resolve (a host sync; off inside a captured CUDA
-    graph)."""
+    graph). prefetch_programs: the prefetch copy's width (default: the family's)."""
 
     family: str        # "DSA", "NSA" or "Quest" (each subclass's): the prefetch copy's default width
 
-    def __init__(self, mode: str, check_values: bool, prefetch: bool, shared: dict[int, list] | None):
+    def __init__(self, mode: str, check_values: bool, prefetch: bool, shared: dict[int, list] | None,
+                 prefetch_programs: int | None = None):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         self.mode, self.check_values = mode, check_values
         self.shared = shared or {}
-        self.side = side_stream(PREFETCH_PRIORITY) if prefetch and torch.cuda.is_available() else None
-        self.prefetch_programs = prefetch_programs(self.family)
-        # the anchors' miss plans in host-address order (`resolve`'s sort_plan: a sort of k keys in each
-        # anchor's resolve) rather than selection order. Off: on the H200 (DSA, hidden 1024, batch 32)
-        # it saved 10% of the anchors' copies, not the compute's slowing beside the prefetch copies,
-        # and its sort cost 45 us a resolve (5a00a38e2dd7_timeline_prefetch_sorted_plans.txt)
-        self.sort_plan = False
+        self.prefetch_programs = prefetch_width(self.family, prefetch_programs)
+        self.side = torch.cuda.Stream() if prefetch and torch.cuda.is_available() else None
         self._plans: dict[int, ResolveResult] = {}      # anchor layer -> its resolve results, refilled per step
         # selections from a trace instead of the model's, [layers, N, (HKV,) k] int32, filled by the
         # caller before each step; and what each layer attended over in the last step
@@ -278,7 +225,7 @@ class UnitResolver:
         newest = getattr(kv, "newest", None)
         plan = kv.cache.resolve(kv.streams.view(-1), selection, mode="normal" if copy else "noio",
                                 check_values=self.check_values, out=self._plan_buffers(layer_idx, selection),
-                                newest=newest, sort_plan=self.sort_plan)
+                                newest=newest)
         if newest is not None:
             kv.newest = None                            # written (kept if the resolve refused the call)
         if copy and self.side is not None and self.shared.get(layer_idx):   # no fork without copies to make

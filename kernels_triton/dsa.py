@@ -1,6 +1,6 @@
 """DSA (DeepSeek-V3.2 sparse attention) kernels: lightning-indexer scores and sparse MLA decode.
 
-Launchers, input checks and torch references live in `hisparse/dsa.py`.
+Launchers and input checks live in `hisparse/dsa/ops.py`, torch references in `hisparse/dsa/reference.py`.
 """
 import triton
 import triton.language as tl
@@ -74,20 +74,12 @@ def _sparse_mla_decode_kernel(
     valid) and the natural-log sum-exp (-inf then) at split index `split` of out / lse: the final
     output when there is one split, else a float32 partial that `_sparse_mla_combine_kernel` merges.
     Each tile of rows is loaded once, by the pipeliner's asynchronous copies (num_stages >= 2), and
-    serves both QK^T and then PV in the same iteration. With two warp groups on 64 heads both appear
-    to compute QK^T (the chained dot wants all of P in each group's registers: its SASS holds 76
-    wgmma); on the H200 this loop with 64-row tiles took 151 us at batch 64. A variant that deferred
-    PV by one tile, carrying the previous tile's logits and values in registers (42 wgmma, no spills
-    at 32-row tiles), took 210 us and was removed; an earlier kernel re-reading V from L2 took 214 us.
-    Nsight Compute confirmed the doubled QK^T (72 HGMMA.64x32x16 per tile;
-    results/gpu_logs/84763bd12153_ncu_resolve_dsa.txt). Triton gives a dot that feeds another (here
-    through P, the accumulator's rescale, and the rope part accumulating onto the rest) the one-axis
-    warp layout; P through a scratch tile splits it, but then a barrier stops the pipelining or, without
-    one, the pipeliner fetches the scratch before it is written
-    (results/cpu_logs/34b2cf411b96_sass_dsa_qk_split_probe.txt). kernels_triton/dsa_gluon.py writes the
-    layouts, shared memory and copies out by hand in Gluon so that QK^T is computed once: 112 us where
-    this kernel takes 151 (H200, batch 64), so `hisparse.dsa.sparse_mla_decode` runs that one on Hopper
-    with Triton 3.6 and this one elsewhere (other GPUs, other Tritons, the CPU interpreter).
+    serves both QK^T and then PV in the same iteration. With two warp groups on 64 heads both
+    compute the whole QK^T: Triton gives a dot that feeds another (through P) the one-axis warp
+    layout, and routing P through a scratch tile needs a barrier that stops the pipelining.
+    kernels_triton/dsa_gluon.py writes the layouts out by hand so that QK^T is computed once, and
+    `hisparse.dsa.ops.sparse_mla_decode` runs it on Hopper with Triton 3.6 (the faster there:
+    results/attention.csv), this one elsewhere (other GPUs, other Tritons, the CPU interpreter).
     """
     i_hb = tl.program_id(0)  # fastest: the head blocks of a request run together and share rows in L2
     i_n = tl.program_id(1).to(tl.int64)

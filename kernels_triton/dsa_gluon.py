@@ -1,11 +1,9 @@
 """Sparse MLA decode in Gluon (Triton 3.6's `triton.experimental.gluon`): the DSA decode kernel with its
-QK^T computed once per tile on Hopper. `hisparse.dsa.sparse_mla_decode` runs it where it applies
+QK^T computed once per tile on Hopper. `hisparse.dsa.ops.sparse_mla_decode` runs it where it applies
 (`gluon_decode_unsupported` says why not elsewhere): an sm_90 GPU, bf16 / fp16, at least 64 heads,
-512 + 64 wide rows. Its SASS can be inspected offline (scripts/sass_dsa_gluon.py); it is checked
-against the torch reference on a GPU (tests/test_dsa_gluon_gpu.py).
-
-On the H200 at batch 64, 128 heads, k 2048 (graph replays): 112 us, 0.41 of the roofline, against
-151 us for the Triton kernel (results/gpu_logs/22aef4f_gluon_decode_variants.txt).
+512 + 64 wide rows; its launcher is `hisparse.dsa.ops.launch_gluon_decode`. Its SASS can be inspected
+offline (experiments/tools/sass_dsa_gluon.py); it is checked against the torch reference on a GPU
+(tests/test_dsa_gluon_gpu.py). Its time against the Triton kernel's: results/attention.csv.
 
 Why
 ---
@@ -53,14 +51,11 @@ natural log (-inf without a valid row), fp32 accumulation, rows read in order BL
 The accumulation order differs from the Triton kernel's (no bitwise equality between the two).
 
 Only bf16 / fp16 on sm_90 with BLOCK_H = 64, 8 warps, written against Triton 3.6's Gluon (it
-compiles there: 244 registers, no spills, 224 KiB shared at BLOCK_K 64;
-results/cpu_logs/680a96ff7232_sass_dsa_gluon.txt). The module imports under any Triton; where Gluon
+compiles there without spills, 224 KiB shared at BLOCK_K 64). The module imports under any Triton; where Gluon
 or its Hopper API is missing, GLUON_IMPORT_ERROR says so. Under Triton 3.9 it imports but the kernel
 does not build (Gluon's async_copy API changed), so `gluon_decode_unsupported` admits Triton 3.6 only.
 """
 from __future__ import annotations
-
-import triton
 
 GLUON_IMPORT_ERROR: str | None = None
 try:
@@ -257,52 +252,3 @@ if GLUON_IMPORT_ERROR is not None:
     _sparse_mla_decode_gluon_kernel = None
 
 
-def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: int = 512, num_splits: int = 1,
-                            out=None, lse=None, block_k: int = BLOCK_K, num_stages: int = NUM_STAGES):
-    """`hisparse.dsa.sparse_mla_decode` through the Gluon kernel alone (Hopper, bf16/fp16, 64 heads a
-    program, block_k rows a tile, a ring of num_stages tiles): returns out [N, H, d_v] (q's dtype),
-    lse [N, H] float32. Same argument conventions:
-    q [N, H, D], kv [R, D] (V = kv[:, :d_v]), rows [N, k] int32 (-1 skipped), row_base [N] int64 or
-    None. num_splits > 1 splits k into chunks merged by the Triton combine kernel (default 1: one
-    program per (head block, request) reads all k rows). For other tile shapes than the default
-    (`sparse_mla_decode` runs only that one) and for tests."""
-    import torch
-
-    from hisparse.dsa import _check_decode_inputs, _require, gluon_decode_unsupported
-
-    _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
-    reason = gluon_decode_unsupported(q, d_v)
-    _require(reason is None, f"the Gluon decode kernel cannot run this: {reason}")
-    _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
-    _require(block_k in (32, 64, 128) and num_stages >= 2,
-             f"block_k={block_k}, num_stages={num_stages}: expected block_k 32, 64 or 128 and num_stages >= 2")
-    n, h, _ = q.shape
-    out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
-    lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
-    if n > 0 and h > 0:
-        launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale, num_splits, block_k, num_stages)
-    return out, lse
-
-
-def launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale: float, num_splits: int | None,
-                        block_k: int = BLOCK_K, num_stages: int = NUM_STAGES) -> None:
-    """The launch alone, into out / lse, for inputs already checked (`sparse_mla_decode` and the
-    launcher above): k split by `split_plan` (into num_splits chunks; None: its default)."""
-    from hisparse.dsa import DecodeConfig, combine_splits, split_buffers, split_plan
-
-    n, h, d = q.shape
-    d_v = out.shape[2]
-    k = rows.shape[1]
-    tiles = DecodeConfig(block_h=BLOCK_H, block_k=block_k, num_warps=NUM_WARPS, num_stages=num_stages)
-    chunk, splits = split_plan(n, h, k, tiles, q.device, num_splits)
-    part, part_lse, split_strides = split_buffers(out, lse, splits)
-    _sparse_mla_decode_gluon_kernel[(triton.cdiv(h, BLOCK_H), n, splits)](
-        q, kv, rows, rows if row_base is None else row_base, part, part_lse,
-        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
-        split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
-        h, k, chunk, sm_scale * 1.4426950408889634,
-        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, HAS_ROW_BASE=row_base is not None,
-        NUM_STAGES=num_stages, num_warps=NUM_WARPS,
-    )
-    if splits > 1:
-        combine_splits(part, part_lse, out, lse)

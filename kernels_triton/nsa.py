@@ -1,5 +1,5 @@
 """NSA decode kernels (one query token per request): compression, attention partials, merge,
-selection, gates. Launchers and torch references: hisparse/nsa.py.
+selection, gates. Launchers: hisparse/nsa/ops.py; torch references: hisparse/nsa/reference.py.
 
 All attention branches run through one kernel, `_nsa_attention_partial_kernel`: a program owns one
 (request, KV head) stream and one split of its entries, an entry being a tile of T consecutive keys

@@ -1,7 +1,7 @@
 """Quest kernels: page min/max metadata, page upper-bound scores, top-page selection, sparse attention.
 
-Launchers, layouts and torch references live in `hisparse/quest.py`. A page holds PAGE tokens; one
-row per (page, KV head) is `[2, PAGE, D]`: the page's keys, then its values.
+Launchers and layouts live in `hisparse/quest/ops.py`, torch references in `hisparse/quest/reference.py`.
+A page holds PAGE tokens; one row per (page, KV head) is `[2, PAGE, D]`: the page's keys, then its values.
 """
 import triton
 import triton.language as tl

@@ -9,12 +9,10 @@ Two kernels, launched back to back (both capture into a CUDA graph: static shape
 And the decode step's writes, from the device: `_write_rows_kernel` stores new rows (DSA's newest
 token) into the host pool, write-through to a cached copy, and optionally into the reserved slot (the
 resolve does the same for one row per stream with WRITE_NEWEST, saving a launch);
-`_store_reserved_kernel` stores reserved slots into the host pool (the host half of a row write,
-deferred to once per step);
 `_write_unit_token_kernel` adds one token to the newest unit of several tokens (Quest's page, NSA's
 block) the same three ways: the token alone, or a whole row when it opens a unit.
 
-The semantics are DESIGN section 3; `hisparse.resolve.resolve_ref` is the same algorithm in torch.
+The semantics are DESIGN section 3; `hisparse.resolve_ref.resolve_ref` is the same algorithm in torch.
 """
 import triton
 import triton.language as tl
@@ -48,7 +46,7 @@ def _free_slot_ranks(m_free, PACKED: tl.constexpr):
 
 @triton.jit
 def _put_row(src, p_host, p_cached, p_reserved, slot, ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
-             TO_HOST: tl.constexpr, TO_RESERVED: tl.constexpr):
+             TO_RESERVED: tl.constexpr):
     """Store the row at `src` (ROW_WORDS words, on the device) into the host pool row `p_host`, the
     unit's cached copy `p_cached` where `slot` >= 0 (write-through: a cached copy never goes stale)
     and the reserved slot `p_reserved`."""
@@ -56,15 +54,17 @@ def _put_row(src, p_host, p_cached, p_reserved, slot, ROW_WORDS: tl.constexpr, B
         o_w = w + tl.arange(0, BLOCK_W)
         m_w = o_w < ROW_WORDS
         b_row = tl.load(src + o_w, mask=m_w)                                              # [BLOCK_W]
-        if TO_HOST:
-            tl.store(p_host + o_w, b_row, mask=m_w)
+        tl.store(p_host + o_w, b_row, mask=m_w)
         # a vector mask: the interpreter does not combine scalar and vector masks
         tl.store(p_cached + o_w, b_row, mask=m_w & ((o_w * 0 + slot) >= 0))
         if TO_RESERVED:
             tl.store(p_reserved + o_w, b_row, mask=m_w)
 
 
-@triton.jit
+# K and B unspecialised (Triton specialises integers divisible by 16): the selection and LRU rows then
+# load one element per thread, the layout their scattered accesses take anyway, so no tensor changes
+# layout through shared memory (fewer barriers, and faster on the H200: results/resolve.csv).
+@triton.jit(do_not_specialize=["K", "B"])
 def _resolve_kernel(
     sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
     stream_ptr,      # [N] int32 stream of each row, -1 for a padded batch row
@@ -75,7 +75,7 @@ def _resolve_kernel(
     mark_ptr,        # [S, B] int32 epoch of the last call in which each slot hit
     epoch_ptr,       # [S] int32 calls so far per stream
     slot_out_ptr,    # [N, K] int32 out: slot of each selected unit, -1 where sel is -1
-    plan_unit_ptr,   # [N, K] int32 out: missed units (miss order, or address order if SORT_PLAN)
+    plan_unit_ptr,   # [N, K] int32 out: missed units, in miss order
     plan_slot_ptr,   # [N, K] int32 out: the victim slot of each planned unit
     counts_ptr,      # [N, 2] int32 out: hits, misses of this call
     stats_ptr,       # [S, 2] int64 cumulative hits, misses per stream
@@ -84,19 +84,14 @@ def _resolve_kernel(
     host_ptr,        # [R, ROW_WORDS] host pool rows (WRITE_NEWEST)
     cache_ptr,       # [S, B + 1, ROW_WORDS] device cache rows, slot B the reserved one (WRITE_NEWEST)
     K, B,
-    K_PAD: tl.constexpr, B_PAD: tl.constexpr, SORT_PLAN: tl.constexpr, EVEN: tl.constexpr = False,
+    K_PAD: tl.constexpr, B_PAD: tl.constexpr, EVEN: tl.constexpr = False,
     PACKED_SCAN: tl.constexpr = False,
     WRITE_NEWEST: tl.constexpr = False, ROW_WORDS: tl.constexpr = 1, BLOCK_W: tl.constexpr = 1,
 ):
-    # Every vector element costs instructions in each of the program's warps, and the kernel's time
-    # is its warps' instruction chains (one program per stream; Nsight Compute on the H200 found 8
-    # warps a stream issuing 2,261 instructions each, mostly per-element address, mask and select
-    # work, with the issue slots 11% busy: results/gpu_logs/84763bd12153_ncu_resolve_dsa.txt). So no
-    # per-element mask for padded rows (they branch off) nor, with EVEN, for k and B in range; 32-bit
-    # offsets from per-stream pointers; one store where two disjoint masks write the same array.
-    # Under Triton 3.6 that took the flat kernel from 2280 SASS instructions to 1952 and on the H200
-    # from 7.5 / 8.6 / 13.0 us to 6.9 / 7.7 / 12.2 at 0.1 / 20 / 100% misses (no IO, batch 64, k =
-    # 2048, B = 4096; results/gpu_logs/3a5390c98150_resolve_decode_noio_prefetch.txt).
+    # The time is the warps' instruction chains (one program per stream), and every vector element
+    # costs instructions in each warp: so no per-element mask for padded rows (they branch off) nor,
+    # with EVEN, for k and B in range; 32-bit offsets from per-stream pointers; one store where two
+    # disjoint masks write the same array.
     i_n = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_n)
     o_k = tl.arange(0, K_PAD)
@@ -143,8 +138,7 @@ def _resolve_kernel(
         tl.store(p_mark + b_hit_slot, tl.zeros([K_PAD], dtype=tl.int32) + epoch, mask=m_hit)
         # -- the rank of each slot that may be a victim among those (in LRU order), -1 for the others. The
         # branches yield the ranks alone: a [B_PAD] mask through their merge would be packed into bits
-        # and out again (Triton 3.6, sm_90: +120 SASS instructions at B = 8192;
-        # results/cpu_logs/5d5f21d7c7f1_sass_resolve_no_hit_branch.txt)
+        # and out again
         if n_hit > 0:
             # read the marks in LRU order
             tl.debug_barrier()
@@ -153,11 +147,7 @@ def _resolve_kernel(
             free_rank = tl.where(m_free, _free_slot_ranks(m_free, PACKED_SCAN), -1)
         else:
             # no hit: every slot is free and ranks as its LRU position, so the marks' barrier, gather
-            # and scan are skipped (a cold cache's first call, or a selection that misses everywhere). On
-            # the H200 (no IO, batch 64, k = 2048, B = 4096) 10.5-10.7 -> 9.5-9.8 us at 100% misses, 15.3 ->
-            # 14.1 with 61 layers taking turns; up to 0.2 us more where calls hit, as the branch waits on
-            # n_hit's reduction (results/gpu_logs/b7d0b2bf612f_resolve_no_hit_branch.txt; with the barrier
-            # below, 9.5-10.1 and 14.0: 5d5f21d7c7f1_resolve_barrier_sweep.txt)
+            # and scan are skipped (a cold cache's first call, or a selection that misses everywhere)
             free_rank = tl.where(m_b, o_b, -1)
             # every warp's loads of the LRU order (above) before any warp rewrites it (below), as the
             # other branch's barrier orders them: at a small k no reduction's barrier comes between
@@ -167,10 +157,7 @@ def _resolve_kernel(
         # -- evicted units leave the unit -> slot map (missed units enter it below; the two sets are
         # disjoint, and every read of the map is behind us). Scattered stores that depend on nothing
         # to come: issued here, they drain while the LRU order is rewritten and read back, rather
-        # than queueing with the missed units' stores at the end (H200, no IO, batch 64: 12.1 -> 11.9
-        # us at 100% misses, 16.1 -> 15.8 with 61 layers taking turns, the same elsewhere; +32 SASS
-        # instructions under Triton 3.6: results/gpu_logs/d18fd1d_ncu_resolve_evicted_units_early.txt,
-        # results/cpu_logs/e9d0f82adbc4_sass_resolve_evicted_early.txt)
+        # than queueing with the missed units' stores at the end
         tl.store(p_map + b_order_unit, tl.full([B_PAD], -1, dtype=tl.int32), mask=m_victim & (b_order_unit >= 0))
 
         # -- new LRU order: untouched (old order), misses (selection order), hits (selection order).
@@ -190,17 +177,9 @@ def _resolve_kernel(
         # -- missed units enter the unit -> slot map
         tl.store(p_map + b_sel, b_victim, mask=m_miss)
 
-        # -- miss plan: (unit, slot) pairs in miss order, or sorted by unit (host-address order)
-        if SORT_PLAN:
-            BIG: tl.constexpr = 0x7FFFFFFFFFFFFFFF
-            key = tl.where(m_miss, (b_sel.to(tl.int64) << 20) | b_victim.to(tl.int64), BIG)
-            key = tl.sort(key, 0)
-            m_plan = o_k < n_miss
-            tl.store(plan_unit_ptr + i_n * K + o_k, (key >> 20).to(tl.int32), mask=m_plan)
-            tl.store(plan_slot_ptr + i_n * K + o_k, (key & 0xFFFFF).to(tl.int32), mask=m_plan)
-        else:
-            tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
-            tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
+        # -- miss plan: (unit, slot) pairs in miss order
+        tl.store(plan_unit_ptr + i_n * K + miss_rank, b_sel, mask=m_miss)
+        tl.store(plan_slot_ptr + i_n * K + miss_rank, b_victim, mask=m_miss)
 
         # -- counters stay on the device: this call's, and the stream's running totals
         tl.store(counts_ptr + i_n * 2, n_hit)
@@ -217,21 +196,10 @@ def _resolve_kernel(
             first_slot = i_s * (B + 1)                                    # int64 offsets throughout
             _put_row(new_row_ptr + i_n * ROW_WORDS, host_ptr + (host_base + new_unit) * ROW_WORDS,
                      cache_ptr + (first_slot + tl.maximum(new_slot, 0)) * ROW_WORDS,
-                     cache_ptr + (first_slot + B) * ROW_WORDS, new_slot, ROW_WORDS, BLOCK_W, True, True)
+                     cache_ptr + (first_slot + B) * ROW_WORDS, new_slot, ROW_WORDS, BLOCK_W, True)
 
 
-# The same kernel with K and B left unspecialised (Triton specialises integer arguments divisible by
-# 16). Unable to prove the selection and LRU rows 16-byte aligned, Triton loads them one element per
-# thread, the layout the scattered accesses take anyway, so no tensor changes layout. Specialised,
-# the contiguous loads are vectorised (4 elements per thread) and each scattered access converts
-# through shared memory: Triton 3.9 for sm_90 at k = 2048, B = 4096 and 8 warps emits 17 layout
-# conversions and 61 block barriers there, 6 barriers here (scripts/sass_resolve.py). This one is the
-# default: on the H200 (Triton 3.6) it took 6.9 / 7.7 / 12.2 us against 8.1 / 9.5 / 13.7 at 0.1 / 20
-# / 100% misses (no IO, batch 64, k = 2048, B = 4096; scripts/tune_resolve.py at 3a5390c98150).
-_resolve_kernel_flat = triton.jit(do_not_specialize=["K", "B"])(_resolve_kernel.fn)
-# Variants tried on the H200 and not kept (marks gathered on chip, tl.histogram, the victims taken in
-# the LRU order's domain, an L2 prefetch of the marks, two programs a stream, a programmatic dependent
-# launch): results/README.md, section Resolve, with their numbers and logs.
+# Variants tried on the H200 and not kept: results/notes/resolve.md.
 
 
 @triton.jit
@@ -244,12 +212,8 @@ def _fetch_rows_kernel(
     host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows
     N, K, SLOTS,
-    ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr, EVICT_FIRST: tl.constexpr = False,
+    ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    # EVICT_FIRST: the rows' loads and stores marked to leave L2 first, so that a copy beside other
-    # kernels pushes less of their data out (an experiment, off by default: on the H200 it took most of
-    # a device-memory copy's cost to the kernels beside it away, none of a host copy's:
-    # results/gpu_logs/e2a9e92ade46_copy_evict_first.txt)
     # grid (G, P): program (g, c) copies chunks c, c + P, c + 2P, ... of the plans of rows g, g + G,
     # g + 2G, ... (G = N but for a capped copy, whose programs then take several rows each)
     i_c = tl.program_id(1)
@@ -270,12 +234,8 @@ def _fetch_rows_kernel(
             for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
                 o_w = w + tl.arange(0, BLOCK_W)
                 m = m_m[:, None] & (o_w < ROW_WORDS)[None, :]
-                if EVICT_FIRST:
-                    b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m, eviction_policy="evict_first")
-                    tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m, eviction_policy="evict_first")
-                else:
-                    b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)   # [CHUNK, BLOCK_W]
-                    tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
+                b_row = tl.load(host_ptr + src[:, None] + o_w[None, :], mask=m)       # [CHUNK, BLOCK_W]
+                tl.store(cache_ptr + dst[:, None] + o_w[None, :], b_row, mask=m)
 
 
 @triton.jit
@@ -289,9 +249,8 @@ def _write_rows_kernel(
     host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows; slot SLOTS - 1 is the reserved one
     SLOTS,
-    ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, TO_RESERVED: tl.constexpr, TO_HOST: tl.constexpr,
+    ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, TO_RESERVED: tl.constexpr,
 ):
-    # TO_HOST off: the device copies only; the host row follows later (`_store_reserved_kernel`)
     i_m = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_m)
     if stream >= 0:
@@ -304,32 +263,7 @@ def _write_rows_kernel(
         p_cached = cache_ptr + (i_s * SLOTS + tl.maximum(slot, 0)) * ROW_WORDS
         p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW_WORDS
         _put_row(src_ptr + i_m * ROW_WORDS, host_ptr + host_row * ROW_WORDS, p_cached, p_reserved, slot,
-                 ROW_WORDS, BLOCK_W, TO_HOST, TO_RESERVED)
-
-
-@triton.jit
-def _store_reserved_kernel(
-    stream_ptr,      # [M] int32 streams whose reserved slot goes to the host, -1 = skip
-    unit_ptr,        # [M] int64 the unit each reserved slot holds
-    host_base_ptr,   # [S] int64 host row of unit 0 of each stream
-    host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
-    cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows; slot SLOTS - 1 is the reserved one
-    SLOTS,
-    ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """host row (host_base[stream] + unit) = cache[stream, SLOTS - 1], one program per stream: the
-    newest rows of many layers written to the host in one launch (`write_rows` with TO_HOST off
-    left them in the reserved slots)."""
-    i_m = tl.program_id(0).to(tl.int64)
-    stream = tl.load(stream_ptr + i_m)
-    if stream >= 0:
-        i_s = stream.to(tl.int64)
-        host_row = tl.load(host_base_ptr + i_s) + tl.load(unit_ptr + i_m)
-        p_reserved = cache_ptr + (i_s * SLOTS + SLOTS - 1) * ROW_WORDS
-        for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
-            o_w = w + tl.arange(0, BLOCK_W)
-            m_w = o_w < ROW_WORDS
-            tl.store(host_ptr + host_row * ROW_WORDS + o_w, tl.load(p_reserved + o_w, mask=m_w), mask=m_w)
+                 ROW_WORDS, BLOCK_W, TO_RESERVED)
 
 
 @triton.jit

@@ -1,7 +1,7 @@
-"""Test setup: Triton's interpreter when no GPU is present, and the `gpu` marker.
+"""Test setup: the `gpu` marker, and how pytest-xdist divides the suite.
 
-`@triton.jit` decides between interpreter and compiler when a kernel module is imported, so the
-switch must happen here, before any test module imports `kernels_triton`.
+Without a GPU the kernels run in Triton's interpreter: `kernels_triton` makes that choice, for the tests
+as for every entry point; it is imported here first, before any test module imports triton.
 
 Under pytest-xdist (the README's `-n auto --dist loadgroup`: the interpreter is single-threaded
 Python, so workers on separate cores divide the suite's time), each test file runs in one worker,
@@ -12,14 +12,12 @@ of torch's threads.
 """
 import os
 
+import pytest
 import torch
 
+import kernels_triton  # noqa: F401  the interpreter choice, before any test module imports triton
+
 HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
 
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
@@ -34,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
     if HAS_GPU:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_suite.sh on one)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run benchmarks/gpu_suite.sh on one)")
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from hisparse import dsa
+from hisparse.dsa import ops as dsa
+from hisparse.dsa import reference as dsa_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DSV32_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # qk head dim 192, YaRN mscale of factor 40
@@ -66,7 +67,7 @@ def test_indexer_scores_match_ref(n, h, d, t, dtype, nan_empty):
     gen = torch.Generator().manual_seed(1)
     q, weights, keys, lengths = indexer_inputs(n, h, d, t, dtype, gen)
     scores = dsa.indexer_scores(q, weights, keys, lengths)
-    assert rel_err(scores, dsa.indexer_scores_ref(q, weights, keys, lengths)) < TOL[dtype]
+    assert rel_err(scores, dsa_ref.indexer_scores_ref(q, weights, keys, lengths)) < TOL[dtype]
     assert torch.isinf(scores[1]).all(), "a request of length 0 must score -inf everywhere"
 
 
@@ -77,7 +78,7 @@ def test_indexer_fp8_keys_with_scale_match_ref(n, h, d, t, nan_empty):
     keys8 = keys.to(dsa.FP8)
     scale = torch.rand(n, t, generator=gen) + 0.25
     scores = dsa.indexer_scores(q, weights, keys8, lengths, key_scale=scale)
-    assert rel_err(scores, dsa.indexer_scores_ref(q, weights, keys8, lengths, key_scale=scale)) < 1e-5
+    assert rel_err(scores, dsa_ref.indexer_scores_ref(q, weights, keys8, lengths, key_scale=scale)) < 1e-5
 
 
 def test_topk_ties_rank_lower_index_first():
@@ -85,7 +86,7 @@ def test_topk_ties_rank_lower_index_first():
     lengths = torch.tensor([7])
     expected = torch.tensor([[1, 2, 5, 0, 3, 4, 6, -1, -1]], dtype=torch.int32)
     assert torch.equal(dsa.topk_select(scores, lengths, 9), expected)
-    assert torch.equal(dsa.topk_select_ref(scores, lengths, 9), expected)
+    assert torch.equal(dsa_ref.topk_select_ref(scores, lengths, 9), expected)
 
 
 @pytest.mark.parametrize("n, t, k", [
@@ -101,14 +102,14 @@ def test_topk_select_matches_stable_sort_exactly(n, t, k):
     lengths = torch.tensor([0, t, k // 2, t - 1][:n], dtype=torch.int64)
     sel = dsa.topk_select(scores, lengths, k)
     assert sel.dtype == torch.int32 and sel.shape == (n, k)
-    assert torch.equal(sel, dsa.topk_select_ref(scores, lengths, k))
+    assert torch.equal(sel, dsa_ref.topk_select_ref(scores, lengths, k))
     assert (sel[0] == -1).all(), "a request of length 0 selects nothing"
 
 
 def test_dsa_select_is_indexer_then_topk():
     gen = torch.Generator().manual_seed(4)
     q, weights, keys, lengths = indexer_inputs(3, 5, 32, 77, torch.float32, gen)
-    expected = dsa.topk_select_ref(dsa.indexer_scores_ref(q, weights, keys, lengths), lengths, 29)
+    expected = dsa_ref.topk_select_ref(dsa_ref.indexer_scores_ref(q, weights, keys, lengths), lengths, 29)
     assert torch.equal(dsa.dsa_select(q, weights, keys, lengths, 29), expected)
 
 
@@ -136,7 +137,7 @@ def test_sparse_mla_decode_matches_ref(n, h, d_v, d_rope, r, k, dtype, splits, n
     gen = torch.Generator().manual_seed(5)
     q, kv, rows = decode_inputs(n, h, d_v, d_rope, r, k, dtype, gen)
     out, lse = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=d_v, num_splits=splits, config=SMALL_TILES)
-    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=d_v)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=d_v)
     used = dsa.split_plan(n, h, k, SMALL_TILES, q.device, splits)[1]
     assert used == splits or k < splits * SMALL_TILES.block_k, "every split count is run where k allows it"
     assert out.dtype == dtype and out.shape == (n, h, d_v) and lse.shape == (n, h)
@@ -154,7 +155,7 @@ def test_sparse_mla_decode_with_an_empty_chunk_matches_ref(dtype, splits):
     q, kv, rows = decode_inputs(3, 5, 64, 16, 100, 97, dtype, gen)
     rows[0, :48] = -1                                   # splits3: the first chunk (48 rows) is empty
     out, _ = dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=64, num_splits=splits, config=SMALL_TILES)
-    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=64)[0]) < TOL[dtype]
+    assert rel_err(out, dsa_ref.sparse_mla_decode_ref(q, kv, rows, 0.1, d_v=64)[0]) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -202,7 +203,7 @@ def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits):
     out_res, lse_res = dsa.sparse_mla_decode(q, kv_res, rows_res, DSV32_SCALE, **args)
     out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot, rows_hot, DSV32_SCALE, **args)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
-    assert rel_err(out_res, dsa.sparse_mla_decode_ref(q, kv_res, rows_res, DSV32_SCALE, d_v=64)[0]) < TOL[dtype]
+    assert rel_err(out_res, dsa_ref.sparse_mla_decode_ref(q, kv_res, rows_res, DSV32_SCALE, d_v=64)[0]) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -221,8 +222,8 @@ def test_row_base_reads_each_requests_own_region(dtype):
             got = dsa.sparse_mla_decode(q, kv, local, DSV32_SCALE, d_v=64, num_splits=splits, config=SMALL_TILES,
                                         row_base=base)
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-        ref = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE, d_v=64)
-        ref_local = dsa.sparse_mla_decode_ref(q, kv, local, DSV32_SCALE, d_v=64, row_base=base)
+        ref = dsa_ref.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE, d_v=64)
+        ref_local = dsa_ref.sparse_mla_decode_ref(q, kv, local, DSV32_SCALE, d_v=64, row_base=base)
         assert torch.equal(ref[0], ref_local[0]) and torch.equal(ref[1], ref_local[1])
 
 
@@ -233,7 +234,7 @@ def test_sparse_mla_decode_fills_given_buffers():
     lse = torch.full((2, 5), float("nan"))
     got_out, got_lse = dsa.sparse_mla_decode(q, kv, rows, 0.2, d_v=64, out=out, lse=lse, config=SMALL_TILES)
     assert got_out is out and got_lse is lse
-    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, 0.2, d_v=64)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, rows, 0.2, d_v=64)
     assert rel_err(out, ref_out) < TOL[torch.float32] and rel_err(lse, ref_lse) < 1e-5
 
 
@@ -255,7 +256,7 @@ def test_default_config_shrinks_when_it_does_not_fit(monkeypatch):
     with pytest.warns(UserWarning, match="does not fit"):
         out, _ = dsa.sparse_mla_decode(q, kv, rows, 0.2)
     assert [c.block_k for c in launched] == [64, 32, 16]
-    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, 0.2)[0]) < TOL[torch.float16]
+    assert rel_err(out, dsa_ref.sparse_mla_decode_ref(q, kv, rows, 0.2)[0]) < TOL[torch.float16]
     dsa.sparse_mla_decode(q, kv, rows, 0.2)
     assert [c.block_k for c in launched] == [64, 32, 16, 16], "the fitted config is kept"
 
@@ -296,10 +297,9 @@ def test_launchers_reject_bad_inputs():
         dsa.DecodeConfig(block_h=16, block_k=24, num_warps=4, num_stages=1)
 
 
-def test_decode_backend_choice_and_refusals(monkeypatch):
+def test_decode_backend_choice_and_refusals():
     """Off Hopper, "auto" is the Triton kernel; asking for Gluon there, an unknown backend, or Gluon
     with a Triton config, is refused before any launch, naming why."""
-    monkeypatch.setattr(dsa, "DECODE_BACKEND", "auto")
     q, kv = torch.randn(2, 4, 80), torch.randn(30, 80)
     rows = torch.zeros(2, 8, dtype=torch.int32)
     assert dsa.decode_backend(q, 64) == "triton" and dsa.decode_backend(q, 64, "auto") == "triton"
@@ -312,21 +312,7 @@ def test_decode_backend_choice_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match="is the Triton kernel's"):
         dsa.sparse_mla_decode(q, kv, rows, 0.1, d_v=64, backend="gluon", config=SMALL_TILES)
     with pytest.raises(ValueError, match="cannot run this"):
-        from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
-        sparse_mla_decode_gluon(q, kv, rows, 0.1, d_v=64)
-
-
-def test_decode_backend_from_the_environment():
-    """HISPARSE_DSA_DECODE sets the process default, checked when hisparse.dsa is imported."""
-    def imported(value):
-        env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"} | {
-            "HISPARSE_DSA_DECODE": value}
-        return subprocess.run([sys.executable, "-c", "import hisparse.dsa as d; print(d.DECODE_BACKEND)"],
-                              cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
-                              text=True, timeout=300, check=False)
-    assert imported("triton").stdout.strip() == "triton"
-    bad = imported("fast")
-    assert bad.returncode != 0 and "HISPARSE_DSA_DECODE='fast': expected one of" in bad.stderr
+        dsa.sparse_mla_decode_gluon(q, kv, rows, 0.1, d_v=64)
 
 
 # The GPU machine's Triton (3.6) builds the default config without spilling; other versions
@@ -337,12 +323,12 @@ SPILL_BOUND_OTHER = 256
 
 def test_decode_kernel_compiles_for_hopper_within_registers():
     """The interpreter never compiles: build the default bf16 decode config for sm_90a in a process
-    without it (scripts/sass_dsa.py), with and without row_base: wgmma and asynchronous copies,
+    without it (experiments/tools/sass_dsa.py), with and without row_base: wgmma and asynchronous copies,
     shared memory within Hopper's 227 KiB, no spills with Triton 3.6 (at most a few hundred bytes
     with others)."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "scripts.sass_dsa"], cwd=Path(__file__).resolve().parent.parent,
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    env = os.environ | {"TRITON_INTERPRET": "0"}   # else kernels_triton interprets them here, without a GPU
+    done = subprocess.run([sys.executable, "-m", "experiments.tools.sass_dsa"],
+                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [line for line in done.stdout.splitlines() if line.strip().startswith("row_base")]
     assert len(lines) == 2, done.stdout
@@ -378,7 +364,7 @@ def test_gpu_sparse_mla_decode_real_shapes(context, backend):
     rows[1, 1000:] = -1  # a short request
     rows[2] = -1  # a request with nothing selected
     needs_backend(backend, q)
-    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
     for splits in (None, 1, 7):
         out, lse = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, num_splits=splits, backend=backend)
         assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
@@ -417,9 +403,9 @@ def test_gpu_indexer_and_topk_real_shapes(context, key_dtype):
         keys = keys.to(key_dtype)
     lengths = torch.tensor([context, context // 3, 1000, 0], device="cuda", dtype=torch.int32)
     scores = dsa.indexer_scores(q, weights, keys, lengths, key_scale=scale)
-    assert rel_err(scores, dsa.indexer_scores_ref(q, weights, keys, lengths, key_scale=scale)) < 1e-3
+    assert rel_err(scores, dsa_ref.indexer_scores_ref(q, weights, keys, lengths, key_scale=scale)) < 1e-3
     sel = dsa.topk_select(scores, lengths, k)
-    assert torch.equal(sel, dsa.topk_select_ref(scores, lengths, k))
+    assert torch.equal(sel, dsa_ref.topk_select_ref(scores, lengths, k))
     assert (sel[2, 1000:] == -1).all() and (sel[3] == -1).all() and (sel[:2] >= 0).all()
 
 
@@ -435,7 +421,7 @@ def test_gpu_offsets_beyond_int32(backend):
     rows = (rows_total - 1 - torch.stack([torch.randperm(4096, device="cuda")[:2048] for _ in range(2)]))
     rows = rows.to(torch.int32)
     out, _ = dsa.sparse_mla_decode(q, kv, rows, DSV32_SCALE, backend=backend)
-    assert rel_err(out, dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)[0]) < TOL[torch.bfloat16]
+    assert rel_err(out, dsa_ref.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)[0]) < TOL[torch.bfloat16]
     del kv
     t = 2 ** 31 // 128 + 1024
     keys = torch.zeros(2, t, 128, device="cuda", dtype=torch.bfloat16)
@@ -443,5 +429,5 @@ def test_gpu_offsets_beyond_int32(backend):
     qi, w = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16), torch.rand(2, 64, device="cuda")
     lengths = torch.tensor([t, t], device="cuda", dtype=torch.int32)
     scores = dsa.indexer_scores(qi, w, keys, lengths)[1, -1024:]
-    expected = dsa.indexer_scores_ref(qi[1:], w[1:], keys[1:, -1024:], lengths[1:] * 0 + 1024)[0]
+    expected = dsa_ref.indexer_scores_ref(qi[1:], w[1:], keys[1:, -1024:], lengths[1:] * 0 + 1024)[0]
     assert rel_err(scores, expected) < 1e-3

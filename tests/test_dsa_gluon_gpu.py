@@ -1,5 +1,6 @@
-"""The Gluon sparse MLA decode kernel (kernels_triton/dsa_gluon.py) against hisparse/dsa.py's torch
-reference, on a Hopper GPU only (Gluon kernels do not run in the interpreter; skipped elsewhere).
+"""The Gluon sparse MLA decode kernel (kernels_triton/dsa_gluon.py, launched by hisparse/dsa/ops.py)
+against hisparse/dsa/reference.py's torch reference, on a Hopper GPU only (Gluon kernels do not run
+in the interpreter; skipped elsewhere).
 
     python -m pytest -q -m gpu tests/test_dsa_gluon_gpu.py      # on an H100 / H200, Triton 3.6
     python -m benchmarks.bench_attention_dsa --tune             # times it beside the Triton kernel's configs
@@ -11,7 +12,9 @@ import pytest
 import torch
 from test_dsa import DSV32_SCALE, TOL, rel_err
 
-from hisparse import dsa
+from hisparse.dsa import ops as dsa
+from hisparse.dsa import reference as dsa_ref
+from hisparse.dsa.ops import sparse_mla_decode_gluon
 
 TOL_BF16 = TOL[torch.bfloat16]
 
@@ -50,11 +53,10 @@ def _needs_hopper_and_gluon():
 @pytest.mark.parametrize("splits", [1, 2], ids=["splits1", "splits2"])
 @pytest.mark.parametrize("batch", [2, 4], ids=["N2", "N4"])
 def test_gpu_gluon_decode_matches_ref(batch, splits, nan_empty):
-    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
     q, kv, rows = decode_inputs(batch, 32768)
     out, lse = sparse_mla_decode_gluon(q, kv, rows, DSV32_SCALE, num_splits=splits)
     torch.cuda.synchronize()
-    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
     assert out.shape == (batch, 128, 512) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert rel_err(out, ref_out) < TOL_BF16
     assert rel_err(lse, ref_lse) < 1e-4
@@ -66,11 +68,9 @@ def test_gpu_gluon_decode_matches_ref(batch, splits, nan_empty):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_is_the_default_decode_here(monkeypatch):
-    """On this Hopper GPU with Triton 3.6, sparse_mla_decode's default ("auto", HISPARSE_DSA_DECODE
-    unset) runs the Gluon kernel at the model's shape (bitwise its output)."""
-    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
-    monkeypatch.setattr(dsa, "DECODE_BACKEND", "auto")
+def test_gpu_gluon_is_the_default_decode_here():
+    """On this Hopper GPU with Triton 3.6, sparse_mla_decode's default backend ("auto") runs the
+    Gluon kernel at the model's shape (bitwise its output)."""
     q, kv, rows = decode_inputs(2, 8192, seed=24)
     assert dsa.gluon_decode_unsupported(q, 512) is None
     assert dsa.decode_backend(q, 512) == "gluon"
@@ -85,13 +85,12 @@ def test_gpu_gluon_is_the_default_decode_here(monkeypatch):
 def test_gpu_gluon_decode_row_base(batch):
     """rows as request-local ids from row_base[n]: the reference's answer, and bitwise the answer of
     the same rows given as global rows."""
-    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
     context = 8192
     q, kv, rows = decode_inputs(batch, context, seed=21)
     base = torch.arange(batch, device="cuda", dtype=torch.int64) * context
     local = torch.where(rows >= 0, rows - base[:, None], -1).to(torch.int32)
     out, lse = sparse_mla_decode_gluon(q, kv, local, DSV32_SCALE, row_base=base)
-    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, local, DSV32_SCALE, row_base=base)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, local, DSV32_SCALE, row_base=base)
     assert rel_err(out, ref_out) < TOL_BF16
     assert rel_err(lse, ref_lse) < 1e-4
     glob_out, glob_lse = sparse_mla_decode_gluon(q, kv, rows, DSV32_SCALE)
@@ -101,7 +100,6 @@ def test_gpu_gluon_decode_row_base(batch):
 @pytest.mark.gpu
 def test_gpu_gluon_decode_every_row_valid_and_tail_tile():
     """No -1 at all (every tile full), and k not a multiple of the 64-row tile (a partial last tile)."""
-    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
     for k in (2048, 2000):
         gen = torch.Generator(device="cuda").manual_seed(22)
         kv = torch.randn(3 * 4096, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -109,7 +107,7 @@ def test_gpu_gluon_decode_every_row_valid_and_tail_tile():
         rows = torch.stack([torch.randperm(kv.shape[0], device="cuda", generator=gen)[:k] for _ in range(3)])
         rows = rows.to(torch.int32)
         out, lse = sparse_mla_decode_gluon(q, kv, rows, DSV32_SCALE)
-        ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
+        ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
         assert rel_err(out, ref_out) < TOL_BF16, k
         assert rel_err(lse, ref_lse) < 1e-4, k
 
@@ -121,14 +119,13 @@ def test_gpu_gluon_decode_other_tiles_and_rings(block_k, num_stages):
     Hopper's shared memory and must be refused by the launch, not run wrong."""
     import triton.runtime.errors
 
-    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
     q, kv, rows = decode_inputs(3, 8192, seed=23)
     if block_k * 1152 * num_stages + 72 * 1024 > 227 * 1024:
         with pytest.raises(triton.runtime.errors.OutOfResources):
             sparse_mla_decode_gluon(q, kv, rows, DSV32_SCALE, block_k=block_k, num_stages=num_stages)
         return
     out, lse = sparse_mla_decode_gluon(q, kv, rows, DSV32_SCALE, block_k=block_k, num_stages=num_stages)
-    ref_out, ref_lse = dsa.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
     assert rel_err(out, ref_out) < TOL_BF16
     assert rel_err(lse, ref_lse) < 1e-4
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))

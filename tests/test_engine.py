@@ -1,18 +1,19 @@
 """The decode loop: hierarchical KV gives bitwise the resident run's logits and tokens, on tiny
 checkpoints through the Triton kernels (the interpreter on a CPU)."""
 import functools
+import re
 import tempfile
 
 import pytest
 import torch
-from engine_checks import assert_bitwise, assert_newest_units_written_through
+from engine_checks import assert_bitwise
 
+from hisparse.dsa.reference import TorchDsaAttention
 from hisparse.engine import Engine
-from hisparse.resolve import MAX_K, MAX_SLOTS
-from hisparse.models.dsa_decode import TorchDsaAttention
 from hisparse.models.loading import load_model
 from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.policies import simulate_trace
+from hisparse.resolve import MAX_K, MAX_SLOTS
 from hisparse.synthetic import SyntheticConfig
 from hisparse.synthetic import generate as generate_trace
 from hisparse.traces import load_trace, with_anchors
@@ -58,60 +59,6 @@ def test_hisparse_is_bitwise_resident(family, slots_per_k):
     assert out.misses > 0 and out.hits > 0
     if slots_per_k == 1:
         assert out.miss_rate > 0.2, "B = k must evict heavily"
-
-
-def test_miss_plans_in_host_address_order_are_bitwise_resident_too():
-    """The anchors' miss plans sorted by host row (`sort_plan`, an experiment against the copies'
-    cost beside the compute): the shared layer replays the sorted plan in line; the same logits."""
-    from scripts.timeline_prefetch import sort_plans, with_attention     # its mode prefetch_sorted's switch
-    model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
-    engine, made = Engine(model, "hisparse", cache_slots=model.config.index_topk), []
-    with_attention(engine, lambda att: (sort_plans(att), made.append(att)))
-    out = engine.generate(prompts(), new_tokens=NEW_TOKENS)
-    assert_bitwise(resident, out, "sort_plan")
-    assert len(made) == 1 and out.miss_rate > 0.2
-    for plan in made[0]._plans.values():             # the last step's plans: ascending host rows
-        for units, n in zip(plan.plan_unit.tolist(), plan.counts[:, 1].tolist()):
-            assert units[:n] == sorted(units[:n])
-
-
-def test_timeline_mode_adjacent_rows_puts_shared_layers_beside_their_anchor():
-    """scripts/timeline_prefetch's `prefetch_adjacent_rows` (timing only): the j-th shared layer of a
-    group reads unit u from its anchor's host row u + j, so its attention reads other units' latents."""
-    from scripts.timeline_prefetch import read_beside_anchor, with_attention
-    model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
-    engine, made = Engine(model, "hisparse", cache_slots=model.config.index_topk), []
-    with_attention(engine, lambda att: (read_beside_anchor(att), made.append(att)))
-    out = engine.generate(prompts(), new_tokens=4)
-    base = engine.cache.state.host_base
-    groups = list(made[0].shared.values())
-    assert groups and all(groups)
-    for shared in groups:
-        for j, kv in enumerate(shared, 1):
-            assert torch.equal(base[kv.streams.long()], base[kv.anchor_streams.long()] + j)
-    assert len(out.logits) == 4
-    assert not all(torch.equal(a, b) for a, b in zip(resident.logits, out.logits)), "shared layers read elsewhere"
-
-
-def test_rows_stored_once_per_step_are_bitwise_resident_too():
-    """host_write="step": the layers write only the device, and the last layer stores every layer's
-    newest row in the host pool in one launch. B = k evicts heavily, so recent rows come back from the
-    host: a row stored late or wrong would change the logits. glm_moe_dsa: shared layers too."""
-    model, resident = tiny_model("glm_moe_dsa"), resident_run("glm_moe_dsa")
-    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk, host_write="step")
-    out = engine.generate(prompts(), new_tokens=NEW_TOKENS)
-    assert_bitwise(resident, out, "host_write=step")
-    assert out.miss_rate > 0.2
-    assert_newest_units_written_through(engine.cache)
-    noio = Engine(model, "noio", cache_slots=model.config.index_topk, host_write="step")
-    noio.generate(prompts(), new_tokens=6)
-    assert_newest_units_written_through(noio.cache)
-    with pytest.raises(ValueError, match=r"host_write must be one of \('layer', 'step'\) for DSA models, got 'never'"):
-        Engine(model, "hisparse", cache_slots=model.config.index_topk, host_write="never")
-    for mode, host_write in (("hisparse", "layer"), ("resident", "step")):
-        with pytest.raises(ValueError, match=f"early_resolve .* needs host_write='step'.*got mode '{mode}', "
-                                             f"host_write '{host_write}'"):
-            Engine(model, mode, cache_slots=model.config.index_topk, host_write=host_write, early_resolve=True)
 
 
 def test_noio_resolves_the_same_but_copies_nothing(model):
@@ -178,6 +125,10 @@ def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
         (lambda: Engine(model, "hisparse", cache_slots=k + 0.5), r"cache_slots must be an int .* got \d+\.5"),
         (lambda: Engine(model, "resident", max_context=0), "max_context must be an int >= 1 .* got 0"),
         (lambda: Engine(model, "resident", chunk_size=0), "chunk_size must be an int >= 1 .* got 0"),
+        (lambda: Engine(model, "hisparse", cache_slots=k, prefetch_programs=0),
+         r"prefetch_programs must be an int >= 1 \(programs of the prefetch copy\), got 0"),
+        (lambda: Engine(model, "resident", decode_backend="cuda"),
+         r"decode_backend='cuda': expected one of \('auto', 'triton', 'gluon'\)"),
         (lambda: engine.generate(torch.arange(5), 2), r"a Tensor of shape \(5,\) \(one prompt: wrap it in a list\)"),
         (lambda: engine.generate([torch.ones(2, 5, dtype=torch.int64)], 2), r"prompt 0 must be a 1-D .* \(2, 5\)"),
         (lambda: engine.generate([[1.0, 2.5]], 2), "prompt 0 holds torch.float32 values"),
@@ -254,43 +205,50 @@ def test_replayed_trace_misses_equal_the_simulator():
     assert out.misses_per_step == simulate_trace(fitted, "lru", k).misses.sum(1).tolist()
 
 
-def test_prefetch_priority_is_checked_before_a_stream_is_made():
+def test_prefetch_width_is_the_familys_unless_the_engine_is_given_one(monkeypatch):
+    """prefetch_programs: the prefetch copy's width, the family's measured one by default; an Engine
+    argument sets another, which reaches the run's attention; anything but an int >= 1 is refused."""
     from hisparse import runtime
-    with pytest.raises(ValueError, match=r"prefetch priority 'urgent': expected one of \('normal', 'high'\)"):
-        runtime.side_stream("urgent")
-
-
-def test_prefetch_width_is_the_familys_unless_the_environment_sets_one(monkeypatch):
-    from hisparse import runtime
-    from hisparse.dsa_runtime import KernelDsaAttention
-    monkeypatch.setattr(runtime, "PREFETCH_PROGRAMS", None)
-    assert [runtime.prefetch_programs(f) for f in ("DSA", "nsa", "Quest")] == [4, 32, 32]
+    from hisparse.dsa.runtime import KernelDsaAttention
+    assert [runtime.prefetch_width(f) for f in ("DSA", "nsa", "Quest")] == [4, 32, 32]
+    assert runtime.prefetch_width("quest", 64) == 64
     assert KernelDsaAttention().prefetch_programs == 4
-    monkeypatch.setattr(runtime, "PREFETCH_PROGRAMS", 64)             # as HISPARSE_PREFETCH_PROGRAMS=64 sets it
-    assert runtime.prefetch_programs("DSA") == 64 and KernelDsaAttention().prefetch_programs == 64
+    assert KernelDsaAttention(prefetch_programs=64).prefetch_programs == 64
     with pytest.raises(ValueError, match=r"family 'mamba': expected one of \('DSA', 'NSA', 'Quest'\)"):
-        runtime.prefetch_programs("mamba")
+        runtime.prefetch_width("mamba")
+    for bad in (0, -4, 2.0, True, "16"):
+        with pytest.raises(ValueError, match=r"prefetch_programs must be an int >= 1 .*, got " + re.escape(repr(bad))):
+            runtime.prefetch_width("DSA", bad)
+        with pytest.raises(ValueError, match=r"prefetch_programs must be an int >= 1"):
+            KernelDsaAttention(prefetch_programs=bad)
+    model = tiny_model("glm_moe_dsa")
+    k = model.config.index_topk
+    assert Engine(model, "hisparse", cache_slots=k).prefetch_programs == 4
+    engine = Engine(model, "hisparse", cache_slots=k, prefetch=True, prefetch_programs=16)
+    made, attention = [], engine.runtime.attention
+    monkeypatch.setattr(engine.runtime, "attention", lambda *a, **kw: made.append(attention(*a, **kw)) or made[-1])
+    out = engine.generate(prompts(), new_tokens=2)          # a CPU copies in line, whatever the width
+    assert [att.prefetch_programs for att in made] == [16]
+    assert out.prefetched_layers == (1 if DEVICE == "cuda" else 0)      # glm_moe_dsa's one shared layer
+    assert_bitwise(Engine(model, "resident").generate(prompts(), new_tokens=2), out, "prefetch_programs=16")
 
 
-@pytest.mark.parametrize("module, variable, value, message", [
-    ("runtime", "HISPARSE_PREFETCH_PRIORITY", "urgent",
-     "HISPARSE_PREFETCH_PRIORITY='urgent': expected one of ('normal', 'high')"),
-    ("runtime", "HISPARSE_PREFETCH_PROGRAMS", "0", "HISPARSE_PREFETCH_PROGRAMS='0': expected a positive integer"),
-    ("runtime", "HISPARSE_PREFETCH_PROGRAMS", "16k", "HISPARSE_PREFETCH_PROGRAMS='16k': expected a positive integer"),
-    ("resolve", "HISPARSE_COPY_EVICT_FIRST", "yes", "HISPARSE_COPY_EVICT_FIRST='yes': expected 0 or 1"),
-    ("graph_flags", "HISPARSE_GRAPH_FLAGS", "2", "HISPARSE_GRAPH_FLAGS='2': expected a sum of 1 (auto-free"),
-    ("graph_flags", "HISPARSE_GRAPH_FLAGS", "16", "HISPARSE_GRAPH_FLAGS='16': expected a sum of 1 (auto-free"),
-    ("graph_flags", "HISPARSE_GRAPH_FLAGS", "-1", "HISPARSE_GRAPH_FLAGS='-1': expected a sum of 1 (auto-free"),
-    ("graph_flags", "HISPARSE_GRAPH_CAPTURE", "cuda", "HISPARSE_GRAPH_CAPTURE='cuda': expected 'torch'")])
-def test_a_bad_setting_in_the_environment_fails_at_import(module, variable, value, message):
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, **{variable: value})
-    done = subprocess.run([sys.executable, "-c", f"import hisparse.{module}"], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode != 0
-    assert message in done.stderr
+def test_decode_backend_picks_the_dsa_decode_kernel():
+    """decode_backend="triton" runs the Triton kernel, as "auto" does off Hopper: the same run bitwise;
+    "gluon" where the Gluon kernel cannot run (here: a CPU) is refused at the first decode step with
+    the reason, and the model keeps its own attention."""
+    model = tiny_model("deepseek_v32")
+    k = model.config.index_topk
+    base = Engine(model, "hisparse", cache_slots=k).generate(prompts(), new_tokens=3)
+    out = Engine(model, "hisparse", cache_slots=k, decode_backend="triton").generate(prompts(), new_tokens=3)
+    assert_bitwise(base, out, "decode_backend=triton")
+    assert Engine(model, "resident", decode_backend="gluon").runtime.decode_backend == "gluon"
+    if not torch.cuda.is_available():
+        own = model.sparse_attention
+        engine = Engine(model, "hisparse", cache_slots=k, decode_backend="gluon")
+        with pytest.raises(ValueError, match=r"backend='gluon': the Gluon decode kernel cannot run this: "):
+            engine.generate(prompts(), new_tokens=2)
+        assert engine.cache is None and model.sparse_attention is own
 
 
 def test_an_anchor_layers_newest_latents_wait_for_its_resolve(device):
@@ -298,7 +256,7 @@ def test_an_anchor_layers_newest_latents_wait_for_its_resolve(device):
     a second write before that resolve is a fault of the caller, refused rather than a row lost, and
     a resolve that refuses its call keeps them for the retry."""
     from hisparse.cache import HierarchicalKVCache
-    from hisparse.dsa_runtime import HierMlaKV, KernelDsaAttention
+    from hisparse.dsa.runtime import HierMlaKV, KernelDsaAttention
     cache = HierarchicalKVCache(2, 4, host_rows=64, row_elems=3, dtype=torch.float32, device=device)
     ids = [cache.open_stream(32) for _ in range(2)]
     for s in ids:

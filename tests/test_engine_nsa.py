@@ -12,7 +12,6 @@ import functools
 import tempfile
 
 import numpy as np
-
 import pytest
 import torch
 from engine_checks import (
@@ -29,10 +28,10 @@ from engine_checks import (
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
-from hisparse.models.nsa_decode import TorchNsaAttention
 from hisparse.models.tiny import write_tiny_checkpoint
-from hisparse.nsa import SEL_BLOCK
-from hisparse.nsa_runtime import HierNsaKV, NsaBlocksKV
+from hisparse.nsa.ops import SEL_BLOCK
+from hisparse.nsa.reference import TorchNsaAttention
+from hisparse.nsa.runtime import HierNsaKV, NsaBlocksKV
 from hisparse.synthetic import SyntheticConfig, split_kv_heads
 from hisparse.synthetic import generate as generate_trace
 from hisparse.traces import Trace
@@ -91,7 +90,7 @@ def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident()
 
 
 def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
-    """The kernels' decode step against the model's torch NSA step (hisparse.models.nsa_decode)."""
+    """The kernels' decode step against the model's torch NSA step (hisparse.nsa.reference)."""
     model, ours = tiny_model(), resident_run()
     steps = 8
     monkeypatch.setattr(model, "sparse_attention", TorchNsaAttention(model.config))    # restored after the test
@@ -185,6 +184,11 @@ def test_bad_inputs_are_refused_before_anything_is_built():
         Engine(model, "resident", token_budget=64)
     with pytest.raises(ValueError, match="this NSA model .* has none"):
         Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=True)
+    with pytest.raises(ValueError, match=r"decode_backend='triton' picks DSA's sparse MLA decode kernel; this "
+                                         r"NSA model \(NsaModel\) has none"):
+        Engine(model, "resident", decode_backend="triton")
+    with pytest.raises(ValueError, match=r"prefetch_programs must be an int >= 1 .*, got 2\.5"):
+        Engine(model, "hisparse", cache_slots=N_SELECT, prefetch_programs=2.5)
     engine = Engine(model, "hisparse", cache_slots=N_SELECT)
     dsa_shaped = generate_trace(SyntheticConfig(context=450, steps=4, k=N_SELECT, layers=1, batch=2, sinks=1,
                                                 window=2, random_layers=0, unit_size=SEL_BLOCK))

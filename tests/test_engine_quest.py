@@ -25,13 +25,13 @@ from engine_checks import (
 
 from hisparse.engine import Engine
 from hisparse.models.loading import load_model
-from hisparse.models.quest_decode import PagedKV, TorchQuestAttention
 from hisparse.models.tiny import write_tiny_checkpoint
-from hisparse.quest import PAGE
-from hisparse.quest_runtime import HierQuestKV, QuestKV, new_cache
+from hisparse.quest.ops import PAGE
+from hisparse.quest.reference import PagedKV, TorchQuestAttention
+from hisparse.quest.runtime import HierQuestKV, QuestKV, new_cache
 from hisparse.synthetic import SyntheticConfig, split_kv_heads
-from hisparse.traces import Trace
 from hisparse.synthetic import generate as generate_trace
+from hisparse.traces import Trace
 
 PROMPT_LENGTHS = (64, 21)
 BUDGET = 48                      # tokens: K = 3 pages per KV head
@@ -87,7 +87,7 @@ def test_dense_layers_stay_resident_and_noio_copies_nothing():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_kernel_step_agrees_with_the_torch_quest_step(family, monkeypatch):
-    """The kernels' decode step against the model's torch Quest step (hisparse.models.quest_decode)."""
+    """The kernels' decode step against the model's torch Quest step (hisparse.quest.reference)."""
     model, ours = tiny_model(family), resident_run(family)
     steps = 8
     monkeypatch.setattr(model, "sparse_attention", TorchQuestAttention(BUDGET))    # restored after the test
@@ -112,8 +112,11 @@ def test_bad_inputs_are_refused():
         Engine(model, "resident", token_budget=8)
     with pytest.raises(ValueError, match="this Quest model .* has none"):
         Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=True)
-    with pytest.raises(ValueError, match=r"host_write must be one of \('layer',\) for Quest models, got 'step'"):
-        Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, host_write="step")
+    with pytest.raises(ValueError, match=r"decode_backend='gluon' picks DSA's sparse MLA decode kernel; this "
+                                         r"Quest model \(QuestModel\) has none"):
+        Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, decode_backend="gluon")
+    with pytest.raises(ValueError, match=r"prefetch_programs must be an int >= 1 .*, got 0"):
+        Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch_programs=0)
     engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
     paged_in_blocks = generate_trace(SyntheticConfig(context=256, steps=4, k=K, layers=3, batch=4, sinks=1, window=1,
                                                      random_layers=0, unit_size=64))

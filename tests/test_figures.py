@@ -267,8 +267,8 @@ def test_a_throughput_point_rerun_at_another_batch_replaces_the_earlier_batchs_r
 
 
 def test_decode_rows_run_with_early_resolve_are_drawn_only_where_nothing_else_was(tmp_path):
-    """The sweep's `early_resolve` rows (newer here) do not replace the default runs' points; a file
-    with only such rows is drawn as it is."""
+    """The stored rows of the retired `early_resolve` variant (newer here) do not replace the default
+    runs' points; a file with only such rows is drawn as it is."""
     point = {"family": "dsa", "mode": "hisparse", "batch": 8, "context": 32768, "metric": "tpot_ms"}
     default = frame("decode", [dict(point, value=19.4)])                       # older, without the column
     early = frame("decode", [dict(point, value=20.4, early_resolve=True), dict(point, batch=16, value=25.0,
@@ -385,13 +385,11 @@ def test_time_per_token_columns_leave_out_points_timed_another_way():
 
 
 def test_the_figures_default_prefetch_variant_is_the_runtimes():
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HISPARSE_PREFETCH")}
-    code = "from hisparse import runtime as r; print(r.prefetch_programs('DSA'), r.PREFETCH_PRIORITY)"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.stdout.split() == [str(v) for v in figures.PREFETCH_VARIANT.values()], done.stderr[-2000:]
+    """The variant the figures draw is what bench_prefetch runs by default: DSA's copy width
+    (hisparse.runtime) on the side stream of normal priority (the one it has)."""
+    from hisparse import runtime
+    assert figures.PREFETCH_VARIANT == {"prefetch_programs": runtime.prefetch_width("DSA"),
+                                        "prefetch_priority": "normal"}
 
 
 def test_a_gpus_rows_are_drawn_over_newer_cpu_rows_unless_asked(tmp_path, capsys):

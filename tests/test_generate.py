@@ -144,6 +144,15 @@ def test_graph_and_cuda_need_a_gpu(tiny, capsys):
     assert rc == 2 and "argument --device: 'cuda' needs a CUDA GPU" in err
 
 
+def test_the_cpu_is_refused_where_a_gpu_is_visible(tiny, capsys, monkeypatch):
+    """--device cpu where the process sees a GPU: its kernels were compiled for the GPU, not for Triton's
+    interpreter (kernels_triton chose at import), so the CLI refuses and says how to run on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # as a GPU machine's process sees it
+    rc, out, err = cli(capsys, "--model", tiny, "--device", "cpu")
+    assert rc == 2 and "argument --device: cpu runs the kernels in Triton's interpreter" in err
+    assert "run with CUDA_VISIBLE_DEVICES= instead" in err and "request 0" not in out
+
+
 def test_help_explains_every_option(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

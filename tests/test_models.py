@@ -183,8 +183,13 @@ def test_rope_tables_match_transformers(params):
 # The swappable decode-step attention against the kernel references it must be swappable with.
 
 def test_dsa_decode_step_matches_kernel_references():
-    from hisparse.dsa import indexer_scores_ref, sparse_mla_decode_ref, topk_select_ref
-    from hisparse.models.dsa_decode import MlaKV, TorchDsaAttention
+    from hisparse.dsa.reference import (
+        MlaKV,
+        TorchDsaAttention,
+        indexer_scores_ref,
+        sparse_mla_decode_ref,
+        topk_select_ref,
+    )
     g = torch.Generator().manual_seed(11)
     n, length, capacity, heads, dc, dr, topk, scale = 3, 61, 64, 5, 32, 16, 16, 0.3
     kv = MlaKV(latent=torch.randn(n, capacity, dc + dr, generator=g),
@@ -206,9 +211,14 @@ def test_dsa_decode_step_matches_kernel_references():
 
 @pytest.mark.parametrize("length,budget", [(61, 32), (16, 64), (5, 32)], ids=["L61-budget32", "L16-budget64", "L5"])
 def test_quest_decode_step_matches_kernel_references(length, budget):
-    from hisparse.quest import (pages_from_tokens, quest_attention_ref, quest_metadata_from_keys,
-                                quest_page_scores_ref, quest_select_pages_ref, resident_rows)
-    from hisparse.models.quest_decode import PagedKV, TorchQuestAttention
+    from hisparse.quest.ops import pages_from_tokens, quest_metadata_from_keys, resident_rows
+    from hisparse.quest.reference import (
+        PagedKV,
+        TorchQuestAttention,
+        quest_attention_ref,
+        quest_page_scores_ref,
+        quest_select_pages_ref,
+    )
     g = torch.Generator().manual_seed(12)
     n, hkv, group, d, capacity, page = 2, 2, 3, 8, 64, 16
     keys, values = torch.randn(n, hkv, capacity, d, generator=g), torch.randn(n, hkv, capacity, d, generator=g)
@@ -231,7 +241,8 @@ def test_quest_decode_step_matches_kernel_references(length, budget):
 
 
 def test_nsa_decode_step_matches_kernel_references():
-    from hisparse.nsa import nsa_block_rows, nsa_compress_ref, nsa_decode_ref, nsa_window_ring
+    from hisparse.nsa.ops import nsa_block_rows, nsa_window_ring
+    from hisparse.nsa.reference import nsa_compress_ref, nsa_decode_ref
     g = torch.Generator().manual_seed(13)
     model = build_model(config_from_dict(TINY_CONFIGS["nsa"]))  # the paper's block sizes, as the kernels
     randomize_(model, 13)

@@ -1,7 +1,8 @@
 """The notebooks run top to bottom on the CPU in a fresh kernel, and are committed without outputs.
 
-The kernel gets the environment without TRITON_INTERPRET (which conftest sets for the tests), so a
-notebook that needs the interpreter must switch it on itself, as a user's fresh kernel would.
+The kernel gets the environment without TRITON_INTERPRET (which kernels_triton has set in the tests'
+process, having found no GPU), so a notebook gets the interpreter as a user's fresh kernel would: from
+kernels_triton's own choice when it is first imported.
 """
 import os
 from pathlib import Path

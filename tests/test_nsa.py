@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hisparse import nsa
+from hisparse.nsa import ops as nsa
+from hisparse.nsa import reference as nsa_ref
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # Scores are fp32 sums of probabilities whatever the input dtype; bf16 runs on the GPU at long contexts.
@@ -46,7 +47,7 @@ class Case:
         self.k_win, self.v_win = rnd(n, kv_heads, t, d), rnd(n, kv_heads, t, d)
         self.weight_k = rnd(d, d) * d ** -0.5 if weights else None
         self.weight_v = rnd(d, d) * d ** -0.5 if weights else None
-        self.ck, self.cv = nsa.nsa_compress_ref(self.k_cmp, self.v_cmp, self.weight_k, self.weight_v)
+        self.ck, self.cv = nsa_ref.nsa_compress_ref(self.k_cmp, self.v_cmp, self.weight_k, self.weight_v)
         self.pool = nsa.nsa_block_rows(self.k_slc, self.v_slc)
         self.n_units = nsa.block_count(torch.tensor(t)).item()
         self.win_k, self.win_v = nsa.nsa_window_ring(self.k_win, self.v_win, self.lengths, window)
@@ -152,7 +153,7 @@ def test_compress_newest_from_ring_matches_full_compression(weights, dtype):
 def test_compressed_attention_and_scores_match_ref(n, h, kv_heads, d, lengths, dtype, nan_empty):
     case = Case(n, h, kv_heads, d, lengths, dtype)
     out, lse, logits = nsa.nsa_compressed_attention(case.q, case.ck, case.cv, case.lengths)
-    ref_out, probs = nsa.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
+    ref_out, probs = nsa_ref.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
     assert rel_err(out, ref_out) < TOL[dtype]
     n_cmp = nsa.compressed_count(case.lengths)
     for i in range(n):  # probabilities exp(logit - lse) over the valid compressed blocks
@@ -163,9 +164,9 @@ def test_compressed_attention_and_scores_match_ref(n, h, kv_heads, d, lengths, d
         assert rel_err(p, probs[i].reshape(h, -1)[:, :n_cmp[i]]) < TOL[dtype]
 
     blocks, scores = nsa.nsa_select(logits, lse, case.lengths, kv_heads, case.n_units, N_SEL)
-    ref_scores = nsa.nsa_selection_scores_ref(probs, case.n_units)
+    ref_scores = nsa_ref.nsa_selection_scores_ref(probs, case.n_units)
     assert rel_err(scores, ref_scores) < SCORE_TOL[dtype]
-    assert torch.equal(blocks, nsa.nsa_topn_ref(scores, case.lengths, N_SEL))
+    assert torch.equal(blocks, nsa_ref.nsa_topn_ref(scores, case.lengths, N_SEL))
 
 
 def test_selection_scores_ref_is_stride_overlap():
@@ -179,13 +180,13 @@ def test_selection_scores_ref_is_stride_overlap():
         for i in range(29):
             shared = len({i, i + 1} & set(range(4 * j, 4 * j + 4)))
             expected[..., j] += shared * p_cmp[..., i]
-    assert rel_err(nsa.nsa_selection_scores_ref(probs, n_blocks), expected) < 1e-6
+    assert rel_err(nsa_ref.nsa_selection_scores_ref(probs, n_blocks), expected) < 1e-6
 
 
 def test_topn_ref_forced_blocks_and_ties():
     scores = torch.tensor([[[0.5, 0.1, 0.3, 0.3, 0.9, 0.2, 0.0, 0.0]], [[0.0] * 8]])
     lengths = torch.tensor([8 * 64 - 10, 100])
-    blocks = nsa.nsa_topn_ref(scores, lengths, 5)
+    blocks = nsa_ref.nsa_topn_ref(scores, lengths, 5)
     assert blocks.tolist() == [[[0, 6, 7, 4, 2]], [[0, 1, -1, -1, -1]]]
 
 
@@ -198,7 +199,7 @@ def test_select_uniform_logits_ties_go_to_lower_blocks(length, nan_empty):
     lse = torch.full((1, 4), float(torch.log(torch.tensor(float(n_cmp)))))
     lengths = torch.tensor([length], dtype=torch.int32)
     blocks, scores = nsa.nsa_select(logits, lse, lengths, 2, n_blk + 2, 8)
-    assert torch.equal(blocks, nsa.nsa_topn_ref(scores, lengths, 8))
+    assert torch.equal(blocks, nsa_ref.nsa_topn_ref(scores, lengths, 8))
     assert blocks[0, 0].tolist() == [0, n_blk - 2, n_blk - 1, 1, 2, 3, 4, 5]
     assert (scores[0, :, n_blk:] == 0).all()
 
@@ -225,7 +226,7 @@ def test_selected_attention_matches_ref_and_plain(n, h, kv_heads, d, lengths, dt
     case = Case(n, h, kv_heads, d, lengths, dtype)
     blocks, rows = random_blocks(case, N_SEL, torch.Generator().manual_seed(4))
     out = nsa.nsa_selected_attention(case.q, case.pool, rows, blocks, case.lengths)
-    assert rel_err(out, nsa.nsa_selected_attention_ref(case.q, case.pool, rows, blocks, case.lengths)) < TOL[dtype]
+    assert rel_err(out, nsa_ref.nsa_selected_attention_ref(case.q, case.pool, rows, blocks, case.lengths)) < TOL[dtype]
     assert rel_err(out, plain_selected(case, blocks)) < TOL[dtype]
     flat = nsa.nsa_selected_attention(case.q, case.pool.view(case.pool.shape[0], -1), rows, blocks, case.lengths)
     assert torch.equal(out, flat)
@@ -260,7 +261,7 @@ def test_hot_cache_and_resident_are_bitwise_equal(n, h, kv_heads, d, lengths, dt
 def test_window_attention_matches_ref_and_plain(window, dtype, nan_empty):
     case = Case(3, 6, 2, 27, [61, 301, 5], dtype, window=window, seed=6)
     out = nsa.nsa_window_attention(case.q, case.win_k, case.win_v, case.lengths)
-    assert rel_err(out, nsa.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)) < TOL[dtype]
+    assert rel_err(out, nsa_ref.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)) < TOL[dtype]
     plain = torch.zeros(3, 6, 27, dtype=torch.float64)
     for i, length in enumerate(case.lengths.tolist()):
         tok = torch.arange(max(0, length - window), length)
@@ -276,7 +277,7 @@ def test_gate_matches_ref(dtype, nan_empty):
     gates = torch.rand(3, 5, 3, generator=gen).to(dtype)
     out = nsa.nsa_gate(gates, *o, dtype)
     assert out.dtype == dtype
-    assert rel_err(out, nsa.nsa_gate_ref(gates, *o)) < TOL[dtype]
+    assert rel_err(out, nsa_ref.nsa_gate_ref(gates, *o)) < TOL[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,16 +288,16 @@ def check_decode(case, n_sel):
     """nsa_decode vs the reference pipeline, branch by branch on the kernel's own selection."""
     out, blocks = nsa.nsa_decode(case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v,
                                  case.lengths, case.gates, case.n_units, n_select=n_sel)
-    o_cmp, probs = nsa.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
-    ref_scores = nsa.nsa_selection_scores_ref(probs, case.n_units)
+    o_cmp, probs = nsa_ref.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
+    ref_scores = nsa_ref.nsa_selection_scores_ref(probs, case.n_units)
     _, lse, logits = nsa.nsa_compressed_attention(case.q, case.ck, case.cv, case.lengths)
     _, scores = nsa.nsa_select(logits, lse, case.lengths, case.kv_heads, case.n_units, n_sel)
     assert rel_err(scores, ref_scores) < SCORE_TOL[case.dtype]
-    assert torch.equal(blocks, nsa.nsa_topn_ref(scores, case.lengths, n_sel))
+    assert torch.equal(blocks, nsa_ref.nsa_topn_ref(scores, case.lengths, n_sel))
     rows = nsa.resident_rows(blocks, case.n_units)
-    o_slc = nsa.nsa_selected_attention_ref(case.q, case.pool, rows, blocks, case.lengths)
-    o_win = nsa.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)
-    ref = nsa.nsa_gate_ref(case.gates, o_cmp, o_slc, o_win)
+    o_slc = nsa_ref.nsa_selected_attention_ref(case.q, case.pool, rows, blocks, case.lengths)
+    o_win = nsa_ref.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)
+    ref = nsa_ref.nsa_gate_ref(case.gates, o_cmp, o_slc, o_win)
     assert out.dtype == case.dtype
     assert rel_err(out, ref) < TOL[case.dtype]
     return out, blocks
@@ -307,7 +308,7 @@ def check_decode(case, n_sel):
 def test_decode_matches_ref(n, h, kv_heads, d, lengths, dtype, nan_empty):
     case = Case(n, h, kv_heads, d, lengths, dtype, seed=8, weights=True)
     out, blocks = check_decode(case, N_SEL)
-    ref_out, ref_blocks = nsa.nsa_decode_ref(case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v,
+    ref_out, ref_blocks = nsa_ref.nsa_decode_ref(case.q, case.ck, case.cv, case.pool, case.win_k, case.win_v,
                                              case.lengths, case.gates, case.n_units, N_SEL)
     assert torch.equal(blocks, ref_blocks)
     assert rel_err(out, ref_out) < TOL[dtype]
@@ -324,11 +325,11 @@ def test_decode_with_a_given_selection(nan_empty):
     other = blocks.flip(0).contiguous()          # request 1's selection for request 0 and back, kept in range
     other = torch.where(other < nsa.block_count(case.lengths)[:, None, None].int(), other, -1).int()
     got, _ = nsa.nsa_decode(*args, n_select=N_SEL, blocks=other)
-    o_cmp, _ = nsa.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
-    o_slc = nsa.nsa_selected_attention_ref(case.q, case.pool, nsa.resident_rows(other, case.n_units), other,
+    o_cmp, _ = nsa_ref.nsa_compressed_attention_ref(case.q, case.ck, case.cv, case.lengths)
+    o_slc = nsa_ref.nsa_selected_attention_ref(case.q, case.pool, nsa.resident_rows(other, case.n_units), other,
                                            case.lengths)
-    o_win = nsa.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)
-    assert rel_err(got, nsa.nsa_gate_ref(case.gates, o_cmp, o_slc, o_win)) < TOL[torch.float32]
+    o_win = nsa_ref.nsa_window_attention_ref(case.q, case.win_k, case.win_v, case.lengths)
+    assert rel_err(got, nsa_ref.nsa_gate_ref(case.gates, o_cmp, o_slc, o_win)) < TOL[torch.float32]
     assert not torch.equal(got, out)
     with pytest.raises(ValueError, match=r"blocks: got torch.int64 \(2, 2, 5\), expected int32 \(2, 2, 5\)"):
         nsa.nsa_decode(*args, n_select=N_SEL, blocks=blocks.long())
@@ -408,8 +409,9 @@ compile_sm90(K._nsa_compress_kernel, types, dict(CMP_BLOCK=32, CMP_STRIDE=16, BL
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the GPU tests compile and run the kernels")
 def test_kernels_compile_for_sm90():
-    """The interpreter never compiles: build each kernel variant for Hopper in a process without it."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    """The interpreter never compiles: build each kernel variant for Hopper in a process without it
+    (TRITON_INTERPRET=0: else kernels_triton chooses the interpreter where no GPU is visible)."""
+    env = os.environ | {"TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=Path(__file__).resolve().parent.parent,
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -457,7 +459,7 @@ def test_gpu_rows_beyond_int32_offsets():
     q = torch.randn(n, h, d, generator=gen, device="cuda").to(torch.bfloat16)
     lengths = torch.tensor([256, 200], dtype=torch.int32, device="cuda")
     out = nsa.nsa_selected_attention(q, pool, rows, blocks, lengths)
-    ref = nsa.nsa_selected_attention_ref(q, pool, rows, blocks, lengths)
+    ref = nsa_ref.nsa_selected_attention_ref(q, pool, rows, blocks, lengths)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
 
 

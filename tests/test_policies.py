@@ -8,8 +8,15 @@ import pandas as pd
 import pytest
 import torch
 
-from hisparse.policies import (POLICIES, adjacent_layer_overlap, consecutive_overlap, gap_quantiles,
-                               reuse_gaps, simulate, simulate_trace)
+from hisparse.policies import (
+    POLICIES,
+    adjacent_layer_overlap,
+    consecutive_overlap,
+    gap_quantiles,
+    reuse_gaps,
+    simulate,
+    simulate_trace,
+)
 from hisparse.synthetic import SyntheticConfig, generate, preset
 from hisparse.traces import Trace
 

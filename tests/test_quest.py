@@ -7,8 +7,9 @@ import pytest
 import torch
 import triton
 
-from hisparse import quest
-from hisparse.quest import PAGE
+from hisparse.quest import ops as quest
+from hisparse.quest import reference as quest_ref
+from hisparse.quest.ops import PAGE
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.float32, id="fp32")]
@@ -103,7 +104,7 @@ def test_metadata_append_matches_ref_and_prefill(n, hkv, d, lengths, dtype):
         positions = torch.where(lengths > t, t, -1).to(torch.int32)
         key = keys[:, :, t].contiguous()
         quest.quest_metadata_append(kmin, kmax, key, positions)
-        quest.quest_metadata_append_ref(kmin_ref, kmax_ref, key, positions)
+        quest_ref.quest_metadata_append_ref(kmin_ref, kmax_ref, key, positions)
     before = kmin.clone()
     past_capacity = torch.full((n,), max_pages * PAGE, dtype=torch.int32)
     quest.quest_metadata_append(kmin, kmax, keys[:, :, 0].contiguous(), past_capacity)
@@ -146,7 +147,7 @@ def test_page_scores_match_ref_and_bound_the_logits(n, hq, hkv, d, lengths, dtyp
     kmin, kmax = quest.quest_metadata_from_keys(k, lengths, max_pages)
     scores = quest.quest_page_scores(q, kmin, kmax, lengths)
     assert scores.shape == (n, hkv, max_pages) and scores.dtype == torch.float32
-    assert rel_err(scores, quest.quest_page_scores_ref(q, kmin, kmax, lengths)) < TOL[dtype]
+    assert rel_err(scores, quest_ref.quest_page_scores_ref(q, kmin, kmax, lengths)) < TOL[dtype]
     group = hq // hkv
     for i in range(n):
         for h in range(hkv):
@@ -167,7 +168,7 @@ def test_select_pages_explicit_example():
     lengths = torch.tensor([6 * PAGE - 3], dtype=torch.int32)  # 6 pages, the last partial
     pages = quest.quest_select_pages(scores, lengths, 3 * PAGE)
     assert pages.tolist() == [[[1, 2, 5]]], "current page 5, then the two lowest-index 7.0 pages"
-    assert quest.quest_select_pages_ref(scores, lengths, 3 * PAGE).tolist() == [[[1, 2, 5]]]
+    assert quest_ref.quest_select_pages_ref(scores, lengths, 3 * PAGE).tolist() == [[[1, 2, 5]]]
     more = quest.quest_select_pages(scores, lengths, 9 * PAGE + 7)
     assert more.tolist() == [[[0, 1, 2, 3, 4, 5, -1, -1, -1]]], "all 6 pages, then padding"
 
@@ -187,7 +188,7 @@ def test_select_pages_matches_ref_exactly(budget_pages, ties, nan_empty):
     scores = tied_scores(n, hkv, max_pages, gen) if ties else torch.randn(n, hkv, max_pages, generator=gen)
     budget = budget_pages * PAGE + 7  # a budget that is not a whole number of pages rounds down
     pages = quest.quest_select_pages(scores, lengths, budget)
-    expected = quest.quest_select_pages_ref(scores, lengths, budget)
+    expected = quest_ref.quest_select_pages_ref(scores, lengths, budget)
     assert pages.dtype == torch.int32 and torch.equal(pages, expected)
     n_pages = n_pages_of(lengths)
     for i in range(n):
@@ -232,7 +233,7 @@ def test_attention_matches_ref_and_plain_softmax(n, hq, hkv, d, lengths, budget_
     scale = 0.7 * d ** -0.5
     out = quest.quest_attention(q, pool, rows, pages, lengths, scale=scale, splits=splits, pages_per_iter=ppi)
     assert out.shape == q.shape and out.dtype == dtype
-    assert rel_err(out, quest.quest_attention_ref(q, pool, rows, pages, lengths, scale=scale)) < TOL[dtype]
+    assert rel_err(out, quest_ref.quest_attention_ref(q, pool, rows, pages, lengths, scale=scale)) < TOL[dtype]
     assert rel_err(out, plain_attention_over_tokens(q, k, v, pages, lengths, scale)) < TOL[dtype]
     if (lengths == 0).any():
         assert (out[lengths == 0] == 0).all(), "a padded request (length 0) must give zeros"
@@ -325,7 +326,7 @@ def test_pipeline_append_select_attend(nan_empty):
     quest.quest_metadata_append(kmin, kmax, k[torch.arange(2), :, last].contiguous(), lengths - 1)
     scores = quest.quest_page_scores(q, kmin, kmax, lengths)
     pages = quest.quest_select(q, kmin, kmax, lengths, 3 * PAGE)
-    assert torch.equal(pages, quest.quest_select_pages_ref(scores, lengths, 3 * PAGE))
+    assert torch.equal(pages, quest_ref.quest_select_pages_ref(scores, lengths, 3 * PAGE))
     rows = quest.resident_rows(pages, max_pages)
     out = quest.quest_attention(q, pool, rows, pages, lengths)
     assert rel_err(out, plain_attention_over_tokens(q, k, v, pages, lengths, 16 ** -0.5)) < TOL[torch.float32]
@@ -340,9 +341,9 @@ def test_dense_attention_matches_ref(dtype):
     gen = torch.Generator().manual_seed(70)
     q, k, v, lengths = make_tokens(3, 6, 2, 24, [61, 27, 5], dtype, gen)
     k, v = k.nan_to_num(), v.nan_to_num()  # SDPA's masked positions must be finite
-    assert rel_err(quest.dense_attention(q, k, v, lengths), quest.dense_attention_ref(q, k, v, lengths)) < TOL[dtype]
+    assert rel_err(quest.dense_attention(q, k, v, lengths), quest_ref.dense_attention_ref(q, k, v, lengths)) < TOL[dtype]
     full = torch.full_like(lengths, k.shape[2])
-    assert rel_err(quest.dense_attention(q, k, v), quest.dense_attention_ref(q, k, v, full)) < TOL[dtype]
+    assert rel_err(quest.dense_attention(q, k, v), quest_ref.dense_attention_ref(q, k, v, full)) < TOL[dtype]
     assert quest.is_dense_layer(0) and quest.is_dense_layer(1) and not quest.is_dense_layer(2)
 
 
@@ -392,14 +393,14 @@ def test_gpu_metadata_scores_selection(gpu_case):
     newest = k[torch.arange(4, device="cuda"), :, positions.long()].contiguous()
     kmin_ref, kmax_ref = kmin.clone(), kmax.clone()
     quest.quest_metadata_append(kmin, kmax, newest, positions)
-    quest.quest_metadata_append_ref(kmin_ref, kmax_ref, newest, positions)
+    quest_ref.quest_metadata_append_ref(kmin_ref, kmax_ref, newest, positions)
     assert torch.equal(kmin, kmin_ref) and torch.equal(kmax, kmax_ref)
     full_min, full_max = quest.quest_metadata_from_keys(k, lengths, max_pages)
     assert torch.equal(kmin, full_min) and torch.equal(kmax, full_max)
     scores = quest.quest_page_scores(q, kmin, kmax, lengths)
-    assert rel_err(scores, quest.quest_page_scores_ref(q, kmin, kmax, lengths)) < 1e-5
+    assert rel_err(scores, quest_ref.quest_page_scores_ref(q, kmin, kmax, lengths)) < 1e-5
     pages = quest.quest_select_pages(scores, lengths, 2048)
-    assert torch.equal(pages, quest.quest_select_pages_ref(scores, lengths, 2048))
+    assert torch.equal(pages, quest_ref.quest_select_pages_ref(scores, lengths, 2048))
 
 
 @pytest.mark.gpu
@@ -412,7 +413,7 @@ def test_gpu_attention_bf16_and_bitwise_hot_cache(gpu_case, splits):
     pages = random_selection(lengths.cpu(), 8, 128, gen, pad_frac=0.05).cuda()
     rows = quest.resident_rows(pages, max_pages)
     out = quest.quest_attention(q, pool, rows, pages, lengths, splits=splits)
-    assert rel_err(out, quest.quest_attention_ref(q, pool, rows, pages, lengths)) < TOL[torch.bfloat16]
+    assert rel_err(out, quest_ref.quest_attention_ref(q, pool, rows, pages, lengths)) < TOL[torch.bfloat16]
     cache, hot = hot_cache_rows(pool.cpu(), rows.cpu(), slots=257, gen=gen)
     hierarchical = quest.quest_attention(q, cache.cuda(), hot.cuda(), pages, lengths, splits=splits)
     assert torch.equal(out, hierarchical)
@@ -432,10 +433,10 @@ def test_gpu_attention_rows_past_int32_elements():
     lengths = torch.tensor([16 * PAGE], device="cuda", dtype=torch.int32)
     q = torch.randn(1, 32, d, device="cuda", generator=gen).bfloat16()
     out = quest.quest_attention(q, pool, rows, pages, lengths)
-    assert rel_err(out, quest.quest_attention_ref(q, pool, rows, pages, lengths)) < TOL[torch.bfloat16]
+    assert rel_err(out, quest_ref.quest_attention_ref(q, pool, rows, pages, lengths)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
 def test_gpu_dense_attention_bf16(gpu_case):
     q, k, v, lengths = gpu_case
-    assert rel_err(quest.dense_attention(q, k, v, lengths), quest.dense_attention_ref(q, k, v, lengths)) < 2e-2
+    assert rel_err(quest.dense_attention(q, k, v, lengths), quest_ref.dense_attention_ref(q, k, v, lengths)) < 2e-2

@@ -3,14 +3,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from hisparse.cache import HierarchicalKVCache
-from hisparse.host_pool import HUGE_PAGE_BYTES, HostPool, huge_page_empty
+from hisparse.host_pool import HostPool
 from hisparse.resolve import CacheState, ResolveResult, resolve
 
 POISON = -7
@@ -84,15 +82,15 @@ def assert_slots_hold_units(cache: HierarchicalKVCache, streams, sel, slots):
 
 
 CASES = [
-    pytest.param(3, 8, 8, 5, torch.float16, 40, False, id="S3-k8-B8-E5fp16"),       # B == k, 10-byte rows
-    pytest.param(4, 8, 13, 27, torch.float32, 60, False, id="S4-k8-B13-E27fp32"),   # odd B and row size
-    pytest.param(5, 16, 32, 12, torch.float16, 40, True, id="S5-k16-B32-E12fp16-addr"),
-    pytest.param(2, 5, 11, 3, torch.float32, 60, True, id="S2-k5-B11-E3fp32-addr"),  # k, B not powers of 2
+    pytest.param(3, 8, 8, 5, torch.float16, 40, id="S3-k8-B8-E5fp16"),       # B == k, 10-byte rows
+    pytest.param(4, 8, 13, 27, torch.float32, 60, id="S4-k8-B13-E27fp32"),   # odd B and row size
+    pytest.param(5, 16, 32, 12, torch.float16, 40, id="S5-k16-B32-E12fp16"),
+    pytest.param(2, 5, 11, 3, torch.float32, 60, id="S2-k5-B11-E3fp32"),     # k, B not powers of 2
 ]
 
 
-@pytest.mark.parametrize("num_streams,k,cache_slots,row_elems,dtype,steps,sort_plan", CASES)
-def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype, steps, sort_plan, device):
+@pytest.mark.parametrize("num_streams,k,cache_slots,row_elems,dtype,steps", CASES)
+def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype, steps, device):
     gen = torch.Generator().manual_seed(1000 + k * cache_slots)
     lengths = [int(x) for x in torch.randint(k, 4 * cache_slots, (num_streams,), generator=gen)]
     kern, ref = make_pair(num_streams, cache_slots, row_elems, dtype, device, lengths, seed=k)
@@ -106,12 +104,11 @@ def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype,
         out = ResolveResult(*(torch.full(shape, POISON, dtype=torch.int32, device=device)
                               for shape in ((num_streams + 1, k), (num_streams + 1, 2),
                                             (num_streams + 1, k), (num_streams + 1, k))))
-        # odd steps: the kernel compiled without size specialisation (same code, one layout); the
-        # free slots ranked by the default (the packed scan at these B), the packed scan insisted on,
-        # and the single scan, in turn
-        got = kern.resolve(streams.to(device), batch_sel.to(device), out=out, sort_plan=sort_plan,
-                           flat_layout=step % 2 == 1, packed_scan=(None, True, False)[step % 3])
-        want = ref.resolve_ref(streams.to(device), batch_sel.to(device), sort_plan=sort_plan)
+        # the free slots ranked by the default (the packed scan at these B), the packed scan insisted
+        # on, and the single scan, in turn
+        got = kern.resolve(streams.to(device), batch_sel.to(device), out=out,
+                           packed_scan=(None, True, False)[step % 3])
+        want = ref.resolve_ref(streams.to(device), batch_sel.to(device))
         assert torch.equal(got.slots.cpu(), want.slots), f"step {step}"
         assert torch.equal(got.counts.cpu(), want.counts), f"step {step}"
         for row in range(num_streams + 1):
@@ -138,14 +135,12 @@ def test_noio_updates_state_but_copies_nothing(device):
     assert noio.slots[:, :-1].isnan().all(), "no-IO mode must not write any slot"
 
 
-@pytest.mark.parametrize("sort_plan", [False, True], ids=["miss-order", "address-order"])
-def test_plan_order(sort_plan, device):
+def test_plan_order(device):
     cache, _ = make_pair(1, 8, 4, torch.float32, device, [30], seed=5)
     sel = torch.tensor([[17, 3, 25, -1, 9]], dtype=torch.int32, device=device)
-    res = cache.resolve(torch.tensor([0], dtype=torch.int32, device=device), sel, sort_plan=sort_plan)
-    # misses take the empty slots lowest index first, in selection order
-    want = [(17, 0), (3, 1), (25, 2), (9, 3)]
-    assert res.plan(0) == (sorted(want) if sort_plan else want)
+    res = cache.resolve(torch.tensor([0], dtype=torch.int32, device=device), sel)
+    # misses take the empty slots lowest index first, and the plan lists them in selection order
+    assert res.plan(0) == [(17, 0), (3, 1), (25, 2), (9, 3)]
     assert_slots_hold_units(cache, [0], sel, res.slots)
 
 
@@ -331,8 +326,6 @@ def test_bad_calls_on_streams_change_nothing(device):
     host = cache.host.rows.clone()
     with pytest.raises(ValueError, match="units must be an integer tensor, got torch.float32"):
         cache.write_newest(_i32([1], device), torch.tensor([1.7], device=device), torch.ones(1, 4, device=device))
-    with pytest.raises(ValueError, match="units must be an integer tensor"):
-        cache.store_newest(_i32([1], device), torch.tensor([1.0], device=device))
     plan = cache.resolve(_i32([0, 1], device), _i32([[1, 2], [3, 4]], device))
     with pytest.raises(ValueError, match="streams must be a contiguous int32 tensor"):
         cache.replay_plan(plan, _i32([1, 1, 0], device)[::2])
@@ -363,7 +356,7 @@ def test_bad_calls_on_streams_change_nothing(device):
 
 
 def test_device_writes_check_their_values_and_change_nothing_when_refused(device):
-    """write_newest, store_newest, write_newest_token, replay_plan and resolve_ref(newest=) check streams
+    """write_newest, write_newest_token, replay_plan and resolve_ref(newest=) check streams
     and units on the host (outside a graph capture) before launching: a unit the stream has not recorded, a closed or
     out-of-range stream, a stream listed twice, a negative position. Nothing stored changes; with
     check_values=False the same call goes through (the caller's promise, as inside a captured step)."""
@@ -384,7 +377,6 @@ def test_device_writes_check_their_values_and_change_nothing_when_refused(device
          "map stream 2 is not open"),
         (lambda: cache.write_newest(_i32([1], device), _i32([25], device), row, map_streams=_i32([0], device)),
          r"unit 25 of stream 1 is past its map stream 0's recorded units 0..19"),     # would hit another map
-        (lambda: cache.store_newest(_i32([0], device), _i32([45], device)), "store_newest: unit 45 of stream 0"),
         (lambda: cache.write_newest_token(_i32([0], device), torch.tensor([-2], device=device),
                                           torch.ones(1, 1, 1, device=device), torch.ones(1, 1, 1, device=device), 2),
          "token positions must be >= 0"),
@@ -545,46 +537,12 @@ def test_write_without_a_map_stream_skips_write_through(device):
     assert not torch.equal(cache.slots[0, int(res.slots[0, 0])].cpu(), row[0].cpu())
 
 
-def test_write_off_the_host_then_store_reserved_puts_each_row_in_place(device):
-    """write_rows(to_host=False) writes the reserved slot and the cached copy but not the host pool;
-    store_reserved then copies each reserved slot to its unit's host row (a stream of -1 is skipped)
-    and touches no other byte, as its torch reference does."""
-    from hisparse.resolve import store_reserved, store_reserved_ref, write_rows
-    c = _small_cache(device)
-    c.resolve(_i32([0], device), _i32([[4, 1]], device))            # units 4 and 1 of stream 0 cached
-    streams, units = _i32([0, 1], device), torch.tensor([4, 2], device=device)
-    rows = torch.randn(2, 4).to(device)
-    host_before = c.host.rows.clone()
-    write_rows(streams, units, rows, c.state.host_base, c.state.unit_slot, c.host.rows, c.slots, to_reserved=True,
-               to_host=False)
-    def bits(t):                                  # bytes, not values (unwritten host rows may hold NaN)
-        return t.cpu().view(torch.int32)
-    assert torch.equal(bits(c.host.rows), bits(host_before)), "the host pool is left for store_reserved"
-    assert torch.equal(c.slots[:2, c.reserved_slot].cpu(), rows.cpu())
-    slot = int(c.state.unit_slot[int(c.state.host_base[0]) + 4])
-    assert torch.equal(c.slots[0, slot].cpu(), rows[0].cpu()), "write-through to the cached copy"
-    want_host = c.host.rows.clone()
-    store_reserved_ref(_i32([1, -1, 0], "cpu"), torch.tensor([2, 7, 4]), c.state.host_base.cpu(), want_host,
-                       c.slots.cpu())
-    store_reserved(_i32([1, -1, 0], device), torch.tensor([2, 7, 4], device=device), c.state.host_base,
-                   c.host.rows, c.slots)
-    assert torch.equal(bits(c.host.rows), bits(want_host))
-    for stream, unit, row in ((0, 4, rows[0]), (1, 2, rows[1])):
-        assert torch.equal(c.host.rows[int(c.state.host_base[stream]) + unit], row.cpu())
-    changed = (bits(c.host.rows) != bits(host_before)).any(1).nonzero().flatten().tolist()
-    assert changed == sorted([int(c.state.host_base[0]) + 4, int(c.state.host_base[1]) + 2])
-    with pytest.raises(ValueError, match="must go to the reserved slot"):
-        write_rows(streams, units, rows, c.state.host_base, c.state.unit_slot, c.host.rows, c.slots,
-                   to_reserved=False, to_host=False)
-    with pytest.raises(ValueError, match="streams must be int32 and units int64"):
-        store_reserved(streams, units.to(torch.int32), c.state.host_base, c.host.rows, c.slots)
-
-
 def write_unit_token_both(streams, pos, keys, values, host_base, unit_slot, host, cache, t, device,
                           map_streams=None):
     """Run the kernel (on `device`) and its torch reference on copies of host and cache; assert they
     wrote the same bytes; return the reference's (host, cache)."""
-    from hisparse.resolve import write_unit_token, write_unit_token_ref
+    from hisparse.resolve import write_unit_token
+    from hisparse.resolve_ref import write_unit_token_ref
     want_host, want_cache = host.clone(), cache.clone()
     write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, want_host, want_cache, t, map_streams)
     got_host, got_cache = host.to(device), cache.to(device)
@@ -691,29 +649,6 @@ def test_host_pool_pinning_without_a_gpu_is_refused_clearly():
     assert HostPool(16, 8, torch.float32).rows.shape == (16, 8)      # unpinned by default here
 
 
-def test_huge_page_host_rows_start_on_a_huge_page_and_hold_their_values():
-    """The rows a huge-page host pool pins: 2 MiB aligned, the shape and dtype asked for, writable end
-    to end (an odd size: 3.5 MB, not a whole number of pages). Where the kernel offers transparent
-    huge pages, advised without a warning."""
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    with warnings.catch_warnings():
-        if thp.exists() and "[never]" not in thp.read_text():
-            warnings.simplefilter("error")
-        rows = huge_page_empty(3 * 1000 + 7, 576, torch.bfloat16)
-    assert rows.data_ptr() % HUGE_PAGE_BYTES == 0
-    assert rows.shape == (3007, 576) and rows.dtype == torch.bfloat16 and rows.is_contiguous()
-    values = torch.randn(3007, 576).to(torch.bfloat16)
-    rows.copy_(values)
-    assert torch.equal(rows, values)
-
-
-@pytest.mark.parametrize("setting", ["HISPARSE_HOST_HUGE_PAGES", "HISPARSE_HOST_VMM"])
-def test_bad_host_pool_setting_is_refused_at_import(setting):
-    run = subprocess.run([sys.executable, "-c", "import hisparse.host_pool"], capture_output=True, text=True,
-                         env=dict(os.environ, **{setting: "yes"}), timeout=120)
-    assert run.returncode != 0 and f"{setting}='yes': expected 0 or 1" in run.stderr
-
-
 @pytest.mark.parametrize("mode", ["normal", "noio"])
 def test_resolve_with_newest_rows_is_write_then_resolve(mode, device):
     """resolve(newest=...) writes each stream's newest row in the same launch; the result is
@@ -749,8 +684,7 @@ def test_resolve_with_newest_rows_is_write_then_resolve(mode, device):
         new_units = torch.tensor([units[s] for s in order] + [0])
         new_rows = torch.randn(num_streams + 1, row_elems, generator=gen)
         newest = (new_units.to(device), new_rows.to(device))
-        got = fused.resolve(streams.to(device), batch_sel.to(device), mode=mode, newest=newest,
-                            flat_layout=step % 2 == 0)
+        got = fused.resolve(streams.to(device), batch_sel.to(device), mode=mode, newest=newest)
         split.write_newest(streams.to(device), *newest)
         want = split.resolve(streams.to(device), batch_sel.to(device), mode=mode)
         ref_out = ref.resolve_ref(streams.to(device), batch_sel.to(device), mode=mode, newest=newest)

@@ -4,8 +4,6 @@ reference runs on the CPU on a copy of the same state."""
 import pytest
 import torch
 
-import hisparse.host_pool as host_pool
-from hisparse import host_vmm
 from hisparse.cache import HierarchicalKVCache
 from hisparse.host_pool import HostPool
 from hisparse.resolve import ResolveResult, fetch_rows
@@ -60,8 +58,7 @@ def check_step(gpu, cpu, streams, sel, res):
     assert torch.equal(got.view(torch.int16), want_rows.view(torch.int16))
 
 
-VARIANTS = {"vector": dict(flat_layout=False, packed_scan=False), "flat": dict(flat_layout=True),
-            "flat+single_scan": dict(flat_layout=True, packed_scan=False)}
+VARIANTS = {"packed_scan": dict(), "single_scan": dict(packed_scan=False)}     # the default at B=4096: packed
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -119,23 +116,11 @@ def test_fetch_past_2_31_words_on_gpu():
     assert torch.equal(cache.slots[far, int(res.slots[0, 1])].cpu(), new[0])
 
 
-@pytest.mark.parametrize("backing", ["4k-pages", "huge-pages", "vmm"])
-def test_host_pool_is_pinned_and_read_zero_copy_and_unpinned_when_dropped(backing, monkeypatch):
+def test_host_pool_is_pinned_and_read_zero_copy_and_unpinned_when_dropped():
     """The pool is page-locked by cudaHostRegister (no power-of-two rounding, an odd size here), read
-    zero-copy by the kernels, and unregistered when the pool goes; with 2 MiB pages asked for too, and
-    made by cuMemCreate instead (unmapped when the pool goes)."""
-    huge_pages, vmm = backing == "huge-pages", backing == "vmm"
-    monkeypatch.setattr(host_pool, "HUGE_PAGES", huge_pages)
-    monkeypatch.setattr(host_pool, "VMM", vmm)
+    zero-copy by the kernels, and unregistered when the pool goes."""
     pool = HostPool(3 * 1000 + 7, 576, torch.bfloat16)       # an odd size: 3.5 MB, not a power of two
-    assert host_vmm.is_mapped(pool.rows) == vmm
-    if vmm:
-        print(host_vmm.mapping(pool.rows))
-        pool.rows[-1].copy_(torch.arange(576))                 # the CPU writes it too
-        assert torch.equal(pool.rows[-1].cpu(), torch.arange(576).to(torch.bfloat16))
-    else:
-        assert pool.rows.is_pinned()
-    assert not huge_pages or pool.rows.data_ptr() % host_pool.HUGE_PAGE_BYTES == 0
+    assert pool.rows.is_pinned()
     new = torch.randn(pool.capacity, 576, device="cuda").to(torch.bfloat16)
     pool.write(0, new)
     torch.cuda.synchronize()
@@ -147,8 +132,4 @@ def test_host_pool_is_pinned_and_read_zero_copy_and_unpinned_when_dropped(backin
     assert torch.equal(cache[0, 0], new[-1])
     host_rows = pool.rows
     del pool
-    if vmm:
-        assert not host_vmm.is_mapped(host_rows), "the pool's memory must be unmapped with the pool"
-    else:
-        assert not host_rows.is_pinned(), "the pool's memory must be unregistered with the pool"
-
+    assert not host_rows.is_pinned(), "the pool's memory must be unregistered with the pool"

@@ -28,21 +28,6 @@ def test_rows_without_required_columns_are_refused_and_nothing_is_written(tmp_pa
     assert not path.exists()
 
 
-def test_rows_made_under_a_graph_experiment_say_so(tmp_path, monkeypatch):
-    """HISPARSE_GRAPH_CAPTURE=driver or HISPARSE_GRAPH_FLAGS tag every row appended meanwhile; default
-    rows carry neither column."""
-    from hisparse import graph_flags
-    path = tmp_path / "bench.csv"
-    append_rows(path, [dict(bench="b", metric="us", value=1.0, unit="us")])
-    assert "graph_capture" not in pd.read_csv(path) and "graph_flags" not in pd.read_csv(path)
-    monkeypatch.setattr(graph_flags, "CAPTURE", "driver")
-    monkeypatch.setattr(graph_flags, "FLAGS", 9)
-    append_rows(path, [dict(bench="b", metric="us", value=2.0, unit="us")])
-    frame = pd.read_csv(path)
-    assert frame.graph_capture.isna().tolist() == [True, False] and frame.graph_capture[1] == "driver"
-    assert frame.graph_flags.tolist()[1] == 9
-
-
 @pytest.mark.parametrize("text, problem", [
     ("bench,metric,value,unit\nb,m,1,us,\n", "line 2 has 5 fields, the header 4"),       # a trailing comma
     ("bench,metric,value,unit\nx,b,m,1,us\nx,b,m,2,us\n", "(2 such lines)"),           # a leading field

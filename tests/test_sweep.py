@@ -49,6 +49,7 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     assert not decode.graph.any() and not decode.prefetch.any()       # how it ran: eager on a CPU, no prefetch
     assert (decode.k == 8).all() and decode.commit.notna().all() and (decode.gpu == "cpu").all()
     assert (decode.attention_kernel == "triton").all(), "off Hopper DSA decodes with the Triton kernel"
+    assert (decode.decode_backend == "auto").all() and "early_resolve" not in decode
     runs = decode.drop_duplicates("run").run           # each decode point's run in this process, in order
     assert len(runs) == 2 and runs.is_monotonic_increasing and runs.iloc[1] == runs.iloc[0] + 1
     tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
@@ -93,7 +94,9 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("warmup_steps = 2", "warmup_steps = 2\nlayers = 0"), "layers = 0: expected one positive integer"),
     (("warmup_steps = 2", "warmup_steps = 2\nprefetch = true"),
      "prefetch = true needs layers that share a selection .* model 'tiny:deepseek_v32' has none"),
-    (("warmup_steps = 2", "warmup_steps = 2\nearly_resolve = 1"), "early_resolve = 1: expected true or false"),
+    (("warmup_steps = 2", "warmup_steps = 2\ndecode_backend = \"cuda\""),
+     r"decode_backend = 'cuda': expected one of \('auto', 'triton', 'gluon'\)"),
+    (("warmup_steps = 2", "warmup_steps = 2\nearly_resolve = true"), "unknown key 'early_resolve'"),
     (("warmup_steps = 2", "warmup_steps = 2\nhidden = 64"),
      "hidden = 64 sizes the 'dsa' and 'quest' models; model 'tiny:deepseek_v32' has its own: drop hidden"),
     (("max_batch = 3", "max_batch = [3]"), "max_batch = \\[3\\]: expected one positive integer"),
@@ -107,7 +110,7 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
      "unknown top-level key 'stduy': a config holds only \\[\\[study\\]\\] tables"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
         "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
-        "early-resolve-int", "hidden-tiny", "max-batch-list", "max-batch-0", "kind-list", "slots-above-max",
+        "decode-backend", "early-resolve-gone", "hidden-tiny", "max-batch-list", "max-batch-0", "kind-list", "slots-above-max",
         "budget-bool", "budget-inf", "top-level-key"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
@@ -295,19 +298,44 @@ workload = "tiny"
 """
 
 
-def test_early_resolve_runs_hierarchical_modes_on_a_gpu_and_is_recorded(tmp_path, capsys):
-    """early_resolve = true: on a GPU the hierarchical modes run with it (and so store the newest rows
-    once per step), resident without; without a GPU nothing does, and the sweep says so. The rows
-    record which."""
-    config = write(tmp_path, TINY.split("[[study]]")[1].join(["[[study]]", ""]).replace(
-        'workload = "tiny"\n', 'workload = "tiny"\nearly_resolve = true\n', 1))
-    assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 0
+def test_decode_backend_runs_every_mode_with_that_kernel_and_is_recorded(tmp_path, capsys):
+    """decode_backend = "triton": every mode of a DSA study decodes with the Triton kernel, and its rows
+    record the backend asked for beside the kernel that ran; a point stored with another backend runs
+    again."""
+    one = TINY.split("[[study]]")[1]
+    out = str(tmp_path / "results")
+    config = write(tmp_path, "[[study]]" + one.replace('workload = "tiny"\n', 'workload = "tiny"\n'
+                                                       'decode_backend = "triton"\n', 1))
+    assert sweep.main(["--config", config, "--out", out]) == 0
     decode = pd.read_csv(tmp_path / "results" / "decode.csv")
-    early = decode.groupby("mode").early_resolve.agg(set)
-    on_gpu = torch.cuda.is_available()
-    assert early["resident"] == {False} and early["hisparse"] == {on_gpu}
-    assert decode.value.notna().all()
-    assert ("early_resolve needs a CUDA GPU" in capsys.readouterr().out) != on_gpu
+    assert set(decode["mode"]) == {"resident", "hisparse"} and decode.value.notna().all()
+    assert (decode.decode_backend == "triton").all() and (decode.attention_kernel == "triton").all()
+    capsys.readouterr()
+    assert sweep.main(["--config", write(tmp_path, "[[study]]" + one), "--out", out, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert "2 points, 0 already in" in said and "2 of them stored from runs made another way" in said
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Gluon kernel may run on this GPU")
+def test_a_gluon_backend_that_cannot_run_here_is_refused_before_any_point(tmp_path, capsys):
+    one = TINY.split("[[study]]")[1]
+    config = write(tmp_path, "[[study]]" + one.replace('workload = "tiny"\n', 'workload = "tiny"\n'
+                                                       'decode_backend = "gluon"\n', 1))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 2
+    assert 'decode_backend = "gluon" cannot run here: ' in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+
+
+def test_run_settings_record_the_decode_backend_for_dsa_points_only():
+    study = {"new_tokens": 3, "warmup_steps": 1, "decode_backend": "triton"}
+    dsa = sweep.run_settings(study, {"bench": "decode", "family": "dsa", "mode": "hisparse"}, on_gpu=False)
+    assert dsa == dict(new_tokens=3, warmup_steps=1, graph=False, prefetch=False, decode_backend="triton")
+    default = sweep.run_settings({"new_tokens": 3, "warmup_steps": 1}, {"bench": "decode", "family": "dsa",
+                                                                      "mode": "resident"}, on_gpu=False)
+    assert default["decode_backend"] == "auto" and "early_resolve" not in default
+    quest = sweep.run_settings({"new_tokens": 3, "warmup_steps": 1}, {"bench": "decode", "family": "quest",
+                                                                    "mode": "hisparse"}, on_gpu=False)
+    assert "decode_backend" not in quest and "early_resolve" not in quest
 
 
 def test_attention_kernel_is_what_dsa_decode_picks_for_the_models_query(monkeypatch):
@@ -315,15 +343,16 @@ def test_attention_kernel_is_what_dsa_decode_picks_for_the_models_query(monkeypa
     device (here made to admit Gluon, and then asked about the real shape); Quest models say triton."""
     from types import SimpleNamespace
 
-    from hisparse import dsa
+    from hisparse.dsa import ops as dsa
     asked = []
-    monkeypatch.setattr(dsa, "DECODE_BACKEND", "auto")
     monkeypatch.setattr(dsa, "gluon_decode_unsupported", lambda q, d_v: asked.append((tuple(q.shape), d_v)))
     weight = torch.zeros(2, 2, dtype=torch.bfloat16)
     dsa_model = SimpleNamespace(config=SimpleNamespace(model_type="deepseek_v32", num_attention_heads=128,
                                                        kv_lora_rank=512, qk_rope_head_dim=64),
                                 model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)))
     assert sweep.attention_kernel(dsa_model) == "gluon" and asked == [((1, 128, 576), 512)]
+    assert sweep.attention_kernel(dsa_model, "gluon") == "gluon"
+    assert sweep.attention_kernel(dsa_model, "triton") == "triton"           # the study's decode_backend
     quest_model = SimpleNamespace(config=SimpleNamespace(model_type="llama"), model=dsa_model.model)
     assert sweep.attention_kernel(quest_model) == "triton"
 
@@ -364,9 +393,11 @@ def test_bad_quest_studies_fail_before_running(tmp_path, capsys, edit, message):
     config = write(tmp_path, QUEST.replace(*edit, 1))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "results")]) == 2
     assert re.search(message, capsys.readouterr().err) and not list(tmp_path.glob("results/*.csv"))
-    early = write(tmp_path, QUEST.replace('workload = "tiny"\n', 'workload = "tiny"\nearly_resolve = true\n', 1))
-    assert sweep.main(["--config", early, "--dry-run"]) == 2
-    assert "early_resolve = true applies to DSA models" in capsys.readouterr().err
+    backend = write(tmp_path, QUEST.replace('workload = "tiny"\n', 'workload = "tiny"\ndecode_backend = "triton"\n',
+                                            1))
+    assert sweep.main(["--config", backend, "--dry-run"]) == 2
+    assert "decode_backend applies to DSA models (the sparse MLA decode kernel); model 'tiny:llama' is quest" \
+        in capsys.readouterr().err
     dsa = write(tmp_path, TINY.replace('workload = "tiny"\n', 'workload = "tiny"\ntoken_budget = 64\n', 1))
     assert sweep.main(["--config", dsa, "--dry-run"]) == 2
     assert "token_budget applies to Quest models" in capsys.readouterr().err

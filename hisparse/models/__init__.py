@@ -1,4 +1,5 @@
-"""The three model families with Hugging Face checkpoint names, in plain torch.
+"""What the three families' decoders share: config, checkpoint loading, layers, MoE, tiny checkpoints
+(each family's decoder is hisparse/<family>/model.py).
 
     model = load_model(checkpoint_dir, dtype=torch.bfloat16, device="cuda")
     state = model.new_state(batch, capacity)          # per-layer KV, plain tensors
@@ -12,9 +13,9 @@ left is the MoE expert loop (`moe.Experts`), which asks the host which experts w
 
 Prefill has the family's exact semantics (DSA: per-query indexer top-k as transformers; Quest:
 dense; NSA: the three gated branches). Decode calls `model.sparse_attention`, a plain object with the
-family's sparse step (dsa_decode.TorchDsaAttention, quest_decode.TorchQuestAttention,
-nsa_decode.TorchNsaAttention); assign another object with the same methods to run kernels that read
-through the hierarchical cache.
+family's sparse step (the torch references hisparse.dsa.reference.TorchDsaAttention,
+hisparse.quest.reference.TorchQuestAttention, hisparse.nsa.reference.TorchNsaAttention); assign
+another object with the same methods to run kernels that read through the hierarchical cache.
 """
 from hisparse.models.base import DecodeState, stack_states
 from hisparse.models.loading import build_model, load_model

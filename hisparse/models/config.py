@@ -2,7 +2,7 @@
 
 Field names are those of the Hugging Face configs (`DeepseekV32Config`, `GlmMoeDsaConfig`,
 `LlamaConfig`, `Qwen3Config`) so a real `config.json` reads as is; keys we do not use are ignored.
-The NSA config is our own; its keys are documented in `README_NSA.md`.
+The NSA config is our own; its keys are documented in `hisparse/nsa/README.md`.
 """
 import dataclasses
 import json

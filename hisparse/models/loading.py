@@ -20,13 +20,15 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-_FAMILIES = {"deepseek_v32": "deepseek_v32.DsaModel", "glm_moe_dsa": "deepseek_v32.DsaModel",
-             "llama": "llama_quest.QuestModel", "qwen3": "llama_quest.QuestModel", "nsa": "nsa_model.NsaModel"}
+# model_type -> the family's model class, imported when first built (the families import this package)
+_FAMILIES = {"deepseek_v32": "hisparse.dsa.model.DsaModel", "glm_moe_dsa": "hisparse.dsa.model.DsaModel",
+             "llama": "hisparse.quest.model.QuestModel", "qwen3": "hisparse.quest.model.QuestModel",
+             "nsa": "hisparse.nsa.model.NsaModel"}
 
 
 def build_model(config: ModelConfig) -> CausalLM:
-    module, cls = _FAMILIES[config.model_type].split(".")
-    return getattr(importlib.import_module(f"hisparse.models.{module}"), cls)(config)
+    module, cls = _FAMILIES[config.model_type].rsplit(".", 1)
+    return getattr(importlib.import_module(module), cls)(config)
 
 
 def checkpoint_layout(model: CausalLM, fused: frozenset = frozenset()) -> dict[str, tuple[str, tuple, tuple]]:

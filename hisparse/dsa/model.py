@@ -1,0 +1,148 @@
+"""DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`): MLA with the lightning indexer (DSA).
+
+Semantics are those of transformers' eager `DeepseekV32ForCausalLM` / `GlmMoeDsaForCausalLM`:
+prefill attends, for every query, to the top-`index_topk` earlier tokens its indexer picked;
+`glm_moe_dsa` layers marked "shared" reuse the selection of the last "full" layer and have no
+indexer weights; the indexer's RoPE is half-split for deepseek_v32 and interleaved for glm_moe_dsa.
+Decode runs the indexer and absorbed MLA through `DsaModel.sparse_attention` (see reference.py).
+"""
+import torch
+from torch import nn
+
+from hisparse.dsa.reference import MlaKV, TorchDsaAttention, stable_topk
+from hisparse.models.base import CausalLM, DecoderLayer, Step
+from hisparse.models.config import DsaConfig
+from hisparse.models.layers import (
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    mla_softmax_scale,
+    rope_half,
+    rope_interleaved,
+    softmax_attention,
+)
+from hisparse.models.moe import MoE
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: DsaConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.rope = rope_interleaved if config.model_type == "glm_moe_dsa" else rope_half
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.softmax_scale = self.head_dim ** -0.5
+
+    def _roped(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.rope(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim:]], dim=-1)
+
+    def project(self, x, q_resid, cos, sin):
+        """Roped queries [B, S, Hi, Di], roped keys [B, S, Di], float32 head weights [B, S, Hi]."""
+        b, s, _ = x.shape
+        q = self._roped(self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim), cos[:, :, None], sin[:, :, None])
+        k = self._roped(self.k_norm(self.wk(x)), cos, sin)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        return q, k, weights
+
+    def prefill_topk(self, q, keys, weights, causal):
+        """Top-k token ids [B, S, min(topk, T)] per query; causal [S, T] True where allowed."""
+        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.softmax_scale)
+        index_scores = torch.matmul(weights[:, :, None, :], scores).squeeze(-2)  # [B, S, T]
+        index_scores = index_scores.masked_fill(~causal, float("-inf"))
+        return stable_topk(index_scores, min(self.topk, keys.shape[1]))
+
+
+class MlaAttention(nn.Module):
+    def __init__(self, config: DsaConfig, layer_idx: int, rotary: Rotary, owner: "DsaModel"):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.dn, self.dr, self.dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.dc = config.kv_lora_rank
+        bias = config.attention_bias
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(config.hidden_size, self.dc + self.dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.dc, 1e-6)
+        self.kv_b_proj = nn.Linear(self.dc, self.n_heads * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.dv, config.hidden_size, bias=bias)
+        self.indexer = Indexer(config) if config.indexer_types[layer_idx] == "full" else None
+        self.scaling = mla_softmax_scale(config.rope_parameters, self.dn + self.dr)
+        self._rotary = (rotary,)  # a tuple: shared by every layer, not a submodule
+        self._owner = (owner,)
+
+    def new_kv(self, batch: int, capacity: int, device, dtype) -> MlaKV:
+        latent = torch.zeros(batch, capacity, self.dc + self.dr, device=device, dtype=dtype)
+        keys = None
+        if self.indexer is not None:
+            keys = torch.zeros(batch, capacity, self.indexer.head_dim, device=device, dtype=dtype)
+        return MlaKV(latent=latent, index_keys=keys)
+
+    def forward(self, x: torch.Tensor, step: Step, kv: MlaKV) -> torch.Tensor:
+        b, s, _ = x.shape
+        cos, sin = self._rotary[0](step.positions, x.dtype)  # [B, S, Dr]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.dc, self.dr], dim=-1)
+        index_k = None
+        if self.indexer is not None:
+            index_q, index_k, index_w = self.indexer.project(x, q_resid, cos, sin)
+        latent = torch.cat([self.kv_a_layernorm(c), rope_interleaved(k_rot, cos, sin)], dim=-1)
+        kv.write(step.positions, latent, index_k)
+        if step.decode and self.indexer is not None:
+            step.shared["selection"] = self._owner[0].sparse_attention.select(
+                self.layer_idx, index_q[:, 0], index_w[:, 0], kv, step.lengths, self.indexer.topk,
+                self.indexer.softmax_scale)
+        q = self.q_b_proj(q_resid).view(b, s, self.n_heads, self.dn + self.dr)
+        q_nope, q_rot = q[..., : self.dn], rope_interleaved(q[..., self.dn:], cos[:, :, None], sin[:, :, None])
+        if step.decode:
+            out = self._decode_attention(q_nope[:, 0], q_rot[:, 0], kv, step.lengths, step.shared["selection"])
+        else:
+            end = step.start + s
+            causal = step.positions[0, :, None] >= torch.arange(end, device=x.device)[None, :]  # [S, T]
+            if self.indexer is not None:
+                step.shared["selection"] = self.indexer.prefill_topk(index_q, kv.index_keys[:, :end], index_w, causal)
+            out = self._prefill_attention(q_nope, q_rot, kv.latent[:, :end], causal, step.shared["selection"])
+        return self.o_proj(out.reshape(b, s, self.n_heads * self.dv))
+
+    def _prefill_attention(self, q_nope, q_rot, latent, causal, topk_ids):
+        """Expanded MLA (as transformers) under the causal and top-k masks: [B, S, H, Dv]."""
+        b, t, _ = latent.shape
+        k_nope, v = self.kv_b_proj(latent[..., : self.dc]).view(b, t, self.n_heads, -1).split([self.dn, self.dv], -1)
+        k_rot = latent[:, :, None, self.dc:].expand(-1, -1, self.n_heads, -1)
+        keys = torch.cat([k_nope, k_rot], dim=-1).transpose(1, 2)  # [B, H, T, Dqk]
+        query = torch.cat([q_nope, q_rot], dim=-1).transpose(1, 2)  # [B, H, S, Dqk]
+        selected = torch.zeros(b, *causal.shape, dtype=torch.bool, device=latent.device)
+        mask = selected.scatter(-1, topk_ids, True) & causal  # [B, S, T]
+        out = softmax_attention(query, keys, v.transpose(1, 2), self.scaling, mask[:, None])
+        return out.transpose(1, 2)
+
+    def _decode_attention(self, q_nope, q_rot, kv: MlaKV, lengths, selection):
+        """Absorbed MLA for one token: q_nope [B, H, Dn] -> [B, 1, H, Dv]."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.dc)
+        q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w[:, : self.dn])
+        out_latent = self._owner[0].sparse_attention.attend(self.layer_idx, q_latent, q_rot, kv, lengths,
+                                                              selection, self.scaling)
+        return torch.einsum("bhc,hvc->bhv", out_latent, w[:, self.dn:])[:, None]
+
+
+class DsaModel(CausalLM):
+    """`DeepseekV32ForCausalLM` / `GlmMoeDsaForCausalLM` weights; `sparse_attention` is swappable."""
+
+    keep_in_float32 = ("indexer.weights_proj.", "mlp.gate.")
+
+    def __init__(self, config: DsaConfig):
+        rotary = Rotary(config.rope_parameters, config.qk_rope_head_dim)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            mlp = MoE(config) if config.mlp_layer_types[i] == "sparse" else GatedMLP(config.hidden_size,
+                                                                                      config.intermediate_size)
+            layers.append(DecoderLayer(MlaAttention(config, i, rotary, self), mlp, config.hidden_size,
+                                       config.rms_norm_eps))
+        super().__init__(config, layers)
+        self.rotary = rotary
+        self.sparse_attention = TorchDsaAttention()

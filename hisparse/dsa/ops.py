@@ -1,0 +1,420 @@
+"""DSA (DeepSeek-V3.2 sparse attention): lightning indexer, top-k selection, sparse MLA decode.
+
+Semantics follow Hugging Face transformers' `deepseek_v32` eager path (DESIGN section 5), for one
+decode query per request:
+- indexer score of past token s: scale(s) * sum_h w(h) * ReLU(q(h) . k(s)), over the tokens
+  s < lengths[n] (the current token's key is written before scoring, so lengths counts it);
+  `w` already carries the model's scaling; scale(s) is the per-token fp8 dequantisation scale (1 for
+  bf16/fp16/fp32 keys).
+- top-k: the k best scores, best first; equal scores (+0.0 == -0.0) rank the lower token index first;
+  fewer than k valid tokens pad with -1.
+- attention: absorbed MLA over the selected rows of a row buffer `kv [R, D]` (D = 576: 512 latent
+  values, then 64 rope dims), read through `rows [N, k]` (int32 row numbers, -1 = skip) in the order
+  given, all heads sharing one selection, softmax scale from the model config.
+Every `*_ref` function is the plain-torch definition the kernels are tested against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.runtime.errors
+
+from kernels_triton import dsa_gluon
+from kernels_triton.dsa import _indexer_scores_kernel, _sparse_mla_combine_kernel, _sparse_mla_decode_kernel
+from kernels_triton.dsa_gluon import BLOCK_H, BLOCK_K, NUM_STAGES, NUM_WARPS, _sparse_mla_decode_gluon_kernel
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get exact float32 products; 16-bit ones use the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning indexer
+# ---------------------------------------------------------------------------------------------
+
+def _check_indexer_inputs(q, weights, keys, lengths, key_scale) -> None:
+    _require(q.dim() == 3, f"q must be [N, H_index, D], got shape {tuple(q.shape)}")
+    n, h, d = q.shape
+    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    _require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
+    _require(weights.shape == (n, h), f"weights shape {tuple(weights.shape)}: expected {(n, h)}")
+    _require(weights.dtype.is_floating_point, f"weights dtype {weights.dtype}: expected a float dtype")
+    _require(keys.dim() == 3 and keys.shape[0] == n and keys.shape[2] == d,
+             f"keys shape {tuple(keys.shape)}: expected [N={n}, T, D={d}]")
+    _require(keys.dtype in (q.dtype, FP8), f"keys dtype {keys.dtype}: expected {q.dtype} (as q) or {FP8}")
+    _require(lengths.shape == (n,) and lengths.dtype in (torch.int32, torch.int64),
+             f"lengths must be int32/int64 of shape {(n,)}, got {lengths.dtype} {tuple(lengths.shape)}")
+    if keys.dtype == FP8:
+        _require(key_scale is not None, "fp8 keys need key_scale [N, T] float32")
+        _require(key_scale.shape == keys.shape[:2] and key_scale.dtype == torch.float32,
+                 f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: "
+                 f"expected float32 {tuple(keys.shape[:2])}")
+    else:
+        _require(key_scale is None, f"key_scale is only for fp8 keys, keys are {keys.dtype}")
+    tensors = {"q": q, "weights": weights, "keys": keys, "lengths": lengths, "key_scale": key_scale}
+    for name, t in tensors.items():
+        if t is not None:
+            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    _require(q.stride(-1) == 1 and keys.stride(-1) == 1,
+             f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
+                   key_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Lightning-indexer scores [N, T] float32 of each request's decode query; -inf at t >= lengths[n].
+
+    q [N, H_index, D] (D a power of 2, 128 in the model), weights [N, H_index], keys [N, T, D] in q's
+    dtype or float8_e4m3fn with key_scale [N, T] float32, lengths [N] (clamped to T).
+    """
+    _check_indexer_inputs(q, weights, keys, lengths, key_scale)
+    n, h, d = q.shape
+    t = keys.shape[1]
+    out = torch.empty((n, t), dtype=torch.float32, device=q.device)
+    if n == 0 or t == 0:
+        return out
+    scale = key_scale if key_scale is not None else out  # never read without HAS_SCALE
+    block_t = 128 if q.is_cuda else 32
+    _indexer_scores_kernel[(triton.cdiv(t, block_t), n)](
+        q, weights, keys, scale, lengths, out,
+        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), keys.stride(1),
+        scale.stride(0), scale.stride(1), out.stride(0),
+        t,
+        H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
+        HAS_SCALE=key_scale is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-k selection
+# ---------------------------------------------------------------------------------------------
+
+def _check_topk_inputs(scores, lengths, k) -> None:
+    _require(scores.dim() == 2 and scores.dtype == torch.float32,
+             f"scores must be float32 [N, T], got {scores.dtype} {tuple(scores.shape)}")
+    _require(lengths.shape == (scores.shape[0],) and lengths.dtype in (torch.int32, torch.int64),
+             f"lengths must be int32/int64 of shape {(scores.shape[0],)}, "
+             f"got {lengths.dtype} {tuple(lengths.shape)}")
+    _require(lengths.device == scores.device, f"lengths on {lengths.device}, scores on {scores.device}")
+    _require(isinstance(k, int) and k >= 1, f"k must be a positive int, got {k!r}")
+
+
+def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best tokens [N, k] int32 of each request, best first, -1 padding.
+
+    torch.topk does not specify the order of equal values, so it runs on unique int64 keys instead:
+    the high 32 bits order the float32 score (its bits with the magnitude flipped for negatives,
+    -0.0 folded into +0.0), the low 32 bits hold 2^32 - 1 - t, so equal scores rank the lower index
+    first. The result is exactly `topk_select_ref` (a stable sort) for any k, on CPU and GPU.
+    """
+    _check_topk_inputs(scores, lengths, k)
+    n, t = scores.shape
+    o_t = torch.arange(t, device=scores.device)
+    valid = o_t[None, :] < lengths[:, None]  # [N, T]
+    masked = torch.where(valid, scores, float("-inf"))
+    bits = torch.where(masked == 0, 0.0, masked).view(torch.int32).to(torch.int64)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the float order
+    keys = (ordered << 32) | (0xFFFFFFFF - o_t)[None, :]
+    picked = keys.topk(min(k, t), dim=1, sorted=True).indices  # [N, min(k, T)]
+    sel = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
+    sel[:, :picked.shape[1]] = torch.where(picked < lengths[:, None], picked, -1).to(torch.int32)
+    return sel
+
+
+def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tensor:
+    """Indexer scores then top-k: the selection [N, k] int32 of token ids, -1 padding."""
+    return topk_select(indexer_scores(q, weights, keys, lengths, key_scale), lengths, k)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLA decode
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class DecodeConfig:
+    """Tile sizes and launch shape of `_sparse_mla_decode_kernel`."""
+    block_h: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_h", "block_k"):
+            value = getattr(self, name)
+            _require(value >= 16 and value == triton.next_power_of_2(value),
+                     f"{name}={value}: expected a power of 2 >= 16")
+        _require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
+        _require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
+
+
+def default_decode_config(num_heads: int, d_qk: int, dtype: torch.dtype) -> DecodeConfig:
+    """Fixed (never autotuned) so that the same shapes always accumulate in the same order.
+
+    bf16 at the model's shape (128 heads, D 576): 64 heads x 64 rows per step, 8 warps (two warp
+    groups), 2 stages: 216 KiB of shared memory, 255 registers, no spills under Triton 3.6 (sm_90a,
+    compiled offline; 3.9 spills 216 B). On the H200 at batch 64 it took 151 us where 32-row tiles
+    took 214-216 us. float32 (not a GPU
+    target) gets tiles that do not spill.
+    """
+    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    if dtype == torch.float32:
+        return DecodeConfig(block_h=min(block_h, 32), block_k=16, num_warps=8, num_stages=2)
+    block_k = 64
+    num_warps = 8 if block_h * d_qk > 16384 else 4
+    return DecodeConfig(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=2)
+
+
+def _smaller_config(config: DecodeConfig) -> DecodeConfig | None:
+    """The next configuration to try when one does not fit the GPU's shared memory or registers."""
+    if config.block_k > 16:
+        return dataclasses.replace(config, block_k=config.block_k // 2)
+    if config.block_h > 16:
+        return dataclasses.replace(config, block_h=config.block_h // 2)
+    return None
+
+
+def split_plan(batch: int, heads: int, k: int, config: DecodeConfig, device: torch.device,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """(chunk, splits): split k into `splits` chunks of `chunk` rows (a multiple of block_k).
+
+    By default, split until the grid roughly fills the GPU (one program per SM), keeping at least
+    4 tiles per split so the float32 partials stay small next to the rows read; 1 off the GPU.
+    """
+    if num_splits is None:
+        programs = batch * triton.cdiv(heads, config.block_h)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        num_splits = max(1, min(sms // max(1, programs), k // (4 * config.block_k)))
+    _require(isinstance(num_splits, int) and num_splits >= 1,
+             f"num_splits={num_splits!r}: expected an int >= 1")
+    chunk = triton.cdiv(triton.cdiv(k, num_splits), config.block_k) * config.block_k
+    return chunk, triton.cdiv(k, chunk)
+
+
+def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base=None) -> None:
+    _require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
+    n, h, d = q.shape
+    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    _require(0 < d_v < d, f"d_v={d_v}: expected 0 < d_v < D={d}")
+    for name, size in (("d_v", d_v), ("D - d_v", d - d_v)):
+        _require(size >= 16 and size == triton.next_power_of_2(size),
+                 f"{name}={size}: expected a power of 2 >= 16")
+    _require(kv.dim() == 2 and kv.shape[1] == d, f"kv shape {tuple(kv.shape)}: expected [R, D={d}]")
+    _require(kv.dtype == q.dtype, f"kv dtype {kv.dtype}: expected {q.dtype} (as q)")
+    _require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
+             f"rows must be int32 [N={n}, k], got {rows.dtype} {tuple(rows.shape)}")
+    _require(rows.shape[1] >= 1, "rows must select at least one entry per request (k >= 1)")
+    _require(q.stride(-1) == 1 and kv.stride(-1) == 1 and rows.stride(-1) == 1,
+             f"q, kv and rows need a contiguous last dim, strides {q.stride()}, {kv.stride()}, {rows.stride()}")
+    _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
+             f"sm_scale={sm_scale!r}: expected a positive finite float")
+    if row_base is not None:
+        _require(row_base.shape == (n,) and row_base.dtype == torch.int64 and row_base.stride(0) == 1,
+                 f"row_base must be a contiguous int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)} "
+                 f"stride {row_base.stride()}")
+    for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse), ("row_base", row_base)):
+        if t is not None:
+            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    if out is not None:
+        _require(out.shape == (n, h, d_v) and out.dtype == q.dtype and out.stride(-1) == 1,
+                 f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, d_v)}, contiguous last dim")
+    if lse is not None:
+        _require(lse.shape == (n, h) and lse.dtype == torch.float32,
+                 f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")
+
+
+_FITTED_CONFIGS: dict[tuple, DecodeConfig] = {}  # default configs that had to shrink to launch
+
+# Which decode kernel `sparse_mla_decode` runs: "gluon" (Hopper only, and the faster there:
+# results/attention.csv), "triton" (everywhere), or "auto": Gluon where `gluon_decode_unsupported`
+# finds nothing against it, else Triton.
+DECODE_BACKENDS = ("auto", "triton", "gluon")
+
+
+# The Gluon kernel's tiles, as `split_plan` takes them (64 heads x 64 rows a program, 8 warps, 2 stages)
+GLUON_TILES = DecodeConfig(block_h=dsa_gluon.BLOCK_H, block_k=dsa_gluon.BLOCK_K, num_warps=dsa_gluon.NUM_WARPS,
+                           num_stages=dsa_gluon.NUM_STAGES)
+
+
+def gluon_decode_unsupported(q: torch.Tensor, d_v: int) -> str | None:
+    """Why the Gluon decode kernel cannot run q [N, H, D] with d_v value columns, or None if it can."""
+    if dsa_gluon.GLUON_IMPORT_ERROR is not None:
+        return f"Triton {triton.__version__} has no usable Gluon ({dsa_gluon.GLUON_IMPORT_ERROR})"
+    if not q.is_cuda:
+        return f"q is on {q.device}, not a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"it needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
+    if triton.__version__.split(".")[:2] != ["3", "6"]:
+        return f"it is written against Triton 3.6's Gluon, this is {triton.__version__}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q dtype {q.dtype}: it takes bf16 or fp16"
+    if (d_v, q.shape[2] - d_v) != (512, 64):
+        return f"rows of {d_v} + {q.shape[2] - d_v}: it takes 512 + 64 (MLA's latent and rope)"
+    if q.shape[1] < dsa_gluon.BLOCK_H:
+        return f"{q.shape[1]} heads: it runs {dsa_gluon.BLOCK_H} a program, so needs at least that many"
+    return None
+
+
+def decode_backend(q: torch.Tensor, d_v: int, backend: str = "auto", config: DecodeConfig | None = None) -> str:
+    """The kernel `sparse_mla_decode` runs for these arguments: "gluon" or "triton" (resolving
+    "auto"). Raises when "gluon" is asked for and cannot run."""
+    _require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
+    if backend == "triton" or (backend == "auto" and config is not None):
+        return "triton"
+    reason = gluon_decode_unsupported(q, d_v)
+    if backend == "gluon":
+        _require(config is None, f"config={config} is the Triton kernel's: the Gluon one takes none")
+        _require(reason is None, f"backend='gluon': the Gluon decode kernel cannot run this: {reason}")
+    return "gluon" if reason is None else "triton"
+
+
+def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float, d_v: int = 512,
+                      num_splits: int | None = None, config: DecodeConfig | None = None,
+                      out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                      row_base: torch.Tensor | None = None, backend: str = "auto"):
+    """Absorbed-MLA decode over selected rows: returns out [N, H, d_v] (q's dtype), lse [N, H] float32.
+
+    q [N, H, D]; kv [R, D] (the hot cache or the resident pool viewed as rows; V = kv[:, :d_v]);
+    rows [N, k] int32, read in order (-1 skipped), each naming row row_base[n] + rows[n, j] of kv
+    (row_base [N] int64, default 0: a request's slot list or token ids index its own region
+    directly); not range-checked, that would sync.
+    A request with no valid row gets zeros and lse -inf. The k axis is split into `num_splits`
+    chunks (default: `split_plan`) merged in order by a combine kernel. Equal inputs in equal order
+    give bitwise-equal outputs whatever R and wherever the rows sit in kv (for one backend: the Gluon
+    and Triton kernels accumulate in different orders). `backend` picks the kernel (`decode_backend`;
+    default "auto"). Without `config`, the Triton kernel uses its default one; should
+    it not fit this GPU, smaller tiles are tried and the one that launches is kept for the rest of
+    the process (so results stay reproducible within a run).
+    """
+    _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
+    kernel = decode_backend(q, d_v, backend, config)
+    n, h, d = q.shape
+    out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
+    lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
+    if n == 0 or h == 0:
+        return out, lse
+    if kernel == "gluon":
+        launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale, num_splits)
+        return out, lse
+    if config is not None:
+        _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits)
+        return out, lse
+    key = (h, d, d_v, q.dtype, q.device)
+    cfg = _FITTED_CONFIGS.get(key) or default_decode_config(h, d, q.dtype)
+    while True:
+        try:
+            _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits)
+            break
+        except triton.runtime.errors.OutOfResources as exc:
+            smaller = _smaller_config(cfg)
+            if smaller is None:
+                raise
+            warnings.warn(f"sparse_mla_decode: {cfg} does not fit this GPU ({exc}); trying {smaller}")
+            cfg = smaller
+    _FITTED_CONFIGS[key] = cfg
+    return out, lse
+
+
+def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig,
+                   num_splits: int | None) -> None:
+    n, h, d = q.shape
+    d_v = out.shape[2]
+    k = rows.shape[1]
+    chunk, splits = split_plan(n, h, k, cfg, q.device, num_splits)
+    part, part_lse, split_strides = split_buffers(out, lse, splits)
+    _sparse_mla_decode_kernel[(triton.cdiv(h, cfg.block_h), n, splits)](
+        q, kv, rows, rows if row_base is None else row_base, part, part_lse,
+        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
+        split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
+        h, k, chunk, sm_scale * 1.4426950408889634,
+        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        combine_splits(part, part_lse, out, lse)
+
+
+def split_buffers(out: torch.Tensor, lse: torch.Tensor, splits: int):
+    """Where a decode kernel writes: out [N, H, D_V] and lse [N, H] themselves for one split, else
+    float32 partials [N, H, splits, D_V] and [N, H, splits] for `combine_splits`; with the split
+    strides the kernel takes (0 for one split)."""
+    if splits == 1:
+        return out, lse, (0, 0)
+    n, h, d_v = out.shape
+    part = torch.empty((n, h, splits, d_v), dtype=torch.float32, device=out.device)
+    part_lse = torch.empty((n, h, splits), dtype=torch.float32, device=out.device)
+    return part, part_lse, (part.stride(2), part_lse.stride(2))
+
+
+def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge a decode kernel's per-split partials into out and lse, in split order."""
+    n, h, splits, d_v = part.shape
+    _sparse_mla_combine_kernel[(n, h)](
+        part, part_lse, out, lse,
+        part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+        part_lse.stride(2), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        splits,
+        D_V=d_v, BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=4,
+    )
+
+
+def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: int = 512, num_splits: int = 1,
+                            out=None, lse=None, block_k: int = BLOCK_K, num_stages: int = NUM_STAGES):
+    """`hisparse.dsa.ops.sparse_mla_decode` through the Gluon kernel alone (Hopper, bf16/fp16, 64 heads a
+    program, block_k rows a tile, a ring of num_stages tiles): returns out [N, H, d_v] (q's dtype),
+    lse [N, H] float32. Same argument conventions:
+    q [N, H, D], kv [R, D] (V = kv[:, :d_v]), rows [N, k] int32 (-1 skipped), row_base [N] int64 or
+    None. num_splits > 1 splits k into chunks merged by the Triton combine kernel (default 1: one
+    program per (head block, request) reads all k rows). For other tile shapes than the default
+    (`sparse_mla_decode` runs only that one) and for tests."""
+    _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
+    reason = gluon_decode_unsupported(q, d_v)
+    _require(reason is None, f"the Gluon decode kernel cannot run this: {reason}")
+    _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
+    _require(block_k in (32, 64, 128) and num_stages >= 2,
+             f"block_k={block_k}, num_stages={num_stages}: expected block_k 32, 64 or 128 and num_stages >= 2")
+    n, h, _ = q.shape
+    out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
+    lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
+    if n > 0 and h > 0:
+        launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale, num_splits, block_k, num_stages)
+    return out, lse
+
+
+def launch_gluon_decode(q, kv, rows, row_base, out, lse, sm_scale: float, num_splits: int | None,
+                        block_k: int = BLOCK_K, num_stages: int = NUM_STAGES) -> None:
+    """The launch alone, into out / lse, for inputs already checked (`sparse_mla_decode` and the
+    launcher above): k split by `split_plan` (into num_splits chunks; None: its default)."""
+    n, h, d = q.shape
+    d_v = out.shape[2]
+    k = rows.shape[1]
+    tiles = DecodeConfig(block_h=BLOCK_H, block_k=block_k, num_warps=NUM_WARPS, num_stages=num_stages)
+    chunk, splits = split_plan(n, h, k, tiles, q.device, num_splits)
+    part, part_lse, split_strides = split_buffers(out, lse, splits)
+    _sparse_mla_decode_gluon_kernel[(triton.cdiv(h, BLOCK_H), n, splits)](
+        q, kv, rows, rows if row_base is None else row_base, part, part_lse,
+        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
+        split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
+        h, k, chunk, sm_scale * 1.4426950408889634,
+        D_V=d_v, D_ROPE=d - d_v, BLOCK_H=BLOCK_H, BLOCK_K=block_k, HAS_ROW_BASE=row_base is not None,
+        NUM_STAGES=num_stages, num_warps=NUM_WARPS,
+    )
+    if splits > 1:
+        combine_splits(part, part_lse, out, lse)

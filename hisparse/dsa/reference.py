@@ -1,0 +1,99 @@
+"""DSA in plain torch: the references of the kernels in ops.py, and the decode step the DSA model swaps.
+
+`DsaModel` calls `select` on anchor layers (indexer top-k) and `attend` on every layer (absorbed MLA
+over the selected tokens). Replace the object in `DsaModel.sparse_attention` to run the same two steps
+through kernels that read the hierarchical cache; the signatures are the contract.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MlaKV:
+    """One layer's KV state: `latent` [B, capacity, kv_lora_rank + qk_rope_head_dim] (normalised
+    latent then roped key, V = the first kv_lora_rank values); `index_keys` [B, capacity,
+    index_head_dim] on anchor layers, None on shared layers. Positions >= a row's length are unused."""
+
+    latent: torch.Tensor
+    index_keys: torch.Tensor | None
+
+    def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Store the rows of the tokens at positions [B, S]: latent [B, S, Dc + Dr], index_keys
+        [B, S, Di] or None (a hierarchical state overrides this to write its host pool too)."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.latent[rows, positions] = latent
+        if index_keys is not None:
+            self.index_keys[rows, positions] = index_keys
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids of the k largest scores along the last dim, best first, ties to the lower id (as
+    hisparse.dsa.ops.topk_select; torch.topk leaves the order of ties unspecified)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class TorchDsaAttention:
+    def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
+               lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        """Lightning indexer top-k for one new token per row.
+
+        index_q [B, Hi, Di] (roped), index_weights [B, Hi] (float32, already times Hi^-0.5):
+        score(s) = sum_h w_h * relu(scale * q_h . k_s) over the first lengths[b] keys of row b. Returns
+        [B, topk] int64 token ids in descending score order (ties to the lower id), -1 where a row has
+        fewer than topk tokens.
+        """
+        scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), kv.index_keys.float()) * scale)
+        index_scores = torch.einsum("bh,bht->bt", index_weights, scores)
+        valid = torch.arange(index_scores.shape[1], device=lengths.device)[None, :] < lengths[:, None]
+        chosen = stable_topk(index_scores.masked_fill(~valid, float("-inf")), topk)
+        chosen = torch.where(valid.gather(1, chosen), chosen, -1)
+        return torch.nn.functional.pad(chosen, (0, topk - chosen.shape[1]), value=-1)
+
+    def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV, lengths: torch.Tensor,
+               selection: torch.Tensor, scale: float) -> torch.Tensor:
+        """Absorbed MLA over the selected tokens: q_latent [B, H, Dc], q_rope [B, H, Dr],
+        selection [B, k] (-1 pads). Returns the attention-weighted latent [B, H, Dc]."""
+        dc = q_latent.shape[-1]
+        valid = selection >= 0  # [B, k]
+        rows = kv.latent.gather(1, selection.clamp(min=0)[..., None].expand(-1, -1, kv.latent.shape[-1]))
+        q = torch.cat([q_latent, q_rope], dim=-1)  # [B, H, Dc + Dr]
+        scores = torch.einsum("bhd,bkd->bhk", q, rows) * scale
+        scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("bhk,bkc->bhc", probs, rows[..., :dc])
+
+
+def indexer_scores_ref(q, weights, keys, lengths, key_scale=None) -> torch.Tensor:
+    """Plain-torch lightning-indexer scores [N, T] float32, -inf at t >= lengths[n]."""
+    logits = torch.einsum("nhd,ntd->nht", q.float(), keys.float())  # [N, H, T]
+    scores = (logits.relu() * weights.float()[:, :, None]).sum(dim=1)  # [N, T]
+    if key_scale is not None:
+        scores = scores * key_scale
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def topk_select_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Plain-torch top-k: stable descending sort of the valid scores, -1 padding."""
+    n, t = scores.shape
+    valid = torch.arange(t, device=scores.device)[None, :] < lengths[:, None]
+    order = torch.sort(scores.masked_fill(~valid, float("-inf")), dim=1, descending=True, stable=True).indices
+    order = order[:, :k]
+    sel = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
+    sel[:, :order.shape[1]] = torch.where(order < lengths[:, None], order, -1).to(torch.int32)
+    return sel
+
+
+def sparse_mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
+                          d_v: int = 512, row_base: torch.Tensor | None = None):
+    """Plain-torch float32 absorbed-MLA decode over the selected rows: (out in q's dtype, lse float32)."""
+    valid = rows >= 0  # [N, k]
+    base = 0 if row_base is None else row_base[:, None]
+    picked = kv[torch.where(valid, base + rows.long(), 0)].float()  # [N, k, D]
+    logits = torch.einsum("nhd,nkd->nhk", q.float(), picked) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [N, H], -inf without a valid row
+    probs = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("nhk,nkv->nhv", probs, picked[..., :d_v])
+    return out.to(q.dtype), lse

@@ -1,0 +1,247 @@
+"""The DSA decode step through the Triton kernels, with the MLA latents resident or hierarchical.
+
+`KernelDsaAttention` replaces `DsaModel.sparse_attention` (the torch reference step in
+`hisparse.dsa.reference`). Both modes run the same indexer, the same top-k and the same
+`sparse_mla_decode`, reading the same rows in the same order; only where the rows sit differs:
+- `resident`: every latent of every request on the GPU (`MlaKV.latent [B, capacity, D]`);
+- `hisparse` / `noio`: latents in the host pool of a `HierarchicalKVCache`, one stream per
+  (request, layer); each step resolves the selection to GPU slots first (`noio` skips the copy:
+  the oracle, whose outputs are wrong but whose time is the upper bound).
+The indexer keys stay resident in every mode (DESIGN section 5).
+
+Selections can be recorded (`recorded`, filled by every layer's `attend`) and replayed from a
+trace instead of the indexer (`replay_sel`): the system does not depend on where selections come
+from, so a trace with realistic locality drives it with realistic hit rates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.dsa.ops import DECODE_BACKENDS, dsa_select, sparse_mla_decode
+from hisparse.dsa.reference import MlaKV
+from hisparse.models.base import DecodeState
+from hisparse.runtime import (
+    KV_MODES,
+    Rows,
+    UnitResolver,
+    cache_bytes,
+    nbytes,
+    shared_states,
+    stream_counts,
+)
+
+__all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
+
+@dataclass
+class HierMlaKV(MlaKV):
+    """A layer's KV with the latents in the hierarchical cache: `latent` is None; `streams [B]`
+    int32 are the rows' streams in `cache` (`host_streams` the same ids on the host), and
+    `row_base [B]` int64 the row of each stream's slot 0 in `cache.slots` viewed as rows;
+    `index_keys [B, capacity, Di]` stay resident.
+
+    A shared layer (one that reuses an anchor layer's selection) moves in lockstep with its anchor:
+    `anchor_layer` and `anchor_streams` name the anchor, whose slot maps place its rows too, and
+    `prefetched` is the event its layer-wise prefetch copy records, when prefetch is on."""
+
+    streams: torch.Tensor | None = None
+    row_base: torch.Tensor | None = None
+    cache: HierarchicalKVCache | None = None
+    host_streams: list[int] = field(default_factory=list)
+    anchor_layer: int | None = None
+    anchor_streams: torch.Tensor | None = None
+    prefetched: torch.cuda.Event | None = None
+    newest: tuple | None = None                # an anchor's (units [B], rows [B, D]) its resolve writes
+
+    def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Decode-step write (positions [B, 1]): the latent goes to the host pool, the reserved slot
+        and any cached copy; the indexer key stays on the GPU. A selection that holds the newest
+        token then fetches its row from the host like any miss. An anchor layer leaves the latent to
+        its resolve, which writes it first in the same launch (`newest`). A prefetched shared layer
+        first waits for its copy, so the write-through of the newest row lands after (not under) the
+        copy."""
+        if positions.shape[1] != 1:
+            raise ValueError("a hierarchical state takes one token per row; prefill runs on a resident state")
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        if index_keys is not None:
+            self.index_keys[rows, positions] = index_keys
+        if self.anchor_layer is None:
+            if self.newest is not None:
+                raise RuntimeError("the last step's newest latents were never written: an anchor layer's "
+                                   "write must be followed by its resolve (KernelDsaAttention)")
+            self.newest = positions[:, 0].to(torch.int64), latent[:, 0].contiguous()
+            return
+        if self.prefetched is not None:
+            torch.cuda.current_stream().wait_event(self.prefetched)
+        self.cache.write_newest(self.streams, positions[:, 0], latent[:, 0].contiguous(), self.anchor_streams)
+
+
+class KernelDsaAttention(UnitResolver):
+    """`select` and `attend` of the DSA decode step (the contract of `TorchDsaAttention`).
+
+    check_values, shared, prefetch: as `hisparse.runtime.UnitResolver` (resolve counters in
+    `cache.stats`, anchor layers only; shared layers replay their anchor's miss plan, in line or on
+    the prefetch side stream, so the copy overlaps the layers in between: DESIGN section 4).
+    replay_sel [layers, B, k] int32: when set, selections come from it instead of the indexer (the
+    caller fills it from a trace before each step). `recorded[layer]` holds the selection each
+    layer attended over in the last step.
+    """
+
+    family = "DSA"
+
+    def __init__(self, mode: str = "resident", check_values: bool = True, prefetch: bool = False,
+                 shared: dict[int, list[HierMlaKV]] | None = None, prefetch_programs: int | None = None,
+                 backend: str = "auto"):
+        super().__init__(mode, check_values, prefetch, shared, prefetch_programs)
+        if backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode backend {backend!r}: expected one of {DECODE_BACKENDS}")
+        self.backend = backend
+        self._bases: dict[tuple, torch.Tensor] = {}
+
+    def select(self, layer_idx: int, index_q: torch.Tensor, index_weights: torch.Tensor, kv: MlaKV,
+               lengths: torch.Tensor, topk: int, scale: float) -> torch.Tensor:
+        if self.replay_sel is not None:
+            selection = self.replay_sel[layer_idx]
+        else:
+            # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
+            selection = dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
+        return selection
+
+    def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV,
+               lengths: torch.Tensor, selection: torch.Tensor, scale: float) -> torch.Tensor:
+        q = torch.cat([q_latent, q_rope], dim=-1)                            # [B, H, Dc + Dr]
+        selection = selection.to(torch.int32)
+        self.recorded[layer_idx] = selection
+        # rows index each request's own region of the pool (row_base): its slots, or its token ids
+        if isinstance(kv, HierMlaKV):
+            rows, row_base = self._slots(layer_idx, kv, selection), kv.row_base
+            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+        else:
+            batch, capacity, _ = kv.latent.shape
+            rows, row_base = selection, self._resident_base(batch, capacity, selection.device)
+            pool = kv.latent.view(-1, kv.latent.shape[-1])
+        out, _ = sparse_mla_decode(q, pool, rows, scale, d_v=q_latent.shape[-1], row_base=row_base,
+                                   backend=self.backend)
+        return out
+
+    def _resident_base(self, batch: int, capacity: int, device) -> torch.Tensor:
+        """Row of token 0 of each request in the resident latents [B, capacity, D] viewed as rows;
+        made once (in the warm-up step, before any capture) and reused by every layer."""
+        key = (batch, capacity, device)
+        if key not in self._bases:
+            self._bases[key] = torch.arange(batch, dtype=torch.int64, device=device) * capacity
+        return self._bases[key]
+
+
+# -- the engine's DSA side (a `hisparse.runtime.FamilyRuntime`) -------------------------------------
+
+class DsaRuntime:
+    """DSA models (deepseek_v32, glm_moe_dsa) in the engine: one stream per (request, layer) whose
+    units are tokens (rows: the 576-value MLA latent at DeepSeek's sizes), k = index_topk. A
+    "shared" layer (glm_moe_dsa) reuses its anchor's selection: its streams move in lockstep with
+    the anchor's (no resolve of their own) and replay its miss plan, in line or, with prefetch, on
+    a side stream."""
+
+    family = "DSA"
+    selection_name = "index_topk"
+    unit_size, kv_heads, dense_layers = 1, None, 0
+
+    def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto"):
+        if token_budget is not None:
+            raise ValueError("token_budget applies to Quest models; a DSA model selects index_topk tokens")
+        if decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend={decode_backend!r}: expected one of {DECODE_BACKENDS}")
+        self.model, self.decode_backend = model, decode_backend
+        self.selection_size = model.config.index_topk
+        self.shared_layers = "shared" in model.config.indexer_types     # prefetch has layers to serve
+        self.anchors, last_full = [], 0
+        for i, kind in enumerate(model.config.indexer_types):
+            last_full = i if kind == "full" else last_full
+            self.anchors.append(last_full)
+
+    def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
+        """rows(b, layer) -> random (latents [len, D], index keys [1, len, Di] on anchor layers, else None)."""
+        cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+        def rows(b: int, layer: int):
+            n = len(prompts[b])
+            keys = None
+            if cfg.indexer_types[layer] == "full":
+                keys = torch.randn(1, n, cfg.index_head_dim, device=device, dtype=dtype)
+            return torch.randn(n, width, device=device, dtype=dtype), keys
+
+        return rows
+
+    def prefilled_rows(self, states: list[DecodeState]) -> Rows:
+        return lambda b, i: (states[b].layers[i].latent[0], states[b].layers[i].index_keys)
+
+    def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+        cfg, weight = self.model.config, self.model.model.embed_tokens.weight
+        layers = cfg.num_hidden_layers
+        return HierarchicalKVCache(max_streams=batch * layers, cache_slots=cache_slots,
+                                   host_rows=batch * layers * capacity,
+                                   row_elems=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                   dtype=weight.dtype, device=weight.device)
+
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
+        layers = []
+        for i, anchor in enumerate(self.anchors):
+            parts = [rows(b, i) for b in range(len(lengths))]
+            layers.append(self._gather_layer(mode, cache, i, parts, lengths, capacity,
+                                             layers[anchor] if anchor != i else None, prefetch))
+        return layers
+
+    def _gather_layer(self, mode, cache, layer: int, parts, lengths, capacity: int, anchor: MlaKV | None,
+                      prefetch: bool) -> MlaKV:
+        """One layer's batch state from per-request (latents [len, D], index keys [1, len, Di] | None)."""
+        batch = len(lengths)
+        latent, keys = parts[0]
+        index_keys = None
+        if keys is not None:
+            index_keys = latent.new_zeros(batch, capacity, keys.shape[-1])
+            for b, (_, k) in enumerate(parts):
+                index_keys[b, :lengths[b]] = k[0]
+        if mode == "resident":
+            pool = latent.new_zeros(batch, capacity, latent.shape[-1])
+            for b, (lat, _) in enumerate(parts):
+                pool[b, :lengths[b]] = lat
+            return MlaKV(latent=pool, index_keys=index_keys)
+        streams = []
+        for lat, _ in parts:
+            stream = cache.open_stream(capacity)
+            cache.append(stream, lat)
+            streams.append(stream)
+        ids = torch.tensor(streams, dtype=torch.int32, device=latent.device)
+        kv = HierMlaKV(latent=None, index_keys=index_keys, cache=cache, host_streams=streams, streams=ids,
+                       row_base=cache.row_base(ids))
+        if anchor is not None:
+            kv.anchor_layer, kv.anchor_streams = self.anchors[layer], anchor.streams
+            if prefetch and mode == "hisparse" and latent.is_cuda:
+                kv.prefetched = torch.cuda.Event()
+        return kv
+
+    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
+                  prefetch_programs: int | None = None) -> KernelDsaAttention:
+        return KernelDsaAttention(mode, check_values=check_values, prefetch=prefetch,
+                                  shared=shared_states(layers, HierMlaKV), prefetch_programs=prefetch_programs,
+                                  backend=self.decode_backend)
+
+    def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
+        """Every step writes one more token, a unit, into every stream."""
+        cache.advance([s for kv in layers for s in kv.host_streams], 1)
+
+    def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
+        """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""
+        return stream_counts(cache, [kv.streams if kv.anchor_streams is None else kv.anchor_streams
+                                     for kv in layers])
+
+    def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
+        """The resident indexer keys, plus the resident latents or the hot slots with their LRU
+        state and unit -> slot map (4 bytes per unit)."""
+        total = sum(nbytes(kv.index_keys) for kv in layers)
+        if cache is not None:
+            return total + cache_bytes(cache)
+        return total + sum(nbytes(kv.latent) for kv in layers)

@@ -1,0 +1,268 @@
+"""The NSA decode step through the Triton kernels, with the selection blocks resident or hierarchical.
+
+`KernelNsaAttention` replaces `NsaModel.sparse_attention` (the torch reference step in
+`hisparse.nsa.reference`). Every mode runs the same `nsa_decode` (compressed branch, block
+selection, selected branch, window branch, gates), reading the same rows in the same order (DESIGN
+section 6); only where the selection blocks sit differs:
+- `resident`: every block of every (request, KV head) on the GPU (`NsaBlocksKV.pool`, the row
+  layout of `hisparse/nsa/ops.py`: row = (n * HKV + h) * U + block, each `[2, SEL_BLOCK, D]`, keys then
+  values, U = the blocks of the capacity);
+- `hisparse` / `noio`: blocks in the host pool of a `HierarchicalKVCache`, one stream per (request,
+  layer, KV head) whose units are 64-token blocks with those same rows; each step resolves the
+  selection to GPU slots first (`noio` skips the copy: the oracle).
+The compressed blocks (`[N, HKV, C, D]`) and the sliding window (a ring of the last W tokens,
+token t at t % W) stay resident in every mode (DESIGN section 5).
+
+Each decode step writes the new token's key and value into the window ring and into its block:
+the resident pool's row, or (hierarchical) the newest block in the host pool, the reserved slot and
+any cached copy (write-through, as Quest's newest page: `HierarchicalKVCache.write_newest_token`; the
+token alone, or the whole row, zeros but for the token, when it opens a block). Then
+`nsa_compress_newest` computes, from the ring, the compressed block the token completes (in the rows
+where it completes one), through the layer's `compress_k` / `compress_v`. No host sync, so the step
+can be captured in a CUDA graph. The engine records on the host which streams gain a block
+(`NsaRuntime.advance_streams`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.models.base import DecodeState
+from hisparse.nsa.ops import (
+    CMP_BLOCK,
+    CMP_STRIDE,
+    SEL_BLOCK,
+    block_count,
+    nsa_block_rows,
+    nsa_compress_newest,
+    nsa_decode,
+    nsa_window_ring,
+)
+from hisparse.nsa.reference import compressed_blocks
+from hisparse.runtime import (
+    Rows,
+    UnitResolver,
+    advance_unit_streams,
+    cache_bytes,
+    gather_in_lockstep,
+    nbytes,
+    open_unit_streams,
+    shared_states,
+    stream_counts,
+    write_newest_unit,
+    write_resident_unit,
+)
+
+
+@dataclass
+class NsaBlocksKV:
+    """An NSA layer's KV for the kernels. pool [N * HKV * U, 2, SEL_BLOCK, D] (None when
+    hierarchical); window_keys, window_values [N, HKV, W, D] the ring of the last W tokens;
+    compressed_keys, compressed_values [N, HKV, C, D]; weight_k, weight_v [D, D] the layer's
+    compress_k / compress_v weights transposed (the kernels compute mean @ weight); n_units = U."""
+
+    pool: torch.Tensor | None
+    window_keys: torch.Tensor
+    window_values: torch.Tensor
+    compressed_keys: torch.Tensor
+    compressed_values: torch.Tensor
+    weight_k: torch.Tensor
+    weight_v: torch.Tensor
+    n_units: int
+
+    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Decode-step write (positions [N, 1]) of keys, values [N, HKV, 1, D]: the window ring, the
+        token's block row, then the compressed block the token completes."""
+        if positions.shape[1] != 1:
+            raise ValueError("an NSA decode state takes one token per row; prefill runs on the model's state")
+        pos, key, value = positions[:, 0], keys[:, :, 0], values[:, :, 0]
+        n, hkv, _ = key.shape
+        reqs = torch.arange(n, device=pos.device)[:, None]
+        heads = torch.arange(hkv, device=pos.device)[None, :]
+        ring = (pos % self.window_keys.shape[2])[:, None]
+        self.window_keys[reqs, heads, ring] = key
+        self.window_values[reqs, heads, ring] = value
+        self._write_row(pos, key, value)
+        nsa_compress_newest(self.window_keys, self.window_values, pos + 1, self.compressed_keys,
+                            self.compressed_values, self.weight_k, self.weight_v)
+
+    def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        write_resident_unit(self.pool, pos, key, value, SEL_BLOCK, self.n_units)
+
+
+@dataclass
+class HierNsaKV(NsaBlocksKV):
+    """An NSA layer's KV with its selection blocks in the hierarchical cache: `pool` is None;
+    `streams [N, HKV]` int32 are the streams of `cache` (unit = block, row = [2, SEL_BLOCK, D]
+    flattened); `host_streams[n]` the same ids of request n, on the host.
+
+    A shared layer (`selection_group` > 1: it attends over its anchor layer's blocks) moves in
+    lockstep with its anchor: `anchor_layer` and `anchor_streams [N, HKV]` name the anchor, whose
+    slot maps place its blocks too, and `prefetched` is the event its layer-wise prefetch copy
+    records, when prefetch is on (as Quest's `HierQuestKV`)."""
+
+    streams: torch.Tensor | None = None
+    cache: HierarchicalKVCache | None = None
+    host_streams: list[list[int]] = field(default_factory=list)
+    anchor_layer: int | None = None
+    anchor_streams: torch.Tensor | None = None
+    prefetched: torch.cuda.Event | None = None
+
+    def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        write_newest_unit(self, pos, key, value, SEL_BLOCK)
+
+
+class KernelNsaAttention(UnitResolver):
+    """`decode` of the NSA step (the contract of `TorchNsaAttention.decode`) through `nsa_decode`.
+
+    n_select: selection blocks per KV head and step. check_values: validate selections against
+    stream lengths before each resolve (a host sync; off inside a captured CUDA graph). Resolve
+    counters accumulate in `cache.stats` (anchor layers only). `recorded[layer]` holds the blocks
+    [N, HKV, n_select] each layer attended over in the last step. shared, prefetch: layers sharing an
+    anchor's selection (`hisparse.runtime.UnitResolver`)."""
+
+    family = "NSA"
+
+    def __init__(self, mode: str, n_select: int, check_values: bool = True, prefetch: bool = False,
+                 shared: dict[int, list[HierNsaKV]] | None = None, prefetch_programs: int | None = None):
+        super().__init__(mode, check_values, prefetch, shared, prefetch_programs)
+        self.n_select = n_select
+
+    def decode(self, layer_idx: int, q: torch.Tensor, gates: torch.Tensor, kv: NsaBlocksKV,
+               lengths: torch.Tensor, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, H, D] (roped), gates [N, H, 3] (sigmoid-ed), rows of lengths [N] -> out [N, H, D] and the
+        blocks [N, HKV, n_select] it attended over: its own selection, or `blocks` when given (a layer
+        sharing its anchor's selection), or a trace's when `replay_sel` is set."""
+        if blocks is None and self.replay_sel is not None:
+            blocks = self.replay_sel[layer_idx]
+        pool, rows_of = kv.pool, None
+        if isinstance(kv, HierNsaKV):
+            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+
+            def rows_of(chosen: torch.Tensor) -> torch.Tensor:
+                return self.unit_rows(layer_idx, kv, chosen)
+        out, blocks = nsa_decode(q, kv.compressed_keys, kv.compressed_values, pool, kv.window_keys,
+                                 kv.window_values, lengths.to(torch.int32), gates.contiguous(), kv.n_units,
+                                 rows_of=rows_of, n_select=self.n_select, blocks=blocks)
+        self.recorded[layer_idx] = blocks
+        return out, blocks
+
+
+# -- the engine's NSA side (a `hisparse.runtime.FamilyRuntime`) -------------------------------------
+
+def selection_size(config) -> int:
+    """num_selected_blocks, once the config is checked against the sizes the kernels are built for."""
+    kernel_sizes = {"compress_block_size": CMP_BLOCK, "compress_block_stride": CMP_STRIDE,
+                    "selection_block_size": SEL_BLOCK}
+    for name, size in kernel_sizes.items():
+        if getattr(config, name) != size:
+            raise ValueError(f"the NSA kernels are built for {name} {size}, the model's is {getattr(config, name)}")
+    if config.sliding_window < CMP_BLOCK:
+        raise ValueError(f"the NSA kernels compress new blocks from the window ring: sliding_window must be "
+                         f">= {CMP_BLOCK}, the model's is {config.sliding_window}")
+    return config.num_selected_blocks
+
+
+class NsaRuntime:
+    """NSA models (model_type nsa) in the engine: k = num_selected_blocks blocks per KV head and step."""
+
+    family = "NSA"
+    selection_name = "num_selected_blocks"
+    unit_size, dense_layers = SEL_BLOCK, 0
+
+    def __init__(self, model, token_budget: int | None = None):
+        if token_budget is not None:
+            raise ValueError("token_budget applies to Quest models; an NSA model selects num_selected_blocks "
+                             "blocks")
+        self.model, self.config = model, model.config
+        self.selection_size = selection_size(model.config)
+        self.kv_heads = model.config.num_key_value_heads
+        self.anchors = [model.config.selection_anchor(i) for i in range(model.config.num_hidden_layers)]
+        self.shared_layers = any(a != i for i, a in enumerate(self.anchors))   # prefetch has layers to serve
+
+    def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
+        """rows(b, layer) -> random (keys, values [HKV, len, D], compressed keys, values [HKV, C, D])."""
+        cfg, dtype = self.config, self.model.model.embed_tokens.weight.dtype
+
+        def rows(b: int, layer: int):
+            hkv, length, d = cfg.num_key_value_heads, len(prompts[b]), cfg.head_dim
+            tokens, compressed = (hkv, length, d), (hkv, compressed_blocks(length, cfg), d)
+            return tuple(torch.randn(shape, device=device, dtype=dtype)
+                         for shape in (tokens, tokens, compressed, compressed))
+
+        return rows
+
+    def prefilled_rows(self, states: list[DecodeState]) -> Rows:
+        def rows(b: int, layer: int):
+            kv = states[b].layers[layer]
+            n_cmp = compressed_blocks(kv.keys.shape[2], self.config)
+            return (kv.keys[0], kv.values[0], kv.compressed_keys[0, :, :n_cmp], kv.compressed_values[0, :, :n_cmp])
+
+        return rows
+
+    def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+        """One stream per (request, layer, KV head), each with a host region of the capacity's blocks."""
+        cfg, weight = self.config, self.model.model.embed_tokens.weight
+        streams = batch * cfg.num_hidden_layers * cfg.num_key_value_heads
+        return HierarchicalKVCache(max_streams=streams, cache_slots=cache_slots,
+                                   host_rows=streams * int(block_count(capacity)),
+                                   row_elems=2 * SEL_BLOCK * cfg.head_dim, dtype=weight.dtype, device=weight.device)
+
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
+        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierNsaKV)."""
+        def gather(i: int) -> NsaBlocksKV:
+            return self._gather_layer(mode, cache, i, [rows(b, i) for b in range(len(lengths))], capacity)
+        return gather_in_lockstep(self.anchors, gather, HierNsaKV, mode, prefetch)
+
+    def _gather_layer(self, mode: str, cache, layer: int, parts, capacity: int) -> NsaBlocksKV:
+        """One layer's batch state from per-request (keys, values, compressed keys, compressed values)."""
+        cfg, attn = self.config, self.model.model.layers[layer].self_attn
+        keys0 = parts[0][0]
+        batch, (hkv, _, d) = len(parts), keys0.shape
+        n_units = int(block_count(capacity))
+        n_cmp = max(compressed_blocks(capacity, cfg), 1)
+        resident = {"window_keys": keys0.new_zeros(batch, hkv, cfg.sliding_window, d),
+                    "window_values": keys0.new_zeros(batch, hkv, cfg.sliding_window, d),
+                    "compressed_keys": keys0.new_zeros(batch, hkv, n_cmp, d),
+                    "compressed_values": keys0.new_zeros(batch, hkv, n_cmp, d),
+                    "weight_k": attn.compress_k.weight.T.contiguous(),
+                    "weight_v": attn.compress_v.weight.T.contiguous(), "n_units": n_units}
+        blocks = []
+        for b, (k, v, ck, cv) in enumerate(parts):
+            length = torch.tensor([k.shape[1]], device=k.device)
+            ring_k, ring_v = nsa_window_ring(k[None], v[None], length, cfg.sliding_window)
+            resident["window_keys"][b], resident["window_values"][b] = ring_k[0], ring_v[0]
+            resident["compressed_keys"][b, :, :ck.shape[1]] = ck
+            resident["compressed_values"][b, :, :cv.shape[1]] = cv
+            blocks.append(nsa_block_rows(k[None], v[None]).view(hkv, -1, 2, SEL_BLOCK, d))
+        if mode == "resident":
+            pool = keys0.new_zeros(batch, hkv, n_units, 2, SEL_BLOCK, d)
+            for b, rows in enumerate(blocks):
+                pool[b, :, :rows.shape[1]] = rows
+            return NsaBlocksKV(pool=pool.view(-1, 2, SEL_BLOCK, d), **resident)
+        host_streams = [open_unit_streams(cache, rows, n_units) for rows in blocks]
+        return HierNsaKV(pool=None, **resident, cache=cache, host_streams=host_streams,
+                         streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device))
+
+    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
+                  prefetch_programs: int | None = None) -> KernelNsaAttention:
+        return KernelNsaAttention(mode, self.selection_size, check_values=check_values, prefetch=prefetch,
+                                  shared=shared_states(layers, HierNsaKV), prefetch_programs=prefetch_programs)
+
+    def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
+        """A position opening a block adds a unit to each of its request's streams."""
+        advance_unit_streams(cache, [kv.host_streams for kv in layers], positions, SEL_BLOCK)
+
+    def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
+        """(hits, misses) over every layer; a shared layer counts its anchor's, whose blocks it copies."""
+        return stream_counts(cache, [kv.streams if kv.anchor_streams is None else kv.anchor_streams
+                                     for kv in layers])
+
+    def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
+        """The window rings and compressed blocks, plus the resident blocks or the hot slots with the
+        cache state."""
+        total = sum(nbytes(kv.pool, kv.window_keys, kv.window_values, kv.compressed_keys, kv.compressed_values)
+                    for kv in layers)
+        return total + cache_bytes(cache)

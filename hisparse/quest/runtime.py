@@ -1,0 +1,283 @@
+"""The Quest decode step through the Triton kernels, with the KV pages resident or hierarchical.
+
+`KernelQuestAttention` replaces `QuestModel.sparse_attention` (the torch reference step in
+`hisparse.quest.reference`) on the Quest layers (every layer but the first
+`quest_dense_layers`). Every mode runs the same metadata append, the same page scores and top-page
+selection and the same `quest_attention`, reading the same rows in the same order (DESIGN section 6);
+only where the rows sit differs:
+- `resident`: every page of every (request, KV head) on the GPU (`QuestKV.pool`, the row layout of
+  `hisparse/quest/ops.py`: row = (n * HKV + h) * P_MAX + page, each `[2, PAGE, D]`, keys then values);
+- `hisparse` / `noio`: pages in the host pool of a `HierarchicalKVCache`, one stream per (request,
+  layer, KV head) whose units are 16-token pages and whose rows are those same `[2, PAGE, D]`; each
+  step resolves the selection to GPU slots first (`noio` skips the copy: the oracle).
+The page min/max metadata (`kmin`, `kmax [N, HKV, P_MAX, D]`) stays resident in every mode, and
+the dense layers keep the model's own resident `PagedKV` in every mode.
+
+The newest page grows every step. It lives in the host pool, in the stream's reserved slot
+(prefill's `append` leaves the last, possibly partial page there) and, once selected, in a cached
+slot (unit -> slot map), all three with the same bytes. Each step `write_newest_token` stores the
+token's key and value at its offset in all three (write-through; `HierarchicalKVCache.write_newest_token`):
+2 * D elements per (request, layer, KV head) over PCIe, and the whole row, zeros but for the token,
+when the token opens a page (2 * 16 * D elements, 8 KiB at D = 128 in bf16). No host sync, so the
+step can be captured in a CUDA graph. The engine records on the host which streams gain a page
+(`QuestRuntime.advance_streams`, before the step that opens it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from hisparse.cache import HierarchicalKVCache
+from hisparse.models.base import DecodeState
+from hisparse.quest.ops import (
+    PAGE,
+    pages_from_tokens,
+    quest_attention,
+    quest_metadata_append,
+    quest_metadata_from_keys,
+    quest_select,
+    resident_rows,
+)
+from hisparse.quest.reference import PagedKV
+from hisparse.runtime import (
+    Rows,
+    UnitResolver,
+    advance_unit_streams,
+    cache_bytes,
+    gather_in_lockstep,
+    nbytes,
+    open_unit_streams,
+    shared_states,
+    stream_counts,
+    write_newest_unit,
+    write_resident_unit,
+)
+
+
+@dataclass
+class QuestKV:
+    """A Quest layer's KV, resident: `pool [N * HKV * P_MAX, 2, PAGE, D]` (None when hierarchical),
+    `kmin, kmax [N, HKV, P_MAX, D]` the page bounds of the post-RoPE keys (always resident; None on a
+    layer that shares another's selection, as it selects nothing), `max_pages` = P_MAX."""
+
+    pool: torch.Tensor | None
+    kmin: torch.Tensor | None
+    kmax: torch.Tensor | None
+    max_pages: int = 0
+
+    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+        """Decode-step write (positions [N, 1]) of keys, values [N, HKV, 1, D]: the token's slot in
+        its page's row, then its key folded into the page bounds."""
+        if positions.shape[1] != 1:
+            raise ValueError("a Quest decode state takes one token per row; prefill runs on the model's state")
+        if page_size != PAGE:
+            raise ValueError(f"the Quest kernels use {PAGE}-token pages, the model {page_size}")
+        pos = positions[:, 0]
+        key = keys[:, :, 0].contiguous()
+        self._write_row(pos, key, values[:, :, 0])
+        if self.kmin is not None:
+            quest_metadata_append(self.kmin, self.kmax, key, pos.to(torch.int32))
+
+    def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        write_resident_unit(self.pool, pos, key, value, PAGE, self.max_pages)
+
+
+@dataclass
+class HierQuestKV(QuestKV):
+    """A Quest layer's KV with its pages in the hierarchical cache: `pool` is None; `streams [N, HKV]`
+    int32 are the streams of `cache` (unit = page, row = [2, PAGE, D] flattened); `host_streams[n]`
+    the same ids of request n, on the host (for `advance_streams`).
+
+    A shared layer (`quest_selection_group` > 1: it attends over its anchor layer's selection) moves
+    in lockstep with its anchor: `anchor_layer` and `anchor_streams [N, HKV]` name the anchor, whose
+    slot maps place its pages too, and `prefetched` is the event its layer-wise prefetch copy
+    records, when prefetch is on."""
+
+    streams: torch.Tensor | None = None
+    cache: HierarchicalKVCache | None = None
+    host_streams: list[list[int]] = field(default_factory=list)
+    anchor_layer: int | None = None
+    anchor_streams: torch.Tensor | None = None
+    prefetched: torch.cuda.Event | None = None
+
+    def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        write_newest_unit(self, pos, key, value, PAGE)
+
+
+class KernelQuestAttention(UnitResolver):
+    """`select` and `attend` of the Quest decode step (the contract of `TorchQuestAttention`).
+
+    token_budget: tokens read per KV head and step, K = token_budget // PAGE pages (the current one
+    included). check_values: validate selections against stream lengths before each resolve (a
+    host sync; off inside a captured CUDA graph). Resolve counters accumulate in `cache.stats`
+    (anchor layers only: shared layers do no resolve work).
+    `recorded[layer]` holds the pages [N, HKV, K] each Quest layer attended over in the last step.
+    shared, prefetch: layers sharing an anchor's selection (`hisparse.runtime.UnitResolver`).
+    """
+
+    family = "Quest"
+
+    def __init__(self, mode: str = "resident", token_budget: int = 4096, check_values: bool = True,
+                 prefetch: bool = False, shared: dict[int, list[HierQuestKV]] | None = None,
+                 prefetch_programs: int | None = None):
+        super().__init__(mode, check_values, prefetch, shared, prefetch_programs)
+        if token_budget < PAGE:
+            raise ValueError(f"token_budget {token_budget} is under one page ({PAGE} tokens)")
+        self.token_budget = token_budget
+
+    def select(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+        """q [N, HQ, D] (roped) -> pages [N, HKV, K] int32, ascending, -1 padding (or a trace's,
+        in its order, when `replay_sel` is set)."""
+        if self.replay_sel is not None:
+            return self.replay_sel[layer_idx]
+        return quest_select(q.contiguous(), kv.kmin, kv.kmax, lengths.to(torch.int32), self.token_budget)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
+               selection: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+        """Attention of q [N, HQ, D] over the selected pages -> [N, HQ, D]."""
+        selection = selection.to(torch.int32).contiguous()
+        self.recorded[layer_idx] = selection
+        if isinstance(kv, HierQuestKV):
+            rows = self.unit_rows(layer_idx, kv, selection)
+            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+        else:
+            rows, pool = resident_rows(selection, kv.max_pages), kv.pool
+        return quest_attention(q.contiguous(), pool, rows, selection, lengths.to(torch.int32), scale)
+
+
+# -- the engine's Quest side (a `hisparse.runtime.FamilyRuntime`) -----------------------------------
+
+def quest_layers(model) -> list[int]:
+    return [i for i, layer in enumerate(model.model.layers) if layer.self_attn.quest]
+
+
+def selection_size(model, token_budget: int) -> int:
+    """K pages per KV head and step for `token_budget`; checks the model fits the Quest kernels."""
+    cfg = model.config
+    if cfg.quest_page_size != PAGE:
+        raise ValueError(f"the Quest kernels use {PAGE}-token pages, the model's quest_page_size is "
+                         f"{cfg.quest_page_size}")
+    if token_budget < PAGE:
+        raise ValueError(f"token_budget {token_budget} is under one page ({PAGE} tokens)")
+    return token_budget // PAGE
+
+
+def new_cache(model, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+    """One stream per (request, Quest layer, KV head), each with a host region of P_MAX pages."""
+    cfg, weight = model.config, model.model.embed_tokens.weight
+    layers = len(quest_layers(model))
+    if layers == 0:
+        raise ValueError(f"the model has no Quest layer (all {cfg.num_hidden_layers} are dense): "
+                         f"use mode 'resident'")
+    streams = batch * layers * cfg.num_key_value_heads
+    return HierarchicalKVCache(max_streams=streams, cache_slots=cache_slots,
+                               host_rows=streams * triton.cdiv(capacity, PAGE),
+                               row_elems=2 * PAGE * cfg.head_dim, dtype=weight.dtype, device=weight.device)
+
+
+def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int, parts, lengths: torch.Tensor,
+                 capacity: int):
+    """One layer's batch state from per-request (keys, values) [HKV, len, D]: the model's PagedKV on
+    a dense layer (every mode), `QuestKV` (resident) or `HierQuestKV` (pages into the host pool)."""
+    attn = model.model.layers[layer].self_attn
+    keys0 = parts[0][0]
+    hkv, d, batch = keys0.shape[0], keys0.shape[-1], len(parts)
+    device = keys0.device
+    max_pages = triton.cdiv(capacity, PAGE)
+    if not attn.quest:
+        kv = attn.new_kv(batch, capacity, device, keys0.dtype)
+        for b, (k, v) in enumerate(parts):
+            kv.keys[b, :, :k.shape[1]] = k
+            kv.values[b, :, :k.shape[1]] = v
+        kv.page_min, kv.page_max = quest_metadata_from_keys(kv.keys, lengths.to(torch.int32), kv.page_min.shape[2])
+        return kv
+    selects = model.config.selection_anchor(layer) == layer      # else it shares another layer's selection
+    kmin = keys0.new_zeros(batch, hkv, max_pages, d) if selects else None
+    kmax = keys0.new_zeros(batch, hkv, max_pages, d) if selects else None
+    pages = []
+    for b, (k, v) in enumerate(parts):
+        n_pages = triton.cdiv(k.shape[1], PAGE)
+        if selects:
+            length = torch.tensor([k.shape[1]], dtype=torch.int32, device=device)
+            lo, hi = quest_metadata_from_keys(k[None], length, n_pages)
+            kmin[b, :, :n_pages], kmax[b, :, :n_pages] = lo[0], hi[0]
+        pages.append(pages_from_tokens(k[None], v[None], n_pages).view(hkv, n_pages, 2, PAGE, d))
+    if mode == "resident":
+        pool = keys0.new_zeros(batch, hkv, max_pages, 2, PAGE, d)
+        for b, rows in enumerate(pages):
+            pool[b, :, :rows.shape[1]] = rows
+        return QuestKV(pool=pool.view(-1, 2, PAGE, d), kmin=kmin, kmax=kmax, max_pages=max_pages)
+    host_streams = [open_unit_streams(cache, rows, max_pages) for rows in pages]
+    return HierQuestKV(pool=None, kmin=kmin, kmax=kmax, max_pages=max_pages, cache=cache, host_streams=host_streams,
+                       streams=torch.tensor(host_streams, dtype=torch.int32, device=device))
+
+
+class QuestRuntime:
+    """Quest models (llama, qwen3) in the engine: `token_budget` tokens per KV head and step
+    (default the model's), k = token_budget // 16 pages; the first `quest_dense_layers` stay dense
+    and resident in every mode."""
+
+    family = "Quest"
+    selection_name = "token_budget // 16 pages"
+    unit_size = PAGE
+
+    def __init__(self, model, token_budget: int | None = None):
+        self.model = model
+        self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
+        self.selection_size = selection_size(model, self.token_budget)
+        self.kv_heads = model.config.num_key_value_heads
+        self.dense_layers = min(model.config.quest_dense_layers, model.config.num_hidden_layers)
+        self.anchors = [model.config.selection_anchor(i) for i in range(model.config.num_hidden_layers)]
+        self.shared_layers = any(a != i for i, a in enumerate(self.anchors))   # prefetch has layers to serve
+
+    def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
+        """rows(b, layer) -> random (keys, values) [HKV, len, D]."""
+        cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
+
+        def rows(b: int, layer: int):
+            shape = (cfg.num_key_value_heads, len(prompts[b]), cfg.head_dim)
+            return torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype)
+
+        return rows
+
+    def prefilled_rows(self, states: list[DecodeState]) -> Rows:
+        return lambda b, i: (states[b].layers[i].keys[0], states[b].layers[i].values[0])
+
+    def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
+        return new_cache(self.model, batch, capacity, cache_slots)
+
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
+        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierQuestKV)."""
+        def gather(i: int):
+            return gather_layer(self.model, mode, cache, i, [rows(b, i) for b in range(len(lengths))], lengths,
+                                capacity)
+        return gather_in_lockstep(self.anchors, gather, HierQuestKV, mode, prefetch)
+
+    def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
+                  prefetch_programs: int | None = None) -> KernelQuestAttention:
+        return KernelQuestAttention(mode, self.token_budget, check_values=check_values, prefetch=prefetch,
+                                    shared=shared_states(layers, HierQuestKV), prefetch_programs=prefetch_programs)
+
+    def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
+        """A position opening a page adds a unit to each of its request's streams."""
+        hier = [kv.host_streams for kv in layers if isinstance(kv, HierQuestKV)]
+        advance_unit_streams(cache, hier, positions, PAGE)
+
+    def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
+        """(hits, misses) over every Quest layer; a shared layer counts its anchor's, whose pages it copies."""
+        return stream_counts(cache, [kv.streams if kv.anchor_streams is None else kv.anchor_streams
+                                     for kv in layers if isinstance(kv, HierQuestKV)])
+
+    def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
+        """The dense layers' keys, values and bounds, the Quest layers' bounds, and their resident
+        pages or the hot slots with the cache state."""
+        total = 0
+        for kv in layers:
+            if isinstance(kv, PagedKV):
+                total += nbytes(kv.keys, kv.values, kv.page_min, kv.page_max)
+            else:
+                total += nbytes(kv.pool, kv.kmin, kv.kmax)
+        return total + cache_bytes(cache)
