@@ -45,6 +45,7 @@ from hisparse.runtime import KV_MODES, FamilyRuntime, prefetch_width
 from hisparse.traces import Trace, TraceWriter, validate
 
 RUNTIMES = {DsaModel: DsaRuntime, QuestModel: QuestRuntime, NsaModel: NsaRuntime}
+PREFILLS = ("model", "reference", "random")
 
 
 def family_runtime(model, token_budget: int | None = None, decode_backend: str = "auto") -> FamilyRuntime:
@@ -128,8 +129,9 @@ def check_prompts(prompts) -> list[torch.Tensor]:
 
 class Engine:
     """prefetch: shared layers' copies overlap the layers after their anchor (hisparse mode on a GPU).
-    prefill: "model" runs the model's prefill; "random" fills the prompt's KV with random rows and
-    feeds the prompt's last token first (for timing decode at long contexts; outputs are noise).
+    prefill: "model" runs the model's prefill through the family's kernels; "reference" through its
+    eager torch reference (slow: dense masked softmax); "random" fills the prompt's KV with random
+    rows and feeds the prompt's last token first (for timing decode at long contexts; outputs are noise).
     token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16
     pages; default the model's `sparse_attention.token_budget`. prefetch_programs: the prefetch copy's
     width in programs (default: the family's measured one, `hisparse.runtime.PREFETCH_PROGRAMS_PER_FAMILY`).
@@ -144,8 +146,8 @@ class Engine:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefetch and mode != "hisparse":
             raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
-        if prefill not in ("model", "random"):
-            raise ValueError(f"prefill must be 'model' or 'random', got {prefill!r}")
+        if prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
         if token_budget is not None:
             token_budget = as_int(token_budget, "token_budget must be an int (tokens per KV head and step)", 1)
         if max_context is not None:
@@ -197,7 +199,8 @@ class Engine:
             singles, last = [], []
             for prompt in prompts:
                 state = model.new_state(1, len(prompt))
-                logits = model.prefill(prompt.to(device)[None], state, self.chunk_size)
+                logits = model.prefill(prompt.to(device)[None], state, self.chunk_size,
+                                       fast=self.prefill == "model", last_logits=True)
                 singles.append(state)
                 last.append(logits[0, -1])
             first = torch.stack(last)

@@ -19,6 +19,7 @@ CASES = {   # benchmark -> (CSV it writes, metrics it must hold)
     "attention_quest": ("attention.csv", {"us", "roofline_frac"}),
     "prefetch": ("prefetch.csv", {"tpot_ms", "tokens_per_s", "exposed_io_ms_per_token", "hidden_frac",
                                   "vs_noio_ceiling"}),
+    "prefill": ("prefill.csv", {"prefill_s", "tokens_per_s", "peak_gib", "kv_gib", "roofline_frac"}),
 }
 
 

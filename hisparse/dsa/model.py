@@ -9,6 +9,7 @@ Decode runs the indexer and absorbed MLA through `DsaModel.sparse_attention` (se
 import torch
 from torch import nn
 
+from hisparse.dsa.ops import dsa_prefill_select, sparse_mla_decode
 from hisparse.dsa.reference import MlaKV, TorchDsaAttention, stable_topk
 from hisparse.models.base import CausalLM, DecoderLayer, Step
 from hisparse.models.config import DsaConfig
@@ -101,6 +102,14 @@ class MlaAttention(nn.Module):
         q_nope, q_rot = q[..., : self.dn], rope_interleaved(q[..., self.dn:], cos[:, :, None], sin[:, :, None])
         if step.decode:
             out = self._decode_attention(q_nope[:, 0], q_rot[:, 0], kv, step.lengths, step.shared["selection"])
+        elif step.fast:
+            end = step.start + s
+            if self.indexer is not None:            # relu(scale * q.k) = scale * relu(q.k): the scale in the weights
+                weights = index_w * self.indexer.softmax_scale
+                step.shared["selection"] = torch.stack([                                 # [B, S, k] int32
+                    dsa_prefill_select(index_q[row], weights[row], kv.index_keys[row, :end], step.start,
+                                       self.indexer.topk) for row in range(b)])
+            out = self._prefill_absorbed(q_nope, q_rot, kv.latent[:, :end], step.shared["selection"])
         else:
             end = step.start + s
             causal = step.positions[0, :, None] >= torch.arange(end, device=x.device)[None, :]  # [S, T]
@@ -120,6 +129,16 @@ class MlaAttention(nn.Module):
         mask = selected.scatter(-1, topk_ids, True) & causal  # [B, S, T]
         out = softmax_attention(query, keys, v.transpose(1, 2), self.scaling, mask[:, None])
         return out.transpose(1, 2)
+
+    def _prefill_absorbed(self, q_nope, q_rot, latent, selection):
+        """Absorbed MLA of each query over its own selected latents, through the decode kernel (one
+        query per row list): q_nope [B, S, H, Dn], latent [B, T, Dc + Dr], selection [B, S, k] int32
+        (-1 pads) -> [B, S, H, Dv]. The latents are the ones written once per token, never expanded."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.dc)
+        q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w[:, : self.dn]), q_rot], dim=-1)
+        out = torch.stack([sparse_mla_decode(q[row], latent[row], selection[row], self.scaling, d_v=self.dc)[0]
+                           for row in range(q.shape[0])])                                     # [B, S, H, Dc]
+        return torch.einsum("bshc,hvc->bshv", out, w[:, self.dn:])
 
     def _decode_attention(self, q_nope, q_rot, kv: MlaKV, lengths, selection):
         """Absorbed MLA for one token: q_nope [B, H, Dn] -> [B, 1, H, Dv]."""

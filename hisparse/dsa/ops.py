@@ -124,11 +124,13 @@ def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
     o_t = torch.arange(t, device=scores.device)
-    valid = o_t[None, :] < lengths[:, None]  # [N, T]
-    masked = torch.where(valid, scores, float("-inf"))
-    bits = torch.where(masked == 0, 0.0, masked).view(torch.int32).to(torch.int64)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the float order
-    keys = (ordered << 32) | (0xFFFFFFFF - o_t)[None, :]
+    masked = torch.where(o_t[None, :] < lengths[:, None], scores, float("-inf"))       # [N, T]
+    masked.masked_fill_(masked == 0, 0.0)
+    keys = masked.view(torch.int32).to(torch.int64)
+    del masked                                    # in place from here: prefill calls this on large [N, T]
+    keys ^= (keys >> 31) & 0x7FFFFFFF             # signed order of the float order
+    keys <<= 32
+    keys |= (0xFFFFFFFF - o_t)[None, :]
     picked = keys.topk(min(k, t), dim=1, sorted=True).indices  # [N, min(k, T)]
     sel = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
     sel[:, :picked.shape[1]] = torch.where(picked < lengths[:, None], picked, -1).to(torch.int32)
@@ -139,6 +141,33 @@ def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tenso
     """Indexer scores then top-k: the selection [N, k] int32 of token ids, -1 padding."""
     return topk_select(indexer_scores(q, weights, keys, lengths, key_scale), lengths, k)
 
+
+# the prefill's selection makes its [rows, T] scores and top-k keys this many elements at a time
+# (about 24 bytes each at the peak), so its workspace does not grow with the prompt
+PREFILL_SELECT_ELEMENTS = 1 << 26
+
+
+def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int, k: int,
+                       max_elements: int = PREFILL_SELECT_ELEMENTS) -> torch.Tensor:
+    """The selections [S, k] int32 (-1 padding) of one request's prefill chunk: q [S, H_index, D] and
+    weights [S, H_index] of the tokens at positions start .. start + S - 1, keys [T, D] of its first
+    T = start + S tokens. Query s selects among tokens 0 .. start + s, exactly as `dsa_select` does
+    for a decode query of that length: causality is the lengths, no [S, T] mask is made. The scores
+    are made for as many queries at a time as fit `max_elements`."""
+    _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
+             f"{tuple(q.shape)} and {tuple(keys.shape)}")
+    s, t = q.shape[0], keys.shape[0]
+    _require(isinstance(start, int) and 0 <= start and start + s == t,
+             f"start={start!r}: a chunk of {s} queries over {t} keys starts at {t - s}")
+    lengths = torch.arange(start + 1, t + 1, device=q.device)
+    out = torch.empty((s, k), dtype=torch.int32, device=q.device)
+    rows = max(1, max_elements // max(1, t))
+    for r in range(0, s, rows):
+        part = slice(r, min(s, r + rows))
+        n = part.stop - part.start
+        scores = indexer_scores(q[part], weights[part], keys.expand(n, t, keys.shape[1]), lengths[part])
+        out[part] = topk_select(scores, lengths[part], k)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class Step:
     lengths: torch.Tensor  # [B] tokens held per row once this step's tokens are written
     decode: bool
     start: int | None = None  # prefill: the first position, the same for every row
+    fast: bool = False  # prefill through the family's kernels (else the eager torch reference)
     shared: dict = field(default_factory=dict)
 
 
@@ -86,14 +87,15 @@ class CausalLM(nn.Module):
         lengths = torch.zeros(batch, dtype=torch.int64, device=weight.device)
         return DecodeState(layers=kvs, capacity=capacity, lengths=lengths)
 
-    def _run(self, input_ids: torch.Tensor, step: Step, state: DecodeState) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, step: Step, state: DecodeState, last: bool = False) -> torch.Tensor:
+        """Logits [B, S, V] of the tokens, or with `last` of the last one alone, [B, 1, V]."""
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, state.layers):
             x = layer(x, step, kv)
         state.lengths.copy_(step.lengths)
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model.norm(x[:, -1:] if last else x))
 
-    def _prefill(self, input_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    def _prefill(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, last: bool) -> torch.Tensor:
         batch, seq = input_ids.shape
         start = int(state.lengths.max())
         if start != int(state.lengths.min()):
@@ -103,15 +105,20 @@ class CausalLM(nn.Module):
             raise ValueError(f"state capacity {state.capacity} cannot hold {start} + {seq} tokens")
         positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
         state.max_length = start + seq
-        return self._run(input_ids, Step(positions, state.lengths + seq, decode=False, start=start), state)
+        step = Step(positions, state.lengths + seq, decode=False, start=start, fast=fast)
+        return self._run(input_ids, step, state, last)
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk_size: int | None = None) -> torch.Tensor:
-        """input_ids [B, S] appended to `state` (causal over everything held): logits [B, S, V].
-        With `chunk_size`, the prompt goes through in chunks (same result, memory linear in S)."""
-        if chunk_size is None:
-            return self._prefill(input_ids, state)
-        return torch.cat([self._prefill(chunk, state) for chunk in input_ids.split(chunk_size, dim=1)], dim=1)
+    def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk_size: int | None = None,
+                fast: bool = False, last_logits: bool = False) -> torch.Tensor:
+        """input_ids [B, S] appended to `state` (causal over everything held): logits [B, S, V], or
+        with `last_logits` those of the last token alone, [B, 1, V]. With `chunk_size`, the prompt
+        goes through in chunks (the same result, memory linear in S). `fast` runs the attention
+        through the family's kernels (within each dtype's tolerance of the eager reference, which
+        is the default)."""
+        chunks = [input_ids] if chunk_size is None else input_ids.split(chunk_size, dim=1)
+        logits = [self._prefill(chunk, state, fast, last_logits) for chunk in chunks]
+        return logits[-1] if last_logits else torch.cat(logits, dim=1)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:

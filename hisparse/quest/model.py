@@ -8,7 +8,9 @@ Prefill is dense causal attention, as transformers' eager `LlamaForCausalLM` / `
 through `QuestModel.sparse_attention` (see reference.py); the dense layers stay dense.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from hisparse.models.base import CausalLM, DecoderLayer, Step
 from hisparse.models.config import LlamaConfig
@@ -71,6 +73,8 @@ class GqaAttention(nn.Module):
     def _dense(self, q: torch.Tensor, kv: PagedKV, step: Step) -> torch.Tensor:
         """Causal GQA attention of q [B, H, S, D] over every token held: [B, H, S, D]."""
         b, _, s, d = q.shape
+        if step.fast and not step.decode:
+            return self._flash(q, kv, step.start + s)
         if step.decode:
             tokens = torch.arange(kv.keys.shape[2], device=q.device)
             mask, end = (tokens < step.lengths[:, None])[:, None, None, :], kv.keys.shape[2]  # [B, 1, 1, T]
@@ -81,6 +85,18 @@ class GqaAttention(nn.Module):
         qg = q.reshape(b, self.n_kv_heads, -1, d)  # [B, Hkv, G * S, D]
         out = softmax_attention(qg, kv.keys[:, :, :end], kv.values[:, :, :end], self.scaling, mask)
         return out.view(b, self.n_heads, s, d)
+
+    def _flash(self, q: torch.Tensor, kv: PagedKV, end: int) -> torch.Tensor:
+        """Prefill's causal attention through torch's fused kernels (flash on a GPU): the chunk's
+        queries q [B, H, S, D] at positions end - S .. end - 1 over tokens 0 .. end - 1."""
+        keys, values = kv.keys[:, :, :end], kv.values[:, :, :end]
+        s = q.shape[2]
+        if s == end:                          # the whole prompt at once: causal from the top left
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling,
+                                                  enable_gqa=True)
+        group = self.n_heads // self.n_kv_heads
+        return F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
+                                              attn_mask=causal_lower_right(s, end), scale=self.scaling)
 
 
 class QuestModel(CausalLM):
