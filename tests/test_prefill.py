@@ -171,10 +171,10 @@ def test_fast_prefill_at_real_shapes_agrees_with_the_reference_in_bf16(family, c
 
 @pytest.mark.parametrize("kind", ["continuous", "ties", "short"])
 def test_eager_topk_is_topk_select(kind):
-    """topk_select_eager (float topk, sorts, exact keys only where ties straddle the k-th place)
+    """topk_of_indexer_scores (float topk, sorts, exact keys only where ties straddle the k-th place)
     returns topk_select's selection exactly: distinct scores, heavy ties (-0.0 among them), and
     rows shorter than k."""
-    from hisparse.dsa.ops import topk_select, topk_select_eager
+    from hisparse.dsa.ops import topk_select, topk_of_indexer_scores
     gen = torch.Generator().manual_seed(7)
     n, t, k = 12, 50, 16
     scores = torch.randn(n, t, generator=gen)
@@ -183,4 +183,4 @@ def test_eager_topk_is_topk_select(kind):
         scores[scores == 0] = -0.0
     lengths = torch.randint(1, k if kind == "short" else t + 1, (n,), generator=gen)
     scores = scores.masked_fill(torch.arange(t)[None, :] >= lengths[:, None], float("-inf"))
-    assert torch.equal(topk_select_eager(scores, lengths, k), topk_select(scores, lengths, k))
+    assert torch.equal(topk_of_indexer_scores(scores, lengths, k), topk_select(scores, lengths, k))

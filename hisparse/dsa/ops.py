@@ -137,11 +137,12 @@ def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
     return sel
 
 
-def topk_select_eager(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk_select`'s result, faster where no host sync matters (prefill): torch.topk on the float
-    scores, then the picks ordered best first with ties to the lower id (two sorts of k per row);
-    rows where equal scores straddle the k-th place go through `topk_select`'s exact keys. Scores
-    must already be -inf at t >= lengths[n] (as the indexer kernels write them)."""
+def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_select`'s result for scores the indexer kernels wrote (-inf at t >= lengths[n]: other
+    scores past a length would be picked, then dropped), faster where a host sync does not matter
+    (prefill): torch.topk on the floats, the picks ordered best first with ties to the lower id (two
+    sorts of k per row), and `topk_select`'s exact keys only for rows whose equal scores straddle
+    the k-th place."""
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
     values, ids = scores.topk(min(k, t), dim=1, sorted=False)                         # [N, k']
@@ -187,7 +188,7 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
         part = slice(r, min(s, r + rows))
         n = part.stop - part.start          # one key tensor for every query: a stride-0 view
         scores = indexer_scores(q[part], weights[part], keys.expand(n, t, keys.shape[1]), lengths[part])
-        out[part] = topk_select_eager(scores, lengths[part], k)
+        out[part] = topk_of_indexer_scores(scores, lengths[part], k)
     return out
 
 
