@@ -271,3 +271,16 @@ def test_ncu_kernels_names_its_kernels_and_needs_a_gpu(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="on a CUDA GPU; none is available here"):
             ncu_kernels.main(["resolve"])
+
+
+def test_summary_prints_each_prefill_point_beside_its_target():
+    from benchmarks.summary import prefill_lines
+    rows = [dict(bench="prefill", family=f, mode=m, context=c, metric=metric, value=v, commit=commit)
+            for f, c, commit, m, scale in (("dsa", 32768, "old", "model", 2.0), ("dsa", 32768, "new", "model", 1.0),
+                                           ("dsa", 32768, "new", "reference", 50.0), ("quest", 32768, "new", "model", 1.0))
+            for metric, v in (("prefill_s", 5.0 * scale), ("roofline_frac", 0.3 / scale), ("peak_gib", 4.0),
+                              ("kv_gib", 2.5))]
+    lines = prefill_lines(pd.DataFrame(rows))
+    assert lines == ["prefill dsa 32K: 5.00 s, 0.30 of the FLOP roofline, peak 4.0 GiB (KV 2.5; target <= KV + 4) "
+                     "(target <= 8 s)",
+                     "prefill quest 32K: 5.00 s, 0.30 of the FLOP roofline (target >= 0.4)"]
