@@ -4,8 +4,8 @@
     out = engine.generate([prompt_a, prompt_b], new_tokens=64)   # prompts of any lengths
     out.tokens, out.logits, out.hits, out.misses
 
-Prefill runs each prompt on its own through the model's prefill (chunked for long prompts), on a
-temporary resident state; its KV then moves to where the mode keeps the selectable units (the
+Prefill runs each prompt on its own through the model's prefill (the family's kernels, or with
+prefill="reference" the eager torch one; chunked for long prompts), on a temporary resident state; its KV then moves to where the mode keeps the selectable units (the
 resident pool, or the host pool of a `HierarchicalKVCache`), and the family's always-resident
 parts (DSA's indexer keys, Quest's page bounds, NSA's compressed blocks and window) to the GPU.
 Decode runs every request together, one token per step; with `graph=True` the whole step (all

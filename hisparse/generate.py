@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "cpu through the Triton interpreter)")
     ap.add_argument("--chunk-size", type=_positive, default=None, metavar="N",
                     help="prefill long prompts in chunks of N tokens (default: the whole prompt at once)")
+    ap.add_argument("--prefill", choices=("model", "reference"), default="model",
+                    help="model: through the family's kernels (default); reference: the eager torch prefill")
     ap.add_argument("--max-context", type=_positive, default=None, metavar="N",
                     help="KV capacity per request in tokens (default: longest prompt + new tokens)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
@@ -239,7 +241,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         engine = Engine(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
                         max_context=args.max_context, chunk_size=args.chunk_size, prefetch=args.prefetch,
-                        token_budget=args.token_budget)
+                        token_budget=args.token_budget, prefill=args.prefill)
     except ValueError as e:
         ap.error(f"argument --cache-slots: {e}")
 

@@ -61,6 +61,20 @@ def test_resident_tokens_equal_the_engine_with_explicit_prompt_ids(tiny, tiny_mo
     assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
 
 
+def test_the_reference_prefill_is_the_engines_and_gives_the_same_tokens(tiny, tiny_model, capsys):
+    """--prefill reference runs the eager torch prefill: the engine's tokens with prefill="reference",
+    and (on this tiny model in float32) the same greedy tokens as the default kernels' prefill."""
+    ids = [[5, 17, 3, 9, 60, 2, 8, 1, 44, 90]]
+    runs = []
+    for prefill in ("reference", "model"):
+        rc, out, err = cli(capsys, "--model", tiny, "--prompt-ids", "5,17,3,9,60,2,8,1,44,90", "--new-tokens", "3",
+                           "--mode", "resident", "--prefill", prefill)
+        assert rc == 0, err
+        runs.append([g for _, g in requests(out)])
+    want = Engine(tiny_model, "resident", prefill="reference").generate(ids, new_tokens=3, keep_logits=False)
+    assert runs[0] == want.tokens.tolist() == runs[1]
+
+
 def test_hisparse_tokens_equal_the_engine_and_miss_rate_is_printed(tiny, tiny_model, capsys):
     rc, out, err = cli(capsys, "--model", tiny, "--prompt-lens", "11,4", "--seed", "3", "--new-tokens", "4",
                        "--mode", "hisparse", "--cache-slots", str(K))
