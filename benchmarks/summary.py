@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from benchmarks.bench_prefill import TARGETS
+
 
 def latest(frame: pd.DataFrame) -> pd.DataFrame:
     """Rows of each benchmark's newest commit in the file. A results file accumulates runs, and the
@@ -122,15 +124,17 @@ def prefill_lines(frame: pd.DataFrame) -> list[str]:
     """bench_prefill: per family and prompt length, the newest run's time, memory and roofline share
     beside the targets (DSA 32K <= 8 s, 128K <= 60 s, peak <= KV + 4 GiB; Quest 32K >= 0.4)."""
     f = frame[frame["mode"] == "model"]
+    if (f.gpu != "cpu").any():                  # a GPU's rows, not a --quick run's beside them
+        f = f[f.gpu != "cpu"]
     f = f.groupby(["family", "context", "metric"], sort=False).tail(1)
     wide = f.pivot_table(index=["family", "context"], columns="metric", values="value")
-    targets = {("dsa", 32768): "target <= 8 s", ("dsa", 131072): "target <= 60 s", ("quest", 32768): "target >= 0.4"}
     lines = []
     for (family, context), row in wide.iterrows():
-        target = targets.get((family, int(context)), "")
+        target = TARGETS.get((family, int(context)), "")
         memory = f", peak {row.peak_gib:.1f} GiB (KV {row.kv_gib:.1f}; target <= KV + 4)" if family == "dsa" else ""
-        lines.append(f"prefill {family} {int(context) // 1024}K: {row.prefill_s:.2f} s, {row.roofline_frac:.2f} of "
-                     f"the FLOP roofline{memory}" + (f" ({target})" if target else ""))
+        size = f"{int(context) // 1024}K" if context >= 1024 else f"{int(context)} tokens"
+        lines.append(f"prefill {family} {size}: {row.prefill_s:.2f} s, {row.roofline_frac:.2f} of "
+                     f"the FLOP roofline{memory}" + (f" (target {target})" if target else ""))
     return lines
 
 

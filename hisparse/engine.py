@@ -5,9 +5,10 @@
     out.tokens, out.logits, out.hits, out.misses
 
 Prefill runs each prompt on its own through the model's prefill (the family's kernels, or with
-prefill="reference" the eager torch one; chunked for long prompts), on a temporary resident state; its KV then moves to where the mode keeps the selectable units (the
-resident pool, or the host pool of a `HierarchicalKVCache`), and the family's always-resident
-parts (DSA's indexer keys, Quest's page bounds, NSA's compressed blocks and window) to the GPU.
+prefill="reference" the eager torch one; chunked for long prompts), on a temporary resident state;
+its KV then moves to where the mode keeps the selectable units (the resident pool, or the host pool
+of a `HierarchicalKVCache`), and the family's always-resident parts (DSA's indexer keys, Quest's
+page bounds, NSA's compressed blocks and window) to the GPU.
 Decode runs every request together, one token per step; with `graph=True` the whole step (all
 layers) is captured once in a CUDA graph and replayed.
 
@@ -50,7 +51,7 @@ PREFILLS = ("model", "reference", "random")
 
 def family_runtime(model, token_budget: int | None = None, decode_backend: str = "auto") -> FamilyRuntime:
     """The runtime of the model's family; checks the model fits its kernels. token_budget: Quest only;
-    decode_backend: DSA only (`hisparse.dsa.DECODE_BACKENDS`)."""
+    decode_backend: DSA only (`hisparse.dsa.ops.DECODE_BACKENDS`)."""
     runtime = RUNTIMES.get(type(model))
     if runtime is None:
         raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa), Quest models (llama, qwen3) "
@@ -129,9 +130,10 @@ def check_prompts(prompts) -> list[torch.Tensor]:
 
 class Engine:
     """prefetch: shared layers' copies overlap the layers after their anchor (hisparse mode on a GPU).
-    prefill: "model" runs the model's prefill through the family's kernels; "reference" through its
-    eager torch reference (slow: dense masked softmax); "random" fills the prompt's KV with random
-    rows and feeds the prompt's last token first (for timing decode at long contexts; outputs are noise).
+    prefill: "model" runs the model's prefill through the family's kernels (DSA, Quest; NSA has only
+    its reference); "reference" through the eager torch reference (slow: dense masked softmax);
+    "random" fills the prompt's KV with random rows and feeds the prompt's last token first (for
+    timing decode at long contexts; outputs are noise).
     token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16
     pages; default the model's `sparse_attention.token_budget`. prefetch_programs: the prefetch copy's
     width in programs (default: the family's measured one, `hisparse.runtime.PREFETCH_PROGRAMS_PER_FAMILY`).
@@ -155,6 +157,7 @@ class Engine:
         if chunk_size is not None:
             chunk_size = as_int(chunk_size, "chunk_size must be an int >= 1 (prompt tokens per prefill chunk)", 1)
         self.runtime = family_runtime(model, token_budget, decode_backend)
+        self.decode_backend = decode_backend
         self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
@@ -199,8 +202,8 @@ class Engine:
             singles, last = [], []
             for prompt in prompts:
                 state = model.new_state(1, len(prompt))
-                logits = model.prefill(prompt.to(device)[None], state, self.chunk_size,
-                                       fast=self.prefill == "model", last_logits=True)
+                logits = model.prefill(prompt.to(device)[None], state, self.chunk_size, fast=self.prefill == "model",
+                                       last_logits=True, backend=self.decode_backend)
                 singles.append(state)
                 last.append(logits[0, -1])
             first = torch.stack(last)

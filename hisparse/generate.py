@@ -121,12 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
-                    help="torch device, e.g. cuda, cuda:1 or cpu (default cuda when a GPU is present, else "
-                         "cpu through the Triton interpreter)")
+                    help="torch device, e.g. cuda or cuda:1 (default cuda when a GPU is present, else cpu through "
+                         "the Triton interpreter; on a GPU machine run with CUDA_VISIBLE_DEVICES= for that)")
     ap.add_argument("--chunk-size", type=_positive, default=None, metavar="N",
                     help="prefill long prompts in chunks of N tokens (default: the whole prompt at once)")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
-                    help="model: through the family's kernels (default); reference: the eager torch prefill")
+                    help="model: through the family's kernels (DSA, Quest; NSA has only the reference; default); "
+                         "reference: the eager torch prefill")
     ap.add_argument("--max-context", type=_positive, default=None, metavar="N",
                     help="KV capacity per request in tokens (default: longest prompt + new tokens)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")

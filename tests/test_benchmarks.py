@@ -275,12 +275,17 @@ def test_ncu_kernels_names_its_kernels_and_needs_a_gpu(capsys):
 
 def test_summary_prints_each_prefill_point_beside_its_target():
     from benchmarks.summary import prefill_lines
-    rows = [dict(bench="prefill", family=f, mode=m, context=c, metric=metric, value=v, commit=commit)
-            for f, c, commit, m, scale in (("dsa", 32768, "old", "model", 2.0), ("dsa", 32768, "new", "model", 1.0),
-                                           ("dsa", 32768, "new", "reference", 50.0), ("quest", 32768, "new", "model", 1.0))
+    """The newest GPU rows of each (family, context): an older run, the reference's rows and a --quick run's
+    CPU rows in the same file are left out."""
+    gpu = "NVIDIA H200"
+    runs = (("dsa", 32768, "old", "model", 2.0, gpu), ("dsa", 32768, "new", "model", 1.0, gpu),
+            ("dsa", 32768, "new", "reference", 50.0, gpu), ("quest", 32768, "new", "model", 1.0, gpu),
+            ("dsa", 40, "quick", "model", 3.0, "cpu"))
+    rows = [dict(bench="prefill", family=f, mode=m, context=c, metric=metric, value=v, commit=commit, gpu=gpu)
+            for f, c, commit, m, scale, gpu in runs
             for metric, v in (("prefill_s", 5.0 * scale), ("roofline_frac", 0.3 / scale), ("peak_gib", 4.0),
                               ("kv_gib", 2.5))]
     lines = prefill_lines(pd.DataFrame(rows))
     assert lines == ["prefill dsa 32K: 5.00 s, 0.30 of the FLOP roofline, peak 4.0 GiB (KV 2.5; target <= KV + 4) "
-                     "(target <= 8 s)",
-                     "prefill quest 32K: 5.00 s, 0.30 of the FLOP roofline (target >= 0.4)"]
+                     "(target prefill_s <= 8 (goal 4))",
+                     "prefill quest 32K: 5.00 s, 0.30 of the FLOP roofline (target roofline_frac >= 0.4)"]

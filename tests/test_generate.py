@@ -61,16 +61,26 @@ def test_resident_tokens_equal_the_engine_with_explicit_prompt_ids(tiny, tiny_mo
     assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
 
 
-def test_the_reference_prefill_is_the_engines_and_gives_the_same_tokens(tiny, tiny_model, capsys):
-    """--prefill reference runs the eager torch prefill: the engine's tokens with prefill="reference",
-    and (on this tiny model in float32) the same greedy tokens as the default kernels' prefill."""
+def test_the_reference_prefill_is_the_engines_and_gives_the_same_tokens(tiny, tiny_model, capsys, monkeypatch):
+    """--prefill reference runs the eager torch prefill (the model's prefill is called with fast=False,
+    fast=True by default): the engine's tokens with prefill="reference", and (on this tiny model in
+    float32) the same greedy tokens as the kernels' prefill."""
+    from hisparse.models.base import CausalLM
+    prefill, fast = CausalLM.prefill, []
+
+    def spy(self, *args, **kwargs):
+        fast.append(kwargs.get("fast"))
+        return prefill(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "prefill", spy)
     ids = [[5, 17, 3, 9, 60, 2, 8, 1, 44, 90]]
     runs = []
-    for prefill in ("reference", "model"):
+    for option in ("reference", "model"):
         rc, out, err = cli(capsys, "--model", tiny, "--prompt-ids", "5,17,3,9,60,2,8,1,44,90", "--new-tokens", "3",
-                           "--mode", "resident", "--prefill", prefill)
+                           "--mode", "resident", "--prefill", option)
         assert rc == 0, err
         runs.append([g for _, g in requests(out)])
+    assert fast == [False, True]
     want = Engine(tiny_model, "resident", prefill="reference").generate(ids, new_tokens=3, keep_logits=False)
     assert runs[0] == want.tokens.tolist() == runs[1]
 

@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     if args.batch < 1 or not 0.0 < args.miss <= 1.0:
         ap.error(f"--batch {args.batch} --miss {args.miss}: expected a batch >= 1 and a miss rate in (0, 1]")
     if not torch.cuda.is_available():
-        sys.exit("scripts.ncu_kernels launches kernels for Nsight Compute on a CUDA GPU; none is available here")
+        sys.exit("experiments.tools.ncu_kernels launches kernels for Nsight Compute on a CUDA GPU; none is available here")
     device = torch.device("cuda")
     call = (resolve_call if args.kernel == "resolve" else dsa_call)(args, device)
     torch.cuda.synchronize()

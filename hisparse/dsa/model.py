@@ -24,6 +24,8 @@ from hisparse.models.layers import (
 )
 from hisparse.models.moe import MoE
 
+PREFILL_QUERIES = 8192       # queries per sparse MLA launch in prefill
+
 
 class Indexer(nn.Module):
     def __init__(self, config: DsaConfig):
@@ -109,7 +111,7 @@ class MlaAttention(nn.Module):
                 step.shared["selection"] = torch.stack([                                 # [B, S, k] int32
                     dsa_prefill_select(index_q[row], weights[row], kv.index_keys[row, :end], step.start,
                                        self.indexer.topk) for row in range(b)])
-            out = self._prefill_absorbed(q_nope, q_rot, kv.latent[:, :end], step.shared["selection"])
+            out = self._prefill_absorbed(q_nope, q_rot, kv.latent[:, :end], step.shared["selection"], step.backend)
         else:
             end = step.start + s
             causal = step.positions[0, :, None] >= torch.arange(end, device=x.device)[None, :]  # [S, T]
@@ -130,14 +132,19 @@ class MlaAttention(nn.Module):
         out = softmax_attention(query, keys, v.transpose(1, 2), self.scaling, mask[:, None])
         return out.transpose(1, 2)
 
-    def _prefill_absorbed(self, q_nope, q_rot, latent, selection):
+    def _prefill_absorbed(self, q_nope, q_rot, latent, selection, backend: str):
         """Absorbed MLA of each query over its own selected latents, through the decode kernel (one
-        query per row list): q_nope [B, S, H, Dn], latent [B, T, Dc + Dr], selection [B, S, k] int32
-        (-1 pads) -> [B, S, H, Dv]. The latents are the ones written once per token, never expanded."""
+        query per row list, PREFILL_QUERIES at a time: the kernel's grid holds at most 65535 rows):
+        q_nope [B, S, H, Dn], latent [B, T, Dc + Dr], selection [B, S, k] int32 (-1 pads) ->
+        [B, S, H, Dv]. The latents are the ones written once per token, never expanded."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.dc)
         q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w[:, : self.dn]), q_rot], dim=-1)
-        out = torch.stack([sparse_mla_decode(q[row], latent[row], selection[row], self.scaling, d_v=self.dc)[0]
-                           for row in range(q.shape[0])])                                     # [B, S, H, Dc]
+        out = torch.empty(*q.shape[:3], self.dc, dtype=q.dtype, device=q.device)             # [B, S, H, Dc]
+        for row in range(q.shape[0]):
+            for s in range(0, q.shape[1], PREFILL_QUERIES):
+                part = slice(s, s + PREFILL_QUERIES)
+                sparse_mla_decode(q[row, part], latent[row], selection[row, part], self.scaling, d_v=self.dc,
+                                  out=out[row, part], backend=backend)
         return torch.einsum("bshc,hvc->bshv", out, w[:, self.dn:])
 
     def _decode_attention(self, q_nope, q_rot, kv: MlaKV, lengths, selection):

@@ -11,7 +11,7 @@ decode query per request:
 - attention: absorbed MLA over the selected rows of a row buffer `kv [R, D]` (D = 576: 512 latent
   values, then 64 rope dims), read through `rows [N, k]` (int32 row numbers, -1 = skip) in the order
   given, all heads sharing one selection, softmax scale from the model config.
-Every `*_ref` function is the plain-torch definition the kernels are tested against.
+The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
     torch.topk does not specify the order of equal values, so it runs on unique int64 keys instead:
     the high 32 bits order the float32 score (its bits with the magnitude flipped for negatives,
     -0.0 folded into +0.0), the low 32 bits hold 2^32 - 1 - t, so equal scores rank the lower index
-    first. The result is exactly `topk_select_ref` (a stable sort) for any k, on CPU and GPU.
+    first. The result is exactly `reference.topk_select_ref` (a stable sort) for any k, on CPU and GPU.
     """
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
@@ -145,6 +145,8 @@ def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) 
     the k-th place."""
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
+    if t == 0:
+        return torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
     values, ids = scores.topk(min(k, t), dim=1, sorted=False)                         # [N, k']
     ids, order = ids.sort(dim=1)                                                       # by id, then stably
     values, order = values.gather(1, order).sort(dim=1, descending=True, stable=True)  # by score: ties by id
@@ -164,8 +166,8 @@ def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tenso
     return topk_select(indexer_scores(q, weights, keys, lengths, key_scale), lengths, k)
 
 
-# the prefill's selection makes its [rows, T] scores and top-k keys this many elements at a time
-# (about 24 bytes each at the peak), so its workspace does not grow with the prompt
+# the prefill's selection makes its [rows, T] scores this many elements at a time (about 6 bytes each
+# at the peak, 30 in rows whose ties need the exact keys), so its workspace does not grow with the prompt
 PREFILL_SELECT_ELEMENTS = 1 << 26
 
 

@@ -27,6 +27,7 @@ class Step:
     decode: bool
     start: int | None = None  # prefill: the first position, the same for every row
     fast: bool = False  # prefill through the family's kernels (else the eager torch reference)
+    backend: str = "auto"  # DSA's sparse MLA kernel in a fast prefill (hisparse.dsa.ops.DECODE_BACKENDS)
     shared: dict = field(default_factory=dict)
 
 
@@ -95,7 +96,8 @@ class CausalLM(nn.Module):
         state.lengths.copy_(step.lengths)
         return self.lm_head(self.model.norm(x[:, -1:] if last else x))
 
-    def _prefill(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, last: bool) -> torch.Tensor:
+    def _prefill(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, last: bool,
+                 backend: str) -> torch.Tensor:
         batch, seq = input_ids.shape
         start = int(state.lengths.max())
         if start != int(state.lengths.min()):
@@ -105,19 +107,19 @@ class CausalLM(nn.Module):
             raise ValueError(f"state capacity {state.capacity} cannot hold {start} + {seq} tokens")
         positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
         state.max_length = start + seq
-        step = Step(positions, state.lengths + seq, decode=False, start=start, fast=fast)
+        step = Step(positions, state.lengths + seq, decode=False, start=start, fast=fast, backend=backend)
         return self._run(input_ids, step, state, last)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk_size: int | None = None,
-                fast: bool = False, last_logits: bool = False) -> torch.Tensor:
+                fast: bool = False, last_logits: bool = False, backend: str = "auto") -> torch.Tensor:
         """input_ids [B, S] appended to `state` (causal over everything held): logits [B, S, V], or
         with `last_logits` those of the last token alone, [B, 1, V]. With `chunk_size`, the prompt
         goes through in chunks (the same result, memory linear in S). `fast` runs the attention
-        through the family's kernels (within each dtype's tolerance of the eager reference, which
-        is the default)."""
+        through the family's kernels, DSA's sparse MLA through `backend` (within each dtype's
+        tolerance of the eager reference, which is the default; NSA has only the reference)."""
         chunks = [input_ids] if chunk_size is None else input_ids.split(chunk_size, dim=1)
-        logits = [self._prefill(chunk, state, fast, last_logits) for chunk in chunks]
+        logits = [self._prefill(chunk, state, fast, last_logits, backend) for chunk in chunks]
         return logits[-1] if last_logits else torch.cat(logits, dim=1)
 
     @torch.no_grad()

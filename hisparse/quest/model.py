@@ -87,16 +87,16 @@ class GqaAttention(nn.Module):
         return out.view(b, self.n_heads, s, d)
 
     def _flash(self, q: torch.Tensor, kv: PagedKV, end: int) -> torch.Tensor:
-        """Prefill's causal attention through torch's fused kernels (flash on a GPU): the chunk's
-        queries q [B, H, S, D] at positions end - S .. end - 1 over tokens 0 .. end - 1."""
+        """Prefill's causal attention through torch's fused kernels: the chunk's queries q [B, H, S, D]
+        at positions end - S .. end - 1 over tokens 0 .. end - 1 (GQA: query head h reads KV head
+        h // group)."""
         keys, values = kv.keys[:, :, :end], kv.values[:, :, :end]
         s = q.shape[2]
         if s == end:                          # the whole prompt at once: causal from the top left
             return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling,
                                                   enable_gqa=True)
-        group = self.n_heads // self.n_kv_heads
-        return F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
-                                              attn_mask=causal_lower_right(s, end), scale=self.scaling)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(s, end),
+                                              scale=self.scaling, enable_gqa=True)
 
 
 class QuestModel(CausalLM):

@@ -1,0 +1,1 @@
+"""Inspection tools: SASS counts, Nsight Compute launches and summaries, op counts, decode profiles."""
