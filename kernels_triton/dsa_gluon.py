@@ -3,7 +3,7 @@ QK^T computed once per tile on Hopper. `hisparse.dsa.ops.sparse_mla_decode` runs
 (`gluon_decode_unsupported` says why not elsewhere): an sm_90 GPU, bf16 / fp16, at least 64 heads,
 512 + 64 wide rows; its launcher is `hisparse.dsa.ops.launch_gluon_decode`. Its SASS can be inspected
 offline (experiments/tools/sass_dsa_gluon.py); it is checked against the torch reference on a GPU
-(tests/test_dsa_gluon_gpu.py). Its time against the Triton kernel's: results/attention.csv.
+(tests/test_dsa.py, marked gpu). Its time against the Triton kernel's: results/attention.csv.
 
 Why
 ---
