@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -66,6 +67,19 @@ def _prompt_ids(text: str) -> list[list[int]]:
     if negative:
         raise argparse.ArgumentTypeError(f"token id {negative[0]} in {text!r} is negative")
     return prompts
+
+
+SEED_MAX = 2**64 - 1            # torch.Generator seeds are 64-bit
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1 = {SEED_MAX}, got {text!r}")
+    return value
 
 
 def _prompt_lens(text: str) -> list[int]:
@@ -130,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "reference: the eager torch prefill")
     ap.add_argument("--max-context", type=_positive, default=None, metavar="N",
                     help="KV capacity per request in tokens (default: longest prompt + new tokens)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    ap.add_argument("--seed", type=_seed, default=0,
+                    help="seed of the random prompts, from 0 to 2**64 - 1 (default 0)")
     ap.add_argument("--show-tokens", type=_positive, default=32, metavar="N",
                     help="print at most N prompt ids and N generated ids per request (default 32)")
     return ap
@@ -186,6 +201,22 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3f} MiB ({nbytes:,.0f} bytes)"
 
 
+def _load(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, device: torch.device):
+    """The checkpoint's model; its warnings (config.json keys HiSparse does not read) printed as such first,
+    a bad checkpoint (a bad config value included) an argparse error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model, error = load_model(path, dtype=dtype, device=device), None
+        except (ValueError, OSError) as e:
+            model, error = None, e
+    for w in caught:
+        print(f"{ap.prog}: warning: {w.message}", file=sys.stderr)
+    if error is not None:
+        ap.error(f"argument --model: cannot load checkpoint {path!r}: {error}")
+    return model
+
+
 def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     device = _device(ap, args.device)
     if args.graph:
@@ -207,7 +238,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         model_type = json.loads(config_path.read_text()).get("model_type")
     except (ValueError, AttributeError) as e:
         ap.error(f"argument --model: cannot read {config_path}: {e}")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         ap.error(f"argument --model: checkpoint {args.model!r} has model_type {model_type!r}; the engine runs "
                  f"{', '.join(FAMILIES)}")
     family = FAMILIES[model_type]
@@ -218,10 +249,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.token_budget < PAGE:
             ap.error(f"argument --token-budget: {args.token_budget} is under one page ({PAGE} tokens)")
 
-    try:
-        model = load_model(args.model, dtype=dtype, device=device)
-    except (ValueError, OSError) as e:
-        ap.error(f"argument --model: cannot load checkpoint {args.model!r}: {e}")
+    model = _load(ap, args.model, dtype, device)
     cfg = model.config
     try:
         runtime = family_runtime(model, args.token_budget)

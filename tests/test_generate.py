@@ -1,6 +1,8 @@
 """The command-line interface `python -m hisparse.generate`: its tokens are the engine's, it reports
 timing, miss rate and KV memory, and bad inputs fail with argparse errors naming the value."""
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,3 +281,56 @@ def test_nsa_checkpoint_off_the_kernel_sizes_is_refused(tmp_path, capsys):
     rc, _, err = cli(capsys, "--model", str(nsa))
     assert rc == 2
     assert "does not fit the NSA kernels: the NSA kernels are built for selection_block_size 64" in err
+
+
+# -- bad config.json values and seeds (issue #37) ----------------------------------------------------
+
+def _edit_config(path, edits, drop=()):
+    config = Path(path) / "config.json"
+    raw = {k: v for k, v in json.loads(config.read_text()).items() if k not in drop}
+    config.write_text(json.dumps(dict(raw, **edits)))
+    return str(path)
+
+
+@pytest.mark.parametrize("family,edits,drop,message", [
+    ("llama", {"rms_norm_eps": "1e-6"}, (), "config rms_norm_eps must be a positive number, found '1e-6'"),
+    ("deepseek_v32", {"routed_scaling_factor": "2.5"}, (),
+     "config routed_scaling_factor must be a positive number, found '2.5'"),
+    ("llama", {"rope_theta": "10000"}, ("rope_parameters",), "rope_theta must be a positive number, found '10000'"),
+    ("deepseek_v32", {"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 64}},
+     ("rope_parameters",), "rope_scaling of rope_type 'yarn' lacks 'factor'"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 64,
+                                "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     ("rope_parameters",), "rope_scaling of rope_type 'llama3' lacks 'factor'"),
+    ("llama", {"quest_dense_layers": -1}, (), "quest_dense_layers must be an int from 0 to num_hidden_layers 3"),
+    ("llama", {"quest_dense_layers": 4}, (), "quest_dense_layers must be an int from 0 to num_hidden_layers 3"),
+    ("llama", {"model_type": ["llama"]}, (), "model_type ['llama']"),
+], ids=["str-eps", "str-scaling", "str-theta", "yarn-no-factor", "llama3-no-factor", "negative-dense-layers",
+        "dense-layers>layers", "list-model-type"])
+def test_bad_config_values_fail_as_a_bad_model(family, edits, drop, message, tmp_path, capsys):
+    """These used to load and then raise a TypeError or KeyError inside the first forward (a traceback), or
+    run with a negative quest_dense_layers read two ways."""
+    path = _edit_config(write_tiny_checkpoint(family, tmp_path), edits, drop)
+    rc, out, err = cli(capsys, "--model", path, "--prompt-len", "4", "--new-tokens", "1")
+    assert rc == 2, err
+    assert "argument --model: " in err and message in err and "usage: python -m hisparse.generate" in err
+    assert "request 0" not in out and "Traceback" not in err
+
+
+def test_unknown_config_keys_are_printed_as_warnings(tmp_path, capsys):
+    path = _edit_config(write_tiny_checkpoint("llama", tmp_path), {"rope_thetaa": 5e5, "quest_dense_layers": -1})
+    rc, _, err = cli(capsys, "--model", path)
+    assert rc == 2
+    assert "warning: " in err and "'rope_thetaa' (did you mean 'rope_theta'?)" in err
+    assert err.index("warning: ") < err.index("argument --model: ")
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", str(2**64), "-1"])
+def test_seeds_beyond_64_bits_are_argparse_errors(tiny, capsys, seed):
+    rc, out, err = cli(capsys, "--model", tiny, "--seed", seed)
+    assert rc == 2 and "Traceback" not in err and "request 0" not in out
+    assert f"argument --seed: must be an integer from 0 to 2**64 - 1 = {2**64 - 1}, got {seed!r}" in err
+
+
+def test_the_largest_seed_is_accepted():
+    assert build_parser().parse_args(["--model", "x", "--seed", str(2**64 - 1)]).seed == 2**64 - 1

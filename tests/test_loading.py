@@ -2,6 +2,7 @@
 (naming the tensor, the key or the model_type) raised before any tensor data is read."""
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import hisparse.models.loading as loading
 from hisparse.make_tiny import main as make_tiny
-from hisparse.models.config import config_from_dict, read_config
+from hisparse.models.config import ConfigWarning, config_from_dict, read_config
 from hisparse.models.loading import build_model, load_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_, save_checkpoint, write_tiny_checkpoint
 
@@ -159,7 +160,7 @@ def test_layers_beyond_the_config_are_refused(family, extra, tmp_path):
     """Only DSA's multi-token-prediction layer (here layer 1) may follow the last decoder layer."""
     write_tiny_checkpoint(family, tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    raw = {k: v for k, v in raw.items() if k not in ("mlp_layer_types", "indexer_types")}
+    raw = {k: v for k, v in raw.items() if k not in ("mlp_layer_types", "indexer_types", "quest_dense_layers")}
     (tmp_path / "config.json").write_text(json.dumps(dict(raw, num_hidden_layers=1)))
     with pytest.raises(ValueError, match=rf"unexpected tensors .*; layers \[{extra}\] are beyond config\.json's "
                                          r"num_hidden_layers 1"):
@@ -280,13 +281,171 @@ def test_make_tiny_cli(tmp_path, capsys):
 def test_real_size_names_and_shapes_equal_transformers(prefix):
     """At the real models' sizes (the transformers config defaults: DeepSeek-V3.2, GLM-5, Llama-2-7B,
     Qwen3-8B), built on the meta device: our parameters are transformers' parameters, name for name
-    and shape for shape, and our config reads the config.json transformers writes."""
+    and shape for shape, and our config reads the config.json transformers writes without a warning."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, f"{prefix}ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no {prefix}ForCausalLM")
     hf_config = getattr(transformers, f"{prefix}Config")()
     with torch.device("meta"):
         hf = getattr(transformers, f"{prefix}ForCausalLM")._from_config(hf_config)
-        ours = build_model(config_from_dict(json.loads(hf_config.to_json_string())))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConfigWarning)       # every key transformers writes is known
+            ours = build_model(config_from_dict(json.loads(hf_config.to_json_string())))
     expected = {name: tuple(t.shape) for name, t in hf.state_dict().items()}
     assert {name: tuple(t.shape) for name, t in ours.state_dict().items()} == expected
+
+
+# -- config.json keys: unknown keys reported, model-changing values checked (issue #37) ----------
+
+def edit_config(path, edits=None, drop=()):
+    """Rewrite `path`'s config.json with `edits` applied and the keys in `drop` removed."""
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(edits or {})
+    raw = {k: v for k, v in raw.items() if k not in drop}
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+def test_a_misspelled_key_warns_with_the_nearest_known_key(tmp_path):
+    """`rope_thetaa` used to be dropped without a word (the default theta then gives other tokens)."""
+    edit_config(write_tiny_checkpoint("llama", tmp_path), {"rope_thetaa": 500000.0, "frobnicate": 1})
+    with pytest.warns(ConfigWarning) as caught:
+        model = load_model(tmp_path)
+    (warning,) = [w for w in caught if issubclass(w.category, ConfigWarning)]
+    message = str(warning.message)
+    assert "'rope_thetaa' (did you mean 'rope_theta'?)" in message
+    assert "'frobnicate'" in message and "'frobnicate' (did you mean" not in message
+    assert model.config.rope_parameters["rope_theta"] == 10000.0        # reported, not guessed
+
+
+def test_a_misspelled_rope_parameter_warns(tmp_path):
+    edit_config(write_tiny_checkpoint("llama", tmp_path),
+                {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                     "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "hihg_freq_factor": 2.0}})
+    with pytest.warns(ConfigWarning, match=r"'hihg_freq_factor' \(did you mean 'high_freq_factor'\?\)"):
+        load_model(tmp_path)
+
+
+HF_METADATA = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16", "dtype": "bfloat16",
+               "transformers_version": "5.24.0", "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": None,
+               "use_cache": True, "initializer_range": 0.02, "attention_dropout": 0.0, "max_position_embeddings": 4096,
+               "pretraining_tp": 1, "_name_or_path": "meta-llama/Llama-2-7b-hf"}
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("llama", HF_METADATA),
+    ("qwen3", dict(HF_METADATA, use_sliding_window=False, sliding_window=None, max_window_layers=28,
+                   layer_types=["full_attention"] * 3)),
+    ("deepseek_v32", dict(HF_METADATA, num_key_value_heads=4, qk_head_dim=40, head_dim=16, mlp_bias=False,
+                          scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, ep_size=1,
+                          aux_loss_alpha=0.001, seq_aux=True, output_router_logits=False, rope_interleave=True,
+                          indexer_rope_interleave=False, layer_types=["indexed_attention"] * 3,
+                          quantization_config={"quant_method": "fp8"})),
+    ("glm_moe_dsa", dict(HF_METADATA, indexer_rope_interleave=True, index_topk_freq=1, scoring_func="sigmoid")),
+    ("nsa", HF_METADATA),
+], ids=["llama", "qwen3", "deepseek_v32", "glm_moe_dsa", "nsa"])
+def test_keys_real_configs_carry_do_not_warn(family, extra, tmp_path):
+    edit_config(write_tiny_checkpoint(family, tmp_path), extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("family,edits,message", [
+    ("deepseek_v32", {"scoring_func": "softmax"}, r"scoring_func 'softmax' .* expected 'sigmoid'"),
+    ("deepseek_v32", {"topk_method": "greedy"}, r"topk_method 'greedy' .* expected 'noaux_tc'"),
+    ("deepseek_v32", {"indexer_rope_interleave": True}, r"indexer_rope_interleave True .* expected False"),
+    ("glm_moe_dsa", {"indexer_rope_interleave": False}, r"indexer_rope_interleave False .* expected True"),
+    ("deepseek_v32", {"qk_head_dim": 64}, r"qk_head_dim 64 .* expected 40"),
+    ("qwen3", {"use_sliding_window": True}, r"use_sliding_window True .* expected False"),
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+     r"layer_types \['full_attention', 'sliding_attention', 'full_attention'\] .* expected \['full_attention'"),
+    ("llama", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor 0\.5 .* expected 1"),
+], ids=["scoring", "topk-method", "v32-interleaved-indexer", "glm-half-split-indexer", "qk-head-dim",
+        "sliding-window", "sliding-layers", "partial-rotary"])
+def test_model_changing_values_we_do_not_implement_are_refused(family, edits, message, tmp_path):
+    edit_config(write_tiny_checkpoint(family, tmp_path), edits)
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path)
+
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0}
+
+
+def without(params, key):
+    return {k: v for k, v in params.items() if k != key}
+
+
+@pytest.mark.parametrize("family,edits,drop,message", [
+    ("llama", {"rms_norm_eps": "1e-6"}, (), r"config rms_norm_eps must be a positive number, found '1e-6'"),
+    ("nsa", {"rms_norm_eps": 0}, (), r"config rms_norm_eps must be a positive number, found 0"),
+    ("deepseek_v32", {"routed_scaling_factor": "2.5"}, (),
+     r"config routed_scaling_factor must be a positive number, found '2\.5'"),
+    ("deepseek_v32", {"norm_topk_prob": "false"}, (), r"config norm_topk_prob must be true or false, found 'false'"),
+    ("llama", {"tie_word_embeddings": 1}, (), r"config tie_word_embeddings must be true or false, found 1"),
+    ("llama", {"rope_theta": "10000"}, ("rope_parameters",),
+     r"rope_theta must be a positive number, found '10000'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": "1e6"}}, (),
+     r"rope_theta must be a positive number, found '1e6'"),
+    ("llama", {"rope_scaling": without(YARN, "factor")}, ("rope_parameters",),
+     r"config rope_scaling of rope_type 'yarn' lacks 'factor'"),
+    ("deepseek_v32", {"rope_scaling": dict(YARN, factor="4")}, ("rope_parameters",),
+     r"factor must be a positive number, found '4'"),
+    ("llama", {"rope_scaling": without(LLAMA3, "factor")}, ("rope_parameters",),
+     r"config rope_scaling of rope_type 'llama3' lacks 'factor'"),
+    ("llama", {"rope_parameters": dict(LLAMA3, rope_theta=5e5, low_freq_factor=None)}, (),
+     r"low_freq_factor must be a positive number, found None"),
+    ("llama", {"rope_parameters": dict(LLAMA3, rope_theta=5e5, low_freq_factor=4.0)}, (),
+     r"low_freq_factor 4\.0 must be smaller than high_freq_factor 4\.0"),
+    ("llama", {"rope_scaling": without(YARN, "original_max_position_embeddings")}, ("rope_parameters",),
+     r"lacks 'original_max_position_embeddings' .*max_position_embeddings"),
+    ("deepseek_v32", {"rope_scaling": dict(YARN, beta_fast="32")}, ("rope_parameters",),
+     r"beta_fast must be a number or null, found '32'"),
+    ("llama", {"rope_scaling": "yarn"}, ("rope_parameters",), r"config rope_scaling must be a JSON object"),
+    ("llama", {"quest_dense_layers": -1}, (),
+     r"config quest_dense_layers must be an int from 0 to num_hidden_layers 3, found -1"),
+    ("llama", {"quest_dense_layers": 4}, (),
+     r"config quest_dense_layers must be an int from 0 to num_hidden_layers 3, found 4"),
+    ("qwen3", {"quest_dense_layers": True}, (), r"config quest_dense_layers must be an int .*found True"),
+    ("glm_moe_dsa", {"index_topk_freq": "2"}, ("indexer_types",), r"config index_topk_freq must be an int"),
+    ("glm_moe_dsa", {"index_topk_pattern": "FXF"}, ("indexer_types",),
+     r"config index_topk_pattern must be a string of 'F' and 'S'"),
+    ("llama", {"model_type": ["llama"]}, (), r"unsupported model_type \['llama'\]"),
+], ids=["str-eps", "zero-eps", "str-scaling", "str-bool", "int-bool", "str-theta", "str-theta-in-params",
+        "yarn-no-factor", "yarn-str-factor", "llama3-no-factor", "llama3-null-low", "llama3-low=high",
+        "yarn-no-original-len", "yarn-str-beta", "str-rope-scaling", "negative-dense-layers", "dense-layers>layers",
+        "bool-dense-layers", "str-glm-freq", "bad-glm-pattern", "list-model-type"])
+def test_bad_config_values_are_named_at_load(family, edits, drop, message, tmp_path):
+    """A wrong type or a missing rope key used to load and then fail (TypeError, KeyError) inside the first
+    forward, or to be read two ways (a negative quest_dense_layers); now load_model names it."""
+    edit_config(write_tiny_checkpoint(family, tmp_path), edits, drop)
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path)
+
+
+def test_rope_defaults_as_transformers(tmp_path):
+    """A `rope_parameters` without rope_theta takes the top-level rope_theta; a yarn or llama3 one without
+    original_max_position_embeddings takes max_position_embeddings (transformers' standardization)."""
+    edit_config(write_tiny_checkpoint("llama", tmp_path), {
+        "rope_theta": 5e5, "max_position_embeddings": 256,
+        "rope_parameters": without(dict(LLAMA3, rope_type="llama3"), "original_max_position_embeddings")})
+    params = read_config(tmp_path).rope_parameters
+    assert params["rope_theta"] == 5e5 and params["original_max_position_embeddings"] == 256
+    assert torch.isfinite(load_model(tmp_path)(torch.tensor([[1, 2, 3]]))).all()
+
+
+def test_quest_dense_layers_default_fits_the_layer_count():
+    """Without the key, the first 2 layers stay dense, or every layer of a model of fewer."""
+    assert config_from_dict(dict(TINY_CONFIGS["llama"])).quest_dense_layers == 2
+    assert config_from_dict(dict(TINY_CONFIGS["llama"], num_hidden_layers=1)).quest_dense_layers == 1
+    assert config_from_dict(dict(TINY_CONFIGS["llama"], quest_dense_layers=3)).quest_dense_layers == 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pinned_key_names_are_those_checked(family):
+    from hisparse.models.config import PINNED_KEYS, _pinned_keys
+    config = config_from_dict(dict(TINY_CONFIGS[family]))
+    assert set(_pinned_keys(config)) == PINNED_KEYS[type(config).__name__]

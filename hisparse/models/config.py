@@ -1,34 +1,150 @@
 """Model configurations read from a checkpoint's `config.json`, one dataclass per family.
 
 Field names are those of the Hugging Face configs (`DeepseekV32Config`, `GlmMoeDsaConfig`,
-`LlamaConfig`, `Qwen3Config`) so a real `config.json` reads as is; keys we do not use are ignored.
-The NSA config is our own; its keys are documented in `hisparse/nsa/README.md`.
+`LlamaConfig`, `Qwen3Config`) so a real `config.json` reads as is. The NSA config is our own; its keys
+are documented in `hisparse/nsa/README.md`. Every other key of a `config.json` is one of:
+- read into a field: the older `rope_theta` + `rope_scaling` (and `max_position_embeddings`, the default
+  of `original_max_position_embeddings`, as transformers), GLM-5's `index_topk_*` shared-indexer keys;
+- `IGNORED_KEYS` / `FAMILY_IGNORED_KEYS`: keys real Hugging Face configs carry that do not change what
+  the model computes (metadata, token ids, training-only settings, values transformers derives itself);
+- pinned (`_pinned_keys`): keys that do change the model, which HiSparse implements at one value only;
+  any other value is refused (ValueError), never ignored;
+- unknown: reported with a `ConfigWarning` naming each key and the nearest known key (a misspelled key
+  leaves its field's default in force), then ignored.
+Values are type-checked at load (`ValueError` naming the key, the value and what is expected), so a
+bad one never reaches a forward pass.
 """
 import dataclasses
+import difflib
 import json
+import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROPE_TYPES = ("default", "llama3", "yarn")
+# rope_parameters keys read per rope_type (as transformers' rope validation), and those required
+ROPE_KEYS = {"default": ("rope_theta",),
+             "llama3": ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+                        "high_freq_factor"),
+             "yarn": ("rope_theta", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+                      "beta_slow", "mscale", "mscale_all_dim", "truncate")}
+ROPE_REQUIRED = {"default": (), "llama3": ROPE_KEYS["llama3"][1:],
+                 "yarn": ("factor", "original_max_position_embeddings")}
+
+# Keys real Hugging Face config.json files carry that do not change what the model computes: read and
+# dropped without a word. A key that changes the model belongs in `_pinned_keys` instead.
+IGNORED_KEYS = frozenset({
+    # metadata
+    "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    # special token ids: the tokenizer's and the generation loop's business
+    "bos_token_id", "eos_token_id", "pad_token_id",
+    # training and caching settings, no effect on an inference forward
+    "use_cache", "initializer_range", "attention_dropout", "output_router_logits", "router_aux_loss_coef",
+    "aux_loss_alpha", "seq_aux", "ep_size",
+    # transformers 4 Llama's tensor-parallel slicing of its linear layers: the same products
+    "pretraining_tp",
+    # a quantized checkpoint is refused by its tensors (names, dtypes), whatever this says
+    "quantization_config",
+})
+FAMILY_IGNORED_KEYS = {
+    # MLA: every head's keys and values come from the one shared latent (transformers keeps the key for
+    # its cache); transformers sets head_dim to qk_rope_head_dim whatever the file says
+    "DsaConfig": frozenset({"num_key_value_heads", "head_dim"}),
+    # read by transformers' Qwen3 only with use_sliding_window, which is pinned to false
+    "LlamaConfig": frozenset({"sliding_window", "max_window_layers"}),
+    "NsaConfig": frozenset(),
+}
+# keys read besides the fields (the older rope keys, GLM-5's shared-indexer keys)
+READ_KEYS = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings"})
+GLM_INDEXER_KEYS = frozenset({"index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"})
+
+
+class ConfigWarning(UserWarning):
+    """A config.json key that HiSparse does not read: a misspelling, or a key of another model."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value, positive: bool = True, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not _is_number(value) or not math.isfinite(value) or (positive and value <= 0):
+        kind = "a positive number" if positive else "a number"
+        raise ValueError(f"config {name} must be {kind}{' or null' if optional else ''}, found {value!r}")
+
+
+def _check_bools(config, names) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"config {name} must be true or false, found {value!r}")
+
+
+def _check_rope(params, source: str = "rope_parameters") -> None:
+    """`params` (normalized: `rope_type` set, no `type`) holds what its rope_type needs, of the right types.
+    `source` is the key the values came from, for the messages."""
+    if not isinstance(params, dict):
+        raise ValueError(f"config {source} must be a JSON object (dict), found {params!r}")
+    kind = params.get("rope_type")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_type {kind!r} is not supported; expected one of {ROPE_TYPES}")
+    missing = [k for k in ROPE_REQUIRED[kind] if k not in params]
+    if missing:
+        extra = (" (nor does config.json give max_position_embeddings, its default)"
+                 if "original_max_position_embeddings" in missing else "")
+        raise ValueError(f"config {source} of rope_type {kind!r} lacks {', '.join(map(repr, missing))}{extra}")
+    _check_number(f"{source}.rope_theta", params.get("rope_theta"))
+    for key in ROPE_REQUIRED[kind]:
+        _check_number(f"{source}.{key}", params[key])
+    if kind == "llama3" and not params["low_freq_factor"] < params["high_freq_factor"]:
+        raise ValueError(f"config {source}.low_freq_factor {params['low_freq_factor']!r} must be smaller than "
+                         f"high_freq_factor {params['high_freq_factor']!r}")
+    if kind == "yarn":
+        for key in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            _check_number(f"{source}.{key}", params.get(key), positive=False, optional=True)
+        if not isinstance(params.get("truncate", True), bool):
+            raise ValueError(f"config {source}.truncate must be true or false, found {params['truncate']!r}")
+    if params.get("partial_rotary_factor", 1) != 1:
+        raise ValueError(f"config {source}.partial_rotary_factor {params['partial_rotary_factor']!r} is not "
+                         f"supported; expected 1 (RoPE on the whole rotary head dim)")
+
+
+def _rope_source(raw: dict) -> tuple[str, object]:
+    """Where the RoPE parameters come from: `rope_parameters` (transformers 5) or the older `rope_scaling`."""
+    if raw.get("rope_parameters") is not None:
+        return "rope_parameters", raw["rope_parameters"]
+    return "rope_scaling", raw.get("rope_scaling") or {}
 
 
 def _rope_parameters(raw: dict) -> dict:
-    """`rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling` keys."""
-    params = raw.get("rope_parameters")
-    if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    """`rope_parameters` (transformers 5) or the older `rope_theta` + `rope_scaling` keys, standardized as
+    transformers does: `rope_type` (or its older name `type`, default "default"); rope_theta from the
+    top-level key when the dict has none (default 10000); for llama3 and yarn,
+    original_max_position_embeddings from max_position_embeddings when the dict has none."""
+    source, params = _rope_source(raw)
+    if not isinstance(params, dict):
+        raise ValueError(f"config {source} must be a JSON object (dict), found {params!r}")
     params = dict(params)
-    params["rope_type"] = params.pop("type", params.get("rope_type", "default"))
-    if params["rope_type"] not in ROPE_TYPES:
-        raise ValueError(f"rope_type {params['rope_type']!r} is not supported; expected one of {ROPE_TYPES}")
+    kind = params.pop("type", "default")
+    params["rope_type"] = params.get("rope_type", kind)
+    if "rope_theta" not in params:
+        if "rope_theta" in raw:
+            _check_number("rope_theta", raw["rope_theta"])
+        params["rope_theta"] = raw.get("rope_theta", 10000.0)
+    if params["rope_type"] in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
+        if raw.get("max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = raw["max_position_embeddings"]
+    _check_rope(params, source)
     return params
 
 
 def _check_positive(config, names, zero_allowed=False):
     for name in names:
         value = getattr(config, name)
-        if not isinstance(value, int) or value < (0 if zero_allowed else 1):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if zero_allowed else 1):
             kind = "a non-negative" if zero_allowed else "a positive"
             raise ValueError(f"config {name} must be {kind} int, found {value!r}")
 
@@ -82,6 +198,10 @@ class DsaConfig:
                         zero_allowed=True)
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        _check_number("rms_norm_eps", self.rms_norm_eps)
+        _check_number("routed_scaling_factor", self.routed_scaling_factor)
+        _check_bools(self, ("norm_topk_prob", "attention_bias", "tie_word_embeddings"))
+        _check_rope(self.rope_parameters)
         n = self.num_hidden_layers
         if self.mlp_layer_types is None:
             dense = min(self.first_k_dense_replace, n)
@@ -127,7 +247,8 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     quest_page_size: int = 16
-    quest_dense_layers: int = 2
+    # the first layers decode densely; None (the key absent): 2, or every layer of a model of fewer
+    quest_dense_layers: int | None = None
     # HiSparse's own key: Quest layers in groups of this many consecutive layers (from the first Quest
     # layer) share one selection, the group's first layer's (its anchor), as glm_moe_dsa's shared
     # indexer layers do; 1 (the default, as in Quest) gives every layer its own.
@@ -148,6 +269,15 @@ class LlamaConfig:
                              f"num_key_value_heads {self.num_key_value_heads}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        _check_number("rms_norm_eps", self.rms_norm_eps)
+        _check_bools(self, ("attention_bias", "mlp_bias", "tie_word_embeddings"))
+        _check_rope(self.rope_parameters)
+        n, dense = self.num_hidden_layers, self.quest_dense_layers
+        if dense is None:
+            self.quest_dense_layers = dense = min(2, n)
+        if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense <= n:
+            raise ValueError(f"config quest_dense_layers must be an int from 0 to num_hidden_layers {n}, "
+                             f"found {dense!r}")
 
     @property
     def qk_norm(self) -> bool:
@@ -199,6 +329,9 @@ class NsaConfig:
         if self.compress_block_size % stride or self.selection_block_size % stride:
             raise ValueError(f"compress_block_size {self.compress_block_size} and selection_block_size "
                              f"{self.selection_block_size} must be multiples of compress_block_stride {stride}")
+        _check_number("rms_norm_eps", self.rms_norm_eps)
+        _check_bools(self, ("tie_word_embeddings",))
+        _check_rope(self.rope_parameters)
         if self.num_selected_blocks < 3:
             raise ValueError(f"num_selected_blocks must be >= 3 (first block and 2 recent ones are forced), "
                              f"found {self.num_selected_blocks}")
@@ -217,17 +350,96 @@ def _glm_indexer_types(raw: dict) -> list[str]:
     """GLM-5's older keys for shared indexers, expanded as transformers' GlmMoeDsaConfig does."""
     pattern = raw.get("index_topk_pattern")
     if pattern is not None:
-        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-    freq = max(raw.get("index_topk_freq", 1), 1)
-    offset = raw.get("index_skip_topk_offset", 2)
+        if isinstance(pattern, str):
+            if set(pattern) - {"F", "S"}:
+                raise ValueError(f"config index_topk_pattern must be a string of 'F' and 'S' (full, shared), "
+                                 f"one per layer, found {pattern!r}")
+            return [{"F": "full", "S": "shared"}[c] for c in pattern]
+        if not isinstance(pattern, list):
+            raise ValueError(f"config index_topk_pattern must be a string of 'F' and 'S' or a list, found {pattern!r}")
+        return list(pattern)
+    freq, offset = raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
+    for name, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"config {name} must be an int, found {value!r}")
+    freq = max(freq, 1)
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(raw["num_hidden_layers"])]
 
 
+def _pinned_keys(config: ModelConfig) -> dict[str, tuple[object, str]]:
+    """Keys that change the model, which HiSparse implements at one value only: key -> (that value, why).
+    A config.json may carry them (real ones do), at that value or null; any other value is refused."""
+    n = config.num_hidden_layers
+    pinned = {"partial_rotary_factor": (1, "RoPE on the whole rotary head dim")}
+    if isinstance(config, DsaConfig):
+        glm = config.model_type == "glm_moe_dsa"
+        pinned.update({
+            "scoring_func": ("sigmoid", "DeepSeek-V3's sigmoid router"),
+            "topk_method": ("noaux_tc", "group-limited top-k on bias-corrected scores"),
+            "moe_layer_freq": (1, "mlp_layer_types / first_k_dense_replace place the MoE layers"),
+            "mlp_bias": (False, "no MLP biases"),
+            "rope_interleave": (True, "MLA's RoPE on interleaved pairs"),
+            "indexer_rope_interleave": (glm, f"the indexer's RoPE is {'interleaved' if glm else 'half-split'} for "
+                                             f"{config.model_type}, as in transformers"),
+            "qk_head_dim": (config.qk_head_dim, "qk_nope_head_dim + qk_rope_head_dim"),
+            "layer_types": (["indexed_attention"] * n, "every layer DSA attention"),
+        })
+    elif isinstance(config, LlamaConfig):
+        pinned.update({
+            "use_sliding_window": (False, "no sliding-window attention"),
+            "layer_types": (["full_attention"] * n, "no sliding-window attention"),
+        })
+    return pinned
+
+
+# the keys of `_pinned_keys`, per config class
+PINNED_KEYS = {"DsaConfig": frozenset({"partial_rotary_factor", "scoring_func", "topk_method", "moe_layer_freq",
+                                       "mlp_bias", "rope_interleave", "indexer_rope_interleave", "qk_head_dim",
+                                       "layer_types"}),
+               "LlamaConfig": frozenset({"partial_rotary_factor", "use_sliding_window", "layer_types"}),
+               "NsaConfig": frozenset({"partial_rotary_factor"})}
+
+
+def _known_keys(cls, model_type: str) -> frozenset:
+    name = cls.__name__
+    known = {f.name for f in dataclasses.fields(cls)} | READ_KEYS | IGNORED_KEYS | FAMILY_IGNORED_KEYS[name]
+    known |= PINNED_KEYS[name]
+    if model_type == "glm_moe_dsa":
+        known |= GLM_INDEXER_KEYS
+    return frozenset(known)
+
+
+def _warn_unknown_keys(raw: dict, cls, model_type: str) -> None:
+    """One ConfigWarning naming every key HiSparse does not read (top-level, and in the RoPE dict) and the
+    nearest known key where one is close."""
+    def named(prefix, key, candidates):
+        close = difflib.get_close_matches(str(key), sorted(candidates), n=1)
+        return f"{prefix}{key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+    known = _known_keys(cls, model_type)
+    unknown = [named("", k, known) for k in sorted(raw, key=str) if k not in known]
+    source, params = _rope_source(raw)
+    if isinstance(params, dict):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind in ROPE_TYPES:
+            rope_known = set(ROPE_KEYS[kind]) | {"rope_type", "type", "partial_rotary_factor"}
+            all_rope = {k for keys in ROPE_KEYS.values() for k in keys}
+            for key in sorted(params, key=str):
+                if key not in rope_known:
+                    hint = (f" (not read for rope_type {kind!r})" if key in all_rope else "")
+                    unknown.append(named(f"{source} key ", key, rope_known) + hint)
+    if unknown:
+        warnings.warn(f"config.json for model_type {model_type!r} has keys HiSparse does not read, ignored (a "
+                      f"misspelled key leaves its default in force): {', '.join(unknown)}", ConfigWarning, stacklevel=3)
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
+    """The config of a `config.json` dict: unknown keys warned about (ConfigWarning), bad values refused."""
     model_type = raw.get("model_type")
-    if model_type not in CONFIG_CLASSES:
+    if not isinstance(model_type, str) or model_type not in CONFIG_CLASSES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(CONFIG_CLASSES)}")
     cls = CONFIG_CLASSES[model_type]
+    _warn_unknown_keys(raw, cls, model_type)
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in raw.items() if k in names}
     values["rope_parameters"] = _rope_parameters(raw)
@@ -240,7 +452,12 @@ def config_from_dict(raw: dict) -> ModelConfig:
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ValueError(f"config.json for model_type {model_type!r} lacks required keys {missing}")
-    return cls(**values)
+    config = cls(**values)
+    for key, (expected, why) in _pinned_keys(config).items():
+        if raw.get(key) is not None and raw[key] != expected:       # null: transformers' default, this one
+            raise ValueError(f"config {key} {raw[key]!r} is not supported for model_type {model_type!r}: "
+                             f"expected {expected!r} ({why})")
+    return config
 
 
 def config_to_dict(config: ModelConfig) -> dict:
