@@ -8,7 +8,10 @@ real numbers come from a GPU, and the CPU's otherwise (and a full-size workload'
 test preset's); `--device NAME` (as the rows' `gpu` column names it, e.g. cpu) draws that device's.
 Of those, each figure plots, per bench, the rows of the newest run's commit and GPU (for the files
 later runs add points to, PER_POINT: the newest row of every point on the newest row's GPU), and names
-them in its title. A figure whose file or metrics are not there yet is skipped with one printed line.
+them in its title. A figure whose file or metrics are not there yet is skipped with one printed line;
+one whose file is not a results CSV (one the sweep's appends would refuse, or whose value or timestamp
+does not read as one) is named with what is wrong on stderr, the other figures drawn, and the command
+exits 1 at the end.
 Figures are built with matplotlib's object API (no pyplot, no GUI backend): PNGs are rendered by Agg,
 PDFs by the PDF backend, without a creation date, so a figure redrawn from the same rows is the same
 file. Each figure function takes a DataFrame of rows and returns a `matplotlib.figure.Figure`, so
@@ -17,12 +20,15 @@ notebooks can call them too.
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
 from functools import partial
 from pathlib import Path
 
 import pandas as pd
 from matplotlib.figure import Figure
+
+from hisparse.results import NotResultsCSV, stored_table
 
 MODE_LABELS = {
     "resident": "resident", "hisparse": "hierarchical", "sync": "hierarchical",
@@ -42,6 +48,15 @@ ATTENTION_MODES = ("triton", "torch_gather", "dense")
 
 class MissingData(Exception):
     """The rows a figure needs are not in the results: the figure is skipped."""
+
+
+class Refused(Exception):
+    """Raised by draw_all once it has drawn what it could: `problems` names each CSV that is not a
+    results file (NotResultsCSV) and what is wrong with it; `written`, the files it wrote."""
+
+    def __init__(self, problems: dict[str, str], written: list[Path]):
+        super().__init__("; ".join(f"{path} is not a results CSV: {why}" for path, why in problems.items()))
+        self.problems, self.written = problems, written
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,24 +166,52 @@ def on_device(frames: dict[str, pd.DataFrame], device: str | None) -> dict[str, 
     return out
 
 
+def read_csv(path: Path) -> pd.DataFrame:
+    """The rows of the results CSV at `path`, as pandas reads them. NotResultsCSV where it is not one:
+    what the appends refuse (hisparse.results.stored_table: not UTF-8 text, a header without bench,
+    metric, value and unit, a row wider or narrower than it), a value that is not a number, a
+    timestamp that is not ISO 8601 (or none). MissingData where it has no rows or lacks a column the
+    figures read."""
+    header, body, _ = stored_table(path)
+    if not header:
+        raise MissingData(f"{path} is empty")
+    if not body:
+        raise MissingData(f"{path} has no rows")
+    try:
+        frame = pd.read_csv(path, encoding="utf-8-sig")
+    except (pd.errors.ParserError, ValueError) as exc:
+        raise NotResultsCSV(path, f"pandas cannot read it ({exc})") from None
+    if len(frame) != len(body):                 # not seen: pandas and the csv module split rows alike
+        raise NotResultsCSV(path, f"pandas reads {len(frame)} rows in it, the csv module {len(body)}")
+    lines = list(body)
+
+    def refuse_where(bad: pd.Series, problem) -> None:
+        if bad.any():
+            first = bad.to_numpy().argmax()
+            count = f" ({bad.sum()} such lines)" if bad.sum() > 1 else ""
+            raise NotResultsCSV(path, problem(lines[first], frame.iloc[first]) + count)
+    value = pd.to_numeric(frame["value"], errors="coerce")
+    refuse_where(value.isna() & frame["value"].notna(),
+                 lambda line, row: f"line {line}: value {row['value']!r} is not a number")
+    if "timestamp" in frame:
+        stamp = pd.to_datetime(frame["timestamp"], utc=True, format="ISO8601", errors="coerce")
+        refuse_where(frame["timestamp"].isna(), lambda line, row: f"line {line} has no timestamp")
+        refuse_where(stamp.isna(), lambda line, row: f"line {line}: timestamp {row['timestamp']!r} is not an "
+                                                     f"ISO 8601 time")
+    absent = [c for c in ("gpu", "commit", "timestamp") if c not in frame]
+    if absent:
+        raise MissingData(f"{path} has no {absent[0]!r} column (DESIGN section 9's long format)")
+    return frame.assign(value=value)
+
+
 def read_results(results: Path, names: tuple[str, ...], device: str | None = None) -> pd.DataFrame:
-    """The rows of each CSV in `names` that exists under `results`, on one device (`on_device`),
+    """The rows of each CSV in `names` that exists under `results` (`read_csv`), on one device (`on_device`),
     concatenated: the newest run's (`newest`), or for PER_POINT files the newest row of each point
     (`newest_per_point`)."""
     frames = {}
     for name in names:
-        if not (results / name).exists():
-            continue
-        try:
-            frame = pd.read_csv(results / name)
-        except pd.errors.EmptyDataError:
-            raise MissingData(f"{results / name} is empty") from None
-        if frame.empty:
-            raise MissingData(f"{results / name} has no rows")
-        absent = [c for c in ("metric", "value", "gpu", "timestamp") if c not in frame]
-        if absent:
-            raise MissingData(f"{results / name} has no {absent[0]!r} column (DESIGN section 9's long format)")
-        frames[str(results / name)] = frame
+        if (results / name).exists():
+            frames[str(results / name)] = read_csv(results / name)
     picked = []
     for path, frame in on_device(frames, device).items():
         name = Path(path).name
@@ -517,27 +560,36 @@ def draw(name: str, results: str | Path = "results", device: str | None = None) 
 
 def draw_all(results: str | Path = "results", out: str | Path = "results/figures",
              device: str | None = None) -> list[Path]:
-    """Write every figure that has its rows as OUT/NAME.png and .pdf; print a line per figure."""
+    """Write every figure that has its rows as OUT/NAME.png and .pdf, and return those files; print a
+    line per figure (on stderr for one whose CSV is not a results file, naming it and what is wrong).
+    Refused, after the other figures are drawn, where a CSV was not a results file."""
     if not Path(results).is_dir():
         raise MissingData(f"no results folder {results}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, refused = [], {}
     for name in FIGURES:
         try:
             fig = draw(name, results, device)
         except MissingData as why:
             print(f"skipped {name}: {why}")
             continue
+        except NotResultsCSV as why:
+            print(f"refused {name}: {why}", file=sys.stderr)
+            refused[why.path] = why.problem
+            continue
         for suffix in (".png", ".pdf"):
             # no creation date in a PDF: a figure redrawn from the same rows is the same file
             fig.savefig(out / f"{name}{suffix}", dpi=150, metadata={"CreationDate": None} if suffix == ".pdf" else None)
             written.append(out / f"{name}{suffix}")
         print(f"wrote {out / name}.png and .pdf")
+    if refused:
+        raise Refused(refused, written)
     return written
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """The command line: 0 once every figure is drawn or skipped, 1 where a CSV was refused."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="folder of the result CSVs (default results/)")
     parser.add_argument("--out", default=None, help="folder for the figures (default RESULTS/figures/)")
@@ -549,8 +601,14 @@ def main(argv=None) -> None:
         parser.error(f"--results {args.results}: no such folder (run python -m experiments.sweep first)")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out} is a file, not a folder for the figures")   # figures import no torch
-    draw_all(args.results, args.out or Path(args.results) / "figures", args.device)
+    try:
+        draw_all(args.results, args.out or Path(args.results) / "figures", args.device)
+    except Refused as err:
+        for path in err.problems:
+            print(f"error: {path} was refused: its figures are not drawn (move it aside or fix it)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

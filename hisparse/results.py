@@ -5,11 +5,15 @@ what made it. Appends never rewrite rows already stored: a failed run leaves the
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import datetime as _dt
+import errno
+import io
 import os
+import secrets
+import stat
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -77,29 +81,71 @@ def check_out_folder(parser, out: str | os.PathLike) -> None:
         parser.error(f"--out {out} is a file, not a folder for the result CSVs")
 
 
-def read_stored_rows(path: Path) -> pd.DataFrame:
-    """The rows already in the results CSV at `path`, every value as its text; a file that is not
-    one (no header naming bench, metric, value and unit; an empty or repeated column name; a row
-    with more or fewer fields than the header) is refused by name, so that no append rewrites it."""
-    with open(path, newline="") as f:
-        table = list(csv.reader(f))
-    if not table:
-        return pd.DataFrame(columns=COLUMNS)
-    header, body = table[0], table[1:]
+class NotResultsCSV(ValueError):
+    """A file that is not a results CSV: its `path` and `problem`, what is wrong with it."""
+
+    def __init__(self, path: str | os.PathLike, problem: str, advice: str = ""):
+        super().__init__(f"{path} is not a results CSV: {problem}{advice}")
+        self.path, self.problem = str(path), problem
+
+
+def stored_table(path: str | os.PathLike) -> tuple[list[str], dict[int, list[str]], bool]:
+    """The header, the rows by the line each starts on (blank lines left out) and whether the file
+    starts with a UTF-8 byte-order mark (as spreadsheets save "CSV UTF-8"; read past, and kept), of
+    the results CSV at `path`, as text; NotResultsCSV where it is not one (not UTF-8 text; no header
+    naming bench, metric, value and unit; an empty or repeated column name; a row with more or fewer
+    fields than the header). The appends' checks, which experiments.figures makes too."""
+    data = Path(path).read_bytes()
+    bom = data.startswith(codecs.BOM_UTF8)
+    try:
+        text = data[len(codecs.BOM_UTF8) if bom else 0:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = exc.start + (len(codecs.BOM_UTF8) if bom else 0)
+        raise NotResultsCSV(path, f"it is not UTF-8 text (byte {data[at]:#04x} at offset {at})") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows, line = {}, 0
+    try:
+        for row in reader:
+            if row:
+                rows[line + 1] = row
+            line = reader.line_num
+    except csv.Error as exc:
+        raise NotResultsCSV(path, f"line {reader.line_num}: {exc}") from None
+    if not rows:
+        return [], {}, bom
+    (_, header), *body = rows.items()
+    body = dict(body)
     problems = []
     if set(REQUIRED) - set(header):
         problems.append(f"its header {header[:6]}{'...' if len(header) > 6 else ''} lacks "
                         f"{sorted(set(REQUIRED) - set(header))}")
     if any(not name for name in header) or len(set(header)) < len(header):
         problems.append("its header has an empty or repeated column name")
-    widths = [i + 2 for i, row in enumerate(body) if row and len(row) != len(header)]
-    if widths:
-        problems.append(f"line {widths[0]} has {len(body[widths[0] - 2])} fields, the header {len(header)}"
-                        + (f" ({len(widths)} such lines)" if len(widths) > 1 else ""))
+    ragged = [line for line, row in body.items() if len(row) != len(header)]
+    if ragged:
+        problems.append(f"line {ragged[0]} has {len(body[ragged[0]])} fields, the header {len(header)}"
+                        + (f" ({len(ragged)} such lines)" if len(ragged) > 1 else ""))
     if problems:
-        raise ValueError(f"{path} is not a results CSV this can append to: {'; '.join(problems)}. "
-                         f"Nothing was written; move it aside or fix it.")
-    return pd.DataFrame([row for row in body if row], columns=header)
+        raise NotResultsCSV(path, "; ".join(problems))
+    return header, body, bom
+
+
+def read_stored_rows(path: Path) -> pd.DataFrame:
+    """The rows already in the results CSV at `path`, every value as its text, indexed by the line
+    each starts on; a file that is not one (`stored_table`) is refused by name (NotResultsCSV, a
+    ValueError), so that no append rewrites it."""
+    return _read_stored(path)[0]
+
+
+def _read_stored(path: Path) -> tuple[pd.DataFrame, bool]:
+    """`read_stored_rows` and whether the file starts with a byte-order mark."""
+    try:
+        header, body, bom = stored_table(path)
+    except NotResultsCSV as exc:
+        raise NotResultsCSV(path, exc.problem, ". Nothing was written; move it aside or fix it.") from None
+    if not header:
+        return pd.DataFrame(columns=COLUMNS), bom
+    return pd.DataFrame(list(body.values()), columns=header, index=list(body)), bom
 
 
 def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
@@ -109,7 +155,9 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     brings all of its own (rows measured elsewhere, copied here: gpu, torch, triton, commit and
     timestamp, none empty); extra parameter columns are kept, new ones after the file's own. The
     file is rewritten through a temporary file and a rename, under a lock on its folder, so an
-    interrupted write never truncates the rows already there and concurrent appends lose none.
+    interrupted write never truncates the rows already there and concurrent appends lose none; the
+    file keeps its mode (and a byte-order mark), and a symlink's target is written, the link kept.
+    (A file with other hard links is replaced under this name only; its owner becomes the writer.)
     """
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
         raise TypeError(f"rows: expected a list of dicts (one per row), got {type(rows).__name__}"
@@ -131,23 +179,48 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     new = pd.DataFrame([{**env, **row} for row in rows])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
+    target = Path(os.path.realpath(path))        # through a symlink to its target: the link stays a link
+    if target.is_symlink():
+        raise OSError(errno.ELOOP, "a loop of symlinks, not a results CSV; nothing was written", str(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(target.parent, os.O_RDONLY)
     try:
         if fcntl is not None:
             fcntl.flock(folder, fcntl.LOCK_EX)
         # old rows as the text they are, so a rewrite never reformats them (4096 -> 4096.0)
-        old = read_stored_rows(path) if path.exists() else pd.DataFrame(columns=COLUMNS)
+        old, bom = _read_stored(target) if target.exists() else (pd.DataFrame(columns=COLUMNS), False)
         ordered = list(dict.fromkeys([*old.columns, *COLUMNS, *new.columns]))   # the file's own order first
         frame = pd.concat([old, new], ignore_index=True) if len(old) else new
         frame = frame.reindex(columns=ordered)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = _temporary_beside(target)
         try:
-            with os.fdopen(fd, "w", newline="") as f:
+            with os.fdopen(fd, "w", newline="", encoding="utf-8-sig" if bom else "utf-8") as f:
                 frame.to_csv(f, index=False)
-            os.replace(tmp, path)
+            os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
     finally:
         os.close(folder)                  # and the lock with it
     return new.reindex(columns=ordered)
+
+
+def _temporary_beside(target: Path) -> tuple[int, Path]:
+    """A new file in `target`'s folder (for a rename over it) with the mode `target` has, or where
+    there is none yet the mode open() would give it (0666 less the umask), not mkstemp's 0600."""
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if mode is not None else 0o666)
+        except FileExistsError:
+            continue
+        try:
+            if mode is not None:
+                os.chmod(tmp, mode)           # not masked by the umask, as the mode given to os.open is
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        return fd, tmp
+    raise FileExistsError(f"no free temporary name beside {target}")

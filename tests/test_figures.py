@@ -1,6 +1,8 @@
 """Figures from results/: every figure function on small long-format frames built here, the choice of
 the newest run, and the command line (skip lines, PNG and PDF files)."""
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -440,3 +442,78 @@ def test_a_gpus_rows_are_drawn_over_newer_cpu_rows_unless_asked(tmp_path, capsys
     policies_frame().drop(columns="timestamp").to_csv(tmp_path / "policies.csv", index=False)
     figures.draw_all(tmp_path, tmp_path / "figures")
     assert "skipped policy_miss_rates: " in (out := capsys.readouterr().out) and "no 'timestamp' column" in out
+
+
+def throughput_rows() -> pd.DataFrame:
+    """Rows that draw both figures of throughput.csv."""
+    return decode_frame(["resident", "hisparse"], ["tokens_per_s", "hbm_bytes_per_request"])
+
+
+def damaged(text: str, line: int, column: str, cell: str) -> str:
+    """`text` (a CSV) with the cell of `column` on `line` (1: the header) set to `cell`."""
+    rows = text.splitlines()
+    at = rows[0].split(",").index(column)
+    fields = rows[line - 1].split(",")
+    rows[line - 1] = ",".join(fields[:at] + [cell] + fields[at + 1:])
+    return "\n".join(rows) + "\n"
+
+
+DAMAGES = {
+    "garbage-bytes": (lambda text: b"\x89PNG\r\n\x1a\n\x00\xff" + text.encode(),
+                      "it is not UTF-8 text (byte 0x89 at offset 0)"),
+    "ragged-rows": (lambda text: (text + "throughput,dsa,resident,1\n" + text.splitlines()[1] + ",x\n").encode(),
+                    "line 18 has 4 fields, the header 13 (2 such lines)"),
+    "text-value": (lambda text: damaged(text, 3, "value", "fast").encode(), "line 3: value 'fast' is not a number"),
+    "bad-timestamp": (lambda text: damaged(text, 4, "timestamp", "yesterday").encode(),
+                      "line 4: timestamp 'yesterday' is not an ISO 8601 time"),
+    "empty-timestamp": (lambda text: damaged(damaged(text, 5, "timestamp", ""), 6, "timestamp", "").encode(),
+                        "line 5 has no timestamp (2 such lines)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_file_that_is_not_a_results_csv_is_named_on_stderr_and_the_other_figures_drawn(tmp_path, capsys, damage):
+    """A CSV that the appends would refuse, or whose value or timestamp the figures cannot read, is
+    named with what is wrong on stderr; the figures of the other files are drawn, and the command
+    fails at the end."""
+    write, problem = DAMAGES[damage]
+    results = tmp_path / "results"
+    results.mkdir()
+    policies_frame().to_csv(results / "policies.csv", index=False)
+    (results / "throughput.csv").write_bytes(write(throughput_rows().to_csv(index=False)))
+    assert figures.main(["--results", str(results)]) == 1
+    out, err = capsys.readouterr()
+    message = f"{results / 'throughput.csv'} is not a results CSV: {problem}"
+    assert f"refused throughput_vs_context: {message}" in err.splitlines()
+    assert f"refused memory_per_request: {message}" in err.splitlines()
+    assert f"error: {results / 'throughput.csv'} was refused: its figures are not drawn" in err
+    assert sorted(p.name for p in (results / "figures").iterdir()) == [
+        "miss_rate_vs_step.pdf", "miss_rate_vs_step.png", "policy_miss_rates.pdf", "policy_miss_rates.png"]
+    assert len(out.splitlines()) == len(figures.FIGURES) - 2 and "throughput.csv" not in out
+    with pytest.raises(figures.Refused) as refused:          # draw_all, as notebooks call it, says so too
+        figures.draw_all(results, tmp_path / "again")
+    assert refused.value.problems == {str(results / "throughput.csv"): problem}
+    assert {p.name for p in refused.value.written} == {"policy_miss_rates.png", "policy_miss_rates.pdf",
+                                                       "miss_rate_vs_step.png", "miss_rate_vs_step.pdf"}
+
+
+def test_good_files_exit_zero_and_a_byte_order_mark_is_read(tmp_path, capsys):
+    """A CSV saved with a UTF-8 byte-order mark (a spreadsheet's "CSV UTF-8") is read as any other."""
+    text = throughput_rows().to_csv(index=False)
+    (tmp_path / "throughput.csv").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert figures.main(["--results", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"wrote {tmp_path / 'figures' / 'throughput_vs_context'}.png and .pdf" in out and err == ""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "throughput.csv").write_text(text)
+    assert figures.read_results(tmp_path, ("throughput.csv",)).equals(figures.read_results(plain, ("throughput.csv",)))
+
+
+def test_the_command_exits_non_zero_where_a_file_was_refused(tmp_path):
+    (tmp_path / "resolve.csv").write_text("bench,metric,value,unit,gpu,commit,timestamp\nresolve,noio_us,slow,us,cpu,c,"
+                                          "2026-11-29T12:00:00+00:00\n")
+    run = subprocess.run([sys.executable, "-m", "experiments.figures", "--results", str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True)
+    assert run.returncode == 1, run.stderr
+    assert f"{tmp_path / 'resolve.csv'} is not a results CSV: line 2: value 'slow' is not a number" in run.stderr

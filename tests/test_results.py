@@ -1,12 +1,14 @@
 """Result rows: appends keep what is stored, verbatim."""
+import codecs
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from hisparse.results import COLUMNS, append_rows, current_commit
+from hisparse.results import COLUMNS, append_rows, current_commit, read_stored_rows
 
 
 def test_append_keeps_old_rows_verbatim(tmp_path):
@@ -115,3 +117,101 @@ def test_concurrent_appends_lose_no_row(tmp_path):
                               "HISPARSE_COMMIT": "test"}) for w in range(2)]
     assert all(p.wait() == 0 for p in procs)
     assert len(pd.read_csv(path)) == 30 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_append_keeps_the_files_mode_and_a_new_file_gets_the_umask_mode(tmp_path):
+    """The rewrite through a temporary file and a rename does not leave a 0600 file: an existing file
+    keeps its mode, a new one gets what open() would give it (0666 less the umask)."""
+    row = dict(bench="b", metric="us", value=1.0, unit="us")
+    old_umask = os.umask(0o027)
+    try:
+        append_rows(tmp_path / "new.csv", [row])
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "new.csv").stat().st_mode & 0o7777 == 0o640
+    path = tmp_path / "bench.csv"
+    append_rows(path, [row])
+    for mode in (0o644, 0o664, 0o604):
+        path.chmod(mode)
+        append_rows(path, [row])
+        assert path.stat().st_mode & 0o7777 == mode
+    assert len(pd.read_csv(path)) == 4
+
+
+def test_an_append_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path):
+    """A results CSV that is a link (here a relative one, into another folder) gets its rows in the
+    link's target; the link stays the link it was. A link to a file not there yet makes that file."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "out").mkdir()
+    target, link = tmp_path / "store" / "bench.csv", tmp_path / "out" / "bench.csv"
+    append_rows(target, [dict(bench="b", metric="us", value=1.0, unit="us")])
+    target.chmod(0o644)
+    link.symlink_to(Path("..") / "store" / "bench.csv")
+    append_rows(link, [dict(bench="b", metric="us", value=2.0, unit="us")])
+    assert link.is_symlink() and os.readlink(link) == str(Path("..") / "store" / "bench.csv")
+    assert pd.read_csv(target)["value"].tolist() == [1.0, 2.0] and target.stat().st_mode & 0o7777 == 0o644
+    assert not list((tmp_path / "out").glob("*.tmp")) and not list((tmp_path / "store").glob("*.tmp"))
+    dangling = tmp_path / "out" / "later.csv"
+    dangling.symlink_to(tmp_path / "store" / "later.csv")
+    append_rows(dangling, [dict(bench="b", metric="us", value=3.0, unit="us")])
+    assert dangling.is_symlink() and pd.read_csv(tmp_path / "store" / "later.csv")["value"].tolist() == [3.0]
+
+
+def test_a_failed_write_leaves_the_file_its_mode_and_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "bench.csv"
+    append_rows(path, [dict(bench="b", metric="us", value=1.0, unit="us")])
+    path.chmod(0o644)
+    before = path.read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(pd.DataFrame, "to_csv", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        append_rows(path, [dict(bench="b", metric="us", value=2.0, unit="us")])
+    assert path.read_bytes() == before and path.stat().st_mode & 0o7777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.csv"]
+
+
+def test_a_csv_with_a_byte_order_mark_is_read_and_keeps_its_mark(tmp_path):
+    """A results CSV saved by a spreadsheet as "CSV UTF-8" starts with a byte-order mark: its header
+    still names bench (not '\\ufeffbench'), and an append keeps the file as it was, mark and rows."""
+    path = tmp_path / "bench.csv"
+    text = "bench,metric,value,unit,note\nb,us,1,us,caf\u00e9\n"
+    path.write_bytes(codecs.BOM_UTF8 + text.encode())
+    assert read_stored_rows(path).columns[0] == "bench"
+    append_rows(path, [dict(bench="b", metric="us", value=2.0, unit="us")])
+    data = path.read_bytes()
+    assert data.startswith(codecs.BOM_UTF8) and not data[3:].startswith(codecs.BOM_UTF8)
+    lines = data[3:].decode().splitlines()
+    assert lines[0].startswith("bench,metric,value,unit,note,") and lines[1].startswith("b,us,1,us,caf\u00e9,")
+    assert pd.read_csv(path)["value"].tolist() == [1.0, 2.0]
+
+
+def test_a_file_that_is_not_utf8_text_is_refused_by_name(tmp_path):
+    path = tmp_path / "bench.csv"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    with pytest.raises(ValueError, match="is not a results CSV") as err:
+        append_rows(path, [dict(bench="b", metric="us", value=1.0, unit="us")])
+    assert str(path) in str(err.value) and "not UTF-8 text (byte 0x89 at offset 0)" in str(err.value)
+    assert path.read_bytes() == b"\x89PNG\r\n\x1a\n\x00\xff\xfe"
+    path.write_bytes(codecs.BOM_UTF8 + b"bench,metric,value,unit\nb,m,\xff,us\n")     # offsets count the mark
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 0xff at offset 31\)"):
+        read_stored_rows(path)
+
+
+def test_stored_rows_are_indexed_by_the_line_they_start_on(tmp_path):
+    path = tmp_path / "bench.csv"
+    path.write_text('bench,metric,value,unit\nb,m,1,us\n\nb,"two\nlines",2,us\nb,m,3,us\n')
+    assert read_stored_rows(path).index.tolist() == [2, 4, 6]
+    path.write_text('bench,metric,value,unit\nb,"two\nlines",2,us\nb,m,3,us,\n')
+    with pytest.raises(ValueError, match="line 4 has 5 fields, the header 4"):
+        read_stored_rows(path)
+
+
+def test_a_loop_of_symlinks_is_refused_and_left_a_link(tmp_path):
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    with pytest.raises(OSError, match="a loop of symlinks"):
+        append_rows(a, [dict(bench="b", metric="us", value=1.0, unit="us")])
+    assert a.is_symlink() and b.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "b.csv"]
