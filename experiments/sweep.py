@@ -21,7 +21,8 @@ glm_moe_dsa, llama, qwen3), "dsa" (DSA's real KV geometry: 128 heads, 512 + 64 l
 64 x 128 indexer), "quest" (Llama-3-8B's KV geometry under Quest: 32 query and 8 KV heads of 128, the
 first 2 of 32 layers dense, k = token_budget // 16 pages; `token_budget`, default 2048), with
 `layers` and `hidden` setting the rest, which is smaller than the real models (a tiny model takes
-`layers` too; both are part of each point); or a DSA checkpoint directory. Selections come from the
+`layers` too; both are part of each point); or a DSA checkpoint directory (its tensors' names and shapes
+checked against its config.json, from the file headers, before anything runs). Selections come from the
 model (workload = "model") or replay a synthetic preset (`hisparse.synthetic.PRESETS`) with realistic
 locality (Quest: per KV head, in pages, `per_kv_head_workload`); decode and throughput runs fill the
 prompt's KV with random rows.
@@ -50,6 +51,7 @@ from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsup
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
+from hisparse.models import loading
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model, load_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_
@@ -110,7 +112,7 @@ DSA_GEOMETRY = dict(model_type="deepseek_v32", vocab_size=1024, num_attention_he
                     index_head_dim=128, index_n_heads=64, moe_intermediate_size=256, n_routed_experts=8,
                     n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1)
 QUEST_GEOMETRY = dict(model_type="llama", vocab_size=1024, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, quest_dense_layers=2)
+                      head_dim=128)                # quest_dense_layers: the default, min(2, layers)
 DSA_TYPES, QUEST_TYPES = ("deepseek_v32", "glm_moe_dsa"), ("llama", "qwen3")
 
 
@@ -173,12 +175,39 @@ def model_config(study: dict) -> dict:
     return raw
 
 
+def is_checkpoint(spec: str) -> bool:
+    """Whether a study's model is a checkpoint directory (not tiny:<family>, dsa or quest)."""
+    return not spec.startswith("tiny:") and spec not in ("dsa", "quest")
+
+
+def check_checkpoint(spec: str, where: str) -> None:
+    """A checkpoint directory's tensors against its config.json, as `load_model` checks them, from the
+    safetensors headers alone (names, shapes and dtypes; no weight is read): a missing, misshapen or
+    unexpected tensor is refused before any study runs, not when its point is reached."""
+    try:
+        loading.check_checkpoint(spec)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{where}: checkpoint {spec!r}: {exc}") from None
+
+
 def _positive_ints(study: dict, key: str, where: str) -> list[int]:
     value = study.get(key)
     values = value if isinstance(value, list) else [value]
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         raise ConfigError(f"{where}: {key} = {value!r}: expected a positive integer or a list of them")
+    _listed_once(values, key, where)
     return values
+
+
+def _listed_once(values: list, key: str, where: str) -> None:
+    """A list key (modes, contexts, batches, cache_slots) names each value once: a second one would run
+    the same points again and append their rows twice."""
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise ConfigError(f"{where}: {key} = {values!r} lists {v!r} twice: its points would run twice and "
+                              f"write duplicate rows")
+        seen.add(v)
 
 
 def _positive_int(study: dict, key: str, where: str) -> int:
@@ -216,6 +245,7 @@ def validate(studies: list[dict]) -> None:
         modes = study["modes"]
         if not isinstance(modes, list) or not modes or any(m not in KV_MODES for m in modes):
             raise ConfigError(f"{where}: modes = {modes!r}: expected a list of {KV_MODES}")
+        _listed_once(modes, "modes", where)
         if not isinstance(study["model"], str):
             raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa, quest or "
                               f"a checkpoint directory)")
@@ -243,6 +273,8 @@ def validate(studies: list[dict]) -> None:
             built = config_from_dict(dict(raw))
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"{where}: model {study['model']!r}: {exc}") from None
+        if is_checkpoint(study["model"]):     # what load_model would refuse once the studies before had run
+            check_checkpoint(study["model"], where)
         shares = any(built.selection_anchor(i) != i for i in range(built.num_hidden_layers)) \
             if hasattr(built, "selection_anchor") else "shared" in getattr(built, "indexer_types", [])
         if "decode_backend" in study:
@@ -395,7 +427,7 @@ def default_dtype(dtype: torch.dtype):
 def build(study: dict, device: torch.device) -> torch.nn.Module:
     spec = study["model"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if not spec.startswith("tiny:") and spec not in ("dsa", "quest"):     # a checkpoint directory
+    if is_checkpoint(spec):
         return load_model(spec, dtype=dtype, device=device)
     # made on the device in the run's dtype: at DeepSeek's hidden size the 61 layers hold 62 GB of
     # bf16 weights, which in float32 on the host would not fit the GPU machine's memory
@@ -476,7 +508,7 @@ def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | Non
     if family(cfg) == "quest":
         hkv, d = cfg.num_key_value_heads, cfg.head_dim
         bounds = 2 * hkv * pages * d * elem                  # a layer's page min and max keys
-        dense = min(cfg.quest_dense_layers, cfg.num_hidden_layers)
+        dense = cfg.quest_dense_layers
         quest = range(dense, cfg.num_hidden_layers)
         selecting = sum(1 for i in quest if cfg.selection_anchor(i) == i)
         gpu = dense * (2 * hkv * capacity * d * elem + bounds) + selecting * bounds

@@ -59,9 +59,10 @@ class HierarchicalKVCache:
     def __init__(self, max_streams: int, cache_slots: int, host_rows: int, row_elems: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
                  pin: bool | None = None):
-        if max_streams <= 0 or cache_slots <= 0:
-            raise ValueError(f"max_streams and cache_slots must be positive, got {max_streams} and "
-                             f"{cache_slots}")
+        max_streams = as_int(max_streams, "max_streams must be a positive int (streams)", minimum=1)
+        cache_slots = as_int(cache_slots, "cache_slots must be a positive int (B, GPU slots per stream)", minimum=1)
+        host_rows = as_int(host_rows, "host_rows must be a positive int (host pool rows)", minimum=1)
+        row_elems = as_int(row_elems, "row_elems must be a positive int (elements per row)", minimum=1)
         if cache_slots > MAX_SLOTS:
             raise ValueError(f"cache_slots B={cache_slots} exceeds the supported {MAX_SLOTS}")
         self.device = torch.device(device)

@@ -165,10 +165,11 @@ class Engine:
                              f"from glm_moe_dsa's indexer_types, quest_selection_group > 1 in a Quest config "
                              f"or selection_group > 1 in an NSA one)")
         topk = self.runtime.selection_size
+        if cache_slots is not None:       # in every mode (resident ignores its value): True is not 1 slot
+            cache_slots = as_int(cache_slots, f"cache_slots must be an int (B >= k = {topk})")
         if mode != "resident":
             if cache_slots is None:
                 raise ValueError(f"mode {mode!r} needs cache_slots (B >= k = {topk})")
-            cache_slots = as_int(cache_slots, f"cache_slots must be an int (B >= k = {topk})")
             if topk > MAX_K:
                 raise ValueError(f"the selection size k={topk} ({self.runtime.selection_name}) exceeds the "
                                  f"{MAX_K} the resolve kernel supports")

@@ -64,9 +64,8 @@ class HostPool:
 
     def __init__(self, capacity_rows: int, row_elems: int, dtype: torch.dtype = torch.bfloat16,
                  pin: bool | None = None):
-        if capacity_rows <= 0 or row_elems <= 0:
-            raise ValueError(f"host pool needs positive capacity_rows and row_elems, got "
-                             f"{capacity_rows} and {row_elems}")
+        capacity_rows = as_int(capacity_rows, "capacity_rows must be a positive int (host pool rows)", minimum=1)
+        row_elems = as_int(row_elems, "row_elems must be a positive int (elements per row)", minimum=1)
         pin = torch.cuda.is_available() if pin is None else pin
         if pin:
             self.rows = pinned_empty(capacity_rows, row_elems, dtype)                      # [R, E]

@@ -2,7 +2,7 @@
 import argparse
 from pathlib import Path
 
-from hisparse.models.tiny import TINY_CONFIGS, write_tiny_checkpoint
+from hisparse.models.tiny import TINY_CONFIGS, tensor_count, write_tiny_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.shards < 1:
         parser.error(f"--shards must be >= 1, found {args.shards}")
+    if args.shards > (count := tensor_count(args.family)):      # the rest would be empty files
+        parser.error(f"--shards {args.shards}: a tiny {args.family} checkpoint holds {count} tensors: expected at "
+                     f"most that many shards")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out} is a file, not a directory")

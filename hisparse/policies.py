@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hisparse.host_pool import as_int
+
 POLICIES = ("lru", "fifo", "random", "belady", "last")
 _HIT_KEY = np.int64(1) << 62       # never a victim
 _EMPTY_KEY = -(np.int64(1) << 62)  # + slot index: empty slots first, lowest index first
@@ -88,6 +90,8 @@ def simulate(sel, policy: str, cache_slots: int | None = None, *, seed: int = 0,
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     sel = _check_sel(sel)
     k = sel.shape[2]
+    if cache_slots is not None:       # numpy would cut 4.5 to 4 or fail inside; True is not 1 slot
+        cache_slots = as_int(cache_slots, f"cache_slots must be an int (B >= k = {k} slots per stream)")
     if policy == "last":
         if cache_slots not in (None, k):
             raise ValueError(f"policy 'last' keeps exactly one selection: cache_slots must be k={k} or "

@@ -207,18 +207,34 @@ def load_trace(path: str | os.PathLike) -> Trace:
     return trace
 
 
+def _int64(name: str, values, expected: str) -> np.ndarray:
+    """`values` (a list, numpy or torch) as int64, or a ValueError naming them: floats and bools would
+    be cast to integers without a word, integers beyond int64 wrapped."""
+    array = np.asarray(values.cpu() if hasattr(values, "cpu") else values)
+    shown = array.ravel()[:8].tolist()
+    shown = f"{shown}{' ...' if array.size > 8 else ''}"
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} {shown} holds {array.dtype} values: expected {expected}")
+    if array.size and array.dtype == np.uint64 and array.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} {shown} holds {array.max()}, beyond int64: expected {expected}")
+    return array.astype(np.int64)
+
+
 class TraceWriter:
     """Collects one decode step at a time and writes a trace file.
 
     `add_step(selections)` takes [layers, batch, k] or [layers, batch, kv_heads, k] integer ids
-    (torch tensors are copied to the host: a sync, fine for recording runs). Shapes are checked per
-    step; ids, anchors and metadata when the trace is built (`trace()` or `save()`).
+    (torch tensors are copied to the host: a sync, fine for recording runs). Shapes, and ids fitting
+    int32 (a wider one would wrap, 2**32 - 1 to -1), are checked per step; context and layer_anchor
+    must be integers (floats and bools are refused, not truncated); ids against the context, anchors
+    and metadata are checked when the trace is built (`trace()` or `save()`).
     """
 
     def __init__(self, family: str, unit_size: int, context, layer_anchor=None, source: str = ""):
         self.family, self.unit_size, self.source = family, unit_size, source
-        self.context = np.asarray(context, dtype=np.int64)
-        self.layer_anchor = None if layer_anchor is None else np.asarray(layer_anchor, dtype=np.int64)
+        self.context = _int64("context", context, "integer token counts, one per request")
+        self.layer_anchor = None if layer_anchor is None else _int64("layer_anchor", layer_anchor,
+                                                                     "integer layer indices, one per layer")
         self._steps: list[np.ndarray] = []
 
     def add_step(self, selections) -> None:
@@ -234,6 +250,13 @@ class TraceWriter:
         if self._steps and step.shape != self._steps[0].shape:
             raise ValueError(f"step {len(self._steps)} has shape {tuple(step.shape)}, earlier steps "
                              f"{tuple(self._steps[0].shape)}")
+        info = np.iinfo(np.int32)
+        wide = None if np.can_cast(step.dtype, np.int32) else (step < info.min) | (step > info.max)
+        if wide is not None and wide.any():      # it would wrap in int32 (2**32 - 1 to -1, padding)
+            idx = np.unravel_index(int(np.argmax(wide)), step.shape)
+            raise ValueError(f"step {len(self._steps)}: unit id {step[idx]} at [layer, request, ...] = "
+                             f"{tuple(int(i) for i in idx[:-1])} does not fit int32: expected -1 (padding) or an "
+                             f"id in 0..{info.max}")
         self._steps.append(step.astype(np.int32))
 
     def trace(self) -> Trace:

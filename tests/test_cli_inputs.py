@@ -1,5 +1,6 @@
 """Command lines refuse bad values by name before any work, and summarise what they were asked to."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,25 @@ def test_demo_refuses_sizes_it_cannot_run(capsys):
         with pytest.raises(SystemExit):
             demo.main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_make_tiny_refuses_more_shards_than_tensors_before_writing_anything(tmp_path, capsys):
+    """Shards beyond the tensor count would be empty safetensors files (and index entries to nothing)."""
+    from hisparse.make_tiny import main as make_tiny
+    from hisparse.models.tiny import write_tiny_checkpoint
+    with pytest.raises(SystemExit):
+        make_tiny(["--family", "llama", "--out", str(tmp_path / "new"), "--shards", "1000"])
+    count = int(re.search(r"--shards 1000: a tiny llama checkpoint holds (\d+) tensors: expected at most that many "
+                          r"shards", capsys.readouterr().err).group(1))
+    assert not (tmp_path / "new").exists(), "nothing may be written"
+    old = write_tiny_checkpoint("llama", tmp_path / "old", shards=2)
+    before = sorted(p.name for p in old.iterdir())
+    with pytest.raises(SystemExit):            # --force would first delete the old shards
+        make_tiny(["--family", "llama", "--out", str(old), "--shards", str(count + 1), "--force"])
+    assert f"holds {count} tensors" in capsys.readouterr().err
+    assert sorted(p.name for p in old.iterdir()) == before
+    with pytest.raises(ValueError, match=rf"shards = {count + 1}: the checkpoint holds {count} tensors"):
+        write_tiny_checkpoint("llama", tmp_path / "direct", shards=count + 1)
+    assert not (tmp_path / "direct").exists()
+    make_tiny(["--family", "llama", "--out", str(tmp_path / "each"), "--shards", str(count)])   # one tensor each
+    assert len(list((tmp_path / "each").glob("*.safetensors"))) == count

@@ -149,6 +149,18 @@ def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
             Engine(model, "hisparse", cache_slots=MAX_K + 1)
 
 
+def test_cache_slots_must_be_an_int_in_every_mode():
+    """True is not 1 slot, 8.0 not 8: refused in the modes that cache and in resident, which has no slots."""
+    model = tiny_model("deepseek_v32")
+    k = model.config.index_topk
+    for mode in ("hisparse", "noio", "resident"):
+        for slots in (True, float(k), str(k)):
+            with pytest.raises(ValueError, match=rf"cache_slots must be an int \(B >= k = {k}\), got {slots!r}"):
+                Engine(model, mode, cache_slots=slots)
+    assert Engine(model, "hisparse", cache_slots=torch.tensor(k)).cache_slots == k
+    assert Engine(model, "resident", cache_slots=k).cache_slots == k
+
+
 def test_a_failed_run_keeps_no_cache_and_restores_the_models_attention(model, monkeypatch):
     own = model.sparse_attention
     engine = Engine(model, "hisparse", cache_slots=model.config.index_topk)

@@ -131,6 +131,13 @@ def test_simulator_errors_name_the_values():
         simulate(sel, "lfu", 8)
     with pytest.raises(ValueError, match="cache_slots must be k=4 or None, got 8"):
         simulate(sel, "last", 8)
+    for slots in (4.5, True, "8"):          # not cut to an int by numpy, nor a crash inside it
+        for policy in ("lru", "last"):
+            with pytest.raises(ValueError, match=rf"cache_slots must be an int \(B >= k = 4 slots per stream\), "
+                                                 rf"got {slots!r}"):
+                simulate(sel, policy, slots)
+    assert simulate(sel, "lru", np.int64(4)).misses.tolist() == simulate(sel, "lru", 4).misses.tolist()
+    assert simulate(sel, "last", np.int32(4)).misses.tolist() == simulate(sel, "last").misses.tolist()
 
 
 def test_simulator_refuses_duplicate_ids_and_empty_input():

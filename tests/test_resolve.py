@@ -649,6 +649,26 @@ def test_host_pool_pinning_without_a_gpu_is_refused_clearly():
     assert HostPool(16, 8, torch.float32).rows.shape == (16, 8)      # unpinned by default here
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_streams=2.5), r"max_streams must be a positive int \(streams\), got 2\.5"),
+    (dict(max_streams=0), r"max_streams must be a positive int \(streams\), got 0"),
+    (dict(cache_slots=True), r"cache_slots must be a positive int \(B, GPU slots per stream\), got True"),
+    (dict(cache_slots=4.0), r"cache_slots must be a positive int \(B, GPU slots per stream\), got 4\.0"),
+    (dict(host_rows=16.5), r"host_rows must be a positive int \(host pool rows\), got 16\.5"),
+    (dict(row_elems=False), r"row_elems must be a positive int \(elements per row\), got False"),
+], ids=["streams-float", "streams-0", "slots-bool", "slots-float", "host-rows-float", "row-elems-bool"])
+def test_cache_sizes_must_be_ints(kwargs, message):
+    """Not a crash inside torch (2.5 streams), nor True taken as 1 slot."""
+    with pytest.raises(ValueError, match=message):
+        HierarchicalKVCache(**dict(dict(max_streams=2, cache_slots=4, host_rows=16, row_elems=3), **kwargs),
+                            dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"capacity_rows must be a positive int \(host pool rows\), got 16\.5"):
+        HostPool(16.5, 8, torch.float32, pin=False)
+    cache = HierarchicalKVCache(torch.tensor(2), torch.tensor(4, dtype=torch.int32), host_rows=16, row_elems=3,
+                                dtype=torch.float32, device="cpu")
+    assert (cache.max_streams, cache.cache_slots) == (2, 4) and type(cache.cache_slots) is int
+
+
 @pytest.mark.parametrize("mode", ["normal", "noio"])
 def test_resolve_with_newest_rows_is_write_then_resolve(mode, device):
     """resolve(newest=...) writes each stream's newest row in the same launch; the result is

@@ -108,10 +108,19 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("kv_budget_gib = 0.0001", "kv_budget_gib = inf"), "kv_budget_gib = inf: expected a positive, finite number"),
     (("\n[[study]]\nkind = \"decode\"", "\nstduy = 1\n\n[[study]]\nkind = \"decode\""),
      "unknown top-level key 'stduy': a config holds only \\[\\[study\\]\\] tables"),
+    (("modes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts",
+      "modes = [\"resident\", \"resident\"]\ncache_slots = 8\ncontexts"),
+     r"study 0 \(decode\): modes = \['resident', 'resident'\] lists 'resident' twice: its points would run twice "
+     r"and write duplicate rows"),
+    (("contexts = [24]\nbatches", "contexts = [24, 24]\nbatches"), r"contexts = \[24, 24\] lists 24 twice"),
+    (("batches = [2]", "batches = [2, 1, 2]"), r"batches = \[2, 1, 2\] lists 2 twice"),
+    (("cache_slots = 8\ncontexts = [24]\nbatches", "cache_slots = [8, 9, 8]\ncontexts = [24]\nbatches"),
+     r"study 0 \(decode\): cache_slots = \[8, 9, 8\] lists 8 twice"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
         "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
         "decode-backend", "early-resolve-gone", "hidden-tiny", "max-batch-list", "max-batch-0", "kind-list", "slots-above-max",
-        "budget-bool", "budget-inf", "top-level-key"])
+        "budget-bool", "budget-inf", "top-level-key", "modes-twice", "contexts-twice", "batches-twice",
+        "slots-twice"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
@@ -438,3 +447,54 @@ def test_a_model_with_shared_indexer_layers_is_sized_by_what_its_runs_hold(tmp_p
     out = str(tmp_path / "results")
     assert sweep.main(["--config", write(tmp_path, "[[study]]" + shared), "--out", out]) == 0
     assert_sized_by_what_runs_hold(pd.read_csv(tmp_path / "results" / "throughput.csv"), 0.0001)
+
+
+def _damaged_checkpoint(path, damage: str):
+    """A tiny DSA checkpoint (two shards) with one tensor dropped, reshaped, or a shard unreadable."""
+    from safetensors.torch import load_file, save_file
+
+    from hisparse.models.tiny import write_tiny_checkpoint
+    ckpt = write_tiny_checkpoint("deepseek_v32", path, shards=2)
+    shard = sorted(ckpt.glob("*.safetensors"))[1]
+    tensors = load_file(shard)
+    name = "model.layers.1.self_attn.kv_a_layernorm.weight"
+    assert name in tensors
+    if damage == "missing":
+        del tensors[name]
+    elif damage == "misshapen":
+        tensors[name] = torch.zeros(tensors[name].numel() + 1)
+    else:
+        shard.write_bytes(b"not safetensors")
+        return ckpt, shard.name
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return ckpt, name
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("missing", r"checkpoint lacks tensors: \['{name}'\] \(1 in all\)$"),
+    ("misshapen", r"tensor {name} in model-00002-of-00002\.safetensors has shape \[33\], expected \[32\] from "
+                  r"config\.json"),
+    ("unreadable", r".*/model-00002-of-00002\.safetensors is not a readable safetensors file"),
+], ids=["missing", "misshapen", "unreadable"])
+def test_a_checkpoint_with_a_missing_or_misshapen_tensor_is_refused_before_any_study_runs(tmp_path, capsys, damage,
+                                                                                            message):
+    """The checkpoint study comes second: its fault must stop the sweep before the first study runs,
+    and the dry run must catch it too. Only headers are read (names, shapes), no weights."""
+    ckpt, name = _damaged_checkpoint(tmp_path / "dsa", damage)
+    first = TINY.split("\n\n[[study]]")[0]
+    config = write(tmp_path, first + "\n\n" + first.replace('model = "tiny:deepseek_v32"', f'model = "{ckpt}"'))
+    for dry in (["--dry-run"], []):
+        assert sweep.main(["--config", config, "--out", str(tmp_path / "results"), *dry]) == 2
+        err = capsys.readouterr().err
+        assert re.search(rf"study 1 \(decode\): checkpoint {re.escape(repr(str(ckpt)))}: " + message.format(
+            name=re.escape(name)), err, re.M), err
+        assert not (tmp_path / "results").exists(), "nothing may run"
+
+
+def test_a_whole_checkpoint_passes_validation_and_runs(tmp_path):
+    from hisparse.models.tiny import write_tiny_checkpoint
+    ckpt = write_tiny_checkpoint("deepseek_v32", tmp_path / "dsa", shards=2)
+    first = TINY.split("\n\n[[study]]")[0].replace('model = "tiny:deepseek_v32"', f'model = "{ckpt}"')
+    study = sweep.tomllib.loads(first)["study"]
+    sweep.validate(study)
+    assert [p["model"] for p in sweep.points(study[0])] == [str(ckpt)] * 2

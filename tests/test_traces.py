@@ -144,3 +144,33 @@ def test_writer_rejects_inconsistent_steps():
         writer.add_step(np.zeros((2, 2, 5), dtype=np.int32))
     with pytest.raises(ValueError, match="must be integer unit ids"):
         writer.add_step(np.zeros((2, 2, 4), dtype=np.float32))
+
+
+@pytest.mark.parametrize("step", [np.array([[[2**32 - 1, 0]]]), np.array([[[2**31, 0]]], dtype=np.uint64),
+                                  torch.tensor([[[-(2**31) - 1, 0]]])], ids=["wraps-to-padding", "uint64", "torch"])
+def test_writer_refuses_unit_ids_beyond_int32_instead_of_wrapping(step):
+    """2**32 - 1 cast to int32 is -1, padding: an id the trace would drop without a word."""
+    writer = TraceWriter("dsa", unit_size=1, context=[10])
+    with pytest.raises(ValueError, match=rf"step 0: unit id {int(step[0, 0, 0])} at \[layer, request, \.\.\.\] = \(0, 0\) "
+                                         r"does not fit int32: expected -1 \(padding\) or an id in 0\.\.2147483647"):
+        writer.add_step(step)
+    assert not writer._steps, "a refused step is not recorded"
+    writer.add_step(np.array([[[2**31 - 1, -1]]], dtype=np.int64))      # the largest int32 id is kept as it is
+    assert writer._steps[0].tolist() == [[[2**31 - 1, -1]]]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(context=[10.5, 3]), r"context \[10\.5, 3\.0\] holds float64 values: expected integer "
+                              r"token counts"),
+    (dict(context=[10.0, 3.0]), r"context \[10\.0, 3\.0\] holds float64 values: expected integer"),
+    (dict(context=[True, False]), r"context \[True, False\] holds bool values: expected integer"),
+    (dict(context=[4, 3], layer_anchor=[0, 0.5]),
+     r"layer_anchor \[0\.0, 0\.5\] holds float64 values: expected integer layer indices"),
+    (dict(context=[4, 3], layer_anchor=torch.tensor([0.0, 1.0])),
+     r"layer_anchor \[0\.0, 1\.0\] holds float32 values: expected integer layer indices"),
+], ids=["context-fraction", "context-whole-floats", "context-bools", "anchor-floats", "anchor-torch-floats"])
+def test_writer_refuses_float_contexts_and_anchors_instead_of_truncating(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TraceWriter("dsa", unit_size=1, **kwargs)
+    writer = TraceWriter("dsa", unit_size=1, context=np.array([4, 3], dtype=np.int32), layer_anchor=torch.tensor([0, 0]))
+    assert writer.context.dtype == writer.layer_anchor.dtype == np.int64

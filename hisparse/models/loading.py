@@ -133,10 +133,10 @@ def _check_names_and_shapes(where: dict, shapes: dict, dtypes: dict, layout: dic
                              f"expected a floating point dtype (F32, F16, BF16, ...)")
 
 
-def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> CausalLM:
-    """The model of `checkpoint_dir` with its weights, in `dtype` (routing and indexer head weights
-    stay float32, as in transformers), on `device`, in eval mode."""
+def check_checkpoint(checkpoint_dir: str | Path) -> tuple[ModelConfig, CausalLM, dict, dict]:
+    """A checkpoint's config.json and tensor headers checked against each other without reading a
+    weight (names, shapes, dtypes; ValueError naming what is wrong): (config, the model on the meta
+    device, tensor name -> its file, the checkpoint's layout)."""
     checkpoint_dir = Path(checkpoint_dir)
     config = read_config(checkpoint_dir)
     with torch.device("meta"):
@@ -144,6 +144,16 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     where, shapes, dtypes = _read_headers(checkpoint_files(checkpoint_dir))
     layout = checkpoint_layout(model, fused=frozenset(where))
     _check_names_and_shapes(where, shapes, dtypes, layout, config)
+    return config, model, where, layout
+
+
+def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> CausalLM:
+    """The model of `checkpoint_dir` with its weights, in `dtype` (routing and indexer head weights
+    stay float32, as in transformers), on `device`, in eval mode. config.json is checked first
+    (`read_config`): a bad value raises ValueError naming the key, a key HiSparse does not read is
+    reported with a `ConfigWarning` (hisparse.models.config)."""
+    config, model, where, layout = check_checkpoint(checkpoint_dir)
     targets = {}
     for name, tensor in model.state_dict().items():
         keep = any(part in name for part in getattr(model, "keep_in_float32", ()))

@@ -45,13 +45,26 @@ def randomize_(model: torch.nn.Module, seed: int, on_device: bool = False) -> No
                 tensor.copy_(0.1 * noise)
 
 
+def tensor_count(family: str, **overrides) -> int:
+    """Tensors of a tiny `family` checkpoint (config keys overridable): the most shards it can fill.
+    Built on the meta device, so nothing is allocated."""
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(TINY_CONFIGS)}")
+    with torch.device("meta"):
+        return len(checkpoint_layout(build_model(config_from_dict(dict(TINY_CONFIGS[family], **overrides)))))
+
+
 def save_checkpoint(model, out_dir: str | Path, shards: int = 1) -> Path:
-    """Write `model` as config.json + safetensors under the Hugging Face names."""
+    """Write `model` as config.json + safetensors under the Hugging Face names, in `shards` files (at
+    most one per tensor: checked before anything is written)."""
+    layout = checkpoint_layout(model)
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= len(layout):
+        raise ValueError(f"shards = {shards!r}: the checkpoint holds {len(layout)} tensors: expected an int from 1 "
+                         f"to {len(layout)} (a shard holds at least one)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = model.state_dict()
-    tensors = {name: params[param][index].contiguous().clone()
-               for name, (param, index, _) in checkpoint_layout(model).items()}
+    tensors = {name: params[param][index].contiguous().clone() for name, (param, index, _) in layout.items()}
     raw = {k: v for k, v in config_to_dict(model.config).items() if v is not None}
     if raw["model_type"] in ("deepseek_v32", "glm_moe_dsa"):
         raw["num_key_value_heads"] = raw["num_attention_heads"]  # for transformers (its default is 128)
