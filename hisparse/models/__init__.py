@@ -3,7 +3,7 @@
 
     model = load_model(checkpoint_dir, dtype=torch.bfloat16, device="cuda")
     state = model.new_state(batch, capacity)          # per-layer KV, plain tensors
-    logits = model.prefill(prompt_ids, state)          # [B, S, V]; chunk_size=... for long prompts
+    logits = model.prefill(prompt_ids, state)          # [B, S, V]; chunk_size=..., fast=True (kernels)
     logits = model.decode(next_tokens, state)          # [B, V], one token per row
     batch = stack_states([state_a, state_b])           # rows prefilled apart, any lengths
 
