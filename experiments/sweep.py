@@ -51,9 +51,8 @@ from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsup
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
-from hisparse.models import loading
 from hisparse.models.config import config_from_dict
-from hisparse.models.loading import build_model, load_model
+from hisparse.models.loading import build_model, check_checkpoint, load_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
 from hisparse.results import append_rows, environment, read_stored_rows
@@ -180,12 +179,12 @@ def is_checkpoint(spec: str) -> bool:
     return not spec.startswith("tiny:") and spec not in ("dsa", "quest")
 
 
-def check_checkpoint(spec: str, where: str) -> None:
+def check_study_checkpoint(spec: str, where: str) -> None:
     """A checkpoint directory's tensors against its config.json, as `load_model` checks them, from the
     safetensors headers alone (names, shapes and dtypes; no weight is read): a missing, misshapen or
     unexpected tensor is refused before any study runs, not when its point is reached."""
     try:
-        loading.check_checkpoint(spec)
+        check_checkpoint(spec)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"{where}: checkpoint {spec!r}: {exc}") from None
 
@@ -274,7 +273,7 @@ def validate(studies: list[dict]) -> None:
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"{where}: model {study['model']!r}: {exc}") from None
         if is_checkpoint(study["model"]):     # what load_model would refuse once the studies before had run
-            check_checkpoint(study["model"], where)
+            check_study_checkpoint(study["model"], where)
         shares = any(built.selection_anchor(i) != i for i in range(built.num_hidden_layers)) \
             if hasattr(built, "selection_anchor") else "shared" in getattr(built, "indexer_types", [])
         if "decode_backend" in study:
