@@ -57,7 +57,7 @@ from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
 from hisparse.results import append_rows, environment, read_stored_rows
 from hisparse.runtime import nbytes
-from hisparse.synthetic import PRESETS, generate, per_kv_head_config, per_kv_head_workload, preset, repeat_request
+from hisparse.synthetic import PRESETS, batch_workload, per_kv_head_config, per_kv_head_workload, preset
 from hisparse.traces import with_anchors
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
@@ -460,7 +460,7 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
         over = dict(context=context, steps=steps, k=cfg.index_topk, layers=cfg.num_hidden_layers)
         if workload == "tiny":
             over.update(sinks=1, window=2)
-        replay = repeat_request(generate(preset(workload, **over)), batch)
+        replay = batch_workload(preset(workload, **over), batch)         # request b: its own draw (seed)
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
     quest = {} if budget is None else {"token_budget": budget}
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",

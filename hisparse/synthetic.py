@@ -60,7 +60,7 @@ class SyntheticConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                     or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if not 0 <= self.seed < 2 ** 32:  # seed * 1_000_003 + request must fit torch's int64 seeds
+        if not 0 <= self.seed < 2 ** 32:  # request_seed(seed, request) stays exact
             raise ValueError(f"seed must be in 0 .. 2**32 - 1, got {self.seed}")
         for name in ("context", "steps", "k", "layers", "batch", "unit_size"):
             if getattr(self, name) < 1:
@@ -113,23 +113,58 @@ def layer_weights(cfg: SyntheticConfig) -> np.ndarray:
     return weights
 
 
+def request_seed(base_seed: int, request: int) -> int:
+    """The seed of request `request` of a batch drawn from `base_seed`: base_seed * 1_000_003 + request,
+    distinct for every pair with base_seed < 2**32 and request < 1_000_003 (an exact int below 2**52)."""
+    for name, value, bound in (("base_seed", base_seed, 2 ** 32), ("request", request, 1_000_003)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < bound:
+            raise ValueError(f"{name} must be an int in 0 .. {bound - 1}, got {value!r}")
+    return int(base_seed) * 1_000_003 + int(request)
+
+
 def generate(cfg: SyntheticConfig) -> Trace:
-    """A trace [steps, layers, batch, k] following `cfg`; the same config gives the same trace."""
+    """A trace [steps, layers, batch, k] following `cfg`; the same config gives the same trace.
+    Request r is its own draw, the one `request_trace` gives for seed request_seed(cfg.seed, r)."""
+    return _trace(cfg, [request_seed(cfg.seed, r) for r in range(cfg.batch)])
+
+
+def batch_workload(cfg: SyntheticConfig, batch: int, seed: int | None = None) -> Trace:
+    """A replay trace of `batch` requests [steps, layers, batch, k], each its own draw of `cfg`'s
+    workload: request b is request_trace(cfg, cfg.context, cfg.steps, request_seed(seed, b)), with
+    `seed` defaulting to cfg.seed. (`generate` of cfg with that batch and seed.)"""
+    return generate(replace(cfg, batch=batch, seed=cfg.seed if seed is None else seed))
+
+
+def request_trace(cfg: SyntheticConfig, context: int, steps: int, seed: int) -> Trace:
+    """One request's trace [steps, layers, 1, k] for a serving scheduler: `cfg`'s workload (k, layers,
+    locality) drawn with `seed` over `steps` decode steps after a prompt of `context` tokens. The
+    same arguments give the same trace; request b of `batch_workload` is the one of seed
+    request_seed(base, b). Raises ValueError when the context is too short for k."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in 0 .. 2**63 - 1, got {seed!r}")
+    return _trace(replace(cfg, context=context, steps=steps, batch=1), [int(seed)])
+
+
+def _trace(cfg: SyntheticConfig, seeds: list[int]) -> Trace:
+    """The trace of one request per seed (cfg.batch of them), each drawn by `_generate_request`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the per-step ops are small: intra-op threads only add contention
     try:
-        sel = np.stack([_generate_request(cfg, cfg.seed * 1_000_003 + r) for r in range(cfg.batch)], axis=2)
+        sel = np.stack([_generate_request(cfg, seed) for seed in seeds], axis=2)
     finally:
         torch.set_num_threads(threads)
+    source = json.dumps({"generator": "hisparse.synthetic", **asdict(cfg), "request_seeds": seeds})
     return Trace(sel, "synthetic", cfg.unit_size, np.full(cfg.batch, cfg.context, dtype=np.int64),
-                 np.arange(cfg.layers), source=json.dumps({"generator": "hisparse.synthetic", **asdict(cfg)}))
+                 np.arange(cfg.layers), source=source)
 
 
 def _generate_request(cfg: SyntheticConfig, seed: int) -> np.ndarray:
-    """int32 [steps, layers, k] for one request."""
-    g_noise = torch.Generator().manual_seed(seed)
-    g_layers = torch.Generator().manual_seed(seed + 1)
-    rng = np.random.default_rng(seed + 2)
+    """int32 [steps, layers, k] for the request of `seed` (its three streams spawned from it, so no
+    two seeds share one)."""
+    noise_seed, layers_seed, rng_seed = np.random.SeedSequence(seed).generate_state(3, np.uint64).tolist()
+    g_noise = torch.Generator().manual_seed(noise_seed)
+    g_layers = torch.Generator().manual_seed(layers_seed)
+    rng = np.random.default_rng(rng_seed)
     units = -(-(cfg.context + np.arange(cfg.steps) + 1) // cfg.unit_size)        # n_t, [steps]
     total = int(units[-1])
     regular = cfg.layers - cfg.random_layers
@@ -217,16 +252,16 @@ def per_kv_head_config(preset_name: str, unit_size: int, context: int, steps: in
 
 
 def per_kv_head_workload(config, unit_size: int, context: int, steps: int, k: int, batch: int,
-                         preset_name: str = "dsa_100k", random_layers: int = 0) -> Trace:
+                         preset_name: str = "dsa_100k", random_layers: int = 0, seed: int = 0) -> Trace:
     """A replay trace for a per-KV-head family (Quest, NSA) model of `config`: the preset's locality
-    at `unit_size` tokens per unit, one selection per (request, layer, KV head); one request's heads
-    generated and repeated for every request; each shared layer its anchor's
-    (`config.selection_anchor`); Quest's dense layers select nothing (-1). The first unit and the
-    newest ones (64 tokens, at least 2 units; 1 for the "tiny" preset) are always selected."""
+    at `unit_size` tokens per unit, one selection per (request, layer, KV head); every request its own
+    draw (request b's head h is row b * kv_heads + h of `batch_workload` from `seed`); each shared layer
+    its anchor's (`config.selection_anchor`); Quest's dense layers select nothing (-1). The first unit
+    and the newest ones (64 tokens, at least 2 units; 1 for the "tiny" preset) are always selected."""
     from hisparse.traces import with_anchors
     heads, layers = config.num_key_value_heads, config.num_hidden_layers
     gen = per_kv_head_config(preset_name, unit_size, context, steps, k, layers, heads, random_layers)
-    sel = np.tile(generate(gen).selections, (1, 1, batch, 1))          # [steps, layers, batch * heads, k]
+    sel = batch_workload(gen, batch * heads, seed).selections           # [steps, layers, batch * heads, k]
     sel[:, :getattr(config, "quest_dense_layers", 0)] = -1
     trace = Trace(sel, "synthetic", unit_size, [context] * (batch * heads), list(range(layers)), source=str(gen))
     return with_anchors(split_kv_heads(trace, heads), [config.selection_anchor(i) for i in range(layers)])
