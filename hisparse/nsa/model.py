@@ -14,14 +14,18 @@ from torch import nn
 from hisparse.models.base import CausalLM, DecoderLayer, Step
 from hisparse.models.config import NsaConfig
 from hisparse.models.layers import GatedMLP, Rotary, rope_half
+from hisparse.nsa.ops import nsa_prefill_selected, nsa_prefill_window
 from hisparse.nsa.reference import (
     NsaKV,
     TorchNsaAttention,
     block_score_map,
     compressed_blocks,
     grouped_attention,
+    selection_scores,
     top_blocks,
 )
+
+PREFILL_ELEMENTS = 1 << 26   # compressed-branch logits [B, H, rows, C] per row block of the fast prefill
 
 
 class NsaAttention(nn.Module):
@@ -65,7 +69,7 @@ class NsaAttention(nn.Module):
         else:
             end = step.start + s
             self._compress(kv, step.start, end)
-            out = self._prefill(q, gates, kv, step, end)
+            out = self._prefill_fast(q, gates, kv, step, end) if step.fast else self._prefill(q, gates, kv, step, end)
         return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
     def _compressed(self, keys: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
@@ -133,6 +137,48 @@ class NsaAttention(nn.Module):
         g = gates.permute(0, 2, 1, 3).reshape(b, self.n_kv_heads, group * s, 3).to(q.dtype)  # head-major like qg
         out = g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win  # [B, Hkv, G*S, D]
         return out.view(b, self.n_kv_heads, group, s, self.head_dim).permute(0, 3, 1, 2, 4)
+
+    def _prefill_fast(self, q, gates, kv: NsaKV, step: Step, end: int) -> torch.Tensor:
+        """The reference prefill's three gated branches in memory linear in the prompt: q [B, S, H, D]
+        at positions step.start .. end - 1 -> [B, S, H, D]. Compressed branch and selection in torch,
+        a bounded block of rows at a time; selected branch through the decode kernel, one query per
+        row list; window branch through torch's fused attention (hisparse/nsa/ops.py)."""
+        cfg = self.config
+        o_cmp, blocks = self._compressed_rows(q, kv, step.start, end, select=self.anchor == self.layer_idx)
+        if blocks is not None:
+            step.shared["nsa_blocks"] = blocks                                  # [B, Hkv, S, n]
+        blocks = step.shared["nsa_blocks"]           # a shared layer's: its group's anchor's
+        o_slc = nsa_prefill_selected(q, kv.keys, kv.values, blocks, step.start, cfg.selection_block_size)
+        o_win = nsa_prefill_window(q, kv.keys, kv.values, step.start, cfg.sliding_window)
+        g = gates.float()                                                           # [B, S, H, 3]
+        out = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc + g[..., 2:3] * o_win.float()
+        return out.to(q.dtype)
+
+    def _compressed_rows(self, q, kv: NsaKV, start: int, end: int, select: bool):
+        """Compressed branch of q [B, S, H, D] -> out [B, S, H, D] and, with `select`, the top blocks
+        [B, Hkv, S, n] int64, as `_prefill` computes them, rows of queries at a time: the logits of
+        one row block ([B, H, rows, C]) are the only workspace, and selection scores are formed in
+        linear memory (`selection_scores`), never as a [C, blocks] map."""
+        cfg, (b, s, h, d) = self.config, q.shape
+        hkv, group = self.n_kv_heads, h // self.n_kv_heads
+        n_cmp, n_blocks = compressed_blocks(end, cfg), -(-end // cfg.selection_block_size)
+        keys, values = kv.compressed_keys[:, :, :n_cmp], kv.compressed_values[:, :, :n_cmp]
+        needs = torch.arange(n_cmp, device=q.device) * cfg.compress_block_stride + cfg.compress_block_size  # [C]
+        out = torch.empty_like(q)
+        blocks = torch.empty(b, hkv, s, cfg.num_selected_blocks, dtype=torch.int64, device=q.device) if select else None
+        rows = max(1, PREFILL_ELEMENTS // (b * h * max(n_cmp, 1)))
+        for first in range(0, s, rows):
+            last = min(first + rows, s)
+            lengths = torch.arange(start + first + 1, start + last + 1, device=q.device)  # [R]
+            qg = q[:, first:last].reshape(b, last - first, hkv, group, d).permute(0, 2, 3, 1, 4).flatten(2, 3)
+            o, probs = self._masked(qg, keys, values, (needs[None, :] <= lengths[:, None]).repeat(group, 1))
+            out[:, first:last] = o.view(b, hkv, group, last - first, d).permute(0, 3, 1, 2, 4).flatten(2, 3)
+            if select:
+                p_cmp = probs.view(b, hkv, group, last - first, n_cmp).sum(2)    # [B, Hkv, R, C]
+                query_blocks = (-(-lengths // cfg.selection_block_size))[:, None]  # [R, 1]
+                blocks[:, :, first:last] = top_blocks(selection_scores(p_cmp, n_blocks, cfg), query_blocks,
+                                                      cfg.num_selected_blocks)
+        return out, blocks
 
     def _masked(self, qg, k, v, mask):
         return grouped_attention(qg, k, v, mask, self.head_dim ** -0.5)

@@ -39,6 +39,7 @@ from kernels_triton.nsa import (
     _nsa_merge_kernel,
     _nsa_select_kernel,
 )
+from kernels_triton.nsa_prefill import _nsa_prefill_selected_kernel
 
 CMP_BLOCK = 32
 CMP_STRIDE = 16
@@ -495,3 +496,89 @@ def nsa_decode(q, ck, cv, kv_rows, win_k, win_v, lengths, gates, n_blocks, rows_
     slc = _selected_partials(q, kv_rows, rows, blocks, lengths, scale, config, n_blocks)
     win = _window_partials(q, win_k, win_v, lengths, scale, config)
     return _gate(gates, o_cmp, slc, win, q.dtype), blocks
+
+
+# ----------------------------------------------------------------------------- prefill
+# A prefill chunk's query s (position start + s) is a decode query of length start + s + 1: the
+# selected branch runs through kernels_triton/nsa_prefill.py (the decode kernel's shape, one query
+# per row list, on a GPU); the window branch through torch's fused attention over a band of keys,
+# a bounded block of rows at a time.
+
+def _check_prefill(q, keys, values, start):
+    _check_float("q", q, q.device if isinstance(q, torch.Tensor) else None)
+    if q.dim() != 4 or q.stride(-1) != 1:
+        _fail("q", f"shape {tuple(q.shape)} strides {q.stride()}", "[B, S, H, D] with a unit stride on D")
+    b, s, h, d = q.shape
+    for name, x in (("keys", keys), ("values", values)):
+        _check_float(name, x, q.device, q.dtype)
+        _check_shape(name, x, (b, None, None, d))
+    if keys.shape != values.shape:
+        _fail("values.shape", tuple(values.shape), f"{tuple(keys.shape)} (the shape of keys)")
+    if keys.shape[1] == 0 or h % keys.shape[1]:
+        _fail("query heads", h, f"a multiple of the {keys.shape[1]} KV heads")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start + s > keys.shape[2]:
+        _fail("start", start, f"an int >= 0 with start + {s} queries <= {keys.shape[2]} keys")
+
+
+def nsa_prefill_selected(q, keys, values, blocks, start, block_size=SEL_BLOCK, scale=None, queries_per_program=None):
+    """Selected branch of a prefill chunk: q [B, S, H, D] (roped) at positions start .. start + S - 1
+    over the dense keys, values [B, KV, T, D] (the model's state), blocks [B, KV, S, n] int (each
+    query's selection block ids, -1 pads) -> out fp32 [B, S, H, D].
+
+    `_nsa_prefill_selected_kernel`: query s is a decode query of length start + s + 1 over its own
+    blocks (the block's valid length is the causality). queries_per_program: 1 on a GPU (the decode
+    kernel's shape), 16 in the interpreter, where each program costs far more than its arithmetic."""
+    _check_prefill(q, keys, values, start)
+    b, s, h, d = q.shape
+    kv_heads = keys.shape[1]
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype not in (torch.int32, torch.int64):
+        _fail("blocks.dtype", getattr(blocks, "dtype", type(blocks).__name__), "int32 or int64")
+    _check_shape("blocks", blocks, (b, kv_heads, s, None))
+    if blocks.device != q.device or blocks.shape[3] == 0:
+        _fail("blocks", f"{blocks.device}, {blocks.shape[3]} per query", f"on {q.device}, at least one per query")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+        _fail("block_size", block_size, "a power of two >= 16 (the kernel's key tile)")
+    per_program = queries_per_program or (1 if q.device.type == "cuda" else 16)
+    if isinstance(per_program, bool) or not isinstance(per_program, int) or per_program & (per_program - 1):
+        _fail("queries_per_program", queries_per_program, "a power of two")
+    n = min(blocks.shape[3], _cdiv(start + s, block_size))     # past the chunk's blocks every entry is -1
+    blocks = blocks[..., :n].to(torch.int32).contiguous()                              # [B, KV, S, n]
+    out = _alloc(q, (b, s, h, d), torch.float32)
+    if b * s == 0:
+        return out
+    g = h // kv_heads
+    _nsa_prefill_selected_kernel[(b * kv_heads, _cdiv(s, per_program))](
+        q, keys, values, blocks, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        keys.stride(1), keys.stride(2),
+        blocks.stride(1), blocks.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        kv_heads, g, d, s, n, start, d ** -0.5 if scale is None else float(scale),
+        T=block_size, BLOCK_Q=per_program, BLOCK_G=max(16 // per_program, _next_pow2(g)), BLOCK_D=_block_d(d),
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4,
+    )
+    return out
+
+
+def nsa_prefill_window(q, keys, values, start, window=WINDOW, scale=None):
+    """Window branch of a prefill chunk: q [B, S, H, D] at positions start .. start + S - 1 over the
+    last `window` of keys, values [B, KV, T, D] up to each position -> out [B, S, H, D] (q's dtype).
+
+    torch's scaled_dot_product_attention, `window` queries at a time over the band of keys they
+    reach (window + rows keys, a [rows, keys] mask): the workspace does not grow with the prompt."""
+    _check_prefill(q, keys, values, start)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        _fail("window", window, "an int >= 1")
+    s = q.shape[1]
+    q_heads = q.transpose(1, 2)                                                       # [B, H, S, D]
+    out = torch.empty_like(q_heads)
+    for first in range(0, s, window):
+        last = min(first + window, s)
+        lo, hi = max(0, start + first + 1 - window), start + last                    # the keys they reach
+        pos = torch.arange(start + first, start + last, device=q.device)[:, None]     # [rows, 1]
+        tok = torch.arange(lo, hi, device=q.device)[None, :]                         # [1, keys]
+        mask = (tok <= pos) & (tok > pos - window)
+        out[:, :, first:last] = F.scaled_dot_product_attention(
+            q_heads[:, :, first:last], keys[:, :, lo:hi], values[:, :, lo:hi], attn_mask=mask,
+            scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)

@@ -18,7 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from hisparse.models.config import NsaConfig
-from hisparse.nsa.ops import CMP_BLOCK, CMP_STRIDE, N_SELECT, SEL_BLOCK, block_count, compressed_count, resident_rows
+from hisparse.nsa.ops import (
+    CMP_BLOCK,
+    CMP_STRIDE,
+    N_SELECT,
+    SEL_BLOCK,
+    block_count,
+    compressed_count,
+    resident_rows,
+)
 
 
 @dataclass
@@ -64,6 +72,23 @@ def block_score_map(n_compressed: int, n_blocks: int, config: NsaConfig, device)
     p = torch.arange(span, device=device)
     pairs = (m[:, None] - p[None, :]).flatten()
     return (offset[..., None] == pairs).sum(-1).float()
+
+
+def selection_scores(p_cmp: torch.Tensor, n_blocks: int, config: NsaConfig) -> torch.Tensor:
+    """p_cmp [..., C] float32 -> scores [..., n_blocks]: p_cmp @ block_score_map(C, n_blocks) in
+    linear memory (the prefill's), as sums of (sel/stride) * (cmp/stride) shifted slices: score[j] =
+    sum_{m, p} p_cmp[(sel/stride) * j + m - p], indices outside [0, C) skipped. The same values up to
+    the order of the float additions."""
+    ratio = config.selection_block_size // config.compress_block_stride
+    span = config.compress_block_size // config.compress_block_stride
+    # index i sits at i + span - 1; the right pad reaches index ratio * (n_blocks - 1) + ratio - 1
+    padded = torch.nn.functional.pad(p_cmp, (span - 1, max(ratio * n_blocks - p_cmp.shape[-1], 0)))
+    scores = torch.zeros(*p_cmp.shape[:-1], n_blocks, dtype=p_cmp.dtype, device=p_cmp.device)
+    for m in range(ratio):
+        for p in range(span):
+            first = m - p + span - 1
+            scores += padded[..., first: first + ratio * (n_blocks - 1) + 1: ratio]
+    return scores
 
 
 def top_blocks(scores: torch.Tensor, n_blocks: torch.Tensor, n_select: int) -> torch.Tensor:
@@ -132,6 +157,37 @@ class TorchNsaAttention:
         tokens = torch.arange(kv.keys.shape[2], device=qg.device)[None, :]
         mask = (tokens < lengths[:, None]) & (tokens >= lengths[:, None] - self.config.sliding_window)
         return grouped_attention(qg, kv.keys, kv.values, mask[:, None, None, :], self.scale)[0]
+
+
+def _prefill_masked_ref(q, keys, values, mask, scale):
+    """q [B, S, H, D], keys, values [B, KV, T, D], mask broadcastable to [B, KV, S, T] -> fp32 [B, S, H, D]."""
+    b, s, h, d = q.shape
+    kv_heads = keys.shape[1]
+    qg = q.float().view(b, s, kv_heads, h // kv_heads, d).permute(0, 2, 3, 1, 4)          # [B, KV, G, S, D]
+    logits = torch.einsum("bkgsd,bktd->bkgst", qg, keys.float()) * (d ** -0.5 if scale is None else scale)
+    mask = mask[..., None, :, :]                                                         # over the G heads
+    probs = torch.where(mask, torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1), 0.0)
+    return torch.einsum("bkgst,bktd->bkgsd", probs, values.float()).permute(0, 3, 1, 2, 4).reshape(b, s, h, d)
+
+
+def nsa_prefill_selected_ref(q, keys, values, blocks, start, block_size, scale=None):
+    """nsa_prefill_selected in torch: q [B, S, H, D] at positions start .. start + S - 1, keys,
+    values [B, KV, T, D], blocks [B, KV, S, n] (-1 pads) -> fp32 [B, S, H, D], each query over the
+    tokens of its blocks up to it, as the reference prefill's mask."""
+    b, s = q.shape[:2]
+    kv_heads, t = keys.shape[1], keys.shape[2]
+    tokens = torch.arange(t, device=q.device)
+    chosen = torch.zeros(b, kv_heads, s, -(-t // block_size) + 1, dtype=torch.bool, device=q.device)
+    chosen = chosen.scatter(-1, torch.where(blocks < 0, chosen.shape[-1] - 1, blocks.long()), True)[..., :-1]
+    causal = tokens[None, :] <= torch.arange(start, start + s, device=q.device)[:, None]  # [S, T]
+    return _prefill_masked_ref(q, keys, values, chosen[..., tokens // block_size] & causal, scale)
+
+
+def nsa_prefill_window_ref(q, keys, values, start, window, scale=None):
+    """nsa_prefill_window in torch: each query over the last `window` tokens up to it -> fp32 [B, S, H, D]."""
+    pos = torch.arange(start, start + q.shape[1], device=q.device)[:, None]
+    tokens = torch.arange(keys.shape[2], device=q.device)[None, :]
+    return _prefill_masked_ref(q, keys, values, (tokens <= pos) & (tokens > pos - window), scale)
 
 
 def nsa_compress_ref(k, v, weight_k=None, weight_v=None):
