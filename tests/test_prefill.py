@@ -201,3 +201,113 @@ def test_eager_topk_is_topk_select_on_the_gpu():
             scores[(scores == 0) & (torch.rand(n, t, device="cuda", generator=gen) < 0.5)] = -0.0
         scores = scores.masked_fill(torch.arange(t, device="cuda")[None, :] >= lengths[:, None], float("-inf"))
         assert torch.equal(topk_of_indexer_scores(scores, lengths, k), topk_select(scores, lengths, k))
+
+
+# -- NSA ------------------------------------------------------------------------------------------
+# The tiny NSA model at the kernels' block sizes (compressed 32 / 16, selection 64, 16 selected
+# blocks, window 512: prompts here are shorter than the window and select every block), and a
+# small geometry where the choice is real: selection blocks of 16, compressed 16 / 8, 3 selected,
+# a window of 24, layers sharing their anchor's selection in pairs.
+NSA_SMALL = {"compress_block_size": 16, "compress_block_stride": 8, "selection_block_size": 16,
+             "num_selected_blocks": 3, "sliding_window": 24, "num_hidden_layers": 3, "selection_group": 2}
+
+
+def tiny_nsa(**overrides):
+    model = build_model(config_from_dict(dict(TINY_CONFIGS["nsa"], **overrides)))
+    randomize_(model, seed=0)
+    return model.eval()
+
+
+NSA_MODELS = {"kernel-sizes": tiny_nsa(), "small-blocks": tiny_nsa(**NSA_SMALL)}
+
+
+def selections_of(model, ids, chunk, fast):
+    """Logits, state and each layer's per-query blocks [B, Hkv, S, n] per chunk, layer-major."""
+    seen = []
+    hooks = [layer.self_attn.register_forward_hook(lambda m, args, out: seen.append(args[1].shared["nsa_blocks"]))
+             for layer in model.model.layers]
+    try:
+        state = model.new_state(ids.shape[0], ids.shape[1] + 2)
+        logits = model.prefill(ids, state, chunk, fast=fast)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, state, seen
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("geometry,length,chunk", [
+    ("kernel-sizes", 37, None), ("kernel-sizes", 29, 5), ("kernel-sizes", 3, None), ("kernel-sizes", 70, 24),
+    ("small-blocks", 61, 13), ("small-blocks", 9, None), ("small-blocks", 45, None)])
+def test_nsa_fast_prefill_agrees_with_the_reference(geometry, length, chunk):
+    """Odd lengths, chunks ending inside compressed and selection blocks, prompts shorter than one
+    compressed block and than the window (and, small-blocks, longer): the same logits and written KV
+    within float32's tolerance, and every layer's per-query selections exactly the reference's."""
+    model = NSA_MODELS[geometry]
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(length))
+    ref, ref_state, ref_blocks = selections_of(model, ids, chunk, fast=False)
+    fast, fast_state, fast_blocks = selections_of(model, ids, chunk, fast=True)
+    assert (fast - ref).abs().max() <= TOLERANCE * ref.abs().max(), (fast - ref).abs().max()
+    for a, b in zip(ref_state.layers, fast_state.layers):
+        for name, x in vars(a).items():
+            assert torch.allclose(x, getattr(b, name), atol=1e-4, rtol=1e-4), name
+    assert len(ref_blocks) == len(fast_blocks)
+    assert all(torch.equal(a, b) for a, b in zip(ref_blocks, fast_blocks))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_nsa_fast_selection_over_many_row_blocks_is_the_references(monkeypatch):
+    """A 300-token prompt at the kernels' sizes with 3 selected blocks of 5 (a real choice), the
+    compressed branch in row blocks of a few queries: every query's blocks as the reference's. (The
+    selected branch runs through its torch reference here, to keep the interpreter out of it.)"""
+    import hisparse.nsa.model as nsa_model
+    from hisparse.nsa.reference import nsa_prefill_selected_ref
+    monkeypatch.setattr(nsa_model, "PREFILL_ELEMENTS", 4096)
+    monkeypatch.setattr(nsa_model, "nsa_prefill_selected",
+                        lambda q, k, v, blocks, start, size: nsa_prefill_selected_ref(q, k, v, blocks, start, size))
+    model = tiny_nsa(num_selected_blocks=3, sliding_window=64)
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(5))
+    ref, _, ref_blocks = selections_of(model, ids, 112, fast=False)
+    fast, _, fast_blocks = selections_of(model, ids, 112, fast=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref_blocks, fast_blocks))
+    chosen = ref_blocks[-1][0, 0, -1]
+    assert (chosen >= 0).all() and set(chosen.tolist()) != {0, 1, 2}      # past the forced blocks: a choice
+    assert (fast - ref).abs().max() <= TOLERANCE * ref.abs().max()
+
+
+def test_nsa_selection_scores_are_the_block_map_and_ties_go_to_the_lower_block():
+    """selection_scores (linear memory) equals p @ block_score_map: to float rounding on random
+    probabilities, bitwise on dyadic ones (exact sums); tied scores then rank as the reference's
+    top_blocks ranks them, the lower block first."""
+    from hisparse.nsa.reference import block_score_map, selection_scores, top_blocks
+    for overrides in ({}, NSA_SMALL):
+        cfg = config_from_dict(dict(TINY_CONFIGS["nsa"], **overrides))
+        for n_cmp, n_blocks in ((0, 1), (3, 2), (29, 8), (30, 8)):
+            p = torch.rand(2, 3, n_cmp, generator=torch.Generator().manual_seed(n_cmp))
+            want = p @ block_score_map(n_cmp, n_blocks, cfg, "cpu")
+            assert torch.allclose(selection_scores(p, n_blocks, cfg), want, atol=1e-6)
+            dyadic = (p * 4).floor() / 8                                    # 0, 1/8, 1/4, 3/8: many ties
+            exact = selection_scores(dyadic, n_blocks, cfg)
+            assert torch.equal(exact, dyadic @ block_score_map(n_cmp, n_blocks, cfg, "cpu"))
+            picks = top_blocks(exact, torch.tensor(n_blocks), 4)
+            for row, scores in zip(picks.flatten(0, 1), exact.flatten(0, 1)):
+                rest = [j for j in row.tolist()[1:] if 0 < j < n_blocks - 2]
+                assert rest == sorted(rest, key=lambda j: (-scores[j].item(), j))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_nsa_resident_and_hisparse_are_bitwise_equal_after_a_fast_prefill():
+    """The Engine's default prefill (the kernels) on NSA: hisparse decodes bitwise as resident does;
+    greedy tokens agree with a run after the reference prefill."""
+    model = tiny_nsa(num_hidden_layers=1, num_selected_blocks=4, sliding_window=64)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (130, 20)]
+    runs = {}
+    for mode, prefill in (("resident", "model"), ("hisparse", "model"), ("resident", "reference")):
+        engine = Engine(model, mode, cache_slots=None if mode == "resident" else 4, chunk_size=48, prefill=prefill)
+        runs[mode, prefill] = engine.generate(prompts, new_tokens=3)
+    fast, hier, ref = runs["resident", "model"], runs["hisparse", "model"], runs["resident", "reference"]
+    assert torch.equal(fast.tokens, hier.tokens)
+    assert all(torch.equal(a, b) for a, b in zip(fast.logits, hier.logits))
+    assert torch.equal(fast.tokens, ref.tokens)
+    assert (fast.logits[0] - ref.logits[0]).abs().max() <= TOLERANCE * ref.logits[0].abs().max()
