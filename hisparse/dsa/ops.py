@@ -24,8 +24,19 @@ import triton
 import triton.runtime.errors
 
 from kernels_triton import dsa_gluon
-from kernels_triton.dsa import _indexer_scores_kernel, _sparse_mla_combine_kernel, _sparse_mla_decode_kernel
-from kernels_triton.dsa_gluon import BLOCK_H, BLOCK_K, NUM_STAGES, NUM_WARPS, _sparse_mla_decode_gluon_kernel
+from kernels_triton.dsa import (
+    _indexer_scores_kernel,
+    _sparse_mla_combine_kernel,
+    _sparse_mla_decode_kernel,
+)
+from kernels_triton.dsa_gluon import (
+    BLOCK_H,
+    BLOCK_K,
+    NUM_STAGES,
+    NUM_WARPS,
+    _sparse_mla_decode_gluon_kernel,
+)
+from kernels_triton.dsa_prefill import _order_picks_kernel, _prefill_indexer_kernel
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
@@ -140,20 +151,16 @@ def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
 def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """`topk_select`'s result for scores the indexer kernels wrote (-inf at t >= lengths[n]: other
     scores past a length would be picked, then dropped), faster where a host sync does not matter
-    (prefill): torch.topk on the floats, the picks ordered best first with ties to the lower id (two
-    sorts of k per row), and `topk_select`'s exact keys only for rows whose equal scores straddle
-    the k-th place."""
+    (prefill): torch.topk on the floats, the picks ordered best first with ties to the lower id by
+    `order_picks` (one sort of k unique keys per row), and `topk_select`'s exact keys only for rows
+    whose equal scores straddle the k-th place."""
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
     if t == 0:
         return torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
     values, ids = scores.topk(min(k, t), dim=1, sorted=False)                         # [N, k']
-    ids, order = ids.sort(dim=1)                                                       # by id, then stably
-    values, order = values.gather(1, order).sort(dim=1, descending=True, stable=True)  # by score: ties by id
-    ids = ids.gather(1, order)
-    sel = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
-    sel[:, :ids.shape[1]] = torch.where(ids < lengths[:, None], ids, -1).to(torch.int32)
-    last = values[:, -1:]                  # a tie there may leave out a lower id; -inf: every valid one is in
+    sel = order_picks(values, ids, lengths, k)
+    last = values.min(dim=1, keepdim=True).values  # a tie there may leave out a lower id; -inf: every valid one is in
     straddles = ((scores == last).sum(1) != (values == last).sum(1)) & (last[:, 0] > float("-inf"))
     rows = straddles.nonzero().flatten()
     if rows.numel():
@@ -161,9 +168,128 @@ def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) 
     return sel
 
 
+def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection [N, k] int32 made of each row's top-k picks (values [N, k'] float32 and their
+    token ids [N, k'] int64, k' <= k, in any order): best first, equal scores (+0.0 == -0.0) to the
+    lower id, ids >= lengths[n] and the places past k' as -1 (`order_picks_ref` in torch)."""
+    n, picked = values.shape
+    _require(values.dtype == torch.float32 and ids.shape == values.shape and ids.dtype == torch.int64,
+             f"values float32 and ids int64 of one shape [N, k'], got {values.dtype} {tuple(values.shape)} "
+             f"and {ids.dtype} {tuple(ids.shape)}")
+    _require(picked <= k and lengths.shape == (n,), f"{picked} picks for k={k}, lengths {tuple(lengths.shape)}")
+    sel = torch.empty((n, k), dtype=torch.int32, device=values.device)
+    if n == 0:
+        return sel
+    block_k = triton.next_power_of_2(k)
+    _order_picks_kernel[(n,)](
+        values, ids, lengths, sel, values.stride(0), ids.stride(0), sel.stride(0), picked, k,
+        BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
+    )
+    return sel
+
+
+def order_picks_ref(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """`order_picks` in torch: the picks sorted by id, then stably by score, best first."""
+    n, picked = values.shape
+    ids, order = ids.sort(dim=1)                                                       # by id, then stably
+    values = values.masked_fill(values == 0, 0.0).gather(1, order)
+    ids = ids.gather(1, values.sort(dim=1, descending=True, stable=True).indices)       # by score: ties by id
+    sel = torch.full((n, k), -1, dtype=torch.int32, device=values.device)
+    sel[:, :picked] = torch.where(ids < lengths[:, None], ids, -1).to(torch.int32)
+    return sel
+
+
 def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tensor:
     """Indexer scores then top-k: the selection [N, k] int32 of token ids, -1 padding."""
     return topk_select(indexer_scores(q, weights, keys, lengths, key_scale), lengths, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: the indexer over a chunk of queries, causality as lengths
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class PrefillIndexerConfig:
+    """Tiles and launch shape of `_prefill_indexer_kernel`: `queries` resident queries a program (1, 2
+    or 4), `block_t` keys a tile, `splits` programs along the keys per query block (None: enough to
+    fill the GPU). block_t and num_warps as the decode indexer's (`indexer_scores`) give its bits."""
+    block_t: int
+    queries: int
+    num_warps: int
+    num_stages: int
+    splits: int | None = None
+
+    def __post_init__(self):
+        _require(self.block_t >= 16 and self.block_t == triton.next_power_of_2(self.block_t),
+                 f"block_t={self.block_t}: expected a power of 2 >= 16")
+        _require(self.queries in (1, 2, 4), f"queries={self.queries}: expected 1, 2 or 4")
+        _require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
+        _require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
+        _require(self.splits is None or (isinstance(self.splits, int) and self.splits >= 1),
+                 f"splits={self.splits!r}: expected None or an int >= 1")
+
+
+def default_prefill_indexer_config(device: torch.device) -> PrefillIndexerConfig:
+    """The decode indexer's tile (block_t 128 and 4 warps on the GPU, 32 in the interpreter), so the
+    prefill's scores are bitwise the decode's and its selections the decode path's."""
+    if device.type == "cuda":
+        return PrefillIndexerConfig(block_t=128, queries=4, num_warps=4, num_stages=3)
+    return PrefillIndexerConfig(block_t=32, queries=2, num_warps=4, num_stages=1)
+
+
+def _check_prefill_indexer_inputs(q, weights, keys, start) -> None:
+    _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
+             f"{tuple(q.shape)} and {tuple(keys.shape)}")
+    s, h, d = q.shape
+    t = keys.shape[0]
+    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    _require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
+    _require(keys.shape[1] == d and keys.dtype == q.dtype,
+             f"keys {keys.dtype} {tuple(keys.shape)}: expected {q.dtype} [T, D={d}]")
+    _require(weights.shape == (s, h) and weights.dtype.is_floating_point,
+             f"weights {weights.dtype} {tuple(weights.shape)}: expected a float dtype of shape {(s, h)}")
+    _require(isinstance(start, int) and 0 <= start and start + s <= t,
+             f"start={start!r}: queries at start .. start + {s} - 1 need start >= 0 and start + {s} <= T = {t}")
+    for name, x in (("weights", weights), ("keys", keys)):
+        _require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
+    _require(q.stride(-1) == 1 and keys.stride(-1) == 1,
+             f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
+
+
+def prefill_indexer_splits(query_blocks: int, tiles: int, device: torch.device) -> int:
+    """Programs along the keys per query block: about 4 a multiprocessor in all (1 off the GPU)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, triton.cdiv(4 * sms, query_blocks)))
+
+
+def prefill_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int,
+                           config: PrefillIndexerConfig | None = None) -> torch.Tensor:
+    """Lightning-indexer scores [S, T] float32 of S consecutive queries at positions start .. start +
+    S - 1 over one request's keys [T, D]: query s scores tokens t < start + s + 1 (its causal
+    length), -inf from there, exactly `indexer_scores(q, weights, keys.expand(S, T, D), start + 1 +
+    arange(S))` (the decode kernel, bit for bit at the default config; `reference.indexer_scores_ref`
+    in torch). q [S, H_index, D], weights [S, H_index], keys in q's dtype."""
+    _check_prefill_indexer_inputs(q, weights, keys, start)
+    cfg = config or default_prefill_indexer_config(q.device)
+    s, h, d = q.shape
+    t = keys.shape[0]
+    out = torch.empty((s, t), dtype=torch.float32, device=q.device)
+    if s == 0 or t == 0:
+        return out
+    query_blocks, tiles = triton.cdiv(s, cfg.queries), triton.cdiv(t, cfg.block_t)
+    splits = min(tiles, cfg.splits or prefill_indexer_splits(query_blocks, tiles, q.device))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    _prefill_indexer_kernel[(query_blocks, triton.cdiv(tiles, tiles_per_split))](
+        q, weights, keys, out,
+        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), out.stride(0),
+        s, t, start, tiles_per_split,
+        H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=cfg.block_t, QUERIES=cfg.queries,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
 
 
 # the prefill's selection makes its [rows, T] scores this many elements at a time (about 6 bytes each
@@ -177,7 +303,8 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     weights [S, H_index] of the tokens at positions start .. start + S - 1, keys [T, D] of its first
     T = start + S tokens. Query s selects among tokens 0 .. start + s, exactly as `dsa_select` does
     for a decode query of that length: causality is the lengths, no [S, T] mask is made. The scores
-    are made for as many queries at a time as fit `max_elements`."""
+    (`prefill_indexer_scores`, the decode indexer's bits) are made for as many queries at a time as
+    fit `max_elements`."""
     _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
              f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, t = q.shape[0], keys.shape[0]
@@ -188,8 +315,7 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     rows = max(1, max_elements // max(1, t))
     for r in range(0, s, rows):
         part = slice(r, min(s, r + rows))
-        n = part.stop - part.start          # one key tensor for every query: a stride-0 view
-        scores = indexer_scores(q[part], weights[part], keys.expand(n, t, keys.shape[1]), lengths[part])
+        scores = prefill_indexer_scores(q[part], weights[part], keys, start + r)
         out[part] = topk_of_indexer_scores(scores, lengths[part], k)
     return out
 
