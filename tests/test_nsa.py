@@ -476,3 +476,69 @@ def test_gpu_compress_newest_bf16():
     assert torch.equal(ck[:, :, 253:255], full_k[:, :, 253:255])
     assert torch.equal(cv[:, :, 253:255], full_v[:, :, 253:255])
     assert torch.isnan(ck[:, :, :253]).all() and torch.isnan(ck[:, :, 255:]).all()
+
+
+# ----------------------------------------------------------------------------- prefill
+
+def prefill_case(b, s, h, kv_heads, d, start, n, block, dtype, seed=0, device="cpu"):
+    """Random prefill inputs: q [B, S, H, D] at positions start .., dense keys, values [B, KV, T, D]
+    (T a little past the chunk), and per query n distinct blocks it may read (-1 pads the rest)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = start + s + 5
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype).to(device)
+               for shape in ((b, s, h, d), (b, kv_heads, t, d), (b, kv_heads, t, d)))
+    own = -(-(torch.arange(start, start + s) + 1) // block)  # [S] blocks each query has
+    scores = torch.rand(b, kv_heads, s, -(-t // block), generator=gen)
+    scores = scores.masked_fill(torch.arange(scores.shape[-1]) >= own[:, None], -1.0)
+    blocks = scores.topk(min(n, scores.shape[-1]), dim=-1).indices
+    blocks = torch.where(scores.gather(-1, blocks) >= 0, blocks, -1)
+    blocks = torch.nn.functional.pad(blocks, (0, n - blocks.shape[-1]), value=-1)
+    blocks[0, 0, 0] = -1                                     # a query with nothing selected gives zeros
+    return q, k, v, blocks.to(device)
+
+
+@pytest.mark.parametrize("per_program", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,s,h,kv_heads,d,start,n,block", [
+    (2, 13, 4, 2, 16, 40, 3, 16), (1, 27, 6, 3, 24, 0, 2, 16), (1, 9, 2, 1, 32, 61, 4, 64)],
+    ids=["B2-S13-start40", "B1-S27-G2-start0", "B1-S9-block64"])
+def test_prefill_selected_matches_reference(per_program, dtype, b, s, h, kv_heads, d, start, n, block):
+    """Partial newest blocks (causality as each query's length), -1 pads, queries of one tile
+    reading different blocks; every tile size the same within the dtype's tolerance."""
+    q, k, v, blocks = prefill_case(b, s, h, kv_heads, d, start, n, block, dtype)
+    got = nsa.nsa_prefill_selected(q, k, v, blocks, start, block, queries_per_program=per_program)
+    want = nsa_ref.nsa_prefill_selected_ref(q, k, v, blocks, start, block)
+    assert got.dtype == torch.float32 and rel_err(got, want) < TOL[dtype]
+    assert (got[0, 0, :h // kv_heads] == 0).all()
+
+
+@pytest.mark.parametrize("window,start,s", [(7, 30, 19), (64, 0, 27), (5, 3, 2)])
+def test_prefill_window_matches_reference(window, start, s):
+    q, k, v, _ = prefill_case(2, s, 4, 2, 16, start, 1, 16, torch.float32, seed=window)
+    got = nsa.nsa_prefill_window(q, k, v, start, window)
+    assert rel_err(got, nsa_ref.nsa_prefill_window_ref(q, k, v, start, window)) < TOL[torch.float32]
+
+
+def test_prefill_launchers_refuse_bad_inputs_before_launching():
+    q, k, v, blocks = prefill_case(1, 5, 4, 2, 16, 3, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="block_size: got 24, expected a power of two >= 16"):
+        nsa.nsa_prefill_selected(q, k, v, blocks, 3, 24)
+    with pytest.raises(ValueError, match="start: got 9"):
+        nsa.nsa_prefill_selected(q, k, v, blocks, 9, 16)
+    with pytest.raises(ValueError, match="blocks.shape"):
+        nsa.nsa_prefill_selected(q, k, v, blocks[:, :1], 3, 16)
+    with pytest.raises(ValueError, match="keys layout"):
+        nsa.nsa_prefill_selected(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, blocks, 3, 16)
+    with pytest.raises(ValueError, match="values.dtype"):
+        nsa.nsa_prefill_window(q, k, v.half(), 3, 8)
+    with pytest.raises(ValueError, match="window: got 0"):
+        nsa.nsa_prefill_window(q, k, v, 3, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_selected_bf16_real_shapes():
+    """bf16 at 64 query and 4 KV heads of 128, 16 blocks of 64 per query, 2048 queries at 6000."""
+    q, k, v, blocks = prefill_case(1, 2048, 64, 4, 128, 6000, 16, 64, torch.bfloat16, device="cuda")
+    got = nsa.nsa_prefill_selected(q, k, v, blocks, 6000, 64)
+    want = nsa_ref.nsa_prefill_selected_ref(q, k, v, blocks, 6000, 64)
+    assert rel_err(got, want) < TOL[torch.bfloat16]

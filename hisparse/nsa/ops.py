@@ -529,6 +529,8 @@ def nsa_prefill_selected(q, keys, values, blocks, start, block_size=SEL_BLOCK, s
     blocks (the block's valid length is the causality). queries_per_program: 1 on a GPU (the decode
     kernel's shape), 16 in the interpreter, where each program costs far more than its arithmetic."""
     _check_prefill(q, keys, values, start)
+    for name, x in (("keys", keys), ("values", values)):
+        _check_contiguous(name, x)                  # stream b * KV + kv_head at one stride, unit stride on D
     b, s, h, d = q.shape
     kv_heads = keys.shape[1]
     if not isinstance(blocks, torch.Tensor) or blocks.dtype not in (torch.int32, torch.int64):
