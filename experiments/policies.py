@@ -2,13 +2,16 @@
 
     python -m experiments.policies [--out DIR] [--quick]
 
-1. Calibrate the "dsa_100k" preset's two free parameters (noise, drift) on the two published miss
-   rates of DESIGN section 7 (k = 2048, 100K-token prompt, 1000 steps, averaged over the model's
-   layers): 30% when only the last selection is kept, 13.4% with LRU at B = 4096. Nothing else is fit.
+1. Calibrate the "dsa_100k" preset's three free parameters (noise, drift, persistence) on the three
+   published miss rates (PUBLISHED: k = 2048, 100K-token prompt, 1000 steps, averaged over the
+   model's layers): 30% when only the last selection is kept, 13.4% with LRU at B = 4096 and 6.7%
+   at B = 8192. Nothing else is fit.
 2. Generate the trace and simulate every policy at B in {k, 1.5k, 2k, 3k, 4k}; what the other numbers
-   come out as (FIFO, random, Belady at 4096, LRU at 8192, overlaps) are predictions, not tuned.
+   come out as (FIFO, random, Belady, LRU between the fitted points, overlaps) are predictions, not tuned.
 3. Append long-format rows to DIR/policies.csv: miss rates overall and per layer, per-step curves
-   (`step` column), consecutive-step and adjacent-layer overlap, reuse-gap quantiles.
+   (`step` column), consecutive-step and adjacent-layer overlap, reuse-gap quantiles. Rows of a
+   calibrated workload say `calibration`: "fit" for the three fitted miss rates (with `published`),
+   "prediction" for every other row.
 
 `--quick` runs the "tiny" preset without calibration (seconds; for tests).
 """
@@ -21,103 +24,121 @@ from pathlib import Path
 
 import numpy as np
 
-from hisparse.policies import adjacent_layer_overlap, consecutive_overlap, gap_quantiles, reuse_gaps, simulate
+from hisparse.policies import (
+    adjacent_layer_overlap,
+    consecutive_overlap,
+    gap_quantiles,
+    reuse_gaps,
+    simulate,
+)
 from hisparse.results import append_rows, check_out_folder
-from hisparse.synthetic import SyntheticConfig, generate, layer_weights, preset
+from hisparse.synthetic import PRESETS, SyntheticConfig, generate, layer_weights, preset
 
-PUBLISHED = {"last": 0.30, "lru": 0.134}   # DESIGN section 7: B = k and LRU at B = 2k = 4096
+# (policy, B / k) -> miss rate measured on GLM-5.1's DSA trace (DESIGN section 7)
+PUBLISHED = {("last", 1.0): 0.30, ("lru", 2.0): 0.134, ("lru", 4.0): 0.067}
+CALIBRATED = ("dsa_100k",)                 # presets whose stored parameters are `calibrate`'s fit
+FITTED = ("noise", "drift", "persistence")
+BOUNDS = ((0.0, 1.0), (0.0, 0.5), (0.0, 0.98))   # of each FITTED parameter
+DIFF_STEPS = (0.01, 0.01, 0.02)            # finite differences of the first Jacobian
 SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
 SLOT_POLICIES = ("lru", "fifo", "random", "belady")
 CURVES = (("last", 1.0), ("lru", 1.5), ("lru", 2.0), ("lru", 4.0), ("belady", 2.0))
 QUANTILES = (0.5, 0.9, 0.99)
 
 
-def layer_rates(cfg: SyntheticConfig, policy: str, cache_slots: int | None) -> np.ndarray:
-    """float64 [layers]: miss rate of each layer of a freshly generated trace."""
-    trace = generate(cfg)
-    sel, stream_layer = trace.streams()
-    return simulate(sel, policy, cache_slots).per_layer(stream_layer)
+def published_point_rates(cfg: SyntheticConfig) -> np.ndarray:
+    """float64 [len(PUBLISHED)]: the miss rate at each published point of a freshly generated trace,
+    averaged over its simulated layers (unweighted)."""
+    sel, stream_layer = generate(cfg).streams()
+    return np.array([simulate(sel, policy, None if policy == "last" else int(factor * cfg.k))
+                     .per_layer(stream_layer).mean() for policy, factor in PUBLISHED])
 
 
-def solve_increasing(f, lo: float, hi: float, target: float, tol: float,
-                     max_evals: int = 16) -> tuple[float, float]:
-    """(x, f(x)) with x in [lo, hi] and f(x) ~= target, for an increasing f (Illinois regula falsi).
-
-    Where the target lies outside [f(lo), f(hi)] the nearer end is returned: the caller checks f(x).
-    """
-    f_lo, f_hi = f(lo) - target, f(hi) - target
-    if f_lo >= 0 or f_hi <= 0:
-        return (lo, f_lo + target) if f_lo >= 0 else (hi, f_hi + target)
-    side = 0
-    for _ in range(max_evals):
-        x = hi - f_hi * (hi - lo) / (f_hi - f_lo)
-        fx = f(x) - target
-        if abs(fx) < tol:
+def solve_broyden(f, x0, goal, diff_steps, bounds, tol: float, max_evals: int = 24):
+    """(x, f(x)) with every |f(x) - goal| < tol, for f of a few parameters with a well-conditioned
+    Jacobian (Broyden's method from a finite-difference Jacobian at x0; steps clipped to `bounds`).
+    After max_evals evaluations the best x seen is returned: the caller checks f(x)."""
+    x, goal = np.asarray(x0, float), np.asarray(goal, float)
+    lower, upper = np.array(bounds, float).T
+    fx = f(x)
+    if np.abs(fx - goal).max() < tol:
+        return x, fx
+    jac = np.stack([(f(x + h * e) - fx) / h for h, e in zip(diff_steps, np.eye(len(x)))], axis=1)
+    best, evals = (x, fx), 1 + len(x)
+    while np.abs(fx - goal).max() >= tol and evals < max_evals:
+        step = np.clip(x + np.linalg.lstsq(jac, goal - fx, rcond=None)[0], lower, upper) - x
+        if not step.any():
             break
-        if fx < 0:
-            lo, f_lo = x, fx
-            f_hi = f_hi / 2 if side == -1 else f_hi
-            side = -1
-        else:
-            hi, f_hi = x, fx
-            f_lo = f_lo / 2 if side == 1 else f_lo
-            side = 1
-    return x, fx + target
+        f_new = f(x + step)
+        evals += 1
+        jac += np.outer(f_new - fx - jac @ step, step) / (step @ step)
+        x, fx = x + step, f_new
+        if np.abs(fx - goal).max() < np.abs(best[1] - goal).max():
+            best = (x, fx)
+    return best
 
 
 def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
-    """`base` with noise and drift fit so the layer-weighted "last" (B = k) and LRU (B = 2k) miss rates
-    equal PUBLISHED. The random layers do not depend on either parameter: they are measured once and
-    their share taken off the targets; the two parameters are then fit on one regular layer.
-    Raises ValueError when the model cannot reach the targets (noise in [0, 1], drift in [0, 0.2])."""
-    lru_slots = 2 * base.k
+    """`base` with FITTED (noise, drift, persistence) fit so its layer-weighted miss rates at the
+    PUBLISHED points equal theirs, starting from base's own values. The random layers depend on none
+    of the three: they are measured once and their share taken off the targets; the parameters are
+    then fit on one regular layer. Raises ValueError when the model cannot reach the targets."""
     total, n_random = base.model_layers or base.layers, base.random_layers
-    r_last = r_lru = 0.0
+    random_rates = np.zeros(len(PUBLISHED))
     if n_random:
-        randoms = replace(base, layers=n_random, model_layers=None)
-        r_last = layer_rates(randoms, "last", None).mean()
-        r_lru = layer_rates(randoms, "lru", lru_slots).mean()
-    goal_last = (PUBLISHED["last"] * total - n_random * r_last) / (total - n_random)
-    goal_lru = (PUBLISHED["lru"] * total - n_random * r_lru) / (total - n_random)
-    print(f"random layers: last {r_last:.4f}, LRU@{lru_slots} {r_lru:.4f}; regular-layer goals: last "
-          f"{goal_last:.4f}, LRU@{lru_slots} {goal_lru:.4f}")
+        random_rates = published_point_rates(replace(base, layers=n_random, model_layers=None))
+    goals = (np.array(list(PUBLISHED.values())) * total - n_random * random_rates) / (total - n_random)
+    points = ", ".join(f"{policy}@{int(factor * base.k)}" for policy, factor in PUBLISHED)
+    print(f"random layers at {points}: {np.round(random_rates, 4).tolist()}; regular-layer goals: "
+          f"{np.round(goals, 4).tolist()}")
     one = replace(base, layers=1, random_layers=0, model_layers=None)
-    fits = {}                                                  # drift -> (noise, last miss)
 
-    def lru_miss(drift: float) -> float:
-        def last_miss(noise: float) -> float:
-            return layer_rates(replace(one, noise=noise, drift=drift), "last", None)[0]
-        fits[drift] = solve_increasing(last_miss, 0.0, 1.0, goal_last, tol)
-        miss = layer_rates(replace(one, noise=fits[drift][0], drift=drift), "lru", lru_slots)[0]
-        print(f"  drift {drift:.5f}: noise {fits[drift][0]:.4f} -> last {fits[drift][1]:.4f}, "
-              f"LRU@{lru_slots} {miss:.4f}", flush=True)
-        return miss
+    def regular_rates(x) -> np.ndarray:
+        rates = published_point_rates(replace(one, **dict(zip(FITTED, map(float, x)))))
+        print(f"  {dict(zip(FITTED, np.round(x, 5).tolist()))} -> {np.round(rates, 4).tolist()}", flush=True)
+        return rates
 
-    drift, lru = solve_increasing(lru_miss, 0.0, 0.2, goal_lru, tol)
-    noise, last = fits[drift]
-    if abs(last - goal_last) > 4 * tol or abs(lru - goal_lru) > 4 * tol:
-        raise ValueError(f"{base} cannot reach the regular-layer goals last {goal_last:.4f}, LRU@{lru_slots} "
-                         f"{goal_lru:.4f}: the closest fit (noise {noise:.4f}, drift {drift:.5f}) gives "
-                         f"{last:.4f}, {lru:.4f}")
-    return replace(base, noise=round(float(noise), 5), drift=round(float(drift), 6))
+    if not ((goals > 0) & (goals < 1)).all():
+        raise ValueError(f"{base} cannot reach the regular-layer goals {np.round(goals, 4).tolist()}: "
+                         f"the random layers alone leave no share in (0, 1) for the others")
+    x, rates = solve_broyden(regular_rates, [getattr(base, name) for name in FITTED], goals, DIFF_STEPS,
+                             BOUNDS, tol)
+    if np.abs(rates - goals).max() > 4 * tol:
+        raise ValueError(f"{base} cannot reach the regular-layer goals {np.round(goals, 4).tolist()}: the "
+                         f"closest fit {dict(zip(FITTED, np.round(x, 5).tolist()))} gives "
+                         f"{np.round(rates, 4).tolist()}")
+    return replace(base, noise=round(float(x[0]), 5), drift=round(float(x[1]), 5),
+                   persistence=round(float(x[2]), 5))
 
 
-def study(cfg: SyntheticConfig, workload: str, calibrated: bool) -> list[dict]:
-    """Every row of the study for one workload (module docstring, point 3). With `calibrated`, the
-    two fitted points are marked "fit" and every other miss rate "prediction"."""
+def is_calibrated(cfg: SyntheticConfig, workload: str) -> bool:
+    """Whether `cfg` is the stored fit of a calibrated preset (CALIBRATED)."""
+    return workload in CALIBRATED and cfg == PRESETS[workload]
+
+
+def study(cfg: SyntheticConfig, workload: str, calibrated: bool = False) -> list[dict]:
+    """Every row of the study for one workload (module docstring, point 3). Rows are marked fit /
+    prediction when `calibrated` (cfg was just fit by `calibrate`) or cfg is a calibrated preset."""
+    calibrated = calibrated or is_calibrated(cfg, workload)
     start = time.perf_counter()
     trace = generate(cfg)
     elapsed = time.perf_counter() - start
     print(f"trace {tuple(trace.selections.shape)} generated [{elapsed:.1f} s]", flush=True)
     common = {"bench": "policies", "family": "synthetic", "workload": workload, "batch": cfg.batch,
               "context": cfg.context, "k": cfg.k, "steps": cfg.steps, "layers": cfg.layers,
-              "model_layers": cfg.model_layers or cfg.layers, "noise": cfg.noise, "drift": cfg.drift}
-    return (miss_rows(trace, cfg, common, calibrated) + overlap_rows(trace, cfg, common)
+              "model_layers": cfg.model_layers or cfg.layers, "noise": cfg.noise, "drift": cfg.drift,
+              "persistence": cfg.persistence}
+    rows = (miss_rows(trace, cfg, common, calibrated) + overlap_rows(trace, cfg, common)
             + reuse_rows(trace, common) + newest_rows(trace, cfg, common))
+    if calibrated:
+        for row in rows:
+            row["calibration"] = "fit" if row.get("published") is not None else "prediction"
+    return rows
 
 
 def miss_rows(trace, cfg: SyntheticConfig, common: dict, calibrated: bool) -> list[dict]:
-    """Miss rate of every policy and B: layer-weighted overall, per layer, and per step for CURVES."""
+    """Miss rate of every policy and B: layer-weighted overall, per layer, and per step for CURVES.
+    With `calibrated`, the overall rows at the PUBLISHED points carry the published value."""
     sel, stream_layer = trace.streams()
     stream_w = layer_weights(cfg)[stream_layer]
     rows = []
@@ -127,18 +148,16 @@ def miss_rows(trace, cfg: SyntheticConfig, common: dict, calibrated: bool) -> li
         res = simulate(sel, policy, None if policy == "last" else slots)
         elapsed = time.perf_counter() - start
         overall = res.miss_rate(stream_w)
-        role = None
-        if calibrated:
-            role = "fit" if (policy, factor) in (("last", 1.0), ("lru", 2.0)) else "prediction"
+        published = PUBLISHED.get((policy, factor)) if calibrated else None
         base = {**common, "mode": policy, "cache_slots": slots, "metric": "miss_rate", "unit": "fraction"}
-        rows.append({**base, "value": overall, "calibration": role,
-                     "published": PUBLISHED[policy] if role == "fit" else None})
+        rows.append({**base, "value": overall, "published": published})
         rows += [{**base, "value": rate, "layer": layer}
                  for layer, rate in enumerate(res.per_layer(stream_layer))]
         if (policy, factor) in CURVES:
             per_step = (res.misses * stream_w).sum(1) / (res.accesses * stream_w).sum(1)
             rows += [{**base, "value": rate, "step": step} for step, rate in enumerate(per_step)]
-        note = f" (published {PUBLISHED[policy]})" if role == "fit" else f" ({role})" if role else ""
+        note = (f" (fit, published {published})" if published is not None
+                else " (prediction)" if calibrated else "")
         print(f"{policy:>6} B={slots:>6}: miss rate {overall:.4f}{note} [{elapsed:.1f} s]", flush=True)
     return rows
 
@@ -207,6 +226,10 @@ def newest_rows(trace, cfg: SyntheticConfig, common: dict) -> list[dict]:
              "metric": "newest_miss_share", "unit": "fraction", "value": share}]
 
 
+def fitted_values(cfg: SyntheticConfig) -> dict:
+    return {name: getattr(cfg, name) for name in FITTED}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results", help="directory for policies.csv (default results/)")
@@ -220,8 +243,8 @@ def main(argv=None) -> None:
         workload = "dsa_100k"
         cfg = calibrate(preset(workload))
         stored = preset(workload)
-        print(f"calibrated: noise {cfg.noise}, drift {cfg.drift} (preset stores noise {stored.noise}, "
-              f"drift {stored.drift}) [{time.perf_counter() - start:.0f} s]", flush=True)
+        print(f"calibrated: {fitted_values(cfg)} (the preset stores {fitted_values(stored)}) "
+              f"[{time.perf_counter() - start:.0f} s]", flush=True)
     rows = study(cfg, workload, calibrated=not args.quick)
     path = Path(args.out) / "policies.csv"
     append_rows(path, rows)

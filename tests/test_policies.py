@@ -2,6 +2,7 @@
 synthetic generator; the study's --quick run."""
 import functools
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -17,7 +18,15 @@ from hisparse.policies import (
     simulate,
     simulate_trace,
 )
-from hisparse.synthetic import SyntheticConfig, generate, preset
+from hisparse.synthetic import (
+    SyntheticConfig,
+    batch_workload,
+    generate,
+    layer_weights,
+    preset,
+    request_seed,
+    request_trace,
+)
 from hisparse.traces import Trace
 
 
@@ -243,11 +252,86 @@ def test_newest_token_share_of_misses_by_hand():
     assert newest_miss_share(trace, 4, [0, 1]) == pytest.approx(5 / 10)
 
 
-def test_solve_increasing_finds_the_root_or_the_nearer_end():
-    from experiments.policies import solve_increasing
-    x, fx = solve_increasing(lambda v: v ** 3, 0.0, 2.0, 2.0, 1e-9)
-    assert abs(x - 2 ** (1 / 3)) < 1e-6 and abs(fx - 2.0) < 1e-9
-    assert solve_increasing(lambda v: v, 0.0, 1.0, 5.0, 1e-9) == (1.0, 1.0)
+def test_solve_broyden_finds_the_root_of_a_nonlinear_map():
+    from experiments.policies import solve_broyden
+    def f(x):
+        return np.array([x[0] ** 3 + x[1], x[0] - x[1] ** 2, x[2] + 0.1 * x[0]])
+    goal = f(np.array([0.7, 0.4, 0.2]))
+    x, fx = solve_broyden(f, [0.6, 0.5, 0.1], goal, (0.01, 0.01, 0.01), ((0, 1), (0, 1), (0, 1)), 1e-9)
+    assert np.abs(fx - goal).max() < 1e-9 and np.allclose(x, [0.7, 0.4, 0.2], atol=1e-6)
+
+
+def test_dsa_100k_reproduces_the_three_published_miss_rates():
+    """The calibrated preset's layer-weighted miss rates at the three published points (30% keeping
+    the last selection, 13.4% and 6.7% with LRU at B = 4096 and 8192; k = 2048, 1000 steps of a
+    100K prompt) within 0.5 percentage points (one regular layer's draw varies by about 0.15), on
+    the 2 random layers and 1 regular layer standing for the other 59. The whole 8-layer trace is
+    the policies study's (results/policies.csv, calibration = fit)."""
+    from experiments.policies import PUBLISHED
+    cfg = preset("dsa_100k", layers=3)
+    sel, stream_layer = generate(cfg).streams()
+    weights = layer_weights(cfg)[stream_layer]
+    for (policy, factor), published in PUBLISHED.items():
+        rate = simulate(sel, policy, None if policy == "last" else int(factor * cfg.k)).miss_rate(weights)
+        assert abs(rate - published) < 0.005, (policy, factor, rate, published)
+
+
+def test_a_calibrated_study_marks_its_fitted_points_and_predictions(tmp_path):
+    """Rows of a calibrated workload say calibration = fit (with the published value) at the three
+    published points and prediction everywhere else, and the CSV keeps the column."""
+    from experiments.policies import PUBLISHED, is_calibrated, study
+    from hisparse.results import append_rows
+    assert is_calibrated(preset("dsa_100k"), "dsa_100k") and not is_calibrated(preset("dsa_100k", noise=0.3), "dsa_100k")
+    assert not is_calibrated(preset("tiny"), "tiny")
+    append_rows(tmp_path / "policies.csv", study(preset("tiny", steps=6), "tiny", calibrated=True))
+    rows = pd.read_csv(tmp_path / "policies.csv")
+    fits = rows[rows.calibration == "fit"]
+    assert sorted(zip(fits["mode"], fits.cache_slots / fits.k)) == sorted(PUBLISHED)
+    assert fits.layer.isna().all() and fits.step.isna().all()
+    assert (fits.published.to_numpy() == [PUBLISHED[(m, s / k)] for m, s, k in zip(fits["mode"], fits.cache_slots, fits.k)]).all()
+    assert set(rows.calibration) == {"fit", "prediction"} and rows.published.notna().sum() == 3
+    overlap = rows[(rows.metric == "overlap") & (rows.scope == "consecutive_step") & rows.layer.isna()]
+    assert list(overlap.calibration) == ["prediction"]
+
+
+def test_requests_of_a_batch_workload_differ_and_each_is_its_own_draw():
+    cfg = preset("tiny", steps=5)
+    trace = batch_workload(cfg, 3, seed=7)
+    sel = trace.selections                                                  # [steps, layers, 3, k]
+    assert sel.shape == (5, cfg.layers, 3, cfg.k) and trace.context.tolist() == [cfg.context] * 3
+    assert (sel[:, :, 0] != sel[:, :, 1]).any() and (sel[:, :, 1] != sel[:, :, 2]).any()
+    for b in range(3):
+        alone = request_trace(cfg, cfg.context, cfg.steps, request_seed(7, b))
+        assert alone.selections.shape == (5, cfg.layers, 1, cfg.k)
+        assert np.array_equal(sel[:, :, b], alone.selections[:, :, 0])
+    assert np.array_equal(generate(replace(cfg, batch=3, seed=7)).selections, sel)
+    longer = request_trace(cfg, 500, 9, 3)                                  # a scheduler's request
+    assert longer.selections.shape[0] == 9 and longer.context.tolist() == [500]
+    assert longer.selections[0, :, 0].max() <= 500
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: request_seed(-1, 0), r"base_seed must be an int in 0 \.\. 4294967295, got -1"),
+    (lambda: request_seed(0, 2.0), r"request must be an int in 0 \.\. 1000002, got 2.0"),
+    (lambda: request_trace(preset("tiny"), 400, 3, -5), r"seed must be an int in 0 \.\. 2\*\*63 - 1, got -5"),
+    (lambda: request_trace(preset("tiny"), 20, 3, 0), r"context=20 tokens .* is too short"),
+], ids=["negative-base", "float-request", "negative-seed", "short-context"])
+def test_per_request_draws_refuse_bad_seeds_and_contexts(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_per_kv_head_workload_draws_every_request_and_head_on_its_own():
+    from types import SimpleNamespace
+
+    from hisparse.synthetic import per_kv_head_workload
+    config = SimpleNamespace(num_key_value_heads=2, num_hidden_layers=3, quest_dense_layers=1,
+                             selection_anchor=lambda layer: layer)
+    trace = per_kv_head_workload(config, 16, 256, 4, 3, batch=2, preset_name="tiny")
+    sel = trace.selections                                               # [steps, layers, batch, heads, k]
+    assert sel.shape == (4, 3, 2, 2, 3) and (sel[:, 0] == -1).all()
+    assert (sel[:, 1:, 0] != sel[:, 1:, 1]).any(), "the two requests replay their own draws"
+    assert (sel[:, 1:, :, 0] != sel[:, 1:, :, 1]).any(), "and so do the heads of one request"
 
 
 def test_calibration_refuses_unreachable_targets():

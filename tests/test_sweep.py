@@ -498,3 +498,29 @@ def test_a_whole_checkpoint_passes_validation_and_runs(tmp_path):
     study = sweep.tomllib.loads(first)["study"]
     sweep.validate(study)
     assert [p["model"] for p in sweep.points(study[0])] == [str(ckpt)] * 2
+
+
+def test_run_decode_replays_a_draw_of_its_own_for_every_request(monkeypatch):
+    """A synthetic workload's batch is batch_workload's: request b replays its own draw (seed), not
+    a copy of request 0's."""
+    from hisparse.synthetic import batch_workload, preset
+    replays = []
+
+    class RecordingEngine:
+        def __init__(self, model, mode, **settings):
+            self.anchors = list(range(model.config.num_hidden_layers))
+
+        def generate(self, prompts, new_tokens, replay=None, **settings):
+            replays.append(replay)
+            return "ran"
+
+    monkeypatch.setattr(sweep, "Engine", RecordingEngine)
+    model = sweep.build({"_index": 0, "kind": "decode", "model": "tiny:deepseek_v32"}, torch.device("cpu"))
+    point = {"context": 24, "workload": "tiny", "mode": "hisparse", "cache_slots": 8}
+    assert sweep.run_decode(model, point, batch=3, new_tokens=2, graph=False, warmup_steps=1) == "ran"
+    sel = replays[0].selections                                      # [steps, layers, batch, k]
+    assert sel.shape[2] == 3 and (sel[:, :, 0] != sel[:, :, 1]).any() and (sel[:, :, 1] != sel[:, :, 2]).any()
+    config = model.config
+    expected = batch_workload(preset("tiny", context=24, steps=3, k=config.index_topk,
+                                     layers=config.num_hidden_layers, sinks=1, window=2), 3)
+    assert (sel == expected.selections).all()
