@@ -104,6 +104,19 @@ class HostPool:
         raise MemoryError(f"host pool cannot fit a region of {n_rows} rows: {self.free_rows} of "
                           f"{self.capacity} rows are free, the largest free region has {largest}")
 
+    def fits(self, sizes: list[int]) -> bool:
+        """Whether regions of these sizes, allocated in this order, would all fit now (first-fit, as
+        `alloc`); nothing changes."""
+        free = list(self._free)
+        for n_rows in sizes:
+            for i, (start, length) in enumerate(free):
+                if length >= n_rows:
+                    free[i] = (start + n_rows, length - n_rows)
+                    break
+            else:
+                return False
+        return True
+
     def release(self, start: int) -> None:
         if start not in self._regions:
             raise ValueError(f"no host region starts at row {start}")

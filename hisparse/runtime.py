@@ -67,8 +67,13 @@ class FamilyRuntime(Protocol):
         """The hierarchical cache of `batch` requests of up to `capacity` tokens."""
 
     def gather_layers(self, mode: str, cache: HierarchicalKVCache | None, rows: Rows, lengths: torch.Tensor,
-                      capacity: int, prefetch: bool) -> list:
-        """Every layer's batch decode state in `mode` (cache is None in resident mode)."""
+                      capacity: int, prefetch: bool, host_tokens: int | None = None) -> list:
+        """Every layer's batch decode state in `mode` (cache is None in resident mode), each request
+        holding up to `capacity` tokens on the GPU; host_tokens: each stream's host region, in tokens
+        (default the capacity)."""
+
+    def stream_regions(self, tokens: int) -> list[int]:
+        """The host region (units) of each stream one request of `tokens` tokens opens."""
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None):
@@ -184,6 +189,17 @@ class UnitResolver:
         # caller before each step; and what each layer attended over in the last step
         self.replay_sel: torch.Tensor | None = None
         self.recorded: dict[int, torch.Tensor] = {}
+        # serving (hisparse.serving): which rows hold a request, [N] bool on the device, refilled
+        # before each step; an empty row attends nothing in every mode, so it computes the same
+        # values whether the mode is resident or hierarchical (and cannot disturb the others)
+        self.lanes: torch.Tensor | None = None
+
+    def lane_masked(self, selection: torch.Tensor) -> torch.Tensor:
+        """selection [N, ...] with -1 throughout the rows of empty serving lanes (as it is without lanes)."""
+        if self.lanes is None:
+            return selection
+        keep = self.lanes.view(-1, *([1] * (selection.dim() - 1)))
+        return torch.where(keep, selection, torch.full_like(selection, -1))
 
     def recorded_step(self, layers: int) -> torch.Tensor:
         """The last step's selections of every layer, [layers, N, (HKV,) k] int32 (a trace's step):

@@ -112,7 +112,7 @@ class KernelDsaAttention(UnitResolver):
     def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV,
                lengths: torch.Tensor, selection: torch.Tensor, scale: float) -> torch.Tensor:
         q = torch.cat([q_latent, q_rope], dim=-1)                            # [B, H, Dc + Dr]
-        selection = selection.to(torch.int32)
+        selection = self.lane_masked(selection.to(torch.int32))
         self.recorded[layer_idx] = selection
         # rows index each request's own region of the pool (row_base): its slots, or its token ids
         if isinstance(kv, HierMlaKV):
@@ -186,16 +186,22 @@ class DsaRuntime:
                                    row_elems=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                    dtype=weight.dtype, device=weight.device)
 
-    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool,
+                      host_tokens: int | None = None) -> list:
         layers = []
         for i, anchor in enumerate(self.anchors):
             parts = [rows(b, i) for b in range(len(lengths))]
             layers.append(self._gather_layer(mode, cache, i, parts, lengths, capacity,
-                                             layers[anchor] if anchor != i else None, prefetch))
+                                             layers[anchor] if anchor != i else None, prefetch,
+                                             host_tokens or capacity))
         return layers
 
+    def stream_regions(self, tokens: int) -> list[int]:
+        """Host units of each stream of one request of `tokens` tokens (one stream a layer)."""
+        return [tokens] * self.model.config.num_hidden_layers
+
     def _gather_layer(self, mode, cache, layer: int, parts, lengths, capacity: int, anchor: MlaKV | None,
-                      prefetch: bool) -> MlaKV:
+                      prefetch: bool, host_tokens: int) -> MlaKV:
         """One layer's batch state from per-request (latents [len, D], index keys [1, len, Di] | None)."""
         batch = len(lengths)
         latent, keys = parts[0]
@@ -211,7 +217,7 @@ class DsaRuntime:
             return MlaKV(latent=pool, index_keys=index_keys)
         streams = []
         for lat, _ in parts:
-            stream = cache.open_stream(capacity)
+            stream = cache.open_stream(host_tokens)
             cache.append(stream, lat)
             streams.append(stream)
         ids = torch.tensor(streams, dtype=torch.int32, device=latent.device)
@@ -230,8 +236,8 @@ class DsaRuntime:
                                   backend=self.decode_backend)
 
     def advance_streams(self, cache: HierarchicalKVCache, layers: list, positions: list[int]) -> None:
-        """Every step writes one more token, a unit, into every stream."""
-        cache.advance([s for kv in layers for s in kv.host_streams], 1)
+        """Every step writes one more token, a unit, into every stream (-1: an empty serving lane)."""
+        cache.advance([s for kv in layers for s in kv.host_streams if s >= 0], 1)
 
     def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
         """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""

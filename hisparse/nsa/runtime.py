@@ -142,7 +142,14 @@ class KernelNsaAttention(UnitResolver):
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
 
             def rows_of(chosen: torch.Tensor) -> torch.Tensor:
-                return self.unit_rows(layer_idx, kv, chosen)
+                return self.unit_rows(layer_idx, kv, self.lane_masked(chosen))
+        elif self.lanes is not None:         # empty serving lanes read nothing, as their -1 streams do
+
+            def rows_of(chosen: torch.Tensor) -> torch.Tensor:
+                n, hkv, _ = chosen.shape
+                heads = torch.arange(n * hkv, device=chosen.device, dtype=torch.int32).view(n, hkv, 1)
+                chosen = self.lane_masked(chosen)
+                return torch.where(chosen >= 0, heads * kv.n_units + chosen, -1).to(torch.int32).contiguous()
         out, blocks = nsa_decode(q, kv.compressed_keys, kv.compressed_values, pool, kv.window_keys,
                                  kv.window_values, lengths.to(torch.int32), gates.contiguous(), kv.n_units,
                                  rows_of=rows_of, n_select=self.n_select, blocks=blocks)
@@ -210,13 +217,20 @@ class NsaRuntime:
                                    host_rows=streams * int(block_count(capacity)),
                                    row_elems=2 * SEL_BLOCK * cfg.head_dim, dtype=weight.dtype, device=weight.device)
 
-    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
-        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierNsaKV)."""
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool,
+                      host_tokens: int | None = None) -> list:
+        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierNsaKV).
+        host_tokens: each stream's host region, in tokens (default the capacity)."""
         def gather(i: int) -> NsaBlocksKV:
-            return self._gather_layer(mode, cache, i, [rows(b, i) for b in range(len(lengths))], capacity)
+            return self._gather_layer(mode, cache, i, [rows(b, i) for b in range(len(lengths))], capacity,
+                                      host_tokens or capacity)
         return gather_in_lockstep(self.anchors, gather, HierNsaKV, mode, prefetch)
 
-    def _gather_layer(self, mode: str, cache, layer: int, parts, capacity: int) -> NsaBlocksKV:
+    def stream_regions(self, tokens: int) -> list[int]:
+        """Host units (blocks) of each stream of one request of `tokens` tokens: one a layer and KV head."""
+        return [int(block_count(tokens))] * (self.config.num_hidden_layers * self.kv_heads)
+
+    def _gather_layer(self, mode: str, cache, layer: int, parts, capacity: int, host_tokens: int) -> NsaBlocksKV:
         """One layer's batch state from per-request (keys, values, compressed keys, compressed values)."""
         cfg, attn = self.config, self.model.model.layers[layer].self_attn
         keys0 = parts[0][0]
@@ -242,7 +256,7 @@ class NsaRuntime:
             for b, rows in enumerate(blocks):
                 pool[b, :, :rows.shape[1]] = rows
             return NsaBlocksKV(pool=pool.view(-1, 2, SEL_BLOCK, d), **resident)
-        host_streams = [open_unit_streams(cache, rows, n_units) for rows in blocks]
+        host_streams = [open_unit_streams(cache, rows, int(block_count(host_tokens))) for rows in blocks]
         return HierNsaKV(pool=None, **resident, cache=cache, host_streams=host_streams,
                          streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device))
 

@@ -138,7 +138,7 @@ class KernelQuestAttention(UnitResolver):
     def attend(self, layer_idx: int, q: torch.Tensor, kv: QuestKV, lengths: torch.Tensor,
                selection: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
         """Attention of q [N, HQ, D] over the selected pages -> [N, HQ, D]."""
-        selection = selection.to(torch.int32).contiguous()
+        selection = self.lane_masked(selection.to(torch.int32)).contiguous()
         self.recorded[layer_idx] = selection
         if isinstance(kv, HierQuestKV):
             rows = self.unit_rows(layer_idx, kv, selection)
@@ -179,7 +179,7 @@ def new_cache(model, batch: int, capacity: int, cache_slots: int) -> Hierarchica
 
 
 def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int, parts, lengths: torch.Tensor,
-                 capacity: int):
+                 capacity: int, host_tokens: int | None = None):
     """One layer's batch state from per-request (keys, values) [HKV, len, D]: the model's PagedKV on
     a dense layer (every mode), `QuestKV` (resident) or `HierQuestKV` (pages into the host pool)."""
     attn = model.model.layers[layer].self_attn
@@ -210,7 +210,8 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
         for b, rows in enumerate(pages):
             pool[b, :, :rows.shape[1]] = rows
         return QuestKV(pool=pool.view(-1, 2, PAGE, d), kmin=kmin, kmax=kmax, max_pages=max_pages)
-    host_streams = [open_unit_streams(cache, rows, max_pages) for rows in pages]
+    region = max_pages if host_tokens is None else triton.cdiv(host_tokens, PAGE)
+    host_streams = [open_unit_streams(cache, rows, region) for rows in pages]
     return HierQuestKV(pool=None, kmin=kmin, kmax=kmax, max_pages=max_pages, cache=cache, host_streams=host_streams,
                        streams=torch.tensor(host_streams, dtype=torch.int32, device=device))
 
@@ -249,12 +250,18 @@ class QuestRuntime:
     def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
         return new_cache(self.model, batch, capacity, cache_slots)
 
-    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool) -> list:
-        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierQuestKV)."""
+    def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool,
+                      host_tokens: int | None = None) -> list:
+        """Each layer's batch state; a shared layer's names its anchor's (lockstep, HierQuestKV).
+        host_tokens: each stream's host region, in tokens (default the capacity)."""
         def gather(i: int):
             return gather_layer(self.model, mode, cache, i, [rows(b, i) for b in range(len(lengths))], lengths,
-                                capacity)
+                                capacity, host_tokens)
         return gather_in_lockstep(self.anchors, gather, HierQuestKV, mode, prefetch)
+
+    def stream_regions(self, tokens: int) -> list[int]:
+        """Host units (pages) of each stream of one request of `tokens` tokens: one a Quest layer and KV head."""
+        return [triton.cdiv(tokens, PAGE)] * (len(quest_layers(self.model)) * self.kv_heads)
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelQuestAttention:

@@ -1,0 +1,613 @@
+"""Serving: requests join and leave one decode batch, admitted by what fits the memory budgets.
+
+    server = Server(model, mode="hisparse", cache_slots=4096, max_context=40960, kv_budget_gib=24,
+                    host_budget_gib=88, graph=True)
+    run = server.serve(requests, clients=8)          # closed loop; clients=None: each request's arrival
+    run.requests[0].tokens, run.summary()            # per request: tokens, TTFT, TPOT; per run: tokens/s
+
+Lanes. The decode batch has a fixed number of rows, its lanes, sized once from the GPU budget: a
+lane holds one request at a time, up to `max_context` tokens (a server's limit per request). In
+`resident` mode a lane is that many tokens of KV on the GPU; in `hisparse` / `noio` it is the B slots
+of each of its streams with their cache state and the family's always-resident parts (DSA's indexer
+keys, Quest's page bounds, NSA's compressed blocks and window), while the request's rows go to a
+host region of exactly its own length (prompt + max new tokens). An empty lane attends nothing, in
+every mode (`UnitResolver.lanes`), so every decode step runs one shape, captured once in one CUDA
+graph (`graph=True`): the batch changes by writing the static buffers between replays (tokens,
+lengths, the lane mask, the lanes' stream ids), never by a new capture. One padded graph rather
+than a graph per batch bucket: on the H200 every graph PyTorch captures from a process's 4th on
+slows every graph's replay (results/notes/graphs.md), and a closed loop of C clients never runs
+more than C requests, so the sweep sizes the lanes to min(C, what fits) and pads only while the
+batch fills and drains.
+
+Memory. GPU bytes in use = lanes x lane bytes + the cache's unit -> slot map (4 bytes per host row)
++ the prefill workspace: one request's KV as the model's prefill makes it (at `max_context`) and,
+while it joins its lane, its decode state beside it. Activations (the prefill's score blocks, the
+MoE) are outside the budget. The host budget sizes the host pool; a request is admitted when a lane
+is free and its streams' regions fit the pool (first-fit, as it will allocate them). A request that
+could never fit (longer than max_context, more host rows than the pool holds) is refused when it is
+submitted.
+
+Each iteration: admit the head of the queue (first come, first served) when nothing is being
+prefilled; run one chunk of at most `prefill_chunk` prompt tokens of the request being prefilled
+(its KV in the workspace; when the prompt is done, its first token is out and it joins its lane);
+then one decode step of every lane, reading each new token on the host (TTFT and TPOT are host times
+after that read); requests that reached their max new tokens leave, their streams and host regions
+freed. So a running request waits at most one prefill chunk between two of its tokens: the chunk
+size trades TTFT (a whole prompt in one chunk) against TPOT.
+
+A run records its schedule (what each iteration admitted, prefilled and decoded); `serve(replay=...)`
+runs the same schedule in another mode, with the same lanes, so every request meets the same batch
+at every step: then tokens and logits are bitwise those of the recorded run (DESIGN section 6).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hisparse.engine import check_prompts, family_runtime
+from hisparse.host_pool import as_int
+from hisparse.models.base import DecodeState
+from hisparse.runtime import KV_MODES, cache_bytes, nbytes, prefetch_width
+
+GIB = 2 ** 30
+_NOT_LANE_FIELDS = {"cache", "anchor_layer", "anchor_streams", "prefetched", "newest", "host_streams"}
+
+
+@dataclass
+class Request:
+    """One request: prompt token ids, how many tokens to generate, when it arrives (seconds after the
+    run starts; a closed loop sets it when the client's previous request finishes)."""
+
+    prompt: torch.Tensor
+    max_new_tokens: int
+    arrival: float = 0.0
+    rid: int = -1                                  # set by the server: index in the run's requests
+    client: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)    # seconds after the run's start
+    logits: list[torch.Tensor] = field(default_factory=list)  # [V] float32 per token, with keep_logits
+    prefill_start: float | None = None
+    hits: int = 0
+    misses: int = 0
+    lane: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_new_tokens
+
+    @property
+    def length(self) -> int:
+        """Tokens the request's KV holds before its next decode step (prompt and every token but the last)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time between its tokens (None for a single token)."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    @property
+    def latency(self) -> float:
+        return self.token_times[-1] - self.arrival
+
+    @property
+    def queued(self) -> float:
+        return self.prefill_start - self.arrival
+
+
+@dataclass
+class Iteration:
+    """What one iteration did (a schedule's entry): the request admitted (its rid) or -1, the prompt
+    tokens prefilled, and whether it ran a decode step."""
+
+    admitted: int
+    prefilled: int
+    decoded: bool
+
+
+@dataclass
+class Schedule:
+    lanes: int
+    iterations: list[Iteration] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation, nan for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+
+
+@dataclass
+class ServingRun:
+    requests: list[Request]
+    schedule: Schedule
+    wall_s: float
+    running_batch: list[int]          # active lanes at each decode step
+    peak_gpu_bytes: int               # the most the KV state, cache and workspace held (budgeted bytes)
+    peak_host_rows: int               # the most host pool rows in use
+
+    def summary(self) -> dict[str, float]:
+        """Output tokens/s, TTFT / TPOT / latency / queueing percentiles (ms), running batch mean and max."""
+        reqs = self.requests
+        out = {"requests": len(reqs), "output_tokens": sum(len(r.tokens) for r in reqs)}
+        span = max(r.token_times[-1] for r in reqs) - min(r.arrival for r in reqs)
+        out["tokens_per_s"] = out["output_tokens"] / span if span > 0 else math.nan
+        series = {"ttft": [r.ttft for r in reqs], "tpot": [r.tpot for r in reqs if r.tpot is not None],
+                  "latency": [r.latency for r in reqs], "queue": [r.queued for r in reqs]}
+        for name, values in series.items():
+            for q in (50, 90, 99):
+                out[f"{name}_ms_p{q}"] = percentile(values, q) * 1e3
+        out["running_batch_mean"] = sum(self.running_batch) / max(1, len(self.running_batch))
+        out["running_batch_max"] = max(self.running_batch, default=0)
+        return out
+
+
+@dataclass
+class _Prefill:
+    request: Request
+    state: DecodeState                # the model's own state of the prompt (the workspace)
+    done: int = 0                     # prompt tokens prefilled
+    last_logits: torch.Tensor | None = None
+
+
+class Server:
+    """A continuous-batching server over one model (see the module docstring).
+
+    mode: resident, hisparse or noio. cache_slots: B (hierarchical modes). max_context: the most
+    tokens a request may hold (prompt + max new tokens). kv_budget_gib: GPU memory for KV (lanes,
+    cache, prefill workspace); host_budget_gib: the host pool (hierarchical modes; default: every lane
+    at max_context). max_batch: the most lanes, whatever fits. lanes: exactly this many (a replay's;
+    the budgets are then not applied). prefill_chunk: prompt tokens per iteration. graph: decode steps
+    in one CUDA graph. prefill: "model" (the family's kernels) or "reference" (eager). keep_logits:
+    every token's logits on each request. token_budget (Quest), decode_backend (DSA), prefetch,
+    prefetch_programs: as `Engine`'s."""
+
+    def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
+                 kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
+                 lanes: int | None = None, prefill_chunk: int = 8192, graph: bool = False, prefill: str = "model",
+                 keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
+                 prefetch: bool = False, prefetch_programs: int | None = None):
+        if mode not in KV_MODES:
+            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        if prefill not in ("model", "reference"):
+            raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
+        if prefetch and mode != "hisparse":
+            raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
+        self.max_context = as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2)
+        self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk must be an int >= 1 (prompt tokens an iteration)", 1)
+        max_batch = as_int(max_batch, "max_batch must be an int >= 1 (lanes at most)", 1)
+        weight = model.model.embed_tokens.weight
+        if graph and not weight.is_cuda:
+            raise ValueError("graph=True needs the model on a CUDA GPU")
+        self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
+        self.fast = prefill == "model"
+        self.device = weight.device
+        self.runtime = family_runtime(model, token_budget, decode_backend)
+        self.decode_backend, self.prefetch = decode_backend, prefetch
+        self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
+        k = self.runtime.selection_size
+        if mode != "resident":
+            if cache_slots is None:
+                raise ValueError(f"mode {mode!r} needs cache_slots (B >= k = {k})")
+            cache_slots = as_int(cache_slots, f"cache_slots must be an int (B >= k = {k})", k)
+        self.cache_slots = cache_slots
+        self.streams_per_request = len(self.runtime.stream_regions(self.max_context))
+        row_bytes = self._row_bytes()
+        if host_budget_gib is not None and mode == "resident":
+            host_budget_gib = None                   # resident keeps nothing on the host
+        self.lane_bytes, self.state_bytes = self._lane_bytes()
+        self.workspace_bytes = self._workspace_bytes() + self.state_bytes
+        if lanes is None:
+            if kv_budget_gib is None:
+                raise ValueError("a server needs kv_budget_gib (GPU memory for KV, GiB), or lanes")
+            if not isinstance(kv_budget_gib, (int, float)) or isinstance(kv_budget_gib, bool) or kv_budget_gib <= 0:
+                raise ValueError(f"kv_budget_gib must be a positive number of GiB, got {kv_budget_gib!r}")
+            self.kv_budget = int(kv_budget_gib * GIB)
+            host_rows = self._host_rows(host_budget_gib, row_bytes, max_batch)
+            fits = (self.kv_budget - self.workspace_bytes - 4 * host_rows) // self.lane_bytes
+            if fits < 1:
+                raise ValueError(f"kv_budget_gib={kv_budget_gib} holds no lane: one lane takes "
+                                 f"{self.lane_bytes / GIB:.3f} GiB at max_context={self.max_context}, beside the "
+                                 f"prefill workspace's {self.workspace_bytes / GIB:.3f} GiB and the cache's slot map "
+                                 f"{4 * host_rows / GIB:.3f} GiB")
+            self.lanes = int(min(fits, max_batch))
+            if host_budget_gib is None and mode != "resident":
+                host_rows = self._host_rows(None, row_bytes, self.lanes)
+        else:
+            self.lanes = as_int(lanes, "lanes must be an int >= 1", 1)
+            self.kv_budget = None
+            host_rows = self._host_rows(host_budget_gib, row_bytes, self.lanes)
+        self.cache = None
+        if mode != "resident":
+            from hisparse.cache import HierarchicalKVCache
+            self.cache = HierarchicalKVCache(max_streams=self.lanes * self.streams_per_request, cache_slots=cache_slots,
+                                             host_rows=host_rows, row_elems=row_bytes // weight.element_size(),
+                                             dtype=weight.dtype, device=self.device)
+        self.layers = self._empty_layers(self.lanes, self.cache)
+        self.state = DecodeState(self.layers, self.max_context,
+                                 torch.zeros(self.lanes, dtype=torch.int64, device=self.device))
+        self.attention = self.runtime.attention(mode, self.layers, check_values=not graph, prefetch=prefetch,
+                                                prefetch_programs=self.prefetch_programs)
+        self.attention.lanes = torch.zeros(self.lanes, dtype=torch.bool, device=self.device)
+        self.tokens = torch.zeros(self.lanes, dtype=torch.int64, device=self.device)
+        self.lane_request: list[Request | None] = [None] * self.lanes
+        self._reserved: int | None = None        # the lane of the request being prefilled
+        self._step = None                       # the decode step (graphed after its first eager run)
+        self._warmed = False
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def _row_bytes(self) -> int:
+        """Bytes of one host-pool row (a unit of one stream) of this family."""
+        cfg, elem = self.model.config, self.model.model.embed_tokens.weight.element_size()
+        if self.runtime.family == "DSA":
+            return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+        return 2 * self.runtime.unit_size * cfg.head_dim * elem
+
+    def _host_rows(self, host_budget_gib: float | None, row_bytes: int, lanes: int) -> int:
+        """Rows of the host pool: the host budget's, or every lane at max_context."""
+        if self.mode == "resident":
+            return 0
+        if host_budget_gib is None:
+            return lanes * sum(self.runtime.stream_regions(self.max_context))
+        if not isinstance(host_budget_gib, (int, float)) or isinstance(host_budget_gib, bool) or host_budget_gib <= 0:
+            raise ValueError(f"host_budget_gib must be a positive number of GiB, got {host_budget_gib!r}")
+        return int(host_budget_gib * GIB // row_bytes)
+
+    def _lane_bytes(self) -> tuple[int, int]:
+        """(GPU bytes of one lane, of which its decode state outside the cache): measured on a
+        one-lane state, built and dropped (slots and cache state per stream; not the slot map)."""
+        cache = None
+        if self.mode != "resident":
+            from hisparse.cache import HierarchicalKVCache
+            cache = HierarchicalKVCache(max_streams=self.streams_per_request, cache_slots=self.cache_slots,
+                                        host_rows=self.streams_per_request, row_elems=self._row_bytes()
+                                        // self.model.model.embed_tokens.weight.element_size(),
+                                        dtype=self.model.model.embed_tokens.weight.dtype, device=self.device,
+                                        pin=False)
+        layers = self._empty_layers(1, cache)
+        state = self.runtime.kv_bytes(layers, None)
+        if cache is None:
+            return int(state), int(state)
+        outside = sum(nbytes(t) for kv in layers for t in _lane_tensors(kv, 1))
+        return int(state + cache_bytes(cache) - nbytes(cache.state.unit_slot)), int(outside)
+
+    def _workspace_bytes(self) -> int:
+        """Bytes of the KV the model's prefill holds for a max_context prompt (its own state)."""
+        dtype = self.model.model.embed_tokens.weight.dtype
+        kvs = [layer.self_attn.new_kv(1, self.max_context, "meta", dtype) for layer in self.model.model.layers]
+        return sum(nbytes(t) for kv in kvs for t in vars(kv).values() if isinstance(t, torch.Tensor))
+
+    def gpu_bytes(self, extra: int = 0) -> int:
+        """Budgeted GPU bytes in use now: the lanes' state, the cache, the workspace in use (`extra`)."""
+        return int(self.runtime.kv_bytes(self.layers, self.cache)) + extra
+
+    # -- lanes -------------------------------------------------------------------------------
+
+    def _empty_layers(self, lanes: int, cache) -> list:
+        """Every layer's state for `lanes` empty lanes: zeros, and -1 streams (closed at once)."""
+        one = [torch.zeros(1, dtype=torch.int64)] * lanes
+        random = self.runtime.random_rows(one, self.device)
+
+        def zero_rows(b: int, layer: int):
+            return tuple(None if t is None else torch.zeros_like(t) for t in random(b, layer))
+
+        lengths = torch.ones(lanes, dtype=torch.int64, device=self.device)
+        layers = self.runtime.gather_layers(self.mode, cache, zero_rows, lengths, self.max_context, self.prefetch,
+                                            host_tokens=1)
+        for lane in range(lanes):
+            for kv in layers:
+                if getattr(kv, "streams", None) is not None:
+                    for s in _as_list(kv.host_streams[lane]):
+                        cache.close_stream(s)
+            _clear_lane(layers, lane, lanes)
+        return layers
+
+    def _join(self, request: Request, prefilled: DecodeState) -> int:
+        """Move a prefilled request into its lane: returns the GPU bytes the move held beside the lanes."""
+        lane = request.lane
+        length = len(request.prompt)
+        rows = self.runtime.prefilled_rows([prefilled])
+        single = self.runtime.gather_layers(self.mode, self.cache, rows, torch.tensor([length], device=self.device),
+                                            self.max_context, self.prefetch,
+                                            host_tokens=length + request.max_new_tokens)
+        held = sum(nbytes(t) for kv in single for t in _lane_tensors(kv, 1))
+        for kv, one in zip(self.layers, single):
+            _copy_lane(kv, one, lane, self.lanes)
+        return held
+
+    def _leave(self, request: Request) -> None:
+        """Free a finished request's lane: its counters read, its streams and host regions released."""
+        lane = request.lane
+        if self.cache is not None:
+            own = [kv for kv in self.layers if getattr(kv, "anchor_layer", None) is None
+                   and getattr(kv, "streams", None) is not None]
+            ids = [s for kv in own for s in _as_list(kv.host_streams[lane])]
+            if ids:
+                hits, misses = self.cache.stats[torch.tensor(ids, device=self.device)].sum(0).tolist()
+                request.hits, request.misses = int(hits), int(misses)
+            for kv in self.layers:
+                if getattr(kv, "streams", None) is not None:
+                    for s in _as_list(kv.host_streams[lane]):
+                        self.cache.close_stream(s)
+        _clear_lane(self.layers, lane, self.lanes)
+        self.lane_request[lane] = None
+        request.lane = None
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def check_request(self, request: Request) -> None:
+        """ValueError if the request could never be served: bad ids, or more than the server holds."""
+        prompt = check_prompts([request.prompt])[0]
+        request.prompt = prompt.cpu()
+        request.max_new_tokens = as_int(request.max_new_tokens, "max_new_tokens must be an int >= 1", 1)
+        vocab = self.model.config.vocab_size
+        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+            bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
+            raise ValueError(f"token id {bad} out of range: the vocabulary has {vocab} ids")
+        need = len(prompt) + request.max_new_tokens
+        if need > self.max_context:
+            raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
+                             f"tokens, over the server's max_context={self.max_context}")
+        if self.cache is not None:
+            rows = sum(self.runtime.stream_regions(need))
+            if rows > self.cache.host.capacity:
+                raise ValueError(f"a request of {need} tokens needs {rows} host pool rows; the pool holds "
+                                 f"{self.cache.host.capacity} (raise host_budget_gib)")
+
+    def _free_lane(self) -> int | None:
+        """The lowest lane neither running a request nor reserved for the one being prefilled."""
+        return next((i for i, r in enumerate(self.lane_request) if r is None and i != self._reserved), None)
+
+    def _admissible(self, request: Request) -> bool:
+        if self._free_lane() is None:
+            return False
+        if self.cache is None:
+            return True
+        return self.cache.host.fits(self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Compile the prefill and decode kernels (and capture the decode graph) before any request."""
+        if self._warmed:
+            return
+        prompt = torch.zeros(min(self.max_context, 2 * self.runtime.unit_size + 3), dtype=torch.int64,
+                             device=self.device)
+        state = self.model.new_state(1, len(prompt))
+        self.model.prefill(prompt[None], state, fast=self.fast, last_logits=True, backend=self.decode_backend)
+        del state
+        previous = self.model.sparse_attention
+        self.model.sparse_attention = self.attention
+        try:
+            for _ in range(2):              # eager (compiles), then captured and replayed with graph=True
+                self._decode_step()
+        finally:
+            self.model.sparse_attention = previous
+        self.state.lengths.zero_()
+        self._warmed = True
+
+    def _decode_step(self) -> torch.Tensor:
+        """One decode step of every lane from the host's view of them: logits [lanes, V]."""
+        lengths = [0 if r is None else r.length for r in self.lane_request]
+        if self.cache is not None:
+            self.runtime.advance_streams(self.cache, self.layers, lengths)
+        self.state.lengths.copy_(torch.tensor(lengths, dtype=torch.int64))
+        self.tokens.copy_(torch.tensor([0 if r is None else r.tokens[-1] for r in self.lane_request]))
+        self.attention.lanes.copy_(torch.tensor([r is not None for r in self.lane_request]))
+        self.state.max_length = max(lengths)
+        if self._step is None:
+            logits = self.model.decode(self.tokens, self.state)
+            self._step = self._graphed_step() if self.graph else (lambda: self.model.decode(self.tokens, self.state))
+            return logits
+        return self._step()
+
+    def _graphed_step(self):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.model.decode(self.tokens, self.state)
+
+        def step() -> torch.Tensor:
+            graph.replay()
+            return logits
+
+        return step
+
+    def serve(self, requests: list[Request], clients: int | None = None, replay: Schedule | None = None,
+              progress: bool = False) -> ServingRun:
+        """Serve `requests` to the end. clients: a closed loop of that many clients, request i sent by
+        client i % clients as soon as its previous one finished (arrivals are then set); None: each
+        request arrives at its `arrival`. replay: run that schedule (the same lanes) instead of choosing.
+        progress: a line on stderr every 10 s."""
+        for i, r in enumerate(requests):
+            self.check_request(r)
+            r.rid, r.tokens, r.token_times, r.logits, r.prefill_start, r.lane = i, [], [], [], None, None
+        if clients is not None:
+            clients = as_int(clients, "clients must be an int >= 1", 1)
+        if replay is not None and replay.lanes != self.lanes:
+            raise ValueError(f"the schedule ran {replay.lanes} lanes, this server has {self.lanes}: build it with "
+                             f"lanes={replay.lanes}")
+        if any(r is not None for r in self.lane_request):
+            raise RuntimeError("the server still holds requests of an earlier run")
+        previous = self.model.sparse_attention
+        self.warm_up()
+        self.model.sparse_attention = self.attention
+        try:
+            return self._serve(requests, clients, replay, progress)
+        finally:
+            self.model.sparse_attention = previous
+
+    def _serve(self, requests, clients, replay, progress) -> ServingRun:
+        if clients is not None:
+            for i, r in enumerate(requests):
+                r.client = i % clients
+                r.arrival = 0.0 if i < clients else math.inf     # set when the client's last one finishes
+        pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
+        waiting: list[Request] = []
+        schedule = Schedule(self.lanes)
+        planned = iter(replay.iterations) if replay is not None else None
+        prefilling: _Prefill | None = None
+        running_batch: list[int] = []
+        finished = 0
+        peak_gpu, peak_host = self.gpu_bytes(), 0
+        start = last_progress = time.perf_counter()
+
+        def now() -> float:
+            return time.perf_counter() - start
+
+        while finished < len(requests):
+            t = now()
+            if planned is None:                      # arrivals so far join the queue, in arrival order
+                while pending and pending[0].arrival <= t:
+                    waiting.append(pending.pop(0))
+            step = Iteration(-1, 0, False)
+            if planned is not None:
+                step = next(planned, None)
+                if step is None:
+                    raise ValueError("the replayed schedule ended before every request finished")
+                if step.admitted >= 0:
+                    prefilling = self._start_prefill(requests[step.admitted], t)
+            elif prefilling is None and waiting and self._admissible(waiting[0]):
+                request = waiting.pop(0)
+                prefilling = self._start_prefill(request, t)
+                step.admitted = request.rid
+            if prefilling is not None:
+                budget = step.prefilled if planned is not None else self.prefill_chunk
+                chunk, held = self._prefill_chunk(prefilling, budget)
+                step.prefilled = chunk
+                peak_gpu = max(peak_gpu, self.gpu_bytes(held))
+                if prefilling.done == len(prefilling.request.prompt):
+                    request = prefilling.request
+                    joined = self._first_token(request, prefilling, now())
+                    peak_gpu = max(peak_gpu, self.gpu_bytes(held + joined))
+                    prefilling, self._reserved = None, None
+                    if request.done:                       # that was its only token
+                        request.lane = None
+                        finished += 1
+                        self._client_next(request, requests, clients, pending)
+            active = [r for r in self.lane_request if r is not None]
+            if (planned is not None and step.decoded) or (planned is None and active):
+                logits = self._decode_step()
+                tokens = logits.argmax(-1).cpu()              # the step's one host sync
+                t = now()
+                running_batch.append(len(active))
+                step.decoded = True
+                for lane, r in enumerate(self.lane_request):
+                    if r is None:
+                        continue
+                    r.tokens.append(int(tokens[lane]))
+                    r.token_times.append(t)
+                    if self.keep_logits:
+                        r.logits.append(logits[lane].float().cpu())
+                    if r.done:
+                        self._leave(r)
+                        finished += 1
+                        self._client_next(r, requests, clients, pending)
+            if self.cache is not None:
+                peak_host = max(peak_host, self.cache.host.capacity - self.cache.host.free_rows)
+            peak_gpu = max(peak_gpu, self.gpu_bytes())
+            if step.admitted >= 0 or step.prefilled or step.decoded:
+                schedule.iterations.append(step)
+            elif planned is None and pending:            # idle until the next arrival
+                time.sleep(max(0.0, min(pending[0].arrival - now(), 0.05)))
+            if progress and time.perf_counter() - last_progress > 10:
+                last_progress = time.perf_counter()
+                print(f"  serving: {finished}/{len(requests)} requests done, {len(active)} running, "
+                      f"{len(waiting)} waiting, {now():.0f} s", file=sys.stderr, flush=True)
+        return ServingRun(requests, schedule, now(), running_batch, peak_gpu, peak_host)
+
+    def _start_prefill(self, request: Request, t: float) -> _Prefill:
+        request.prefill_start = t
+        request.lane = self._reserved = self._free_lane()   # reserved while it prefills (still masked)
+        if request.lane is None:
+            raise ValueError(f"the replayed schedule admits request {request.rid} with every lane taken")
+        return _Prefill(request, self.model.new_state(1, len(request.prompt)))
+
+    def _prefill_chunk(self, job: _Prefill, budget: int) -> tuple[int, int]:
+        """Run up to `budget` more prompt tokens: (tokens run, workspace bytes held)."""
+        prompt = job.request.prompt
+        part = prompt[job.done:job.done + budget].to(self.device)
+        logits = self.model.prefill(part[None], job.state, fast=self.fast, last_logits=True,
+                                    backend=self.decode_backend)
+        job.done += len(part)
+        job.last_logits = logits[0, -1]
+        held = sum(nbytes(t) for kv in job.state.layers for t in vars(kv).values() if isinstance(t, torch.Tensor))
+        return len(part), held
+
+    def _first_token(self, request: Request, job: _Prefill, t: float) -> int:
+        """The prompt is done: its first token out, and the request in its lane unless that was its
+        only token. Returns the GPU bytes the move into the lane held beside the lanes."""
+        logits = job.last_logits
+        request.tokens.append(int(logits.argmax()))
+        request.token_times.append(t)
+        if self.keep_logits:
+            request.logits.append(logits.float().cpu())
+        if request.done:
+            return 0
+        held = self._join(request, job.state)
+        self.lane_request[request.lane] = request
+        return held
+
+    def _client_next(self, request: Request, requests: list[Request], clients: int | None,
+                     pending: list[Request]) -> None:
+        """Closed loop: the client's next request arrives as this one finishes."""
+        if clients is not None:
+            nxt = request.rid + clients
+            if nxt < len(requests):
+                requests[nxt].arrival = request.token_times[-1]
+                pending.sort(key=lambda r: (r.arrival, r.rid))
+
+
+def _as_list(streams) -> list[int]:
+    """A lane's host streams (DSA: one id, Quest and NSA: one per KV head) without the empty lane's -1."""
+    ids = streams if isinstance(streams, list) else [streams]
+    return [s for s in ids if s >= 0]
+
+
+def _lane_tensors(kv, lanes: int) -> list[torch.Tensor]:
+    """The tensors of a layer state that hold one slice per lane (not shared weights or the cache)."""
+    out = []
+    for f in dataclasses.fields(kv):
+        value = getattr(kv, f.name)
+        if f.name not in _NOT_LANE_FIELDS and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                and value.shape[0] % lanes == 0 and f.name not in ("weight_k", "weight_v"):
+            out.append(value)
+    return out
+
+
+def _copy_lane(kv, one, lane: int, lanes: int) -> None:
+    """Copy a one-request layer state `one` into lane `lane` of the batch state `kv`."""
+    for f in dataclasses.fields(kv):
+        if f.name in _NOT_LANE_FIELDS or f.name in ("weight_k", "weight_v"):
+            continue
+        mine, theirs = getattr(kv, f.name), getattr(one, f.name)
+        if not isinstance(mine, torch.Tensor):
+            continue
+        if mine.numel() != lanes * theirs.numel():
+            raise ValueError(f"lane copy: {type(kv).__name__}.{f.name} {tuple(mine.shape)} is not {lanes} lanes of "
+                             f"{tuple(theirs.shape)}")
+        mine.view(lanes, -1)[lane].copy_(theirs.reshape(-1))
+    if hasattr(kv, "host_streams") and getattr(kv, "streams", None) is not None:
+        kv.host_streams[lane] = one.host_streams[0]
+
+
+def _clear_lane(layers: list, lane: int, lanes: int) -> None:
+    """An empty lane: -1 streams (its streams were closed) in every hierarchical layer."""
+    for kv in layers:
+        if getattr(kv, "streams", None) is None:
+            continue
+        kv.streams.view(lanes, -1)[lane] = -1
+        kv.host_streams[lane] = [] if isinstance(kv.host_streams[lane], list) else -1
