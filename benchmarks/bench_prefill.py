@@ -1,18 +1,22 @@
 """Prefill time of one request, per family and prompt length, beside the FLOP roofline.
 
-    python -m benchmarks.bench_prefill [--out DIR] [--family dsa quest] [--contexts 4096 32768 131072]
+    python -m benchmarks.bench_prefill [--out DIR] [--family dsa quest nsa] [--contexts 4096 32768 131072]
     python -m benchmarks.bench_prefill --quick          # tiny models on the CPU (Triton's interpreter)
 
 Each family's study model with random weights: DSA at the throughput study's geometry (61 layers,
 128 heads, 512 + 64 latents, k = 2048, a 64 x 128 indexer; hidden 1024, dense MLPs), Quest at
-Llama-3-8B's (32 layers, hidden 4096, 32 query and 8 KV heads of 128, MLP 14336). One prompt of
+Llama-3-8B's (32 layers, hidden 4096, 32 query and 8 KV heads of 128, MLP 14336), NSA at the NSA
+paper's 27B attention (30 layers, hidden 2560, 64 query and 4 KV heads, compressed blocks 32 /
+stride 16, 16 selected blocks of 64, window 512) with one head dim of 128 for keys and values (the
+paper's keys are 192 wide, its values 128; our model has one head dim, and 192 would pad the
+kernels' tiles to 256) and a dense MLP of 7168 standing in for its MoE. One prompt of
 `context` random tokens goes through `model.prefill(..., fast=True)` (the kernels; `--reference`
 also times the eager torch reference) in chunks of `--chunk-size` tokens into a resident state,
 after a warm-up prefill that compiles the kernels. Rows (results/prefill.csv): `prefill_s`,
 `tokens_per_s`, `peak_gib` (the GPU memory the prefill held above the weights, the request's KV
 included), `kv_gib` (that KV) and `roofline_frac` (the prefill's matrix FLOPs over prefill_s at
 the H200's measured bf16 rate; a DSA query attends min(k, its length) tokens, a Quest query its
-causal prefix). Printed beside the targets: DSA 32K <= 8 s, 128K <= 60 s, peak <= KV + 4 GiB;
+causal prefix, an NSA query its compressed blocks, selected tokens and window). Printed beside the targets: DSA 32K <= 8 s, 128K <= 60 s, peak <= KV + 4 GiB;
 Quest 32K >= 0.4 of the roofline.
 """
 import argparse
@@ -34,19 +38,37 @@ DSA = dict(model_type="deepseek_v32", vocab_size=1024, num_hidden_layers=61, fir
            num_experts_per_tok=2, n_group=1, topk_group=1)
 QUEST = dict(model_type="llama", vocab_size=1024, num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
              num_attention_heads=32, num_key_value_heads=8, head_dim=128, quest_dense_layers=2)
+NSA = {"model_type": "nsa", "vocab_size": 1024, "num_hidden_layers": 30, "hidden_size": 2560,
+       "intermediate_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128}
 QUICK = {"dsa": dict(DSA, num_hidden_layers=2, first_k_dense_replace=2, hidden_size=64, intermediate_size=96,
                      num_attention_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24,
                      v_head_dim=20, index_topk=16, index_head_dim=32, index_n_heads=8),
          "quest": dict(QUEST, num_hidden_layers=3, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16)}
+                       num_key_value_heads=2, head_dim=16),
+         "nsa": dict(NSA, num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_selected_blocks=4, sliding_window=64)}
 TARGETS = {("dsa", 32768): "prefill_s <= 8 (goal 4)", ("dsa", 131072): "prefill_s <= 60",
            ("quest", 32768): "roofline_frac >= 0.4"}
+
+
+def nsa_keys_attended(cfg, context: int) -> float:
+    """Keys the prompt's queries attend, summed over queries (lengths 1 .. context) and branches:
+    the complete compressed blocks, the tokens of the selected blocks (all of them while a query
+    has at most n blocks, else n - 1 full blocks and its newest, partial one), the window."""
+    lengths = torch.arange(1, context + 1, dtype=torch.float64)
+    size, stride, block = cfg.compress_block_size, cfg.compress_block_stride, cfg.selection_block_size
+    compressed = torch.where(lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, 0)
+    blocks = torch.ceil(lengths / block)
+    n = cfg.num_selected_blocks
+    selected = torch.where(blocks <= n, lengths, (n - 1) * block + lengths - block * (blocks - 1))
+    return float((compressed + selected + lengths.clamp(max=cfg.sliding_window)).sum())
 
 
 def prefill_flops(family: str, cfg, context: int) -> float:
     """Matrix FLOPs (2 per multiply-add) of one prompt's prefill: every projection and MLP, the
     attention each query does (DSA: over min(k, its length) latents, and the indexer over its
-    length; Quest: its causal prefix), the logits of the last token."""
+    length; Quest: its causal prefix; NSA: its three branches' keys and the compression of each
+    block), the logits of the last token."""
     s, prefix = context, context * (context + 1) / 2            # tokens, and the sum of their lengths
     h = cfg.hidden_size
     if family == "dsa":
@@ -59,6 +81,11 @@ def prefill_flops(family: str, cfg, context: int) -> float:
                      + cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim
                      + h * cfg.index_n_heads)
         attention = heads * (2 * dc + dr) * selected + cfg.index_n_heads * cfg.index_head_dim * prefix
+    elif family == "nsa":
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        per_token = 2 * h * heads * d + 2 * h * kv_heads * d + 3 * h * heads + 3 * h * cfg.intermediate_size
+        n_cmp = 0 if s < cfg.compress_block_size else (s - cfg.compress_block_size) // cfg.compress_block_stride + 1
+        attention = 2 * heads * d * nsa_keys_attended(cfg, s) + 2 * kv_heads * d * d * n_cmp
     else:
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         per_token = 2 * h * heads * d + 2 * h * kv_heads * d + 3 * h * cfg.intermediate_size
@@ -67,7 +94,7 @@ def prefill_flops(family: str, cfg, context: int) -> float:
 
 
 def build(family: str, quick: bool, device: torch.device) -> torch.nn.Module:
-    raw = QUICK[family] if quick else {"dsa": DSA, "quest": QUEST}[family]
+    raw = QUICK[family] if quick else {"dsa": DSA, "quest": QUEST, "nsa": NSA}[family]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         model = build_model(config_from_dict(dict(raw)))
@@ -97,7 +124,7 @@ def run_prefill(model, context: int, chunk: int, fast: bool, device: torch.devic
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results", help="folder of the results CSVs (default results)")
-    ap.add_argument("--family", nargs="+", choices=("dsa", "quest"), default=["dsa", "quest"])
+    ap.add_argument("--family", nargs="+", choices=("dsa", "quest", "nsa"), default=["dsa", "quest", "nsa"])
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help="prompt tokens (default 4096 32768 131072; --quick: 40 100)")
     ap.add_argument("--chunk-size", type=int, default=4096, help="prompt tokens per prefill chunk (default 4096)")
@@ -130,7 +157,7 @@ def main(argv=None) -> None:
                 seconds, peak, kv = run_prefill(model, context, size, mode == "model", device)
                 flops = prefill_flops(family, cfg, context)
                 frac = flops / seconds / MMA_FLOPS_PER_S if gpu else float("nan")
-                k = cfg.index_topk if family == "dsa" else ""
+                k = cfg.index_topk if family == "dsa" else cfg.num_selected_blocks if family == "nsa" else ""
                 base = dict(bench="prefill", family=family, mode=mode, batch=1, context=context, k=k,
                             chunk_size=size, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size)
                 metrics = {"prefill_s": (seconds, "s"), "tokens_per_s": (context / seconds, "tokens/s"),

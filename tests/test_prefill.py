@@ -311,3 +311,17 @@ def test_nsa_resident_and_hisparse_are_bitwise_equal_after_a_fast_prefill():
     assert all(torch.equal(a, b) for a, b in zip(fast.logits, hier.logits))
     assert torch.equal(fast.tokens, ref.tokens)
     assert (fast.logits[0] - ref.logits[0]).abs().max() <= TOLERANCE * ref.logits[0].abs().max()
+
+
+def test_nsa_prefill_flops_count_each_branchs_keys():
+    """A query of length L attends its complete compressed blocks, the tokens of its selected blocks
+    (every token while it has at most n blocks) and its window: counted one query at a time."""
+    from benchmarks.bench_prefill import nsa_keys_attended
+    cfg = config_from_dict(dict(QUICK["nsa"]))
+    def keys(length):
+        n_cmp = 0 if length < 32 else (length - 32) // 16 + 1
+        blocks = -(-length // 64)
+        selected = length if blocks <= cfg.num_selected_blocks else 64 * (cfg.num_selected_blocks - 1) + length - 64 * (blocks - 1)
+        return n_cmp + selected + min(length, cfg.sliding_window)
+    for context in (1, 31, 32, 300, 321):
+        assert nsa_keys_attended(cfg, context) == sum(keys(n) for n in range(1, context + 1))
