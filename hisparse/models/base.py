@@ -117,7 +117,7 @@ class CausalLM(nn.Module):
         with `last_logits` those of the last token alone, [B, 1, V]. With `chunk_size`, the prompt
         goes through in chunks (the same result, memory linear in S). `fast` runs the attention
         through the family's kernels, DSA's sparse MLA through `backend` (within each dtype's
-        tolerance of the eager reference, which is the default; NSA has only the reference)."""
+        tolerance of the eager reference, which is the default; NSA's three branches too)."""
         chunks = [input_ids] if chunk_size is None else input_ids.split(chunk_size, dim=1)
         logits = [self._prefill(chunk, state, fast, last_logits, backend) for chunk in chunks]
         return logits[-1] if last_logits else torch.cat(logits, dim=1)
