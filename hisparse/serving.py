@@ -55,7 +55,8 @@ from hisparse.models.base import DecodeState
 from hisparse.runtime import KV_MODES, cache_bytes, nbytes, prefetch_width
 
 GIB = 2 ** 30
-_NOT_LANE_FIELDS = {"cache", "anchor_layer", "anchor_streams", "prefetched", "newest", "host_streams"}
+_NOT_LANE_FIELDS = {"cache", "anchor_layer", "anchor_streams", "prefetched", "newest", "host_streams", "lanes",
+                    "weight_k", "weight_v"}
 
 
 @dataclass
@@ -158,7 +159,8 @@ class ServingRun:
 @dataclass
 class _Prefill:
     request: Request
-    state: DecodeState                # the model's own state of the prompt (the workspace)
+    state: DecodeState                # what the model's prefill runs on (the workspace)
+    in_place: object | None = None    # the family's prefill into the lane, where it has one (DSA)
     done: int = 0                     # prompt tokens prefilled
     last_logits: torch.Tensor | None = None
 
@@ -208,8 +210,12 @@ class Server:
         row_bytes = self._row_bytes()
         if host_budget_gib is not None and mode == "resident":
             host_budget_gib = None                   # resident keeps nothing on the host
-        self.lane_bytes, self.state_bytes = self._lane_bytes()
-        self.workspace_bytes = self._workspace_bytes() + self.state_bytes
+        self.in_place = hasattr(self.runtime, "lane_prefill")     # the family prefills into the lane itself
+        self.lane_bytes, state_bytes = self._lane_bytes()
+        if self.in_place:
+            self.workspace_bytes = self.runtime.lane_workspace_bytes(mode, self.max_context)
+        else:        # the model's own prefill state, then the request's decode state beside it as it joins
+            self.workspace_bytes = self._workspace_bytes() + state_bytes
         if lanes is None:
             if kv_budget_gib is None:
                 raise ValueError("a server needs kv_budget_gib (GPU memory for KV, GiB), or lanes")
@@ -242,6 +248,9 @@ class Server:
         self.attention = self.runtime.attention(mode, self.layers, check_values=not graph, prefetch=prefetch,
                                                 prefetch_programs=self.prefetch_programs)
         self.attention.lanes = torch.zeros(self.lanes, dtype=torch.bool, device=self.device)
+        for kv in self.layers:
+            if hasattr(kv, "lanes"):          # DSA: an empty lane's decode write keeps what is there
+                kv.lanes = self.attention.lanes
         self.tokens = torch.zeros(self.lanes, dtype=torch.int64, device=self.device)
         self.lane_request: list[Request | None] = [None] * self.lanes
         self._reserved: int | None = None        # the lane of the request being prefilled
@@ -534,6 +543,10 @@ class Server:
         request.lane = self._reserved = self._free_lane()   # reserved while it prefills (still masked)
         if request.lane is None:
             raise ValueError(f"the replayed schedule admits request {request.rid} with every lane taken")
+        if self.in_place:
+            job = self.runtime.lane_prefill(self.mode, self.cache, self.layers, request.lane, len(request.prompt),
+                                            len(request.prompt) + request.max_new_tokens)
+            return _Prefill(request, job.state, job)
         return _Prefill(request, self.model.new_state(1, len(request.prompt)))
 
     def _prefill_chunk(self, job: _Prefill, budget: int) -> tuple[int, int]:
@@ -542,9 +555,13 @@ class Server:
         part = prompt[job.done:job.done + budget].to(self.device)
         logits = self.model.prefill(part[None], job.state, fast=self.fast, last_logits=True,
                                     backend=self.decode_backend)
+        if job.in_place is not None:
+            job.in_place.chunk_done(job.done, job.done + len(part))
+            held = job.in_place.workspace_bytes
+        else:
+            held = sum(nbytes(t) for kv in job.state.layers for t in vars(kv).values() if isinstance(t, torch.Tensor))
         job.done += len(part)
         job.last_logits = logits[0, -1]
-        held = sum(nbytes(t) for kv in job.state.layers for t in vars(kv).values() if isinstance(t, torch.Tensor))
         return len(part), held
 
     def _first_token(self, request: Request, job: _Prefill, t: float) -> int:
@@ -556,8 +573,14 @@ class Server:
         if self.keep_logits:
             request.logits.append(logits.float().cpu())
         if request.done:
+            if job.in_place is not None:
+                job.in_place.cancel()
             return 0
-        held = self._join(request, job.state)
+        if job.in_place is not None:
+            job.in_place.join()
+            held = 0
+        else:
+            held = self._join(request, job.state)
         self.lane_request[request.lane] = request
         return held
 

@@ -17,14 +17,23 @@ class MlaKV:
 
     latent: torch.Tensor
     index_keys: torch.Tensor | None
+    # serving (hisparse.serving): [B] bool, the rows that hold a request; an empty row's decode write
+    # keeps what is there, so a lane whose request is being prefilled in place is not overwritten
+    lanes: torch.Tensor | None = None
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Store the rows of the tokens at positions [B, S]: latent [B, S, Dc + Dr], index_keys
         [B, S, Di] or None (a hierarchical state overrides this to write its host pool too)."""
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        self.latent[rows, positions] = latent
+        self.latent[rows, positions] = self.kept_in_empty_lanes(self.latent, rows, positions, latent)
         if index_keys is not None:
-            self.index_keys[rows, positions] = index_keys
+            self.index_keys[rows, positions] = self.kept_in_empty_lanes(self.index_keys, rows, positions, index_keys)
+
+    def kept_in_empty_lanes(self, pool: torch.Tensor, rows, positions, new: torch.Tensor) -> torch.Tensor:
+        """`new` [B, S, D], with the values already at (rows, positions) of pool in empty lanes."""
+        if self.lanes is None:
+            return new
+        return torch.where(self.lanes[:, None, None], new, pool[rows, positions])
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

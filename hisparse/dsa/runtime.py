@@ -66,7 +66,7 @@ class HierMlaKV(MlaKV):
             raise ValueError("a hierarchical state takes one token per row; prefill runs on a resident state")
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         if index_keys is not None:
-            self.index_keys[rows, positions] = index_keys
+            self.index_keys[rows, positions] = self.kept_in_empty_lanes(self.index_keys, rows, positions, index_keys)
         if self.anchor_layer is None:
             if self.newest is not None:
                 raise RuntimeError("the last step's newest latents were never written: an anchor layer's "
@@ -229,6 +229,21 @@ class DsaRuntime:
                 kv.prefetched = torch.cuda.Event()
         return kv
 
+    def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
+                     host_tokens: int) -> "LanePrefill":
+        """A serving lane's prefill in place (`hisparse.serving`): the model's prefill writes the
+        indexer keys (and, resident, the latents) straight into lane `lane` of the batch `layers`;
+        hierarchical latents go to a workspace of the prompt's length and, chunk by chunk, to the
+        request's streams (opened now with `host_tokens` units each). Nothing is copied at the join."""
+        return LanePrefill(self, mode, cache, layers, lane, prompt, host_tokens)
+
+    def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
+        """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes: the hierarchical modes' latents."""
+        cfg, elem = self.model.config, self.model.model.embed_tokens.weight.element_size()
+        if mode == "resident":
+            return 0
+        return cfg.num_hidden_layers * tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelDsaAttention:
         return KernelDsaAttention(mode, check_values=check_values, prefetch=prefetch,
@@ -251,3 +266,56 @@ class DsaRuntime:
         if cache is not None:
             return total + cache_bytes(cache)
         return total + sum(nbytes(kv.latent) for kv in layers)
+
+
+class LanePrefill:
+    """One request's prefill into serving lane `lane` (`DsaRuntime.lane_prefill`): `state` is what the
+    model's prefill runs on; `chunk_done(start, end)` after each chunk; `join()` when the prompt is done."""
+
+    def __init__(self, runtime: DsaRuntime, mode: str, cache, layers: list, lane: int, prompt: int,
+                 host_tokens: int):
+        self.mode, self.cache, self.layers, self.lane = mode, cache, layers, lane
+        views = []
+        for kv in layers:
+            keys = None if kv.index_keys is None else kv.index_keys[lane:lane + 1]
+            if mode == "resident":
+                views.append(MlaKV(latent=kv.latent[lane:lane + 1], index_keys=keys))
+            else:
+                width = runtime.model.config.kv_lora_rank + runtime.model.config.qk_rope_head_dim
+                latent = torch.empty(1, prompt, width, dtype=kv.cache.slots.dtype, device=kv.cache.slots.device)
+                views.append(MlaKV(latent=latent, index_keys=keys))
+        self.streams = []
+        if mode != "resident":
+            try:
+                for _ in layers:
+                    self.streams.append(cache.open_stream(host_tokens))
+            except BaseException:
+                for stream in self.streams:
+                    cache.close_stream(stream)
+                raise
+        device = layers[0].index_keys.device if layers[0].index_keys is not None else views[0].latent.device
+        self.state = DecodeState(views, prompt, torch.zeros(1, dtype=torch.int64, device=device))
+
+    @property
+    def workspace_bytes(self) -> int:
+        return 0 if self.mode == "resident" else sum(nbytes(kv.latent) for kv in self.state.layers)
+
+    def chunk_done(self, start: int, end: int) -> None:
+        """The latents of prompt tokens start .. end - 1 to the request's streams in the host pool."""
+        for stream, kv in zip(self.streams, self.state.layers):
+            if self.mode != "resident":
+                self.cache.append(stream, kv.latent[0, start:end])
+
+    def join(self) -> None:
+        """The request's streams into its lane (hierarchical modes; resident lanes already hold it)."""
+        for stream, kv in zip(self.streams, self.layers):
+            kv.streams[self.lane] = stream
+            kv.row_base[self.lane] = self.cache.row_base(torch.tensor([stream], device=kv.row_base.device))[0]
+            kv.host_streams[self.lane] = stream
+        self.state = None
+
+    def cancel(self) -> None:
+        """Give back the streams of a prefill that will not join."""
+        for stream in self.streams:
+            self.cache.close_stream(stream)
+        self.streams, self.state = [], None
