@@ -35,7 +35,9 @@ def _load_query(q_ptr, w_ptr, s, S, stride_qs, stride_qh, stride_ws, stride_wh, 
     return b_q, b_w.to(tl.float32)
 
 
-@triton.jit
+# the integer arguments that change from row block to row block are not specialised on (divisibility
+# by 16), so that a prefill compiles its kernels once, not again in the middle of a prompt
+@triton.jit(do_not_specialize=["S", "START", "TILES_PER_SPLIT"])
 def _prefill_indexer_kernel(
     q_ptr, w_ptr, k_ptr, out_ptr,
     stride_qs, stride_qh, stride_ws, stride_wh, stride_kt, stride_os,
@@ -91,16 +93,17 @@ def _prefill_indexer_kernel(
         tl.store(p_rows + o_t[None, :], b_inf, mask=((s0 + o_j) < S)[:, None] & (o_t < t_end)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_PICKED"])
 def _order_picks_kernel(
-    val_ptr, id_ptr, len_ptr, sel_ptr,
+    val_ptr, id_ptr, len_ptr, sel_ptr, last_ptr, ties_ptr,
     stride_vn, stride_in, stride_sn,
     K_PICKED, K,
     BLOCK_K: tl.constexpr,
 ):
     """One row's K_PICKED top-k picks (values float32, token ids int64, in any order) into its
     selection sel[n, :K] int32, best first, equal scores to the lower id, ids >= lengths[n] and the
-    places past K_PICKED as -1.
+    places past K_PICKED as -1; and, for the tie check, the lowest picked value last[n] and how
+    many picks equal it, ties[n].
 
     The order is one sort of unique int64 keys, as `hisparse.dsa.ops.topk_select` builds them: the
     high 32 bits the score's float order (-0.0 folded into +0.0), the low 32 bits 2^32 - 1 - id.
@@ -110,6 +113,9 @@ def _order_picks_kernel(
     m_k = o_k < K_PICKED
     b_val = tl.load(val_ptr + i_n * stride_vn + o_k, mask=m_k, other=0.0)
     b_id = tl.load(id_ptr + i_n * stride_in + o_k, mask=m_k, other=0)
+    b_last = tl.min(tl.where(m_k, b_val, float("inf")), axis=0)
+    tl.store(last_ptr + i_n, b_last)
+    tl.store(ties_ptr + i_n, tl.sum((m_k & (b_val == b_last)).to(tl.int32), axis=0))
     b_val = tl.where(b_val == 0.0, 0.0, b_val)                       # -0.0 ranks as +0.0
     b_bits = b_val.to(tl.int32, bitcast=True)
     b_bits = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)                  # signed int order of the float order
@@ -120,3 +126,16 @@ def _order_picks_kernel(
     length = tl.load(len_ptr + i_n).to(tl.int64)
     b_sel = tl.where(m_k & (b_sel < length), b_sel, -1)          # m_k: sorted, the picks come first
     tl.store(sel_ptr + i_n * stride_sn + o_k, b_sel.to(tl.int32), mask=o_k < K)
+
+
+@triton.jit
+def _count_equal_kernel(scores_ptr, last_ptr, count_ptr, stride_n, T, BLOCK_T: tl.constexpr):
+    """count[n] = how many of row n's T scores equal last[n] (+0.0 == -0.0): one pass over the row."""
+    i_n = tl.program_id(0).to(tl.int64)
+    b_last = tl.load(last_ptr + i_n)
+    b_count = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        b_s = tl.load(scores_ptr + i_n * stride_n + o_t, mask=o_t < T, other=float("nan"))
+        b_count += (b_s == b_last).to(tl.int32)
+    tl.store(count_ptr + i_n, tl.sum(b_count, axis=0))

@@ -115,6 +115,96 @@ def test_dsa_select_is_indexer_then_topk():
 
 
 # ---------------------------------------------------------------------------------------------
+# Prefill: the indexer over a chunk of queries, the top-k's picks ordered
+# ---------------------------------------------------------------------------------------------
+
+def prefill_inputs(s, start, h, d, dtype, gen):
+    """A chunk of s queries at positions start .. start + s - 1 over keys [start + s, d]."""
+    q = torch.randn(s, h, d, generator=gen).to(dtype)
+    weights = torch.randn(s, h, generator=gen) * h ** -0.5
+    return q, weights, torch.randn(start + s, d, generator=gen).to(dtype)
+
+
+def decode_indexer_of_chunk(q, weights, keys, start):
+    """The decode indexer of each query with its causal length: what the prefill kernel must equal."""
+    s, t = q.shape[0], keys.shape[0]
+    lengths = torch.arange(start + 1, start + s + 1)
+    return dsa.indexer_scores(q, weights, keys.expand(s, t, keys.shape[1]), lengths), lengths
+
+
+PREFILL_CONFIGS = {
+    "default": None,
+    "q1": dsa.PrefillIndexerConfig(block_t=32, queries=1, num_warps=4, num_stages=1),
+    "q4-split3": dsa.PrefillIndexerConfig(block_t=32, queries=4, num_warps=4, num_stages=1, splits=3),
+    "t16-q4-split2": dsa.PrefillIndexerConfig(block_t=16, queries=4, num_warps=4, num_stages=1, splits=2),
+}
+
+
+@pytest.mark.parametrize("config", PREFILL_CONFIGS.values(), ids=PREFILL_CONFIGS.keys())
+@pytest.mark.parametrize("s, start, h, d", [
+    pytest.param(7, 0, 5, 16, id="first-chunk-odd"),         # S not a multiple of the 2 / 4 resident queries
+    pytest.param(5, 38, 27, 32, id="start38-cuts-a-tile"),   # lengths 39..43 end inside a 16 / 32-key tile
+    pytest.param(2, 3, 4, 16, id="rows-shorter-than-a-tile"),
+    pytest.param(1, 70, 4, 16, id="one-query"),
+])
+def test_prefill_indexer_is_the_decode_indexer_bit_for_bit(s, start, h, d, config):
+    """Causality as lengths: query i scores the tokens < start + i + 1, -inf after, exactly the decode
+    kernel's bits (same tile operations), and the torch reference within float32's tolerance."""
+    gen = torch.Generator().manual_seed(s * 100 + start)
+    q, weights, keys = prefill_inputs(s, start, h, d, torch.float32, gen)
+    got = dsa.prefill_indexer_scores(q, weights, keys, start, config)
+    decode, lengths = decode_indexer_of_chunk(q, weights, keys, start)
+    assert torch.equal(got, decode)
+    expanded = keys.expand(s, *keys.shape)
+    assert rel_err(got, dsa_ref.indexer_scores_ref(q, weights, expanded, lengths)) < TOL[torch.float32]
+
+
+def test_prefill_indexer_in_fp16_and_with_a_prefix_of_queries():
+    """fp16 within its tolerance of the reference; a row block (queries r.., start + r) is those rows
+    of the whole chunk's scores, as dsa_prefill_select makes them."""
+    gen = torch.Generator().manual_seed(3)
+    q, weights, keys = prefill_inputs(9, 21, 6, 32, torch.float16, gen)
+    whole = dsa.prefill_indexer_scores(q, weights, keys, 21)
+    _, lengths = decode_indexer_of_chunk(q, weights, keys, 21)
+    assert rel_err(whole, dsa_ref.indexer_scores_ref(q, weights, keys.expand(9, *keys.shape), lengths)) < TOL[torch.float16]
+    assert torch.equal(dsa.prefill_indexer_scores(q[4:], weights[4:], keys, 25), whole[4:])
+
+
+def test_prefill_indexer_refuses_bad_inputs():
+    q, w, keys = torch.randn(4, 2, 16), torch.rand(4, 2), torch.randn(9, 16)
+    with pytest.raises(ValueError, match="start=6"):
+        dsa.prefill_indexer_scores(q, w, keys, 6)                      # 6 + 4 > 9 keys
+    with pytest.raises(ValueError, match="keys"):
+        dsa.prefill_indexer_scores(q, w, keys.to(torch.float16), 5)
+    with pytest.raises(ValueError, match="weights"):
+        dsa.prefill_indexer_scores(q, w[:3], keys, 5)
+    with pytest.raises(ValueError, match="queries=3"):
+        dsa.PrefillIndexerConfig(block_t=32, queries=3, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="block_t=48"):
+        dsa.PrefillIndexerConfig(block_t=48, queries=2, num_warps=4, num_stages=1)
+    assert dsa.prefill_indexer_scores(q[:0], w[:0], keys[:5], 5).shape == (0, 5)
+
+
+@pytest.mark.parametrize("picked, k", [(16, 16), (5, 7), (12, 12)], ids=["k16", "fewer-picks-k7", "k12"])
+def test_order_picks_is_two_stable_sorts(picked, k):
+    """Heavy ties with -0.0 and +0.0 mixed, -inf picks, ids past the length: the same selection as
+    the torch sorts, and the lowest pick with how many picks equal it."""
+    gen = torch.Generator().manual_seed(picked + k)
+    n, t = 9, 40
+    scores = torch.randint(-2, 3, (n, t), generator=gen).float() * 0.5
+    scores[(scores == 0) & (torch.rand(n, t, generator=gen) < 0.5)] = -0.0
+    scores[:, 30:] = float("-inf")
+    values, ids = scores.topk(picked, dim=1, sorted=False)
+    values, ids = values.contiguous(), ids.contiguous()
+    lengths = torch.randint(1, t + 1, (n,), generator=gen)
+    sel, last, ties = dsa.order_picks(values, ids, lengths, k)
+    ref_sel, ref_last, ref_ties = dsa.order_picks_ref(values, ids, lengths, k)
+    assert torch.equal(sel, ref_sel) and torch.equal(last, ref_last) and torch.equal(ties, ref_ties)
+    assert torch.equal(ties, (values == last[:, None]).sum(1).to(torch.int32))
+    assert torch.equal(dsa.count_equal(scores, last), (scores == last[:, None]).sum(1).to(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
 # Sparse MLA decode
 # ---------------------------------------------------------------------------------------------
 
@@ -200,7 +290,7 @@ def test_hot_cache_and_resident_pool_bitwise_equal(dtype, splits):
     gen = torch.Generator().manual_seed(7)
     kv_res, rows_res, kv_hot, rows_hot = build_resident_and_hot(3, 97, 61, 37, 80, dtype, gen)
     q = torch.randn(3, 5, 80, generator=gen).to(dtype)
-    args = dict(d_v=64, num_splits=splits, config=SMALL_TILES)
+    args = {"d_v": 64, "num_splits": splits, "config": SMALL_TILES}
     out_res, lse_res = dsa.sparse_mla_decode(q, kv_res, rows_res, DSV32_SCALE, **args)
     out_hot, lse_hot = dsa.sparse_mla_decode(q, kv_hot, rows_hot, DSV32_SCALE, **args)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
@@ -270,19 +360,19 @@ def test_launchers_reject_bad_inputs():
     q, kv = torch.randn(2, 4, 80), torch.randn(30, 80)
     rows = torch.zeros(2, 8, dtype=torch.int32)
     bad_decode = {
-        "rows dtype": (dict(rows=rows.long()), "rows must be int32"),
-        "kv dtype": (dict(kv=kv.half()), "kv dtype"),
-        "kv width": (dict(kv=kv[:, :72]), "kv shape"),
-        "d_v": (dict(d_v=48), "d_v=48"),
-        "scale": (dict(sm_scale=-1.0), "sm_scale=-1.0"),
-        "rows batch": (dict(rows=rows[:1]), "rows must be int32"),
-        "out": (dict(out=torch.empty(2, 4, 32)), "out torch.float32"),
-        "row_base dtype": (dict(row_base=torch.zeros(2, dtype=torch.int32)), "row_base must be a contiguous int64"),
-        "row_base batch": (dict(row_base=torch.zeros(3, dtype=torch.int64)), "row_base must be a contiguous int64"),
-        "row_base strided": (dict(row_base=torch.zeros(2, 2, dtype=torch.int64)[:, 0]), "stride \\(2,\\)"),
+        "rows dtype": ({"rows": rows.long()}, "rows must be int32"),
+        "kv dtype": ({"kv": kv.half()}, "kv dtype"),
+        "kv width": ({"kv": kv[:, :72]}, "kv shape"),
+        "d_v": ({"d_v": 48}, "d_v=48"),
+        "scale": ({"sm_scale": -1.0}, "sm_scale=-1.0"),
+        "rows batch": ({"rows": rows[:1]}, "rows must be int32"),
+        "out": ({"out": torch.empty(2, 4, 32)}, "out torch.float32"),
+        "row_base dtype": ({"row_base": torch.zeros(2, dtype=torch.int32)}, "row_base must be a contiguous int64"),
+        "row_base batch": ({"row_base": torch.zeros(3, dtype=torch.int64)}, "row_base must be a contiguous int64"),
+        "row_base strided": ({"row_base": torch.zeros(2, 2, dtype=torch.int64)[:, 0]}, "stride \\(2,\\)"),
     }
-    for name, (change, message) in bad_decode.items():
-        args = dict(q=q, kv=kv, rows=rows, sm_scale=0.1, d_v=64) | change
+    for (change, message) in bad_decode.values():
+        args = {"q": q, "kv": kv, "rows": rows, "sm_scale": 0.1, "d_v": 64} | change
         with pytest.raises(ValueError, match=message):
             dsa.sparse_mla_decode(**args)
     qi, w, keys, lengths = torch.randn(2, 3, 32), torch.randn(2, 3), torch.randn(2, 9, 32), torch.tensor([9, 4])
@@ -563,3 +653,21 @@ def test_gpu_gluon_decode_other_tiles_and_rings(block_k, num_stages):
     assert rel_err(out, ref_out) < TOL_BF16
     assert rel_err(lse, ref_lse) < 1e-4
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s, start", [(2048, 30720), (512, 130560), (333, 4001)], ids=["32K", "128K", "odd"])
+def test_gpu_prefill_indexer_is_the_decode_indexer_bit_for_bit(s, start):
+    """bf16 at the model's indexer (64 heads of 128): the default config's scores are the decode
+    kernel's bits (H200, Triton 3.6: so were all the configs probed, results/notes/prefill.md), and
+    the prefill's selection is the decode path's (`dsa_select` with causal lengths)."""
+    gen = torch.Generator(device="cuda").manual_seed(s)
+    q = torch.randn(s, 64, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    weights = torch.randn(s, 64, device="cuda", generator=gen) * 0.1
+    keys = torch.randn(start + s, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    lengths = torch.arange(start + 1, start + s + 1, device="cuda")
+    decode = dsa.indexer_scores(q, weights, keys.expand(s, *keys.shape), lengths)
+    assert torch.equal(dsa.prefill_indexer_scores(q, weights, keys, start), decode)
+    rows = slice(s - 64, s)
+    want = dsa.topk_select(decode[rows], lengths[rows], 2048)
+    assert torch.equal(dsa.dsa_prefill_select(q, weights, keys, start, 2048)[rows], want)

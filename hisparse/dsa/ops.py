@@ -36,7 +36,11 @@ from kernels_triton.dsa_gluon import (
     NUM_WARPS,
     _sparse_mla_decode_gluon_kernel,
 )
-from kernels_triton.dsa_prefill import _order_picks_kernel, _prefill_indexer_kernel
+from kernels_triton.dsa_prefill import (
+    _count_equal_kernel,
+    _order_picks_kernel,
+    _prefill_indexer_kernel,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
@@ -153,50 +157,76 @@ def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) 
     scores past a length would be picked, then dropped), faster where a host sync does not matter
     (prefill): torch.topk on the floats, the picks ordered best first with ties to the lower id by
     `order_picks` (one sort of k unique keys per row), and `topk_select`'s exact keys only for rows
-    whose equal scores straddle the k-th place."""
+    whose equal scores straddle the k-th place (more scores equal the lowest pick than were picked)."""
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
     if t == 0:
         return torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
     values, ids = scores.topk(min(k, t), dim=1, sorted=False)                         # [N, k']
-    sel = order_picks(values, ids, lengths, k)
-    last = values.min(dim=1, keepdim=True).values  # a tie there may leave out a lower id; -inf: every valid one is in
-    straddles = ((scores == last).sum(1) != (values == last).sum(1)) & (last[:, 0] > float("-inf"))
+    if scores.is_cuda:
+        sel, last, ties = order_picks(values, ids, lengths, k)
+        equal = count_equal(scores, last)
+    else:              # the same in torch: the interpreter takes about 45 ms a row to run the sort kernel
+        sel, last, ties = order_picks_ref(values, ids, lengths, k)
+        equal = (scores == last[:, None]).sum(1).to(torch.int32)
+    straddles = (equal != ties) & (last > float("-inf"))       # last -inf: every valid token is in
     rows = straddles.nonzero().flatten()
     if rows.numel():
         sel[rows] = topk_select(scores[rows], lengths[rows], k)
     return sel
 
 
-def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int):
     """The selection [N, k] int32 made of each row's top-k picks (values [N, k'] float32 and their
     token ids [N, k'] int64, k' <= k, in any order): best first, equal scores (+0.0 == -0.0) to the
-    lower id, ids >= lengths[n] and the places past k' as -1 (`order_picks_ref` in torch)."""
+    lower id, ids >= lengths[n] and the places past k' as -1 (`order_picks_ref` in torch). Also the
+    lowest picked value [N] float32 and how many picks equal it [N] int32 (`topk_of_indexer_scores`'
+    tie check)."""
     n, picked = values.shape
     _require(values.dtype == torch.float32 and ids.shape == values.shape and ids.dtype == torch.int64,
              f"values float32 and ids int64 of one shape [N, k'], got {values.dtype} {tuple(values.shape)} "
              f"and {ids.dtype} {tuple(ids.shape)}")
-    _require(picked <= k and lengths.shape == (n,), f"{picked} picks for k={k}, lengths {tuple(lengths.shape)}")
+    _require(1 <= picked <= k and lengths.shape == (n,) and lengths.device == values.device,
+             f"{picked} picks for k={k}, lengths {tuple(lengths.shape)} on {lengths.device}")
+    _require(values.stride(1) == 1 and ids.stride(1) == 1, "values and ids need a contiguous last dim")
     sel = torch.empty((n, k), dtype=torch.int32, device=values.device)
-    if n == 0:
-        return sel
-    block_k = triton.next_power_of_2(k)
-    _order_picks_kernel[(n,)](
-        values, ids, lengths, sel, values.stride(0), ids.stride(0), sel.stride(0), picked, k,
-        BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
-    )
-    return sel
+    last = torch.empty((n,), dtype=torch.float32, device=values.device)
+    ties = torch.empty((n,), dtype=torch.int32, device=values.device)
+    if n:
+        block_k = triton.next_power_of_2(k)
+        _order_picks_kernel[(n,)](
+            values, ids, lengths, sel, last, ties, values.stride(0), ids.stride(0), sel.stride(0), picked, k,
+            BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
+        )
+    return sel, last, ties
 
 
-def order_picks_ref(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """`order_picks` in torch: the picks sorted by id, then stably by score, best first."""
+def count_equal(scores: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """(scores == last[:, None]).sum(1) as int32 [N], in one pass over the float32 scores [N, T]."""
+    _require(scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1,
+             f"scores must be float32 [N, T] with a contiguous last dim, got {scores.dtype} {tuple(scores.shape)}")
+    _require(last.shape == scores.shape[:1] and last.dtype == torch.float32 and last.device == scores.device,
+             f"last must be float32 [{scores.shape[0]}] on {scores.device}, got {last.dtype} {tuple(last.shape)}")
+    n, t = scores.shape
+    count = torch.zeros((n,), dtype=torch.int32, device=scores.device)
+    if n and t:
+        _count_equal_kernel[(n,)](scores, last, count, scores.stride(0), t,
+                                  BLOCK_T=4096 if scores.is_cuda else 64, num_warps=8)
+    return count
+
+
+def order_picks_ref(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int):
+    """`order_picks` in torch: the picks sorted by id, then stably by score, best first; the lowest
+    pick and how many picks equal it."""
     n, picked = values.shape
+    last = values.min(dim=1).values
+    ties = (values == last[:, None]).sum(1).to(torch.int32)
     ids, order = ids.sort(dim=1)                                                       # by id, then stably
     values = values.masked_fill(values == 0, 0.0).gather(1, order)
     ids = ids.gather(1, values.sort(dim=1, descending=True, stable=True).indices)       # by score: ties by id
     sel = torch.full((n, k), -1, dtype=torch.int32, device=values.device)
     sel[:, :picked] = torch.where(ids < lengths[:, None], ids, -1).to(torch.int32)
-    return sel
+    return sel, last, ties
 
 
 def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tensor:
@@ -212,7 +242,7 @@ def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tenso
 class PrefillIndexerConfig:
     """Tiles and launch shape of `_prefill_indexer_kernel`: `queries` resident queries a program (1, 2
     or 4), `block_t` keys a tile, `splits` programs along the keys per query block (None: enough to
-    fill the GPU). block_t and num_warps as the decode indexer's (`indexer_scores`) give its bits."""
+    fill the GPU)."""
     block_t: int
     queries: int
     num_warps: int
@@ -230,11 +260,15 @@ class PrefillIndexerConfig:
 
 
 def default_prefill_indexer_config(device: torch.device) -> PrefillIndexerConfig:
-    """The decode indexer's tile (block_t 128 and 4 warps on the GPU, 32 in the interpreter), so the
-    prefill's scores are bitwise the decode's and its selections the decode path's."""
+    """GPU: 4 queries a program, 128 keys a tile, 8 warps, 3 stages: on the H200 (Triton 3.6, 64 x 128
+    bf16 indexer) 3.9 ms for 2048 queries over 32K keys and for 512 over 128K (276 TFLOP/s; the
+    decode kernel 4.9-5.0 ms), and bitwise the decode indexer's scores, as was every config probed
+    (results/notes/prefill.md): each score is one dot column summed over the heads in the same order.
+    The interpreter: the decode's 32-key tile, where the same operations on the same shapes give
+    its bits (numpy)."""
     if device.type == "cuda":
-        return PrefillIndexerConfig(block_t=128, queries=4, num_warps=4, num_stages=3)
-    return PrefillIndexerConfig(block_t=32, queries=2, num_warps=4, num_stages=1)
+        return PrefillIndexerConfig(block_t=128, queries=4, num_warps=8, num_stages=3)
+    return PrefillIndexerConfig(block_t=32, queries=4, num_warps=4, num_stages=1)
 
 
 def _check_prefill_indexer_inputs(q, weights, keys, start) -> None:
@@ -270,7 +304,8 @@ def prefill_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.T
     S - 1 over one request's keys [T, D]: query s scores tokens t < start + s + 1 (its causal
     length), -inf from there, exactly `indexer_scores(q, weights, keys.expand(S, T, D), start + 1 +
     arange(S))` (the decode kernel, bit for bit at the default config; `reference.indexer_scores_ref`
-    in torch). q [S, H_index, D], weights [S, H_index], keys in q's dtype."""
+    in torch). q [S, H_index, D], weights [S, H_index], keys in q's dtype. The bitwise equality is
+    checked on the GPU (tests/test_prefill.py) and in the interpreter, not promised for every config."""
     _check_prefill_indexer_inputs(q, weights, keys, start)
     cfg = config or default_prefill_indexer_config(q.device)
     s, h, d = q.shape
@@ -312,7 +347,8 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
              f"start={start!r}: a chunk of {s} queries over {t} keys starts at {t - s}")
     lengths = torch.arange(start + 1, t + 1, device=q.device)
     out = torch.empty((s, k), dtype=torch.int32, device=q.device)
-    rows = max(1, max_elements // max(1, t))
+    blocks = triton.cdiv(s, max(1, max_elements // max(1, t)))
+    rows = triton.cdiv(s, max(1, blocks))    # equal blocks: no short one left at the end of a chunk
     for r in range(0, s, rows):
         part = slice(r, min(s, r + rows))
         scores = prefill_indexer_scores(q[part], weights[part], keys, start + r)
