@@ -11,6 +11,9 @@ decode query per request:
 - attention: absorbed MLA over the selected rows of a row buffer `kv [R, D]` (D = 576: 512 latent
   values, then 64 rope dims), read through `rows [N, k]` (int32 row numbers, -1 = skip) in the order
   given, all heads sharing one selection, softmax scale from the model config.
+Prefill (`dsa_prefill_select`): a chunk's queries are decode queries of their causal lengths; their
+scores come from `prefill_indexer_scores` (kernels_triton/dsa_prefill.py: queries resident, a loop over
+key tiles), bit for bit the decode indexer's, and their top-k from `topk_of_indexer_scores`.
 The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against.
 """
 from __future__ import annotations
