@@ -15,6 +15,9 @@ kinds:
 - decode:     the decode loop, per mode x cache slots x context x batch -> decode.csv
 - throughput: per context, the largest batch whose KV fits a GPU (and host) memory budget, in each
               mode, and decode tokens/s at that batch (the paper's peak generation throughput) -> throughput.csv
+- serving:    requests joining and leaving one batch (hisparse.serving) under the GPU and host budgets,
+              a closed loop of C clients per concurrency level (or Poisson arrivals per rate), each mode:
+              output tokens/s, TTFT, TPOT, running batch -> serving.csv
 
 Models: "tiny:<family>" (a small random model of a hisparse.models.tiny family: deepseek_v32,
 glm_moe_dsa, llama, qwen3), "dsa" (DSA's real KV geometry: 128 heads, 512 + 64 latents, k = 2048, a
@@ -57,7 +60,14 @@ from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
 from hisparse.results import append_rows, environment, read_stored_rows
 from hisparse.runtime import nbytes
-from hisparse.synthetic import PRESETS, batch_workload, per_kv_head_config, per_kv_head_workload, preset
+from hisparse.synthetic import (
+    PRESETS,
+    batch_workload,
+    per_kv_head_config,
+    per_kv_head_workload,
+    preset,
+    request_trace,
+)
 from hisparse.traces import with_anchors
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
@@ -67,22 +77,27 @@ KEYS = {
                "warmup_steps", "workload", "graph", "prefetch", "token_budget", "decode_backend"},
     "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
                    "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph", "token_budget"},
+    "serving": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "input_len", "output_len", "concurrency",
+                "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
+                "prefill_chunk", "graph", "token_budget", "decode_backend", "workload"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
-            "throughput": {"model", "modes", "contexts", "kv_budget_gib"}}
-DEFAULTS = {"new_tokens": 8, "warmup_steps": 1, "max_batch": 256}     # optional keys validate fills in
+            "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
+            "serving": {"model", "modes", "input_len", "output_len", "kv_budget_gib"}}
+DEFAULTS = {"new_tokens": 8, "warmup_steps": 1, "max_batch": 256,     # optional keys validate fills in
+            "requests_per_client": 2, "requests": 8, "prefill_chunk": 8192}
 TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
 TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 # what each key means and, for an optional one, its default (`--help` lists them per kind)
 KEY_HELP = {
-    "kind": "policies, decode or throughput",
+    "kind": "policies, decode, throughput or serving",
     "workload": "a synthetic preset, or (decode, throughput) 'model': the model's own selections, the default",
     "model": "tiny:<family>, dsa, quest, or a DSA checkpoint directory",
     "layers": "layers of the dsa (61) / quest (32) / tiny model",
     "hidden": "hidden size of the dsa / quest model (1024)",
     "modes": "list of resident, hisparse, noio",
     "cache_slots": "B, one or a list (needed by hisparse and noio)",
-    "contexts": "prompt tokens, one or a list",
+    "contexts": "prompt tokens, one or a list (decode, throughput)",
     "batches": "requests, one or a list",
     "new_tokens": f"timed decode steps ({DEFAULTS['new_tokens']})",
     "warmup_steps": f"untimed steps first ({DEFAULTS['warmup_steps']})",
@@ -92,7 +107,14 @@ KEY_HELP = {
     "decode_backend": "DSA: the sparse MLA decode kernel, auto, triton or gluon (auto)",
     "kv_budget_gib": "GPU memory for KV per point (GiB)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
-    "max_batch": f"largest batch tried ({DEFAULTS['max_batch']})",
+    "max_batch": f"largest batch tried; serving: the most lanes ({DEFAULTS['max_batch']})",
+    "input_len": "serving: prompt tokens of every request",
+    "output_len": "serving: tokens each request generates (its first from the prefill)",
+    "concurrency": "serving: closed-loop client counts, one or a list (or rates)",
+    "rates": "serving: open-loop Poisson arrival rates, requests/s, one or a list (or concurrency)",
+    "requests_per_client": f"serving, closed loop: requests each client sends ({DEFAULTS['requests_per_client']})",
+    "requests": f"serving, open loop: requests per rate ({DEFAULTS['requests']})",
+    "prefill_chunk": f"serving: prompt tokens prefilled per iteration, between decode steps ({DEFAULTS['prefill_chunk']})",
 }
 
 
@@ -286,15 +308,21 @@ def validate(studies: list[dict]) -> None:
         if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
-        study["contexts"] = _positive_ints(study, "contexts", where)       # one value or a list: a list
-        study.setdefault("new_tokens", DEFAULTS["new_tokens"])
-        _positive_int(study, "new_tokens", where)
-        study.setdefault("warmup_steps", DEFAULTS["warmup_steps"])
-        _positive_int(study, "warmup_steps", where)
+        if kind == "serving":
+            validate_serving(study, where)
+        else:
+            study["contexts"] = _positive_ints(study, "contexts", where)       # one value or a list: a list
+            study.setdefault("new_tokens", DEFAULTS["new_tokens"])
+            _positive_int(study, "new_tokens", where)
+            study.setdefault("warmup_steps", DEFAULTS["warmup_steps"])
+            _positive_int(study, "warmup_steps", where)
         if kind == "decode":
             study["batches"] = _positive_ints(study, "batches", where)
+        if workload != "model" and kind == "serving" and family(raw) != "dsa":
+            raise ConfigError(f"{where}: workload = {workload!r}: a serving study replays a preset on DSA models; "
+                              f"a Quest model's selections come from the model (workload = 'model')")
         if workload != "model":         # the synthetic selections need room for k units at every context
-            for context in study["contexts"]:
+            for context in study.get("contexts", [study.get("input_len")]):
                 try:
                     if family(raw) == "quest":
                         per_kv_head_config(workload, 16, context, 1, selection_size(study, raw),
@@ -311,7 +339,7 @@ def validate(studies: list[dict]) -> None:
                 raise ConfigError(f"{where}: cache_slots {min(slots)} is smaller than the model's k = {k}")
             if max(slots) > MAX_SLOTS:
                 raise ConfigError(f"{where}: cache_slots {max(slots)} exceeds the supported {MAX_SLOTS}")
-        if kind == "throughput":
+        if kind in ("throughput", "serving"):
             for key in ("kv_budget_gib", "host_budget_gib"):
                 value = study.get(key)
                 if key in study and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -342,6 +370,8 @@ def points(study: dict) -> list[dict]:
     out = []
     # the modes compared at one context (and batch) run back to back: the GPU's clocks and the host's
     # memory drift less between them than across a whole study (a 3% comparison needs that)
+    if kind == "serving":
+        return serving_points(study, base, slots)
     batches = study["batches"] if kind == "decode" else [None]
     for context, batch, mode in itertools.product(study["contexts"], batches, study["modes"]):
         for b in (slots if mode != "resident" else [None]):
@@ -403,6 +433,11 @@ def run_settings(study: dict, point: dict, on_gpu: bool) -> dict:
     adds rows that the figures read instead (the newest of a point's). Empty for policies."""
     if point["bench"] == "policies":
         return {}
+    if point["bench"] == "serving":
+        settings = dict(graph=study.get("graph", False) and on_gpu, prefill_chunk=study["prefill_chunk"])
+        if point["family"] == "dsa":
+            settings["decode_backend"] = study.get("decode_backend", "auto")
+        return settings
     settings = dict(new_tokens=study["new_tokens"], warmup_steps=study["warmup_steps"],
                     graph=study.get("graph", False) and on_gpu,
                     prefetch=study.get("prefetch", False) and point["mode"] == "hisparse")
@@ -540,9 +575,11 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
     else:
         k, unit_bytes = cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
     settings = run_settings(study, point, on_gpu)
-    graph, prefetch, backend = settings["graph"], settings["prefetch"], settings.get("decode_backend", "auto")
+    graph, prefetch, backend = settings["graph"], settings.get("prefetch", False), settings.get("decode_backend", "auto")
     point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
                  **settings, attention_kernel=attention_kernel(model, backend))
+    if point["bench"] == "serving":
+        return run_serving(model, study, point)
     if point["bench"] == "decode":
         out = run_decode(model, point, point["batch"], study["new_tokens"], graph, prefetch, study["warmup_steps"],
                          decode_backend=backend)
@@ -563,6 +600,118 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
     out = run_decode(model, dict(point, batch=batch), batch, study["new_tokens"], graph,
                      warmup_steps=study["warmup_steps"])
     return sizes + decode_rows(row, out, batch)
+
+
+
+# -- serving ---------------------------------------------------------------------------------
+
+def validate_serving(study: dict, where: str) -> None:
+    """A serving study's own keys: lengths, load (concurrency or rates), counts."""
+    for key in ("input_len", "output_len"):
+        _positive_int(study, key, where)
+    if ("concurrency" in study) == ("rates" in study):
+        raise ConfigError(f"{where}: give concurrency (closed loop) or rates (open loop), one of them")
+    if "concurrency" in study:
+        study["concurrency"] = _positive_ints(study, "concurrency", where)
+        study.setdefault("requests_per_client", DEFAULTS["requests_per_client"])
+        _positive_int(study, "requests_per_client", where)
+    else:
+        rates = study["rates"] if isinstance(study["rates"], list) else [study["rates"]]
+        if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0
+                                for r in rates):
+            raise ConfigError(f"{where}: rates = {study['rates']!r}: expected a positive number of requests/s or "
+                              f"a list of them")
+        _listed_once(rates, "rates", where)
+        study["rates"] = rates
+        study.setdefault("requests", DEFAULTS["requests"])
+        _positive_int(study, "requests", where)
+    for key in ("max_batch", "prefill_chunk"):
+        study.setdefault(key, DEFAULTS[key])
+        _positive_int(study, key, where)
+    slots = study.get("cache_slots")
+    if isinstance(slots, list) and len(slots) != 1:
+        raise ConfigError(f"{where}: cache_slots = {slots!r}: a serving study takes one B")
+
+
+def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
+    """One point per load level (concurrency or rate) and mode, the modes of a level back to back."""
+    loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
+    out = []
+    for (key, level), mode in itertools.product(loads, study["modes"]):
+        out.append(dict(base, bench="serving", mode=mode, context=study["input_len"], input_len=study["input_len"],
+                        output_len=study["output_len"], concurrency=level if key == "concurrency" else None,
+                        rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
+                        kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib")))
+    return out
+
+
+def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | None]:
+    """The point's requests (random prompts, seeded per request: the same in every mode) and its
+    client count (None: Poisson arrivals at the rate, seeded)."""
+    from hisparse.serving import Request
+    closed = point["concurrency"] is not None
+    count = point["concurrency"] * study["requests_per_client"] if closed else study["requests"]
+    gen = torch.Generator().manual_seed(0)
+    arrivals = torch.zeros(count) if closed else torch.empty(count).exponential_(generator=gen).cumsum(0) / point["rate"]
+    reqs = []
+    for i in range(count):
+        prompt = torch.randint(0, vocab, (point["input_len"],), generator=torch.Generator().manual_seed(1000 + i))
+        reqs.append(Request(prompt, point["output_len"], arrival=float(arrivals[i])))
+    return reqs, point["concurrency"]
+
+
+_SERVING_TRACES: dict[tuple, torch.Tensor] = {}
+
+
+def serving_selections(workload: str, input_len: int, output_len: int, cfg) -> torch.Tensor:
+    """int32 [output_len - 1, layers, k]: one draw of the preset (seed 0) after a prompt of input_len,
+    which every request of a serving run replays (drawn once a process: at DSA's 61 layers and k = 2048
+    a draw takes tens of seconds). A "shared" layer gets its anchor's (the last "full" one before it)."""
+    key = (workload, input_len, output_len, cfg.num_hidden_layers, cfg.index_topk)
+    if key not in _SERVING_TRACES:
+        over = dict(k=cfg.index_topk, layers=cfg.num_hidden_layers)
+        if workload == "tiny":
+            over.update(sinks=1, window=2)
+        trace = request_trace(preset(workload, **over), input_len, max(1, output_len - 1), seed=0)
+        anchors, last_full = [], 0
+        for i, kind in enumerate(cfg.indexer_types):
+            last_full = i if kind == "full" else last_full
+            anchors.append(last_full)
+        _SERVING_TRACES[key] = torch.from_numpy(with_anchors(trace, anchors).selections[:, :, 0].copy())
+    return _SERVING_TRACES[key]
+
+
+def run_serving(model, study: dict, point: dict) -> list[dict]:
+    """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
+    clients never have more requests out), its summary and sizes as rows."""
+    from hisparse.serving import GIB, Server
+    global decode_runs
+    decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
+    reqs, clients = serving_requests(study, point, model.config.vocab_size)
+    selections = None
+    if point["workload"] != "model":
+        selections = serving_selections(point["workload"], point["input_len"], point["output_len"], model.config)
+    max_batch = min(study["max_batch"], clients) if clients else study["max_batch"]
+    quest = {} if point.get("token_budget") is None else {"token_budget": point["token_budget"]}
+    server = Server(model, point["mode"], cache_slots=point["cache_slots"],
+                    max_context=point["input_len"] + point["output_len"], kv_budget_gib=point["kv_budget_gib"],
+                    host_budget_gib=point["host_budget_gib"], max_batch=max_batch,
+                    prefill_chunk=study["prefill_chunk"], graph=point["graph"],
+                    decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest)
+    run = server.serve(reqs, clients=clients, progress=True)
+    summary = run.summary()
+    hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)
+    units = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens",
+             "running_batch_mean": "requests", "running_batch_max": "requests"}
+    rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
+    rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
+             dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),
+             dict(point, metric="wall_s", value=run.wall_s, unit="s")]
+    if point["mode"] != "resident":
+        rows.append(dict(point, metric="miss_rate", value=misses / max(1, hits + misses), unit="fraction"))
+    del server
+    release_cached_memory()
+    return [dict(row, batch=None, run=decode_runs) for row in rows]
 
 
 def main(argv=None) -> int:
@@ -672,3 +821,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

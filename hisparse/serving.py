@@ -174,14 +174,17 @@ class Server:
     at max_context). max_batch: the most lanes, whatever fits. lanes: exactly this many (a replay's;
     the budgets are then not applied). prefill_chunk: prompt tokens per iteration. graph: decode steps
     in one CUDA graph. prefill: "model" (the family's kernels) or "reference" (eager). keep_logits:
-    every token's logits on each request. token_budget (Quest), decode_backend (DSA), prefetch,
-    prefetch_programs: as `Engine`'s."""
+    every token's logits on each request. selections: int32 [steps, layers, ..., k], a trace every
+    request replays from its first decode step instead of the indexer's selections (one draw of a
+    synthetic workload, for realistic locality: a random model's own selections have none).
+    token_budget (Quest), decode_backend (DSA), prefetch, prefetch_programs: as `Engine`'s."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
                  lanes: int | None = None, prefill_chunk: int = 8192, graph: bool = False, prefill: str = "model",
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
-                 prefetch: bool = False, prefetch_programs: int | None = None):
+                 prefetch: bool = False, prefetch_programs: int | None = None,
+                 selections: torch.Tensor | None = None):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefill not in ("model", "reference"):
@@ -252,6 +255,15 @@ class Server:
             if hasattr(kv, "lanes"):          # DSA: an empty lane's decode write keeps what is there
                 kv.lanes = self.attention.lanes
         self.tokens = torch.zeros(self.lanes, dtype=torch.int64, device=self.device)
+        self.selections = None
+        if selections is not None:
+            layers = model.config.num_hidden_layers
+            if selections.dim() < 3 or selections.shape[1] != layers or selections.dtype != torch.int32:
+                raise ValueError(f"selections must be int32 [steps, {layers} layers, ..., k], got "
+                                 f"{selections.dtype} {tuple(selections.shape)}")
+            self.selections = selections.to(self.device)
+            self.attention.replay_sel = torch.full((layers, self.lanes, *selections.shape[2:]), -1,
+                                                   dtype=torch.int32, device=self.device)
         self.lane_request: list[Request | None] = [None] * self.lanes
         self._reserved: int | None = None        # the lane of the request being prefilled
         self._step = None                       # the decode step (graphed after its first eager run)
@@ -368,6 +380,9 @@ class Server:
             bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
             raise ValueError(f"token id {bad} out of range: the vocabulary has {vocab} ids")
         need = len(prompt) + request.max_new_tokens
+        if self.selections is not None and request.max_new_tokens - 1 > self.selections.shape[0]:
+            raise ValueError(f"max_new_tokens={request.max_new_tokens} needs {request.max_new_tokens - 1} decode steps of "
+                             f"selections; the replayed trace has {self.selections.shape[0]}")
         if need > self.max_context:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
                              f"tokens, over the server's max_context={self.max_context}")
@@ -417,6 +432,9 @@ class Server:
         self.state.lengths.copy_(torch.tensor(lengths, dtype=torch.int64))
         self.tokens.copy_(torch.tensor([0 if r is None else r.tokens[-1] for r in self.lane_request]))
         self.attention.lanes.copy_(torch.tensor([r is not None for r in self.lane_request]))
+        if self.selections is not None:       # each lane's step of the trace (an empty lane's is masked)
+            steps = torch.tensor([0 if r is None else len(r.tokens) - 1 for r in self.lane_request])
+            self.attention.replay_sel.copy_(self.selections[steps.to(self.device)].transpose(0, 1))
         self.state.max_length = max(lengths)
         if self._step is None:
             logits = self.model.decode(self.tokens, self.state)
