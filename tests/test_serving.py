@@ -175,3 +175,22 @@ def test_summary_metrics():
     assert out["ttft_ms_p50"] == pytest.approx(500.0) and out["tpot_ms_p50"] == pytest.approx(200.0)
     assert out["queue_ms_p99"] == pytest.approx(100 + 0.99 * 100)
     assert percentile([], 50) != percentile([], 50)          # nan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "llama"])
+def test_graphed_serving_replay_is_bitwise(family):
+    """On a GPU with every decode step a replay of one captured graph: the lanes' buffers rewritten
+    between replays as requests join and leave, resident replaying hisparse's schedule bitwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = tiny(family)
+    kw = dict(SETTINGS[family], max_context=MAX_CONTEXT, prefill_chunk=24, keep_logits=True, graph=True)
+    reqs = requests(seed=7, n=5)
+    run = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=3, **kw).serve(reqs, clients=3)
+    assert max(run.running_batch) >= 2
+    again = Server(model, "resident", lanes=run.schedule.lanes, **kw).serve(fresh(reqs), clients=3,
+                                                                            replay=run.schedule)
+    for a, b in zip(run.requests, again.requests):
+        assert a.tokens == b.tokens, f"request {a.rid}"
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}"
