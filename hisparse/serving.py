@@ -5,6 +5,12 @@
     run = server.serve(requests, clients=8)          # closed loop; clients=None: each request's arrival
     run.requests[0].tokens, run.summary()            # per request: tokens, TTFT, TPOT; per run: tokens/s
 
+    server.open()                                    # or step by step (an HTTP front end does this)
+    server.submit(Request(prompt, 64, arrival=math.nan))   # nan: arrives now
+    while server.busy:
+        finished = server.step()                     # one prefill chunk and one decode step
+    run = server.close()
+
 Lanes. The decode batch has a fixed number of rows, its lanes, sized once from the GPU budget: a
 lane holds one request at a time, up to `max_context` tokens (a server's limit per request). In
 `resident` mode a lane is that many tokens of KV on the GPU; in `hisparse` / `noio` it is the B slots
@@ -76,6 +82,8 @@ class Request:
     hits: int = 0
     misses: int = 0
     lane: int | None = None
+    cancelled: bool = False
+    on_token: object | None = None      # called as on_token(request, token) for each new token (streaming)
 
     @property
     def done(self) -> bool:
@@ -453,108 +461,187 @@ class Server:
 
         return step
 
-    def serve(self, requests: list[Request], clients: int | None = None, replay: Schedule | None = None,
-              progress: bool = False) -> ServingRun:
-        """Serve `requests` to the end. clients: a closed loop of that many clients, request i sent by
-        client i % clients as soon as its previous one finished (arrivals are then set); None: each
-        request arrives at its `arrival`. replay: run that schedule (the same lanes) instead of choosing.
-        progress: a line on stderr every 10 s."""
-        for i, r in enumerate(requests):
-            self.check_request(r)
-            r.rid, r.tokens, r.token_times, r.logits, r.prefill_start, r.lane = i, [], [], [], None, None
-        if clients is not None:
-            clients = as_int(clients, "clients must be an int >= 1", 1)
+    # -- a run: open, submit, step, close (serve drives them for a list of requests) ---------------
+
+    def open(self, replay: Schedule | None = None) -> None:
+        """Start a run: kernels warmed up, the clock at 0, the server's attention in the model (until
+        `close`). replay: follow that schedule (the same lanes) instead of choosing."""
         if replay is not None and replay.lanes != self.lanes:
             raise ValueError(f"the schedule ran {replay.lanes} lanes, this server has {self.lanes}: build it with "
                              f"lanes={replay.lanes}")
         if any(r is not None for r in self.lane_request):
             raise RuntimeError("the server still holds requests of an earlier run")
-        previous = self.model.sparse_attention
         self.warm_up()
+        self._previous_attention = self.model.sparse_attention
         self.model.sparse_attention = self.attention
-        try:
-            return self._serve(requests, clients, replay, progress)
-        finally:
-            self.model.sparse_attention = previous
+        self.requests: list[Request] = []           # every request submitted in this run, by rid
+        self.waiting: list[Request] = []            # arrived, not admitted, first come first served
+        self._pending: list[Request] = []           # submitted with an arrival still to come
+        self._prefilling: _Prefill | None = None
+        self._planned = iter(replay.iterations) if replay is not None else None
+        self.schedule = Schedule(self.lanes)
+        self.running_batch: list[int] = []
+        self.peak_gpu, self.peak_host = self.gpu_bytes(), 0
+        self._start = time.perf_counter()
 
-    def _serve(self, requests, clients, replay, progress) -> ServingRun:
+    def now(self) -> float:
+        """Seconds since `open`."""
+        return time.perf_counter() - self._start
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request (ValueError, and nothing queued, if it could never be served). Its
+        arrival: as set, relative to `open`; math.nan (the default for a new Request is 0.0) means now."""
+        self.check_request(request)
+        request.rid, request.tokens, request.token_times, request.logits = len(self.requests), [], [], []
+        request.prefill_start, request.lane, request.cancelled = None, None, False
+        if math.isnan(request.arrival):
+            request.arrival = self.now()
+        self.requests.append(request)
+        self._pending.append(request)
+        self._pending.sort(key=lambda r: (r.arrival, r.rid))
+        return request
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.lane_request if r is not None]
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is queued, being prefilled or decoding."""
+        return bool(self.waiting or self._pending or self._prefilling or self.running)
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request wherever it is (a client that went away): its lane, streams and host regions
+        are freed at once. Not while replaying a schedule."""
+        if self._planned is not None:
+            raise RuntimeError("a replayed schedule cannot lose a request")
+        request.cancelled = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self._pending:
+            self._pending.remove(request)
+        elif self._prefilling is not None and self._prefilling.request is request:
+            if self._prefilling.in_place is not None:
+                self._prefilling.in_place.cancel()
+            self._prefilling, self._reserved, request.lane = None, None, None
+        elif request.lane is not None and self.lane_request[request.lane] is request:
+            self._leave(request)
+
+    def step(self) -> list[Request]:
+        """One iteration (see the module docstring); returns the requests that finished in it. On
+        their way each request's `on_token(request, token)`, if set, is called for every new token."""
+        t = self.now()
+        while self._pending and self._pending[0].arrival <= t:     # arrivals so far join the queue
+            self.waiting.append(self._pending.pop(0))
+        finished = []
+        step = Iteration(-1, 0, False)
+        if self._planned is not None:
+            step = next(self._planned, None)
+            if step is None:
+                raise ValueError("the replayed schedule ended before every request finished")
+            if step.admitted >= 0:
+                self._prefilling = self._start_prefill(self.requests[step.admitted], t)
+        elif self._prefilling is None and self.waiting and self._admissible(self.waiting[0]):
+            request = self.waiting.pop(0)
+            self._prefilling = self._start_prefill(request, t)
+            step.admitted = request.rid
+        if self._prefilling is not None:
+            job = self._prefilling
+            budget = step.prefilled if self._planned is not None else self.prefill_chunk
+            chunk, held = self._prefill_chunk(job, budget)
+            step.prefilled = chunk
+            self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(held))
+            if job.done == len(job.request.prompt):
+                request = job.request
+                joined = self._first_token(request, job, self.now())
+                self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(held + joined))
+                self._prefilling, self._reserved = None, None
+                if request.done:                       # that was its only token
+                    request.lane = None
+                    finished.append(request)
+        active = self.running
+        if (self._planned is not None and step.decoded) or (self._planned is None and active):
+            logits = self._decode_step()
+            tokens = logits.argmax(-1).cpu()              # the step's one host sync
+            t = self.now()
+            self.running_batch.append(len(active))
+            step.decoded = True
+            for lane, r in enumerate(self.lane_request):
+                if r is None:
+                    continue
+                self._emit(r, int(tokens[lane]), t, logits[lane])
+                if r.done:
+                    self._leave(r)
+                    finished.append(r)
+        if self.cache is not None:
+            self.peak_host = max(self.peak_host, self.cache.host.capacity - self.cache.host.free_rows)
+        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes())
+        if step.admitted >= 0 or step.prefilled or step.decoded:
+            self.schedule.iterations.append(step)
+        return finished
+
+    def next_arrival(self) -> float | None:
+        """When the next submitted request arrives (seconds since `open`), None if none is due."""
+        return self._pending[0].arrival if self._pending else None
+
+    def close(self) -> ServingRun:
+        """End the run (every request finished or cancelled): the model's own attention back."""
+        if self._prefilling is not None or self.running:
+            raise RuntimeError("close() with requests still running: cancel them first")
+        self.model.sparse_attention = self._previous_attention
+        return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
+                          self.running_batch, self.peak_gpu, self.peak_host)
+
+    def _emit(self, request: Request, token: int, t: float, logits: torch.Tensor) -> None:
+        request.tokens.append(token)
+        request.token_times.append(t)
+        if self.keep_logits:
+            request.logits.append(logits.float().cpu())
+        if request.on_token is not None:
+            request.on_token(request, token)
+
+    def serve(self, requests: list[Request], clients: int | None = None, replay: Schedule | None = None,
+              progress: bool = False) -> ServingRun:
+        """Serve `requests` to the end; the run lists them in their order (rids: order of submission).
+        clients: a closed loop of that many clients, request i sent by client i % clients as soon as
+        its previous one finished; None: each request arrives at its `arrival`. replay: run that
+        schedule (the same lanes) instead of choosing. progress: a line on stderr every 10 s."""
+        for r in requests:                   # every request checked before anything runs
+            self.check_request(r)
         if clients is not None:
+            clients = as_int(clients, "clients must be an int >= 1", 1)
             for i, r in enumerate(requests):
                 r.client = i % clients
-                r.arrival = 0.0 if i < clients else math.inf     # set when the client's last one finishes
-        pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
-        waiting: list[Request] = []
-        schedule = Schedule(self.lanes)
-        planned = iter(replay.iterations) if replay is not None else None
-        prefilling: _Prefill | None = None
-        running_batch: list[int] = []
-        finished = 0
-        peak_gpu, peak_host = self.gpu_bytes(), 0
-        start = last_progress = time.perf_counter()
-
-        def now() -> float:
-            return time.perf_counter() - start
-
-        while finished < len(requests):
-            t = now()
-            if planned is None:                      # arrivals so far join the queue, in arrival order
-                while pending and pending[0].arrival <= t:
-                    waiting.append(pending.pop(0))
-            step = Iteration(-1, 0, False)
-            if planned is not None:
-                step = next(planned, None)
-                if step is None:
-                    raise ValueError("the replayed schedule ended before every request finished")
-                if step.admitted >= 0:
-                    prefilling = self._start_prefill(requests[step.admitted], t)
-            elif prefilling is None and waiting and self._admissible(waiting[0]):
-                request = waiting.pop(0)
-                prefilling = self._start_prefill(request, t)
-                step.admitted = request.rid
-            if prefilling is not None:
-                budget = step.prefilled if planned is not None else self.prefill_chunk
-                chunk, held = self._prefill_chunk(prefilling, budget)
-                step.prefilled = chunk
-                peak_gpu = max(peak_gpu, self.gpu_bytes(held))
-                if prefilling.done == len(prefilling.request.prompt):
-                    request = prefilling.request
-                    joined = self._first_token(request, prefilling, now())
-                    peak_gpu = max(peak_gpu, self.gpu_bytes(held + joined))
-                    prefilling, self._reserved = None, None
-                    if request.done:                       # that was its only token
-                        request.lane = None
-                        finished += 1
-                        self._client_next(request, requests, clients, pending)
-            active = [r for r in self.lane_request if r is not None]
-            if (planned is not None and step.decoded) or (planned is None and active):
-                logits = self._decode_step()
-                tokens = logits.argmax(-1).cpu()              # the step's one host sync
-                t = now()
-                running_batch.append(len(active))
-                step.decoded = True
-                for lane, r in enumerate(self.lane_request):
-                    if r is None:
-                        continue
-                    r.tokens.append(int(tokens[lane]))
-                    r.token_times.append(t)
-                    if self.keep_logits:
-                        r.logits.append(logits[lane].float().cpu())
-                    if r.done:
-                        self._leave(r)
-                        finished += 1
-                        self._client_next(r, requests, clients, pending)
-            if self.cache is not None:
-                peak_host = max(peak_host, self.cache.host.capacity - self.cache.host.free_rows)
-            peak_gpu = max(peak_gpu, self.gpu_bytes())
-            if step.admitted >= 0 or step.prefilled or step.decoded:
-                schedule.iterations.append(step)
-            elif planned is None and pending:            # idle until the next arrival
-                time.sleep(max(0.0, min(pending[0].arrival - now(), 0.05)))
-            if progress and time.perf_counter() - last_progress > 10:
-                last_progress = time.perf_counter()
-                print(f"  serving: {finished}/{len(requests)} requests done, {len(active)} running, "
-                      f"{len(waiting)} waiting, {now():.0f} s", file=sys.stderr, flush=True)
-        return ServingRun(requests, schedule, now(), running_batch, peak_gpu, peak_host)
+        self.open(replay)
+        try:
+            first = requests if clients is None else requests[:clients]
+            for r in first:
+                self.submit(r)
+            place = {id(r): i for i, r in enumerate(requests)}
+            done, last_progress = 0, time.perf_counter()
+            while done < len(requests):
+                for r in self.step():
+                    done += 1
+                    nxt = place[id(r)] + clients if clients is not None else len(requests)
+                    if nxt < len(requests):                          # the client's next request, now
+                        requests[nxt].arrival = r.token_times[-1]
+                        self.submit(requests[nxt])
+                if not (self._prefilling or self.running or self.waiting) and self._pending:
+                    time.sleep(max(0.0, min(self._pending[0].arrival - self.now(), 0.05)))   # idle until then
+                if progress and time.perf_counter() - last_progress > 10:
+                    last_progress = time.perf_counter()
+                    print(f"  serving: {done}/{len(requests)} requests done, {len(self.running)} running, "
+                          f"{len(self.waiting)} waiting, {self.now():.0f} s", file=sys.stderr, flush=True)
+            run = self.close()
+            run.requests = list(requests)           # in the caller's order
+            return run
+        except BaseException:
+            for r in list(self.requests):
+                if r.lane is not None or r in self.waiting or r in self._pending:
+                    self._planned = None
+                    self.cancel(r)
+            self.model.sparse_attention = self._previous_attention
+            raise
 
     def _start_prefill(self, request: Request, t: float) -> _Prefill:
         request.prefill_start = t
@@ -586,10 +673,7 @@ class Server:
         """The prompt is done: its first token out, and the request in its lane unless that was its
         only token. Returns the GPU bytes the move into the lane held beside the lanes."""
         logits = job.last_logits
-        request.tokens.append(int(logits.argmax()))
-        request.token_times.append(t)
-        if self.keep_logits:
-            request.logits.append(logits.float().cpu())
+        self._emit(request, int(logits.argmax()), t, logits)
         if request.done:
             if job.in_place is not None:
                 job.in_place.cancel()
@@ -601,15 +685,6 @@ class Server:
             held = self._join(request, job.state)
         self.lane_request[request.lane] = request
         return held
-
-    def _client_next(self, request: Request, requests: list[Request], clients: int | None,
-                     pending: list[Request]) -> None:
-        """Closed loop: the client's next request arrives as this one finishes."""
-        if clients is not None:
-            nxt = request.rid + clients
-            if nxt < len(requests):
-                requests[nxt].arrival = request.token_times[-1]
-                pending.sort(key=lambda r: (r.arrival, r.rid))
 
 
 def _as_list(streams) -> list[int]:

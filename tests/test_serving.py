@@ -194,3 +194,28 @@ def test_graphed_serving_replay_is_bitwise(family):
     for a, b in zip(run.requests, again.requests):
         assert a.tokens == b.tokens, f"request {a.rid}"
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}"
+
+
+def test_step_by_step_with_a_cancelled_request():
+    """open / submit / step / cancel / close: a request cancelled mid-decode frees its lane, streams
+    and host rows at once; the others finish with the tokens they get in a run without it."""
+    model, kw = tiny("deepseek_v32"), dict(SETTINGS["deepseek_v32"], **QUICK)
+    server = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2, **kw)
+    reqs = requests(seed=9, n=2)
+    seen = []
+    server.open()
+    kept = server.submit(Request(reqs[0].prompt, reqs[0].max_new_tokens, arrival=float("nan")))
+    gone = server.submit(Request(reqs[1].prompt, 5, arrival=float("nan"), on_token=lambda r, t: seen.append(t)))
+    while len(gone.tokens) < 2:
+        server.step()
+    rows_in_use = server.cache.host.capacity - server.cache.host.free_rows
+    server.cancel(gone)
+    assert gone.lane is None and server.cache.host.capacity - server.cache.host.free_rows < rows_in_use
+    while server.busy:
+        server.step()
+    run = server.close()
+    assert seen == gone.tokens and len(gone.tokens) < 5
+    assert [r.rid for r in run.requests] == [kept.rid] and len(kept.tokens) == kept.max_new_tokens
+    assert not server.cache._open and server.cache.host.free_rows == server.cache.host.capacity
+    alone = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2, **kw)
+    assert alone.serve([Request(reqs[0].prompt, reqs[0].max_new_tokens)]).requests[0].tokens == kept.tokens
