@@ -138,9 +138,43 @@ def prefill_lines(frame: pd.DataFrame) -> list[str]:
     return lines
 
 
+def serving_lines(frame: pd.DataFrame) -> list[str]:
+    """The serving study (experiments.sweep kind serving, in process): the targets of issue 33 on the
+    newest GPU run, per concurrency level: hisparse over resident output tokens/s (>= 1.6) and p50
+    TTFT (>= 2x lower) at the two highest levels; at the lowest, TPOT p50 over resident's (hisparse
+    <= 1.25, noio <= 1.03)."""
+    f = frame[frame.gpu != "cpu"] if (frame.gpu != "cpu").any() else frame
+    if "transport" in f:
+        f = f[f.transport.isna() | (f.transport == "process")]
+    f = f[f.commit == f.commit.iloc[-1]] if len(f) else f
+    f = f[f.concurrency.notna()]
+    wide = f.pivot_table(index=["concurrency", "mode"], columns="metric", values="value")
+    levels = sorted({c for c, _ in wide.index})
+    lines = []
+
+    def ratio(level, mode, metric, over="resident"):
+        try:
+            return wide.loc[(level, mode), metric] / wide.loc[(level, over), metric]
+        except KeyError:
+            return float("nan")
+
+    for level in levels[-2:] if len(levels) > 1 else []:
+        lanes = (f"lanes {wide.loc[(level, 'hisparse'), 'lanes']:.0f} / {wide.loc[(level, 'resident'), 'lanes']:.0f}"
+                 if (level, "hisparse") in wide.index and (level, "resident") in wide.index else "")
+        lines.append(f"serving {level:.0f} clients: hisparse / resident output tokens/s "
+                     f"{ratio(level, 'hisparse', 'tokens_per_s'):.2f}x (target >= 1.6), p50 TTFT "
+                     f"{1 / ratio(level, 'hisparse', 'ttft_ms_p50'):.2f}x lower (target >= 2); {lanes}")
+    if levels:
+        low = levels[0]
+        lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
+                     f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
+    return lines
+
+
 SUMMARIES = {"resolve.csv": resolve_lines, "resolve_layers.csv": resolve_layers_lines,
              "attention.csv": attention_lines, "prefetch.csv": prefetch_lines,
-             "decode_ablation.csv": decode_ablation_lines, "prefill.csv": prefill_lines}
+             "decode_ablation.csv": decode_ablation_lines, "prefill.csv": prefill_lines,
+             "serving.csv": serving_lines}
 
 
 def main(argv=None) -> None:

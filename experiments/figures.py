@@ -536,6 +536,24 @@ def miss_rate_vs_step(frame: pd.DataFrame) -> Figure:
 
 
 # name -> (CSV files it reads, function of their newest rows)
+def serving_vs_concurrency(frame: pd.DataFrame) -> Figure:
+    """The serving study (closed loop) against concurrency, per mode: output tokens/s, p50 and p99
+    TTFT, p50 TPOT; the newest run's rows, in process (rows sent over HTTP are left out)."""
+    rows = newest(frame)
+    if "transport" in rows:
+        rows = rows[rows.transport.isna() | (rows.transport == "process")]
+    rows = rows[rows.concurrency.notna()] if "concurrency" in rows else rows.iloc[0:0]
+    panels = [("tokens_per_s", "output tokens / s"), ("ttft_ms_p50", "TTFT p50 (ms)"),
+              ("ttft_ms_p99", "TTFT p99 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")]
+    rows = select(rows, [m for m, _ in panels])
+    fig, axes = new_figure("Serving: closed loop of C clients", rows, 1, len(panels))
+    for ax, (metric, label) in zip(axes[0], panels):
+        plot_lines(ax, rows[rows.metric == metric], "concurrency", ("mode",))
+        log2_axis(ax, rows["concurrency"], lambda c: f"{int(c)}")
+        ax.set(xlabel="concurrent clients", ylabel=label)
+    return fig
+
+
 FIGURES = {
     "throughput_vs_context": (("throughput.csv",), throughput_vs_context),
     "memory_per_request": (("throughput.csv",), memory_per_request),
@@ -546,6 +564,7 @@ FIGURES = {
     "attention_roofline": (("attention.csv",), partial(attention_kernels, metric="roofline_frac")),
     "policy_miss_rates": (("policies.csv",), policy_miss_rates),
     "miss_rate_vs_step": (("policies.csv",), miss_rate_vs_step),
+    "serving_vs_concurrency": (("serving.csv",), serving_vs_concurrency),
 }
 
 

@@ -289,3 +289,20 @@ def test_summary_prints_each_prefill_point_beside_its_target():
     assert lines == ["prefill dsa 32K: 5.00 s, 0.30 of the FLOP roofline, peak 4.0 GiB (KV 2.5; target <= KV + 4) "
                      "(target prefill_s <= 8 (goal 4))",
                      "prefill quest 32K: 5.00 s, 0.30 of the FLOP roofline (target roofline_frac >= 0.4)"]
+
+
+def test_summary_prints_the_serving_targets():
+    from benchmarks.summary import serving_lines
+    values = {("resident", 2): (60, 20, 1000, 1), ("hisparse", 2): (58, 22, 1000, 2), ("noio", 2): (60, 20.4, 1000, 2),
+              ("resident", 8): (80, 40, 9000, 4), ("hisparse", 8): (160, 50, 3000, 8),
+              ("resident", 16): (80, 40, 20000, 4), ("hisparse", 16): (120, 60, 10000, 9)}
+    rows = [dict(bench="serving", mode=mode, concurrency=c, metric=m, value=v, commit="abc", gpu="NVIDIA H200")
+            for (mode, c), vals in values.items()
+            for m, v in zip(("tokens_per_s", "tpot_ms_p50", "ttft_ms_p50", "lanes"), vals)]
+    lines = serving_lines(pd.DataFrame(rows))
+    assert lines == [
+        "serving 8 clients: hisparse / resident output tokens/s 2.00x (target >= 1.6), p50 TTFT 3.00x lower "
+        "(target >= 2); lanes 8 / 4",
+        "serving 16 clients: hisparse / resident output tokens/s 1.50x (target >= 1.6), p50 TTFT 2.00x lower "
+        "(target >= 2); lanes 9 / 4",
+        "serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident 1.020 (target <= 1.03)"]

@@ -517,3 +517,14 @@ def test_the_command_exits_non_zero_where_a_file_was_refused(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode == 1, run.stderr
     assert f"{tmp_path / 'resolve.csv'} is not a results CSV: line 2: value 'slow' is not a number" in run.stderr
+
+
+def test_serving_vs_concurrency_one_line_per_mode_without_http_rows():
+    records = [{"family": "dsa", "mode": mode, "concurrency": c, "metric": m, "value": 100 * i + c}
+               for (i, mode), c, m in itertools.product(enumerate(["resident", "hisparse"], 1), (2, 8),
+                                                        ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50"))]
+    http = [dict(records[0], value=-1.0, transport="http")]
+    fig = figures.serving_vs_concurrency(frame("serving", records + http))
+    got = lines(fig.axes[0])
+    assert got["resident"] == ([2, 8], [102, 108]) and got["hierarchical"] == ([2, 8], [202, 208])
+    assert len(fig.axes) == 4

@@ -438,7 +438,7 @@ def test_help_lists_every_key_of_every_kind(capsys):
         block = re.search(rf"^  {kind}:\n((?:    .*\n?)*)", said, re.M).group(1)
         listed = set(re.findall(r"^    (\w+)\*?", block, re.M))
         assert listed == keys - {"kind"}, kind
-    assert "max_batch       largest batch tried (256)" in said and "contexts*" in said
+    assert "max_batch       largest batch tried; serving: the most lanes (256)" in said and "contexts*" in said
 
 
 def test_a_model_with_shared_indexer_layers_is_sized_by_what_its_runs_hold(tmp_path):
@@ -524,3 +524,50 @@ def test_run_decode_replays_a_draw_of_its_own_for_every_request(monkeypatch):
     expected = batch_workload(preset("tiny", context=24, steps=3, k=config.index_topk,
                                      layers=config.num_hidden_layers, sinks=1, window=2), 3)
     assert (sel == expected.selections).all()
+
+
+SERVING = """
+[[study]]
+kind = "serving"
+model = "tiny:deepseek_v32"
+layers = 1
+modes = ["resident", "hisparse"]
+cache_slots = 16
+input_len = 120
+output_len = 3
+concurrency = [2]
+requests_per_client = 2
+kv_budget_gib = 0.000066
+prefill_chunk = 64
+workload = "tiny"
+"""
+
+
+def test_a_serving_study_admits_by_memory_and_writes_its_rows(tmp_path, capsys):
+    """Under one GPU budget resident holds one lane, hisparse two; every request served; rows per
+    (mode, concurrency) with the serving metrics."""
+    assert sweep.main(["--config", write(tmp_path, SERVING), "--out", str(tmp_path / "out")]) == 0
+    rows = pd.read_csv(tmp_path / "out" / "serving.csv")
+    wide = rows.pivot_table(index="mode", columns="metric", values="value")
+    assert wide.loc["resident", "lanes"] == 1 and wide.loc["hisparse", "lanes"] == 2
+    assert (wide["requests"] == 4).all() and (wide["output_tokens"] == 12).all()
+    assert {"tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "running_batch_mean",
+            "queue_ms_p50", "peak_gpu_gib"} <= set(wide.columns)
+    assert set(rows.concurrency) == {2} and set(rows.input_len) == {120} and set(rows.output_len) == {3}
+    assert (wide["peak_gpu_gib"] * 2**30 <= 0.000066 * 2**30).all()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("concurrency = [2]", "concurrency = [2]\nrates = [1.0]"), "give concurrency .* or rates .*, one of them"),
+    (("concurrency = [2]", "rates = [0.0]"), r"rates = \[0.0\]: expected a positive number"),
+    (("cache_slots = 16", "cache_slots = [16, 32]"), r"cache_slots = \[16, 32\]: a serving study takes one B"),
+    (("output_len = 3", "output_len = 0"), "output_len = 0: expected one positive integer"),
+    (("model = \"tiny:deepseek_v32\"\nlayers = 1", "model = \"tiny:llama\""),
+     "workload = 'tiny': a serving study replays a preset on DSA models"),
+], ids=["both-loads", "rate-0", "two-slots", "output-0", "quest-preset"])
+def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message):
+    old, new = edit
+    assert old in SERVING
+    assert sweep.main(["--config", write(tmp_path, SERVING.replace(old, new, 1)), "--out", str(tmp_path / "o")]) == 2
+    assert not list(tmp_path.glob("o/*.csv"))
+    assert re.search(message, capsys.readouterr().err)
