@@ -130,8 +130,8 @@ def check_prompts(prompts) -> list[torch.Tensor]:
 
 class Engine:
     """prefetch: shared layers' copies overlap the layers after their anchor (hisparse mode on a GPU).
-    prefill: "model" runs the model's prefill through the family's kernels (DSA, Quest; NSA has only
-    its reference); "reference" through the eager torch reference (slow: dense masked softmax);
+    prefill: "model" runs the model's prefill through the family's kernels (every family);
+    "reference" through the eager torch reference (slow: dense masked softmax);
     "random" fills the prompt's KV with random rows and feeds the prompt's last token first (for
     timing decode at long contexts; outputs are noise).
     token_budget (Quest models only): tokens each KV head reads per step, k = token_budget // 16

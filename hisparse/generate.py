@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=_positive, default=None, metavar="N",
                     help="prefill long prompts in chunks of N tokens (default: the whole prompt at once)")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
-                    help="model: through the family's kernels (DSA, Quest; NSA has only the reference; default); "
+                    help="model: through the family's kernels (default); "
                          "reference: the eager torch prefill")
     ap.add_argument("--max-context", type=_positive, default=None, metavar="N",
                     help="KV capacity per request in tokens (default: longest prompt + new tokens)")
