@@ -1,0 +1,159 @@
+"""python -m hisparse.serve: an OpenAI-compatible HTTP server over the serving scheduler.
+
+    python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny
+    python -m hisparse.serve --model /tmp/tiny --mode hisparse --cache-slots 16 --port 8000
+    curl -s localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 4}'
+    python -m hisparse.serve.bench --url http://127.0.0.1:8000 --concurrency 2 --input-len 32 --output-len 8
+
+Endpoints: POST /v1/completions (token-id prompts, greedy, `stream` for server-sent events),
+GET /v1/models (the model and how it is served), GET /health, GET /metrics (Prometheus text).
+SIGINT or SIGTERM: new requests get 503, those in flight finish (for up to --shutdown-timeout s,
+then they are cancelled), the server closes with every stream and host row freed, exit 0.
+Without a GPU the kernels run in Triton's interpreter (slow: tiny checkpoints, short prompts).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from hisparse.engine import family_runtime
+from hisparse.generate import DTYPES, _device, _load, _positive
+from hisparse.runtime import KV_MODES
+from hisparse.serve.app import Service, closing_line, describe, log, serve
+from hisparse.serve.scheduler import SchedulerThread
+from hisparse.serving import Server
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535 (0: any free port), got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m hisparse.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, metavar="DIR",
+                    help="checkpoint directory: config.json plus *.safetensors (Hugging Face layout), e.g. one "
+                         "written by `python -m hisparse.make_tiny`")
+    ap.add_argument("--mode", choices=KV_MODES, default="resident",
+                    help="resident (all KV on the GPU, the baseline), hisparse (host pool + --cache-slots GPU slots "
+                         "per stream, exact) or noio (hisparse without the copies: wrong tokens, the time's upper "
+                         "bound) (default resident)")
+    ap.add_argument("--cache-slots", type=_positive, default=None, metavar="B",
+                    help="GPU slots per stream, at least the model's selection size k; required for hisparse and "
+                         "noio, ignored in resident mode")
+    ap.add_argument("--token-budget", type=_positive, default=None, metavar="T",
+                    help="Quest checkpoints (llama, qwen3) only: tokens each KV head reads per step (default the "
+                         "model's)")
+    ap.add_argument("--kv-budget-gib", type=_positive_float, default=1.0, metavar="X",
+                    help="GPU memory for KV in GiB: lanes, the cache and the prefill workspace; sets how many "
+                         "requests decode at once (default 1)")
+    ap.add_argument("--host-budget-gib", type=_positive_float, default=None, metavar="Y",
+                    help="the host pool in GiB (hierarchical modes; default: every lane at --max-context)")
+    ap.add_argument("--max-context", type=_positive, default=4096, metavar="N",
+                    help="the most tokens a request may hold, prompt plus max_tokens (default 4096)")
+    ap.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                    help="the most lanes (requests decoding at once), whatever the budget fits (default 16)")
+    ap.add_argument("--prefill-chunk", type=_positive, default=8192, metavar="N",
+                    help="prompt tokens prefilled per iteration, between two decode steps: larger cuts TTFT, "
+                         "smaller the running requests' TPOT (default 8192)")
+    ap.add_argument("--prefill", choices=("model", "reference"), default="model",
+                    help="model: the family's prefill kernels (default); reference: the eager torch prefill")
+    ap.add_argument("--graph", action="store_true",
+                    help="decode steps in one captured CUDA graph (needs a CUDA GPU)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
+    ap.add_argument("--device", default=None,
+                    help="torch device (default cuda when a GPU is present, else cpu through Triton's interpreter)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
+                         "network, with no authentication)")
+    ap.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: any free port)")
+    ap.add_argument("--shutdown-timeout", type=_positive_float, default=30.0, metavar="S",
+                    help="on SIGINT / SIGTERM, seconds the requests in flight get to finish before they are "
+                         "cancelled (default 30)")
+    return ap
+
+
+def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Server, str]:
+    """The checkpoint's model in a Server sized by the options; an option that cannot work is ap.error."""
+    device = _device(ap, args.device)
+    if args.graph and device.type != "cuda":
+        ap.error("argument --graph: CUDA graphs need a CUDA GPU and none is in use")
+    if device.type == "cpu" and torch.cuda.is_available():
+        ap.error("argument --device: cpu runs the kernels in Triton's interpreter, which a process that sees a GPU "
+                 "does not use: run with CUDA_VISIBLE_DEVICES= instead")
+    if not (Path(args.model) / "config.json").is_file():
+        ap.error(f"argument --model: no config.json in checkpoint directory {args.model!r}")
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    model = _load(ap, args.model, dtype, device)
+    try:
+        family_runtime(model, args.token_budget)
+    except ValueError as exc:
+        ap.error(f"argument --model: checkpoint {args.model!r} does not fit the kernels: {exc}")
+    quest = {} if args.token_budget is None else {"token_budget": args.token_budget}
+    try:
+        server = Server(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
+                        max_context=args.max_context, kv_budget_gib=args.kv_budget_gib,
+                        host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
+                        prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, **quest)
+    except ValueError as exc:
+        ap.error(f"cannot build the server: {exc}")
+    return server, Path(args.model).resolve().name
+
+
+async def _serve_until_signalled(service: Service, args: argparse.Namespace) -> dict:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(port: int) -> None:
+        log(f"hisparse.serve: {service.name} ({service.info['hisparse']['mode']}, "
+            f"{service.info['hisparse']['lanes']} lanes) on http://{args.host}:{port}")
+    return await serve(service, args.host, args.port, stop, args.shutdown_timeout, ready)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+        server, name = build_server(ap, args)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    scheduler = SchedulerThread(server)
+    log(f"hisparse.serve: warming up on {server.device} ...")
+    scheduler.start()
+    service = Service(scheduler, describe(server, name, args.kv_budget_gib, args.host_budget_gib))
+    try:
+        final = asyncio.run(_serve_until_signalled(service, args))
+    except OSError as exc:                       # the port is taken, the address not ours
+        log(f"hisparse.serve: cannot listen on {args.host}:{args.port}: {exc}")
+        scheduler.stop()
+        return 1
+    log(closing_line(final))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

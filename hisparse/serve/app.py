@@ -1,0 +1,360 @@
+"""The aiohttp application: OpenAI-style completions over a `SchedulerThread`, health, model info
+and Prometheus metrics, and the graceful shutdown (see the package docstring).
+
+Handlers run on the event loop; the scheduler thread reaches them only through `_Sink`, which
+moves each token onto the loop with `call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from aiohttp import web
+
+from hisparse.serve.protocol import (
+    BadRequest,
+    choice,
+    completion_body,
+    completion_id,
+    error_body,
+    parse_completion,
+    usage,
+)
+from hisparse.serve.scheduler import PromptRefused, SchedulerStopped, SchedulerThread
+from hisparse.serving import Server
+
+MAX_BODY_BYTES = 64 * 2 ** 20     # a 128K-token prompt is under 1 MiB of JSON; aiohttp's default is 1 MiB
+
+
+@dataclass
+class _End:
+    error: str | None            # None: the prompt got all its tokens
+
+
+class _Sink:
+    """One HTTP request's tokens, from the scheduler thread into an asyncio queue of (index, token | _End)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def token(self, index: int, token: int) -> None:
+        self._put((index, token))
+
+    def end(self, index: int, error: str | None) -> None:
+        self._put((index, _End(error)))
+
+    def _put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:          # the loop has closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class Service:
+    """What the handlers share: the scheduler, the model's description, whether it is draining."""
+
+    scheduler: SchedulerThread
+    info: dict
+    draining: bool = False
+    refused: int = 0                                 # 4xx answers to /v1/completions
+    pending: set = field(default_factory=set)        # completion handlers running now
+
+    @property
+    def name(self) -> str:
+        return self.info["id"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info["hisparse"]["vocab_size"]
+
+
+SERVICE = web.AppKey("service", Service)
+
+
+def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget_gib: float | None) -> dict:
+    """The model and how it is served (GET /v1/models): what a load client stamps on its rows."""
+    cfg, runtime = server.model.config, server.runtime
+    elem = server.model.model.embed_tokens.weight.element_size()
+    if runtime.family == "DSA":
+        unit_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+        q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                        dtype=server.model.model.embed_tokens.weight.dtype, device=server.device)
+        from hisparse.dsa.ops import decode_backend
+        kernel = decode_backend(q, cfg.kv_lora_rank, server.decode_backend)
+    else:
+        unit_bytes, kernel = 2 * runtime.unit_size * cfg.head_dim * elem, "triton"
+    hierarchical = server.mode != "resident"
+    settings = {"family": runtime.family.lower(), "model_type": cfg.model_type, "mode": server.mode,
+                "cache_slots": server.cache_slots if hierarchical else None, "k": runtime.selection_size,
+                "unit_bytes": unit_bytes, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                "vocab_size": cfg.vocab_size, "max_context": server.max_context, "lanes": server.lanes,
+                "kv_budget_gib": kv_budget_gib, "host_budget_gib": host_budget_gib if hierarchical else None,
+                "prefill_chunk": server.prefill_chunk, "graph": server.graph, "decode_backend": server.decode_backend,
+                "attention_kernel": kernel, "workload": "model", "device": str(server.device)}
+    if runtime.family == "Quest":
+        settings["token_budget"] = runtime.selection_size * runtime.unit_size
+    return {"id": name, "object": "model", "owned_by": "hisparse", "max_model_len": server.max_context,
+            "hisparse": settings}
+
+
+def make_app(service: Service) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[SERVICE] = service
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# -- handlers ----------------------------------------------------------------------------------
+
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response(error_body(message, param, kind), status=status)
+
+
+async def health(request: web.Request) -> web.Response:
+    if request.app[SERVICE].draining:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [request.app[SERVICE].info]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    service = request.app[SERVICE]
+    try:
+        snapshot = await asyncio.wrap_future(service.scheduler.snapshot())
+    except SchedulerStopped as exc:        # between the start of a shutdown and its final snapshot
+        return _error(503, str(exc), None, "server_unavailable")
+    return web.Response(text=prometheus_text(snapshot, service), content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    if service.draining:
+        return _error(503, "the server is shutting down and takes no new requests", None, "server_unavailable")
+    try:
+        completion = parse_completion(await _json_body(request), service.vocab_size)
+    except BadRequest as exc:
+        service.refused += 1
+        return _error(exc.status, exc.message, exc.param)
+    sink = _Sink(asyncio.get_running_loop())
+    try:
+        submitted = service.scheduler.submit(completion.prompts, completion.max_tokens, sink)
+    except SchedulerStopped as exc:
+        return _error(503, str(exc), None, "server_unavailable")
+    try:
+        requests = await asyncio.wrap_future(submitted)
+    except PromptRefused as exc:
+        service.refused += 1
+        where = f"prompt {exc.index}" if len(completion.prompts) > 1 else "the prompt"
+        return _error(400, f"{where} cannot be served: {exc}", "prompt")
+    except SchedulerStopped as exc:
+        return _error(503, str(exc), None, "server_unavailable")
+    except asyncio.CancelledError:           # the client left while it was being queued
+        submitted.add_done_callback(lambda f: _cancel_quietly(service, f))
+        raise
+    progress = _Progress(len(requests))
+    task = asyncio.current_task()
+    service.pending.add(task)
+    try:
+        if completion.stream:
+            return await _stream(request, service, completion, sink, progress)
+        return await _collect(service, completion, sink, progress)
+    finally:
+        service.pending.discard(task)
+        if progress.ended < len(requests):   # the client went away (or a write failed): free its memory
+            try:
+                service.scheduler.cancel(requests)
+            except SchedulerStopped:
+                pass                          # shutdown cancels it anyway
+
+
+@dataclass
+class _Progress:
+    prompts: int
+    ended: int = 0
+    error: str | None = None
+
+
+async def _json_body(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"the request body is not valid JSON ({exc}): expected an object such as "
+                         f'{{"prompt": [1, 2, 3], "max_tokens": 16}}', None) from None
+
+
+def _cancel_quietly(service: Service, submitted) -> None:
+    if submitted.cancelled() or submitted.exception() is not None:
+        return
+    try:
+        service.scheduler.cancel(submitted.result())
+    except SchedulerStopped:
+        pass
+
+
+async def _next(sink: _Sink, progress: _Progress):
+    """The next (index, token), or (index, None) when a prompt ended (an error kept in `progress`)."""
+    index, item = await sink.queue.get()
+    if isinstance(item, _End):
+        progress.ended += 1
+        progress.error = progress.error or item.error
+        return index, None
+    return index, item
+
+
+async def _collect(service: Service, completion, sink: _Sink, progress: _Progress) -> web.Response:
+    tokens: list[list[int]] = [[] for _ in completion.prompts]
+    while progress.ended < progress.prompts:
+        index, token = await _next(sink, progress)
+        if token is not None:
+            tokens[index].append(token)
+    if progress.error is not None:
+        return _error(503, progress.error, None, "server_error")
+    choices = [choice(i, t, "length") for i, t in enumerate(tokens)]
+    return web.json_response(completion_body(completion_id(), service.name, choices,
+                                             usage(completion.prompts, tokens)))
+
+
+async def _stream(request: web.Request, service: Service, completion, sink: _Sink,
+                  progress: _Progress) -> web.StreamResponse:
+    """Server-sent events: one chunk per token (the last of a prompt says finish_reason "length"),
+    an error chunk if the server stopped it, then [DONE]. A client gone away ends it quietly."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    cid, counts = completion_id(), [0] * len(completion.prompts)
+    try:
+        while progress.ended < progress.prompts:
+            index, token = await _next(sink, progress)
+            if token is None:
+                if progress.error is not None:
+                    await _event(response, error_body(progress.error, None, "server_error"))
+                    return response
+                continue
+            counts[index] += 1
+            finish = "length" if counts[index] == completion.max_tokens else None
+            await _event(response, completion_body(cid, service.name, [choice(index, [token], finish)], None))
+        if completion.include_usage:
+            tokens = [[0] * n for n in counts]
+            await _event(response, completion_body(cid, service.name, [], usage(completion.prompts, tokens)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:         # aiohttp's ClientConnectionResetError: the client went away
+        pass
+    return response
+
+
+async def _event(response: web.StreamResponse, body: dict) -> None:
+    await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+def prometheus_text(snap: dict, service: Service) -> str:
+    """The snapshot in Prometheus' text exposition format (version 0.0.4)."""
+    budget = snap["kv_budget_bytes"]
+    rows = [
+        ("hisparse_requests_running", "gauge", "requests decoding in a lane", snap["running"]),
+        ("hisparse_requests_waiting", "gauge", "requests queued, not yet admitted", snap["waiting"]),
+        ("hisparse_requests_in_flight", "gauge", "requests submitted, not finished (queued, prefilling, decoding)",
+         snap["in_flight"]),
+        ("hisparse_lanes", "gauge", "rows of the decode batch (the most requests decoding at once)", snap["lanes"]),
+        ("hisparse_requests_served_total", "counter", "requests that got all their tokens", snap["served"]),
+        ("hisparse_requests_cancelled_total", "counter", "requests cancelled (their client went away)",
+         snap["cancelled"]),
+        ("hisparse_requests_failed_total", "counter", "requests stopped by the server (shutdown, a failed step)",
+         snap["failed"]),
+        ("hisparse_requests_refused_total", "counter", "completion requests answered 4xx", service.refused),
+        ("hisparse_prompt_tokens_total", "counter", "prompt tokens of requests that left", snap["prompt_tokens"]),
+        ("hisparse_generation_tokens_total", "counter", "tokens generated for requests that left",
+         snap["generated_tokens"]),
+        ("hisparse_cache_hits_total", "counter", "GPU cache hits of requests that left (hierarchical modes)",
+         snap["hits"]),
+        ("hisparse_cache_misses_total", "counter", "GPU cache misses of requests that left (hierarchical modes)",
+         snap["misses"]),
+        ("hisparse_gpu_kv_bytes", "gauge", "budgeted GPU bytes in use: lanes, cache, prefill workspace in use",
+         snap["gpu_bytes"]),
+        ("hisparse_gpu_kv_budget_bytes", "gauge", "the GPU budget for KV (NaN: sized by lanes, not a budget)",
+         float("nan") if budget is None else budget),
+        ("hisparse_host_rows_in_use", "gauge", "host pool rows held by requests", snap["host_rows_in_use"]),
+        ("hisparse_host_rows_capacity", "gauge", "host pool rows (0 in resident mode)", snap["host_rows_capacity"]),
+        ("hisparse_host_bytes_in_use", "gauge", "host pool bytes held by requests",
+         snap["host_rows_in_use"] * snap["host_row_bytes"]),
+        ("hisparse_host_bytes_capacity", "gauge", "host pool bytes", snap["host_rows_capacity"] * snap["host_row_bytes"]),
+        ("hisparse_draining", "gauge", "1 while shutting down (new requests refused)", int(service.draining)),
+    ]
+    lines = []
+    for name, kind, text, value in rows:
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text (no labels) as {name: value}: what a test or the load client reads back."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+# -- running and stopping ----------------------------------------------------------------------
+
+async def drain(service: Service, timeout: float) -> dict:
+    """Stop taking requests (503), let those in flight finish for up to `timeout` s, cancel the rest,
+    close the server: its final snapshot (every stream and host row free)."""
+    service.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while service.scheduler.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    final = await loop.run_in_executor(None, service.scheduler.stop)
+    if service.pending:                  # the handlers write their last events (an error for the cancelled)
+        await asyncio.wait(set(service.pending), timeout=5)
+    return final
+
+
+async def serve(service: Service, host: str, port: int, stop: asyncio.Event, timeout: float,
+                on_ready=None) -> dict:
+    """Serve HTTP on host:port until `stop` is set, then drain (see `drain`): the final snapshot.
+    on_ready(port) once listening (port 0 picks a free one)."""
+    runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        if on_ready is not None:
+            on_ready(bound)
+        await stop.wait()
+        return await drain(service, timeout)
+    finally:
+        await runner.cleanup()
+
+
+def closing_line(final: dict) -> str:
+    return (f"hisparse.serve: shut down: {final['served']} requests served, {final['cancelled']} cancelled, "
+            f"{final['failed']} stopped; requests in flight {final['in_flight']}, host rows in use "
+            f"{final['host_rows_in_use']} of {final['host_rows_capacity']}")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,215 @@
+"""The serving scheduler in a thread of its own: the model is not thread-safe, so one thread owns
+the `Server` and does everything with it (submit, step, cancel, read its sizes); other threads
+send it commands through a queue and get `concurrent.futures.Future`s back.
+
+Each submitted prompt has a sink: `sink.token(index, token)` for every new token and
+`sink.end(index, error)` once (error None: it finished; else why it stopped), both called on the
+scheduler thread, so a sink hands them on (the HTTP app: `loop.call_soon_threadsafe`).
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from hisparse.serving import Request, Server
+
+RECYCLE_AFTER = 1024    # requests a run keeps (Server.requests) before an idle server starts a new run
+
+
+class PromptRefused(ValueError):
+    """The server can never serve prompt `index` (too long for max_context or the host pool)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+class SchedulerStopped(RuntimeError):
+    """The scheduler no longer takes commands (shut down)."""
+
+
+@dataclass
+class _Job:
+    request: Request
+    sink: object
+    index: int
+
+
+class SchedulerThread:
+    """Runs `server` step by step in one thread: `start()` opens it (warm-up included), `stop()`
+    cancels what is left and closes it."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.counters = {"served": 0, "cancelled": 0, "failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                         "hits": 0, "misses": 0}
+        self.final_snapshot: dict | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[int, _Job] = {}                 # id(request) -> its job, while in flight
+        self._ready: Future = Future()
+        self._stopping = False                          # set by stop(), on the caller's thread
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="hisparse-scheduler", daemon=True)
+
+    # -- the caller's side (any thread) --------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread and wait until the server is open (its kernels warmed up)."""
+        self._thread.start()
+        self._ready.result()
+
+    def submit(self, prompts: list[list[int]], max_new_tokens: int, sink) -> Future:
+        """Queue every prompt or none: the future's result is the list of Requests, or PromptRefused."""
+        return self._call(self._submit, prompts, max_new_tokens, sink)
+
+    def cancel(self, requests: list[Request]) -> Future:
+        """Cancel the requests still in flight (their memory freed at once)."""
+        return self._call(self._cancel, requests, "cancelled")
+
+    def snapshot(self) -> Future:
+        """The server's sizes and the counters, as `_snapshot` reads them between two steps."""
+        if self._done:
+            done = Future()
+            done.set_result(self.final_snapshot)
+            return done
+        return self._call(self._snapshot)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def stop(self, timeout: float | None = None) -> dict:
+        """Cancel every request left, close the server, end the thread: the final snapshot."""
+        if not self._done:
+            future = self._call(self._stop)
+            self._stopping = True
+            future.result(timeout)
+        self._thread.join(timeout)
+        return self.final_snapshot
+
+    def _call(self, fn, *args) -> Future:
+        if self._stopping or self._done:
+            raise SchedulerStopped("the server is shutting down")
+        future = Future()
+        self._commands.put((future, fn, args))
+        return future
+
+    # -- the scheduler thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.server.open()
+        except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller, who raises it
+            self._ready.set_exception(exc)
+            return
+        self._ready.set_result(None)
+        while not self._done:
+            self._run_commands(block=not self.server.busy)
+            if self._done:
+                break
+            if self.server.busy:
+                self._step()
+            elif len(self.server.requests) >= RECYCLE_AFTER:
+                self.server.close()          # idle: a new run, so finished requests are not kept forever
+                self.server.open()
+        self._refuse_late_commands()
+
+    def _refuse_late_commands(self) -> None:
+        """Commands queued while stop() ran: refused, so no caller waits on them forever."""
+        while True:
+            try:
+                future, _, _ = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(SchedulerStopped("the server is shutting down"))
+
+    def _run_commands(self, block: bool) -> None:
+        while True:
+            try:
+                future, fn, args = self._commands.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - the command's caller gets it from its future
+                future.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            finished = self.server.step()
+        except Exception as exc:  # noqa: BLE001 - a bug, no request's fault: fail those in flight, keep serving
+            traceback.print_exc()
+            self._cancel([job.request for job in self._jobs.values()], f"the scheduler's step failed: {exc!r}")
+            return
+        for request in finished:
+            job = self._jobs.pop(id(request), None)
+            if job is not None:
+                self._count(request, "served")
+                job.sink.end(job.index, None)
+
+    def _submit(self, prompts: list[list[int]], max_new_tokens: int, sink) -> list[Request]:
+        requests = [Request(torch.tensor(ids, dtype=torch.int64), max_new_tokens, arrival=math.nan,
+                            on_token=partial(_forward_token, sink, i)) for i, ids in enumerate(prompts)]
+        for i, request in enumerate(requests):        # all checked before any is queued
+            try:
+                self.server.check_request(request)
+            except ValueError as exc:
+                raise PromptRefused(i, str(exc)) from None
+        for i, request in enumerate(requests):
+            self.server.submit(request)
+            self._jobs[id(request)] = _Job(request, sink, i)
+        return requests
+
+    def _cancel(self, requests: list[Request], why: str) -> int:
+        cancelled = 0
+        for request in requests:
+            job = self._jobs.pop(id(request), None)
+            if job is None:
+                continue                      # finished already
+            self.server.cancel(request)
+            self._count(request, "cancelled" if why == "cancelled" else "failed")
+            job.sink.end(job.index, why)
+            cancelled += 1
+        return cancelled
+
+    def _count(self, request: Request, outcome: str) -> None:
+        c = self.counters
+        c[outcome] += 1
+        c["prompt_tokens"] += len(request.prompt)
+        c["generated_tokens"] += len(request.tokens)
+        c["hits"] += request.hits             # set when the request left its lane (0 if it never decoded)
+        c["misses"] += request.misses
+
+    def _stop(self) -> dict:
+        self._cancel([job.request for job in self._jobs.values()], "the server shut down before it finished")
+        self.server.close()
+        self.final_snapshot = self._snapshot()
+        self._done = True
+        return self.final_snapshot
+
+    def _snapshot(self) -> dict:
+        s = self.server
+        running, waiting = len(s.running), len(s.waiting)
+        snap = dict(self.counters, running=running, waiting=waiting, in_flight=len(self._jobs), lanes=s.lanes,
+                    gpu_bytes=s.gpu_bytes(), kv_budget_bytes=s.kv_budget, host_rows_capacity=0, host_rows_in_use=0,
+                    host_row_bytes=0)
+        if s.cache is not None:
+            host = s.cache.host
+            snap.update(host_rows_capacity=host.capacity, host_rows_in_use=host.capacity - host.free_rows,
+                        host_row_bytes=host.row_bytes)
+        return snap
+
+
+def _forward_token(sink, index: int, request: Request, token: int) -> None:
+    sink.token(index, token)
