@@ -61,7 +61,12 @@ from hisparse.models.loading import build_model
 from hisparse.models.tiny import randomize_
 from hisparse.resolve import copy_tile
 from hisparse.results import append_rows, check_out_folder
-from hisparse.synthetic import generate, per_kv_head_config, per_kv_head_workload, preset, repeat_request
+from hisparse.synthetic import (
+    batch_workload,
+    per_kv_head_config,
+    per_kv_head_workload,
+    preset,
+)
 from hisparse.traces import Trace, with_anchors
 
 TYPES = ["full", "shared", "shared", "shared"] * 2
@@ -90,12 +95,12 @@ MODES = {"resident": ("resident", False), "sync": ("hisparse", False), "prefetch
 
 
 def workload(context: int, steps: int, k: int, batch: int, quick: bool, random_layers: int) -> Trace:
-    """One request's calibrated synthetic selections, repeated for every request of the batch."""
+    """The calibrated synthetic selections of a batch, each request its own draw (`batch_workload`)."""
     cfg = (preset("tiny", context=context, steps=steps, k=k, layers=len(TYPES), random_layers=random_layers,
                   sinks=1, window=2) if quick
            else preset("dsa_100k", context=context, steps=steps, layers=len(TYPES), random_layers=random_layers))
     anchors = [max(j for j in range(i + 1) if TYPES[j] == "full") for i in range(len(TYPES))]
-    return with_anchors(repeat_request(generate(cfg), batch), anchors)
+    return with_anchors(batch_workload(cfg, batch), anchors)
 
 
 def build_family(args, gpu: bool):

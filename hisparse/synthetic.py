@@ -283,11 +283,3 @@ def per_kv_head_workload(config, unit_size: int, context: int, steps: int, k: in
     sel[:, :getattr(config, "quest_dense_layers", 0)] = -1
     trace = Trace(sel, "synthetic", unit_size, [context] * (batch * heads), list(range(layers)), source=str(gen))
     return with_anchors(split_kv_heads(trace, heads), [config.selection_anchor(i) for i in range(layers)])
-
-
-def repeat_request(trace: Trace, batch: int) -> Trace:
-    """A trace of `batch` requests that all replay request 0's selections (a batch-sized workload
-    at the cost of generating one request)."""
-    sel = np.repeat(trace.selections[:, :, :1], batch, axis=2)
-    return Trace(sel, trace.family, trace.unit_size, np.full(batch, trace.context[0]), trace.layer_anchor,
-                 source=trace.source)
