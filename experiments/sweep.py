@@ -47,6 +47,7 @@ import time
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -66,7 +67,6 @@ from hisparse.synthetic import (
     per_kv_head_config,
     per_kv_head_workload,
     preset,
-    request_trace,
 )
 from hisparse.traces import with_anchors
 
@@ -660,25 +660,20 @@ def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | 
     return reqs, point["concurrency"]
 
 
-_SERVING_TRACES: dict[tuple, torch.Tensor] = {}
-
-
-def serving_selections(workload: str, input_len: int, output_len: int, cfg) -> torch.Tensor:
-    """int32 [output_len - 1, layers, k]: one draw of the preset (seed 0) after a prompt of input_len,
-    which every request of a serving run replays (drawn once a process: at DSA's 61 layers and k = 2048
-    a draw takes tens of seconds). A "shared" layer gets its anchor's (the last "full" one before it)."""
-    key = (workload, input_len, output_len, cfg.num_hidden_layers, cfg.index_topk)
-    if key not in _SERVING_TRACES:
-        over = dict(k=cfg.index_topk, layers=cfg.num_hidden_layers)
-        if workload == "tiny":
-            over.update(sinks=1, window=2)
-        trace = request_trace(preset(workload, **over), input_len, max(1, output_len - 1), seed=0)
-        anchors, last_full = [], 0
-        for i, kind in enumerate(cfg.indexer_types):
-            last_full = i if kind == "full" else last_full
-            anchors.append(last_full)
-        _SERVING_TRACES[key] = torch.from_numpy(with_anchors(trace, anchors).selections[:, :, 0].copy())
-    return _SERVING_TRACES[key]
+def serving_selections(workload: str, input_len: int, output_len: int, count: int, cfg) -> torch.Tensor:
+    """int32 [output_len - 1, layers, count, k]: `count` requests' own draws of the preset (request i:
+    seed request_seed(0, i), as `batch_workload`) after a prompt of input_len tokens. A "shared" layer
+    gets its anchor's (the last "full" one before it). At DSA's 61 layers and k = 2048 the draws take
+    tens of seconds each, on the host's cores side by side."""
+    over = dict(k=cfg.index_topk, layers=cfg.num_hidden_layers, context=input_len, steps=max(1, output_len - 1))
+    if workload == "tiny":
+        over.update(sinks=1, window=2)
+    trace = batch_workload(preset(workload, **over), count, seed=0)
+    anchors, last_full = [], 0
+    for i, kind in enumerate(cfg.indexer_types):
+        last_full = i if kind == "full" else last_full
+        anchors.append(last_full)
+    return torch.from_numpy(np.ascontiguousarray(with_anchors(trace, anchors).selections))
 
 
 def run_serving(model, study: dict, point: dict) -> list[dict]:
@@ -689,8 +684,11 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
     selections = None
-    if point["workload"] != "model":
-        selections = serving_selections(point["workload"], point["input_len"], point["output_len"], model.config)
+    if point["workload"] != "model":             # every request replays its own draw
+        draws = serving_selections(point["workload"], point["input_len"], point["output_len"], len(reqs), model.config)
+        for i, r in enumerate(reqs):
+            r.selections = draws[:, :, i]
+        selections = draws[:, :, 0]              # sizes the server's replay buffer
     max_batch = min(study["max_batch"], clients) if clients else study["max_batch"]
     quest = {} if point.get("token_budget") is None else {"token_budget": point["token_budget"]}
     server = Server(model, point["mode"], cache_slots=point["cache_slots"],

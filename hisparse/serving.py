@@ -83,6 +83,7 @@ class Request:
     misses: int = 0
     lane: int | None = None
     cancelled: bool = False
+    selections: torch.Tensor | None = None   # int32 [steps, layers, ..., k]: replayed instead of the indexer's
     on_token: object | None = None      # called as on_token(request, token) for each new token (streaming)
 
     @property
@@ -182,9 +183,10 @@ class Server:
     at max_context). max_batch: the most lanes, whatever fits. lanes: exactly this many (a replay's;
     the budgets are then not applied). prefill_chunk: prompt tokens per iteration. graph: decode steps
     in one CUDA graph. prefill: "model" (the family's kernels) or "reference" (eager). keep_logits:
-    every token's logits on each request. selections: int32 [steps, layers, ..., k], a trace every
-    request replays from its first decode step instead of the indexer's selections (one draw of a
-    synthetic workload, for realistic locality: a random model's own selections have none).
+    every token's logits on each request. selections: int32 [steps, layers, ..., k], a trace each
+    request replays from its first decode step instead of the indexer's selections, unless it brings
+    its own (`Request.selections`, the same shape but for steps: its own draw of a synthetic workload,
+    for realistic locality: a random model's own selections have none).
     token_budget (Quest), decode_backend (DSA), prefetch, prefetch_programs: as `Engine`'s."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
@@ -270,6 +272,7 @@ class Server:
                 raise ValueError(f"selections must be int32 [steps, {layers} layers, ..., k], got "
                                  f"{selections.dtype} {tuple(selections.shape)}")
             self.selections = selections.to(self.device)
+            self._host_selections = selections.cpu()       # beside requests' own traces (on the host)
             self.attention.replay_sel = torch.full((layers, self.lanes, *selections.shape[2:]), -1,
                                                    dtype=torch.int32, device=self.device)
         self.lane_request: list[Request | None] = [None] * self.lanes
@@ -388,9 +391,18 @@ class Server:
             bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
             raise ValueError(f"token id {bad} out of range: the vocabulary has {vocab} ids")
         need = len(prompt) + request.max_new_tokens
-        if self.selections is not None and request.max_new_tokens - 1 > self.selections.shape[0]:
+        if request.selections is not None:
+            if self.selections is None:
+                raise ValueError("a request brings selections to replay: build the server with selections= (the "
+                                 "trace a request without its own replays, which sizes the replay buffer)")
+            own = request.selections
+            if own.dtype != torch.int32 or tuple(own.shape[1:]) != tuple(self.selections.shape[1:]):
+                raise ValueError(f"request selections must be int32 [steps, {', '.join(map(str, self.selections.shape[1:]))}], "
+                                 f"got {own.dtype} {tuple(own.shape)}")
+        trace = request.selections if request.selections is not None else self.selections
+        if trace is not None and request.max_new_tokens - 1 > trace.shape[0]:
             raise ValueError(f"max_new_tokens={request.max_new_tokens} needs {request.max_new_tokens - 1} decode steps of "
-                             f"selections; the replayed trace has {self.selections.shape[0]}")
+                             f"selections; the replayed trace has {trace.shape[0]}")
         if need > self.max_context:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
                              f"tokens, over the server's max_context={self.max_context}")
@@ -440,15 +452,26 @@ class Server:
         self.state.lengths.copy_(torch.tensor(lengths, dtype=torch.int64))
         self.tokens.copy_(torch.tensor([0 if r is None else r.tokens[-1] for r in self.lane_request]))
         self.attention.lanes.copy_(torch.tensor([r is not None for r in self.lane_request]))
-        if self.selections is not None:       # each lane's step of the trace (an empty lane's is masked)
-            steps = torch.tensor([0 if r is None else len(r.tokens) - 1 for r in self.lane_request])
-            self.attention.replay_sel.copy_(self.selections[steps.to(self.device)].transpose(0, 1))
+        if self.selections is not None:       # each lane's step of its trace (an empty lane's is masked)
+            self._fill_replay()
         self.state.max_length = max(lengths)
         if self._step is None:
             logits = self.model.decode(self.tokens, self.state)
             self._step = self._graphed_step() if self.graph else (lambda: self.model.decode(self.tokens, self.state))
             return logits
         return self._step()
+
+    def _fill_replay(self) -> None:
+        """replay_sel [layers, lanes, ..., k] from each lane's trace at the lane's next decode step."""
+        steps = [0 if r is None else len(r.tokens) - 1 for r in self.lane_request]
+        own = [r is not None and r.selections is not None for r in self.lane_request]
+        if not any(own):                      # one shared trace, on the device: one gather
+            index = torch.tensor(steps, device=self.device)
+            self.attention.replay_sel.copy_(self.selections[index].transpose(0, 1))
+            return
+        rows = [(r.selections if mine else self._host_selections)[step]
+                for r, mine, step in zip(self.lane_request, own, steps)]
+        self.attention.replay_sel.copy_(torch.stack(rows, dim=1))
 
     def _graphed_step(self):
         graph = torch.cuda.CUDAGraph()

@@ -219,3 +219,29 @@ def test_step_by_step_with_a_cancelled_request():
     assert not server.cache._open and server.cache.host.free_rows == server.cache.host.capacity
     alone = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2, **kw)
     assert alone.serve([Request(reqs[0].prompt, reqs[0].max_new_tokens)]).requests[0].tokens == kept.tokens
+
+
+def test_requests_replay_their_own_selections():
+    """Each request replays its own trace (a synthetic draw of its own seed): hisparse and resident
+    under one schedule stay bitwise; a request that brings a trace to a server built without one is
+    refused."""
+    from hisparse.synthetic import batch_workload, preset
+    model, kw = tiny("deepseek_v32"), dict(SETTINGS["deepseek_v32"], **QUICK, keep_logits=True)
+    gen = torch.Generator().manual_seed(2)
+    reqs = [Request(torch.randint(0, 97, (n,), generator=gen), new) for n, new in ((37, 5), (40, 4), (66, 3))]
+    k, layers = model.config.index_topk, model.config.num_hidden_layers
+    draws = torch.from_numpy(batch_workload(preset("tiny", context=37, steps=6, k=k, layers=layers, sinks=1, window=2),
+                                            3, seed=0).selections.copy())          # [steps, layers, 3, k]
+    assert not torch.equal(draws[:, :, 0], draws[:, :, 1])
+    for i, r in enumerate(reqs):
+        r.selections = draws[:, :, i]
+    server = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=3,
+                    selections=draws[:, :, 0], **kw)
+    run = server.serve(reqs, clients=3)
+    again = [Request(r.prompt, r.max_new_tokens, selections=r.selections) for r in reqs]
+    resident = Server(model, "resident", max_context=MAX_CONTEXT, lanes=run.schedule.lanes, selections=draws[:, :, 0], **kw)
+    for a, b in zip(run.requests, resident.serve(again, clients=3, replay=run.schedule).requests):
+        assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    with pytest.raises(ValueError, match="build the server with selections="):
+        Server(model, "resident", max_context=MAX_CONTEXT, kv_budget_gib=0.05, **kw).serve(
+            [Request(reqs[0].prompt, 2, selections=draws[:, :, 0])])
