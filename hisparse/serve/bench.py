@@ -146,7 +146,8 @@ def rows(point: dict, summary: dict, lanes: int, wall_s: float) -> list[dict]:
 def workload(load: tuple[str, float], input_len: int, output_len: int, vocab: int, requests_per_client: int,
              requests: int) -> tuple[list[list[int]], list[float]]:
     """The in-process study's prompts and arrivals for this load (the same seeds)."""
-    from experiments.sweep import serving_requests   # one definition of the study's requests
+    # one definition of the study's requests (imported here: the sweep module is large)
+    from experiments.sweep import serving_requests
     key, level = load
     point = {"concurrency": level if key == "concurrency" else None, "rate": level if key == "rate" else None,
              "input_len": input_len, "output_len": output_len}

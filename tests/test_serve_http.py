@@ -1,0 +1,348 @@
+"""The HTTP endpoint (python -m hisparse.serve) on 127.0.0.1 with a tiny model, driven by an aiohttp
+client: its tokens are Engine.generate's for each prompt alone, streamed one by one; bad requests
+get a 4xx naming the field while the others are served; a client that leaves mid-stream and a
+shutdown free every stream and host row; the load client writes transport=http rows."""
+import asyncio
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import aiohttp
+import pandas as pd
+import pytest
+from test_serving import SETTINGS, tiny
+
+from hisparse.engine import Engine
+from hisparse.models.tiny import write_tiny_checkpoint
+from hisparse.serve import bench
+from hisparse.serve.__main__ import main as serve_main
+from hisparse.serve.app import Service, describe, parse_metrics, serve
+from hisparse.serve.scheduler import SchedulerThread
+from hisparse.serving import GIB, Server
+
+FAMILY = "deepseek_v32"          # 2 layers (tiny()), k = 8 tokens, 97 ids
+VOCAB = 97
+CHUNK = 32                       # prefill chunk of the server and the engine alike
+MAX_CONTEXT = 96
+HOST_ROWS = 160                  # the hisparse server's pool: 2 layers x 80 tokens, so 81+ tokens never fit
+ROW_BYTES = 48 * 4               # a float32 DSA latent row: 32 + 16 values
+A, B, C = list(range(3, 40)), [5, 9, 11, 2, 80], list(range(90, 60, -1))
+
+
+class Running:
+    """A Service served on 127.0.0.1 (a free port) by an event loop in a thread of its own, as the
+    command serves it."""
+
+    def __init__(self, server: Server, shutdown_timeout: float = 5.0):
+        self.server = server
+        self.scheduler = SchedulerThread(server)
+        self.scheduler.start()
+        self.service = Service(self.scheduler, describe(server, "tiny", 0.05, None))
+        self.final = None
+        ready = threading.Event()
+
+        def run() -> None:
+            self.loop = asyncio.new_event_loop()
+            self.stop = asyncio.Event()
+
+            def on_ready(port: int) -> None:
+                self.url = f"http://127.0.0.1:{port}"
+                ready.set()
+            self.final = self.loop.run_until_complete(
+                serve(self.service, "127.0.0.1", 0, self.stop, shutdown_timeout, on_ready))
+            self.loop.close()
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert ready.wait(30), "the HTTP server did not start"
+
+    def shut_down(self) -> dict:
+        """What SIGINT / SIGTERM do: drain, close, stop listening; the final snapshot."""
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.stop.set)
+            self.thread.join(60)
+        return self.final
+
+
+def new_server(mode: str, max_context: int = MAX_CONTEXT, host_rows: int | None = HOST_ROWS) -> Server:
+    if mode == "resident":
+        return Server(tiny(FAMILY), "resident", max_context=max_context, kv_budget_gib=0.05, max_batch=3,
+                      prefill_chunk=CHUNK, prefill="reference")
+    host = None if host_rows is None else host_rows * ROW_BYTES / GIB      # None: every lane at max_context
+    return Server(tiny(FAMILY), mode, max_context=max_context, kv_budget_gib=0.05, max_batch=3, prefill_chunk=CHUNK,
+                  prefill="reference", host_budget_gib=host, **SETTINGS[FAMILY])
+
+
+@pytest.fixture(scope="module")
+def resident():
+    running = Running(new_server("resident"))
+    yield running
+    running.shut_down()
+
+
+@pytest.fixture(scope="module")
+def hisparse():
+    running = Running(new_server("hisparse"))
+    yield running
+    running.shut_down()
+
+
+@functools.cache
+def alone(prompt: tuple, n: int) -> list[int]:
+    """Engine.generate's tokens for the prompt alone (resident, the same prefill chunks)."""
+    engine = Engine(tiny(FAMILY), "resident", chunk_size=CHUNK, prefill="reference")
+    import torch
+    return engine.generate([torch.tensor(prompt)], new_tokens=n).tokens[0].tolist()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 50))
+
+
+async def post(session, url: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(f"{url}/v1/completions", data=data) as response:
+        return response.status, await response.json()
+
+
+async def events(response) -> list:
+    """The parsed `data:` events of a stream, "[DONE]" as that string."""
+    out = []
+    async for line in response.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+async def metrics(session, url: str) -> dict:
+    async with session.get(f"{url}/metrics") as response:
+        assert response.status == 200 and response.content_type == "text/plain"
+        return parse_metrics(await response.text())
+
+
+def test_concurrent_completions_equal_each_prompt_alone(resident):
+    """Three requests at once and one of two prompts: every choice is Engine.generate's tokens for
+    its prompt alone, in the OpenAI completions shape."""
+    asks = [([A], 4), ([B], 3), ([C], 5), ([B, A], 3)]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(post(s, resident.url, {"prompt": p[0] if len(p) == 1 else p,
+                                                                 "max_tokens": n}) for p, n in asks))
+    answers = run(go())
+    for (prompts, n), (status, body) in zip(asks, answers):
+        assert status == 200, body
+        assert body["object"] == "text_completion" and body["model"] == "tiny" and body["id"].startswith("cmpl-")
+        assert [c["index"] for c in body["choices"]] == list(range(len(prompts)))
+        for prompt, c in zip(prompts, body["choices"]):
+            assert c["token_ids"] == alone(tuple(prompt), n), f"prompt of {len(prompt)} tokens"
+            assert c["text"] == " ".join(map(str, c["token_ids"])) and c["finish_reason"] == "length"
+        total = sum(len(p) for p in prompts)
+        assert body["usage"] == {"prompt_tokens": total, "completion_tokens": n * len(prompts),
+                                 "total_tokens": total + n * len(prompts)}
+
+
+def test_streaming_yields_the_tokens_one_by_one(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": C, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+            async with s.post(f"{resident.url}/v1/completions", json=body) as response:
+                assert response.status == 200 and response.content_type == "text/event-stream"
+                return await events(response)
+    got = run(go())
+    assert got[-1] == "[DONE]"
+    tokens = got[:-2]
+    assert [len(e["choices"][0]["token_ids"]) for e in tokens] == [1] * 4
+    assert [e["choices"][0]["token_ids"][0] for e in tokens] == alone(tuple(C), 4)
+    assert [e["choices"][0]["text"] for e in tokens] == [str(e["choices"][0]["token_ids"][0]) for e in tokens]
+    assert [e["choices"][0]["finish_reason"] for e in tokens] == [None, None, None, "length"]
+    assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == 4
+
+
+BAD = [  # (body, param, words the message must hold)
+    (b'{"prompt": [1, 2', None, "not valid JSON"),
+    (b"[1, 2]", None, "JSON object"),
+    ({"max_tokens": 2}, "prompt", "missing prompt"),
+    ({"prompt": "hello"}, "prompt", "token ids"),
+    ({"prompt": []}, "prompt", "non-empty"),
+    ({"prompt": [1, 2.5]}, "prompt", "2.5"),
+    ({"prompt": [1, True]}, "prompt", "True"),
+    ({"prompt": [[1, 2], [3, "x"]]}, "prompt", "prompt 1"),
+    ({"prompt": [1, VOCAB]}, "prompt", f"0 <= id < {VOCAB}"),
+    ({"prompt": [-1]}, "prompt", "outside the vocabulary"),
+    ({"prompt": list(range(90)), "max_tokens": 10}, "prompt", "max_context=96"),
+    ({"prompt": [1], "max_tokens": 0}, "max_tokens", "integer >= 1"),
+    ({"prompt": [1], "max_tokens": "3"}, "max_tokens", "'3'"),
+    ({"prompt": [1], "stream": "yes"}, "stream", "true or false"),
+    ({"prompt": [1], "temperature": 0.7}, "temperature", "greedy"),
+    ({"prompt": [1], "top_p": 0.5}, "top_p", "greedy"),
+    ({"prompt": [1], "n": 2}, "n", "n 1"),
+    ({"prompt": [1], "best_of": 2}, "best_of", "best_of"),
+    ({"prompt": [1], "logprobs": 5}, "logprobs", "log-probabilities"),
+    ({"prompt": [1], "stop": ["x"]}, "stop", "stop"),
+    ({"prompt": [1], "frobnicate": 1}, "frobnicate", "unsupported parameter"),
+]
+
+
+def test_each_bad_request_gets_a_4xx_naming_the_field_and_the_next_is_served(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            for body, param, words in BAD:
+                status, answer = await post(s, resident.url, body)
+                assert status == 400, (body, answer)
+                error = answer["error"]
+                assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+                assert words in error["message"], (body, error["message"])
+                status, good = await post(s, resident.url, {"prompt": B, "max_tokens": 1})   # prefill only: quick
+                assert status == 200 and good["choices"][0]["token_ids"] == alone(tuple(B), 1), body
+            assert (await metrics(s, resident.url))["hisparse_requests_refused_total"] >= len(BAD)
+    run(go())
+
+
+def test_a_prompt_over_the_host_budget_is_refused(hisparse):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            status, answer = await post(s, hisparse.url, {"prompt": list(range(80)), "max_tokens": 4})
+            assert status == 400 and answer["error"]["param"] == "prompt"
+            assert "host_budget_gib" in answer["error"]["message"], answer
+    run(go())
+
+
+def test_a_client_leaving_mid_stream_frees_its_memory(hisparse):
+    """/metrics shows the request's host rows while it streams, none once the client has gone; the
+    server goes on serving."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            before = await metrics(s, hisparse.url)
+            body = {"prompt": B, "max_tokens": 70, "stream": True}        # 150 of the 160 host rows; long on a GPU too
+            response = await s.post(f"{hisparse.url}/v1/completions", json=body)
+            seen = 0
+            async for line in response.content:
+                seen += line.startswith(b"data: ")
+                if seen == 2:
+                    break
+            during = await metrics(s, hisparse.url)
+            response.close()                                 # the client goes away
+            for _ in range(200):
+                after = await metrics(s, hisparse.url)
+                if after["hisparse_requests_in_flight"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            status, good = await post(s, hisparse.url, {"prompt": B, "max_tokens": 2})
+            return before, during, after, status, good
+    before, during, after, status, good = run(go())
+    assert during["hisparse_requests_running"] == 1 and during["hisparse_host_rows_in_use"] > 0
+    assert after["hisparse_requests_in_flight"] == after["hisparse_requests_running"] == 0
+    assert after["hisparse_host_rows_in_use"] == after["hisparse_host_bytes_in_use"] == 0
+    assert after["hisparse_requests_cancelled_total"] == before["hisparse_requests_cancelled_total"] + 1
+    assert after["hisparse_host_rows_capacity"] == HOST_ROWS
+    assert status == 200 and good["choices"][0]["token_ids"] == alone(tuple(B), 2)
+
+
+def test_shutdown_lets_a_running_request_finish_and_frees_everything():
+    """SIGINT / SIGTERM's drain: a stream in flight gets every token and [DONE], then no stream,
+    lane or host row is held and the command stops listening."""
+    running = Running(new_server("hisparse"), shutdown_timeout=30.0)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as s:
+            stream = await s.post(f"{running.url}/v1/completions", json={"prompt": B, "max_tokens": 8, "stream": True})
+            first = await stream.content.readline()
+            shutdown = loop.run_in_executor(None, running.shut_down)
+            rest = await events(stream)
+            return first, rest, await shutdown
+    first, rest, final = run(go())
+    tokens = [json.loads(first[6:])["choices"][0]["token_ids"][0]] + [e["choices"][0]["token_ids"][0]
+                                                                      for e in rest[:-1]]
+    assert rest[-1] == "[DONE]" and tokens == alone(tuple(B), 8)
+    assert final["served"] == 1 and final["failed"] == 0
+    assert_nothing_held(running, final)
+
+
+def test_shutdown_refuses_new_requests_and_cancels_what_outlasts_its_timeout():
+    """A stream of 990 tokens outlasts a drain of 0.5 s: it ends with an error event (no [DONE]);
+    meanwhile new requests and /health get 503; at the end nothing is held."""
+    running = Running(new_server("hisparse", max_context=1000, host_rows=None), shutdown_timeout=0.5)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as s:
+            stream = await s.post(f"{running.url}/v1/completions", json={"prompt": B, "max_tokens": 990,
+                                                                         "stream": True})
+            assert (await stream.content.readline()).startswith(b"data: ")
+            shutdown = loop.run_in_executor(None, running.shut_down)
+            await asyncio.sleep(0.1)
+            refused = await post(s, running.url, {"prompt": B, "max_tokens": 1})
+            async with s.get(f"{running.url}/health") as health:
+                health_status = health.status
+            return refused, health_status, await events(stream), await shutdown
+    (refused_status, refused), health_status, rest, final = run(go())
+    assert refused_status == 503 and "shutting down" in refused["error"]["message"]
+    assert health_status == 503
+    assert rest and "error" in rest[-1] and "[DONE]" not in rest, rest[-3:]
+    assert "shut down" in rest[-1]["error"]["message"]
+    assert final["failed"] == 1
+    assert_nothing_held(running, final)
+
+
+def assert_nothing_held(running: Running, final: dict) -> None:
+    assert final["in_flight"] == final["running"] == final["waiting"] == final["host_rows_in_use"] == 0
+    server = running.server
+    assert not server.cache._open and server.cache.host.free_rows == server.cache.host.capacity
+    assert all(r is None for r in server.lane_request) and not server.busy
+    assert not running.thread.is_alive() and not running.scheduler._thread.is_alive()
+
+
+def test_load_client_writes_http_rows(resident, tmp_path):
+    rc = bench.main(["--url", resident.url, "--concurrency", "2", "--requests-per-client", "1", "--input-len", "12",
+                     "--output-len", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = pd.read_csv(tmp_path / "serving.csv")
+    assert set(rows.transport) == {"http"} and set(rows["mode"]) == {"resident"}
+    value = dict(zip(rows.metric, rows.value))
+    assert value["requests"] == 2 and value["output_tokens"] == 6 and value["failed_requests"] == 0
+    for metric in ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p90", "latency_ms_p50"):
+        assert value[metric] > 0, metric
+    assert rows.concurrency.unique().tolist() == [2] and rows.input_len.unique().tolist() == [12]
+    for column in ("family", "k", "unit_bytes", "layers", "hidden", "kv_budget_gib", "prefill_chunk", "gpu", "commit"):
+        assert column in rows and rows[column].notna().all(), column
+
+
+def test_the_command_serves_and_exits_cleanly_on_sigterm(tmp_path, capsys):
+    """--help and a bad --model in-process; then the real command on a free port: a completion,
+    SIGTERM, exit 0 with every host row free."""
+    assert serve_main(["--help"]) == 0
+    assert "--shutdown-timeout" in capsys.readouterr().out
+    assert serve_main(["--model", str(tmp_path / "nowhere")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    checkpoint = write_tiny_checkpoint(FAMILY, tmp_path / "tiny", num_hidden_layers=2)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "hisparse.serve", "--model", str(checkpoint), "--port", "0",
+                             "--mode", "hisparse", "--cache-slots", "16", "--max-context", "64", "--max-batch", "2",
+                             "--prefill", "reference"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        port = None
+        for line in proc.stderr:
+            if match := re.search(r"on http://127\.0\.0\.1:(\d+)", line):
+                port = int(match.group(1))
+                break
+        assert port, "the command never said where it listens"
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": B, "max_tokens": 2}).encode())
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert len(json.loads(response.read())["choices"][0]["token_ids"]) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        tail = proc.stderr.read()
+        assert "1 requests served" in tail and re.search(r"host rows in use 0 of \d+", tail), tail
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
