@@ -56,16 +56,58 @@ from hisparse.runtime import (
 )
 
 
+def kept_in_empty_lanes(lanes: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """new [N, ...] where serving lane n holds a request (lanes [N] bool), old where it is empty:
+    a decode step writes every lane, and an empty lane may be one a request is being prefilled
+    into (`QuestLanePrefill`, `hisparse.nsa.runtime.NsaLanePrefill`), whose tokens must stay."""
+    if lanes is None:
+        return new
+    return torch.where(lanes.view(-1, *([1] * (new.dim() - 1))), new, old)
+
+
+def write_resident_unit_kept(pool: torch.Tensor, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             unit_tokens: int, units_per_head: int, lanes: torch.Tensor | None) -> None:
+    """`write_resident_unit`, an empty serving lane's row keeping what it holds (lanes [N] bool or None)."""
+    if lanes is not None:
+        n, hkv, _ = key.shape
+        heads = torch.arange(n * hkv, device=pos.device).view(n, hkv)
+        rows = heads * units_per_head + (pos // unit_tokens)[:, None]               # [N, HKV]
+        offset = (pos % unit_tokens)[:, None].expand(n, hkv)
+        key = kept_in_empty_lanes(lanes, key, pool[rows, 0, offset])
+        value = kept_in_empty_lanes(lanes, value, pool[rows, 1, offset])
+    write_resident_unit(pool, pos, key, value, unit_tokens, units_per_head)
+
+
+@dataclass
+class DensePagedKV(PagedKV):
+    """A dense layer's KV in the decode batch: the model's `PagedKV`, and `lanes [N]` bool (serving:
+    which rows hold a request; None outside serving), so an empty lane's decode write keeps the
+    tokens a request prefilling into that lane has there. Its page bounds may go stale (the join of
+    a lane prefill remakes them; a dense layer never reads them)."""
+
+    lanes: torch.Tensor | None = None
+
+    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+        if self.lanes is not None and positions.shape[1] == 1:
+            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+            keys = kept_in_empty_lanes(self.lanes, keys, self.keys[rows, :, positions].transpose(1, 2))
+            values = kept_in_empty_lanes(self.lanes, values, self.values[rows, :, positions].transpose(1, 2))
+        super().write(positions, keys, values, page_size)
+
+
 @dataclass
 class QuestKV:
     """A Quest layer's KV, resident: `pool [N * HKV * P_MAX, 2, PAGE, D]` (None when hierarchical),
     `kmin, kmax [N, HKV, P_MAX, D]` the page bounds of the post-RoPE keys (always resident; None on a
-    layer that shares another's selection, as it selects nothing), `max_pages` = P_MAX."""
+    layer that shares another's selection, as it selects nothing), `max_pages` = P_MAX. `lanes [N]`
+    bool: serving's rows that hold a request (None outside serving): an empty lane's decode write
+    changes nothing."""
 
     pool: torch.Tensor | None
     kmin: torch.Tensor | None
     kmax: torch.Tensor | None
     max_pages: int = 0
+    lanes: torch.Tensor | None = None
 
     def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
         """Decode-step write (positions [N, 1]) of keys, values [N, HKV, 1, D]: the token's slot in
@@ -78,10 +120,13 @@ class QuestKV:
         key = keys[:, :, 0].contiguous()
         self._write_row(pos, key, values[:, :, 0])
         if self.kmin is not None:
-            quest_metadata_append(self.kmin, self.kmax, key, pos.to(torch.int32))
+            page_pos = pos.to(torch.int32)
+            if self.lanes is not None:                       # -1: an empty lane's bounds stay
+                page_pos = torch.where(self.lanes, page_pos, -1)
+            quest_metadata_append(self.kmin, self.kmax, key, page_pos)
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        write_resident_unit(self.pool, pos, key, value, PAGE, self.max_pages)
+        write_resident_unit_kept(self.pool, pos, key, value, PAGE, self.max_pages, self.lanes)
 
 
 @dataclass
@@ -188,7 +233,7 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
     device = keys0.device
     max_pages = triton.cdiv(capacity, PAGE)
     if not attn.quest:
-        kv = attn.new_kv(batch, capacity, device, keys0.dtype)
+        kv = DensePagedKV(**vars(attn.new_kv(batch, capacity, device, keys0.dtype)))
         for b, (k, v) in enumerate(parts):
             kv.keys[b, :, :k.shape[1]] = k
             kv.values[b, :, :k.shape[1]] = v
@@ -263,6 +308,18 @@ class QuestRuntime:
         """Host units (pages) of each stream of one request of `tokens` tokens: one a Quest layer and KV head."""
         return [triton.cdiv(tokens, PAGE)] * (len(quest_layers(self.model)) * self.kv_heads)
 
+    def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
+                     host_tokens: int) -> QuestLanePrefill:
+        """A serving lane's prefill in place (`hisparse.serving`; see `QuestLanePrefill`): the
+        request's streams opened now with `host_tokens` tokens of pages each (hierarchical modes)."""
+        return QuestLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens)
+
+    def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
+        """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes, in every mode: the Quest
+        layers' keys, values and page bounds of the whole prompt (the model's PagedKV)."""
+        return sum(nbytes(*paged_tensors(quest_workspace(self.model, i, tokens, "meta")))
+                   for i in quest_layers(self.model))
+
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelQuestAttention:
         return KernelQuestAttention(mode, self.token_budget, check_values=check_values, prefetch=prefetch,
@@ -288,3 +345,159 @@ class QuestRuntime:
             else:
                 total += nbytes(kv.pool, kv.kmin, kv.kmax)
         return total + cache_bytes(cache)
+
+
+# -- a serving lane's prefill in place (`QuestRuntime.lane_prefill`) --------------------------------
+# The unit helpers serve NSA's lane prefill too (hisparse/nsa/runtime.py): a family whose units are
+# several tokens, rows [2, T, D], one stream per KV head.
+
+def open_lane_streams(cache: HierarchicalKVCache, layers: list[int], heads: int, region: int) -> dict[int, list[int]]:
+    """One request's streams, layer by layer and head by head (the order `gather_layers` opens them
+    in, so the same ids and host regions): layer -> its stream per KV head. All or nothing."""
+    opened: dict[int, list[int]] = {}
+    try:
+        for layer in layers:
+            opened[layer] = []
+            for _ in range(heads):
+                opened[layer].append(cache.open_stream(region))
+    except BaseException:
+        close_lane_streams(cache, opened)
+        raise
+    return opened
+
+
+def close_lane_streams(cache: HierarchicalKVCache, streams: dict[int, list[int]]) -> None:
+    for ids in streams.values():
+        for stream in ids:
+            cache.close_stream(stream)
+
+
+def write_stream_units(cache: HierarchicalKVCache, stream: int, first: int, rows: torch.Tensor) -> None:
+    """rows [n, E] become units first .. first + n - 1 of `stream`: a unit the stream already holds
+    (the last one, left partial by the previous chunk) rewritten whole, the others appended."""
+    held = cache.stream_len[stream]
+    if first > held or first < held - 1:
+        raise ValueError(f"stream {stream} holds {held} units; a chunk's units must start at its last or next "
+                         f"one, not {first}")
+    if first < held:
+        cache.write_unit(stream, first, rows[0])
+        rows = rows[1:]
+    if rows.shape[0]:
+        cache.append(stream, rows)
+
+
+def store_lane_units(kv, lane: int, lanes: int, first: int, rows: torch.Tensor, units_per_head: int,
+                     streams: list[int] | None) -> None:
+    """A chunk's units rows [HKV, n, 2, T, D] (units first .. first + n - 1 of each KV head) into
+    serving lane `lane` of layer state `kv`: its resident pool rows [lanes * HKV * units_per_head,
+    2, T, D], or (streams: one per KV head) the request's streams in the host pool."""
+    hkv, n = rows.shape[:2]
+    if streams is None:
+        kv.pool.view(lanes, hkv, units_per_head, *rows.shape[2:])[lane, :, first:first + n] = rows
+        return
+    for stream, head_rows in zip(streams, rows):
+        write_stream_units(kv.cache, stream, first, head_rows.reshape(n, -1))
+
+
+def zero_lane(tensors: list[torch.Tensor | None], lane: int, lanes: int) -> None:
+    """Lane `lane` of per-lane tensors [lanes * ..., ...] zeroed, as a gathered lane is past its tokens."""
+    for t in tensors:
+        if t is not None:
+            t.view(lanes, -1)[lane].zero_()
+
+
+def paged_tensors(kv: PagedKV) -> list[torch.Tensor]:
+    return [kv.keys, kv.values, kv.page_min, kv.page_max]
+
+
+def quest_workspace(model, layer: int, tokens: int, device, dtype=None) -> PagedKV:
+    """The model's own PagedKV of one request for a Quest layer, `tokens` long (a lane prefill's workspace)."""
+    dtype = dtype or model.model.embed_tokens.weight.dtype
+    return model.model.layers[layer].self_attn.new_kv(1, tokens, device, dtype)
+
+
+class QuestLanePrefill:
+    """One request's prefill into serving lane `lane` (`QuestRuntime.lane_prefill`; the contract of
+    `hisparse.dsa.runtime.LanePrefill`): `state` is what the model's prefill runs on;
+    `chunk_done(start, end)` after each chunk; `join()` when the prompt is done; `cancel()` if it
+    will not join. The lane ends bitwise as `gather_layers` of the prefilled request would make it.
+
+    Dense layers prefill straight into the lane (views of its PagedKV; their page bounds are made at
+    the join, from the lane's keys, as `gather_layer` makes them). Quest layers prefill into a
+    workspace of the prompt's length, the model's PagedKV (the prefill's attention reads the whole
+    prefix); after each chunk the pages it touched go to the lane (resident pool rows) or to the
+    request's streams in the host pool (a page the previous chunk left partial rewritten whole),
+    and their bounds into the lane's kmin / kmax. The lane is zeroed first, so what a former request
+    left past this one's tokens is gone, as in a gathered lane."""
+
+    def __init__(self, runtime: QuestRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
+                 prompt: int, host_tokens: int):
+        self.mode, self.layers, self.lane, self.prompt = mode, layers, lane, prompt
+        self.heads = runtime.kv_heads
+        self.quest = [i for i, kv in enumerate(layers) if isinstance(kv, QuestKV)]
+        self.lanes = self._lane_count(layers[0])
+        for kv in layers:
+            zero_lane(self._lane_parts(kv), lane, self.lanes)
+        device = runtime.model.model.embed_tokens.weight.device
+        views = [quest_workspace(runtime.model, i, prompt, device) if i in self.quest
+                 else PagedKV(*(t[lane:lane + 1] for t in paged_tensors(kv)))
+                 for i, kv in enumerate(layers)]
+        self.streams: dict[int, list[int]] = {}        # Quest layer -> the request's stream per KV head
+        if mode != "resident":
+            self.streams = open_lane_streams(cache, self.quest, self.heads, triton.cdiv(host_tokens, PAGE))
+        self.cache = cache
+        self.state = DecodeState(views, prompt, torch.zeros(1, dtype=torch.int64, device=device))
+
+    def _lane_count(self, kv) -> int:
+        if isinstance(kv, PagedKV):
+            return kv.keys.shape[0]
+        if isinstance(kv, HierQuestKV):
+            return kv.streams.shape[0]
+        return kv.pool.shape[0] // (self.heads * kv.max_pages)
+
+    @staticmethod
+    def _lane_parts(kv) -> list:
+        """The per-lane tensors of a layer state (not the cache's, not the streams)."""
+        if isinstance(kv, PagedKV):
+            return paged_tensors(kv)
+        return [kv.pool, kv.kmin, kv.kmax]
+
+    @property
+    def workspace_bytes(self) -> int:
+        if self.state is None:
+            return 0
+        return sum(nbytes(*paged_tensors(self.state.layers[i])) for i in self.quest)
+
+    def chunk_done(self, start: int, end: int) -> None:
+        """The pages prompt tokens start .. end - 1 touched, from the workspace into the lane or the
+        host pool, with their bounds."""
+        first, last = start // PAGE, triton.cdiv(end, PAGE)
+        span = torch.tensor([end - first * PAGE], dtype=torch.int32, device=self.state.lengths.device)
+        for i in self.quest:
+            work, kv = self.state.layers[i], self.layers[i]
+            keys, values = work.keys[:, :, first * PAGE:end], work.values[:, :, first * PAGE:end]
+            if kv.kmin is not None:
+                low, high = quest_metadata_from_keys(keys, span, last - first)     # [1, HKV, pages, D]
+                kv.kmin[self.lane, :, first:last], kv.kmax[self.lane, :, first:last] = low[0], high[0]
+            rows = pages_from_tokens(keys, values, last - first).view(self.heads, last - first, 2, PAGE, -1)
+            store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i))
+
+    def join(self) -> None:
+        """The dense layers' page bounds made, and the request's streams into its lane (hierarchical
+        modes; the lane holds the rest already)."""
+        length = torch.tensor([self.prompt], dtype=torch.int32, device=self.state.lengths.device)
+        pages = triton.cdiv(self.prompt, PAGE)
+        for kv in self.layers:
+            if isinstance(kv, PagedKV):
+                low, high = quest_metadata_from_keys(kv.keys[self.lane:self.lane + 1, :, :self.prompt], length, pages)
+                kv.page_min[self.lane, :, :pages], kv.page_max[self.lane, :, :pages] = low[0], high[0]
+        for i, ids in self.streams.items():
+            kv = self.layers[i]
+            kv.streams[self.lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
+            kv.host_streams[self.lane] = list(ids)
+        self.state = None
+
+    def cancel(self) -> None:
+        """Give back the streams of a prefill that will not join."""
+        close_lane_streams(self.cache, self.streams)
+        self.streams, self.state = {}, None
