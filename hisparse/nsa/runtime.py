@@ -40,7 +40,15 @@ from hisparse.nsa.ops import (
     nsa_decode,
     nsa_window_ring,
 )
-from hisparse.nsa.reference import compressed_blocks
+from hisparse.nsa.reference import NsaKV, compressed_blocks
+from hisparse.quest.runtime import (
+    close_lane_streams,
+    kept_in_empty_lanes,
+    open_lane_streams,
+    store_lane_units,
+    write_resident_unit_kept,
+    zero_lane,
+)
 from hisparse.runtime import (
     Rows,
     UnitResolver,
@@ -52,7 +60,6 @@ from hisparse.runtime import (
     shared_states,
     stream_counts,
     write_newest_unit,
-    write_resident_unit,
 )
 
 
@@ -61,7 +68,9 @@ class NsaBlocksKV:
     """An NSA layer's KV for the kernels. pool [N * HKV * U, 2, SEL_BLOCK, D] (None when
     hierarchical); window_keys, window_values [N, HKV, W, D] the ring of the last W tokens;
     compressed_keys, compressed_values [N, HKV, C, D]; weight_k, weight_v [D, D] the layer's
-    compress_k / compress_v weights transposed (the kernels compute mean @ weight); n_units = U."""
+    compress_k / compress_v weights transposed (the kernels compute mean @ weight); n_units = U.
+    lanes [N] bool: serving's rows that hold a request (None outside serving): an empty lane's
+    decode write changes nothing (a request may be prefilling into it: `NsaLanePrefill`)."""
 
     pool: torch.Tensor | None
     window_keys: torch.Tensor
@@ -71,6 +80,7 @@ class NsaBlocksKV:
     weight_k: torch.Tensor
     weight_v: torch.Tensor
     n_units: int
+    lanes: torch.Tensor | None = None
 
     def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Decode-step write (positions [N, 1]) of keys, values [N, HKV, 1, D]: the window ring, the
@@ -82,14 +92,16 @@ class NsaBlocksKV:
         reqs = torch.arange(n, device=pos.device)[:, None]
         heads = torch.arange(hkv, device=pos.device)[None, :]
         ring = (pos % self.window_keys.shape[2])[:, None]
-        self.window_keys[reqs, heads, ring] = key
-        self.window_values[reqs, heads, ring] = value
+        self.window_keys[reqs, heads, ring] = kept_in_empty_lanes(self.lanes, key, self.window_keys[reqs, heads, ring])
+        self.window_values[reqs, heads, ring] = kept_in_empty_lanes(self.lanes, value,
+                                                                    self.window_values[reqs, heads, ring])
         self._write_row(pos, key, value)
-        nsa_compress_newest(self.window_keys, self.window_values, pos + 1, self.compressed_keys,
+        lengths = pos + 1 if self.lanes is None else torch.where(self.lanes, pos + 1, 0)   # 0: no block completes
+        nsa_compress_newest(self.window_keys, self.window_values, lengths, self.compressed_keys,
                             self.compressed_values, self.weight_k, self.weight_v)
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        write_resident_unit(self.pool, pos, key, value, SEL_BLOCK, self.n_units)
+        write_resident_unit_kept(self.pool, pos, key, value, SEL_BLOCK, self.n_units, self.lanes)
 
 
 @dataclass
@@ -260,6 +272,19 @@ class NsaRuntime:
         return HierNsaKV(pool=None, **resident, cache=cache, host_streams=host_streams,
                          streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device))
 
+    def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
+                     host_tokens: int) -> NsaLanePrefill:
+        """A serving lane's prefill in place (`hisparse.serving`; see `NsaLanePrefill`): the
+        request's streams opened now with `host_tokens` tokens of blocks each (hierarchical modes)."""
+        return NsaLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens)
+
+    def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
+        """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes, in every mode: the model's
+        own state of the prompt (keys, values, compressed blocks of every layer)."""
+        dtype = self.model.model.embed_tokens.weight.dtype
+        return sum(nbytes(*vars(layer.self_attn.new_kv(1, tokens, "meta", dtype)).values())
+                   for layer in self.model.model.layers)
+
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelNsaAttention:
         return KernelNsaAttention(mode, self.selection_size, check_values=check_values, prefetch=prefetch,
@@ -280,3 +305,74 @@ class NsaRuntime:
         total = sum(nbytes(kv.pool, kv.window_keys, kv.window_values, kv.compressed_keys, kv.compressed_values)
                     for kv in layers)
         return total + cache_bytes(cache)
+
+
+class NsaLanePrefill:
+    """One request's prefill into serving lane `lane` (`NsaRuntime.lane_prefill`; the contract of
+    `hisparse.dsa.runtime.LanePrefill`): `state` is what the model's prefill runs on;
+    `chunk_done(start, end)` after each chunk; `join()` when the prompt is done; `cancel()` if it
+    will not join. The lane ends bitwise as `gather_layers` of the prefilled request would make it.
+
+    The model prefills into its own state of the prompt's length (`NsaAttention.new_kv`: the
+    selected and window branches read any earlier token, the compressed branch the compressed
+    blocks so far), the workspace. After each chunk, per layer: its tokens into the lane's window
+    ring, the compressed blocks it completed into the lane's, and the selection blocks it touched
+    into the lane's resident pool rows or the request's streams in the host pool (a block the
+    previous chunk left partial rewritten whole). The lane is zeroed first, so what a former request
+    left past this one's tokens is gone, as in a gathered lane."""
+
+    def __init__(self, runtime: NsaRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
+                 prompt: int, host_tokens: int):
+        self.config, self.mode, self.cache, self.layers, self.lane = runtime.config, mode, cache, layers, lane
+        self.heads = runtime.kv_heads
+        self.lanes = layers[0].window_keys.shape[0]
+        for kv in layers:
+            zero_lane([kv.pool, kv.window_keys, kv.window_values, kv.compressed_keys, kv.compressed_values], lane,
+                      self.lanes)
+        weight = runtime.model.model.embed_tokens.weight
+        views = [layer.self_attn.new_kv(1, prompt, weight.device, weight.dtype) for layer in runtime.model.model.layers]
+        self.streams: dict[int, list[int]] = {}        # layer -> the request's stream per KV head
+        if mode != "resident":
+            self.streams = open_lane_streams(cache, list(range(len(layers))), self.heads,
+                                             int(block_count(host_tokens)))
+        self.state = DecodeState(views, prompt, torch.zeros(1, dtype=torch.int64, device=weight.device))
+
+    @property
+    def workspace_bytes(self) -> int:
+        if self.state is None:
+            return 0
+        return sum(nbytes(*vars(kv).values()) for kv in self.state.layers)
+
+    def chunk_done(self, start: int, end: int) -> None:
+        """What prompt tokens start .. end - 1 made, from the workspace into the lane or the host pool."""
+        first, last = start // SEL_BLOCK, -(-end // SEL_BLOCK)
+        for layer, (work, kv) in enumerate(zip(self.state.layers, self.layers)):
+            self._window(work, kv, start, end)
+            made = slice(compressed_blocks(start, self.config), compressed_blocks(end, self.config))
+            kv.compressed_keys[self.lane, :, made] = work.compressed_keys[0, :, made]
+            kv.compressed_values[self.lane, :, made] = work.compressed_values[0, :, made]
+            span = slice(first * SEL_BLOCK, end)
+            rows = nsa_block_rows(work.keys[:, :, span], work.values[:, :, span])      # [HKV * n, 2, SEL_BLOCK, D]
+            rows = rows.view(self.heads, last - first, *rows.shape[1:])
+            store_lane_units(kv, self.lane, self.lanes, first, rows, kv.n_units, self.streams.get(layer))
+
+    def _window(self, work: NsaKV, kv: NsaBlocksKV, start: int, end: int) -> None:
+        """The chunk's last (at most W) tokens into the lane's ring (token t at t % W), as
+        `nsa_window_ring` places a prompt's."""
+        window = kv.window_keys.shape[2]
+        tokens = torch.arange(max(start, end - window), end, device=work.keys.device)
+        kv.window_keys[self.lane][:, tokens % window] = work.keys[0][:, tokens]
+        kv.window_values[self.lane][:, tokens % window] = work.values[0][:, tokens]
+
+    def join(self) -> None:
+        """The request's streams into its lane (hierarchical modes; the lane holds the rest already)."""
+        for layer, ids in self.streams.items():
+            kv = self.layers[layer]
+            kv.streams[self.lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
+            kv.host_streams[self.lane] = list(ids)
+        self.state = None
+
+    def cancel(self) -> None:
+        """Give back the streams of a prefill that will not join."""
+        close_lane_streams(self.cache, self.streams)
+        self.streams, self.state = {}, None
