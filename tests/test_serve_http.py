@@ -20,7 +20,7 @@ from test_serving import SETTINGS, tiny
 
 from hisparse.engine import Engine
 from hisparse.models.tiny import write_tiny_checkpoint
-from hisparse.serve import bench
+from hisparse.serve import bench, scheduler
 from hisparse.serve.__main__ import main as serve_main
 from hisparse.serve.app import Service, describe, parse_metrics, serve
 from hisparse.serve.scheduler import SchedulerThread
@@ -190,7 +190,11 @@ BAD = [  # (body, param, words the message must hold)
 ]
 
 
-def test_each_bad_request_gets_a_4xx_naming_the_field_and_the_next_is_served(resident):
+def test_each_bad_request_gets_a_4xx_naming_the_field_and_the_next_is_served(resident, monkeypatch):
+    """And the idle scheduler starts a new run every few requests (so a long-lived server does not
+    keep every finished request): a good request after each bad one still gets its tokens."""
+    monkeypatch.setattr(scheduler, "RECYCLE_AFTER", 4)
+
     async def go():
         async with aiohttp.ClientSession() as s:
             for body, param, words in BAD:
@@ -202,7 +206,9 @@ def test_each_bad_request_gets_a_4xx_naming_the_field_and_the_next_is_served(res
                 status, good = await post(s, resident.url, {"prompt": B, "max_tokens": 1})   # prefill only: quick
                 assert status == 200 and good["choices"][0]["token_ids"] == alone(tuple(B), 1), body
             assert (await metrics(s, resident.url))["hisparse_requests_refused_total"] >= len(BAD)
-    run(go())
+            await post(s, resident.url, {"prompt": B, "max_tokens": 1})
+        return resident.server.requests[:]
+    assert len(run(go())) <= 4 < len(BAD)
 
 
 def test_a_prompt_over_the_host_budget_is_refused(hisparse):

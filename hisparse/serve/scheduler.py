@@ -105,20 +105,20 @@ class SchedulerThread:
 
     def _run(self) -> None:
         try:
+            if self.server.device.type == "cuda":    # a new thread starts on cuda:0, whatever the model's GPU
+                torch.cuda.set_device(self.server.device)
             self.server.open()
         except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller, who raises it
             self._ready.set_exception(exc)
             return
         self._ready.set_result(None)
         while not self._done:
-            self._run_commands(block=not self.server.busy)
-            if self._done:
-                break
-            if self.server.busy:
-                self._step()
-            elif len(self.server.requests) >= RECYCLE_AFTER:
+            if not self.server.busy and len(self.server.requests) >= RECYCLE_AFTER:
                 self.server.close()          # idle: a new run, so finished requests are not kept forever
                 self.server.open()
+            self._run_commands(block=not self.server.busy)
+            if self.server.busy and not self._done:
+                self._step()
         self._refuse_late_commands()
 
     def _refuse_late_commands(self) -> None:
