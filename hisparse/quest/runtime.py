@@ -82,17 +82,22 @@ def write_resident_unit_kept(pool: torch.Tensor, pos: torch.Tensor, key: torch.T
 class DensePagedKV(PagedKV):
     """A dense layer's KV in the decode batch: the model's `PagedKV`, and `lanes [N]` bool (serving:
     which rows hold a request; None outside serving), so an empty lane's decode write keeps the
-    tokens a request prefilling into that lane has there. Its page bounds may go stale (the join of
-    a lane prefill remakes them; a dense layer never reads them)."""
+    tokens and page bounds a request prefilling into that lane has there."""
 
     lanes: torch.Tensor | None = None
 
     def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
-        if self.lanes is not None and positions.shape[1] == 1:
-            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-            keys = kept_in_empty_lanes(self.lanes, keys, self.keys[rows, :, positions].transpose(1, 2))
-            values = kept_in_empty_lanes(self.lanes, values, self.values[rows, :, positions].transpose(1, 2))
+        if self.lanes is None or positions.shape[1] != 1:
+            super().write(positions, keys, values, page_size)
+            return
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        page = positions // page_size                                                   # [N, 1]
+        held_min, held_max = self.page_min[rows, :, page], self.page_max[rows, :, page]  # [N, 1, HKV, D]
+        keys = kept_in_empty_lanes(self.lanes, keys, self.keys[rows, :, positions].transpose(1, 2))
+        values = kept_in_empty_lanes(self.lanes, values, self.values[rows, :, positions].transpose(1, 2))
         super().write(positions, keys, values, page_size)
+        self.page_min[rows, :, page] = kept_in_empty_lanes(self.lanes, self.page_min[rows, :, page], held_min)
+        self.page_max[rows, :, page] = kept_in_empty_lanes(self.lanes, self.page_max[rows, :, page], held_max)
 
 
 @dataclass
@@ -422,8 +427,8 @@ class QuestLanePrefill:
     `chunk_done(start, end)` after each chunk; `join()` when the prompt is done; `cancel()` if it
     will not join. The lane ends bitwise as `gather_layers` of the prefilled request would make it.
 
-    Dense layers prefill straight into the lane (views of its PagedKV; their page bounds are made at
-    the join, from the lane's keys, as `gather_layer` makes them). Quest layers prefill into a
+    Dense layers prefill straight into the lane (views of its PagedKV; after each chunk the bounds of
+    the pages it touched are remade from the lane's keys as `gather_layer` makes them). Quest layers prefill into a
     workspace of the prompt's length, the model's PagedKV (the prefill's attention reads the whole
     prefix); after each chunk the pages it touched go to the lane (resident pool rows) or to the
     request's streams in the host pool (a page the previous chunk left partial rewritten whole),
@@ -473,24 +478,20 @@ class QuestLanePrefill:
         host pool, with their bounds."""
         first, last = start // PAGE, triton.cdiv(end, PAGE)
         span = torch.tensor([end - first * PAGE], dtype=torch.int32, device=self.state.lengths.device)
-        for i in self.quest:
-            work, kv = self.state.layers[i], self.layers[i]
+        for i, (work, kv) in enumerate(zip(self.state.layers, self.layers)):
             keys, values = work.keys[:, :, first * PAGE:end], work.values[:, :, first * PAGE:end]
-            if kv.kmin is not None:
+            if isinstance(kv, PagedKV):          # a view of the lane: its bounds as `gather_layer` makes them
                 low, high = quest_metadata_from_keys(keys, span, last - first)     # [1, HKV, pages, D]
+                kv.page_min[self.lane, :, first:last], kv.page_max[self.lane, :, first:last] = low[0], high[0]
+                continue
+            if kv.kmin is not None:
+                low, high = quest_metadata_from_keys(keys, span, last - first)
                 kv.kmin[self.lane, :, first:last], kv.kmax[self.lane, :, first:last] = low[0], high[0]
             rows = pages_from_tokens(keys, values, last - first).view(self.heads, last - first, 2, PAGE, -1)
             store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i))
 
     def join(self) -> None:
-        """The dense layers' page bounds made, and the request's streams into its lane (hierarchical
-        modes; the lane holds the rest already)."""
-        length = torch.tensor([self.prompt], dtype=torch.int32, device=self.state.lengths.device)
-        pages = triton.cdiv(self.prompt, PAGE)
-        for kv in self.layers:
-            if isinstance(kv, PagedKV):
-                low, high = quest_metadata_from_keys(kv.keys[self.lane:self.lane + 1, :, :self.prompt], length, pages)
-                kv.page_min[self.lane, :, :pages], kv.page_max[self.lane, :, :pages] = low[0], high[0]
+        """The request's streams into its lane (hierarchical modes; the lane holds the rest already)."""
         for i, ids in self.streams.items():
             kv = self.layers[i]
             kv.streams[self.lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
