@@ -323,7 +323,7 @@ class NsaLanePrefill:
 
     def __init__(self, runtime: NsaRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
                  prompt: int, host_tokens: int):
-        self.config, self.mode, self.cache, self.layers, self.lane = runtime.config, mode, cache, layers, lane
+        self.config, self.cache, self.layers, self.lane = runtime.config, cache, layers, lane
         self.heads = runtime.kv_heads
         self.lanes = layers[0].window_keys.shape[0]
         for kv in layers:

@@ -427,17 +427,17 @@ class QuestLanePrefill:
     `chunk_done(start, end)` after each chunk; `join()` when the prompt is done; `cancel()` if it
     will not join. The lane ends bitwise as `gather_layers` of the prefilled request would make it.
 
-    Dense layers prefill straight into the lane (views of its PagedKV; after each chunk the bounds of
-    the pages it touched are remade from the lane's keys as `gather_layer` makes them). Quest layers prefill into a
-    workspace of the prompt's length, the model's PagedKV (the prefill's attention reads the whole
-    prefix); after each chunk the pages it touched go to the lane (resident pool rows) or to the
-    request's streams in the host pool (a page the previous chunk left partial rewritten whole),
-    and their bounds into the lane's kmin / kmax. The lane is zeroed first, so what a former request
-    left past this one's tokens is gone, as in a gathered lane."""
+    Dense layers prefill straight into the lane (views of its PagedKV; after each chunk the bounds
+    of the pages it touched are remade from the lane's keys, as `gather_layer` makes them). Quest
+    layers prefill into a workspace of the prompt's length, the model's PagedKV (the prefill's
+    attention reads the whole prefix); after each chunk the pages it touched go to the lane
+    (resident pool rows) or to the request's streams in the host pool (a page the previous chunk
+    left partial rewritten whole), and their bounds into the lane's kmin / kmax. The lane is zeroed
+    first, so what a former request left past this one's tokens is gone, as in a gathered lane."""
 
     def __init__(self, runtime: QuestRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
                  prompt: int, host_tokens: int):
-        self.mode, self.layers, self.lane, self.prompt = mode, layers, lane, prompt
+        self.layers, self.lane = layers, lane
         self.heads = runtime.kv_heads
         self.quest = [i for i, kv in enumerate(layers) if isinstance(kv, QuestKV)]
         self.lanes = self._lane_count(layers[0])
