@@ -4,12 +4,16 @@ a request prefilled in place, chunk by chunk, ends in its lane bitwise as the ge
 host rows and stream lengths, and decodes the same logits; the host pool holds the first chunk's
 units before the prompt is done (tiny models, eager prefill, interpreter)."""
 import dataclasses
+import functools
 
 import pytest
 import torch
 
+from hisparse.models.config import config_from_dict
+from hisparse.models.loading import build_model
+from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.serving import Request, Server
-from tests.test_serving import MAX_CONTEXT, QUICK, SETTINGS, tiny
+from tests.test_serving import DEVICE, MAX_CONTEXT, QUICK, SETTINGS, tiny
 
 # (prompt length, prefill chunk) per family: prompts that end inside a unit (16-token pages, 64-token
 # blocks), chunks that end inside units, so units the previous chunk left partial are rewritten
@@ -31,12 +35,25 @@ class GenericServer(Server):
         self.in_place = False
 
 
-def servers(family: str, mode: str, chunk: int):
-    model = tiny(family)
+@functools.cache
+def tiny_shared_quest():
+    """Llama tiny with 2 dense layers and 2 Quest layers sharing one selection (the second in
+    lockstep with the first: `quest_selection_group` 2)."""
+    config = config_from_dict(dict(TINY_CONFIGS["llama"], num_hidden_layers=4, quest_selection_group=2))
+    model = build_model(config).to(DEVICE).float()
+    randomize_(model, 5)
+    return model
+
+
+def servers(family: str, mode: str, chunk: int, model=None):
+    model = model or tiny(family)
     kw = dict(SETTINGS[family], max_context=MAX_CONTEXT, lanes=2, prefill_chunk=chunk, keep_logits=True, **QUICK)
     if mode == "resident":
         kw.pop("cache_slots")
-    return Server(model, mode, **kw), GenericServer(model, mode, **kw)
+    pair = Server(model, mode, **kw), GenericServer(model, mode, **kw)
+    for server in pair:     # no warm-up: its decode steps (compiles, a graph capture) prepare nothing in the
+        server._warmed = True          # interpreter, and NSA's cost seconds each here
+    return pair
 
 
 def two_requests(family: str) -> list[Request]:
@@ -128,6 +145,29 @@ def test_lane_prefill_joins_bitwise_as_the_generic_path(family, mode):
         assert_same(joined[name], expected[name], name)
     for a, b in zip(reqs, again):
         assert a.tokens == b.tokens and len(a.tokens) == a.max_new_tokens
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}: logits differ"
+
+
+def test_shared_quest_layers_join_in_lockstep():
+    """(a) with a Quest layer sharing its anchor's selection (hisparse): the same lanes, streams and
+    host rows as the generic path, the shared layer's anchor streams still the anchor's tensor, which
+    holds the request's streams."""
+    _, chunk = CASES["llama"]
+    staged, generic = servers("llama", "hisparse", chunk, tiny_shared_quest())
+    anchor, shared = staged.layers[2], staged.layers[3]
+    assert shared.anchor_layer == 2 and shared.anchor_streams is anchor.streams
+    reqs, again = two_requests("llama"), two_requests("llama")
+    joined = serve_with_snapshot_at_join(staged, reqs)
+    expected = serve_with_snapshot_at_join(generic, again)
+    assert joined.keys() == expected.keys()
+    for name in joined:
+        assert_same(joined[name], expected[name], name)
+    streams = joined["layer 2: host_streams"][1]          # the long request's lane (the short one took 0)
+    assert len(streams) == 2 and joined["layer 2: streams"][1].tolist() == streams
+    assert joined["layer 3: streams"][1].tolist() == joined["layer 3: host_streams"][1] != streams
+    assert shared.anchor_streams is anchor.streams
+    for a, b in zip(reqs, again):
+        assert a.tokens == b.tokens
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}: logits differ"
 
 
