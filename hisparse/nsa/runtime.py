@@ -21,6 +21,11 @@ token alone, or the whole row, zeros but for the token, when it opens a block). 
 where it completes one), through the layer's `compress_k` / `compress_v`. No host sync, so the step
 can be captured in a CUDA graph. The engine records on the host which streams gain a block
 (`NsaRuntime.advance_streams`).
+
+Serving (`hisparse.serving`) prefills a request into its lane in place (`NsaLanePrefill`, with the
+unit helpers of hisparse/quest/runtime.py): each chunk's blocks, window tokens and compressed
+blocks reach the lane or the host pool as the chunk is done; an empty lane's decode write keeps
+what the lane holds (`NsaBlocksKV.lanes`).
 """
 from __future__ import annotations
 
@@ -330,12 +335,13 @@ class NsaLanePrefill:
             zero_lane([kv.pool, kv.window_keys, kv.window_values, kv.compressed_keys, kv.compressed_values], lane,
                       self.lanes)
         weight = runtime.model.model.embed_tokens.weight
-        views = [layer.self_attn.new_kv(1, prompt, weight.device, weight.dtype) for layer in runtime.model.model.layers]
+        workspace = [layer.self_attn.new_kv(1, prompt, weight.device, weight.dtype)
+                     for layer in runtime.model.model.layers]
         self.streams: dict[int, list[int]] = {}        # layer -> the request's stream per KV head
         if mode != "resident":
             self.streams = open_lane_streams(cache, list(range(len(layers))), self.heads,
                                              int(block_count(host_tokens)))
-        self.state = DecodeState(views, prompt, torch.zeros(1, dtype=torch.int64, device=weight.device))
+        self.state = DecodeState(workspace, prompt, torch.zeros(1, dtype=torch.int64, device=weight.device))
 
     @property
     def workspace_bytes(self) -> int:

@@ -21,6 +21,11 @@ token's key and value at its offset in all three (write-through; `HierarchicalKV
 when the token opens a page (2 * 16 * D elements, 8 KiB at D = 128 in bf16). No host sync, so the
 step can be captured in a CUDA graph. The engine records on the host which streams gain a page
 (`QuestRuntime.advance_streams`, before the step that opens it).
+
+Serving (`hisparse.serving`) prefills a request into its lane in place (`QuestLanePrefill`): each
+chunk's pages reach the lane or the host pool as the chunk is done, and the lane ends bitwise as a
+gathered one. Its decode steps write every lane, so an empty lane's write keeps what the lane
+holds (`lanes` on every layer state): the one being prefilled into must keep its tokens.
 """
 from __future__ import annotations
 
@@ -444,14 +449,14 @@ class QuestLanePrefill:
         for kv in layers:
             zero_lane(self._lane_parts(kv), lane, self.lanes)
         device = runtime.model.model.embed_tokens.weight.device
-        views = [quest_workspace(runtime.model, i, prompt, device) if i in self.quest
-                 else PagedKV(*(t[lane:lane + 1] for t in paged_tensors(kv)))
-                 for i, kv in enumerate(layers)]
+        prefilled = [quest_workspace(runtime.model, i, prompt, device) if i in self.quest   # Quest: workspace
+                     else PagedKV(*(t[lane:lane + 1] for t in paged_tensors(kv)))         # dense: the lane
+                     for i, kv in enumerate(layers)]
         self.streams: dict[int, list[int]] = {}        # Quest layer -> the request's stream per KV head
         if mode != "resident":
             self.streams = open_lane_streams(cache, self.quest, self.heads, triton.cdiv(host_tokens, PAGE))
         self.cache = cache
-        self.state = DecodeState(views, prompt, torch.zeros(1, dtype=torch.int64, device=device))
+        self.state = DecodeState(prefilled, prompt, torch.zeros(1, dtype=torch.int64, device=device))
 
     def _lane_count(self, kv) -> int:
         if isinstance(kv, PagedKV):
