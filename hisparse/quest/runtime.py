@@ -25,7 +25,8 @@ step can be captured in a CUDA graph. The engine records on the host which strea
 Serving (`hisparse.serving`) prefills a request into its lane in place (`QuestLanePrefill`): each
 chunk's pages reach the lane or the host pool as the chunk is done, and the lane ends bitwise as a
 gathered one. Its decode steps write every lane, so an empty lane's write keeps what the lane
-holds (`lanes` on every layer state): the one being prefilled into must keep its tokens.
+holds (`QuestKV.lanes`): the one being prefilled into must keep its tokens (dense layers: see
+`DenseLaneView`).
 """
 from __future__ import annotations
 
@@ -81,28 +82,6 @@ def write_resident_unit_kept(pool: torch.Tensor, pos: torch.Tensor, key: torch.T
         key = kept_in_empty_lanes(lanes, key, pool[rows, 0, offset])
         value = kept_in_empty_lanes(lanes, value, pool[rows, 1, offset])
     write_resident_unit(pool, pos, key, value, unit_tokens, units_per_head)
-
-
-@dataclass
-class DensePagedKV(PagedKV):
-    """A dense layer's KV in the decode batch: the model's `PagedKV`, and `lanes [N]` bool (serving:
-    which rows hold a request; None outside serving), so an empty lane's decode write keeps the
-    tokens and page bounds a request prefilling into that lane has there."""
-
-    lanes: torch.Tensor | None = None
-
-    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
-        if self.lanes is None or positions.shape[1] != 1:
-            super().write(positions, keys, values, page_size)
-            return
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        page = positions // page_size                                                   # [N, 1]
-        held_min, held_max = self.page_min[rows, :, page], self.page_max[rows, :, page]  # [N, 1, HKV, D]
-        keys = kept_in_empty_lanes(self.lanes, keys, self.keys[rows, :, positions].transpose(1, 2))
-        values = kept_in_empty_lanes(self.lanes, values, self.values[rows, :, positions].transpose(1, 2))
-        super().write(positions, keys, values, page_size)
-        self.page_min[rows, :, page] = kept_in_empty_lanes(self.lanes, self.page_min[rows, :, page], held_min)
-        self.page_max[rows, :, page] = kept_in_empty_lanes(self.lanes, self.page_max[rows, :, page], held_max)
 
 
 @dataclass
@@ -243,7 +222,7 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
     device = keys0.device
     max_pages = triton.cdiv(capacity, PAGE)
     if not attn.quest:
-        kv = DensePagedKV(**vars(attn.new_kv(batch, capacity, device, keys0.dtype)))
+        kv = attn.new_kv(batch, capacity, device, keys0.dtype)
         for b, (k, v) in enumerate(parts):
             kv.keys[b, :, :k.shape[1]] = k
             kv.values[b, :, :k.shape[1]] = v
@@ -420,6 +399,25 @@ def paged_tensors(kv: PagedKV) -> list[torch.Tensor]:
     return [kv.keys, kv.values, kv.page_min, kv.page_max]
 
 
+@dataclass
+class DenseLaneView(PagedKV):
+    """A dense layer's serving lane as a prefill into it sees it: views of the lane's row of the
+    batch's PagedKV. The other lanes' decode steps between two chunks write this lane too, an empty
+    one to them, at its length 0 (`hisparse.serving` decodes empty lanes at length 0, and the
+    model's PagedKV has no lane mask, unlike QuestKV), so the prefill's first token is kept here and
+    put back before each later chunk writes and reads the lane (its first page's bounds are remade
+    at the join)."""
+
+    first_token: tuple[torch.Tensor, torch.Tensor] | None = None     # key, value [1, HKV, D]
+
+    def write(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> None:
+        if self.first_token is not None:
+            self.keys[:, :, 0], self.values[:, :, 0] = self.first_token
+        super().write(positions, keys, values, page_size)
+        if self.first_token is None:
+            self.first_token = self.keys[:, :, 0].clone(), self.values[:, :, 0].clone()
+
+
 def quest_workspace(model, layer: int, tokens: int, device, dtype=None) -> PagedKV:
     """The model's own PagedKV of one request for a Quest layer, `tokens` long (a lane prefill's workspace)."""
     dtype = dtype or model.model.embed_tokens.weight.dtype
@@ -432,8 +430,8 @@ class QuestLanePrefill:
     `chunk_done(start, end)` after each chunk; `join()` when the prompt is done; `cancel()` if it
     will not join. The lane ends bitwise as `gather_layers` of the prefilled request would make it.
 
-    Dense layers prefill straight into the lane (views of its PagedKV; after each chunk the bounds
-    of the pages it touched are remade from the lane's keys, as `gather_layer` makes them). Quest
+    Dense layers prefill straight into the lane (`DenseLaneView`; after each chunk the bounds of
+    the pages it touched are remade from the lane's keys, as `gather_layer` makes them). Quest
     layers prefill into a workspace of the prompt's length, the model's PagedKV (the prefill's
     attention reads the whole prefix); after each chunk the pages it touched go to the lane
     (resident pool rows) or to the request's streams in the host pool (a page the previous chunk
@@ -450,7 +448,7 @@ class QuestLanePrefill:
             zero_lane(self._lane_parts(kv), lane, self.lanes)
         device = runtime.model.model.embed_tokens.weight.device
         prefilled = [quest_workspace(runtime.model, i, prompt, device) if i in self.quest   # Quest: workspace
-                     else PagedKV(*(t[lane:lane + 1] for t in paged_tensors(kv)))         # dense: the lane
+                     else DenseLaneView(*(t[lane:lane + 1] for t in paged_tensors(kv)))   # dense: the lane
                      for i, kv in enumerate(layers)]
         self.streams: dict[int, list[int]] = {}        # Quest layer -> the request's stream per KV head
         if mode != "resident":
@@ -496,7 +494,14 @@ class QuestLanePrefill:
             store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i))
 
     def join(self) -> None:
-        """The request's streams into its lane (hierarchical modes; the lane holds the rest already)."""
+        """The dense layers' first page bounds remade (see `DenseLaneView`), and the request's streams
+        into its lane (hierarchical modes; the lane holds the rest already)."""
+        first_page = min(PAGE, self.state.capacity)
+        span = torch.tensor([first_page], dtype=torch.int32, device=self.state.lengths.device)
+        for view, kv in zip(self.state.layers, self.layers):
+            if isinstance(view, DenseLaneView):
+                low, high = quest_metadata_from_keys(view.keys[:, :, :first_page], span, 1)
+                kv.page_min[self.lane, :, :1], kv.page_max[self.lane, :, :1] = low[0], high[0]
         for i, ids in self.streams.items():
             kv = self.layers[i]
             kv.streams[self.lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
