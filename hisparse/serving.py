@@ -26,16 +26,21 @@ more than C requests, so the sweep sizes the lanes to min(C, what fits) and pads
 batch fills and drains.
 
 Memory. GPU bytes in use = lanes x lane bytes + the cache's unit -> slot map (4 bytes per host row)
-+ the prefill workspace: one request's KV as the model's prefill makes it (at `max_context`) and,
-while it joins its lane, its decode state beside it. Activations (the prefill's score blocks, the
-MoE) are outside the budget. The host budget sizes the host pool; a request is admitted when a lane
++ the prefill workspace. Every family prefills into the request's lane (its runtime's
+`lane_prefill`): what the lane keeps on the GPU is written there directly, and in hierarchical modes
+each chunk's units reach the host pool as the chunk finishes, so the workspace is only what the
+prefill's own attention needs of the prompt beyond the lane (`lane_workspace_bytes` at
+`max_context`: DSA's latents, Quest's Quest-layer keys and values, NSA's whole state). A runtime
+without `lane_prefill` prefills into the model's own state and joins by a copy (the workspace then
+counts that state and the copy). Activations (the prefill's score blocks, the MoE) are outside the
+budget. The host budget sizes the host pool; a request is admitted when a lane
 is free and its streams' regions fit the pool (first-fit, as it will allocate them). A request that
 could never fit (longer than max_context, more host rows than the pool holds) is refused when it is
 submitted.
 
 Each iteration: admit the head of the queue (first come, first served) when nothing is being
 prefilled; run one chunk of at most `prefill_chunk` prompt tokens of the request being prefilled
-(its KV in the workspace; when the prompt is done, its first token is out and it joins its lane);
+(into its lane and the workspace; when the prompt is done, its first token is out and it decodes);
 then one decode step of every lane, reading each new token on the host (TTFT and TPOT are host times
 after that read); requests that reached their max new tokens leave, their streams and host regions
 freed. So a running request waits at most one prefill chunk between two of its tokens: the chunk
