@@ -158,7 +158,7 @@ class ServingRun:
         """Output tokens/s, TTFT / TPOT / latency / queueing percentiles (ms), running batch mean and max."""
         reqs = self.requests
         out = {"requests": len(reqs), "output_tokens": sum(len(r.tokens) for r in reqs)}
-        span = max(r.token_times[-1] for r in reqs) - min(r.arrival for r in reqs)
+        span = max((r.token_times[-1] for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
         out["tokens_per_s"] = out["output_tokens"] / span if span > 0 else math.nan
         series = {"ttft": [r.ttft for r in reqs], "tpot": [r.tpot for r in reqs if r.tpot is not None],
                   "latency": [r.latency for r in reqs], "queue": [r.queued for r in reqs]}
@@ -174,7 +174,7 @@ class ServingRun:
 class _Prefill:
     request: Request
     state: DecodeState                # what the model's prefill runs on (the workspace)
-    in_place: object | None = None    # the family's prefill into the lane, where it has one (DSA)
+    in_place: object | None = None    # the family's prefill into the lane (its runtime's lane_prefill)
     done: int = 0                     # prompt tokens prefilled
     last_logits: torch.Tensor | None = None
 
@@ -568,7 +568,11 @@ class Server:
             if step is None:
                 raise ValueError("the replayed schedule ended before every request finished")
             if step.admitted >= 0:
-                self._prefilling = self._start_prefill(self.requests[step.admitted], t)
+                request = self.requests[step.admitted]
+                for queue in (self.waiting, self._pending):      # admitted as recorded, wherever it waits
+                    if request in queue:
+                        queue.remove(request)
+                self._prefilling = self._start_prefill(request, t)
         elif self._prefilling is None and self.waiting and self._admissible(self.waiting[0]):
             request = self.waiting.pop(0)
             self._prefilling = self._start_prefill(request, t)
@@ -676,11 +680,15 @@ class Server:
         request.lane = self._reserved = self._free_lane()   # reserved while it prefills (still masked)
         if request.lane is None:
             raise ValueError(f"the replayed schedule admits request {request.rid} with every lane taken")
-        if self.in_place:
-            job = self.runtime.lane_prefill(self.mode, self.cache, self.layers, request.lane, len(request.prompt),
-                                            len(request.prompt) + request.max_new_tokens)
-            return _Prefill(request, job.state, job)
-        return _Prefill(request, self.model.new_state(1, len(request.prompt)))
+        try:
+            if self.in_place:
+                job = self.runtime.lane_prefill(self.mode, self.cache, self.layers, request.lane,
+                                                len(request.prompt), len(request.prompt) + request.max_new_tokens)
+                return _Prefill(request, job.state, job)
+            return _Prefill(request, self.model.new_state(1, len(request.prompt)))
+        except BaseException:             # (out of memory, say) the lane goes back
+            self._reserved = request.lane = None
+            raise
 
     def _prefill_chunk(self, job: _Prefill, budget: int) -> tuple[int, int]:
         """Run up to `budget` more prompt tokens: (tokens run, workspace bytes held)."""
@@ -727,7 +735,7 @@ def _lane_tensors(kv, lanes: int) -> list[torch.Tensor]:
     for f in dataclasses.fields(kv):
         value = getattr(kv, f.name)
         if f.name not in _NOT_LANE_FIELDS and isinstance(value, torch.Tensor) and value.dim() > 0 \
-                and value.shape[0] % lanes == 0 and f.name not in ("weight_k", "weight_v"):
+                and value.shape[0] % lanes == 0:
             out.append(value)
     return out
 
@@ -735,7 +743,7 @@ def _lane_tensors(kv, lanes: int) -> list[torch.Tensor]:
 def _copy_lane(kv, one, lane: int, lanes: int) -> None:
     """Copy a one-request layer state `one` into lane `lane` of the batch state `kv`."""
     for f in dataclasses.fields(kv):
-        if f.name in _NOT_LANE_FIELDS or f.name in ("weight_k", "weight_v"):
+        if f.name in _NOT_LANE_FIELDS:
             continue
         mine, theirs = getattr(kv, f.name), getattr(one, f.name)
         if not isinstance(mine, torch.Tensor):

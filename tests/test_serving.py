@@ -245,3 +245,21 @@ def test_requests_replay_their_own_selections():
     with pytest.raises(ValueError, match="build the server with selections="):
         Server(model, "resident", max_context=MAX_CONTEXT, kv_budget_gib=0.05, **kw).serve(
             [Request(reqs[0].prompt, 2, selections=draws[:, :, 0])])
+
+
+def test_a_schedule_replays_step_by_step_and_an_empty_run_summarises():
+    """open(replay) / submit / step until not busy: the replayed run ends (its admitted requests leave
+    the queue) with the recorded run's tokens; a run of no requests gives a summary of zeros and nans."""
+    model, kw = tiny("deepseek_v32"), dict(SETTINGS["deepseek_v32"], **QUICK, max_context=MAX_CONTEXT)
+    reqs = requests(seed=6, n=3)
+    run = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, **kw).serve(reqs)
+    again = Server(model, "resident", lanes=run.schedule.lanes, **kw)
+    again.open(replay=run.schedule)
+    for r in run.requests:
+        again.submit(Request(r.prompt, r.max_new_tokens))
+    while again.busy:
+        again.step()
+    replayed = again.close()
+    assert [r.tokens for r in replayed.requests] == [r.tokens for r in run.requests]
+    empty = Server(model, "resident", lanes=1, **kw).serve([]).summary()
+    assert empty["requests"] == 0 and empty["output_tokens"] == 0

@@ -141,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         server, name = build_server(ap, args)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
+    info = describe(server, name, args.kv_budget_gib, args.host_budget_gib)   # before its thread owns it
     scheduler = SchedulerThread(server)
     log(f"hisparse.serve: warming up on {server.device} ...")
     scheduler.start()
-    service = Service(scheduler, describe(server, name, args.kv_budget_gib, args.host_budget_gib))
+    service = Service(scheduler, info)
     try:
         final = asyncio.run(_serve_until_signalled(service, args))
     except OSError as exc:                       # the port is taken, the address not ours

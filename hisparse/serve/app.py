@@ -230,7 +230,8 @@ async def _collect(service: Service, completion, sink: _Sink, progress: _Progres
 async def _stream(request: web.Request, service: Service, completion, sink: _Sink,
                   progress: _Progress) -> web.StreamResponse:
     """Server-sent events: one chunk per token (the last of a prompt says finish_reason "length"),
-    an error chunk if the server stopped it, then [DONE]. A client gone away ends it quietly."""
+    then [DONE]; if the server stopped it, an error chunk and no [DONE]. A client gone away ends it
+    quietly."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     cid, counts = completion_id(), [0] * len(completion.prompts)

@@ -138,6 +138,9 @@ class SchedulerThread:
             except queue.Empty:
                 return
             block = False
+            if self._done:                    # stopped: what is left is refused (_refuse_late_commands)
+                self._commands.put((future, fn, args))
+                return
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -177,6 +180,10 @@ class SchedulerThread:
             job = self._jobs.pop(id(request), None)
             if job is None:
                 continue                      # finished already
+            if request.done:                  # it finished in a step that then failed: served
+                self._count(request, "served")
+                job.sink.end(job.index, None)
+                continue
             self.server.cancel(request)
             self._count(request, "cancelled" if why == "cancelled" else "failed")
             job.sink.end(job.index, why)
