@@ -48,6 +48,7 @@ from hisparse.nsa.ops import (
 from hisparse.nsa.reference import NsaKV, compressed_blocks
 from hisparse.quest.runtime import (
     close_lane_streams,
+    join_lane_streams,
     kept_in_empty_lanes,
     open_lane_streams,
     store_lane_units,
@@ -372,10 +373,7 @@ class NsaLanePrefill:
 
     def join(self) -> None:
         """The request's streams into its lane (hierarchical modes; the lane holds the rest already)."""
-        for layer, ids in self.streams.items():
-            kv = self.layers[layer]
-            kv.streams[self.lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
-            kv.host_streams[self.lane] = list(ids)
+        join_lane_streams(self.layers, self.lane, self.streams)
         self.state = None
 
     def cancel(self) -> None:

@@ -361,6 +361,16 @@ def close_lane_streams(cache: HierarchicalKVCache, streams: dict[int, list[int]]
             cache.close_stream(stream)
 
 
+def join_lane_streams(layers: list, lane: int, streams: dict[int, list[int]]) -> None:
+    """A request's streams (layer -> its stream per KV head) into serving lane `lane` of each layer's
+    state: `streams [lanes, HKV]` and `host_streams[lane]` (a shared layer's `anchor_streams` is its
+    anchor's `streams` tensor, so it follows)."""
+    for layer, ids in streams.items():
+        kv = layers[layer]
+        kv.streams[lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
+        kv.host_streams[lane] = list(ids)
+
+
 def write_stream_units(cache: HierarchicalKVCache, stream: int, first: int, rows: torch.Tensor) -> None:
     """rows [n, E] become units first .. first + n - 1 of `stream`: a unit the stream already holds
     (the last one, left partial by the previous chunk) rewritten whole, the others appended."""
@@ -502,10 +512,7 @@ class QuestLanePrefill:
             if isinstance(view, DenseLaneView):
                 low, high = quest_metadata_from_keys(view.keys[:, :, :first_page], span, 1)
                 kv.page_min[self.lane, :, :1], kv.page_max[self.lane, :, :1] = low[0], high[0]
-        for i, ids in self.streams.items():
-            kv = self.layers[i]
-            kv.streams[self.lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
-            kv.host_streams[self.lane] = list(ids)
+        join_lane_streams(self.layers, self.lane, self.streams)
         self.state = None
 
     def cancel(self) -> None:
