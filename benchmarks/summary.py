@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchmarks.bench_prefill import TARGETS
+from experiments.figures import serving_study
 
 
 def latest(frame: pd.DataFrame) -> pd.DataFrame:
@@ -147,7 +148,8 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
     if "transport" in f:
         f = f[f.transport.isna() | (f.transport == "process")]
     f = f[f.commit == f.commit.iloc[-1]] if len(f) else f
-    f = f[f.concurrency.notna()]
+    closed = f[f.concurrency.notna()]
+    f = serving_study(closed)
     wide = f.pivot_table(index=["concurrency", "mode"], columns="metric", values="value")
     levels = sorted({c for c, _ in wide.index})
     lines = []
@@ -168,6 +170,24 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         low = levels[0]
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
                      f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
+    return lines + chunk_lines(closed)
+
+
+def chunk_lines(closed: pd.DataFrame) -> list[str]:
+    """Per (clients, mode, lengths) run at more than one prefill chunk: p50 TTFT and TPOT per chunk,
+    the interleaving's trade-off (small chunks: decode steps wait less; large: a prompt prefills sooner)."""
+    if "prefill_chunk" not in closed:
+        return []
+    lines = []
+    wide = closed.pivot_table(index=["concurrency", "mode", "input_len", "output_len", "prefill_chunk"],
+                              columns="metric", values="value")
+    for (level, mode, n_in, n_out), rows in wide.groupby(level=[0, 1, 2, 3]):
+        if len(rows) < 2:
+            continue
+        cells = [f"{chunk:.0f}: TTFT {r.ttft_ms_p50:.0f} / TPOT {r.tpot_ms_p50:.1f} ms" for (*_, chunk), r in
+                 rows.iterrows()]
+        lines.append(f"serving {level:.0f} clients, {mode}, {n_in:.0f} in / {n_out:.0f} out, p50 per prefill chunk: "
+                     + "; ".join(cells))
     return lines
 
 

@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import hashlib
 import itertools
+import json
 import math
 import os
 import statistics
@@ -51,6 +54,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from hisparse import synthetic as synthetic_module
 from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsupported
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
@@ -64,11 +68,13 @@ from hisparse.runtime import nbytes
 from hisparse.synthetic import (
     PRESETS,
     batch_workload,
+    draw_requests,
     per_kv_head_config,
     per_kv_head_workload,
     preset,
+    request_seed,
 )
-from hisparse.traces import with_anchors
+from hisparse.traces import Trace, with_anchors
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
@@ -114,7 +120,8 @@ KEY_HELP = {
     "rates": "serving: open-loop Poisson arrival rates, requests/s, one or a list (or concurrency)",
     "requests_per_client": f"serving, closed loop: requests each client sends ({DEFAULTS['requests_per_client']})",
     "requests": f"serving, open loop: requests per rate ({DEFAULTS['requests']})",
-    "prefill_chunk": f"serving: prompt tokens prefilled per iteration, between decode steps ({DEFAULTS['prefill_chunk']})",
+    "prefill_chunk": f"serving: prompt tokens prefilled per iteration, between decode steps, one or a list "
+                     f"({DEFAULTS['prefill_chunk']})",
 }
 
 
@@ -178,7 +185,6 @@ def model_config(study: dict) -> dict:
         layers, hidden = study.get("layers", 32), study.get("hidden", 1024)
         raw = dict(QUEST_GEOMETRY, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden)
     elif (Path(spec) / "config.json").exists():
-        import json
         try:
             raw = json.loads((Path(spec) / "config.json").read_text())
         except json.JSONDecodeError as exc:
@@ -434,7 +440,7 @@ def run_settings(study: dict, point: dict, on_gpu: bool) -> dict:
     if point["bench"] == "policies":
         return {}
     if point["bench"] == "serving":
-        settings = dict(graph=study.get("graph", False) and on_gpu, prefill_chunk=study["prefill_chunk"])
+        settings = dict(graph=study.get("graph", False) and on_gpu)
         if point["family"] == "dsa":
             settings["decode_backend"] = study.get("decode_backend", "auto")
         return settings
@@ -478,6 +484,7 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 # process, the graphs it captured replay slower (results/notes/graphs.md), and each graphed run captures
 # one. So rows record it.
 decode_runs = 0
+draw_cache: Path | None = None       # --draw-cache: where serving requests' draws are kept
 
 
 def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
@@ -625,23 +632,26 @@ def validate_serving(study: dict, where: str) -> None:
         study["rates"] = rates
         study.setdefault("requests", DEFAULTS["requests"])
         _positive_int(study, "requests", where)
-    for key in ("max_batch", "prefill_chunk"):
-        study.setdefault(key, DEFAULTS[key])
-        _positive_int(study, key, where)
+    study.setdefault("max_batch", DEFAULTS["max_batch"])
+    _positive_int(study, "max_batch", where)
+    study.setdefault("prefill_chunk", DEFAULTS["prefill_chunk"])
+    study["prefill_chunk"] = _positive_ints(study, "prefill_chunk", where)
     slots = study.get("cache_slots")
     if isinstance(slots, list) and len(slots) != 1:
         raise ConfigError(f"{where}: cache_slots = {slots!r}: a serving study takes one B")
 
 
 def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
-    """One point per load level (concurrency or rate) and mode, the modes of a level back to back."""
+    """One point per load level (concurrency or rate), prefill chunk and mode, the modes of a level and
+    chunk back to back."""
     loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
     out = []
-    for (key, level), mode in itertools.product(loads, study["modes"]):
+    for (key, level), chunk, mode in itertools.product(loads, study["prefill_chunk"], study["modes"]):
         out.append(dict(base, bench="serving", mode=mode, context=study["input_len"], input_len=study["input_len"],
                         output_len=study["output_len"], concurrency=level if key == "concurrency" else None,
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
-                        kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib")))
+                        kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
+                        prefill_chunk=chunk))
     return out
 
 
@@ -660,20 +670,49 @@ def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | 
     return reqs, point["concurrency"]
 
 
-def serving_selections(workload: str, input_len: int, output_len: int, count: int, cfg) -> torch.Tensor:
+def serving_selections(workload: str, input_len: int, output_len: int, count: int, cfg,
+                       cache: Path | None = None) -> torch.Tensor:
     """int32 [output_len - 1, layers, count, k]: `count` requests' own draws of the preset (request i:
     seed request_seed(0, i), as `batch_workload`) after a prompt of input_len tokens. A "shared" layer
     gets its anchor's (the last "full" one before it). At DSA's 61 layers and k = 2048 the draws take
-    tens of seconds each, on the host's cores side by side."""
+    tens of seconds each, on the host's cores side by side; with `cache` (a folder) each request's draw
+    is kept there as a .npy file named by its seed and a hash of its config and of hisparse/synthetic.py,
+    so later points and processes read it instead of drawing it again."""
     over = dict(k=cfg.index_topk, layers=cfg.num_hidden_layers, context=input_len, steps=max(1, output_len - 1))
     if workload == "tiny":
         over.update(sinks=1, window=2)
-    trace = batch_workload(preset(workload, **over), count, seed=0)
+    synthetic = preset(workload, **over)
+    seeds = [request_seed(0, i) for i in range(count)]
+    if cache is None:
+        selections = draw_requests(synthetic, seeds).selections
+    else:
+        selections = np.stack([draw for draw in cached_draws(synthetic, seeds, Path(cache))], axis=2)
     anchors, last_full = [], 0
     for i, kind in enumerate(cfg.indexer_types):
         last_full = i if kind == "full" else last_full
         anchors.append(last_full)
+    trace = Trace(selections, "synthetic", synthetic.unit_size, np.full(count, input_len, dtype=np.int64),
+                  np.arange(synthetic.layers))
     return torch.from_numpy(np.ascontiguousarray(with_anchors(trace, anchors).selections))
+
+
+def cached_draws(synthetic, seeds: list[int], cache: Path) -> list[np.ndarray]:
+    """Each seed's draw [steps, layers, k] of `synthetic` from `cache`, the missing ones drawn together
+    and written first (to a temporary name, then renamed: an interrupted write leaves no half file)."""
+    fields = json.dumps(dataclasses.asdict(dataclasses.replace(synthetic, batch=1, seed=0)), sort_keys=True)
+    code = Path(synthetic_module.__file__).read_bytes()
+    tag = hashlib.sha1(fields.encode() + code).hexdigest()[:12]
+    cache.mkdir(parents=True, exist_ok=True)
+    files = [cache / f"draw_{tag}_{seed}.npy" for seed in seeds]
+    missing = [(seed, f) for seed, f in zip(seeds, files) if not f.exists()]
+    if missing:
+        print(f"  drawing {len(missing)} of {len(seeds)} requests' selections into {cache}/", flush=True)
+        drawn = draw_requests(synthetic, [seed for seed, _ in missing]).selections
+        for j, (_, f) in enumerate(missing):
+            part = f.with_suffix(".part.npy")
+            np.save(part, np.ascontiguousarray(drawn[:, :, j]))
+            part.rename(f)
+    return [np.load(f, mmap_mode="r") for f in files]
 
 
 def run_serving(model, study: dict, point: dict) -> list[dict]:
@@ -685,7 +724,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
     selections = None
     if point["workload"] != "model":             # every request replays its own draw
-        draws = serving_selections(point["workload"], point["input_len"], point["output_len"], len(reqs), model.config)
+        draws = serving_selections(point["workload"], point["input_len"], point["output_len"], len(reqs), model.config,
+                                   cache=draw_cache)
         for i, r in enumerate(reqs):
             r.selections = draws[:, :, i]
         selections = draws[:, :, 0]              # sizes the server's replay buffer
@@ -694,7 +734,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     server = Server(model, point["mode"], cache_slots=point["cache_slots"],
                     max_context=point["input_len"] + point["output_len"], kv_budget_gib=point["kv_budget_gib"],
                     host_budget_gib=point["host_budget_gib"], max_batch=max_batch,
-                    prefill_chunk=study["prefill_chunk"], graph=point["graph"],
+                    prefill_chunk=point["prefill_chunk"], graph=point["graph"],
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest)
     run = server.serve(reqs, clients=clients, progress=True)
     summary = run.summary()
@@ -727,7 +767,13 @@ def main(argv=None) -> int:
                          "slower, so the 4th decode run and every later one take about 11%% longer per step "
                          "(results/notes/graphs.md), so N <= 3 keeps every run on the fast side; command "
                          "line only, not with --force")
+    ap.add_argument("--draw-cache", type=Path, default=None, metavar="DIR",
+                    help="keep each serving request's synthetic selections in DIR (one .npy file per request: "
+                         "output_len x layers x k int32, 0.5 GB at DSA's 61 layers and 1K tokens out) and reuse "
+                         "them in later points and processes instead of drawing them again (tens of seconds each)")
     args = ap.parse_args(argv)
+    global draw_cache
+    draw_cache = args.draw_cache
     if args.runs_per_process is not None:
         if args.runs_per_process < 1:
             ap.error(f"--runs-per-process {args.runs_per_process}: expected a positive integer")

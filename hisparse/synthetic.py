@@ -139,6 +139,14 @@ def generate(cfg: SyntheticConfig) -> Trace:
     return _trace(cfg, [request_seed(cfg.seed, r) for r in range(cfg.batch)])
 
 
+def draw_requests(cfg: SyntheticConfig, seeds: list[int]) -> Trace:
+    """A trace [steps, layers, len(seeds), k]: request j is request_trace(cfg, cfg.context, cfg.steps,
+    seeds[j]), the requests drawn side by side on the host's cores."""
+    if not seeds:
+        raise ValueError("seeds must name at least one request")
+    return _trace(replace(cfg, batch=len(seeds)), [int(s) for s in seeds])
+
+
 def batch_workload(cfg: SyntheticConfig, batch: int, seed: int | None = None) -> Trace:
     """A replay trace of `batch` requests [steps, layers, batch, k], each its own draw of `cfg`'s
     workload: request b is request_trace(cfg, cfg.context, cfg.steps, request_seed(seed, b)), with

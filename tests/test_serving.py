@@ -178,7 +178,7 @@ def test_summary_metrics():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "llama"])
+@pytest.mark.parametrize("family", list(SETTINGS))
 def test_graphed_serving_replay_is_bitwise(family):
     """On a GPU with every decode step a replay of one captured graph: the lanes' buffers rewritten
     between replays as requests join and leave, resident replaying hisparse's schedule bitwise."""

@@ -557,6 +557,21 @@ def test_a_serving_study_admits_by_memory_and_writes_its_rows(tmp_path, capsys):
     assert (wide["peak_gpu_gib"] * 2**30 <= 0.000066 * 2**30).all()
 
 
+def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
+    """--draw-cache: the selections read back equal the ones drawn without it; a later call with more
+    requests draws only the new ones; a changed preset field draws afresh under another name."""
+    config = sweep.build(dict(kind="serving", model="tiny:deepseek_v32", layers=2), torch.device("meta")).config
+    plain = sweep.serving_selections("tiny", 40, 4, 3, config)
+    cached = sweep.serving_selections("tiny", 40, 4, 2, config, cache=tmp_path)
+    assert torch.equal(cached, plain[:, :, :2]) and len(list(tmp_path.glob("*.npy"))) == 2
+    assert "drawing 2 of 2" in capsys.readouterr().out
+    again = sweep.serving_selections("tiny", 40, 4, 3, config, cache=tmp_path)
+    assert torch.equal(again, plain) and "drawing 1 of 3" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.part.npy"))
+    longer = sweep.serving_selections("tiny", 41, 4, 1, config, cache=tmp_path)
+    assert len(list(tmp_path.glob("*.npy"))) == 4 and longer.shape == plain[:, :, :1].shape
+
+
 @pytest.mark.parametrize("edit,message", [
     (("concurrency = [2]", "concurrency = [2]\nrates = [1.0]"), "give concurrency .* or rates .*, one of them"),
     (("concurrency = [2]", "rates = [0.0]"), r"rates = \[0.0\]: expected a positive number"),
