@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import hashlib
 import itertools
 import json
 import math
@@ -50,11 +48,9 @@ import time
 import tomllib
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
-from hisparse import synthetic as synthetic_module
 from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsupported
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
@@ -68,13 +64,12 @@ from hisparse.runtime import nbytes
 from hisparse.synthetic import (
     PRESETS,
     batch_workload,
-    draw_requests,
     per_kv_head_config,
     per_kv_head_workload,
     preset,
-    request_seed,
+    request_draws,
 )
-from hisparse.traces import Trace, with_anchors
+from hisparse.traces import with_anchors
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
@@ -670,51 +665,6 @@ def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | 
     return reqs, point["concurrency"]
 
 
-def serving_selections(workload: str, input_len: int, output_len: int, count: int, cfg,
-                       cache: Path | None = None) -> torch.Tensor:
-    """int32 [output_len - 1, layers, count, k]: `count` requests' own draws of the preset (request i:
-    seed request_seed(0, i), as `batch_workload`) after a prompt of input_len tokens. A "shared" layer
-    gets its anchor's (the last "full" one before it). At DSA's 61 layers and k = 2048 the draws take
-    tens of seconds each, on the host's cores side by side; with `cache` (a folder) each request's draw
-    is kept there as a .npy file named by its seed and a hash of its config and of hisparse/synthetic.py,
-    so later points and processes read it instead of drawing it again."""
-    over = dict(k=cfg.index_topk, layers=cfg.num_hidden_layers, context=input_len, steps=max(1, output_len - 1))
-    if workload == "tiny":
-        over.update(sinks=1, window=2)
-    synthetic = preset(workload, **over)
-    seeds = [request_seed(0, i) for i in range(count)]
-    if cache is None:
-        selections = draw_requests(synthetic, seeds).selections
-    else:
-        selections = np.stack([draw for draw in cached_draws(synthetic, seeds, Path(cache))], axis=2)
-    anchors, last_full = [], 0
-    for i, kind in enumerate(cfg.indexer_types):
-        last_full = i if kind == "full" else last_full
-        anchors.append(last_full)
-    trace = Trace(selections, "synthetic", synthetic.unit_size, np.full(count, input_len, dtype=np.int64),
-                  np.arange(synthetic.layers))
-    return torch.from_numpy(np.ascontiguousarray(with_anchors(trace, anchors).selections))
-
-
-def cached_draws(synthetic, seeds: list[int], cache: Path) -> list[np.ndarray]:
-    """Each seed's draw [steps, layers, k] of `synthetic` from `cache`, the missing ones drawn together
-    and written first (to a temporary name, then renamed: an interrupted write leaves no half file)."""
-    fields = json.dumps(dataclasses.asdict(dataclasses.replace(synthetic, batch=1, seed=0)), sort_keys=True)
-    code = Path(synthetic_module.__file__).read_bytes()
-    tag = hashlib.sha1(fields.encode() + code).hexdigest()[:12]
-    cache.mkdir(parents=True, exist_ok=True)
-    files = [cache / f"draw_{tag}_{seed}.npy" for seed in seeds]
-    missing = [(seed, f) for seed, f in zip(seeds, files) if not f.exists()]
-    if missing:
-        print(f"  drawing {len(missing)} of {len(seeds)} requests' selections into {cache}/", flush=True)
-        drawn = draw_requests(synthetic, [seed for seed, _ in missing]).selections
-        for j, (_, f) in enumerate(missing):
-            part = f.with_suffix(".part.npy")
-            np.save(part, np.ascontiguousarray(drawn[:, :, j]))
-            part.rename(f)
-    return [np.load(f, mmap_mode="r") for f in files]
-
-
 def run_serving(model, study: dict, point: dict) -> list[dict]:
     """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
     clients never have more requests out), its summary and sizes as rows."""
@@ -724,8 +674,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
     selections = None
     if point["workload"] != "model":             # every request replays its own draw
-        draws = serving_selections(point["workload"], point["input_len"], point["output_len"], len(reqs), model.config,
-                                   cache=draw_cache)
+        draws = request_draws(point["workload"], model.config, point["input_len"], point["output_len"], len(reqs),
+                              cache=draw_cache)
         for i, r in enumerate(reqs):
             r.selections = draws[:, :, i]
         selections = draws[:, :, 0]              # sizes the server's replay buffer

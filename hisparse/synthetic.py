@@ -24,16 +24,18 @@ of a 100K context on one core. The requests of a batch are drawn side by side, o
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from hisparse.traces import Trace
+from hisparse.traces import Trace, with_anchors
 
 
 @dataclass(slots=True)
@@ -152,6 +154,52 @@ def batch_workload(cfg: SyntheticConfig, batch: int, seed: int | None = None) ->
     workload: request b is request_trace(cfg, cfg.context, cfg.steps, request_seed(seed, b)), with
     `seed` defaulting to cfg.seed. (`generate` of cfg with that batch and seed.)"""
     return generate(replace(cfg, batch=batch, seed=cfg.seed if seed is None else seed))
+
+
+def request_draws(workload: str, model_config, input_len: int, output_len: int, count: int,
+                  cache: str | Path | None = None) -> torch.Tensor:
+    """int32 [output_len - 1, layers, count, k]: `count` requests' own draws of preset `workload` for a
+    DSA model (its layer count and k = index_topk) after prompts of input_len tokens, request i the
+    draw of seed request_seed(0, i), as `batch_workload`. A "shared" layer gets its anchor's (the last
+    "full" one before it). At 61 layers and k = 2048 a draw takes tens of seconds, drawn on the host's
+    cores side by side. With `cache` (a folder) each request's draw is kept there as a .npy file
+    named by its seed and a hash of its config and of this file, so later calls (other points,
+    processes, a server) read it instead of drawing it again."""
+    over = dict(k=model_config.index_topk, layers=model_config.num_hidden_layers, context=input_len,
+                steps=max(1, output_len - 1))
+    if workload == "tiny":
+        over.update(sinks=1, window=2)
+    cfg = preset(workload, **over)
+    seeds = [request_seed(0, i) for i in range(count)]
+    if cache is None:
+        selections = draw_requests(cfg, seeds).selections
+    else:
+        selections = np.stack(_cached_draws(cfg, seeds, Path(cache)), axis=2)
+    anchors, last_full = [], 0
+    for i, kind in enumerate(model_config.indexer_types):
+        last_full = i if kind == "full" else last_full
+        anchors.append(last_full)
+    trace = Trace(selections, "synthetic", cfg.unit_size, np.full(count, input_len, dtype=np.int64),
+                  np.arange(cfg.layers))
+    return torch.from_numpy(np.ascontiguousarray(with_anchors(trace, anchors).selections))
+
+
+def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[np.ndarray]:
+    """Each seed's draw [steps, layers, k] of `cfg` from `cache`, the missing ones drawn together and
+    written first (to a temporary name, then renamed: an interrupted write leaves no half file)."""
+    fields = json.dumps(asdict(replace(cfg, batch=1, seed=0)), sort_keys=True)
+    tag = hashlib.sha1(fields.encode() + Path(__file__).read_bytes()).hexdigest()[:12]
+    cache.mkdir(parents=True, exist_ok=True)
+    files = [cache / f"draw_{tag}_{seed}.npy" for seed in seeds]
+    missing = [(seed, f) for seed, f in zip(seeds, files) if not f.exists()]
+    if missing:
+        print(f"  drawing {len(missing)} of {len(seeds)} requests' selections into {cache}/", flush=True)
+        drawn = draw_requests(cfg, [seed for seed, _ in missing]).selections
+        for j, (_, f) in enumerate(missing):
+            part = f.with_suffix(".part.npy")
+            np.save(part, np.ascontiguousarray(drawn[:, :, j]))
+            part.rename(f)
+    return [np.load(f, mmap_mode="r") for f in files]
 
 
 def request_trace(cfg: SyntheticConfig, context: int, steps: int, seed: int) -> Trace:

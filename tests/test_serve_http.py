@@ -16,6 +16,7 @@ import urllib.request
 import aiohttp
 import pandas as pd
 import pytest
+import torch
 from test_serving import SETTINGS, tiny
 
 from hisparse.engine import Engine
@@ -23,8 +24,9 @@ from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.serve import bench, scheduler
 from hisparse.serve.__main__ import main as serve_main
 from hisparse.serve.app import Service, describe, parse_metrics, serve
-from hisparse.serve.scheduler import SchedulerThread
-from hisparse.serving import GIB, Server
+from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
+from hisparse.serving import GIB, Request, Server
+from hisparse.synthetic import request_draws
 
 FAMILY = "deepseek_v32"          # 2 layers (tiny()), k = 8 tokens, 97 ids
 VOCAB = 97
@@ -39,11 +41,12 @@ class Running:
     """A Service served on 127.0.0.1 (a free port) by an event loop in a thread of its own, as the
     command serves it."""
 
-    def __init__(self, server: Server, shutdown_timeout: float = 5.0):
+    def __init__(self, server: Server, shutdown_timeout: float = 5.0, workload: ReplayWorkload | None = None):
         self.server = server
-        self.scheduler = SchedulerThread(server)
+        self.scheduler = SchedulerThread(server, workload)
         self.scheduler.start()
-        self.service = Service(self.scheduler, describe(server, "tiny", 0.05, None))
+        self.service = Service(self.scheduler, describe(server, "tiny", 0.05, None,
+                                                        "model" if workload is None else workload.name))
         self.final = None
         ready = threading.Event()
 
@@ -319,6 +322,48 @@ def test_load_client_writes_http_rows(resident, tmp_path):
     assert rows.concurrency.unique().tolist() == [2] and rows.input_len.unique().tolist() == [12]
     for column in ("family", "k", "unit_bytes", "layers", "hidden", "kv_budget_gib", "prefill_chunk", "gpu", "commit"):
         assert column in rows and rows[column].notna().all(), column
+
+
+def test_a_replayed_workload_gives_each_request_its_draw_and_refuses_other_shapes():
+    """--workload: the n-th request replays draw n (its tokens are an in-process run's with that draw);
+    a prompt of another length, or more tokens than the draws cover, gets a 400 naming the field."""
+    model = tiny(FAMILY)
+    draws = request_draws("tiny", model.config, 40, 4, 2)             # [3 steps, layers, 2 draws, k]
+    workload = ReplayWorkload("tiny", 40, 4, draws)
+
+    def server() -> Server:
+        return Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=3, prefill_chunk=CHUNK,
+                      prefill="reference", selections=draws[:, :, 0], **SETTINGS[FAMILY])
+    prompts = [list(range(1, 41)), list(range(50, 90))]
+    in_process = server().serve([Request(torch.tensor(p), 4, selections=draws[:, :, i]) for i, p in enumerate(prompts)])
+    mixed = server().serve([Request(torch.tensor(prompts[0]), 4, selections=draws[:, :, 1])])
+    assert mixed.requests[0].tokens != in_process.requests[0].tokens, "the draws do not matter here: no check"
+    running = Running(server(), workload=workload)
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as session:
+                got = [await post(session, running.url, {"prompt": p, "max_tokens": 4}) for p in prompts]
+                short = await post(session, running.url, {"prompt": prompts[0][:-1], "max_tokens": 4})
+                long = await post(session, running.url, {"prompt": prompts[0], "max_tokens": 5})
+                return got, short, long
+        got, short, long = run(go())
+        assert [g[1]["choices"][0]["token_ids"] for g in got] == [r.tokens for r in in_process.requests]
+        assert short[0] == 400 and short[1]["error"]["param"] == "prompt" and "exactly 40 tokens" in short[1]["error"]["message"]
+        assert long[0] == 400 and long[1]["error"]["param"] == "max_tokens"
+        assert running.service.info["hisparse"]["workload"] == "tiny"
+    finally:
+        running.shut_down()
+
+
+def test_the_command_checks_its_workload_options(tmp_path, capsys):
+    checkpoint = str(tmp_path / "unused")
+    for argv, message in ((["--workload-input-len", "8"], "--workload-input-len: only with --workload"),
+                          (["--workload", "nope"], "unknown preset 'nope'"),
+                          (["--workload", "tiny", "--workload-input-len", "8"], "needs --workload-input-len and"),
+                          (["--workload", "tiny", "--workload-input-len", "4000", "--workload-output-len", "200"],
+                           "exceed --max-context 4096")):
+        assert serve_main(["--model", checkpoint, *argv]) == 2
+        assert message in capsys.readouterr().err, argv
 
 
 def test_the_command_serves_and_exits_cleanly_on_sigterm(tmp_path, capsys):

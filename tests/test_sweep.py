@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from experiments import sweep
+from hisparse.synthetic import request_draws
 
 TINY = """
 [[study]]
@@ -561,14 +562,14 @@ def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
     """--draw-cache: the selections read back equal the ones drawn without it; a later call with more
     requests draws only the new ones; a changed preset field draws afresh under another name."""
     config = sweep.build(dict(kind="serving", model="tiny:deepseek_v32", layers=2), torch.device("meta")).config
-    plain = sweep.serving_selections("tiny", 40, 4, 3, config)
-    cached = sweep.serving_selections("tiny", 40, 4, 2, config, cache=tmp_path)
+    plain = request_draws("tiny", config, 40, 4, 3)
+    cached = request_draws("tiny", config, 40, 4, 2, cache=tmp_path)
     assert torch.equal(cached, plain[:, :, :2]) and len(list(tmp_path.glob("*.npy"))) == 2
     assert "drawing 2 of 2" in capsys.readouterr().out
-    again = sweep.serving_selections("tiny", 40, 4, 3, config, cache=tmp_path)
+    again = request_draws("tiny", config, 40, 4, 3, cache=tmp_path)
     assert torch.equal(again, plain) and "drawing 1 of 3" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.part.npy"))
-    longer = sweep.serving_selections("tiny", 41, 4, 1, config, cache=tmp_path)
+    longer = request_draws("tiny", config, 41, 4, 1, cache=tmp_path)
     assert len(list(tmp_path.glob("*.npy"))) == 4 and longer.shape == plain[:, :, :1].shape
 
 

@@ -10,6 +10,10 @@ GET /v1/models (the model and how it is served), GET /health, GET /metrics (Prom
 SIGINT or SIGTERM: new requests get 503, those in flight finish (for up to --shutdown-timeout s,
 then they are cancelled), the server closes with every stream and host row freed, exit 0.
 Without a GPU the kernels run in Triton's interpreter (slow: tiny checkpoints, short prompts).
+With --workload (DSA), each request replays its own draw of a synthetic preset's selections, as the
+sweep's serving studies do, so a load over HTTP sits beside the in-process study's point:
+    python -m hisparse.serve --model DIR --mode hisparse --cache-slots 4096 --graph --workload dsa_100k \
+        --workload-input-len 16384 --workload-output-len 1024 --draw-cache /tmp/draws ...
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, _device, _load, _positive
 from hisparse.runtime import KV_MODES
 from hisparse.serve.app import Service, closing_line, describe, log, serve
-from hisparse.serve.scheduler import SchedulerThread
+from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
 from hisparse.serving import Server
+from hisparse.synthetic import PRESETS, request_draws
 
 
 def _positive_float(text: str) -> float:
@@ -89,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
                          "network, with no authentication)")
     ap.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0: any free port)")
+    ap.add_argument("--workload", default=None, metavar="PRESET",
+                    help="DSA checkpoints: every request replays its own draw of this synthetic preset's selections "
+                         "(e.g. dsa_100k, the calibrated locality) instead of the model's indexer, as the sweep's "
+                         "serving studies do; requests must then have --workload-input-len prompt tokens and at "
+                         "most --workload-output-len max_tokens (default: the model's own selections)")
+    ap.add_argument("--workload-input-len", type=_positive, default=None, metavar="N",
+                    help="with --workload: the prompt length the draws are made for (required)")
+    ap.add_argument("--workload-output-len", type=_positive, default=None, metavar="N",
+                    help="with --workload: the most tokens out a draw covers (required)")
+    ap.add_argument("--workload-draws", type=_positive, default=16, metavar="N",
+                    help="with --workload: draws made at start-up, request n replaying draw n mod N (the sweep's "
+                         "request n gets the same one); tens of seconds each at 61 layers (default 16)")
+    ap.add_argument("--draw-cache", default=None, metavar="DIR",
+                    help="with --workload: read the draws from (and write new ones to) this folder, shared with "
+                         "`python -m experiments.sweep --draw-cache`")
     ap.add_argument("--shutdown-timeout", type=_positive_float, default=30.0, metavar="S",
                     help="on SIGINT / SIGTERM, seconds the requests in flight get to finish before they are "
                          "cancelled (default 30)")
@@ -112,14 +132,52 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
     except ValueError as exc:
         ap.error(f"argument --model: checkpoint {args.model!r} does not fit the kernels: {exc}")
     quest = {} if args.token_budget is None else {"token_budget": args.token_budget}
+    workload = replay_workload(ap, args, model.config)
     try:
         server = Server(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
                         max_context=args.max_context, kv_budget_gib=args.kv_budget_gib,
                         host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
-                        prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, **quest)
+                        prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill,
+                        selections=None if workload is None else workload.draws[:, :, 0], **quest)
     except ValueError as exc:
         ap.error(f"cannot build the server: {exc}")
-    return server, Path(args.model).resolve().name
+    return server, Path(args.model).resolve().name, workload
+
+
+def check_workload_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The --workload options agree with each other (before the checkpoint is read)."""
+    lengths = (args.workload_input_len, args.workload_output_len)
+    if args.workload is None:
+        given = [name for name, value in (("--workload-input-len", lengths[0]), ("--workload-output-len", lengths[1]),
+                                          ("--draw-cache", args.draw_cache)) if value is not None]
+        if given:
+            ap.error(f"argument {given[0]}: only with --workload")
+        return
+    if args.workload not in PRESETS:
+        ap.error(f"argument --workload: unknown preset {args.workload!r}; expected one of {sorted(PRESETS)}")
+    if None in lengths:
+        ap.error("argument --workload: needs --workload-input-len and --workload-output-len (the request shape the "
+                 "draws are made for)")
+    if sum(lengths) > args.max_context:
+        ap.error(f"argument --workload-output-len: {lengths[0]} prompt tokens plus {lengths[1]} out exceed "
+                 f"--max-context {args.max_context}")
+
+
+def replay_workload(ap: argparse.ArgumentParser, args: argparse.Namespace, config) -> ReplayWorkload | None:
+    """The draws every request replays (--workload), made (or read from --draw-cache) now."""
+    if args.workload is None:
+        return None
+    if config.model_type not in ("deepseek_v32", "glm_moe_dsa"):
+        ap.error(f"argument --workload: replays DSA selections; checkpoint {args.model!r} is a "
+                 f"{config.model_type} model")
+    log(f"hisparse.serve: drawing {args.workload_draws} requests' selections of {args.workload} "
+        f"({args.workload_input_len} in, {args.workload_output_len} out) ...")
+    try:
+        draws = request_draws(args.workload, config, args.workload_input_len, args.workload_output_len,
+                              args.workload_draws, cache=args.draw_cache)
+    except ValueError as exc:               # e.g. prompts too short for k
+        ap.error(f"argument --workload: {exc}")
+    return ReplayWorkload(args.workload, args.workload_input_len, args.workload_output_len, draws)
 
 
 async def _serve_until_signalled(service: Service, args: argparse.Namespace) -> dict:
@@ -138,11 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     try:
         args = ap.parse_args(argv)
-        server, name = build_server(ap, args)
+        check_workload_options(ap, args)
+        server, name, workload = build_server(ap, args)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
-    info = describe(server, name, args.kv_budget_gib, args.host_budget_gib)   # before its thread owns it
-    scheduler = SchedulerThread(server)
+    info = describe(server, name, args.kv_budget_gib, args.host_budget_gib,     # before its thread owns it
+                    "model" if workload is None else workload.name)
+    scheduler = SchedulerThread(server, workload)
     log(f"hisparse.serve: warming up on {server.device} ...")
     scheduler.start()
     service = Service(scheduler, info)

@@ -76,8 +76,10 @@ class Service:
 SERVICE = web.AppKey("service", Service)
 
 
-def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget_gib: float | None) -> dict:
-    """The model and how it is served (GET /v1/models): what a load client stamps on its rows."""
+def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget_gib: float | None,
+             workload: str = "model") -> dict:
+    """The model and how it is served (GET /v1/models): what a load client stamps on its rows.
+    workload: the synthetic preset the requests replay, or "model" (the model's own selections)."""
     cfg, runtime = server.model.config, server.runtime
     elem = server.model.model.embed_tokens.weight.element_size()
     if runtime.family == "DSA":
@@ -95,7 +97,7 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
                 "vocab_size": cfg.vocab_size, "max_context": server.max_context, "lanes": server.lanes,
                 "kv_budget_gib": kv_budget_gib, "host_budget_gib": host_budget_gib if hierarchical else None,
                 "prefill_chunk": server.prefill_chunk, "graph": server.graph, "decode_backend": server.decode_backend,
-                "attention_kernel": kernel, "workload": "model", "device": str(server.device)}
+                "attention_kernel": kernel, "workload": workload, "device": str(server.device)}
     if runtime.family == "Quest":
         settings["token_budget"] = runtime.selection_size * runtime.unit_size
     return {"id": name, "object": "model", "owned_by": "hisparse", "max_model_len": server.max_context,
@@ -157,7 +159,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     except PromptRefused as exc:
         service.refused += 1
         where = f"prompt {exc.index}" if len(completion.prompts) > 1 else "the prompt"
-        return _error(400, f"{where} cannot be served: {exc}", "prompt")
+        return _error(400, f"{where} cannot be served: {exc}", exc.param)
     except SchedulerStopped as exc:
         return _error(503, str(exc), None, "server_unavailable")
     except asyncio.CancelledError:           # the client left while it was being queued

@@ -24,11 +24,35 @@ RECYCLE_AFTER = 1024    # requests a run keeps (Server.requests) before an idle 
 
 
 class PromptRefused(ValueError):
-    """The server can never serve prompt `index` (too long for max_context or the host pool)."""
+    """The server can never serve prompt `index` (too long for max_context or the host pool, or
+    outside the replayed workload's shape); `param` names the request field at fault."""
 
-    def __init__(self, index: int, message: str):
+    def __init__(self, index: int, message: str, param: str = "prompt"):
         super().__init__(message)
-        self.index = index
+        self.index, self.param = index, param
+
+
+@dataclass
+class ReplayWorkload:
+    """Synthetic selections the requests replay instead of the model's own (`hisparse.synthetic.
+    request_draws`): the n-th request submitted replays draw n % (number of draws) of `draws` int32
+    [output_len - 1, layers, draws, k], drawn for prompts of exactly input_len tokens, so a request
+    must have that prompt length and at most output_len tokens out."""
+
+    name: str
+    input_len: int
+    output_len: int
+    draws: torch.Tensor
+
+    def refusal(self, prompt_len: int, max_new_tokens: int) -> tuple[str, str] | None:
+        """(field, why) if a request of this shape cannot replay the draws, else None."""
+        if prompt_len != self.input_len:
+            return "prompt", (f"a prompt of {prompt_len} tokens: this server replays workload {self.name!r}, drawn for "
+                              f"prompts of exactly {self.input_len} tokens")
+        if max_new_tokens > self.output_len:
+            return "max_tokens", (f"max_tokens {max_new_tokens}: workload {self.name!r} was drawn for at most "
+                                  f"{self.output_len} tokens out")
+        return None
 
 
 class SchedulerStopped(RuntimeError):
@@ -46,8 +70,9 @@ class SchedulerThread:
     """Runs `server` step by step in one thread: `start()` opens it (warm-up included), `stop()`
     cancels what is left and closes it."""
 
-    def __init__(self, server: Server):
-        self.server = server
+    def __init__(self, server: Server, workload: ReplayWorkload | None = None):
+        self.server, self.workload = server, workload
+        self._replays = 0                               # requests given a draw of the workload so far
         self.counters = {"served": 0, "cancelled": 0, "failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "hits": 0, "misses": 0}
         self.final_snapshot: dict | None = None
@@ -165,11 +190,17 @@ class SchedulerThread:
         requests = [Request(torch.tensor(ids, dtype=torch.int64), max_new_tokens, arrival=math.nan,
                             on_token=partial(_forward_token, sink, i)) for i, ids in enumerate(prompts)]
         for i, request in enumerate(requests):        # all checked before any is queued
+            if self.workload is not None and (why := self.workload.refusal(len(request.prompt), max_new_tokens)):
+                raise PromptRefused(i, why[1], why[0])
             try:
                 self.server.check_request(request)
             except ValueError as exc:
                 raise PromptRefused(i, str(exc)) from None
         for i, request in enumerate(requests):
+            if self.workload is not None:
+                draws = self.workload.draws
+                request.selections = draws[:, :, self._replays % draws.shape[2]]
+                self._replays += 1
             self.server.submit(request)
             self._jobs[id(request)] = _Job(request, sink, i)
         return requests
