@@ -174,8 +174,8 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def chunk_lines(closed: pd.DataFrame) -> list[str]:
-    """Per (clients, mode, lengths) run at more than one prefill chunk: p50 TTFT and TPOT per chunk,
-    the interleaving's trade-off (small chunks: decode steps wait less; large: a prompt prefills sooner)."""
+    """Per (clients, mode, lengths) run at more than one prefill chunk: p50 TTFT and TPOT, p99 of the
+    gaps between tokens (ITL, where recorded) per chunk, the interleaving's trade-off (small chunks: decode steps wait less; large: a prompt prefills sooner)."""
     if "prefill_chunk" not in closed:
         return []
     lines = []
@@ -184,8 +184,9 @@ def chunk_lines(closed: pd.DataFrame) -> list[str]:
     for (level, mode, n_in, n_out), rows in wide.groupby(level=[0, 1, 2, 3]):
         if len(rows) < 2:
             continue
-        cells = [f"{chunk:.0f}: TTFT {r.ttft_ms_p50:.0f} / TPOT {r.tpot_ms_p50:.1f} ms" for (*_, chunk), r in
-                 rows.iterrows()]
+        cells = [f"{chunk:.0f}: TTFT {r.ttft_ms_p50:.0f} / TPOT {r.tpot_ms_p50:.1f}"
+                 + (f" / ITL p99 {r.itl_ms_p99:.0f}" if "itl_ms_p99" in r and r.itl_ms_p99 == r.itl_ms_p99 else "")
+                 + " ms" for (*_, chunk), r in rows.iterrows()]
         lines.append(f"serving {level:.0f} clients, {mode}, {n_in:.0f} in / {n_out:.0f} out, p50 per prefill chunk: "
                      + "; ".join(cells))
     return lines

@@ -155,12 +155,15 @@ class ServingRun:
     peak_host_rows: int               # the most host pool rows in use
 
     def summary(self) -> dict[str, float]:
-        """Output tokens/s, TTFT / TPOT / latency / queueing percentiles (ms), running batch mean and max."""
+        """Output tokens/s, TTFT / TPOT / latency / queueing percentiles (ms), running batch mean and max.
+        itl: every gap between two tokens of a request, over all requests (TPOT is a request's mean gap;
+        the stall of one prefill chunk shows in the ITL tail)."""
         reqs = self.requests
         out = {"requests": len(reqs), "output_tokens": sum(len(r.tokens) for r in reqs)}
         span = max((r.token_times[-1] for r in reqs), default=0.0) - min((r.arrival for r in reqs), default=0.0)
         out["tokens_per_s"] = out["output_tokens"] / span if span > 0 else math.nan
         series = {"ttft": [r.ttft for r in reqs], "tpot": [r.tpot for r in reqs if r.tpot is not None],
+                  "itl": [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])],
                   "latency": [r.latency for r in reqs], "queue": [r.queued for r in reqs]}
         for name, values in series.items():
             for q in (50, 90, 99):

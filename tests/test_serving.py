@@ -167,12 +167,13 @@ def test_impossible_requests_are_refused_before_anything_runs():
 
 def test_summary_metrics():
     reqs = [Request(torch.tensor([1]), 3, arrival=0.0), Request(torch.tensor([1]), 1, arrival=1.0)]
-    reqs[0].token_times, reqs[0].prefill_start, reqs[0].tokens = [0.5, 0.7, 0.9], 0.1, [1, 2, 3]
+    reqs[0].token_times, reqs[0].prefill_start, reqs[0].tokens = [0.5, 0.7, 1.3], 0.1, [1, 2, 3]
     reqs[1].token_times, reqs[1].prefill_start, reqs[1].tokens = [1.5], 1.2, [4]
     from hisparse.serving import ServingRun
     out = ServingRun(reqs, Schedule(1), 2.0, [1, 1], 0, 0).summary()
     assert out["output_tokens"] == 4 and out["tokens_per_s"] == pytest.approx(4 / 1.5)
-    assert out["ttft_ms_p50"] == pytest.approx(500.0) and out["tpot_ms_p50"] == pytest.approx(200.0)
+    assert out["ttft_ms_p50"] == pytest.approx(500.0) and out["tpot_ms_p50"] == pytest.approx(400.0)
+    assert out["itl_ms_p50"] == pytest.approx(400.0) and out["itl_ms_p99"] == pytest.approx(200 + 0.99 * 400)
     assert out["queue_ms_p99"] == pytest.approx(100 + 0.99 * 100)
     assert percentile([], 50) != percentile([], 50)          # nan
 
