@@ -1,0 +1,224 @@
+"""DSA's FP8 KV rows: the 656-byte format DeepSeek-V3.2 serves with, its torch reference, and the
+sparse MLA decode over such rows (launcher of kernels_triton/dsa_fp8.py, and its torch reference).
+
+One row per token (little-endian, as every target of this project):
+
+    bytes [  0, 512)  512 float8_e4m3fn: latent value c is fp8[c] * scale[c // 128]
+    bytes [512, 528)  4 float32 scales, one per 128 latent values, each a power of two
+    bytes [528, 656)  64 bfloat16 RoPE values, stored as given (not quantised)
+
+656 = 16 * 41: rows packed at stride 656 keep every row, and its scales (byte 512) and RoPE (byte 528),
+16-byte aligned, so the host pool (`HostPool(rows, 656, torch.uint8)`) and the fetch copy whole
+words (`resolve.as_words` views a row as 164 int32) or 16-byte vectors.
+
+Scale rule, per 128-value block b with absmax a_b (over float32 values):
+    scale_b = 2 ** ceil(log2(max(a_b / 448, 1e-4)))
+448 is e4m3's largest finite value, so every |latent / scale_b| <= 448; the 1e-4 floor makes an
+all-zero block's scale 2 ** -13 (its bytes 0x00), and blocks with a_b < 0.0448 share that scale.
+ceil(log2(.)) is taken exactly (from the float32's exponent, not a rounded log2), and the quotient
+is clamped to +-448 before the round-to-nearest-even cast, so no value saturates to NaN.
+
+FlashMLA (tests/quant.py, `FP8KVCacheLayout.V32_FP8Sparse`, the layout its sparse FP8 decode
+reads): the same byte layout, tile 128, the same scale rule with the same 1e-4 floor ("HFAI FP8's
+FP8_AMAX_MARGIN"), so these rows are its rows. Where we differ: FlashMLA computes ceil(log2(x))
+with torch's float log2 (a quotient just above a power of two can round down there, giving half the
+scale and a saturated value) and casts without a clamp; its RoPE part is in the input's dtype
+(bf16 in serving), ours always bf16; its cache is paged [blocks, block_size, 1, 656], ours rows
+[R, 656]. vLLM's `fp8_ds_mla` cache has the same layout; the decoder here reads any float32
+scale, a power of two or not (exactness of the dequantisation needs the power of two).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import triton
+import triton.runtime.errors
+
+from hisparse.dsa.ops import (
+    FLOAT_DTYPES,
+    DecodeConfig,
+    _dot_precision,
+    _require,
+    _smaller_config,
+    combine_splits,
+    default_decode_config,
+    split_buffers,
+    split_plan,
+)
+from hisparse.dsa.reference import sparse_mla_decode_ref
+from kernels_triton.dsa_fp8 import _sparse_mla_decode_fp8_kernel
+
+FP8 = torch.float8_e4m3fn
+D_LATENT, D_ROPE, TILE = 512, 64, 128
+N_TILES = D_LATENT // TILE                      # 4
+SCALE_BYTE = D_LATENT                           # 512
+ROPE_BYTE = SCALE_BYTE + 4 * N_TILES            # 528
+ROW_BYTES = ROPE_BYTE + 2 * D_ROPE              # 656
+FP8_MAX = 448.0
+SCALE_FLOOR = 1e-4                              # FlashMLA's floor of a_b / 448
+
+
+def block_scales(latent: torch.Tensor) -> torch.Tensor:
+    """The scales [..., 4] float32 of latent [..., 512]: 2 ** ceil(log2(max(absmax / 448, 1e-4)))."""
+    absmax = latent.float().unflatten(-1, (N_TILES, TILE)).abs().amax(dim=-1)
+    x = (absmax / FP8_MAX).clamp_min(SCALE_FLOOR)
+    mantissa, exponent = torch.frexp(x)                 # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # x a power of two: log2 exact
+    return torch.ldexp(torch.ones_like(x), exponent)
+
+
+def quantize_rows(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rows uint8 [..., 656] of latent [..., 512] and rope [..., 64] (float16/bf16/float32, same
+    leading shape and device), in the format of this module's docstring. Finite inputs only."""
+    _require(latent.dtype in FLOAT_DTYPES and rope.dtype in FLOAT_DTYPES,
+             f"latent dtype {latent.dtype}, rope dtype {rope.dtype}: expected each one of {FLOAT_DTYPES}")
+    _require(latent.dim() >= 1 and latent.shape[-1] == D_LATENT,
+             f"latent shape {tuple(latent.shape)}: expected [..., {D_LATENT}]")
+    _require(rope.dim() >= 1 and rope.shape[-1] == D_ROPE, f"rope shape {tuple(rope.shape)}: expected [..., {D_ROPE}]")
+    _require(latent.shape[:-1] == rope.shape[:-1],
+             f"latent {tuple(latent.shape)} and rope {tuple(rope.shape)}: expected the same leading shape")
+    _require(latent.device == rope.device, f"latent is on {latent.device}, rope on {rope.device}")
+    scales = block_scales(latent)                                                    # [..., 4]
+    blocks = latent.float().unflatten(-1, (N_TILES, TILE)) / scales[..., None]       # exact: powers of two
+    values = blocks.clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)                      # [..., 512]
+    out = torch.empty((*latent.shape[:-1], ROW_BYTES), dtype=torch.uint8, device=latent.device)
+    out[..., :SCALE_BYTE] = values.view(torch.uint8)
+    out[..., SCALE_BYTE:ROPE_BYTE] = scales.contiguous().view(torch.uint8)
+    out[..., ROPE_BYTE:] = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return out
+
+
+def _check_rows(rows: torch.Tensor, name: str = "rows") -> None:
+    _require(rows.dtype == torch.uint8, f"{name} dtype {rows.dtype}: expected torch.uint8 (the {ROW_BYTES}-byte rows)")
+    _require(rows.dim() >= 1 and rows.shape[-1] == ROW_BYTES,
+             f"{name} shape {tuple(rows.shape)}: expected [..., {ROW_BYTES}] (row width {ROW_BYTES} bytes)")
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent [..., 512] in `dtype`, rope [..., 64] bf16) of rows uint8 [..., 656].
+
+    dtype float32 or bf16: an e4m3 value times a power-of-two scale is exact in both."""
+    _check_rows(rows)
+    _require(dtype in (torch.float32, torch.bfloat16), f"dtype {dtype}: expected torch.float32 or torch.bfloat16")
+    values = rows[..., :SCALE_BYTE].view(FP8).float().unflatten(-1, (N_TILES, TILE))
+    scales = rows[..., SCALE_BYTE:ROPE_BYTE].contiguous().view(torch.float32)           # [..., 4]
+    latent = (values * scales[..., None]).flatten(-2).to(dtype)
+    rope = rows[..., ROPE_BYTE:].contiguous().view(torch.bfloat16)
+    return latent, rope
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLA decode over FP8 rows
+# ---------------------------------------------------------------------------------------------
+
+def sparse_mla_decode_fp8_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
+                              row_base: torch.Tensor | None = None):
+    """Plain torch: dequantise the selected rows of kv uint8 [R, 656], then `sparse_mla_decode_ref`
+    (float32 absorbed MLA): (out [N, H, 512] in q's dtype, lse [N, H] float32)."""
+    n, k = rows.shape
+    valid = rows >= 0
+    base = 0 if row_base is None else row_base[:, None]
+    latent, rope = dequantize_rows(kv[torch.where(valid, base + rows.long(), 0)])  # [N, k, 512], [N, k, 64]
+    picked = torch.cat([latent, rope.float()], dim=-1).view(n * k, D_LATENT + D_ROPE)
+    local = torch.where(valid, torch.arange(n * k, device=rows.device).view(n, k), -1)
+    return sparse_mla_decode_ref(q, picked, local, sm_scale, d_v=D_LATENT)
+
+
+def _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base) -> None:
+    _require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
+    n, h, d = q.shape
+    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    _require(d == D_LATENT + D_ROPE, f"q head dim {d}: expected {D_LATENT} + {D_ROPE} = {D_LATENT + D_ROPE} "
+             f"(the FP8 rows hold MLA's latent and RoPE key)")
+    _require(kv.dim() == 2, f"kv shape {tuple(kv.shape)}: expected [R, {ROW_BYTES}] uint8 rows")
+    _check_rows(kv, "kv")
+    _require(kv.stride(1) == 1 and kv.stride(0) % 16 == 0 and kv.data_ptr() % 16 == 0,
+             f"kv strides {kv.stride()}, address {kv.data_ptr():#x}: expected contiguous 16-byte-aligned "
+             f"rows (row stride a multiple of 16 bytes; {ROW_BYTES} is)")
+    _require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
+             f"rows must be int32 [N={n}, k], got {rows.dtype} {tuple(rows.shape)}")
+    _require(rows.shape[1] >= 1, "rows must select at least one entry per request (k >= 1)")
+    _require(q.stride(-1) == 1 and rows.stride(-1) == 1,
+             f"q and rows need a contiguous last dim, strides {q.stride()} and {rows.stride()}")
+    _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
+             f"sm_scale={sm_scale!r}: expected a positive finite float")
+    if row_base is not None:
+        _require(row_base.shape == (n,) and row_base.dtype == torch.int64 and row_base.stride(0) == 1,
+                 f"row_base must be a contiguous int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)} "
+                 f"stride {row_base.stride()}")
+    for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse), ("row_base", row_base)):
+        if t is not None:
+            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    if out is not None:
+        _require(out.shape == (n, h, D_LATENT) and out.dtype == q.dtype and out.stride(-1) == 1,
+                 f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, D_LATENT)}, contiguous last dim")
+    if lse is not None:
+        _require(lse.shape == (n, h) and lse.dtype == torch.float32,
+                 f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")
+
+
+def default_fp8_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
+    """The bf16 kernel's default tiles (`default_decode_config`); fixed, so equal shapes accumulate
+    in equal order. Untuned on the GPU: where it does not fit, `sparse_mla_decode_fp8` shrinks it."""
+    return default_decode_config(num_heads, D_LATENT + D_ROPE, dtype)
+
+
+_FITTED_CONFIGS: dict[tuple, DecodeConfig] = {}  # default configs that had to shrink to launch
+
+
+def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
+                          num_splits: int | None = None, config: DecodeConfig | None = None,
+                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                          row_base: torch.Tensor | None = None):
+    """Absorbed-MLA decode over selected FP8 rows: out [N, H, 512] (q's dtype), lse [N, H] float32.
+
+    As `hisparse.dsa.ops.sparse_mla_decode` (backend "triton") with kv uint8 [R, 656] rows in this
+    module's format instead of [R, 576] values: q [N, H, 576]; rows [N, k] int32, read in order
+    (-1 skipped), naming row row_base[n] + rows[n, j]; not range-checked. A request with no valid
+    row gets zeros and lse -inf; k is split into `num_splits` chunks (default `split_plan`) merged
+    in order. The kernel dequantises in registers to q's dtype; with float32 or bf16 q it equals,
+    bit for bit in the interpreter, `sparse_mla_decode` over the dequantised rows with the same
+    config. Equal bytes in equal order give bitwise-equal outputs wherever the rows sit in kv.
+    """
+    _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base)
+    n, h, _ = q.shape
+    out = out if out is not None else torch.empty((n, h, D_LATENT), dtype=q.dtype, device=q.device)
+    lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
+    if n == 0 or h == 0:
+        return out, lse
+    if config is not None:
+        _launch(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits)
+        return out, lse
+    key = (h, q.dtype, q.device)
+    cfg = _FITTED_CONFIGS.get(key) or default_fp8_decode_config(h, q.dtype)
+    while True:
+        try:
+            _launch(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits)
+            break
+        except triton.runtime.errors.OutOfResources as exc:
+            smaller = _smaller_config(cfg)
+            if smaller is None:
+                raise
+            warnings.warn(f"sparse_mla_decode_fp8: {cfg} does not fit this GPU ({exc}); trying {smaller}")
+            cfg = smaller
+    _FITTED_CONFIGS[key] = cfg
+    return out, lse
+
+
+def _launch(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig, num_splits: int | None) -> None:
+    n, h, _ = q.shape
+    k = rows.shape[1]
+    chunk, splits = split_plan(n, h, k, cfg, q.device, num_splits)
+    part, part_lse, split_strides = split_buffers(out, lse, splits)
+    _sparse_mla_decode_fp8_kernel[(triton.cdiv(h, cfg.block_h), n, splits)](
+        q, kv, rows, rows if row_base is None else row_base, part, part_lse,
+        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), part.stride(0), part.stride(1),
+        split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
+        h, k, chunk, sm_scale * 1.4426950408889634,
+        D_V=D_LATENT, D_ROPE=D_ROPE, TILE=TILE, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        combine_splits(part, part_lse, out, lse)

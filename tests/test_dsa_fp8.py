@@ -1,0 +1,321 @@
+"""DSA's FP8 rows (hisparse/dsa/fp8.py) and the sparse MLA decode over them (kernels_triton/dsa_fp8.py).
+
+CPU tests run the kernel in Triton's interpreter at small odd shapes, float32/float16 q (bf16 is
+checked on the GPU); the format is checked byte for byte on a hand-made row.
+"""
+import math
+
+import pytest
+import torch
+
+from hisparse.dsa import fp8
+from hisparse.dsa import ops as dsa
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}   # kernel vs its reference
+DSV32_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
+SMALL_TILES = dsa.DecodeConfig(block_h=16, block_k=16, num_warps=4, num_stages=1)
+# fp8 rows against the original (bf16-representable) rows, q of std 0.3 (logits of std about 1), 5 seeds:
+# max |out_fp8 - out| / max |out| measured 0.038-0.060 at the CPU shapes below, 0.028-0.045 at
+# N4-H128-k2048 (median per-head ||out_fp8 - out|| / ||out|| 0.025-0.035: e4m3's rounding of V);
+# |lse_fp8 - lse| at most 0.027. q of std 1 (logits of std about 3) doubles them. Bounds with room:
+FP8_VS_BF16_MAX_REL = 0.1
+FP8_VS_BF16_LSE_ABS = 0.05
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| over max |expected|, on the finite entries; infinities must coincide."""
+    actual, expected = actual.float(), expected.float()
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected)), "infinities differ"
+    assert not torch.isnan(actual).any(), "NaN in the output"
+    finite = torch.isfinite(expected)
+    if not finite.any():
+        return 0.0
+    diff = (actual[finite] - expected[finite]).abs().max()
+    return (diff / expected[finite].abs().max().clamp_min(1e-6)).item()
+
+
+def random_rows(n: int, k: int, num_rows: int, gen: torch.Generator, pad_frac: float = 0.2) -> torch.Tensor:
+    """[n, k] int32 distinct rows per request with about pad_frac entries -1; the last request all -1."""
+    rows = torch.stack([torch.randperm(num_rows, generator=gen)[:k] for _ in range(n)]).to(torch.int32)
+    rows[torch.rand(n, k, generator=gen) < pad_frac] = -1
+    rows[-1] = -1
+    return rows
+
+
+def latent_and_rope(r: int, gen: torch.Generator, spread: int = 0):
+    """bf16-representable float32 latent [r, 512] (each 128-block scaled by 2**U(-spread, spread)) and rope [r, 64]."""
+    latent = torch.randn(r, 4, 128, generator=gen) * 2.0 ** torch.randint(-spread, spread + 1, (r, 4, 1), generator=gen)
+    return latent.flatten(-2).bfloat16().float(), torch.randn(r, 64, generator=gen).bfloat16().float()
+
+
+def fp8_inputs(n, h, r, k, dtype, gen, q_std=1.0):
+    """q [n, h, 576], the original rows [r, 576] (float32), their fp8 rows [r, 656], rows [n, k]."""
+    latent, rope = latent_and_rope(r, gen)
+    q = (torch.randn(n, h, 576, generator=gen) * q_std).to(dtype)
+    return q, torch.cat([latent, rope], dim=-1), fp8.quantize_rows(latent, rope), random_rows(n, k, r, gen)
+
+
+# ---------------------------------------------------------------------------------------------
+# The row format
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_round_trip_error_within_e4m3s_half_step(dtype):
+    """|x' - x| <= 2^-4 |x| (e4m3's 3 mantissa bits, round to nearest) + 2^-10 scale (its subnormal
+    half step); RoPE comes back as bf16, exact for bf16 input; bf16 dequantisation is exact."""
+    gen = torch.Generator().manual_seed(1)
+    latent, rope = latent_and_rope(37, gen, spread=12)
+    latent, rope = latent.to(dtype), rope.to(dtype)
+    rows = fp8.quantize_rows(latent, rope)
+    assert rows.shape == (37, 656) and rows.dtype == torch.uint8
+    back, rope_back = fp8.dequantize_rows(rows)
+    scale = fp8.block_scales(latent).repeat_interleave(128, dim=-1)               # [37, 512]
+    x = latent.float()
+    err = (back - x).abs()
+    assert (err <= 2.0 ** -4 * x.abs() + 2.0 ** -10 * scale).all()
+    normal = x.abs() >= 2.0 ** -6 * scale                                         # e4m3 normals
+    assert (err[normal] / x.abs()[normal]).max() <= 2.0 ** -4
+    assert rope_back.dtype == torch.bfloat16 and torch.equal(rope_back, rope.to(torch.bfloat16))
+    back_bf16, _ = fp8.dequantize_rows(rows, dtype=torch.bfloat16)
+    assert torch.equal(back_bf16.float(), back)
+    again, _ = fp8.dequantize_rows(fp8.quantize_rows(back, rope_back))
+    assert torch.equal(again, back), "dequantised values quantise to themselves"
+
+
+def test_scales_are_the_smallest_powers_of_two_that_fit():
+    gen = torch.Generator().manual_seed(2)
+    latent, _ = latent_and_rope(50, gen, spread=20)
+    latent[0, :128] = 0.0
+    latent[0, 128:256] = 1e-6                                    # under the floor
+    latent[1, :128], latent[1, 0] = 0.0, 448.0 * 2.0 ** -5       # absmax / 448 exactly a power of two
+    latent[1, 128:256], latent[1, 128] = 0.0, 448.0 * 2.0 ** -5 * (1 + 2.0 ** -20)   # just above one
+    scales = fp8.block_scales(latent)
+    exponent = torch.log2(scales)
+    assert torch.equal(exponent, exponent.round()), "powers of two"
+    absmax = latent.abs().unflatten(-1, (4, 128)).amax(-1)
+    bounded = torch.maximum(absmax / 448.0, torch.tensor(1e-4))
+    assert (bounded <= scales).all() and (scales / 2 < bounded).all(), "the smallest power of two >= it"
+    assert scales[0, 0] == 2.0 ** -13 and scales[0, 1] == 2.0 ** -13
+    assert scales[1, 0] == 2.0 ** -5 and scales[1, 1] == 2.0 ** -4
+
+
+def test_bytes_of_a_hand_made_row():
+    """Offsets 0 / 512 / 528, e4m3 codes, little-endian float32 scales and bf16 RoPE, worked out by hand."""
+    latent = torch.zeros(512)
+    latent[0], latent[1], latent[2] = 1.0, -2.0, 2.0 ** -10   # absmax 2: scale 2^-7; codes of 128, -256, 2^-3
+    latent[128], latent[129] = 448.0, 0.5                     # absmax 448: scale 1; codes of 448, 0.5
+    #  block 2 all zero: scale 2^-13 (the floor 1e-4 rounded up), codes 0
+    latent[384], latent[385] = 449.0, -1.0                    # scale 2: codes of 224.5 (-> 224), -0.5
+    rope = torch.zeros(64)
+    rope[0], rope[1], rope[63] = 1.0, -2.0, 0.15625
+    row = fp8.quantize_rows(latent, rope)
+    expected = torch.zeros(656, dtype=torch.uint8)
+    expected[[0, 1, 2]] = torch.tensor([0x70, 0xF8, 0x20], dtype=torch.uint8)    # 2^7; -(2^8); 2^-3
+    expected[[128, 129]] = torch.tensor([0x7E, 0x30], dtype=torch.uint8)         # 1.75 * 2^8; 2^-1
+    expected[[384, 385]] = torch.tensor([0x76, 0xB0], dtype=torch.uint8)         # 1.75 * 2^7; -(2^-1)
+    expected[512:528] = torch.tensor([0, 0, 0, 0x3C,    0, 0, 0x80, 0x3F,        # 2^-7; 1.0
+                                      0, 0, 0, 0x39,    0, 0, 0, 0x40], dtype=torch.uint8)   # 2^-13; 2.0
+    expected[528:532] = torch.tensor([0x80, 0x3F, 0x00, 0xC0], dtype=torch.uint8)   # bf16 1.0, -2.0
+    expected[654:656] = torch.tensor([0x20, 0x3E], dtype=torch.uint8)              # bf16 0.15625
+    assert torch.equal(row, expected), (row != expected).nonzero().flatten().tolist()
+    back, rope_back = fp8.dequantize_rows(row)
+    assert back[[0, 1, 2, 128, 129, 384, 385]].tolist() == [1.0, -2.0, 2.0 ** -10, 448.0, 0.5, 448.0, -1.0]
+    assert torch.equal(rope_back.float(), rope)
+
+
+def test_all_zero_rows():
+    rows = fp8.quantize_rows(torch.zeros(3, 512), torch.zeros(3, 64))
+    floor = torch.tensor([2.0 ** -13] * 4).view(torch.uint8)
+    assert not rows[:, :512].any() and not rows[:, 528:].any()
+    assert torch.equal(rows[:, 512:528], floor.expand(3, 16))
+    latent, rope = fp8.dequantize_rows(rows)
+    assert not latent.any() and not rope.any()
+    # attention over zero rows: every logit 0, so out = 0 and lse = log(valid rows)
+    q = torch.randn(2, 5, 576, generator=torch.Generator().manual_seed(3))
+    sel = torch.tensor([[0, 1, -1, 2], [-1, 2, -1, -1]], dtype=torch.int32)
+    out, lse = fp8.sparse_mla_decode_fp8(q, rows, sel, 0.1, config=SMALL_TILES)
+    assert not out.any()
+    assert torch.allclose(lse, torch.tensor([[math.log(3)] * 5, [0.0] * 5]), atol=1e-6)
+
+
+def test_format_functions_reject_bad_inputs():
+    good_latent, good_rope = torch.zeros(2, 512), torch.zeros(2, 64)
+    bad = [
+        ((torch.zeros(2, 576), good_rope), "latent shape \\(2, 576\\): expected \\[..., 512\\]"),
+        ((good_latent, torch.zeros(2, 32)), "rope shape \\(2, 32\\): expected \\[..., 64\\]"),
+        ((good_latent.int(), good_rope), "latent dtype torch.int32"),
+        ((good_latent, torch.zeros(3, 64)), "the same leading shape"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            fp8.quantize_rows(*args)
+    with pytest.raises(ValueError, match="rows dtype torch.float32: expected torch.uint8"):
+        fp8.dequantize_rows(torch.zeros(2, 656))
+    with pytest.raises(ValueError, match="rows shape \\(2, 576\\): expected \\[..., 656\\]"):
+        fp8.dequantize_rows(torch.zeros(2, 576, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="dtype torch.float16: expected torch.float32 or torch.bfloat16"):
+        fp8.dequantize_rows(torch.zeros(2, 656, dtype=torch.uint8), dtype=torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLA decode over FP8 rows
+# ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    pytest.param(3, 5, 100, 97, id="N3-H5-R100-k97"),
+    pytest.param(2, 27, 113, 27, id="N2-H27-R113-k27"),
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("n, h, r, k", DECODE_CASES)
+def test_decode_matches_ref(n, h, r, k, dtype, splits, nan_empty):
+    gen = torch.Generator().manual_seed(5)
+    q, _, kv, rows = fp8_inputs(n, h, r, k, dtype, gen)
+    out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, config=SMALL_TILES)
+    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
+    assert out.dtype == dtype and out.shape == (n, h, 512) and lse.shape == (n, h)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    assert rel_err(lse, ref_lse) < 1e-5
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])), "no valid row must give zeros"
+    assert torch.isneginf(lse[-1]).all()
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
+def test_decode_is_the_float_kernel_over_dequantised_rows_bit_for_bit(splits):
+    """Dequantising in registers (exact in float32) then the bf16 kernel's loop: the same bits as
+    `sparse_mla_decode` over the dequantised rows (interpreter; the GPU compiles them separately)."""
+    gen = torch.Generator().manual_seed(6)
+    q, _, kv, rows = fp8_inputs(3, 5, 100, 97, torch.float32, gen)
+    rows[0, :48] = -1                                         # splits3: a whole empty chunk
+    latent, rope = fp8.dequantize_rows(kv)
+    want = dsa.sparse_mla_decode(q, torch.cat([latent, rope.float()], -1), rows, DSV32_SCALE,
+                                 num_splits=splits, config=SMALL_TILES)
+    got = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, config=SMALL_TILES)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("n, h, r, k", DECODE_CASES)
+def test_fp8_rows_against_the_original_rows(n, h, r, k):
+    """Accuracy, not bits: the kernel over fp8 rows against the float kernel over the rows they
+    quantise (bf16-representable values; the rope part is the same in both)."""
+    gen = torch.Generator().manual_seed(7)
+    q, kv_orig, kv, rows = fp8_inputs(n, h, r, k, torch.float32, gen, q_std=0.3)
+    out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=2, config=SMALL_TILES)
+    base_out, base_lse = dsa.sparse_mla_decode(q, kv_orig, rows, DSV32_SCALE, num_splits=2, config=SMALL_TILES)
+    assert 1e-3 < rel_err(out, base_out) < FP8_VS_BF16_MAX_REL, "fp8 must differ, and not by much"
+    finite = torch.isfinite(base_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - base_lse[finite]).abs().max() < FP8_VS_BF16_LSE_ABS
+
+
+def hot_and_resident(streams, units, slots, k, gen):
+    """fp8 rows of a resident pool [S*units, 656] and of a hot cache [S*(slots+1), 656] holding the
+    selected rows' bytes at shuffled slots (stale rows elsewhere): the same bytes in the same order."""
+    latent, rope = latent_and_rope(streams * units, gen, spread=3)
+    pool = fp8.quantize_rows(latent, rope).view(streams, units, 656)
+    stale_latent, stale_rope = latent_and_rope(streams * (slots + 1), gen, spread=3)
+    cache = fp8.quantize_rows(stale_latent, stale_rope).view(streams, slots + 1, 656)
+    sel = random_rows(streams, k, units, gen, pad_frac=0.1).long()
+    sel[-1, : k // 2] = torch.randperm(units, generator=gen)[: k // 2]
+    slot = torch.full_like(sel, -1)
+    for s in range(streams):
+        valid = sel[s] >= 0
+        slot[s, valid] = torch.randperm(slots, generator=gen)[: int(valid.sum())]
+        cache[s, slot[s, valid]] = pool[s, sel[s, valid]]
+    rows_res = torch.where(sel >= 0, torch.arange(streams)[:, None] * units + sel, -1).to(torch.int32)
+    return pool.view(-1, 656), rows_res, cache.view(-1, 656), slot.to(torch.int32)
+
+
+@pytest.mark.parametrize("splits", [1, 2], ids=["splits1", "splits2"])
+def test_same_bytes_at_other_positions_give_the_same_bits(splits):
+    """What makes hisparse == resident bitwise: the hot cache's slots (via row_base) and the resident
+    pool's rows hold the same bytes in the same order."""
+    gen = torch.Generator().manual_seed(8)
+    streams, slots = 3, 61
+    kv_res, rows_res, kv_hot, rows_hot = hot_and_resident(streams, 97, slots, 37, gen)
+    q = torch.randn(streams, 5, 576, generator=gen)
+    args = {"num_splits": splits, "config": SMALL_TILES}
+    out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res, rows_res, DSV32_SCALE, **args)
+    base = torch.arange(streams, dtype=torch.int64) * (slots + 1)
+    out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base, **args)
+    assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
+    assert rel_err(out_res, fp8.sparse_mla_decode_fp8_ref(q, kv_res, rows_res, DSV32_SCALE)[0]) < TOL[torch.float32]
+    ref_hot = fp8.sparse_mla_decode_fp8_ref(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base)
+    assert torch.equal(ref_hot[0], fp8.sparse_mla_decode_fp8_ref(q, kv_res, rows_res, DSV32_SCALE)[0])
+
+
+def test_decode_rejects_bad_inputs_before_launching(monkeypatch):
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel was launched")
+
+    monkeypatch.setattr(fp8, "_sparse_mla_decode_fp8_kernel", NoLaunch())
+    q = torch.zeros(2, 4, 576)
+    kv = torch.zeros(10, 656, dtype=torch.uint8)
+    rows = torch.zeros(2, 8, dtype=torch.int32)
+    unaligned = torch.zeros(10 * 656 + 8, dtype=torch.uint8)[8:].view(10, 656)
+    cases = [
+        ({"kv": torch.zeros(10, 576, dtype=torch.bfloat16)}, "kv dtype torch.bfloat16: expected torch.uint8"),
+        ({"kv": torch.zeros(10, 576, dtype=torch.uint8)}, "kv shape \\(10, 576\\): expected \\[..., 656\\]"),
+        ({"kv": torch.zeros(10, 2, 656, dtype=torch.uint8)}, "kv shape \\(10, 2, 656\\): expected \\[R, 656\\]"),
+        ({"kv": unaligned}, "16-byte-aligned"),
+        ({"q": torch.zeros(2, 4, 512)}, "q head dim 512: expected 512 \\+ 64 = 576"),
+        ({"q": torch.zeros(2, 4, 576, dtype=torch.int32)}, "q dtype torch.int32"),
+        ({"rows": rows.long()}, "rows must be int32"),
+        ({"sm_scale": 0}, "sm_scale=0"),
+        ({"out": torch.zeros(2, 4, 576)}, "out torch.float32 \\(2, 4, 576\\): expected torch.float32 \\(2, 4, 512\\)"),
+        ({"row_base": torch.zeros(2, dtype=torch.int32)}, "row_base must be a contiguous int64"),
+    ]
+    for change, message in cases:
+        args = {"q": q, "kv": kv, "rows": rows, "sm_scale": 0.1, **change}
+        with pytest.raises(ValueError, match=message):
+            fp8.sparse_mla_decode_fp8(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: bf16 at the model's shapes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_quantize_matches_the_cpu_bytes():
+    gen = torch.Generator().manual_seed(20)
+    latent, rope = latent_and_rope(4096, gen, spread=10)
+    rows = fp8.quantize_rows(latent.bfloat16().cuda(), rope.bfloat16().cuda())
+    assert torch.equal(rows.cpu(), fp8.quantize_rows(latent, rope))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_real_shapes():
+    """H 128, k 2048 over a 4 x 32K pool: the kernel against its reference, and fp8 against the bf16
+    kernel over the original bf16 rows."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    n, h, k, context = 4, 128, 2048, 32768
+    kv_bf16 = torch.randn(n * context, 576, device="cuda", generator=gen).bfloat16()
+    kv = fp8.quantize_rows(kv_bf16[:, :512], kv_bf16[:, 512:])
+    q = (torch.randn(n, h, 576, device="cuda", generator=gen) * 0.3).bfloat16()
+    tokens = torch.rand(n, context, device="cuda", generator=gen).topk(k, dim=1).indices
+    rows = (tokens + torch.arange(n, device="cuda")[:, None] * context).to(torch.int32)
+    rows[1, 1000:] = -1
+    rows[2] = -1
+    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
+    base_out, _ = dsa.sparse_mla_decode(q, kv_bf16, rows, DSV32_SCALE, backend="triton")
+    for splits in (None, 1, 7):
+        out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits)
+        assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
+        assert rel_err(lse, ref_lse) < 1e-4, f"num_splits={splits}"
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+        assert rel_err(out, base_out) < FP8_VS_BF16_MAX_REL, f"num_splits={splits}"
+
+
+@pytest.mark.gpu
+def test_gpu_same_bytes_at_other_positions_give_the_same_bits():
+    gen = torch.Generator().manual_seed(22)
+    streams, slots = 8, 4096
+    kv_res, rows_res, kv_hot, rows_hot = hot_and_resident(streams, 8192, slots, 2048, gen)
+    q = torch.randn(streams, 128, 576, generator=gen).bfloat16().cuda()
+    base = torch.arange(streams, dtype=torch.int64, device="cuda") * (slots + 1)
+    out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE)
+    out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, row_base=base)
+    assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
