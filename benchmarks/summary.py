@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchmarks.bench_prefill import TARGETS
-from experiments.figures import serving_study
+from experiments.figures import newest_per_point, serving_study
 
 
 def latest(frame: pd.DataFrame) -> pd.DataFrame:
@@ -147,9 +147,10 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
     f = frame[frame.gpu != "cpu"] if (frame.gpu != "cpu").any() else frame
     if "transport" in f:
         f = f[f.transport.isna() | (f.transport == "process")]
-    f = f[f.commit == f.commit.iloc[-1]] if len(f) else f
-    closed = f[f.concurrency.notna()]
-    f = serving_study(closed)
+    every = f[f.concurrency.notna()]
+    if len(f):                       # the newest row's commit
+        f = f[f.commit == f.commit[pd.to_datetime(f.timestamp, utc=True, format="ISO8601").idxmax()]]
+    f = serving_study(f[f.concurrency.notna()])
     wide = f.pivot_table(index=["concurrency", "mode"], columns="metric", values="value")
     levels = sorted({c for c, _ in wide.index})
     lines = []
@@ -170,11 +171,12 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         low = levels[0]
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
                      f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
-    return lines + chunk_lines(closed)
+    return lines + chunk_lines(newest_per_point(every) if len(every) else every)
 
 
 def chunk_lines(closed: pd.DataFrame) -> list[str]:
-    """Per (clients, mode, lengths) run at more than one prefill chunk: p50 TTFT and TPOT, p99 of the
+    """Per (clients, mode, lengths) run at more than one prefill chunk (the newest run of each point, of
+    any commit): p50 TTFT and TPOT, p99 of the
     gaps between tokens (ITL, where recorded) per chunk, the interleaving's trade-off (small chunks: decode steps wait less; large: a prompt prefills sooner)."""
     if "prefill_chunk" not in closed:
         return []

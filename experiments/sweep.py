@@ -64,6 +64,7 @@ from hisparse.runtime import nbytes
 from hisparse.synthetic import (
     PRESETS,
     batch_workload,
+    fill_draw_cache,
     per_kv_head_config,
     per_kv_head_workload,
     preset,
@@ -480,6 +481,7 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 # one. So rows record it.
 decode_runs = 0
 draw_cache: Path | None = None       # --draw-cache: where serving requests' draws are kept
+serving_warmed = False               # a serving run in this process has prefilled a prompt
 
 
 def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
@@ -650,12 +652,18 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     return out
 
 
+def serving_request_count(study: dict, point: dict) -> int:
+    """Requests of a serving point: requests_per_client per client, or `requests` (open loop)."""
+    closed = point["concurrency"] is not None
+    return point["concurrency"] * study["requests_per_client"] if closed else study["requests"]
+
+
 def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | None]:
     """The point's requests (random prompts, seeded per request: the same in every mode) and its
     client count (None: Poisson arrivals at the rate, seeded)."""
     from hisparse.serving import Request
     closed = point["concurrency"] is not None
-    count = point["concurrency"] * study["requests_per_client"] if closed else study["requests"]
+    count = serving_request_count(study, point)
     gen = torch.Generator().manual_seed(0)
     arrivals = torch.zeros(count) if closed else torch.empty(count).exponential_(generator=gen).cumsum(0) / point["rate"]
     reqs = []
@@ -668,8 +676,8 @@ def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | 
 def run_serving(model, study: dict, point: dict) -> list[dict]:
     """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
     clients never have more requests out), its summary and sizes as rows."""
-    from hisparse.serving import GIB, Server
-    global decode_runs
+    from hisparse.serving import GIB, Request, Server
+    global decode_runs, serving_warmed
     decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
     selections = None
@@ -686,6 +694,10 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     host_budget_gib=point["host_budget_gib"], max_batch=max_batch,
                     prefill_chunk=point["prefill_chunk"], graph=point["graph"],
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest)
+    if not serving_warmed:           # a process's first prompt of this length compiles kernels (7 s at 16K on
+        warm = Request(reqs[0].prompt.clone(), 2, selections=reqs[0].selections)      # the H200): untimed
+        server.serve([warm])
+        serving_warmed = True
     run = server.serve(reqs, clients=clients, progress=True)
     summary = run.summary()
     hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)
@@ -787,6 +799,17 @@ def main(argv=None) -> int:
         for study, point in todo:
             print("  ", point)
         return 0
+    if draw_cache is not None:         # every draw the serving points will read, drawn side by side now
+        needs = {}
+        for study, point in todo:
+            if point["bench"] == "serving" and point["workload"] != "model":
+                count = serving_request_count(study, point)
+                shape = (point["workload"], study["model"], study.get("layers"), study.get("hidden"),
+                         point["input_len"], point["output_len"])
+                needs[shape] = (study, max(count, needs.get(shape, (None, 0))[1]))
+        for (workload, *_, input_len, output_len), (study, count) in needs.items():
+            config = config_from_dict(model_config(study))
+            fill_draw_cache(workload, config, input_len, output_len, count, draw_cache)
     start, models = time.perf_counter(), {}
     for i, (study, point) in enumerate(todo):
         t0 = time.perf_counter()

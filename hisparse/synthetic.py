@@ -165,11 +165,7 @@ def request_draws(workload: str, model_config, input_len: int, output_len: int, 
     cores side by side. With `cache` (a folder) each request's draw is kept there as a .npy file
     named by its seed and a hash of its config and of this file, so later calls (other points,
     processes, a server) read it instead of drawing it again."""
-    over = dict(k=model_config.index_topk, layers=model_config.num_hidden_layers, context=input_len,
-                steps=max(1, output_len - 1))
-    if workload == "tiny":
-        over.update(sinks=1, window=2)
-    cfg = preset(workload, **over)
+    cfg = _request_config(workload, model_config, input_len, output_len)
     seeds = [request_seed(0, i) for i in range(count)]
     if cache is None:
         selections = draw_requests(cfg, seeds).selections
@@ -182,6 +178,22 @@ def request_draws(workload: str, model_config, input_len: int, output_len: int, 
     trace = Trace(selections, "synthetic", cfg.unit_size, np.full(count, input_len, dtype=np.int64),
                   np.arange(cfg.layers))
     return torch.from_numpy(np.ascontiguousarray(with_anchors(trace, anchors).selections))
+
+
+def fill_draw_cache(workload: str, model_config, input_len: int, output_len: int, count: int,
+                    cache: str | Path) -> None:
+    """Draw into `cache` every one of `count` requests' draws that `request_draws` would read from it
+    and it lacks, all side by side (one batch uses the host's cores; request by request does not)."""
+    _cached_draws(_request_config(workload, model_config, input_len, output_len),
+                  [request_seed(0, i) for i in range(count)], Path(cache))
+
+
+def _request_config(workload: str, model_config, input_len: int, output_len: int) -> SyntheticConfig:
+    over = dict(k=model_config.index_topk, layers=model_config.num_hidden_layers, context=input_len,
+                steps=max(1, output_len - 1))
+    if workload == "tiny":
+        over.update(sinks=1, window=2)
+    return preset(workload, **over)
 
 
 def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[np.ndarray]:

@@ -296,13 +296,23 @@ def test_summary_prints_the_serving_targets():
     values = {("resident", 2): (60, 20, 1000, 1), ("hisparse", 2): (58, 22, 1000, 2), ("noio", 2): (60, 20.4, 1000, 2),
               ("resident", 8): (80, 40, 9000, 4), ("hisparse", 8): (160, 50, 3000, 8),
               ("resident", 16): (80, 40, 20000, 4), ("hisparse", 16): (120, 60, 10000, 9)}
-    rows = [dict(bench="serving", mode=mode, concurrency=c, metric=m, value=v, commit="abc", gpu="NVIDIA H200")
+    shape = dict(bench="serving", input_len=1024, output_len=256, prefill_chunk=512, gpu="NVIDIA H200")
+    rows = [dict(shape, mode=mode, concurrency=c, metric=m, value=v, commit="abc", timestamp="2026-12-01T10:00:00")
             for (mode, c), vals in values.items()
             for m, v in zip(("tokens_per_s", "tpot_ms_p50", "ttft_ms_p50", "lanes"), vals)]
+    # a chunk study of an earlier commit (one level, two chunks) and a rerun of one of its points
+    chunks = {(512, "2026-11-30T10:00:00"): (900, 30, 50), (2048, "2026-11-30T10:00:00"): (700, 35, 400),
+              (2048, "2026-11-30T11:00:00"): (650, 34, 420)}
+    rows += [dict(shape, output_len=64, prefill_chunk=chunk, mode="hisparse", concurrency=2, metric=m, value=v,
+                  commit="old", timestamp=stamp)
+             for (chunk, stamp), vals in chunks.items()
+             for m, v in zip(("ttft_ms_p50", "tpot_ms_p50", "itl_ms_p99"), vals)]
     lines = serving_lines(pd.DataFrame(rows))
     assert lines == [
         "serving 8 clients: hisparse / resident output tokens/s 2.00x (target >= 1.6), p50 TTFT 3.00x lower "
         "(target >= 2); lanes 8 / 4",
         "serving 16 clients: hisparse / resident output tokens/s 1.50x (target >= 1.6), p50 TTFT 2.00x lower "
         "(target >= 2); lanes 9 / 4",
-        "serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident 1.020 (target <= 1.03)"]
+        "serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident 1.020 (target <= 1.03)",
+        "serving 2 clients, hisparse, 1024 in / 64 out, p50 per prefill chunk: 512: TTFT 900 / TPOT 30.0 / ITL p99 50 "
+        "ms; 2048: TTFT 650 / TPOT 34.0 / ITL p99 420 ms"]

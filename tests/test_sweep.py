@@ -558,6 +558,20 @@ def test_a_serving_study_admits_by_memory_and_writes_its_rows(tmp_path, capsys):
     assert (wide["peak_gpu_gib"] * 2**30 <= 0.000066 * 2**30).all()
 
 
+def test_a_serving_sweep_with_a_draw_cache_draws_every_request_first(tmp_path, capsys):
+    """--draw-cache: the sweep draws every serving request's selections in one batch before any point
+    runs, and the rows equal those of a run without the cache."""
+    config = write(tmp_path, SERVING.replace('modes = ["resident", "hisparse"]', 'modes = ["hisparse"]'))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "a"), "--draw-cache", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "drawing 4 of 4 requests' selections" in out and out.index("drawing") < out.index("[1/1]")
+    assert len(list((tmp_path / "d").glob("*.npy"))) == 4
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "b")]) == 0
+    cached, plain = (pd.read_csv(tmp_path / d / "serving.csv") for d in ("a", "b"))
+    for metric in ("output_tokens", "miss_rate", "lanes"):
+        assert (cached[cached.metric == metric].value.values == plain[plain.metric == metric].value.values).all()
+
+
 def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
     """--draw-cache: the selections read back equal the ones drawn without it; a later call with more
     requests draws only the new ones; a changed preset field draws afresh under another name."""
