@@ -24,12 +24,33 @@ if WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 
+# The files that take longest in the interpreter, longest first: under --dist loadgroup a worker takes
+# one whole file at a time, so these start first (longest-first packing) rather than last, where
+# xdist's own order (most tests first) put them and the suite waited on the one worker running them.
+SLOW_FILES = ("test_engine_nsa.py", "test_benchmarks.py", "test_engine_quest.py", "test_engine_dsa.py",
+              "test_serving.py", "test_serving_staged.py", "test_sweep.py")
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.option.loadscopereorder = False      # the groups in the items' order, set below
+
+
 @pytest.hookimpl(tryfirst=True)         # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:          # --dist loadgroup: one worker per group
             group = "gpu" if HAS_GPU or item.get_closest_marker("gpu") else item.path.name
             item.add_marker(pytest.mark.xdist_group(group))
+        # SLOW_FILES first, then the other files by number of tests (xdist's own order); stable
+        per_file = {}
+        for item in items:
+            per_file[item.path.name] = per_file.get(item.path.name, 0) + 1
+
+        def rank(item):
+            name = item.path.name
+            return (SLOW_FILES.index(name), 0) if name in SLOW_FILES else (len(SLOW_FILES), -per_file[name])
+        items.sort(key=rank)
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run benchmarks/gpu_suite.sh on one)")

@@ -154,8 +154,9 @@ def check_shared_selections_on_gpu(engine, prompts, k: int, shared_layers: int, 
     assert noio.tokens.shape == base.tokens.shape and noio.misses > 0
 
 
-def check_traces_replay_exactly(model, prompts, new_tokens: int, k: int, tmp_path, synthetic, **engine_kw) -> None:
-    """Selection traces of a per-KV-head family (NSA, Quest).
+def check_traces_replay_exactly(model, prompts, new_tokens: int, k: int, tmp_path, synthetic, **engine_kw):
+    """Selection traces of a per-KV-head family (NSA, Quest); returns the hisparse run (B = k) that
+    `synthetic` drove, for a caller's further replays of it to compare against.
     - A resident run's recorded selections, saved and loaded, replay to that run bitwise, in resident
       and in hisparse mode (B = k), one selection per (request, layer, KV head).
     - `synthetic` (a trace whose selections the model would not make) drives hisparse bitwise as it
@@ -183,3 +184,4 @@ def check_traces_replay_exactly(model, prompts, new_tokens: int, k: int, tmp_pat
     assert_bitwise(base, out, "a synthetic trace, hisparse against resident")
     assert out.misses_per_step == simulate_trace(synthetic, "lru", k).misses.sum(1).tolist()
     assert sum(out.misses_per_step) > 0
+    return out

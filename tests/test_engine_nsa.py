@@ -7,7 +7,8 @@ window (short, to keep interpreter runs fast). The long prompt (500 tokens, 8 bl
 leaves a real choice besides the forced blocks (0 and the two newest), so blocks are evicted and
 fetched again at B = k; it opens a block at position 512, within the shared-selection runs' steps
 too. The short one (28 tokens) starts with no compressed block and one selection block (the
-selection is padded with -1) and completes its first compressed blocks during the 24 decode steps."""
+selection is padded with -1) and completes its first compressed blocks (at 32 and 48 tokens) during
+the 20 decode steps."""
 import functools
 import tempfile
 
@@ -42,7 +43,7 @@ from hisparse.traces import Trace
 PROMPT_LENGTHS = (500, 28)
 N_SELECT = 4                     # k: selection blocks per KV head and step
 TINY = {"num_hidden_layers": 1, "num_selected_blocks": N_SELECT, "sliding_window": 64}
-STEPS = 25                       # new tokens: the prefill's token, then 24 decode steps
+STEPS = 21                       # new tokens: the prefill's token, then 20 decode steps (to 48 + 1 tokens)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,7 +102,8 @@ def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
     assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
 
 
-SHARED_STEPS = 15              # new tokens of the shared-selection runs (two layers: twice the work per step)
+SHARED_STEPS = 14              # new tokens of the shared-selection runs (two layers: twice the work per step);
+                               # the last step's input, at position 512, opens a block
 
 
 def shared_to_anchor(model) -> dict[int, int]:
@@ -211,17 +213,17 @@ def test_traces_record_and_replay_per_kv_head(tmp_path):
     """NSA selections recorded per (request, layer, KV head) replay bitwise; a synthetic trace drives
     hisparse as it drives resident, with the LRU simulator's misses (two 450-token prompts, B = k)."""
     model, heads = tiny_model(), tiny_model().config.num_key_value_heads
-    lengths, new_tokens = (450, 450), 9
+    lengths, new_tokens = (450, 450), 5
     synthetic = split_kv_heads(generate_trace(SyntheticConfig(
         context=lengths[0], steps=new_tokens - 1, k=N_SELECT, layers=1, batch=len(lengths) * heads, sinks=1,
         window=2, random_layers=0, noise=1.0, unit_size=SEL_BLOCK)), heads)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen) for n in lengths]
-    check_traces_replay_exactly(model, prompts, new_tokens, N_SELECT, tmp_path, synthetic)
+    a = check_traces_replay_exactly(model, prompts, new_tokens, N_SELECT, tmp_path, synthetic)  # hisparse, B = k
     # a trace held in another memory order replays the same (the kernels take contiguous selections)
     fortran = Trace(np.asfortranarray(synthetic.selections), "synthetic", SEL_BLOCK, synthetic.context,
                     synthetic.layer_anchor)
-    a = Engine(model, "hisparse", cache_slots=N_SELECT).generate(prompts, new_tokens, replay=synthetic)
+    assert not synthetic.selections.flags.f_contiguous and fortran.selections.flags.f_contiguous
     b = Engine(model, "hisparse", cache_slots=N_SELECT).generate(prompts, new_tokens, replay=fortran)
     assert_bitwise(a, b, "a Fortran-ordered trace")
 
