@@ -325,8 +325,9 @@ def test_load_client_writes_http_rows(resident, tmp_path):
 
 
 def test_a_replayed_workload_gives_each_request_its_draw_and_refuses_other_shapes():
-    """--workload: the n-th request replays draw n (its tokens are an in-process run's with that draw);
-    a prompt of another length, or more tokens than the draws cover, gets a 400 naming the field."""
+    """--workload: after one uncounted warm-up request of the workload's shape, the n-th request
+    replays draw n (its tokens are an in-process run's with that draw); a prompt of another length,
+    or more tokens than the draws cover, gets a 400 naming the field."""
     model = tiny(FAMILY)
     draws = request_draws("tiny", model.config, 40, 4, 2)             # [3 steps, layers, 2 draws, k]
     workload = ReplayWorkload("tiny", 40, 4, draws)
@@ -351,6 +352,8 @@ def test_a_replayed_workload_gives_each_request_its_draw_and_refuses_other_shape
         assert short[0] == 400 and short[1]["error"]["param"] == "prompt" and "exactly 40 tokens" in short[1]["error"]["message"]
         assert long[0] == 400 and long[1]["error"]["param"] == "max_tokens"
         assert running.service.info["hisparse"]["workload"] == "tiny"
+        assert len(running.server.requests) == 3, "no untimed warm-up request of the workload's shape first"
+        assert running.scheduler.snapshot().result(10)["served"] == 2      # the warm-up is not counted
     finally:
         running.shut_down()
 

@@ -25,7 +25,8 @@ MAX_CONTEXT = 140
 
 @functools.cache
 def tiny(family: str):
-    overrides = {"num_hidden_layers": 2} if family in ("deepseek_v32", "nsa") else {}   # llama: 2 dense + 1 Quest
+    # llama: 2 dense + 1 Quest; NSA one layer (its interpreter decode step is the slowest: the checks are per layer)
+    overrides = {"deepseek_v32": {"num_hidden_layers": 2}, "nsa": {"num_hidden_layers": 1}}.get(family, {})
     model = build_model(config_from_dict(dict(TINY_CONFIGS[family], **overrides))).to(DEVICE).float()
     randomize_(model, 5)
     return model

@@ -133,6 +133,8 @@ class SchedulerThread:
             if self.server.device.type == "cuda":    # a new thread starts on cuda:0, whatever the model's GPU
                 torch.cuda.set_device(self.server.device)
             self.server.open()
+            if self.workload is not None:
+                self._warm_up(self.workload)
         except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller, who raises it
             self._ready.set_exception(exc)
             return
@@ -145,6 +147,16 @@ class SchedulerThread:
             if self.server.busy and not self._done:
                 self._step()
         self._refuse_late_commands()
+
+    def _warm_up(self, workload: ReplayWorkload) -> None:
+        """One untimed request of the workload's shape before serving (uncounted, no draw used): a
+        process's first long prompt compiles kernels (7 s at 16K on the H200), which would land in
+        the first client's TTFT."""
+        warm = Request(torch.zeros(workload.input_len, dtype=torch.int64), min(2, workload.output_len),
+                       selections=workload.draws[:, :, 0])
+        self.server.submit(warm)
+        while self.server.busy:
+            self.server.step()
 
     def _refuse_late_commands(self) -> None:
         """Commands queued while stop() ran: refused, so no caller waits on them forever."""
