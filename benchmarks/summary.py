@@ -145,6 +145,7 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
     TTFT (>= 2x lower) at the two highest levels; at the lowest, TPOT p50 over resident's (hisparse
     <= 1.25, noio <= 1.03)."""
     f = frame[frame.gpu != "cpu"] if (frame.gpu != "cpu").any() else frame
+    http = http_lines(f)
     if "transport" in f:
         f = f[f.transport.isna() | (f.transport == "process")]
     every = f[f.concurrency.notna()]
@@ -171,7 +172,35 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         low = levels[0]
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
                      f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
-    return lines + chunk_lines(newest_per_point(every) if len(every) else every)
+    return lines + chunk_lines(newest_per_point(every) if len(every) else every) + http
+
+
+# what makes an HTTP row the twin of an in-process one (the rest is how each was measured)
+TWIN = ["family", "model", "mode", "workload", "layers", "hidden", "cache_slots", "input_len", "output_len",
+        "concurrency", "kv_budget_gib", "prefill_chunk"]
+
+
+def http_lines(frame: pd.DataFrame) -> list[str]:
+    """Per point run both over HTTP (transport=http, `hisparse.serve.bench`) and in process: what
+    HTTP adds to p50 TTFT and TPOT (issue 35), the newest run of each."""
+    if "transport" not in frame or not (frame.transport == "http").any():
+        return []
+    f = newest_per_point(frame[frame.concurrency.notna()])
+    f = f.assign(transport=f.transport.fillna("process"))
+    keys = [c for c in TWIN if c in f]
+    lines = []
+    for point, rows in f.groupby(keys, dropna=False, sort=False):
+        by = rows.pivot_table(index="transport", columns="metric", values="value")
+        if not {"http", "process"} <= set(by.index):
+            continue
+        web, own = by.loc["http"], by.loc["process"]
+        point = dict(zip(keys, point))
+        cells = [f"{name} p50 {web[m]:.1f} vs {own[m]:.1f} ms ({web[m] / own[m] - 1:+.1%})"
+                 for name, m in (("TTFT", "ttft_ms_p50"), ("TPOT", "tpot_ms_p50"))]
+        lines.append(f"serving over HTTP, {point['mode']} {point['concurrency']:.0f} clients, {point['input_len']:.0f} in / "
+                     f"{point['output_len']:.0f} out: " + ", ".join(cells)
+                     + f"; tokens/s {web['tokens_per_s'] / own['tokens_per_s']:.3f}x in-process")
+    return lines
 
 
 def chunk_lines(closed: pd.DataFrame) -> list[str]:

@@ -291,6 +291,22 @@ def test_summary_prints_each_prefill_point_beside_its_target():
                      "prefill quest 32K: 5.00 s, 0.30 of the FLOP roofline (target roofline_frac >= 0.4)"]
 
 
+def test_summary_states_what_http_adds_beside_the_in_process_twin():
+    from benchmarks.summary import http_lines
+    point = dict(bench="serving", family="dsa", model="dsa", mode="hisparse", workload="dsa_100k", layers=61,
+                 hidden=1024, cache_slots=4096, input_len=16384, output_len=1024, concurrency=8, kv_budget_gib=4,
+                 prefill_chunk=8192, gpu="NVIDIA H200", commit="abc", timestamp="2026-12-01T10:00:00")
+    own = {"ttft_ms_p50": 4000.0, "tpot_ms_p50": 20.0, "tokens_per_s": 100.0}
+    web = {"ttft_ms_p50": 4100.0, "tpot_ms_p50": 20.5, "tokens_per_s": 98.0}
+    rows = [dict(point, transport=None, metric=m, value=v) for m, v in own.items()]
+    rows += [dict(point, transport="http", metric=m, value=v) for m, v in web.items()]
+    rows += [dict(point, concurrency=2, transport=None, metric=m, value=v) for m, v in own.items()]  # no twin
+    assert http_lines(pd.DataFrame(rows)) == [
+        "serving over HTTP, hisparse 8 clients, 16384 in / 1024 out: TTFT p50 4100.0 vs 4000.0 ms (+2.5%), "
+        "TPOT p50 20.5 vs 20.0 ms (+2.5%); tokens/s 0.980x in-process"]
+    assert http_lines(pd.DataFrame(rows[:3])) == []
+
+
 def test_summary_prints_the_serving_targets():
     from benchmarks.summary import serving_lines
     values = {("resident", 2): (60, 20, 1000, 1), ("hisparse", 2): (58, 22, 1000, 2), ("noio", 2): (60, 20.4, 1000, 2),

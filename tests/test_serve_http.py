@@ -358,6 +358,18 @@ def test_a_replayed_workload_gives_each_request_its_draw_and_refuses_other_shape
         running.shut_down()
 
 
+def test_the_command_serves_a_model_already_built():
+    """main(model=...) (benchmarks/serving_http.sh: the sweep's study model, no checkpoint): the
+    server is built around that model and named as given; without either, --model is required."""
+    from hisparse.serve.__main__ import build_parser, build_server
+    ap = build_parser()
+    server, name, workload = build_server(ap, ap.parse_args(["--max-context", "64", "--kv-budget-gib", "0.01"]),
+                                          tiny(FAMILY), "dsa")
+    assert server.model is tiny(FAMILY) and name == "dsa" and workload is None and server.max_context == 64
+    with pytest.raises(SystemExit):
+        build_server(ap, ap.parse_args([]))
+
+
 def test_the_command_checks_its_workload_options(tmp_path, capsys):
     checkpoint = str(tmp_path / "unused")
     for argv, message in ((["--workload-input-len", "8"], "--workload-input-len: only with --workload"),

@@ -57,8 +57,8 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hisparse.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, metavar="DIR",
-                    help="checkpoint directory: config.json plus *.safetensors (Hugging Face layout), e.g. one "
+    ap.add_argument("--model", metavar="DIR",
+                    help="(required) checkpoint directory: config.json plus *.safetensors (Hugging Face layout), e.g. one "
                          "written by `python -m hisparse.make_tiny`")
     ap.add_argument("--mode", choices=KV_MODES, default="resident",
                     help="resident (all KV on the GPU, the baseline), hisparse (host pool + --cache-slots GPU slots "
@@ -115,8 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Server, str]:
-    """The checkpoint's model in a Server sized by the options; an option that cannot work is ap.error."""
+def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace, model=None, name: str | None = None):
+    """(Server, model name, ReplayWorkload or None): the checkpoint's model (or `model`, already on
+    its device, named `name`) in a Server sized by the options; an option that cannot work is ap.error."""
+    if model is not None:
+        return _server(ap, args, model, name or type(model).__name__)
+    if args.model is None:
+        ap.error("the following arguments are required: --model")
     device = _device(ap, args.device)
     if args.graph and device.type != "cuda":
         ap.error("argument --graph: CUDA graphs need a CUDA GPU and none is in use")
@@ -126,13 +131,16 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
     if not (Path(args.model) / "config.json").is_file():
         ap.error(f"argument --model: no config.json in checkpoint directory {args.model!r}")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    model = _load(ap, args.model, dtype, device)
+    return _server(ap, args, _load(ap, args.model, dtype, device), Path(args.model).resolve().name)
+
+
+def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: str):
     try:
         family_runtime(model, args.token_budget)
     except ValueError as exc:
-        ap.error(f"argument --model: checkpoint {args.model!r} does not fit the kernels: {exc}")
+        ap.error(f"argument --model: model {name!r} does not fit the kernels: {exc}")
     quest = {} if args.token_budget is None else {"token_budget": args.token_budget}
-    workload = replay_workload(ap, args, model.config)
+    workload = replay_workload(ap, args, model.config, name)
     try:
         server = Server(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
                         max_context=args.max_context, kv_budget_gib=args.kv_budget_gib,
@@ -141,7 +149,7 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple
                         selections=None if workload is None else workload.draws[:, :, 0], **quest)
     except ValueError as exc:
         ap.error(f"cannot build the server: {exc}")
-    return server, Path(args.model).resolve().name, workload
+    return server, name, workload
 
 
 def check_workload_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -163,13 +171,12 @@ def check_workload_options(ap: argparse.ArgumentParser, args: argparse.Namespace
                  f"--max-context {args.max_context}")
 
 
-def replay_workload(ap: argparse.ArgumentParser, args: argparse.Namespace, config) -> ReplayWorkload | None:
+def replay_workload(ap: argparse.ArgumentParser, args: argparse.Namespace, config, name: str) -> ReplayWorkload | None:
     """The draws every request replays (--workload), made (or read from --draw-cache) now."""
     if args.workload is None:
         return None
     if config.model_type not in ("deepseek_v32", "glm_moe_dsa"):
-        ap.error(f"argument --workload: replays DSA selections; checkpoint {args.model!r} is a "
-                 f"{config.model_type} model")
+        ap.error(f"argument --workload: replays DSA selections; {name!r} is a {config.model_type} model")
     log(f"hisparse.serve: drawing {args.workload_draws} requests' selections of {args.workload} "
         f"({args.workload_input_len} in, {args.workload_output_len} out) ...")
     try:
@@ -192,12 +199,15 @@ async def _serve_until_signalled(service: Service, args: argparse.Namespace) -> 
     return await serve(service, args.host, args.port, stop, args.shutdown_timeout, ready)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, model=None, name: str | None = None) -> int:
+    """The command; `model` (already built and on its device, named `name`) is served instead of a
+    --model checkpoint: e.g. the sweep's random study model, `experiments.sweep.build(study, device)`,
+    as benchmarks/serving_http.sh does (its rows then name the in-process study's model)."""
     ap = build_parser()
     try:
         args = ap.parse_args(argv)
         check_workload_options(ap, args)
-        server, name, workload = build_server(ap, args)
+        server, name, workload = build_server(ap, args, model, name)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     info = describe(server, name, args.kv_budget_gib, args.host_budget_gib,     # before its thread owns it
