@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from hisparse.cache import HierarchicalKVCache
+from hisparse.dsa.fp8 import check_kv_dtype
 from hisparse.dsa.model import DsaModel
 from hisparse.dsa.runtime import DsaRuntime
 from hisparse.host_pool import as_int
@@ -49,18 +50,24 @@ RUNTIMES = {DsaModel: DsaRuntime, QuestModel: QuestRuntime, NsaModel: NsaRuntime
 PREFILLS = ("model", "reference", "random")
 
 
-def family_runtime(model, token_budget: int | None = None, decode_backend: str = "auto") -> FamilyRuntime:
+def family_runtime(model, token_budget: int | None = None, decode_backend: str = "auto",
+                   kv_dtype: str = "bf16") -> FamilyRuntime:
     """The runtime of the model's family; checks the model fits its kernels. token_budget: Quest only;
-    decode_backend: DSA only (`hisparse.dsa.ops.DECODE_BACKENDS`)."""
+    decode_backend: DSA only (`hisparse.dsa.ops.DECODE_BACKENDS`); kv_dtype: "bf16" (rows in the
+    model's dtype, every family) or "fp8" (DSA only: `hisparse.dsa.fp8`'s 656-byte rows)."""
+    check_kv_dtype(kv_dtype)
     runtime = RUNTIMES.get(type(model))
     if runtime is None:
         raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa), Quest models (llama, qwen3) "
                          f"and NSA models (nsa), got {type(model).__name__}")
     if runtime is DsaRuntime:
-        return DsaRuntime(model, token_budget, decode_backend)
+        return DsaRuntime(model, token_budget, decode_backend, kv_dtype)
     if decode_backend != "auto":
         raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
                          f"{runtime.family} model ({type(model).__name__}) has none")
+    if kv_dtype != "bf16":
+        raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {runtime.family} model "
+                         f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
     return runtime(model, token_budget)
 
 
@@ -138,12 +145,14 @@ class Engine:
     pages; default the model's `sparse_attention.token_budget`. prefetch_programs: the prefetch copy's
     width in programs (default: the family's measured one, `hisparse.runtime.PREFETCH_PROGRAMS_PER_FAMILY`).
     decode_backend (DSA models only): the sparse MLA decode kernel, "auto" (Gluon on Hopper where it
-    runs, else Triton), "triton" or "gluon"."""
+    runs, else Triton), "triton" or "gluon". kv_dtype (DSA models only for "fp8"): "bf16", latent rows
+    in the model's dtype, or "fp8", 656-byte rows (hisparse.dsa.fp8) written quantised in prefill and
+    decode, moved as bytes by the cache, read by the FP8 Triton kernel (so "gluon" is refused)."""
 
     def __init__(self, model: DsaModel | QuestModel | NsaModel, mode: str = "resident",
                  cache_slots: int | None = None, max_context: int | None = None, chunk_size: int | None = None,
                  prefetch: bool = False, prefill: str = "model", token_budget: int | None = None,
-                 prefetch_programs: int | None = None, decode_backend: str = "auto"):
+                 prefetch_programs: int | None = None, decode_backend: str = "auto", kv_dtype: str = "bf16"):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefetch and mode != "hisparse":
@@ -156,8 +165,8 @@ class Engine:
             max_context = as_int(max_context, "max_context must be an int >= 1 (tokens a request may reach)", 1)
         if chunk_size is not None:
             chunk_size = as_int(chunk_size, "chunk_size must be an int >= 1 (prompt tokens per prefill chunk)", 1)
-        self.runtime = family_runtime(model, token_budget, decode_backend)
-        self.decode_backend = decode_backend
+        self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.decode_backend, self.kv_dtype = decode_backend, kv_dtype
         self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "
@@ -201,8 +210,9 @@ class Engine:
             rows = self.runtime.random_rows(prompts, device)
         else:
             singles, last = [], []
+            new_state = getattr(self.runtime, "new_state", model.new_state)   # DSA's: its kv_dtype's rows
             for prompt in prompts:
-                state = model.new_state(1, len(prompt))
+                state = new_state(1, len(prompt))
                 logits = model.prefill(prompt.to(device)[None], state, self.chunk_size, fast=self.prefill == "model",
                                        last_logits=True, backend=self.decode_backend)
                 singles.append(state)

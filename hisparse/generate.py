@@ -18,7 +18,10 @@ interpreter (slow: use tiny checkpoints and short prompts).
 Every family runs: DSA (model_type deepseek_v32, glm_moe_dsa: k = index_topk tokens per (request,
 layer)), Quest (llama, qwen3: k = token_budget // 16 pages per (request, layer, KV head)) and NSA
 (nsa: k = num_selected_blocks 64-token blocks per (request, layer, KV head)). The cache holds
-B >= k units per stream.
+B >= k units per stream. --kv-dtype fp8 (DSA) stores the MLA rows as DeepSeek-V3.2's 656-byte FP8
+rows; it needs MLA's 512 + 64 latent geometry (a checkpoint from
+`hisparse.models.tiny.write_tiny_checkpoint("deepseek_v32", DIR, kv_lora_rank=512,
+qk_rope_head_dim=64, index_head_dim=64)` on a CPU).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import Engine, family_runtime
 from hisparse.models.loading import load_model
 from hisparse.quest.ops import PAGE
@@ -132,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "on a side stream while the layers in between compute (on a GPU; in line on a CPU)")
     ap.add_argument("--graph", action="store_true",
                     help="capture the whole decode step in a CUDA graph and replay it (needs a CUDA GPU)")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                    help="DSA checkpoints: how each MLA latent row is stored: bf16 (its 576 values in --dtype) or "
+                         "fp8 (DeepSeek-V3.2's 656-byte rows: 512 e4m3, 4 scales, 64 bf16 RoPE; needs kv_lora_rank "
+                         "512 and qk_rope_head_dim 64; decoded by the Triton FP8 kernel) (default bf16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
@@ -248,13 +256,17 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      f"{model_type!r}")
         if args.token_budget < PAGE:
             ap.error(f"argument --token-budget: {args.token_budget} is under one page ({PAGE} tokens)")
+    if args.kv_dtype != "bf16" and family != "DSA":
+        ap.error(f"argument --kv-dtype: {args.kv_dtype} rows are DSA's (deepseek_v32, glm_moe_dsa), not model_type "
+                 f"{model_type!r}'s ({family} keeps its KV in --dtype: --kv-dtype bf16)")
 
     model = _load(ap, args.model, dtype, device)
     cfg = model.config
     try:
-        runtime = family_runtime(model, args.token_budget)
+        runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)
     except ValueError as e:
-        ap.error(f"argument --model: checkpoint {args.model!r} does not fit the {family} kernels: {e}")
+        option = "--kv-dtype" if args.kv_dtype != "bf16" and "kv_dtype" in str(e) else "--model"
+        ap.error(f"argument {option}: checkpoint {args.model!r} does not fit the {family} kernels: {e}")
     k = runtime.selection_size
     if args.prefetch and not runtime.shared_layers:
         ap.error(f"argument --prefetch: replays an anchor's miss plan in shared layers; checkpoint "
@@ -270,7 +282,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         engine = Engine(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
                         max_context=args.max_context, chunk_size=args.chunk_size, prefetch=args.prefetch,
-                        token_budget=args.token_budget, prefill=args.prefill)
+                        token_budget=args.token_budget, prefill=args.prefill, kv_dtype=args.kv_dtype)
     except ValueError as e:
         ap.error(f"argument --cache-slots: {e}")
 
@@ -278,7 +290,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     capacity = args.max_context or longest + args.new_tokens
     print(f"model       {args.model} ({model_type}, {family}, {cfg.num_hidden_layers} layers, "
           f"k={k} ({runtime.selection_name}), vocab {cfg.vocab_size})")
-    print(f"device      {device}{interp}, {str(dtype).removeprefix('torch.')}")
+    kv_rows = f", KV rows {args.kv_dtype} ({runtime.row_bytes} B)" if family == "DSA" else ""
+    print(f"device      {device}{interp}, {str(dtype).removeprefix('torch.')}{kv_rows}")
     slots = (f", cache slots B={args.cache_slots} ({args.cache_slots / k:g}k)" if args.mode != "resident" else "")
     print(f"mode        {args.mode}{slots}{', prefetch' if args.prefetch else ''}, "
           f"{'CUDA graph' if args.graph else 'eager'}")

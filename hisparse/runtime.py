@@ -88,6 +88,9 @@ class FamilyRuntime(Protocol):
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
         """GPU bytes of the KV state of the whole batch."""
 
+    # Optional: new_state(batch, capacity) -> DecodeState, the empty state the engine prefills into
+    # (DSA's stores its kv_dtype's rows); without it, the model's own `new_state`.
+
 
 def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

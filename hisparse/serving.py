@@ -195,14 +195,15 @@ class Server:
     request replays from its first decode step instead of the indexer's selections, unless it brings
     its own (`Request.selections`, the same shape but for steps: its own draw of a synthetic workload,
     for realistic locality: a random model's own selections have none).
-    token_budget (Quest), decode_backend (DSA), prefetch, prefetch_programs: as `Engine`'s."""
+    token_budget (Quest), decode_backend (DSA), kv_dtype (DSA's "fp8" rows), prefetch, prefetch_programs:
+    as `Engine`'s."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
                  lanes: int | None = None, prefill_chunk: int = 8192, graph: bool = False, prefill: str = "model",
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
-                 selections: torch.Tensor | None = None):
+                 selections: torch.Tensor | None = None, kv_dtype: str = "bf16"):
         if mode not in KV_MODES:
             raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
         if prefill not in ("model", "reference"):
@@ -218,8 +219,8 @@ class Server:
         self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
         self.fast = prefill == "model"
         self.device = weight.device
-        self.runtime = family_runtime(model, token_budget, decode_backend)
-        self.decode_backend, self.prefetch = decode_backend, prefetch
+        self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.decode_backend, self.prefetch, self.kv_dtype = decode_backend, prefetch, kv_dtype
         self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
         k = self.runtime.selection_size
         if mode != "resident":
@@ -261,8 +262,8 @@ class Server:
         if mode != "resident":
             from hisparse.cache import HierarchicalKVCache
             self.cache = HierarchicalKVCache(max_streams=self.lanes * self.streams_per_request, cache_slots=cache_slots,
-                                             host_rows=host_rows, row_elems=row_bytes // weight.element_size(),
-                                             dtype=weight.dtype, device=self.device)
+                                             host_rows=host_rows, row_elems=row_bytes // self._row_dtype().itemsize,
+                                             dtype=self._row_dtype(), device=self.device)
         self.layers = self._empty_layers(self.lanes, self.cache)
         self.state = DecodeState(self.layers, self.max_context,
                                  torch.zeros(self.lanes, dtype=torch.int64, device=self.device))
@@ -294,8 +295,12 @@ class Server:
         """Bytes of one host-pool row (a unit of one stream) of this family."""
         cfg, elem = self.model.config, self.model.model.embed_tokens.weight.element_size()
         if self.runtime.family == "DSA":
-            return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+            return self.runtime.row_bytes           # 576 values in the model's dtype, or 656 bytes (fp8)
         return 2 * self.runtime.unit_size * cfg.head_dim * elem
+
+    def _row_dtype(self) -> torch.dtype:
+        """The dtype of host-pool rows: the DSA runtime's (uint8 for fp8 rows), else the weights'."""
+        return getattr(self.runtime, "row_dtype", self.model.model.embed_tokens.weight.dtype)
 
     def _host_rows(self, host_budget_gib: float | None, row_bytes: int, lanes: int) -> int:
         """Rows of the host pool: the host budget's, or every lane at max_context."""
@@ -315,9 +320,8 @@ class Server:
             from hisparse.cache import HierarchicalKVCache
             cache = HierarchicalKVCache(max_streams=self.streams_per_request, cache_slots=self.cache_slots,
                                         host_rows=self.streams_per_request, row_elems=self._row_bytes()
-                                        // self.model.model.embed_tokens.weight.element_size(),
-                                        dtype=self.model.model.embed_tokens.weight.dtype, device=self.device,
-                                        pin=False)
+                                        // self._row_dtype().itemsize,
+                                        dtype=self._row_dtype(), device=self.device, pin=False)
         layers = self._empty_layers(1, cache)
         state = self.runtime.kv_bytes(layers, None)
         if cache is None:

@@ -26,6 +26,10 @@ scale and a saturated value) and casts without a clamp; its RoPE part is in the 
 (bf16 in serving), ours always bf16; its cache is paged [blocks, block_size, 1, 656], ours rows
 [R, 656]. vLLM's `fp8_ds_mla` cache has the same layout; the decoder here reads any float32
 scale, a power of two or not (exactness of the dequantisation needs the power of two).
+
+In the system (kv_dtype "fp8" of `DsaRuntime`, `Engine`, `Server`: DESIGN section 5.1) every stored
+latent row is such a row: `to_rows` / `from_rows` convert MLA rows [..., 576] (latent, then RoPE key),
+and `sparse_mla_decode_stored` reads stored rows of either kind.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ import torch
 import triton
 import triton.runtime.errors
 
+# the module, not its names: reference.py imports this one too (MlaKV reads and writes FP8 rows)
+from hisparse.dsa import reference
 from hisparse.dsa.ops import (
     FLOAT_DTYPES,
     DecodeConfig,
@@ -43,10 +49,10 @@ from hisparse.dsa.ops import (
     _smaller_config,
     combine_splits,
     default_decode_config,
+    sparse_mla_decode,
     split_buffers,
     split_plan,
 )
-from hisparse.dsa.reference import sparse_mla_decode_ref
 from kernels_triton.dsa_fp8 import _sparse_mla_decode_fp8_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -57,6 +63,10 @@ ROPE_BYTE = SCALE_BYTE + 4 * N_TILES            # 528
 ROW_BYTES = ROPE_BYTE + 2 * D_ROPE              # 656
 FP8_MAX = 448.0
 SCALE_FLOOR = 1e-4                              # FlashMLA's floor of a_b / 448
+# How the DSA family stores an MLA row (`kv_dtype` of DsaRuntime, Engine, Server, generate --kv-dtype):
+# "bf16", the 576 latent + RoPE values in the model's dtype (bf16 on the GPU, float32 in CPU tests);
+# "fp8", this module's 656-byte rows (uint8 tensors [..., 656] wherever rows are stored)
+KV_DTYPES = ("bf16", "fp8")
 
 
 def block_scales(latent: torch.Tensor) -> torch.Tensor:
@@ -108,6 +118,53 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     return latent, rope
 
 
+def check_kv_dtype(kv_dtype) -> str:
+    """kv_dtype itself if it is one of KV_DTYPES, else ValueError naming it and the choices."""
+    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: expected one of {KV_DTYPES} (DSA's MLA rows: 'bf16', 576 "
+                         f"values in the model's dtype; 'fp8', {ROW_BYTES}-byte rows of 512 e4m3, 4 scales, "
+                         f"64 bf16 RoPE)")
+    return kv_dtype
+
+
+def check_fp8_geometry(config) -> None:
+    """ValueError unless the model's MLA rows are 512 latent + 64 RoPE values, the FP8 row's."""
+    dims = (config.kv_lora_rank, config.qk_rope_head_dim)
+    _require(dims == (D_LATENT, D_ROPE), f"kv_dtype='fp8' stores {D_LATENT} latent + {D_ROPE} RoPE values a row "
+             f"(DeepSeek-V3.2's MLA); this model has kv_lora_rank={dims[0]}, qk_rope_head_dim={dims[1]}")
+
+
+def check_fp8_backend(backend: str) -> None:
+    """ValueError for a decode backend that cannot read FP8 rows (the Gluon kernel reads bf16/fp16 rows)."""
+    _require(backend != "gluon", "decode backend 'gluon' reads bf16/fp16 rows; kv_dtype='fp8' rows are read by the "
+             "Triton kernel (sparse_mla_decode_fp8): pass 'auto' (which picks it) or 'triton'")
+
+
+def to_rows(latent: torch.Tensor) -> torch.Tensor:
+    """FP8 rows uint8 [..., 656] of MLA rows [..., 576] (latent, then RoPE key): `quantize_rows`."""
+    return quantize_rows(latent[..., :D_LATENT], latent[..., D_LATENT:])
+
+
+def from_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MLA rows [..., 576] in `dtype` of FP8 rows uint8 [..., 656]: dequantised in float32 (exact), then
+    cast, as the decode kernel converts them to q's dtype."""
+    latent, rope = dequantize_rows(rows)
+    return torch.cat([latent, rope.float()], dim=-1).to(dtype)
+
+
+def sparse_mla_decode_stored(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float, d_v: int,
+                             row_base: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                             backend: str = "auto") -> torch.Tensor:
+    """Absorbed-MLA decode over stored rows of either kind: FP8 rows (kv uint8 [R, 656]) through
+    `sparse_mla_decode_fp8` (backend "auto" or "triton"; "gluon" is refused before any launch), else
+    `hisparse.dsa.ops.sparse_mla_decode` with `backend`. Returns out [N, H, d_v]."""
+    if kv.dtype == torch.uint8:
+        check_fp8_backend(backend)
+        _require(d_v == D_LATENT, f"d_v={d_v}: FP8 rows hold {D_LATENT} latent values (V)")
+        return sparse_mla_decode_fp8(q, kv, rows, sm_scale, out=out, row_base=row_base)[0]
+    return sparse_mla_decode(q, kv, rows, sm_scale, d_v=d_v, out=out, row_base=row_base, backend=backend)[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Sparse MLA decode over FP8 rows
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +179,7 @@ def sparse_mla_decode_fp8_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Ten
     latent, rope = dequantize_rows(kv[torch.where(valid, base + rows.long(), 0)])  # [N, k, 512], [N, k, 64]
     picked = torch.cat([latent, rope.float()], dim=-1).view(n * k, D_LATENT + D_ROPE)
     local = torch.where(valid, torch.arange(n * k, device=rows.device).view(n, k), -1)
-    return sparse_mla_decode_ref(q, picked, local, sm_scale, d_v=D_LATENT)
+    return reference.sparse_mla_decode_ref(q, picked, local, sm_scale, d_v=D_LATENT)
 
 
 def _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base) -> None:

@@ -5,13 +5,16 @@ prefill attends, for every query, to the top-`index_topk` earlier tokens its ind
 `glm_moe_dsa` layers marked "shared" reuse the selection of the last "full" layer and have no
 indexer weights; the indexer's RoPE is half-split for deepseek_v32 and interleaved for glm_moe_dsa.
 Decode runs the indexer and absorbed MLA through `DsaModel.sparse_attention` (see reference.py).
+A state made with kv_dtype "fp8" (`new_state`) stores every latent row as hisparse.dsa.fp8's
+656-byte row; prefill then attends over those stored rows (the kernel dequantises them, as decode does).
 """
 import torch
 from torch import nn
 
-from hisparse.dsa.ops import dsa_prefill_select, sparse_mla_decode
+from hisparse.dsa import fp8
+from hisparse.dsa.ops import dsa_prefill_select
 from hisparse.dsa.reference import MlaKV, TorchDsaAttention, stable_topk
-from hisparse.models.base import CausalLM, DecoderLayer, Step
+from hisparse.models.base import CausalLM, DecoderLayer, DecodeState, Step
 from hisparse.models.config import DsaConfig
 from hisparse.models.layers import (
     GatedMLP,
@@ -79,8 +82,12 @@ class MlaAttention(nn.Module):
         self._rotary = (rotary,)  # a tuple: shared by every layer, not a submodule
         self._owner = (owner,)
 
-    def new_kv(self, batch: int, capacity: int, device, dtype) -> MlaKV:
-        latent = torch.zeros(batch, capacity, self.dc + self.dr, device=device, dtype=dtype)
+    def new_kv(self, batch: int, capacity: int, device, dtype, kv_dtype: str = "bf16") -> MlaKV:
+        """Zero state; latents in `dtype`, or with kv_dtype "fp8" as uint8 656-byte rows (index keys in `dtype`)."""
+        if fp8.check_kv_dtype(kv_dtype) == "fp8":
+            latent = torch.zeros(batch, capacity, fp8.ROW_BYTES, device=device, dtype=torch.uint8)
+        else:
+            latent = torch.zeros(batch, capacity, self.dc + self.dr, device=device, dtype=dtype)
         keys = None
         if self.indexer is not None:
             keys = torch.zeros(batch, capacity, self.indexer.head_dim, device=device, dtype=dtype)
@@ -121,7 +128,10 @@ class MlaAttention(nn.Module):
         return self.o_proj(out.reshape(b, s, self.n_heads * self.dv))
 
     def _prefill_attention(self, q_nope, q_rot, latent, causal, topk_ids):
-        """Expanded MLA (as transformers) under the causal and top-k masks: [B, S, H, Dv]."""
+        """Expanded MLA (as transformers) under the causal and top-k masks: [B, S, H, Dv] (FP8 rows
+        dequantised to q's dtype first)."""
+        if latent.dtype == torch.uint8:
+            latent = fp8.from_rows(latent, q_nope.dtype)
         b, t, _ = latent.shape
         k_nope, v = self.kv_b_proj(latent[..., : self.dc]).view(b, t, self.n_heads, -1).split([self.dn, self.dv], -1)
         k_rot = latent[:, :, None, self.dc:].expand(-1, -1, self.n_heads, -1)
@@ -135,16 +145,17 @@ class MlaAttention(nn.Module):
     def _prefill_absorbed(self, q_nope, q_rot, latent, selection, backend: str):
         """Absorbed MLA of each query over its own selected latents, through the decode kernel (one
         query per row list, PREFILL_QUERIES at a time: the kernel's grid holds at most 65535 rows):
-        q_nope [B, S, H, Dn], latent [B, T, Dc + Dr], selection [B, S, k] int32 (-1 pads) ->
-        [B, S, H, Dv]. The latents are the ones written once per token, never expanded."""
+        q_nope [B, S, H, Dn], latent [B, T, Dc + Dr] (or uint8 [B, T, 656] FP8 rows, through the FP8
+        kernel), selection [B, S, k] int32 (-1 pads) -> [B, S, H, Dv]. The latents are the ones
+        written once per token, never expanded."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.dc)
         q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w[:, : self.dn]), q_rot], dim=-1)
         out = torch.empty(*q.shape[:3], self.dc, dtype=q.dtype, device=q.device)             # [B, S, H, Dc]
         for row in range(q.shape[0]):
             for s in range(0, q.shape[1], PREFILL_QUERIES):
                 part = slice(s, s + PREFILL_QUERIES)
-                sparse_mla_decode(q[row, part], latent[row], selection[row, part], self.scaling, d_v=self.dc,
-                                  out=out[row, part], backend=backend)
+                fp8.sparse_mla_decode_stored(q[row, part], latent[row], selection[row, part], self.scaling,
+                                             d_v=self.dc, out=out[row, part], backend=backend)
         return torch.einsum("bshc,hvc->bshv", out, w[:, self.dn:])
 
     def _decode_attention(self, q_nope, q_rot, kv: MlaKV, lengths, selection):
@@ -172,3 +183,13 @@ class DsaModel(CausalLM):
         super().__init__(config, layers)
         self.rotary = rotary
         self.sparse_attention = TorchDsaAttention()
+
+    def new_state(self, batch: int, capacity: int, kv_dtype: str = "bf16") -> DecodeState:
+        """An empty state; kv_dtype "fp8" stores the latents as FP8 rows (`MlaAttention.new_kv`)."""
+        if fp8.check_kv_dtype(kv_dtype) == "fp8":
+            fp8.check_fp8_geometry(self.config)
+        weight = self.model.embed_tokens.weight
+        kvs = [layer.self_attn.new_kv(batch, capacity, weight.device, weight.dtype, kv_dtype)
+               for layer in self.model.layers]
+        return DecodeState(layers=kvs, capacity=capacity,
+                           lengths=torch.zeros(batch, dtype=torch.int64, device=weight.device))

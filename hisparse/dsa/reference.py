@@ -8,12 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
+# the module, not its names: fp8.py imports this one too (its reference decode)
+from hisparse.dsa import fp8
+
 
 @dataclass
 class MlaKV:
     """One layer's KV state: `latent` [B, capacity, kv_lora_rank + qk_rope_head_dim] (normalised
-    latent then roped key, V = the first kv_lora_rank values); `index_keys` [B, capacity,
-    index_head_dim] on anchor layers, None on shared layers. Positions >= a row's length are unused."""
+    latent then roped key, V = the first kv_lora_rank values), or uint8 [B, capacity, 656] FP8 rows
+    (kv_dtype "fp8": hisparse.dsa.fp8, written quantised, read dequantised); `index_keys` [B,
+    capacity, index_head_dim] on anchor layers, None on shared layers. Positions >= a row's length
+    are unused."""
 
     latent: torch.Tensor
     index_keys: torch.Tensor | None
@@ -23,8 +28,11 @@ class MlaKV:
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Store the rows of the tokens at positions [B, S]: latent [B, S, Dc + Dr], index_keys
-        [B, S, Di] or None (a hierarchical state overrides this to write its host pool too)."""
+        [B, S, Di] or None (a hierarchical state overrides this to write its host pool too); FP8
+        rows store the latents quantised (`fp8.to_rows`)."""
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        if self.latent.dtype == torch.uint8:
+            latent = fp8.to_rows(latent)
         self.latent[rows, positions] = self.kept_in_empty_lanes(self.latent, rows, positions, latent)
         if index_keys is not None:
             self.index_keys[rows, positions] = self.kept_in_empty_lanes(self.index_keys, rows, positions, index_keys)
@@ -66,6 +74,8 @@ class TorchDsaAttention:
         dc = q_latent.shape[-1]
         valid = selection >= 0  # [B, k]
         rows = kv.latent.gather(1, selection.clamp(min=0)[..., None].expand(-1, -1, kv.latent.shape[-1]))
+        if rows.dtype == torch.uint8:                                  # FP8 rows: their values in q's dtype
+            rows = fp8.from_rows(rows, q_latent.dtype)
         q = torch.cat([q_latent, q_rope], dim=-1)  # [B, H, Dc + Dr]
         scores = torch.einsum("bhd,bkd->bhk", q, rows) * scale
         scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)

@@ -7,7 +7,9 @@
 - `hisparse` / `noio`: latents in the host pool of a `HierarchicalKVCache`, one stream per
   (request, layer); each step resolves the selection to GPU slots first (`noio` skips the copy:
   the oracle, whose outputs are wrong but whose time is the upper bound).
-The indexer keys stay resident in every mode (DESIGN section 5).
+The indexer keys stay resident in every mode (DESIGN section 5). With kv_dtype "fp8" every stored
+latent row (resident pool, host pool, hot slots) is hisparse.dsa.fp8's 656-byte uint8 row, quantised
+where it is written; the cache moves them as bytes, and decode reads them through the FP8 kernel.
 
 Selections can be recorded (`recorded`, filled by every layer's `attend`) and replayed from a
 trace instead of the indexer (`replay_sel`): the system does not depend on where selections come
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hisparse.cache import HierarchicalKVCache
-from hisparse.dsa.ops import DECODE_BACKENDS, dsa_select, sparse_mla_decode
+from hisparse.dsa import fp8
+from hisparse.dsa.ops import DECODE_BACKENDS, dsa_select
 from hisparse.dsa.reference import MlaKV
 from hisparse.models.base import DecodeState
 from hisparse.runtime import (
@@ -57,9 +60,10 @@ class HierMlaKV(MlaKV):
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Decode-step write (positions [B, 1]): the latent goes to the host pool, the reserved slot
-        and any cached copy; the indexer key stays on the GPU. A selection that holds the newest
-        token then fetches its row from the host like any miss. An anchor layer leaves the latent to
-        its resolve, which writes it first in the same launch (`newest`). A prefetched shared layer
+        and any cached copy (quantised first where the cache holds FP8 rows, uint8); the indexer key
+        stays on the GPU. A selection that holds the newest token then fetches its row from the host
+        like any miss. An anchor layer leaves the latent to its resolve, which writes it first in the
+        same launch (`newest`). A prefetched shared layer
         first waits for its copy, so the write-through of the newest row lands after (not under) the
         copy."""
         if positions.shape[1] != 1:
@@ -67,6 +71,8 @@ class HierMlaKV(MlaKV):
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         if index_keys is not None:
             self.index_keys[rows, positions] = self.kept_in_empty_lanes(self.index_keys, rows, positions, index_keys)
+        if self.cache.slots.dtype == torch.uint8:
+            latent = fp8.to_rows(latent)
         if self.anchor_layer is None:
             if self.newest is not None:
                 raise RuntimeError("the last step's newest latents were never written: an anchor layer's "
@@ -86,7 +92,8 @@ class KernelDsaAttention(UnitResolver):
     the prefetch side stream, so the copy overlaps the layers in between: DESIGN section 4).
     replay_sel [layers, B, k] int32: when set, selections come from it instead of the indexer (the
     caller fills it from a trace before each step). `recorded[layer]` holds the selection each
-    layer attended over in the last step.
+    layer attended over in the last step. Rows are read as stored: uint8 FP8 rows through the FP8
+    kernel (`fp8.sparse_mla_decode_stored`, which refuses backend "gluon"), others through `backend`.
     """
 
     family = "DSA"
@@ -122,9 +129,8 @@ class KernelDsaAttention(UnitResolver):
             batch, capacity, _ = kv.latent.shape
             rows, row_base = selection, self._resident_base(batch, capacity, selection.device)
             pool = kv.latent.view(-1, kv.latent.shape[-1])
-        out, _ = sparse_mla_decode(q, pool, rows, scale, d_v=q_latent.shape[-1], row_base=row_base,
-                                   backend=self.backend)
-        return out
+        return fp8.sparse_mla_decode_stored(q, pool, rows, scale, d_v=q_latent.shape[-1], row_base=row_base,
+                                            backend=self.backend)
 
     def _resident_base(self, batch: int, capacity: int, device) -> torch.Tensor:
         """Row of token 0 of each request in the resident latents [B, capacity, D] viewed as rows;
@@ -142,18 +148,29 @@ class DsaRuntime:
     units are tokens (rows: the 576-value MLA latent at DeepSeek's sizes), k = index_topk. A
     "shared" layer (glm_moe_dsa) reuses its anchor's selection: its streams move in lockstep with
     the anchor's (no resolve of their own) and replay its miss plan, in line or, with prefetch, on
-    a side stream."""
+    a side stream. kv_dtype: how a latent row is stored (`fp8.KV_DTYPES`): "bf16", the 576 values in
+    the model's dtype, or "fp8", a 656-byte uint8 row (`row_elems`, `row_dtype`), in the prefill's
+    state, the resident pool, the host pool and the hot slots alike."""
 
     family = "DSA"
     selection_name = "index_topk"
     unit_size, kv_heads, dense_layers = 1, None, 0
 
-    def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto"):
+    def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
+                 kv_dtype: str = "bf16"):
         if token_budget is not None:
             raise ValueError("token_budget applies to Quest models; a DSA model selects index_topk tokens")
         if decode_backend not in DECODE_BACKENDS:
             raise ValueError(f"decode_backend={decode_backend!r}: expected one of {DECODE_BACKENDS}")
-        self.model, self.decode_backend = model, decode_backend
+        cfg = model.config
+        if fp8.check_kv_dtype(kv_dtype) == "fp8":
+            fp8.check_fp8_geometry(cfg)
+            fp8.check_fp8_backend(decode_backend)
+            self.row_elems, self.row_dtype = fp8.ROW_BYTES, torch.uint8
+        else:
+            self.row_elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            self.row_dtype = model.model.embed_tokens.weight.dtype
+        self.model, self.decode_backend, self.kv_dtype = model, decode_backend, kv_dtype
         self.selection_size = model.config.index_topk
         self.shared_layers = "shared" in model.config.indexer_types     # prefetch has layers to serve
         self.anchors, last_full = [], 0
@@ -161,8 +178,18 @@ class DsaRuntime:
             last_full = i if kind == "full" else last_full
             self.anchors.append(last_full)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored latent row: 1152 at DeepSeek's sizes in bf16, 656 in fp8."""
+        return self.row_elems * self.row_dtype.itemsize
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState:
+        """The model's empty state for a prefill, its latents stored as this runtime's rows."""
+        return self.model.new_state(batch, capacity, kv_dtype=self.kv_dtype)
+
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
-        """rows(b, layer) -> random (latents [len, D], index keys [1, len, Di] on anchor layers, else None)."""
+        """rows(b, layer) -> random (latents [len, D] as stored (FP8 rows quantised), index keys
+        [1, len, Di] on anchor layers, else None)."""
         cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
@@ -171,7 +198,8 @@ class DsaRuntime:
             keys = None
             if cfg.indexer_types[layer] == "full":
                 keys = torch.randn(1, n, cfg.index_head_dim, device=device, dtype=dtype)
-            return torch.randn(n, width, device=device, dtype=dtype), keys
+            latent = torch.randn(n, width, device=device, dtype=dtype)
+            return (fp8.to_rows(latent) if self.kv_dtype == "fp8" else latent), keys
 
         return rows
 
@@ -179,12 +207,10 @@ class DsaRuntime:
         return lambda b, i: (states[b].layers[i].latent[0], states[b].layers[i].index_keys)
 
     def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
-        cfg, weight = self.model.config, self.model.model.embed_tokens.weight
-        layers = cfg.num_hidden_layers
+        layers, weight = self.model.config.num_hidden_layers, self.model.model.embed_tokens.weight
         return HierarchicalKVCache(max_streams=batch * layers, cache_slots=cache_slots,
-                                   host_rows=batch * layers * capacity,
-                                   row_elems=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                                   dtype=weight.dtype, device=weight.device)
+                                   host_rows=batch * layers * capacity, row_elems=self.row_elems,
+                                   dtype=self.row_dtype, device=weight.device)
 
     def gather_layers(self, mode, cache, rows: Rows, lengths, capacity: int, prefetch: bool,
                       host_tokens: int | None = None) -> list:
@@ -207,7 +233,7 @@ class DsaRuntime:
         latent, keys = parts[0]
         index_keys = None
         if keys is not None:
-            index_keys = latent.new_zeros(batch, capacity, keys.shape[-1])
+            index_keys = keys.new_zeros(batch, capacity, keys.shape[-1])
             for b, (_, k) in enumerate(parts):
                 index_keys[b, :lengths[b]] = k[0]
         if mode == "resident":
@@ -239,10 +265,9 @@ class DsaRuntime:
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes: the hierarchical modes' latents."""
-        cfg, elem = self.model.config, self.model.model.embed_tokens.weight.element_size()
         if mode == "resident":
             return 0
-        return cfg.num_hidden_layers * tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+        return self.model.config.num_hidden_layers * tokens * self.row_bytes
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelDsaAttention:
@@ -280,9 +305,9 @@ class LanePrefill:
             keys = None if kv.index_keys is None else kv.index_keys[lane:lane + 1]
             if mode == "resident":
                 views.append(MlaKV(latent=kv.latent[lane:lane + 1], index_keys=keys))
-            else:
-                width = runtime.model.config.kv_lora_rank + runtime.model.config.qk_rope_head_dim
-                latent = torch.empty(1, prompt, width, dtype=kv.cache.slots.dtype, device=kv.cache.slots.device)
+            else:                   # the rows as the cache stores them (FP8: uint8 rows, quantised by the write)
+                latent = torch.empty(1, prompt, runtime.row_elems, dtype=runtime.row_dtype,
+                                     device=kv.cache.slots.device)
                 views.append(MlaKV(latent=latent, index_keys=keys))
         self.streams = []
         if mode != "resident":
