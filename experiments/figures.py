@@ -41,7 +41,7 @@ _LABELS = list(dict.fromkeys(MODE_LABELS.values()))
 MODE_COLORS = {mode: f"C{_LABELS.index(label) % 10}" for mode, label in MODE_LABELS.items()}
 LINE_STYLES = ("-", "--", ":", "-.")
 DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
-DECODE_KEYS = ("family", "mode", "cache_slots")   # what tells decode lines apart
+DECODE_KEYS = ("family", "mode", "cache_slots", "kv_dtype")   # what tells decode lines apart
 PREFETCH_MODEL_KEYS = ("random_layers", "hidden", "intermediate")   # bench_prefetch's model options
 ATTENTION_MODES = ("triton", "torch_gather", "dense")
 
@@ -358,7 +358,7 @@ def throughput_vs_context(frame: pd.DataFrame) -> Figure:
     families = panels_by(peak, "family")
     fig, axes = new_figure("Peak throughput (best batch) vs input length", rows, 1, len(families))
     for ax, (family, part) in zip(axes[0], families):
-        plot_lines(ax, part, "context", ("mode", "cache_slots"))
+        plot_lines(ax, part, "context", ("mode", "cache_slots", "kv_dtype"))
         wide = part.pivot_table(index="context", columns="mode", values="value", aggfunc="max")
         if {"resident", "hisparse"} <= set(wide.columns):
             for context, line in wide.dropna().iterrows():
@@ -538,11 +538,11 @@ def miss_rate_vs_step(frame: pd.DataFrame) -> Figure:
 # name -> (CSV files it reads, function of their newest rows)
 def serving_study(rows: pd.DataFrame) -> pd.DataFrame:
     """Of closed-loop serving rows, those of the study across concurrency levels: the (input_len,
-    output_len, prefill_chunk) with the most levels (a chunk-size study beside it has one level)."""
+    output_len, prefill_chunk, kv_dtype) with the most levels (a chunk-size study beside it has one level)."""
     rows = rows[rows.concurrency.notna()] if "concurrency" in rows else rows.iloc[0:0]
     if rows.empty:
         return rows
-    shape = [c for c in ("input_len", "output_len", "prefill_chunk") if c in rows]
+    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_dtype") if c in rows]
     key = rows[shape].astype(str).agg("/".join, axis=1)
     levels = rows.groupby(key).concurrency.nunique()
     return rows[key == levels.idxmax()]

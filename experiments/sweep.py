@@ -51,6 +51,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from hisparse.dsa.fp8 import KV_DTYPES, ROW_BYTES
 from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsupported
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
@@ -76,12 +77,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
     "policies": {"kind", "workload"},
     "decode": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "batches", "new_tokens",
-               "warmup_steps", "workload", "graph", "prefetch", "token_budget", "decode_backend"},
+               "warmup_steps", "workload", "graph", "prefetch", "token_budget", "decode_backend", "kv_dtype"},
     "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
-                   "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph", "token_budget"},
+                   "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph", "token_budget",
+                   "kv_dtype"},
     "serving": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "input_len", "output_len", "concurrency",
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
-                "prefill_chunk", "graph", "token_budget", "decode_backend", "workload"},
+                "prefill_chunk", "graph", "token_budget", "decode_backend", "workload", "kv_dtype"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
@@ -107,6 +109,8 @@ KEY_HELP = {
     "prefetch": "layer-wise prefetch, for models whose layers share a selection (false)",
     "token_budget": f"Quest: tokens per KV head and step ({TOKEN_BUDGET['quest']}; tiny models {TINY_TOKEN_BUDGET})",
     "decode_backend": "DSA: the sparse MLA decode kernel, auto, triton or gluon (auto)",
+    "kv_dtype": "DSA: a latent row as stored, bf16 (1152 bytes) or fp8 (656: FlashMLA's FP8 rows); rows of fp8 "
+                "points say so, bf16 ones leave the column empty (bf16)",
     "kv_budget_gib": "GPU memory for KV per point (GiB)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
     "max_batch": f"largest batch tried; serving: the most lanes ({DEFAULTS['max_batch']})",
@@ -307,6 +311,16 @@ def validate(studies: list[dict]) -> None:
                                   f"model {study['model']!r} is {family(raw)}")
             if backend not in DECODE_BACKENDS:
                 raise ConfigError(f"{where}: decode_backend = {backend!r}: expected one of {DECODE_BACKENDS}")
+        if "kv_dtype" in study:
+            kv = study["kv_dtype"]
+            if family(raw) != "dsa":
+                raise ConfigError(f"{where}: kv_dtype applies to DSA models (how a latent row is stored); model "
+                                  f"{study['model']!r} is {family(raw)}")
+            if kv not in KV_DTYPES:
+                raise ConfigError(f"{where}: kv_dtype = {kv!r}: expected one of {KV_DTYPES}")
+            if kv == "fp8" and study.get("decode_backend") == "gluon":
+                raise ConfigError(f"{where}: kv_dtype = \"fp8\" with decode_backend = \"gluon\": the Gluon kernel "
+                                  f"reads bf16 rows only; use auto or triton")
         if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
@@ -367,6 +381,8 @@ def points(study: dict) -> list[dict]:
         base.update(layers=study["layers"])
     if budget is not None:
         base.update(token_budget=budget)
+    if study.get("kv_dtype", "bf16") != "bf16":   # a bf16 point's rows leave kv_dtype empty, as before it existed
+        base.update(kv_dtype=study["kv_dtype"])
     slots = study.get("cache_slots", [None])
     slots = slots if isinstance(slots, list) else [slots]
     out = []
@@ -502,8 +518,9 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
         replay = batch_workload(preset(workload, **over), batch)         # request b: its own draw (seed)
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
     quest = {} if budget is None else {"token_budget": budget}
+    dsa = {} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
-                    prefetch=prefetch and point["mode"] == "hisparse", decode_backend=decode_backend, **quest)
+                    prefetch=prefetch and point["mode"] == "hisparse", decode_backend=decode_backend, **quest, **dsa)
     replay = replay and with_anchors(replay, engine.anchors)
     out = engine.generate(prompts, generated_tokens(new_tokens, warmup_steps), graph=graph, keep_logits=False,
                           replay=replay, warmup_steps=warmup_steps)
@@ -528,7 +545,13 @@ def generated_tokens(new_tokens: int, warmup_steps: int) -> int:
     return 1 + warmup_steps + new_tokens
 
 
-def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | None) -> tuple[int, int]:
+def row_bytes(cfg, elem: int, kv_dtype: str | None) -> int:
+    """Bytes of one DSA latent row as stored: 512 + 64 values of `elem` bytes, or the fp8 row."""
+    return ROW_BYTES if kv_dtype == "fp8" else (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+
+
+def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | None,
+                         kv_dtype: str | None = None) -> tuple[int, int]:
     """(GPU, host) bytes of one request's KV as the engine allocates it for `capacity` tokens (its
     prompt, the steps it decodes and one more: `run_decode`'s). DSA: latents resident, or B + 1 slots
     per layer with every latent on the host; plus the resident indexer keys of the layers that select.
@@ -554,18 +577,19 @@ def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | Non
         if mode == "resident":
             return gpu + len(quest) * hkv * pages * page_row, 0
         return gpu + len(quest) * hkv * per_stream(pages, page_row), len(quest) * hkv * pages * page_row
-    row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    row = row_bytes(cfg, elem, kv_dtype)
     index = sum(1 for t in cfg.indexer_types if t == "full") * capacity * cfg.index_head_dim * elem
     if mode == "resident":
         return cfg.num_hidden_layers * capacity * row + index, 0
     return cfg.num_hidden_layers * per_stream(capacity, row) + index, cfg.num_hidden_layers * capacity * row
 
 
-def attention_kernel(model, backend: str = "auto") -> str:
+def attention_kernel(model, backend: str = "auto", kv_dtype: str | None = None) -> str:
     """The sparse attention kernel the model's decode runs: for DSA the one `sparse_mla_decode` picks
-    for its query shape, dtype, device and `backend` ("gluon" or "triton"); "triton" for the other families."""
+    for its query shape, dtype, device and `backend` ("gluon" or "triton"), "triton" over fp8 rows (the
+    only kernel that reads them); "triton" for the other families."""
     cfg, weight = model.config, model.model.embed_tokens.weight
-    if family(cfg) != "dsa":
+    if family(cfg) != "dsa" or kv_dtype == "fp8":
         return "triton"
     q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=weight.dtype,
                     device=weight.device)
@@ -577,11 +601,11 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
     if point["family"] == "quest":      # a unit is a 16-token page of one KV head's keys and values
         k, unit_bytes = point["token_budget"] // 16, 2 * 16 * cfg.head_dim * elem
     else:
-        k, unit_bytes = cfg.index_topk, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+        k, unit_bytes = cfg.index_topk, row_bytes(cfg, elem, point.get("kv_dtype"))
     settings = run_settings(study, point, on_gpu)
     graph, prefetch, backend = settings["graph"], settings.get("prefetch", False), settings.get("decode_backend", "auto")
     point = dict(point, k=k, unit_bytes=unit_bytes, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                 **settings, attention_kernel=attention_kernel(model, backend))
+                 **settings, attention_kernel=attention_kernel(model, backend, point.get("kv_dtype")))
     if point["bench"] == "serving":
         return run_serving(model, study, point)
     if point["bench"] == "decode":
@@ -589,7 +613,8 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
                          decode_backend=backend)
         return decode_rows(point, out, point["batch"])
     capacity = point["context"] + generated_tokens(study["new_tokens"], study["warmup_steps"])   # as run_decode
-    gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], capacity, point["cache_slots"])
+    gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], capacity, point["cache_slots"],
+                                                 point.get("kv_dtype"))
     fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
     fits = fits_gpu
     if host_bytes and "host_budget_gib" in study:
@@ -693,7 +718,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     max_context=point["input_len"] + point["output_len"], kv_budget_gib=point["kv_budget_gib"],
                     host_budget_gib=point["host_budget_gib"], max_batch=max_batch,
                     prefill_chunk=point["prefill_chunk"], graph=point["graph"],
-                    decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest)
+                    decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
+                    **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
     if not serving_warmed:           # a process's first prompt of this length compiles kernels (7 s at 16K on
         warm = Request(reqs[0].prompt.clone(), 2, selections=reqs[0].selections)      # the H200): untimed
         server.serve([warm])

@@ -384,6 +384,44 @@ def test_quest_studies_run_per_kv_head_in_pages(tmp_path):
     assert_sized_by_what_runs_hold(tput, 0.0002)
 
 
+def test_fp8_rows_are_sized_and_stamped_as_they_run(tmp_path, capsys):
+    """kv_dtype = "fp8" (a DSA checkpoint with 512 + 64 latents): the throughput batch is sized by the
+    bytes its 656-byte rows then hold; rows carry kv_dtype and unit_bytes 656; other families and
+    Gluon are refused before anything runs."""
+    from hisparse.models.tiny import write_tiny_checkpoint
+    ckpt = write_tiny_checkpoint("deepseek_v32", tmp_path / "ckpt", kv_lora_rank=512, qk_rope_head_dim=64,
+                                 index_head_dim=64, num_hidden_layers=1)
+    study = f"""
+    [[study]]
+    kind = "throughput"
+    model = "{ckpt}"
+    modes = ["resident", "hisparse"]
+    cache_slots = 8
+    contexts = [24]
+    kv_budget_gib = 0.0004
+    max_batch = 3
+    new_tokens = 1
+    warmup_steps = 1
+    workload = "tiny"
+    kv_dtype = "fp8"
+    """
+    assert sweep.main(["--config", write(tmp_path, study), "--out", str(tmp_path / "r")]) == 0
+    tput = pd.read_csv(tmp_path / "r" / "throughput.csv")
+    assert set(tput.kv_dtype) == {"fp8"} and set(tput.unit_bytes) == {656} and set(tput.attention_kernel) == {"triton"}
+    assert_sized_by_what_runs_hold(tput, 0.0004)
+    host = tput[tput.metric == "host_bytes_per_request"].set_index("mode").value
+    assert host["hisparse"] == (24 + 1 + 1 + 1) * 656                  # one layer: a row per token, as stored
+    decode = study.replace('kind = "throughput"', 'kind = "decode"').replace("kv_budget_gib = 0.0004\n    max_batch = 3",
+                                                                         "batches = [1]")
+    for bad, message in ((study.replace(f'model = "{ckpt}"', 'model = "tiny:llama"'), "kv_dtype applies to DSA models"),
+                         (study.replace('"fp8"', '"fp16"'), "kv_dtype = 'fp16': expected one of ('bf16', 'fp8')"),
+                         (decode + '    decode_backend = "gluon"\n', 'kv_dtype = "fp8" with decode_backend = "gluon"')):
+        capsys.readouterr()
+        assert sweep.main(["--config", write(tmp_path, bad), "--out", str(tmp_path / "x")]) == 2
+        assert message in capsys.readouterr().err
+        assert not list(tmp_path.glob("x/*.csv"))
+
+
 def assert_sized_by_what_runs_hold(tput: pd.DataFrame, kv_budget_gib: float) -> None:
     """The batch the GPU budget fits is sized by the bytes a request then holds (measured by the runs
     the budget let run, cache state included): that many fit, one more would not."""
