@@ -220,6 +220,8 @@ class Server:
         self.fast = prefill == "model"
         self.device = weight.device
         self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        # the empty state a prefill writes into: DSA's runtime makes its kv_dtype's rows
+        self._new_state = getattr(self.runtime, "new_state", model.new_state)
         self.decode_backend, self.prefetch, self.kv_dtype = decode_backend, prefetch, kv_dtype
         self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
         k = self.runtime.selection_size
@@ -443,7 +445,7 @@ class Server:
             return
         prompt = torch.zeros(min(self.max_context, 2 * self.runtime.unit_size + 3), dtype=torch.int64,
                              device=self.device)
-        state = self.model.new_state(1, len(prompt))
+        state = self._new_state(1, len(prompt))
         self.model.prefill(prompt[None], state, fast=self.fast, last_logits=True, backend=self.decode_backend)
         del state
         previous = self.model.sparse_attention
@@ -692,7 +694,7 @@ class Server:
                 job = self.runtime.lane_prefill(self.mode, self.cache, self.layers, request.lane,
                                                 len(request.prompt), len(request.prompt) + request.max_new_tokens)
                 return _Prefill(request, job.state, job)
-            return _Prefill(request, self.model.new_state(1, len(request.prompt)))
+            return _Prefill(request, self._new_state(1, len(request.prompt)))
         except BaseException:             # (out of memory, say) the lane goes back
             self._reserved = request.lane = None
             raise
