@@ -368,6 +368,16 @@ def test_the_command_serves_a_model_already_built():
     assert server.model is tiny(FAMILY) and name == "dsa" and workload is None and server.max_context == 64
     with pytest.raises(SystemExit):
         build_server(ap, ap.parse_args([]))
+    from hisparse.models.config import config_from_dict
+    from hisparse.models.loading import build_model
+    from hisparse.models.tiny import TINY_CONFIGS
+    fp8 = build_model(config_from_dict(dict(TINY_CONFIGS[FAMILY], kv_lora_rank=512, qk_rope_head_dim=64,
+                                            index_head_dim=64, num_hidden_layers=1))).float()
+    server, _, _ = build_server(ap, ap.parse_args(["--max-context", "64", "--kv-budget-gib", "0.01",
+                                                   "--kv-dtype", "fp8"]), fp8, "dsa-fp8")
+    info = describe(server, "dsa-fp8", 0.01, None)["hisparse"]
+    assert server.kv_dtype == "fp8" and info["kv_dtype"] == "fp8" and info["unit_bytes"] == 656
+    assert info["attention_kernel"] == "triton"
 
 
 def test_the_command_checks_its_workload_options(tmp_path, capsys):
@@ -379,6 +389,9 @@ def test_the_command_checks_its_workload_options(tmp_path, capsys):
                            "exceed --max-context 4096")):
         assert serve_main(["--model", checkpoint, *argv]) == 2
         assert message in capsys.readouterr().err, argv
+    llama = write_tiny_checkpoint("llama", tmp_path / "llama")
+    assert serve_main(["--model", str(llama), "--kv-dtype", "fp8"]) == 2
+    assert "--kv-dtype: fp8 rows are DSA's" in capsys.readouterr().err
 
 
 def test_the_command_serves_and_exits_cleanly_on_sigterm(tmp_path, capsys):

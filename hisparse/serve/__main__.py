@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, _device, _load, _positive
 from hisparse.runtime import KV_MODES
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model: the family's prefill kernels (default); reference: the eager torch prefill")
     ap.add_argument("--graph", action="store_true",
                     help="decode steps in one captured CUDA graph (needs a CUDA GPU)")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                    help="DSA checkpoints: how each MLA latent row is stored: bf16 (its 576 values in --dtype) or fp8 "
+                         "(DeepSeek-V3.2's 656-byte rows; needs 512 + 64 latents; the Triton FP8 kernel decodes "
+                         "them) (default bf16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
@@ -135,17 +140,21 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace, model=No
 
 
 def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: str):
+    if args.kv_dtype != "bf16" and model.config.model_type not in ("deepseek_v32", "glm_moe_dsa"):
+        ap.error(f"argument --kv-dtype: {args.kv_dtype} rows are DSA's (deepseek_v32, glm_moe_dsa); {name!r} is a "
+                 f"{model.config.model_type} model")
     try:
-        family_runtime(model, args.token_budget)
+        family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)
     except ValueError as exc:
-        ap.error(f"argument --model: model {name!r} does not fit the kernels: {exc}")
+        option = "--kv-dtype" if args.kv_dtype != "bf16" and "kv_dtype" in str(exc) else "--model"
+        ap.error(f"argument {option}: model {name!r} does not fit the kernels: {exc}")
     quest = {} if args.token_budget is None else {"token_budget": args.token_budget}
     workload = replay_workload(ap, args, model.config, name)
     try:
         server = Server(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
                         max_context=args.max_context, kv_budget_gib=args.kv_budget_gib,
                         host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
-                        prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill,
+                        prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, kv_dtype=args.kv_dtype,
                         selections=None if workload is None else workload.draws[:, :, 0], **quest)
     except ValueError as exc:
         ap.error(f"cannot build the server: {exc}")

@@ -83,11 +83,11 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
     cfg, runtime = server.model.config, server.runtime
     elem = server.model.model.embed_tokens.weight.element_size()
     if runtime.family == "DSA":
-        unit_bytes = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+        unit_bytes = runtime.row_bytes                      # 576 values in the model's dtype, or the fp8 row
         q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                         dtype=server.model.model.embed_tokens.weight.dtype, device=server.device)
         from hisparse.dsa.ops import decode_backend
-        kernel = decode_backend(q, cfg.kv_lora_rank, server.decode_backend)
+        kernel = "triton" if server.kv_dtype == "fp8" else decode_backend(q, cfg.kv_lora_rank, server.decode_backend)
     else:
         unit_bytes, kernel = 2 * runtime.unit_size * cfg.head_dim * elem, "triton"
     hierarchical = server.mode != "resident"
@@ -98,6 +98,8 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
                 "kv_budget_gib": kv_budget_gib, "host_budget_gib": host_budget_gib if hierarchical else None,
                 "prefill_chunk": server.prefill_chunk, "graph": server.graph, "decode_backend": server.decode_backend,
                 "attention_kernel": kernel, "workload": workload, "device": str(server.device)}
+    if runtime.family == "DSA":
+        settings["kv_dtype"] = server.kv_dtype
     if runtime.family == "Quest":
         settings["token_budget"] = runtime.selection_size * runtime.unit_size
     return {"id": name, "object": "model", "owned_by": "hisparse", "max_model_len": server.max_context,

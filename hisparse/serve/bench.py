@@ -133,6 +133,8 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
              "decode_backend": s["decode_backend"], "attention_kernel": s["attention_kernel"], "transport": "http"}
     if "token_budget" in s:
         point["token_budget"] = s["token_budget"]
+    if s.get("kv_dtype", "bf16") != "bf16":          # as the sweep's rows: bf16 leaves it empty
+        point["kv_dtype"] = s["kv_dtype"]
     return point
 
 
