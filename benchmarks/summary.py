@@ -13,8 +13,9 @@ from experiments.figures import newest_per_point, serving_study
 
 def latest(frame: pd.DataFrame) -> pd.DataFrame:
     """Rows of each benchmark's newest commit in the file. A results file accumulates runs, and the
-    families in one file (attention.csv's, prefetch.csv's) are run separately, so each keeps its own."""
-    keys = [c for c in ("bench", "family") if c in frame]
+    families in one file (attention.csv's, prefetch.csv's), and DSA's fp8 rows, are run separately, so
+    each keeps its own."""
+    keys = [c for c in ("bench", "family", "kv_dtype") if c in frame]   # DSA's fp8 rows are run apart too
     newest = frame.groupby(keys, dropna=False, sort=False).commit.transform("last") if keys else frame.commit.iloc[-1]
     return frame[frame.commit == newest]
 
@@ -41,18 +42,23 @@ def resolve_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def attention_lines(frame: pd.DataFrame) -> list[str]:
+    """Per family (and DSA's fp8 rows apart): the decode kernel's roofline fraction at batch >= 32
+    (target 0.40; fp8 rows: goal 0.50, bar 0.41) and its speed-up over the torch gather."""
     f = latest(frame)
+    f = f.assign(kv_dtype=f["kv_dtype"].fillna("") if "kv_dtype" in f else "")
     lines = []
-    for family, g in f.groupby("family"):
+    for (family, kv), g in f.groupby(["family", "kv_dtype"]):
+        name = f"{family} {kv}" if kv else family
+        target = "goal >= 0.50, bar >= 0.41" if kv == "fp8" else "target >= 0.40"
         tri = g[(g["mode"] == "triton") & (g.metric == "roofline_frac")]
         if len(tri):
             at = tri[tri.batch >= 32]
-            lines.append(f"attention {family}: roofline_frac at batch >= 32 min {at.value.min():.2f} "
-                         f"median {at.value.median():.2f} (target >= 0.40)")
+            lines.append(f"attention {name}: roofline_frac at batch >= 32 min {at.value.min():.2f} "
+                         f"median {at.value.median():.2f} ({target})")
         us = g[g.metric == "us"].pivot_table(index=["batch", "context"], columns="mode", values="value")
         if {"triton", "torch_gather"} <= set(us.columns):
             speed = (us.torch_gather / us.triton).dropna()
-            lines.append(f"attention {family}: speed-up over torch_gather min {speed.min():.1f}x "
+            lines.append(f"attention {name}: speed-up over torch_gather min {speed.min():.1f}x "
                          f"median {speed.median():.1f}x")
     return lines
 

@@ -494,8 +494,9 @@ def attention_kernels(frame: pd.DataFrame, metric: str = "us") -> Figure:
         part = part[part["context"] == (context if pd.notna(context) else part["context"].max())]
         if "timer" in part:      # per mode and batch, graph replays (as the decode loop runs) if timed so
             order = (part["timer"] != "cudagraph").sort_values(kind="stable").index
-            part = part.loc[order].drop_duplicates(["mode", "batch"], keep="first")
-        plot_lines(ax, part, "batch", ("mode",))
+            part = part.loc[order].drop_duplicates([c for c in ("mode", "batch", "kv_dtype") if c in part],
+                                                   keep="first")
+        plot_lines(ax, part, "batch", ("mode", "kv_dtype"))
         log2_axis(ax, part["batch"])
         if metric == "us":
             ax.set_yscale("log")

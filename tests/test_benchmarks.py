@@ -202,6 +202,25 @@ def test_bench_attention_dsa_refuses_the_gluon_backend_where_it_cannot_run(tmp_p
     assert not list(tmp_path.iterdir()), "nothing may run or be written"
 
 
+def test_bench_attention_dsa_fp8_refuses_what_it_does_not_time(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention_dsa", "--quick", "--kv-dtype", "fp8",
+                           "--indexer", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--kv-dtype fp8 times the Triton FP8 kernel" in done.stderr, done.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+def test_fp8_attention_rows_are_summarised_apart_from_bf16_ones():
+    """attention.csv with bf16 rows of one commit and fp8 rows of a later one: each keeps its line
+    (and its target), neither hides the other."""
+    from benchmarks.summary import attention_lines
+    base = dict(bench="attention", family="dsa", mode="triton", batch=64, context=32768, metric="roofline_frac",
+                gpu="NVIDIA H200")
+    frame = pd.DataFrame([dict(base, commit="old", value=0.41), dict(base, commit="new", kv_dtype="fp8", value=0.30)])
+    assert attention_lines(frame) == [
+        "attention dsa: roofline_frac at batch >= 32 min 0.41 median 0.41 (target >= 0.40)",
+        "attention dsa fp8: roofline_frac at batch >= 32 min 0.30 median 0.30 (goal >= 0.50, bar >= 0.41)"]
+
+
 def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
     """benchmarks/gpu_suite.sh with SWEEP_ARGS runs the sweep into $OUT/sweep (here the default config's
     policy study, on the CPU: no tests, no benchmarks) and logs it."""
