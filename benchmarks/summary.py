@@ -146,8 +146,8 @@ def prefill_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def serving_lines(frame: pd.DataFrame) -> list[str]:
-    """The serving study (experiments.sweep kind serving, in process): the targets of issue 33 on the
-    newest GPU run, per concurrency level: hisparse over resident output tokens/s (>= 1.6) and p50
+    """The serving study (experiments.sweep kind serving, in process; each point's newest rows, the
+    study `serving_study` picks): the targets of issue 33 per concurrency level: hisparse over resident output tokens/s (>= 1.6) and p50
     TTFT (>= 2x lower) at the two highest levels; at the lowest, TPOT p50 over resident's (hisparse
     <= 1.25, noio <= 1.03)."""
     f = frame[frame.gpu != "cpu"] if (frame.gpu != "cpu").any() else frame
@@ -155,9 +155,8 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
     if "transport" in f:
         f = f[f.transport.isna() | (f.transport == "process")]
     every = f[f.concurrency.notna()]
-    if len(f):                       # the newest row's commit
-        f = f[f.commit == f.commit[pd.to_datetime(f.timestamp, utc=True, format="ISO8601").idxmax()]]
-    f = serving_study(f[f.concurrency.notna()])
+    every = newest_per_point(every) if len(every) else every     # a study resumed across commits is one
+    f = serving_study(every)
     wide = f.pivot_table(index=["concurrency", "mode"], columns="metric", values="value")
     levels = sorted({c for c, _ in wide.index})
     lines = []
@@ -178,7 +177,7 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         low = levels[0]
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
                      f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
-    return lines + chunk_lines(newest_per_point(every) if len(every) else every) + http
+    return lines + chunk_lines(every) + http
 
 
 # what makes an HTTP row the twin of an in-process one (the rest is how each was measured)

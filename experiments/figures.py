@@ -538,24 +538,31 @@ def miss_rate_vs_step(frame: pd.DataFrame) -> Figure:
 
 # name -> (CSV files it reads, function of their newest rows)
 def serving_study(rows: pd.DataFrame) -> pd.DataFrame:
-    """Of closed-loop serving rows, those of the study across concurrency levels: the (input_len,
-    output_len, prefill_chunk, kv_dtype) with the most levels (a chunk-size study beside it has one level)."""
+    """Of closed-loop serving rows, those of the study across concurrency levels: of the (input_len,
+    output_len, prefill_chunk, kv_dtype) run at two levels or more, the one with the newest row (a
+    study resumed at a later commit keeps its earlier points); else the one with the most levels
+    (a chunk-size study beside it has one level)."""
     rows = rows[rows.concurrency.notna()] if "concurrency" in rows else rows.iloc[0:0]
     if rows.empty:
         return rows
     shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_dtype") if c in rows]
     key = rows[shape].astype(str).agg("/".join, axis=1)
     levels = rows.groupby(key).concurrency.nunique()
+    studies = levels[levels >= 2]
+    if len(studies) > 1 and "timestamp" in rows:
+        stamp = pd.to_datetime(rows["timestamp"], utc=True, format="ISO8601")
+        return rows[key == stamp[key.isin(studies.index)].groupby(key).max().idxmax()]
     return rows[key == levels.idxmax()]
 
 
 def serving_vs_concurrency(frame: pd.DataFrame) -> Figure:
     """The serving study (closed loop) against concurrency, per mode: output tokens/s, p50 and p99
-    TTFT, p50 TPOT; the newest run's rows, in process (rows sent over HTTP are left out)."""
-    rows = newest(frame)
+    TTFT, p50 TPOT; each point's newest rows on the newest GPU, in process (rows sent over HTTP are
+    left out), of the study `serving_study` picks."""
+    rows = frame
     if "transport" in rows:
         rows = rows[rows.transport.isna() | (rows.transport == "process")]
-    rows = serving_study(rows)
+    rows = serving_study(newest_per_point(rows))
     panels = [("tokens_per_s", "output tokens / s"), ("ttft_ms_p50", "TTFT p50 (ms)"),
               ("ttft_ms_p99", "TTFT p99 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")]
     rows = select(rows, [m for m, _ in panels])

@@ -51,7 +51,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from hisparse.dsa.fp8 import KV_DTYPES, ROW_BYTES
+from hisparse.dsa.fp8 import KV_DTYPES, ROW_BYTES, check_fp8_geometry
 from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsupported
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
@@ -109,8 +109,8 @@ KEY_HELP = {
     "prefetch": "layer-wise prefetch, for models whose layers share a selection (false)",
     "token_budget": f"Quest: tokens per KV head and step ({TOKEN_BUDGET['quest']}; tiny models {TINY_TOKEN_BUDGET})",
     "decode_backend": "DSA: the sparse MLA decode kernel, auto, triton or gluon (auto)",
-    "kv_dtype": "DSA: a latent row as stored, bf16 (1152 bytes) or fp8 (656: FlashMLA's FP8 rows); rows of fp8 "
-                "points say so, bf16 ones leave the column empty (bf16)",
+    "kv_dtype": "DSA: a latent row as stored, bf16 (the model's dtype: 1152 bytes in bf16) or fp8 (656: FlashMLA's "
+                "FP8 rows); rows of fp8 points say so, bf16 ones leave the column empty (bf16)",
     "kv_budget_gib": "GPU memory for KV per point (GiB)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
     "max_batch": f"largest batch tried; serving: the most lanes ({DEFAULTS['max_batch']})",
@@ -318,6 +318,11 @@ def validate(studies: list[dict]) -> None:
                                   f"{study['model']!r} is {family(raw)}")
             if kv not in KV_DTYPES:
                 raise ConfigError(f"{where}: kv_dtype = {kv!r}: expected one of {KV_DTYPES}")
+            if kv == "fp8":
+                try:
+                    check_fp8_geometry(built)
+                except ValueError as exc:
+                    raise ConfigError(f"{where}: kv_dtype = \"fp8\": {exc}") from None
             if kv == "fp8" and study.get("decode_backend") == "gluon":
                 raise ConfigError(f"{where}: kv_dtype = \"fp8\" with decode_backend = \"gluon\": the Gluon kernel "
                                   f"reads bf16 rows only; use auto or triton")
@@ -497,7 +502,7 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 # one. So rows record it.
 decode_runs = 0
 draw_cache: Path | None = None       # --draw-cache: where serving requests' draws are kept
-serving_warmed = False               # a serving run in this process has prefilled a prompt
+serving_warmed: set = set()          # (input_len, prefill_chunk, mode, kv_dtype) prefilled in this process
 
 
 def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
@@ -702,7 +707,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
     clients never have more requests out), its summary and sizes as rows."""
     from hisparse.serving import GIB, Request, Server
-    global decode_runs, serving_warmed
+    global decode_runs
     decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
     selections = None
@@ -720,10 +725,12 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     prefill_chunk=point["prefill_chunk"], graph=point["graph"],
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
-    if not serving_warmed:           # a process's first prompt of this length compiles kernels (7 s at 16K on
-        warm = Request(reqs[0].prompt.clone(), 2, selections=reqs[0].selections)      # the H200): untimed
+    warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
+    if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K
+        warm = Request(reqs[0].prompt.clone(), min(2, point["output_len"]),    # on the H200): one untimed
+                       selections=reqs[0].selections)
         server.serve([warm])
-        serving_warmed = True
+        serving_warmed.add(warm_key)
     run = server.serve(reqs, clients=clients, progress=True)
     summary = run.summary()
     hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)

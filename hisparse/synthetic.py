@@ -163,8 +163,8 @@ def request_draws(workload: str, model_config, input_len: int, output_len: int, 
     draw of seed request_seed(0, i), as `batch_workload`. A "shared" layer gets its anchor's (the last
     "full" one before it). At 61 layers and k = 2048 a draw takes tens of seconds, drawn on the host's
     cores side by side. With `cache` (a folder) each request's draw is kept there as a .npy file
-    named by its seed and a hash of its config and of this file, so later calls (other points,
-    processes, a server) read it instead of drawing it again."""
+    named by its seed and a hash of its config, of this file and of numpy's and torch's versions, so
+    later calls (other points, processes, a server) read it instead of drawing it again."""
     cfg = _request_config(workload, model_config, input_len, output_len)
     seeds = [request_seed(0, i) for i in range(count)]
     if cache is None:
@@ -200,7 +200,8 @@ def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[n
     """Each seed's draw [steps, layers, k] of `cfg` from `cache`, the missing ones drawn together and
     written first (to a temporary name, then renamed: an interrupted write leaves no half file)."""
     fields = json.dumps(asdict(replace(cfg, batch=1, seed=0)), sort_keys=True)
-    tag = hashlib.sha1(fields.encode() + Path(__file__).read_bytes()).hexdigest()[:12]
+    streams = f"numpy {np.__version__} torch {torch.__version__}"         # whose random streams make the draws
+    tag = hashlib.sha1(fields.encode() + streams.encode() + Path(__file__).read_bytes()).hexdigest()[:12]
     cache.mkdir(parents=True, exist_ok=True)
     files = [cache / f"draw_{tag}_{seed}.npy" for seed in seeds]
     missing = [(seed, f) for seed, f in zip(seeds, files) if not f.exists()]
@@ -208,7 +209,7 @@ def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[n
         print(f"  drawing {len(missing)} of {len(seeds)} requests' selections into {cache}/", flush=True)
         drawn = draw_requests(cfg, [seed for seed, _ in missing]).selections
         for j, (_, f) in enumerate(missing):
-            part = f.with_suffix(".part.npy")
+            part = f.with_suffix(f".{os.getpid()}.part.npy")          # this process's own, then renamed
             np.save(part, np.ascontiguousarray(drawn[:, :, j]))
             part.rename(f)
     return [np.load(f, mmap_mode="r") for f in files]

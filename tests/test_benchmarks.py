@@ -326,6 +326,25 @@ def test_summary_states_what_http_adds_beside_the_in_process_twin():
     assert http_lines(pd.DataFrame(rows[:3])) == []
 
 
+def test_a_serving_study_resumed_at_a_later_commit_is_read_whole():
+    """Levels 1 and 2 at one commit, 3 and 8 resumed at a later one, and an HTTP row newer still: the
+    targets read all four levels of the in-process study."""
+    from benchmarks.summary import serving_lines
+    shape = dict(bench="serving", input_len=1024, output_len=256, prefill_chunk=512, gpu="NVIDIA H200")
+    rows = []
+    for level, commit, stamp in ((1, "a", "2026-12-01T10:00:00"), (2, "a", "2026-12-01T10:10:00"),
+                                 (3, "b", "2026-12-02T10:00:00"), (8, "b", "2026-12-02T10:10:00")):
+        for mode, tpot in (("resident", 20.0), ("hisparse", 22.0 if level == 1 else 30.0)):
+            rows += [dict(shape, mode=mode, concurrency=level, metric=m, value=v, commit=commit, timestamp=stamp)
+                     for m, v in (("tokens_per_s", 10.0 * level), ("tpot_ms_p50", tpot), ("ttft_ms_p50", 100.0),
+                                  ("lanes", 2.0))]
+    rows.append(dict(shape, mode="hisparse", concurrency=8, metric="tokens_per_s", value=1.0, commit="c",
+                     timestamp="2026-12-03T10:00:00", transport="http"))
+    lines = serving_lines(pd.DataFrame(rows))
+    assert [line.split(":")[0] for line in lines[:3]] == ["serving 3 clients", "serving 8 clients", "serving 1 clients"]
+    assert "TPOT p50 hisparse / resident 1.100" in lines[2]
+
+
 def test_summary_prints_the_serving_targets():
     from benchmarks.summary import serving_lines
     values = {("resident", 2): (60, 20, 1000, 1), ("hisparse", 2): (58, 22, 1000, 2), ("noio", 2): (60, 20.4, 1000, 2),

@@ -415,7 +415,9 @@ def test_fp8_rows_are_sized_and_stamped_as_they_run(tmp_path, capsys):
                                                                          "batches = [1]")
     for bad, message in ((study.replace(f'model = "{ckpt}"', 'model = "tiny:llama"'), "kv_dtype applies to DSA models"),
                          (study.replace('"fp8"', '"fp16"'), "kv_dtype = 'fp16': expected one of ('bf16', 'fp8')"),
-                         (decode + '    decode_backend = "gluon"\n', 'kv_dtype = "fp8" with decode_backend = "gluon"')):
+                         (decode + '    decode_backend = "gluon"\n', 'kv_dtype = "fp8" with decode_backend = "gluon"'),
+                         (study.replace(f'model = "{ckpt}"', 'model = "tiny:deepseek_v32"'),
+                          'kv_dtype = "fp8": kv_dtype=\'fp8\' stores 512 latent + 64 RoPE values')):
         capsys.readouterr()
         assert sweep.main(["--config", write(tmp_path, bad), "--out", str(tmp_path / "x")]) == 2
         assert message in capsys.readouterr().err
@@ -594,6 +596,15 @@ def test_a_serving_study_admits_by_memory_and_writes_its_rows(tmp_path, capsys):
             "queue_ms_p50", "peak_gpu_gib"} <= set(wide.columns)
     assert set(rows.concurrency) == {2} and set(rows.input_len) == {120} and set(rows.output_len) == {3}
     assert (wide["peak_gpu_gib"] * 2**30 <= 0.000066 * 2**30).all()
+
+
+def test_a_serving_study_of_one_token_out_runs(tmp_path):
+    """output_len = 1 (the untimed warm-up request asks for no more than the point's own)."""
+    config = write(tmp_path, SERVING.replace("output_len = 3", "output_len = 1").replace(
+        'modes = ["resident", "hisparse"]', 'modes = ["hisparse"]'))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 0
+    rows = pd.read_csv(tmp_path / "o" / "serving.csv")
+    assert rows[rows.metric == "output_tokens"].value.tolist() == [4]
 
 
 def test_a_serving_sweep_with_a_draw_cache_draws_every_request_first(tmp_path, capsys):

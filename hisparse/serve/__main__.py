@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=_positive, default=16, metavar="N",
                     help="the most lanes (requests decoding at once), whatever the budget fits (default 16)")
     ap.add_argument("--prefill-chunk", type=_positive, default=8192, metavar="N",
-                    help="prompt tokens prefilled per iteration, between two decode steps: larger cuts TTFT, "
-                         "smaller the running requests' TPOT (default 8192)")
+                    help="prompt tokens prefilled per iteration, between two decode steps: larger cuts TTFT a little, "
+                         "smaller makes each stall of the running requests shorter (their mean TPOT stays) "
+                         "(default 8192)")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
                     help="model: the family's prefill kernels (default); reference: the eager torch prefill")
     ap.add_argument("--graph", action="store_true",
