@@ -10,8 +10,10 @@ import math
 import tempfile
 
 import pytest
+import test_engine_dsa
 import torch
 from engine_checks import assert_bitwise
+from test_dsa import random_rows, rel_err
 
 from hisparse.dsa import fp8
 from hisparse.dsa import ops as dsa
@@ -30,26 +32,6 @@ SMALL_TILES = dsa.DecodeConfig(block_h=16, block_k=16, num_warps=4, num_stages=1
 # |lse_fp8 - lse| at most 0.027. q of std 1 (logits of std about 3) doubles them. Bounds with room:
 FP8_VS_BF16_MAX_REL = 0.1
 FP8_VS_BF16_LSE_ABS = 0.05
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| over max |expected|, on the finite entries; infinities must coincide."""
-    actual, expected = actual.float(), expected.float()
-    assert torch.equal(torch.isinf(actual), torch.isinf(expected)), "infinities differ"
-    assert not torch.isnan(actual).any(), "NaN in the output"
-    finite = torch.isfinite(expected)
-    if not finite.any():
-        return 0.0
-    diff = (actual[finite] - expected[finite]).abs().max()
-    return (diff / expected[finite].abs().max().clamp_min(1e-6)).item()
-
-
-def random_rows(n: int, k: int, num_rows: int, gen: torch.Generator, pad_frac: float = 0.2) -> torch.Tensor:
-    """[n, k] int32 distinct rows per request with about pad_frac entries -1; the last request all -1."""
-    rows = torch.stack([torch.randperm(num_rows, generator=gen)[:k] for _ in range(n)]).to(torch.int32)
-    rows[torch.rand(n, k, generator=gen) < pad_frac] = -1
-    rows[-1] = -1
-    return rows
 
 
 def latent_and_rope(r: int, gen: torch.Generator, spread: int = 0):
@@ -493,21 +475,7 @@ def test_generate_kv_dtype(capsys):
 
 # -- on a GPU: DSA's real KV geometry (128 heads, 512 + 64 latents, k = 2048; 2 layers, hidden 1024) ----------
 
-GEOMETRY = dict(model_type="deepseek_v32", vocab_size=1024, hidden_size=1024, intermediate_size=2048,
-                moe_intermediate_size=256, num_hidden_layers=2, first_k_dense_replace=2,
-                num_attention_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-                qk_nope_head_dim=128, v_head_dim=128, index_topk=2048, index_head_dim=128, index_n_heads=64,
-                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1)
-
-
-@pytest.fixture(scope="module")
-def real_model():
-    from hisparse.models.config import config_from_dict
-    from hisparse.models.loading import build_model
-    from hisparse.models.tiny import randomize_
-    m = build_model(config_from_dict(dict(GEOMETRY)))
-    randomize_(m, seed=0)
-    return m.to(device="cuda", dtype=torch.bfloat16)
+real_model = test_engine_dsa.real_model    # the GPU decode tests' fixture: their GEOMETRY, built once per module
 
 
 def real_prompts():

@@ -33,8 +33,6 @@ and `sparse_mla_decode_stored` reads stored rows of either kind.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.runtime.errors
@@ -46,9 +44,10 @@ from hisparse.dsa.ops import (
     DecodeConfig,
     _dot_precision,
     _require,
-    _smaller_config,
+    check_selection_inputs,
     combine_splits,
     default_decode_config,
+    launch_fitted,
     sparse_mla_decode,
     split_buffers,
     split_plan,
@@ -184,7 +183,7 @@ def sparse_mla_decode_fp8_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Ten
 
 def _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base) -> None:
     _require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
-    n, h, d = q.shape
+    d = q.shape[2]
     _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
     _require(d == D_LATENT + D_ROPE, f"q head dim {d}: expected {D_LATENT} + {D_ROPE} = {D_LATENT + D_ROPE} "
              f"(the FP8 rows hold MLA's latent and RoPE key)")
@@ -193,35 +192,13 @@ def _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base) -> None:
     _require(kv.stride(1) == 1 and kv.stride(0) % 16 == 0 and kv.data_ptr() % 16 == 0,
              f"kv strides {kv.stride()}, address {kv.data_ptr():#x}: expected contiguous 16-byte-aligned "
              f"rows (row stride a multiple of 16 bytes; {ROW_BYTES} is)")
-    _require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
-             f"rows must be int32 [N={n}, k], got {rows.dtype} {tuple(rows.shape)}")
-    _require(rows.shape[1] >= 1, "rows must select at least one entry per request (k >= 1)")
-    _require(q.stride(-1) == 1 and rows.stride(-1) == 1,
-             f"q and rows need a contiguous last dim, strides {q.stride()} and {rows.stride()}")
-    _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
-             f"sm_scale={sm_scale!r}: expected a positive finite float")
-    if row_base is not None:
-        _require(row_base.shape == (n,) and row_base.dtype == torch.int64 and row_base.stride(0) == 1,
-                 f"row_base must be a contiguous int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)} "
-                 f"stride {row_base.stride()}")
-    for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse), ("row_base", row_base)):
-        if t is not None:
-            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
-    if out is not None:
-        _require(out.shape == (n, h, D_LATENT) and out.dtype == q.dtype and out.stride(-1) == 1,
-                 f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, D_LATENT)}, contiguous last dim")
-    if lse is not None:
-        _require(lse.shape == (n, h) and lse.dtype == torch.float32,
-                 f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")
+    check_selection_inputs(q, kv, rows, sm_scale, D_LATENT, out, lse, row_base)
 
 
 def default_fp8_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
     """The bf16 kernel's default tiles (`default_decode_config`); fixed, so equal shapes accumulate
     in equal order. Untuned on the GPU: where it does not fit, `sparse_mla_decode_fp8` shrinks it."""
     return default_decode_config(num_heads, D_LATENT + D_ROPE, dtype)
-
-
-_FITTED_CONFIGS: dict[tuple, DecodeConfig] = {}  # default configs that had to shrink to launch
 
 
 def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
@@ -247,19 +224,8 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     if config is not None:
         _launch(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits)
         return out, lse
-    key = (h, q.dtype, q.device)
-    cfg = _FITTED_CONFIGS.get(key) or default_fp8_decode_config(h, q.dtype)
-    while True:
-        try:
-            _launch(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits)
-            break
-        except triton.runtime.errors.OutOfResources as exc:
-            smaller = _smaller_config(cfg)
-            if smaller is None:
-                raise
-            warnings.warn(f"sparse_mla_decode_fp8: {cfg} does not fit this GPU ({exc}); trying {smaller}")
-            cfg = smaller
-    _FITTED_CONFIGS[key] = cfg
+    launch_fitted("sparse_mla_decode_fp8", ("fp8", h, q.dtype, q.device), default_fp8_decode_config(h, q.dtype),
+                  lambda cfg: _launch(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits))
     return out, lse
 
 

@@ -433,11 +433,20 @@ def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base=None) ->
                  f"{name}={size}: expected a power of 2 >= 16")
     _require(kv.dim() == 2 and kv.shape[1] == d, f"kv shape {tuple(kv.shape)}: expected [R, D={d}]")
     _require(kv.dtype == q.dtype, f"kv dtype {kv.dtype}: expected {q.dtype} (as q)")
+    _require(kv.stride(-1) == 1, f"kv needs a contiguous last dim, strides {kv.stride()}")
+    check_selection_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
+
+
+def check_selection_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base) -> None:
+    """The checks every sparse MLA decode shares, whatever its rows' format: q [N, H, D], rows int32
+    [N, k >= 1], contiguous last dims, a positive finite scale, row_base int64 [N], one device, and
+    out [N, H, d_v] / lse [N, H] if given (`hisparse.dsa.fp8` checks its FP8 rows, then these)."""
+    n, h, _ = q.shape
     _require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
              f"rows must be int32 [N={n}, k], got {rows.dtype} {tuple(rows.shape)}")
     _require(rows.shape[1] >= 1, "rows must select at least one entry per request (k >= 1)")
-    _require(q.stride(-1) == 1 and kv.stride(-1) == 1 and rows.stride(-1) == 1,
-             f"q, kv and rows need a contiguous last dim, strides {q.stride()}, {kv.stride()}, {rows.stride()}")
+    _require(q.stride(-1) == 1 and rows.stride(-1) == 1,
+             f"q and rows need a contiguous last dim, strides {q.stride()} and {rows.stride()}")
     _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
              f"sm_scale={sm_scale!r}: expected a positive finite float")
     if row_base is not None:
@@ -532,20 +541,26 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_
     if config is not None:
         _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits)
         return out, lse
-    key = (h, d, d_v, q.dtype, q.device)
-    cfg = _FITTED_CONFIGS.get(key) or default_decode_config(h, d, q.dtype)
+    launch_fitted("sparse_mla_decode", (h, d, d_v, q.dtype, q.device), default_decode_config(h, d, q.dtype),
+                  lambda cfg: _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits))
+    return out, lse
+
+
+def launch_fitted(name: str, key: tuple, default: DecodeConfig, launch) -> None:
+    """launch(config) with the config that fitted this key before, else `default`, shrunk
+    (`_smaller_config`, with a warning) until the GPU has the resources for it; remembered per key."""
+    cfg = _FITTED_CONFIGS.get(key) or default
     while True:
         try:
-            _launch_decode(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits)
+            launch(cfg)
             break
         except triton.runtime.errors.OutOfResources as exc:
             smaller = _smaller_config(cfg)
             if smaller is None:
                 raise
-            warnings.warn(f"sparse_mla_decode: {cfg} does not fit this GPU ({exc}); trying {smaller}")
+            warnings.warn(f"{name}: {cfg} does not fit this GPU ({exc}); trying {smaller}")
             cfg = smaller
     _FITTED_CONFIGS[key] = cfg
-    return out, lse
 
 
 def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig,
