@@ -286,6 +286,11 @@ class Server:
             self._host_selections = selections.cpu()       # beside requests' own traces (on the host)
             self.attention.replay_sel = torch.full((layers, self.lanes, *selections.shape[2:]), -1,
                                                    dtype=torch.int32, device=self.device)
+            # requests' own traces stay on the host: each step's rows are stacked here (pinned on a GPU,
+            # so the copy is a DMA that does not wait on pageable staging), then copied asynchronously
+            self._replay_host = torch.empty(self.attention.replay_sel.shape, dtype=torch.int32,
+                                            pin_memory=self.device.type == "cuda")
+            self._replay_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.lane_request: list[Request | None] = [None] * self.lanes
         self._reserved: int | None = None        # the lane of the request being prefilled
         self._step = None                       # the decode step (graphed after its first eager run)
@@ -413,6 +418,7 @@ class Server:
             if own.dtype != torch.int32 or tuple(own.shape[1:]) != tuple(self.selections.shape[1:]):
                 raise ValueError(f"request selections must be int32 [steps, {', '.join(map(str, self.selections.shape[1:]))}], "
                                  f"got {own.dtype} {tuple(own.shape)}")
+            request.selections = own.cpu()    # on the host; each step stages its rows (`_fill_replay`)
         trace = request.selections if request.selections is not None else self.selections
         if trace is not None and request.max_new_tokens - 1 > trace.shape[0]:
             raise ValueError(f"max_new_tokens={request.max_new_tokens} needs {request.max_new_tokens - 1} decode steps of "
@@ -485,7 +491,12 @@ class Server:
             return
         rows = [(r.selections if mine else self._host_selections)[step]
                 for r, mine, step in zip(self.lane_request, own, steps)]
-        self.attention.replay_sel.copy_(torch.stack(rows, dim=1))
+        if self._replay_copied is not None:
+            self._replay_copied.synchronize()     # the last step's copy has read the staging buffer
+        torch.stack(rows, dim=1, out=self._replay_host)
+        self.attention.replay_sel.copy_(self._replay_host, non_blocking=True)
+        if self._replay_copied is not None:
+            self._replay_copied.record()
 
     def _graphed_step(self):
         graph = torch.cuda.CUDAGraph()
