@@ -183,7 +183,30 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         low = levels[0]
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
                      f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
-    return lines + chunk_lines(every) + http
+    return lines + hybrid_lines(wide, levels) + chunk_lines(every) + http
+
+
+def hybrid_lines(wide: pd.DataFrame, levels: list[float]) -> list[str]:
+    """Issue 34's targets where the study ran hybrid: output tokens/s at least 0.97x resident's at every
+    level where resident admits every request (its lanes >= the clients), at least 0.95x hisparse's at
+    the two highest levels."""
+    lines = []
+    for level in levels:
+        if (level, "hybrid") not in wide.index:
+            continue
+        own = wide.loc[(level, "hybrid")]
+        cells = []
+        if (level, "resident") in wide.index and wide.loc[(level, "resident"), "lanes"] >= level:
+            ratio = own.tokens_per_s / wide.loc[(level, "resident"), "tokens_per_s"]
+            cells.append(f"{ratio:.3f}x resident's (target >= 0.97)")
+        if level in levels[-2:] and (level, "hisparse") in wide.index:
+            ratio = own.tokens_per_s / wide.loc[(level, "hisparse"), "tokens_per_s"]
+            cells.append(f"{ratio:.3f}x hisparse's (target >= 0.95)")
+        if cells:
+            counts = "".join(f", {own[m]:.0f} {m.replace('_', ' ')}" for m in ("resident_admissions", "demotions")
+                             if m in own and own[m] == own[m])
+            lines.append(f"serving {level:.0f} clients: hybrid output tokens/s " + ", ".join(cells) + counts)
+    return lines
 
 
 def prefill_serial_cap(wide: pd.DataFrame, level: float, low: float, output_len: float) -> float:

@@ -32,7 +32,7 @@ from hisparse.results import NotResultsCSV, stored_table
 
 MODE_LABELS = {
     "resident": "resident", "hisparse": "hierarchical", "sync": "hierarchical",
-    "prefetch": "hierarchical + prefetch", "noio": "no-IO oracle",
+    "prefetch": "hierarchical + prefetch", "noio": "no-IO oracle", "hybrid": "hybrid",
     "triton": "triton", "torch_gather": "torch gather", "dense": "dense (all keys)",
     "lru": "LRU", "fifo": "FIFO", "random": "random", "belady": "Belady (offline optimum)",
     "last": "last selection only (B = k)",

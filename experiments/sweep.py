@@ -99,7 +99,7 @@ KEY_HELP = {
     "model": "tiny:<family>, dsa, quest, or a DSA checkpoint directory",
     "layers": "layers of the dsa (61) / quest (32) / tiny model",
     "hidden": "hidden size of the dsa / quest model (1024)",
-    "modes": "list of resident, hisparse, noio",
+    "modes": "list of resident, hisparse, noio (serving, DSA: and hybrid)",
     "cache_slots": "B, one or a list (needed by hisparse and noio)",
     "contexts": "prompt tokens, one or a list (decode, throughput)",
     "batches": "requests, one or a list",
@@ -270,8 +270,11 @@ def validate(studies: list[dict]) -> None:
         if kind == "policies":
             continue
         modes = study["modes"]
-        if not isinstance(modes, list) or not modes or any(m not in KV_MODES for m in modes):
-            raise ConfigError(f"{where}: modes = {modes!r}: expected a list of {KV_MODES}")
+        allowed = (*KV_MODES, "hybrid") if kind == "serving" else KV_MODES
+        if not isinstance(modes, list) or not modes or any(m not in allowed for m in modes):
+            raise ConfigError(f"{where}: modes = {modes!r}: expected a list of {allowed}"
+                              + (" (hybrid: serving studies only)" if isinstance(modes, list) and "hybrid" in modes
+                                 else ""))
         _listed_once(modes, "modes", where)
         if not isinstance(study["model"], str):
             raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa, quest or "
@@ -288,6 +291,9 @@ def validate(studies: list[dict]) -> None:
             if key in study:
                 _positive_int(study, key, where)
         raw = model_config(study)
+        if "hybrid" in modes and family(raw) != "dsa":
+            raise ConfigError(f"{where}: mode hybrid is built for DSA models so far; model {study['model']!r} is "
+                              f"{family(raw)}")
         if "token_budget" in study:
             budget = study["token_budget"]
             if family(raw) != "quest":
@@ -735,7 +741,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     summary = run.summary()
     hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)
     units = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens",
-             "running_batch_mean": "requests", "running_batch_max": "requests"}
+             "running_batch_mean": "requests", "running_batch_max": "requests",
+             "resident_admissions": "requests", "demotions": "requests"}
     rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
     rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
              dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),

@@ -78,6 +78,7 @@ class HierarchicalKVCache:
         self.stream_len = [0] * max_streams
         self.stream_capacity = [0] * max_streams
         self._open: set[int] = set()
+        self._runs: dict[int, int] = {}         # first stream id -> streams, of each run (`take_run`)
 
     # -- streams -----------------------------------------------------------------------------
 
@@ -97,9 +98,10 @@ class HierarchicalKVCache:
     def open_stream(self, capacity: int) -> int:
         """Take a free stream with a host region of `capacity` units. Nothing changes on failure."""
         capacity = as_int(capacity, "a stream's capacity must be a positive int (units)", minimum=1)
-        free = [s for s in range(self.max_streams) if s not in self._open]
+        taken = self._taken()
+        free = [s for s in range(self.max_streams) if s not in taken]
         if not free:
-            raise RuntimeError(f"all {self.max_streams} streams are open; close one or raise max_streams")
+            raise RuntimeError(f"all {self.max_streams} streams are open or in runs; close one or raise max_streams")
         base = self.host.alloc(capacity)
         stream = free[0]
         self.state.reset_stream(stream, base, capacity)
@@ -112,6 +114,43 @@ class HierarchicalKVCache:
         self.host.release(int(self.state.host_base[stream]))
         self._open.remove(stream)
         self.stream_len[stream] = self.stream_capacity[stream] = 0
+
+    def _taken(self) -> set[int]:
+        """Stream ids open or inside a run."""
+        return self._open | {s for first, n in self._runs.items() for s in range(first, first + n)}
+
+    def free_streams(self) -> int:
+        """Stream ids neither open nor inside a run."""
+        return self.max_streams - len(self._taken())
+
+    def take_run(self, streams: int) -> int | None:
+        """Reserve `streams` contiguous free stream ids as one run of GPU rows: rows
+        row_base(first) .. row_base(first) + streams * (B + 1) - 1 of `slots.view(-1, E)`, for a caller
+        that stores a whole sequence on the GPU (a resident request in hybrid serving) and indexes it
+        itself. A run has no host region and no cache state; the resolve never sees it. Returns the
+        first id (the lowest run that fits), or None when no such run is free (nothing changes)."""
+        streams = as_int(streams, "a run's length must be a positive int (streams)", minimum=1)
+        taken, length = self._taken(), 0
+        for s in range(self.max_streams):
+            length = 0 if s in taken else length + 1
+            if length == streams:
+                first = s - streams + 1
+                self._runs[first] = streams
+                return first
+        return None
+
+    def run_length(self, first: int) -> int:
+        """Streams of the run `take_run` returned as `first`."""
+        if first not in self._runs:
+            raise ValueError(f"no run starts at stream {first} (runs start at {sorted(self._runs)[:8]})")
+        return self._runs[first]
+
+    def release_run(self, first: int) -> None:
+        """Give back the run `take_run` returned as `first`."""
+        first = as_int(first, "a run is named by its first stream id (an int)")
+        if first not in self._runs:
+            raise ValueError(f"no run starts at stream {first} (runs start at {sorted(self._runs)[:8]})")
+        del self._runs[first]
 
     def _check_open(self, stream: int, what: str = "") -> int:
         """`stream` as an int, if it is an open stream's id (`what`: the call, for the message)."""

@@ -65,6 +65,10 @@ from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
 from hisparse.runtime import KV_MODES, cache_bytes, nbytes, prefetch_width
 
+# hybrid (DSA): a request resident while its rows fit beside the others in runs of the cache's
+# streams, hierarchical otherwise; a resident one is demoted when a hierarchical one needs the room
+SERVING_MODES = (*KV_MODES, "hybrid")
+
 GIB = 2 ** 30
 _NOT_LANE_FIELDS = {"cache", "anchor_layer", "anchor_streams", "prefetched", "newest", "host_streams", "lanes",
                     "weight_k", "weight_v"}
@@ -153,6 +157,7 @@ class ServingRun:
     running_batch: list[int]          # active lanes at each decode step
     peak_gpu_bytes: int               # the most the KV state, cache and workspace held (budgeted bytes)
     peak_host_rows: int               # the most host pool rows in use
+    hybrid: dict[str, int] | None = None   # mode hybrid: requests admitted resident, demotions
 
     def summary(self) -> dict[str, float]:
         """Output tokens/s, TTFT / TPOT / latency / queueing percentiles (ms), running batch mean and max.
@@ -170,6 +175,8 @@ class ServingRun:
                 out[f"{name}_ms_p{q}"] = percentile(values, q) * 1e3
         out["running_batch_mean"] = sum(self.running_batch) / max(1, len(self.running_batch))
         out["running_batch_max"] = max(self.running_batch, default=0)
+        if self.hybrid is not None:
+            out.update(self.hybrid)
         return out
 
 
@@ -185,7 +192,8 @@ class _Prefill:
 class Server:
     """A continuous-batching server over one model (see the module docstring).
 
-    mode: resident, hisparse or noio. cache_slots: B (hierarchical modes). max_context: the most
+    mode: resident, hisparse, noio or hybrid (DSA; sized as hisparse, see `_admit_hybrid`). cache_slots: B
+    (hierarchical and hybrid modes). max_context: the most
     tokens a request may hold (prompt + max new tokens). kv_budget_gib: GPU memory for KV (lanes,
     cache, prefill workspace); host_budget_gib: the host pool (hierarchical modes; default: every lane
     at max_context). max_batch: the most lanes, whatever fits. lanes: exactly this many (a replay's;
@@ -204,8 +212,8 @@ class Server:
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
                  selections: torch.Tensor | None = None, kv_dtype: str = "bf16"):
-        if mode not in KV_MODES:
-            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        if mode not in SERVING_MODES:
+            raise ValueError(f"mode must be one of {SERVING_MODES}, got {mode!r}")
         if prefill not in ("model", "reference"):
             raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
         if prefetch and mode != "hisparse":
@@ -220,6 +228,11 @@ class Server:
         self.fast = prefill == "model"
         self.device = weight.device
         self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.hybrid = mode == "hybrid"
+        if self.hybrid and not hasattr(self.runtime, "take_runs"):
+            raise ValueError(f"mode 'hybrid' is built for DSA models so far, not {self.runtime.family}")
+        self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are
+        self._lane_runs: dict[int, list[int]] = {}     # hybrid: lane -> its runs (one a layer) while resident
         # the empty state a prefill writes into: DSA's runtime makes its kv_dtype's rows
         self._new_state = getattr(self.runtime, "new_state", model.new_state)
         self.decode_backend, self.prefetch, self.kv_dtype = decode_backend, prefetch, kv_dtype
@@ -261,15 +274,24 @@ class Server:
             self.kv_budget = None
             host_rows = self._host_rows(host_budget_gib, row_bytes, self.lanes)
         self.cache = None
+        streams = self.lanes * self.streams_per_request
+        if self.hybrid and self.kv_budget is not None:
+            # the budget the lanes leave goes to more streams, so a request's rows can sit in runs of them
+            stream_bytes = (self.lane_bytes - state_bytes) // self.streams_per_request
+            spare = self.kv_budget - self.workspace_bytes - 4 * host_rows - self.lanes * self.lane_bytes
+            streams += max(0, spare // stream_bytes)
         if mode != "resident":
             from hisparse.cache import HierarchicalKVCache
-            self.cache = HierarchicalKVCache(max_streams=self.lanes * self.streams_per_request, cache_slots=cache_slots,
+            self.cache = HierarchicalKVCache(max_streams=streams, cache_slots=cache_slots,
                                              host_rows=host_rows, row_elems=row_bytes // self._row_dtype().itemsize,
                                              dtype=self._row_dtype(), device=self.device)
         self.layers = self._empty_layers(self.lanes, self.cache)
         self.state = DecodeState(self.layers, self.max_context,
                                  torch.zeros(self.lanes, dtype=torch.int64, device=self.device))
-        self.attention = self.runtime.attention(mode, self.layers, check_values=not graph, prefetch=prefetch,
+        if self.hybrid:                             # every lane hierarchical until one is admitted resident
+            for kv in self.layers:
+                kv.resident = torch.zeros(self.lanes, dtype=torch.bool, device=self.device)
+        self.attention = self.runtime.attention(self.kv_mode, self.layers, check_values=not graph, prefetch=prefetch,
                                                 prefetch_programs=self.prefetch_programs)
         self.attention.lanes = torch.zeros(self.lanes, dtype=torch.bool, device=self.device)
         for kv in self.layers:
@@ -357,7 +379,7 @@ class Server:
             return tuple(None if t is None else torch.zeros_like(t) for t in random(b, layer))
 
         lengths = torch.ones(lanes, dtype=torch.int64, device=self.device)
-        layers = self.runtime.gather_layers(self.mode, cache, zero_rows, lengths, self.max_context, self.prefetch,
+        layers = self.runtime.gather_layers(self.kv_mode, cache, zero_rows, lengths, self.max_context, self.prefetch,
                                             host_tokens=1)
         for lane in range(lanes):
             for kv in layers:
@@ -372,7 +394,7 @@ class Server:
         lane = request.lane
         length = len(request.prompt)
         rows = self.runtime.prefilled_rows([prefilled])
-        single = self.runtime.gather_layers(self.mode, self.cache, rows, torch.tensor([length], device=self.device),
+        single = self.runtime.gather_layers(self.kv_mode, self.cache, rows, torch.tensor([length], device=self.device),
                                             self.max_context, self.prefetch,
                                             host_tokens=length + request.max_new_tokens)
         held = sum(nbytes(t) for kv in single for t in _lane_tensors(kv, 1))
@@ -394,6 +416,8 @@ class Server:
                 if getattr(kv, "streams", None) is not None:
                     for s in _as_list(kv.host_streams[lane]):
                         self.cache.close_stream(s)
+        for first in self._lane_runs.pop(lane, []):          # hybrid: a resident lane's runs
+            self.cache.release_run(first)
         _clear_lane(self.layers, lane, self.lanes)
         self.lane_request[lane] = None
         request.lane = None
@@ -441,7 +465,48 @@ class Server:
             return False
         if self.cache is None:
             return True
-        return self.cache.host.fits(self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens))
+        regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
+        if self.hybrid:
+            return self._hybrid_admissible(regions, len(request.prompt) + request.max_new_tokens)
+        return self.cache.host.fits(regions)
+
+    # -- hybrid: resident while the rows fit, hierarchical otherwise -----------------------------
+
+    def _hybrid_admissible(self, regions: list[int], need: int) -> bool:
+        """Resident runs are free for it, or its streams are after demoting residents (each demotion
+        takes host regions of the demoted request's own size, in the order they would be made)."""
+        runs = self.runtime.take_runs(self.cache, self.max_context)
+        if runs is not None:
+            for first in runs:
+                self.cache.release_run(first)
+            return True
+        sizes, free = [], self.cache.free_streams()
+        for lane in self._demotion_order():
+            if free >= len(regions):
+                break
+            r = self.lane_request[lane]
+            sizes += self.runtime.stream_regions(len(r.prompt) + r.max_new_tokens)
+            free += (self.runtime.run_streams(self.cache, self.max_context) - 1) * len(self.layers)
+        return free >= len(regions) and self.cache.host.fits(sizes + regions)
+
+    def _demotion_order(self) -> list[int]:
+        """Resident lanes, the latest admitted first (the one with the most of its output ahead)."""
+        return sorted(self._lane_runs, key=lambda lane: -self.lane_request[lane].rid)
+
+    def _admit_hybrid(self, need: int) -> list[int] | None:
+        """A request about to prefill: its resident runs if they are free (None otherwise, after
+        demoting resident lanes, latest first, until its streams are free)."""
+        runs = self.runtime.take_runs(self.cache, self.max_context)
+        if runs is not None:
+            return runs
+        order = self._demotion_order()
+        while self.cache.free_streams() < len(self.layers) and order:
+            lane = order.pop(0)
+            r = self.lane_request[lane]
+            self.runtime.demote(self.cache, self.layers, lane, r.length, len(r.prompt) + r.max_new_tokens,
+                                self._lane_runs.pop(lane))
+            self.demotions += 1
+        return None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -530,6 +595,7 @@ class Server:
         self.schedule = Schedule(self.lanes)
         self.running_batch: list[int] = []
         self.peak_gpu, self.peak_host = self.gpu_bytes(), 0
+        self.resident_admissions = self.demotions = 0      # hybrid's
         self._start = time.perf_counter()
 
     def now(self) -> float:
@@ -642,7 +708,9 @@ class Server:
             raise RuntimeError("close() with requests still running: cancel them first")
         self.model.sparse_attention = self._previous_attention
         return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
-                          self.running_batch, self.peak_gpu, self.peak_host)
+                          self.running_batch, self.peak_gpu, self.peak_host,
+                          {"resident_admissions": self.resident_admissions, "demotions": self.demotions}
+                          if self.hybrid else None)
 
     def _emit(self, request: Request, token: int, t: float, logits: torch.Tensor) -> None:
         request.tokens.append(token)
@@ -702,8 +770,10 @@ class Server:
             raise ValueError(f"the replayed schedule admits request {request.rid} with every lane taken")
         try:
             if self.in_place:
-                job = self.runtime.lane_prefill(self.mode, self.cache, self.layers, request.lane,
-                                                len(request.prompt), len(request.prompt) + request.max_new_tokens)
+                need = len(request.prompt) + request.max_new_tokens
+                runs = self._admit_hybrid(need) if self.hybrid else None
+                job = self.runtime.lane_prefill(self.kv_mode, self.cache, self.layers, request.lane,
+                                                len(request.prompt), need, **({"runs": runs} if runs else {}))
                 return _Prefill(request, job.state, job)
             return _Prefill(request, self._new_state(1, len(request.prompt)))
         except BaseException:             # (out of memory, say) the lane goes back
@@ -735,6 +805,9 @@ class Server:
                 job.in_place.cancel()
             return 0
         if job.in_place is not None:
+            if getattr(job.in_place, "runs", None) is not None:
+                self._lane_runs[request.lane] = job.in_place.runs
+                self.resident_admissions += 1
             job.in_place.join()
             held = 0
         else:
@@ -783,3 +856,5 @@ def _clear_lane(layers: list, lane: int, lanes: int) -> None:
             continue
         kv.streams.view(lanes, -1)[lane] = -1
         kv.host_streams[lane] = [] if isinstance(kv.host_streams[lane], list) else -1
+        if getattr(kv, "resident", None) is not None:
+            kv.resident[lane] = False

@@ -117,11 +117,14 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
     (("batches = [2]", "batches = [2, 1, 2]"), r"batches = \[2, 1, 2\] lists 2 twice"),
     (("cache_slots = 8\ncontexts = [24]\nbatches", "cache_slots = [8, 9, 8]\ncontexts = [24]\nbatches"),
      r"study 0 \(decode\): cache_slots = \[8, 9, 8\] lists 8 twice"),
+    (("modes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts",
+      "modes = [\"resident\", \"hybrid\"]\ncache_slots = 8\ncontexts"),
+     r"study 0 \(decode\): modes = .*expected a list of \('resident', 'hisparse', 'noio'\) \(hybrid: serving studies only\)"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
         "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
         "decode-backend", "early-resolve-gone", "hidden-tiny", "max-batch-list", "max-batch-0", "kind-list", "slots-above-max",
         "budget-bool", "budget-inf", "top-level-key", "modes-twice", "contexts-twice", "batches-twice",
-        "slots-twice"])
+        "slots-twice", "hybrid-decode"])
 def test_bad_configs_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in TINY
@@ -598,6 +601,20 @@ def test_a_serving_study_admits_by_memory_and_writes_its_rows(tmp_path, capsys):
     assert (wide["peak_gpu_gib"] * 2**30 <= 0.000066 * 2**30).all()
 
 
+def test_a_hybrid_serving_study_writes_its_counts(tmp_path):
+    """mode hybrid in a serving study: its rows carry how many requests were admitted resident and
+    how many were demoted, as requests, beside the serving metrics. Under this budget (twice the
+    study's) the two lanes' spare streams hold both requests' runs: every request stays resident."""
+    config = write(tmp_path, SERVING.replace('modes = ["resident", "hisparse"]', 'modes = ["hybrid"]').replace(
+        "kv_budget_gib = 0.000066", "kv_budget_gib = 0.00012"))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 0
+    rows = pd.read_csv(tmp_path / "o" / "serving.csv").set_index("metric")
+    assert set(rows["mode"]) == {"hybrid"} and rows.loc["output_tokens", "value"] == 12
+    assert rows.loc["resident_admissions", "unit"] == rows.loc["demotions", "unit"] == "requests"
+    assert rows.loc["lanes", "value"] == 2 and rows.loc["resident_admissions", "value"] == 4
+    assert rows.loc["demotions", "value"] == 0
+
+
 def test_a_serving_study_of_one_token_out_runs(tmp_path):
     """output_len = 1 (the untimed warm-up request asks for no more than the point's own)."""
     config = write(tmp_path, SERVING.replace("output_len = 3", "output_len = 1").replace(
@@ -643,7 +660,9 @@ def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
     (("output_len = 3", "output_len = 0"), "output_len = 0: expected one positive integer"),
     (("model = \"tiny:deepseek_v32\"\nlayers = 1", "model = \"tiny:llama\""),
      "workload = 'tiny': a serving study replays a preset on DSA models"),
-], ids=["both-loads", "rate-0", "two-slots", "output-0", "quest-preset"])
+    (("model = \"tiny:deepseek_v32\"\nlayers = 1\nmodes = [\"resident\", \"hisparse\"]",
+      "model = \"tiny:llama\"\nmodes = [\"hybrid\"]"), "mode hybrid is built for DSA models so far"),
+], ids=["both-loads", "rate-0", "two-slots", "output-0", "quest-preset", "hybrid-quest"])
 def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message):
     old, new = edit
     assert old in SERVING

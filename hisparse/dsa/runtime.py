@@ -57,6 +57,9 @@ class HierMlaKV(MlaKV):
     anchor_streams: torch.Tensor | None = None
     prefetched: torch.cuda.Event | None = None
     newest: tuple | None = None                # an anchor's (units [B], rows [B, D]) its resolve writes
+    # hybrid serving: [B] bool, the lanes whose latents are all on the GPU, token t at row
+    # row_base + t of `cache.slots` viewed as rows (a run of the cache's streams); their streams are -1
+    resident: torch.Tensor | None = None
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Decode-step write (positions [B, 1]): the latent goes to the host pool, the reserved slot
@@ -73,6 +76,10 @@ class HierMlaKV(MlaKV):
             self.index_keys[rows, positions] = self.kept_in_empty_lanes(self.index_keys, rows, positions, index_keys)
         if self.cache.slots.dtype == torch.uint8:
             latent = fp8.to_rows(latent)
+        if self.resident is not None:           # resident lanes: at their rows (others write what is there)
+            pool = self.cache.slots.view(-1, self.cache.slots.shape[-1])
+            at = torch.where(self.resident, self.row_base + positions[:, 0], 0)
+            pool[at] = torch.where(self.resident[:, None], latent[:, 0], pool[at])
         if self.anchor_layer is None:
             if self.newest is not None:
                 raise RuntimeError("the last step's newest latents were never written: an anchor layer's "
@@ -123,7 +130,12 @@ class KernelDsaAttention(UnitResolver):
         self.recorded[layer_idx] = selection
         # rows index each request's own region of the pool (row_base): its slots, or its token ids
         if isinstance(kv, HierMlaKV):
-            rows, row_base = self._slots(layer_idx, kv, selection), kv.row_base
+            if kv.resident is None:
+                rows = self._slots(layer_idx, kv, selection)
+            else:           # resolve the hierarchical lanes only; a resident lane's selection is its rows
+                keep = kv.resident[:, None]
+                rows = torch.where(keep, selection, self._slots(layer_idx, kv, torch.where(keep, -1, selection)))
+            row_base = kv.row_base
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
         else:
             batch, capacity, _ = kv.latent.shape
@@ -256,12 +268,54 @@ class DsaRuntime:
         return kv
 
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
-                     host_tokens: int) -> "LanePrefill":
+                     host_tokens: int, runs: list[int] | None = None) -> "LanePrefill":
         """A serving lane's prefill in place (`hisparse.serving`): the model's prefill writes the
         indexer keys (and, resident, the latents) straight into lane `lane` of the batch `layers`;
         hierarchical latents go to a workspace of the prompt's length and, chunk by chunk, to the
-        request's streams (opened now with `host_tokens` units each). Nothing is copied at the join."""
-        return LanePrefill(self, mode, cache, layers, lane, prompt, host_tokens)
+        request's streams (opened now with `host_tokens` units each). Nothing is copied at the join.
+        runs: a hybrid lane kept resident, its latents written straight into these runs of the cache's
+        streams (one per layer, `take_runs`) and read from there."""
+        return LanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs)
+
+    # -- hybrid serving: a lane resident in a run of the cache's streams, or hierarchical ------------
+
+    def run_streams(self, cache: HierarchicalKVCache, capacity: int) -> int:
+        """Streams of a run that holds `capacity` tokens of one layer (B + 1 rows a stream)."""
+        return -(-capacity // (cache.cache_slots + 1))
+
+    def take_runs(self, cache: HierarchicalKVCache, capacity: int) -> list[int] | None:
+        """One run of `capacity` tokens per layer (first stream ids), or None (nothing taken)."""
+        runs = []
+        for _ in range(self.model.config.num_hidden_layers):
+            first = cache.take_run(self.run_streams(cache, capacity))
+            if first is None:
+                for taken in runs:
+                    cache.release_run(taken)
+                return None
+            runs.append(first)
+        return runs
+
+    def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
+               runs: list[int]) -> None:
+        """A resident hybrid lane becomes hierarchical between steps: per layer its run goes back and a
+        stream with a host region of `host_tokens` units gets the run's first `length` rows (bytes as
+        stored, so every later read is the same value; the stream may reuse the run's own streams,
+        whose rows are read before anything is written there); the lane reads through its streams
+        from the next step, their caches empty. ValueError, before anything changes, when the host
+        pool cannot hold the regions."""
+        if not cache.host.fits([host_tokens] * len(layers)):
+            raise ValueError(f"demoting lane {lane} needs {len(layers)} host regions of {host_tokens} rows; "
+                             f"the host pool has {cache.host.free_rows} rows free")
+        pool = cache.slots.view(-1, cache.slots.shape[-1])
+        for kv, first in zip(layers, runs):
+            base = int(cache.row_base(torch.tensor([first]))[0])
+            cache.release_run(first)
+            stream = cache.open_stream(host_tokens)
+            cache.append(stream, pool[base:base + length])
+            kv.resident[lane] = False
+            kv.streams[lane] = stream
+            kv.row_base[lane] = int(cache.row_base(torch.tensor([stream]))[0])
+            kv.host_streams[lane] = stream
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes: the hierarchical modes' latents."""
@@ -298,12 +352,18 @@ class LanePrefill:
     model's prefill runs on; `chunk_done(start, end)` after each chunk; `join()` when the prompt is done."""
 
     def __init__(self, runtime: DsaRuntime, mode: str, cache, layers: list, lane: int, prompt: int,
-                 host_tokens: int):
-        self.mode, self.cache, self.layers, self.lane = mode, cache, layers, lane
+                 host_tokens: int, runs: list[int] | None = None):
+        self.mode, self.cache, self.layers, self.lane, self.runs = mode, cache, layers, lane, runs
+        if runs is not None:            # a hybrid lane kept resident: its latents live in its runs
+            mode = self.mode = "resident"
         views = []
-        for kv in layers:
+        for i, kv in enumerate(layers):
             keys = None if kv.index_keys is None else kv.index_keys[lane:lane + 1]
-            if mode == "resident":
+            if runs is not None:
+                pool = cache.slots.view(-1, cache.slots.shape[-1])
+                base, end = (int(b) for b in cache.row_base(torch.tensor([runs[i], runs[i] + cache.run_length(runs[i])])))
+                views.append(MlaKV(latent=pool[base:end][None], index_keys=keys))
+            elif mode == "resident":
                 views.append(MlaKV(latent=kv.latent[lane:lane + 1], index_keys=keys))
             else:                   # the rows as the cache stores them (FP8: uint8 rows, quantised by the write)
                 latent = torch.empty(1, prompt, runtime.row_elems, dtype=runtime.row_dtype,
@@ -333,6 +393,12 @@ class LanePrefill:
 
     def join(self) -> None:
         """The request's streams into its lane (hierarchical modes; resident lanes already hold it)."""
+        if self.runs is not None:                       # hybrid, resident: the lane reads its runs
+            for first, kv in zip(self.runs, self.layers):
+                kv.resident[self.lane] = True
+                kv.streams[self.lane] = -1
+                kv.row_base[self.lane] = self.cache.row_base(torch.tensor([first], device=kv.row_base.device))[0]
+                kv.host_streams[self.lane] = -1
         for stream, kv in zip(self.streams, self.layers):
             kv.streams[self.lane] = stream
             kv.row_base[self.lane] = self.cache.row_base(torch.tensor([stream], device=kv.row_base.device))[0]
@@ -340,7 +406,9 @@ class LanePrefill:
         self.state = None
 
     def cancel(self) -> None:
-        """Give back the streams of a prefill that will not join."""
+        """Give back the streams (or runs) of a prefill that will not join."""
         for stream in self.streams:
             self.cache.close_stream(stream)
-        self.streams, self.state = [], None
+        for first in self.runs or []:
+            self.cache.release_run(first)
+        self.streams, self.runs, self.state = [], None, None

@@ -28,10 +28,9 @@ import torch
 from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, _device, _load, _positive
-from hisparse.runtime import KV_MODES
 from hisparse.serve.app import Service, closing_line, describe, log, serve
 from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
-from hisparse.serving import Server
+from hisparse.serving import SERVING_MODES, Server
 from hisparse.synthetic import PRESETS, request_draws
 
 
@@ -61,12 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", metavar="DIR",
                     help="(required) checkpoint directory: config.json plus *.safetensors (Hugging Face layout), e.g. one "
                          "written by `python -m hisparse.make_tiny`")
-    ap.add_argument("--mode", choices=KV_MODES, default="resident",
+    ap.add_argument("--mode", choices=SERVING_MODES, default="resident",
                     help="resident (all KV on the GPU, the baseline), hisparse (host pool + --cache-slots GPU slots "
-                         "per stream, exact) or noio (hisparse without the copies: wrong tokens, the time's upper "
-                         "bound) (default resident)")
+                         "per stream, exact), noio (hisparse without the copies: wrong tokens, the time's upper "
+                         "bound) or hybrid (DSA: sized as hisparse; a request is resident in the GPU memory its "
+                         "lanes leave while it fits, hierarchical otherwise, exact) (default resident)")
     ap.add_argument("--cache-slots", type=_positive, default=None, metavar="B",
-                    help="GPU slots per stream, at least the model's selection size k; required for hisparse and "
+                    help="GPU slots per stream, at least the model's selection size k; required for hisparse, hybrid and "
                          "noio, ignored in resident mode")
     ap.add_argument("--token-budget", type=_positive, default=None, metavar="T",
                     help="Quest checkpoints (llama, qwen3) only: tokens each KV head reads per step (default the "

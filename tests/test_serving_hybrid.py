@@ -1,0 +1,104 @@
+"""Hybrid serving (DSA): a request is resident in runs of the cache's streams while they are free and
+hierarchical otherwise, demoted when a hierarchical one needs the streams; resident and hierarchical
+lanes decode in one step, and every token and logit is bitwise the resident run's under the same
+schedule (tiny model, interpreter)."""
+import pytest
+import torch
+from test_serving import MAX_CONTEXT, QUICK, fresh, requests, tiny
+
+from hisparse.serving import GIB, Server
+
+
+def hybrid_server(model, extra_runs: int, **kw) -> Server:
+    """Three lanes and room for `extra_runs` resident requests beyond the lanes' own streams."""
+    probe = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=1.0, max_batch=3, **kw)
+    per_stream = (probe.lane_bytes - probe._lane_bytes()[1]) // probe.streams_per_request
+    runs = probe.runtime.run_streams(probe.cache, MAX_CONTEXT) * probe.streams_per_request
+    budget = (probe.workspace_bytes + 4 * probe.cache.host.capacity + 3 * probe.lane_bytes
+              + extra_runs * runs * per_stream + per_stream // 2)
+    return Server(model, "hybrid", max_context=MAX_CONTEXT, kv_budget_gib=budget / GIB, max_batch=3, **kw)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family, graph=False):
+    """Three lanes and the streams for one more resident request: requests are admitted resident,
+    one is demoted mid-run when a hierarchical one needs its streams, and steps decode both kinds
+    together (glm_moe_dsa: with layers sharing their anchor's selection); resident replaying the
+    schedule gives every token and logit bitwise; every run, stream and host row is given back."""
+    model = tiny(family)
+    kw = dict(cache_slots=48, prefill_chunk=24, keep_logits=True, graph=graph,
+              **({} if graph else QUICK))                        # a run: 3 streams a layer
+    server = hybrid_server(model, extra_runs=1, **kw)
+    assert server.lanes == 3
+    mixed = []
+    decode = server._decode_step
+
+    def watched():
+        kinds = {bool(server.layers[0].resident[lane]) for lane, r in enumerate(server.lane_request) if r is not None}
+        mixed.append(kinds == {True, False})
+        return decode()
+
+    server._decode_step = watched
+    reqs = requests(seed=4, n=5)
+    run = server.serve(reqs, clients=3)
+    summary = run.summary()
+    assert summary["resident_admissions"] >= 2 and summary["demotions"] >= 1, summary
+    assert any(mixed), "no step decoded resident and hierarchical lanes together: the test checks no mix"
+    assert run.peak_gpu_bytes <= server.kv_budget
+    again = Server(model, "resident", lanes=run.schedule.lanes, max_context=MAX_CONTEXT, **kw).serve(
+        fresh(reqs), clients=3, replay=run.schedule)
+    for a, b in zip(run.requests, again.requests):
+        assert a.tokens == b.tokens and len(a.tokens) == a.max_new_tokens, f"request {a.rid}"
+        for step, (x, y) in enumerate(zip(a.logits, b.logits)):
+            assert torch.equal(x, y), f"{family}: request {a.rid}, token {step}: logits differ"
+    assert server.cache.free_streams() == server.cache.max_streams      # every run and stream given back
+    assert server.cache.host.free_rows == server.cache.host.capacity
+
+
+def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
+    """No budget beyond the lanes' own streams: a request alone is resident in them, and the next one
+    demotes it (the lanes are then what hisparse would run); refusals name what is wrong."""
+    model = tiny("deepseek_v32")
+    kw = dict(cache_slots=48, prefill_chunk=24, **QUICK)
+    server = hybrid_server(model, extra_runs=0, **kw)
+    assert server.cache.max_streams == 3 * server.streams_per_request
+    run = server.serve(requests(seed=5, n=3), clients=3)
+    assert run.summary()["resident_admissions"] == 1 and run.summary()["demotions"] == 1, run.summary()
+    assert all(len(r.tokens) == r.max_new_tokens for r in run.requests)
+    assert server.cache.free_streams() == server.cache.max_streams
+    with pytest.raises(ValueError, match="'hybrid' is built for DSA"):
+        Server(tiny("llama"), "hybrid", cache_slots=4, token_budget=48, max_context=MAX_CONTEXT, kv_budget_gib=0.05)
+    with pytest.raises(ValueError, match="prefetch applies to mode 'hisparse'"):
+        Server(model, "hybrid", prefetch=True, max_context=MAX_CONTEXT, kv_budget_gib=0.05, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_graphed_hybrid_is_bitwise_as_resident(family):
+    """The same on a GPU, every decode step a replay of one captured graph: residency, demotion and
+    the lanes' kinds change only the static buffers between replays."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family, graph=True)
+
+
+def test_runs_of_streams_are_taken_whole_and_skipped_by_open_stream():
+    """take_run: the lowest run of free contiguous streams, or None with nothing taken; open_stream
+    never hands out a stream inside a run; released runs are free again."""
+    from hisparse.cache import HierarchicalKVCache
+    cache = HierarchicalKVCache(max_streams=8, cache_slots=4, host_rows=64, row_elems=2, dtype=torch.float32,
+                                device="cpu")
+    a = cache.open_stream(4)                                    # stream 0
+    run = cache.take_run(3)
+    assert (a, run, cache.run_length(run)) == (0, 1, 3)
+    assert cache.open_stream(4) == 4 and cache.free_streams() == 3
+    assert cache.take_run(4) is None and cache.free_streams() == 3
+    assert cache.take_run(3) == 5 and cache.free_streams() == 0
+    with pytest.raises(RuntimeError, match="open or in runs"):
+        cache.open_stream(4)
+    cache.release_run(run)
+    assert cache.open_stream(4) == 1 and cache.free_streams() == 2
+    with pytest.raises(ValueError, match="no run starts at stream 2"):
+        cache.release_run(2)
+    with pytest.raises(ValueError, match="a run's length must be a positive int"):
+        cache.take_run(0)
