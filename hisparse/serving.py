@@ -467,12 +467,12 @@ class Server:
             return True
         regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
         if self.hybrid:
-            return self._hybrid_admissible(regions, len(request.prompt) + request.max_new_tokens)
+            return self._hybrid_admissible(regions)
         return self.cache.host.fits(regions)
 
     # -- hybrid: resident while the rows fit, hierarchical otherwise -----------------------------
 
-    def _hybrid_admissible(self, regions: list[int], need: int) -> bool:
+    def _hybrid_admissible(self, regions: list[int]) -> bool:
         """Resident runs are free for it, or its streams are after demoting residents (each demotion
         takes host regions of the demoted request's own size, in the order they would be made)."""
         runs = self.runtime.take_runs(self.cache, self.max_context)
@@ -486,21 +486,21 @@ class Server:
                 break
             r = self.lane_request[lane]
             sizes += self.runtime.stream_regions(len(r.prompt) + r.max_new_tokens)
-            free += (self.runtime.run_streams(self.cache, self.max_context) - 1) * len(self.layers)
+            free += (self.runtime.run_streams(self.cache, self.max_context) - 1) * self.streams_per_request
         return free >= len(regions) and self.cache.host.fits(sizes + regions)
 
     def _demotion_order(self) -> list[int]:
-        """Resident lanes, the latest admitted first (the one with the most of its output ahead)."""
+        """Resident lanes, the latest admitted first (with equal lengths, the most of its output ahead)."""
         return sorted(self._lane_runs, key=lambda lane: -self.lane_request[lane].rid)
 
-    def _admit_hybrid(self, need: int) -> list[int] | None:
+    def _admit_hybrid(self) -> list[int] | None:
         """A request about to prefill: its resident runs if they are free (None otherwise, after
         demoting resident lanes, latest first, until its streams are free)."""
         runs = self.runtime.take_runs(self.cache, self.max_context)
         if runs is not None:
             return runs
         order = self._demotion_order()
-        while self.cache.free_streams() < len(self.layers) and order:
+        while self.cache.free_streams() < self.streams_per_request and order:
             lane = order.pop(0)
             r = self.lane_request[lane]
             self.runtime.demote(self.cache, self.layers, lane, r.length, len(r.prompt) + r.max_new_tokens,
@@ -771,7 +771,7 @@ class Server:
         try:
             if self.in_place:
                 need = len(request.prompt) + request.max_new_tokens
-                runs = self._admit_hybrid(need) if self.hybrid else None
+                runs = self._admit_hybrid() if self.hybrid else None
                 job = self.runtime.lane_prefill(self.kv_mode, self.cache, self.layers, request.lane,
                                                 len(request.prompt), need, **({"runs": runs} if runs else {}))
                 return _Prefill(request, job.state, job)
