@@ -276,9 +276,10 @@ class Server:
         self.cache = None
         streams = self.lanes * self.streams_per_request
         if self.hybrid and self.kv_budget is not None:
-            # the budget the lanes leave goes to more streams, so a request's rows can sit in runs of them
+            # the budget the lanes leave, the prefill workspace's too, goes to more streams: a resident
+            # request's rows and a hierarchical prefill's workspace sit in runs of them
             stream_bytes = (self.lane_bytes - state_bytes) // self.streams_per_request
-            spare = self.kv_budget - self.workspace_bytes - 4 * host_rows - self.lanes * self.lane_bytes
+            spare = self.kv_budget - 4 * host_rows - self.lanes * self.lane_bytes
             streams += max(0, spare // stream_bytes)
         if mode != "resident":
             from hisparse.cache import HierarchicalKVCache
@@ -467,46 +468,57 @@ class Server:
             return True
         regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
         if self.hybrid:
-            return self._hybrid_admissible(regions)
+            return self._hybrid_admissible(regions, len(request.prompt))
         return self.cache.host.fits(regions)
 
     # -- hybrid: resident while the rows fit, hierarchical otherwise -----------------------------
 
-    def _hybrid_admissible(self, regions: list[int]) -> bool:
-        """Resident runs are free for it, or its streams are after demoting residents (each demotion
-        takes host regions of the demoted request's own size, in the order they would be made)."""
+    def _hybrid_admissible(self, regions: list[int], prompt: int) -> bool:
+        """Resident runs are free for it, or after demoting resident lanes (latest first; each takes
+        host regions of its own request's size, in the order they would be made) its streams and
+        its prefill workspace's (counted, not placed: `_admit_hybrid` falls back to a workspace
+        outside the cache if the free streams lie in pieces too short)."""
         runs = self.runtime.take_runs(self.cache, self.max_context)
         if runs is not None:
             for first in runs:
                 self.cache.release_run(first)
             return True
+        need = len(regions) + self.runtime.run_streams(self.cache, prompt) * len(self.layers)
         sizes, free = [], self.cache.free_streams()
         for lane in self._demotion_order():
-            if free >= len(regions):
+            if free >= need:
                 break
             r = self.lane_request[lane]
             sizes += self.runtime.stream_regions(len(r.prompt) + r.max_new_tokens)
             free += (self.runtime.run_streams(self.cache, self.max_context) - 1) * self.streams_per_request
-        return free >= len(regions) and self.cache.host.fits(sizes + regions)
+        return free >= need and self.cache.host.fits(sizes + regions)
 
     def _demotion_order(self) -> list[int]:
         """Resident lanes, the latest admitted first (with equal lengths, the most of its output ahead)."""
         return sorted(self._lane_runs, key=lambda lane: -self.lane_request[lane].rid)
 
-    def _admit_hybrid(self) -> list[int] | None:
-        """A request about to prefill: its resident runs if they are free (None otherwise, after
-        demoting resident lanes, latest first, until its streams are free)."""
+    def _admit_hybrid(self, prompt: int) -> dict[str, list[int]]:
+        """A request about to prefill: {"runs": its resident runs} if they are free; otherwise resident
+        lanes are demoted, latest first, until its streams and a workspace run per layer for its
+        prompt are free: {"workspace_runs": those} ({} if no such runs can be had: the workspace is
+        then made outside the cache)."""
         runs = self.runtime.take_runs(self.cache, self.max_context)
         if runs is not None:
-            return runs
+            return {"runs": runs}
         order = self._demotion_order()
-        while self.cache.free_streams() < self.streams_per_request and order:
+        while True:
+            workspace = self.runtime.take_runs(self.cache, prompt)
+            if workspace is not None and self.cache.free_streams() >= self.streams_per_request:
+                return {"workspace_runs": workspace}
+            for first in workspace or []:
+                self.cache.release_run(first)
+            if not order:
+                return {}
             lane = order.pop(0)
             r = self.lane_request[lane]
             self.runtime.demote(self.cache, self.layers, lane, r.length, len(r.prompt) + r.max_new_tokens,
                                 self._lane_runs.pop(lane))
             self.demotions += 1
-        return None
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -771,9 +783,9 @@ class Server:
         try:
             if self.in_place:
                 need = len(request.prompt) + request.max_new_tokens
-                runs = self._admit_hybrid() if self.hybrid else None
+                runs = self._admit_hybrid(len(request.prompt)) if self.hybrid else {}
                 job = self.runtime.lane_prefill(self.kv_mode, self.cache, self.layers, request.lane,
-                                                len(request.prompt), need, **({"runs": runs} if runs else {}))
+                                                len(request.prompt), need, **runs)
                 return _Prefill(request, job.state, job)
             return _Prefill(request, self._new_state(1, len(request.prompt)))
         except BaseException:             # (out of memory, say) the lane goes back

@@ -10,7 +10,8 @@ from hisparse.serving import GIB, Server
 
 
 def hybrid_server(model, extra_runs: int, **kw) -> Server:
-    """Three lanes and room for `extra_runs` resident requests beyond the lanes' own streams."""
+    """Three lanes and room for `extra_runs` resident requests beyond the lanes' own streams and the
+    prefill workspace's (which hybrid also turns into streams)."""
     probe = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=1.0, max_batch=3, **kw)
     per_stream = (probe.lane_bytes - probe._lane_bytes()[1]) // probe.streams_per_request
     runs = probe.runtime.run_streams(probe.cache, MAX_CONTEXT) * probe.streams_per_request
@@ -56,12 +57,13 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
 
 
 def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
-    """No budget beyond the lanes' own streams: a request alone is resident in them, and the next one
-    demotes it (the lanes are then what hisparse would run); refusals name what is wrong."""
+    """No budget beyond what hisparse would hold (lanes and workspace): a request alone is resident in
+    those streams, and the next one demotes it (the lanes are then what hisparse would run)."""
     model = tiny("deepseek_v32")
     kw = dict(cache_slots=48, prefill_chunk=24, **QUICK)
     server = hybrid_server(model, extra_runs=0, **kw)
-    assert server.cache.max_streams == 3 * server.streams_per_request
+    per_stream = (server.lane_bytes - server._lane_bytes()[1]) // server.streams_per_request
+    assert server.cache.max_streams == 3 * server.streams_per_request + server.workspace_bytes // per_stream
     run = server.serve(requests(seed=5, n=3), clients=3)
     assert run.summary()["resident_admissions"] == 1 and run.summary()["demotions"] == 1, run.summary()
     assert all(len(r.tokens) == r.max_new_tokens for r in run.requests)

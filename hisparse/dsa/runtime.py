@@ -268,14 +268,16 @@ class DsaRuntime:
         return kv
 
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
-                     host_tokens: int, runs: list[int] | None = None) -> "LanePrefill":
+                     host_tokens: int, runs: list[int] | None = None,
+                     workspace_runs: list[int] | None = None) -> "LanePrefill":
         """A serving lane's prefill in place (`hisparse.serving`): the model's prefill writes the
         indexer keys (and, resident, the latents) straight into lane `lane` of the batch `layers`;
         hierarchical latents go to a workspace of the prompt's length and, chunk by chunk, to the
         request's streams (opened now with `host_tokens` units each). Nothing is copied at the join.
         runs: a hybrid lane kept resident, its latents written straight into these runs of the cache's
-        streams (one per layer, `take_runs`) and read from there."""
-        return LanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs)
+        streams (one per layer, `take_runs`) and read from there. workspace_runs: a hybrid lane's
+        hierarchical prefill, its workspace in these runs (given back at the join)."""
+        return LanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs, workspace_runs)
 
     # -- hybrid serving: a lane resident in a run of the cache's streams, or hierarchical ------------
 
@@ -347,22 +349,29 @@ class DsaRuntime:
         return total + sum(nbytes(kv.latent) for kv in layers)
 
 
+def run_rows(cache: HierarchicalKVCache, first: int) -> torch.Tensor:
+    """The rows [streams * (B + 1), E] of the run `cache.take_run` returned as `first` (a view)."""
+    base = int(cache.row_base(torch.tensor([first]))[0])
+    return cache.slots.view(-1, cache.slots.shape[-1])[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
+
+
 class LanePrefill:
     """One request's prefill into serving lane `lane` (`DsaRuntime.lane_prefill`): `state` is what the
     model's prefill runs on; `chunk_done(start, end)` after each chunk; `join()` when the prompt is done."""
 
     def __init__(self, runtime: DsaRuntime, mode: str, cache, layers: list, lane: int, prompt: int,
-                 host_tokens: int, runs: list[int] | None = None):
+                 host_tokens: int, runs: list[int] | None = None, workspace_runs: list[int] | None = None):
         self.mode, self.cache, self.layers, self.lane, self.runs = mode, cache, layers, lane, runs
+        self.workspace_runs = workspace_runs
         if runs is not None:            # a hybrid lane kept resident: its latents live in its runs
             mode = self.mode = "resident"
         views = []
         for i, kv in enumerate(layers):
             keys = None if kv.index_keys is None else kv.index_keys[lane:lane + 1]
             if runs is not None:
-                pool = cache.slots.view(-1, cache.slots.shape[-1])
-                base, end = (int(b) for b in cache.row_base(torch.tensor([runs[i], runs[i] + cache.run_length(runs[i])])))
-                views.append(MlaKV(latent=pool[base:end][None], index_keys=keys))
+                views.append(MlaKV(latent=run_rows(cache, runs[i])[None], index_keys=keys))
+            elif workspace_runs is not None:
+                views.append(MlaKV(latent=run_rows(cache, workspace_runs[i])[None, :prompt], index_keys=keys))
             elif mode == "resident":
                 views.append(MlaKV(latent=kv.latent[lane:lane + 1], index_keys=keys))
             else:                   # the rows as the cache stores them (FP8: uint8 rows, quantised by the write)
@@ -383,7 +392,10 @@ class LanePrefill:
 
     @property
     def workspace_bytes(self) -> int:
-        return 0 if self.mode == "resident" else sum(nbytes(kv.latent) for kv in self.state.layers)
+        """GPU bytes held beside the lanes and the cache (a workspace in the cache's runs is inside it)."""
+        if self.mode == "resident" or self.workspace_runs is not None:
+            return 0
+        return sum(nbytes(kv.latent) for kv in self.state.layers)
 
     def chunk_done(self, start: int, end: int) -> None:
         """The latents of prompt tokens start .. end - 1 to the request's streams in the host pool."""
@@ -403,12 +415,14 @@ class LanePrefill:
             kv.streams[self.lane] = stream
             kv.row_base[self.lane] = self.cache.row_base(torch.tensor([stream], device=kv.row_base.device))[0]
             kv.host_streams[self.lane] = stream
-        self.state = None
+        for first in self.workspace_runs or []:
+            self.cache.release_run(first)
+        self.workspace_runs, self.state = None, None
 
     def cancel(self) -> None:
         """Give back the streams (or runs) of a prefill that will not join."""
         for stream in self.streams:
             self.cache.close_stream(stream)
-        for first in self.runs or []:
+        for first in (self.runs or []) + (self.workspace_runs or []):
             self.cache.release_run(first)
-        self.streams, self.runs, self.state = [], None, None
+        self.streams, self.runs, self.workspace_runs, self.state = [], None, None, None
