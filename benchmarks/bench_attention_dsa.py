@@ -13,6 +13,10 @@ plus q and out) and 2*N*H*k*(576+512) FLOPs; dense counts the whole context the 
 roofline is the binding one of HBM 4.3 TB/s and bf16 matrix 790 TFLOP/s.
 `--tune` times the Triton kernel's configurations at one shape (no CSV rows), to choose the defaults,
 and on a Hopper GPU the Gluon kernel (kernels_triton/dsa_gluon.py) at its tile shapes beside them.
+`--tune --kv-dtype fp8` times the FP8 rows' kernel instead: tiles, warps, stages, its dequantisation
+modes (hisparse.dsa.fp8.DEQUANT_MODES) and split counts, one line per compiled configuration as it is
+timed (its best split count first), then the default's and the best's; roofline over the fp8 rows'
+bytes, rel err against the float32 torch reference over the dequantised rows.
 `--indexer` times the selection instead and appends to DIR/indexer.csv: lightning-indexer scores over
 every resident indexer key (64 heads x 128 dims, `triton` with bf16 keys, `triton_fp8` with fp8 keys
 and a per-token scale, `torch` an einsum in bf16) and the top-k (`topk`, hisparse.dsa.ops.topk_select).
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -204,6 +209,99 @@ def tune(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False) -
         print(f"  {us:10.1f} us  roofline_frac {roofline_us / us:.3f}  rel err {err:.1e}  {config}")
 
 
+# --tune --kv-dtype fp8: (block_h, num_warps) pairs x block_k x num_stages x dequant modes, each at the
+# split counts `splits` (None: split_plan's own); outer loops first, so a time budget that runs out
+# drops the 3-stage configs first. 64 heads need 8 warps (one warp group's accumulator would be 256
+# registers a thread), 16 heads need no more than 4; 16-32 heads at 4 warps run mma.sync and leave room
+# for 2 programs an SM, where every wgmma tile (64 heads, 8 warps, 255 registers) runs one.
+FP8_TUNE = {"heads_warps": ((32, 4), (64, 8), (16, 4), (32, 8)), "block_k": (64, 32, 16), "stages": (2, 1, 3),
+            "dequant": fp8.DEQUANT_MODES, "splits": (None, 2, 4)}
+FP8_TUNE_QUICK = {"heads_warps": ((16, 4),), "block_k": (16, 32), "stages": (1,), "dequant": fp8.DEQUANT_MODES,
+                  "splits": (None, 2)}
+FP8_TUNE_MAX_ERR = 2e-2     # as run_shape's check of the kernel against torch_gather
+
+
+def tune_fp8(cfg: dict, device: torch.device, batch: int, cudagraph: bool = False, grid: dict = FP8_TUNE,
+             budget_s: float = 480.0) -> list[tuple]:
+    """Time the FP8 rows' decode kernel (hisparse.dsa.fp8) over `grid` at one shape; prints one line per
+    configuration as it is timed, then the default's and the best's. A configuration that fails (too much
+    shared memory, no registers left) prints its error and is skipped; none starts after `budget_s`
+    seconds. Returns [(us, label, rel err)] of the timed grid configurations (the default's not among them)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    heads, k = cfg["heads"], cfg["k"]
+    q, kv, rows = make_inputs(batch, cfg["contexts"][0], heads, k, device, gen)
+    stored = fp8.to_rows(kv)                                              # [R, 656] uint8
+    del kv
+    ref = fp8.sparse_mla_decode_fp8_ref(q, stored, rows, SM_SCALE)[0].float()
+    ref_max = ref.abs().max()
+    flops, nbytes = work(batch, heads, k, fp8.ROW_BYTES)
+    roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
+    default = fp8.default_fp8_decode_config(heads, q.dtype)
+    print(f"tune fp8 rows at batch={batch} heads={heads} k={k}: roofline {roofline_us:.1f} us over "
+          f"{fp8.ROW_BYTES}-byte rows; default {default}, dequant inline", flush=True)
+
+    def timed(call) -> tuple[float, float]:
+        err = ((call()[0].float() - ref).abs().max() / ref_max).item()
+        return time_us(call, cudagraph)[0], err
+
+    def line(us: float, err: float, label: str) -> str:
+        flag = "" if err < FP8_TUNE_MAX_ERR else "  WRONG (rel err over 2e-2)"
+        return f"  {us:10.1f} us  roofline_frac {roofline_us / us:.3f}  rel err {err:.1e}  {label}{flag}"
+
+    default_us = float("nan")
+    try:    # as the model calls it: no config, the launcher's own (shrunk if it does not fit), its split plan
+        default_us, err = timed(lambda: fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE))
+        _, splits = dsa.split_plan(batch, heads, k, default, device)
+        print(line(default_us, err, f"default: {default}, inline, splits {splits}"), flush=True)
+    except Exception as exc:  # noqa: BLE001 -- reported; the grid still runs
+        print(f"  default: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}", flush=True)
+    results = []
+    combos = [(bh, warps, bk, stages, dequant)
+              for stages in grid["stages"] for bk in grid["block_k"] for bh, warps in grid["heads_warps"]
+              for dequant in grid["dequant"]]
+    start = time.monotonic()
+    for i, (bh, warps, bk, stages, dequant) in enumerate(combos):
+        if time.monotonic() - start > budget_s:
+            print(f"  time budget of {budget_s:.0f} s spent: {len(combos) - i} of {len(combos)} configurations "
+                  f"not timed", flush=True)
+            break
+        config = dsa.DecodeConfig(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
+        label = f"block_h {bh} block_k {bk} warps {warps} stages {stages} {dequant}"
+        per_split, errs = {}, []
+        try:
+            for want in grid["splits"]:
+                _, splits = dsa.split_plan(batch, heads, k, config, device, want)
+                if splits in per_split:
+                    continue
+
+                def call(splits=splits, config=config, dequant=dequant):
+                    return fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, num_splits=splits, config=config,
+                                                     dequant=dequant)
+                per_split[splits], err = timed(call)
+                errs.append(err)
+        except Exception as exc:  # noqa: BLE001 -- a config that does not fit (shared memory, registers) is skipped
+            message = " ".join(str(exc).split())
+            print(f"  {label}: skipped, {type(exc).__name__}: {message[:160]}", flush=True)
+            if "CUDA error" in message or "illegal" in message:   # the context is lost: nothing after it is timed
+                print("  the CUDA context did not survive that error: the tune stops here", flush=True)
+                break
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if not per_split:
+                continue
+        best = min(per_split, key=per_split.get)
+        others = ", ".join(f"{n}: {t:.1f}" for n, t in per_split.items() if n != best)
+        results.append((per_split[best], f"{label}, splits {best}" + (f" (other splits {others} us)" if others else ""),
+                        max(errs)))
+        print(line(per_split[best], max(errs), results[-1][1]), flush=True)
+    good = [r for r in results if r[2] < FP8_TUNE_MAX_ERR]
+    if good:
+        best = min(good, key=lambda r: r[0])
+        print(f"best of {len(good)}: {best[0]:.1f} us, roofline_frac {roofline_us / best[0]:.3f} "
+              f"({default_us / best[0]:.2f}x the default's speed): {best[1]}", flush=True)
+    return results
+
+
 def tune_gluon(q, kv, rows, ref, cudagraph: bool) -> list[tuple]:
     """(us, label, rel err) of the Gluon kernel (kernels_triton/dsa_gluon.py: QK^T once per tile) at
     its tile and ring shapes, on a Hopper GPU with Triton's Gluon; none elsewhere."""
@@ -283,12 +381,16 @@ def sweep_indexer(cfg: dict, device: torch.device, out_dir: Path) -> None:
             torch.cuda.empty_cache()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results"), help="directory of the result CSVs")
     parser.add_argument("--quick", action="store_true", help="a tiny configuration (CPU interpreter too)")
     parser.add_argument("--tune", action="store_true", help="time decode configurations instead of the sweep")
-    parser.add_argument("--tune-batch", type=int, default=64, help="batch of --tune")
+    parser.add_argument("--tune-batch", type=int, default=None,
+                        help="batch of --tune (default 64; with --quick the quick shape's largest, 3)")
+    parser.add_argument("--tune-budget-s", type=float, default=480.0,
+                        help="--tune --kv-dtype fp8: start no configuration after this many seconds (default "
+                             "%(default)s, so that the whole grid's run fits a 10-minute command)")
     parser.add_argument("--indexer", action="store_true", help="time indexer scores and top-k instead")
     parser.add_argument("--cudagraph", action="store_true",
                         help="time CUDA graph replays, as the decode loop runs (no host launch overhead)")
@@ -297,26 +399,31 @@ def main() -> None:
     parser.add_argument("--kv-dtype", choices=fp8.KV_DTYPES, default="bf16",
                         help="rows of the pool: bf16, or fp8 (656-byte FP8 rows read by the Triton FP8 kernel; rows "
                              "marked kv_dtype=fp8, roofline over their bytes) (default %(default)s)")
-    args = parser.parse_args()
-    if args.kv_dtype == "fp8" and (args.backend == "gluon" or args.tune or args.indexer):
-        parser.error("--kv-dtype fp8 times the Triton FP8 kernel in the sweep: not with --backend gluon, --tune or "
-                     "--indexer")
+    args = parser.parse_args(argv)
+    if args.kv_dtype == "fp8" and (args.backend == "gluon" or args.indexer):
+        parser.error("--kv-dtype fp8 times the Triton FP8 kernel (in the sweep or with --tune): not with --backend "
+                     "gluon or --indexer")
     check_out_folder(parser, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
         raise SystemExit("the full sweep needs a CUDA GPU; use --quick on the CPU")
     if device.type == "cpu" and args.cudagraph:
         raise SystemExit("--cudagraph needs a CUDA GPU")
+    cfg = QUICK if args.quick else FULL
+    if args.tune_batch is None:
+        args.tune_batch = max(cfg["batches"]) if args.quick else 64
     if args.tune_batch < 1:
         parser.error(f"--tune-batch {args.tune_batch}: expected a positive integer")
-    cfg = QUICK if args.quick else FULL
     if args.backend == "gluon" and not args.indexer:
         probe = torch.empty(1, cfg["heads"], D_QK, device=device, dtype=torch.bfloat16 if device.type == "cuda"
                             else torch.float32)
         reason = dsa.gluon_decode_unsupported(probe, D_V)
         if reason:
             parser.error(f"--backend gluon: the Gluon decode kernel cannot run here: {reason}")
-    if args.tune:
+    if args.tune and args.kv_dtype == "fp8":
+        tune_fp8(cfg, device, args.tune_batch, args.cudagraph, FP8_TUNE_QUICK if args.quick else FP8_TUNE,
+                 args.tune_budget_s)
+    elif args.tune:
         tune(cfg, device, args.tune_batch, args.cudagraph)
     elif args.indexer:
         sweep_indexer(cfg, device, args.out)

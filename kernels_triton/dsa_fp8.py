@@ -7,12 +7,61 @@ then runs the bf16 kernel's loop: `_sparse_mla_decode_kernel` in kernels_triton/
 online softmax (its `_softmax_accumulate`), split layout and -1 handling, so its float32 partials merge
 through the same `_sparse_mla_combine_kernel`.
 
+How a tile is dequantised is a constexpr switch, DEQUANT (`FP8_DEQUANT` names its values for the
+launcher and `bench_attention_dsa --tune --kv-dtype fp8`):
+  0 "inline" (the default): the tile's latent bytes as one [BLOCK_K, D_V // TILE, TILE] load times its
+    [BLOCK_K, D_V // TILE] scales broadcast (one 16-byte load a row, not a gather per value), reshaped
+    to [BLOCK_K, D_V]; QK^T and PV read it whole.
+  1 "split": D_V // TILE (4) separate [BLOCK_K, TILE] tiles, each scaled by its [BLOCK_K] scale
+    broadcast along the row: no 3D tile and no reshape; QK^T is the chain of the RoPE dot and the 4
+    blocks' dots, PV accumulates 4 [BLOCK_H, TILE] blocks. The dots get the same operands as
+    "inline" and accumulate the same products, in the same order along QK^T's chain; in the
+    interpreter (numpy) the 4 partial dots round differently from one, so "split" equals "inline"
+    within float32 rounding, not bit for bit.
+Both keep hisparse == resident bitwise (the same kernel over the same bytes in the same order).
+Compiled offline for sm_90a with Triton 3.6 (the GPU machine's; no device time), DeepSeek's sizes:
+the default (64 heads x 64 rows, 8 warps, 2 stages) takes 255 registers, no spill, 185 KiB of shared
+memory: one program an SM (256 threads x 255 registers fill the register file). Every wgmma is
+waited on right after it is issued (pendings 0), so within a program the dequantisation (shared ->
+registers -> convert -> shared) runs between the loads and QK^T with nothing beside it; only programs
+sharing an SM could overlap it: the 4-warp tiles (16-32 heads, mma.sync) fit two an SM by registers,
+and by shared memory those under 113 KiB (they take 22-125).
+"split" needs fewer conversion instructions at the mma.sync tiles (16 heads x 32 rows, 4 warps: 216
+registers against 255, 162 F2FP against 290; 32 x 32, 8 warps: 100 against 228) but spills more at 32
+heads with 4 warps, and at the wgmma tiles stores and reloads more shared memory (64 x 64: 99 STS
+against 35). Which is faster is for the GPU to say (`--tune --kv-dtype fp8`).
+
 Launcher and input checks: `hisparse.dsa.fp8.sparse_mla_decode_fp8`; torch reference beside it.
 """
 import triton
 import triton.language as tl
 
 from kernels_triton.dsa import LN2, _softmax_accumulate
+
+FP8_DEQUANT = {"inline": 0, "split": 1}        # name -> DEQUANT of `_sparse_mla_decode_fp8_kernel`
+
+
+@triton.jit
+def _softmax_weights(b_s, b_m, b_l):
+    """`_softmax_accumulate`'s step without the PV dot: (new max, new sum, the rescale of what was
+    accumulated, the weights p [BLOCK_H, BLOCK_K]), the same operations in the same order."""
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no (-inf) - (-inf)
+    b_alpha = tl.exp2(b_m - b_m_safe)
+    b_p = tl.exp2(b_s - b_m_safe[:, None])  # [BLOCK_H, BLOCK_K]
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    return b_m_new, b_l, b_alpha, b_p
+
+
+@triton.jit
+def _fp8_latent_block(p_row, m_j, t: tl.constexpr, D_V: tl.constexpr, TILE: tl.constexpr, dtype: tl.constexpr):
+    """Latent block t (values t*TILE .. t*TILE + TILE) of the rows starting at p_row [BLOCK_K]
+    (masked rows: zeros), dequantised: [BLOCK_K, TILE] in dtype."""
+    o_c = tl.arange(0, TILE)
+    p_lat = (p_row[:, None] + (t * TILE + o_c)[None, :]).to(tl.pointer_type(tl.float8e4nv))
+    b_lat = tl.load(p_lat, mask=m_j[:, None], other=0.0)  # [BLOCK_K, TILE]
+    b_scale = tl.load((p_row + D_V + 4 * t).to(tl.pointer_type(tl.float32)), mask=m_j, other=0.0)  # [BLOCK_K]
+    return (b_lat.to(tl.float32) * b_scale[:, None]).to(dtype)
 
 
 @triton.jit
@@ -23,6 +72,7 @@ def _sparse_mla_decode_fp8_kernel(
     H, K_SEL, CHUNK, qk_scale_log2,
     D_V: tl.constexpr, D_ROPE: tl.constexpr, TILE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_ROW_BASE: tl.constexpr,
+    DEQUANT: tl.constexpr = 0,
 ):
     """Absorbed-MLA attention of BLOCK_H query heads over one chunk of a request's selected FP8 rows.
 
@@ -32,6 +82,7 @@ def _sparse_mla_decode_fp8_kernel(
     byte D_V + 4 * (D_V // TILE); both converted to q's dtype, V = the dequantised latent. The
     products of an e4m3 value and a power of two are exact in float32 and bf16, so for those q
     dtypes the dots get exactly the operands the bf16 kernel gets over the dequantised rows.
+    DEQUANT: 0 "inline", 1 "split" (the module's docstring).
     """
     N_TILES: tl.constexpr = D_V // TILE
     SCALE_BYTE: tl.constexpr = D_V
@@ -47,7 +98,8 @@ def _sparse_mla_decode_fp8_kernel(
     o_c = tl.arange(0, TILE)
     o_k = tl.arange(0, BLOCK_K)
     p_q = q_ptr + i_n * stride_qn + o_h[:, None].to(tl.int64) * stride_qh
-    b_q_nope = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_V]
+    if DEQUANT == 0:
+        b_q_nope = tl.load(p_q + o_v[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_V]
     b_q_rope = tl.load(p_q + D_V + o_r[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, D_ROPE]
     p_rows = rows_ptr + i_n * stride_rn
     if HAS_ROW_BASE:
@@ -55,31 +107,74 @@ def _sparse_mla_decode_fp8_kernel(
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
+    if DEQUANT == 0:
+        b_acc = tl.zeros([BLOCK_H, D_V], dtype=tl.float32)
     start = i_s * CHUNK
     end = tl.minimum(start + CHUNK, K_SEL)
-    for j0 in range(start, end, BLOCK_K):
-        o_j = j0 + o_k
-        b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
-        m_j = b_row >= 0
-        p_row = kv_ptr + b_row.to(tl.int64) * stride_kv  # [BLOCK_K] first byte of each row
-        p_lat = p_row[:, None, None] + (o_t[None, :, None] * TILE + o_c[None, None, :])
-        b_lat = tl.load(p_lat.to(tl.pointer_type(tl.float8e4nv)), mask=m_j[:, None, None], other=0.0)
-        p_scale = (p_row + SCALE_BYTE).to(tl.pointer_type(tl.float32))
-        b_scale = tl.load(p_scale[:, None] + o_t[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, N_TILES]
-        b_kv = b_lat.to(tl.float32) * b_scale[:, :, None]  # [BLOCK_K, N_TILES, TILE]
-        b_kv = tl.reshape(b_kv, [BLOCK_K, D_V]).to(b_q_nope.dtype)  # [BLOCK_K, D_V]: K, and V
-        p_kr = (p_row + ROPE_BYTE).to(tl.pointer_type(tl.bfloat16))
-        b_kr = tl.load(p_kr[:, None] + o_r[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_ROPE]
-        b_kr = b_kr.to(b_q_rope.dtype)
-        b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
-        b_s = tl.dot(b_q_nope, tl.trans(b_kv), b_s, input_precision=DOT_PRECISION)
-        b_s = tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf"))  # log2 domain
-        b_m, b_l, b_acc = _softmax_accumulate(b_s, b_kv, b_m, b_l, b_acc, DOT_PRECISION)
-
-    m_any = b_l > 0.0
-    b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]  # [BLOCK_H, D_V]
-    b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.0))) * LN2, float("-inf"))
-    p_out = out_ptr + i_n * stride_on + o_h[:, None].to(tl.int64) * stride_oh + i_s * stride_os + o_v[None, :]
-    tl.store(p_out, b_out, mask=m_h[:, None])
+    if DEQUANT == 0:
+        for j0 in range(start, end, BLOCK_K):
+            o_j = j0 + o_k
+            b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
+            m_j = b_row >= 0
+            p_row = kv_ptr + b_row.to(tl.int64) * stride_kv  # [BLOCK_K] first byte of each row
+            p_lat = p_row[:, None, None] + (o_t[None, :, None] * TILE + o_c[None, None, :])
+            b_lat = tl.load(p_lat.to(tl.pointer_type(tl.float8e4nv)), mask=m_j[:, None, None], other=0.0)
+            p_scale = (p_row + SCALE_BYTE).to(tl.pointer_type(tl.float32))
+            b_scale = tl.load(p_scale[:, None] + o_t[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, N_TILES]
+            b_kv = b_lat.to(tl.float32) * b_scale[:, :, None]  # [BLOCK_K, N_TILES, TILE]
+            b_kv = tl.reshape(b_kv, [BLOCK_K, D_V]).to(b_q_nope.dtype)  # [BLOCK_K, D_V]: K, and V
+            p_kr = (p_row + ROPE_BYTE).to(tl.pointer_type(tl.bfloat16))
+            b_kr = tl.load(p_kr[:, None] + o_r[None, :], mask=m_j[:, None], other=0.0)  # [BLOCK_K, D_ROPE]
+            b_kr = b_kr.to(b_q_rope.dtype)
+            b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
+            b_s = tl.dot(b_q_nope, tl.trans(b_kv), b_s, input_precision=DOT_PRECISION)
+            b_s = tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf"))  # log2 domain
+            b_m, b_l, b_acc = _softmax_accumulate(b_s, b_kv, b_m, b_l, b_acc, DOT_PRECISION)
+        m_any = b_l > 0.0
+        b_out = b_acc / tl.where(m_any, b_l, 1.0)[:, None]  # [BLOCK_H, D_V]
+        b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.0))) * LN2, float("-inf"))
+        p_out = out_ptr + i_n * stride_on + o_h[:, None].to(tl.int64) * stride_oh + i_s * stride_os + o_v[None, :]
+        tl.store(p_out, b_out, mask=m_h[:, None])
+    else:  # "split": 4 latent blocks of TILE values, each with its row's scale
+        tl.static_assert(N_TILES == 4, "DEQUANT 'split' is written out for 4 scale blocks a row")
+        dtype = b_q_rope.dtype
+        b_q0 = tl.load(p_q + o_c[None, :], mask=m_h[:, None], other=0.0)  # [BLOCK_H, TILE] each
+        b_q1 = tl.load(p_q + TILE + o_c[None, :], mask=m_h[:, None], other=0.0)
+        b_q2 = tl.load(p_q + 2 * TILE + o_c[None, :], mask=m_h[:, None], other=0.0)
+        b_q3 = tl.load(p_q + 3 * TILE + o_c[None, :], mask=m_h[:, None], other=0.0)
+        b_acc0 = tl.zeros([BLOCK_H, TILE], dtype=tl.float32)
+        b_acc1 = tl.zeros([BLOCK_H, TILE], dtype=tl.float32)
+        b_acc2 = tl.zeros([BLOCK_H, TILE], dtype=tl.float32)
+        b_acc3 = tl.zeros([BLOCK_H, TILE], dtype=tl.float32)
+        for j0 in range(start, end, BLOCK_K):
+            o_j = j0 + o_k
+            b_row = tl.load(p_rows + o_j, mask=o_j < end, other=-1)  # [BLOCK_K]
+            m_j = b_row >= 0
+            p_row = kv_ptr + b_row.to(tl.int64) * stride_kv  # [BLOCK_K] first byte of each row
+            b_k0 = _fp8_latent_block(p_row, m_j, 0, D_V, TILE, dtype)  # [BLOCK_K, TILE]: K, and V
+            b_k1 = _fp8_latent_block(p_row, m_j, 1, D_V, TILE, dtype)
+            b_k2 = _fp8_latent_block(p_row, m_j, 2, D_V, TILE, dtype)
+            b_k3 = _fp8_latent_block(p_row, m_j, 3, D_V, TILE, dtype)
+            p_kr = (p_row + ROPE_BYTE).to(tl.pointer_type(tl.bfloat16))
+            b_kr = tl.load(p_kr[:, None] + o_r[None, :], mask=m_j[:, None], other=0.0).to(dtype)  # [BLOCK_K, D_ROPE]
+            b_s = tl.dot(b_q_rope, tl.trans(b_kr), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_K]
+            b_s = tl.dot(b_q0, tl.trans(b_k0), b_s, input_precision=DOT_PRECISION)
+            b_s = tl.dot(b_q1, tl.trans(b_k1), b_s, input_precision=DOT_PRECISION)
+            b_s = tl.dot(b_q2, tl.trans(b_k2), b_s, input_precision=DOT_PRECISION)
+            b_s = tl.dot(b_q3, tl.trans(b_k3), b_s, input_precision=DOT_PRECISION)
+            b_s = tl.where(m_j[None, :], b_s * qk_scale_log2, float("-inf"))  # log2 domain
+            b_m, b_l, b_alpha, b_p = _softmax_weights(b_s, b_m, b_l)
+            b_p = b_p.to(dtype)
+            b_acc0 = tl.dot(b_p, b_k0, b_acc0 * b_alpha[:, None], input_precision=DOT_PRECISION)
+            b_acc1 = tl.dot(b_p, b_k1, b_acc1 * b_alpha[:, None], input_precision=DOT_PRECISION)
+            b_acc2 = tl.dot(b_p, b_k2, b_acc2 * b_alpha[:, None], input_precision=DOT_PRECISION)
+            b_acc3 = tl.dot(b_p, b_k3, b_acc3 * b_alpha[:, None], input_precision=DOT_PRECISION)
+        m_any = b_l > 0.0
+        b_den = tl.where(m_any, b_l, 1.0)[:, None]
+        b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.0))) * LN2, float("-inf"))
+        p_out = out_ptr + i_n * stride_on + o_h[:, None].to(tl.int64) * stride_oh + i_s * stride_os
+        tl.store(p_out + o_c[None, :], b_acc0 / b_den, mask=m_h[:, None])
+        tl.store(p_out + TILE + o_c[None, :], b_acc1 / b_den, mask=m_h[:, None])
+        tl.store(p_out + 2 * TILE + o_c[None, :], b_acc2 / b_den, mask=m_h[:, None])
+        tl.store(p_out + 3 * TILE + o_c[None, :], b_acc3 / b_den, mask=m_h[:, None])
     tl.store(lse_ptr + i_n * stride_ln + o_h * stride_lh + i_s * stride_ls, b_lse, mask=m_h)

@@ -2,7 +2,9 @@
 then through the system (kv_dtype="fp8": engine, serving, generate --kv-dtype).
 
 CPU tests run the kernel in Triton's interpreter at small odd shapes, float32/float16 q (bf16 is
-checked on the GPU); the format is checked byte for byte on a hand-made row. The system tests run
+checked on the GPU), each of its dequantisation modes (fp8.DEQUANT_MODES) where outputs are checked,
+and `bench_attention_dsa --tune --kv-dtype fp8 --quick`; the format is checked byte for byte on a
+hand-made row. The system tests run
 tiny DSA checkpoints of MLA's 512 + 64 latent geometry (the FP8 row's) through the engine.
 """
 import functools
@@ -15,6 +17,7 @@ import torch
 from engine_checks import assert_bitwise
 from test_dsa import random_rows, rel_err
 
+from benchmarks import bench_attention_dsa
 from hisparse.dsa import fp8
 from hisparse.dsa import ops as dsa
 from hisparse.engine import Engine
@@ -115,7 +118,8 @@ def test_bytes_of_a_hand_made_row():
     assert torch.equal(rope_back.float(), rope)
 
 
-def test_all_zero_rows():
+@pytest.mark.parametrize("dequant", fp8.DEQUANT_MODES)
+def test_all_zero_rows(dequant):
     rows = fp8.quantize_rows(torch.zeros(3, 512), torch.zeros(3, 64))
     floor = torch.tensor([2.0 ** -13] * 4).view(torch.uint8)
     assert not rows[:, :512].any() and not rows[:, 528:].any()
@@ -125,7 +129,7 @@ def test_all_zero_rows():
     # attention over zero rows: every logit 0, so out = 0 and lse = log(valid rows)
     q = torch.randn(2, 5, 576, generator=torch.Generator().manual_seed(3))
     sel = torch.tensor([[0, 1, -1, 2], [-1, 2, -1, -1]], dtype=torch.int32)
-    out, lse = fp8.sparse_mla_decode_fp8(q, rows, sel, 0.1, config=SMALL_TILES)
+    out, lse = fp8.sparse_mla_decode_fp8(q, rows, sel, 0.1, config=SMALL_TILES, dequant=dequant)
     assert not out.any()
     assert torch.allclose(lse, torch.tensor([[math.log(3)] * 5, [0.0] * 5]), atol=1e-6)
 
@@ -159,13 +163,15 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dequant", fp8.DEQUANT_MODES)
 @pytest.mark.parametrize("splits", [1, 3], ids=["splits1", "splits3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("n, h, r, k", DECODE_CASES)
-def test_decode_matches_ref(n, h, r, k, dtype, splits, nan_empty):
+def test_decode_matches_ref(n, h, r, k, dtype, splits, dequant, nan_empty):
     gen = torch.Generator().manual_seed(5)
     q, _, kv, rows = fp8_inputs(n, h, r, k, dtype, gen)
-    out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, config=SMALL_TILES)
+    out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, config=SMALL_TILES,
+                                         dequant=dequant)
     ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
     assert out.dtype == dtype and out.shape == (n, h, 512) and lse.shape == (n, h)
     assert rel_err(out, ref_out) < TOL[dtype]
@@ -186,6 +192,10 @@ def test_decode_is_the_float_kernel_over_dequantised_rows_bit_for_bit(splits):
                                  num_splits=splits, config=SMALL_TILES)
     got = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, config=SMALL_TILES)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # "split" dequantises the same values and sums QK^T in 4 partial dots: float32 rounding apart
+    split = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, config=SMALL_TILES,
+                                      dequant="split")
+    assert rel_err(split[0], want[0]) < TOL[torch.float32] and rel_err(split[1], want[1]) < 1e-6
 
 
 @pytest.mark.parametrize("n, h, r, k", DECODE_CASES)
@@ -220,15 +230,16 @@ def hot_and_resident(streams, units, slots, k, gen):
     return pool.view(-1, 656), rows_res, cache.view(-1, 656), slot.to(torch.int32)
 
 
+@pytest.mark.parametrize("dequant", fp8.DEQUANT_MODES)
 @pytest.mark.parametrize("splits", [1, 2], ids=["splits1", "splits2"])
-def test_same_bytes_at_other_positions_give_the_same_bits(splits):
+def test_same_bytes_at_other_positions_give_the_same_bits(splits, dequant):
     """What makes hisparse == resident bitwise: the hot cache's slots (via row_base) and the resident
-    pool's rows hold the same bytes in the same order."""
+    pool's rows hold the same bytes in the same order (in every dequantisation mode)."""
     gen = torch.Generator().manual_seed(8)
     streams, slots = 3, 61
     kv_res, rows_res, kv_hot, rows_hot = hot_and_resident(streams, 97, slots, 37, gen)
     q = torch.randn(streams, 5, 576, generator=gen)
-    args = {"num_splits": splits, "config": SMALL_TILES}
+    args = {"num_splits": splits, "config": SMALL_TILES, "dequant": dequant}
     out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res, rows_res, DSV32_SCALE, **args)
     base = torch.arange(streams, dtype=torch.int64) * (slots + 1)
     out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base, **args)
@@ -259,11 +270,29 @@ def test_decode_rejects_bad_inputs_before_launching(monkeypatch):
         ({"sm_scale": 0}, "sm_scale=0"),
         ({"out": torch.zeros(2, 4, 576)}, "out torch.float32 \\(2, 4, 576\\): expected torch.float32 \\(2, 4, 512\\)"),
         ({"row_base": torch.zeros(2, dtype=torch.int32)}, "row_base must be a contiguous int64"),
+        ({"dequant": "fold"}, "dequant='fold': expected one of \\('inline', 'split'\\)"),
     ]
     for change, message in cases:
         args = {"q": q, "kv": kv, "rows": rows, "sm_scale": 0.1, **change}
         with pytest.raises(ValueError, match=message):
             fp8.sparse_mla_decode_fp8(**args)
+
+
+def test_bench_tune_fp8_quick_times_every_config_and_each_agrees_with_the_reference(capsys):
+    """`bench_attention_dsa --tune --kv-dtype fp8 --quick` (here at batch 1: 4 configurations, both
+    dequantisation modes, 2 split counts, and the default): a line per configuration, each with a rel
+    err against the torch reference within the kernel tests' tolerance, and the best's line."""
+    bench_attention_dsa.main(["--quick", "--kv-dtype", "fp8", "--tune", "--tune-batch", "1"])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "rel err" in line]
+    grid = bench_attention_dsa.FP8_TUNE_QUICK
+    assert len(lines) == 1 + len(grid["block_k"]) * len(grid["dequant"]), out
+    assert "default: " in lines[0] and sum(" split, splits " in line for line in lines) == len(grid["block_k"]), out
+    tol = TOL[torch.bfloat16 if torch.cuda.is_available() else torch.float32]     # the GPU times bf16 q
+    for line in lines:
+        err = float(line.split("rel err ")[1].split()[0])
+        assert err < tol and "WRONG" not in line, line
+    assert "skipped" not in out and out.strip().splitlines()[-1].startswith("best of 4: "), out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,9 +308,10 @@ def test_gpu_quantize_matches_the_cpu_bytes():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_real_shapes():
+@pytest.mark.parametrize("dequant", fp8.DEQUANT_MODES)
+def test_gpu_decode_real_shapes(dequant):
     """H 128, k 2048 over a 4 x 32K pool: the kernel against its reference, and fp8 against the bf16
-    kernel over the original bf16 rows."""
+    kernel over the original bf16 rows (each dequantisation mode, at the default tiles)."""
     gen = torch.Generator(device="cuda").manual_seed(21)
     n, h, k, context = 4, 128, 2048, 32768
     kv_bf16 = torch.randn(n * context, 576, device="cuda", generator=gen).bfloat16()
@@ -294,7 +324,7 @@ def test_gpu_decode_real_shapes():
     ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
     base_out, _ = dsa.sparse_mla_decode(q, kv_bf16, rows, DSV32_SCALE, backend="triton")
     for splits in (None, 1, 7):
-        out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits)
+        out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, dequant=dequant)
         assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
         assert rel_err(lse, ref_lse) < 1e-4, f"num_splits={splits}"
         assert torch.equal(out[2], torch.zeros_like(out[2]))
@@ -302,14 +332,16 @@ def test_gpu_decode_real_shapes():
 
 
 @pytest.mark.gpu
-def test_gpu_same_bytes_at_other_positions_give_the_same_bits():
+@pytest.mark.parametrize("dequant", fp8.DEQUANT_MODES)
+def test_gpu_same_bytes_at_other_positions_give_the_same_bits(dequant):
     gen = torch.Generator().manual_seed(22)
     streams, slots = 8, 4096
     kv_res, rows_res, kv_hot, rows_hot = hot_and_resident(streams, 8192, slots, 2048, gen)
     q = torch.randn(streams, 128, 576, generator=gen).bfloat16().cuda()
     base = torch.arange(streams, dtype=torch.int64, device="cuda") * (slots + 1)
-    out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE)
-    out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, row_base=base)
+    out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE, dequant=dequant)
+    out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, row_base=base,
+                                                 dequant=dequant)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
 
 

@@ -52,7 +52,7 @@ from hisparse.dsa.ops import (
     split_buffers,
     split_plan,
 )
-from kernels_triton.dsa_fp8 import _sparse_mla_decode_fp8_kernel
+from kernels_triton.dsa_fp8 import FP8_DEQUANT, _sparse_mla_decode_fp8_kernel
 
 FP8 = torch.float8_e4m3fn
 D_LATENT, D_ROPE, TILE = 512, 64, 128
@@ -66,6 +66,10 @@ SCALE_FLOOR = 1e-4                              # FlashMLA's floor of a_b / 448
 # "bf16", the 576 latent + RoPE values in the model's dtype (bf16 on the GPU, float32 in CPU tests);
 # "fp8", this module's 656-byte rows (uint8 tensors [..., 656] wherever rows are stored)
 KV_DTYPES = ("bf16", "fp8")
+# How the decode kernel dequantises a tile (kernels_triton/dsa_fp8.py's docstring): "inline", the default
+# everywhere, or "split" (4 [BLOCK_K, 128] tiles, each with its scale); `bench_attention_dsa --tune
+# --kv-dtype fp8` times both
+DEQUANT_MODES = tuple(FP8_DEQUANT)
 
 
 def block_scales(latent: torch.Tensor) -> torch.Tensor:
@@ -204,7 +208,7 @@ def default_fp8_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfi
 def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
                           num_splits: int | None = None, config: DecodeConfig | None = None,
                           out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                          row_base: torch.Tensor | None = None):
+                          row_base: torch.Tensor | None = None, dequant: str = "inline"):
     """Absorbed-MLA decode over selected FP8 rows: out [N, H, 512] (q's dtype), lse [N, H] float32.
 
     As `hisparse.dsa.ops.sparse_mla_decode` (backend "triton") with kv uint8 [R, 656] rows in this
@@ -214,7 +218,10 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     in order. The kernel dequantises in registers to q's dtype; with float32 or bf16 q it equals,
     bit for bit in the interpreter, `sparse_mla_decode` over the dequantised rows with the same
     config. Equal bytes in equal order give bitwise-equal outputs wherever the rows sit in kv.
+    `dequant` (one of DEQUANT_MODES) picks how the kernel dequantises a tile: "inline" (the
+    default, what every caller gets) or "split", which equals it within float32 rounding.
     """
+    _require(dequant in DEQUANT_MODES, f"dequant={dequant!r}: expected one of {DEQUANT_MODES}")
     _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base)
     n, h, _ = q.shape
     out = out if out is not None else torch.empty((n, h, D_LATENT), dtype=q.dtype, device=q.device)
@@ -222,14 +229,16 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     if n == 0 or h == 0:
         return out, lse
     if config is not None:
-        _launch(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits)
+        _launch(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits, dequant)
         return out, lse
-    launch_fitted("sparse_mla_decode_fp8", ("fp8", h, q.dtype, q.device), default_fp8_decode_config(h, q.dtype),
-                  lambda cfg: _launch(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits))
+    launch_fitted("sparse_mla_decode_fp8", ("fp8", dequant, h, q.dtype, q.device),
+                  default_fp8_decode_config(h, q.dtype),
+                  lambda cfg: _launch(q, kv, rows, row_base, out, lse, sm_scale, cfg, num_splits, dequant))
     return out, lse
 
 
-def _launch(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig, num_splits: int | None) -> None:
+def _launch(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig, num_splits: int | None,
+            dequant: str = "inline") -> None:
     n, h, _ = q.shape
     k = rows.shape[1]
     chunk, splits = split_plan(n, h, k, cfg, q.device, num_splits)
@@ -240,7 +249,7 @@ def _launch(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig,
         split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
         h, k, chunk, sm_scale * 1.4426950408889634,
         D_V=D_LATENT, D_ROPE=D_ROPE, TILE=TILE, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None, DEQUANT=FP8_DEQUANT[dequant],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
