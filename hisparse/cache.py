@@ -55,6 +55,23 @@ def _values_checked(check_values: bool | None, streams: torch.Tensor) -> bool:
     return not (streams.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def lowest_runs(taken: set[int], max_streams: int, streams: int, count: int) -> list[int] | None:
+    """First ids of the `count` lowest runs of `streams` free contiguous ids in 0 .. max_streams - 1 not
+    in `taken` (each run the lowest that fits beside the ones before it), added to `taken`; None (and
+    `taken` unchanged) when they do not all fit. One pass: a run found lowest-first leaves no free
+    gap of `streams` ids before its end."""
+    firsts, length = [], 0
+    for s in range(max_streams):
+        length = 0 if s in taken else length + 1
+        if length == streams:
+            firsts.append(s - streams + 1)
+            length = 0
+            if len(firsts) == count:
+                taken.update(i for first in firsts for i in range(first, first + streams))
+                return firsts
+    return None
+
+
 class HierarchicalKVCache:
     def __init__(self, max_streams: int, cache_slots: int, host_rows: int, row_elems: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
@@ -78,7 +95,7 @@ class HierarchicalKVCache:
         self.stream_len = [0] * max_streams
         self.stream_capacity = [0] * max_streams
         self._open: set[int] = set()
-        self._runs: dict[int, int] = {}         # first stream id -> streams, of each run (`take_run`)
+        self._runs: dict[int, int] = {}         # first stream id -> streams, of each run (`take_runs`)
 
     # -- streams -----------------------------------------------------------------------------
 
@@ -123,30 +140,34 @@ class HierarchicalKVCache:
         """Stream ids neither open nor inside a run."""
         return self.max_streams - len(self._taken())
 
-    def take_run(self, streams: int) -> int | None:
-        """Reserve `streams` contiguous free stream ids as one run of GPU rows: rows
+    def taken_streams(self) -> set[int]:
+        """Stream ids open or inside a run (a copy: what `lowest_runs` plans against)."""
+        return self._taken()
+
+    def take_runs(self, streams: int, count: int = 1) -> list[int] | None:
+        """Reserve `count` runs of `streams` contiguous free stream ids each, as GPU rows: run r is rows
         row_base(first) .. row_base(first) + streams * (B + 1) - 1 of `slots.view(-1, E)`, for a caller
         that stores a whole sequence on the GPU (a resident request in hybrid serving) and indexes it
         itself. A run has no host region and no cache state; the resolve never sees it. Returns the
-        first id (the lowest run that fits), or None when no such run is free (nothing changes)."""
+        first ids (the lowest runs that fit, `lowest_runs`), or None when they do not all fit (nothing
+        is taken then)."""
         streams = as_int(streams, "a run's length must be a positive int (streams)", minimum=1)
-        taken, length = self._taken(), 0
-        for s in range(self.max_streams):
-            length = 0 if s in taken else length + 1
-            if length == streams:
-                first = s - streams + 1
-                self._runs[first] = streams
-                return first
-        return None
+        count = as_int(count, "count must be a positive int (runs)", minimum=1)
+        firsts = lowest_runs(self._taken(), self.max_streams, streams, count)
+        if firsts is None:
+            return None
+        for first in firsts:
+            self._runs[first] = streams
+        return firsts
 
     def run_length(self, first: int) -> int:
-        """Streams of the run `take_run` returned as `first`."""
+        """Streams of the run `take_runs` returned as `first`."""
         if first not in self._runs:
             raise ValueError(f"no run starts at stream {first} (runs start at {sorted(self._runs)[:8]})")
         return self._runs[first]
 
     def release_run(self, first: int) -> None:
-        """Give back the run `take_run` returned as `first`."""
+        """Give back the run `take_runs` returned as `first`."""
         first = as_int(first, "a run is named by its first stream id (an int)")
         if first not in self._runs:
             raise ValueError(f"no run starts at stream {first} (runs start at {sorted(self._runs)[:8]})")

@@ -74,7 +74,7 @@ _NOT_LANE_FIELDS = {"cache", "anchor_layer", "anchor_streams", "prefetched", "ne
                     "weight_k", "weight_v"}
 
 
-@dataclass
+@dataclass(eq=False)          # requests are compared as objects (queues remove this one, not an equal one)
 class Request:
     """One request: prompt token ids, how many tokens to generate, when it arrives (seconds after the
     run starts; a closed loop sets it when the client's previous request finishes)."""
@@ -233,6 +233,7 @@ class Server:
             raise ValueError(f"mode 'hybrid' is built for DSA models so far, not {self.runtime.family}")
         self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are
         self._lane_runs: dict[int, list[int]] = {}     # hybrid: lane -> its runs (one a layer) while resident
+        self._lanes_changed, self._no_plan = 0, None   # hybrid: a count of lane changes; the last unplaceable
         # the empty state a prefill writes into: DSA's runtime makes its kv_dtype's rows
         self._new_state = getattr(self.runtime, "new_state", model.new_state)
         self.decode_backend, self.prefetch, self.kv_dtype = decode_backend, prefetch, kv_dtype
@@ -275,11 +276,13 @@ class Server:
             host_rows = self._host_rows(host_budget_gib, row_bytes, self.lanes)
         self.cache = None
         streams = self.lanes * self.streams_per_request
-        if self.hybrid and self.kv_budget is not None:
+        if self.hybrid:
             # the budget the lanes leave, the prefill workspace's too, goes to more streams: a resident
-            # request's rows and a hierarchical prefill's workspace sit in runs of them
-            stream_bytes = (self.lane_bytes - state_bytes) // self.streams_per_request
-            spare = self.kv_budget - 4 * host_rows - self.lanes * self.lane_bytes
+            # request's rows and a hierarchical prefill's workspace sit in runs of them (given lanes=,
+            # the workspace alone: the memory hisparse would hold)
+            stream_bytes = self._stream_bytes()
+            spare = self.workspace_bytes if self.kv_budget is None else \
+                self.kv_budget - 4 * host_rows - self.lanes * self.lane_bytes
             streams += max(0, spare // stream_bytes)
         if mode != "resident":
             from hisparse.cache import HierarchicalKVCache
@@ -359,6 +362,14 @@ class Server:
         outside = sum(nbytes(t) for kv in layers for t in _lane_tensors(kv, 1))
         return int(state + cache_bytes(cache) - nbytes(cache.state.unit_slot)), int(outside)
 
+    def _stream_bytes(self) -> int:
+        """GPU bytes of one more stream of the cache: its B + 1 slots and its cache state."""
+        from hisparse.cache import HierarchicalKVCache
+        one = HierarchicalKVCache(max_streams=1, cache_slots=self.cache_slots, host_rows=1,
+                                  row_elems=self._row_bytes() // self._row_dtype().itemsize, dtype=self._row_dtype(),
+                                  device=self.device, pin=False)
+        return int(cache_bytes(one) - nbytes(one.state.unit_slot))
+
     def _workspace_bytes(self) -> int:
         """Bytes of the KV the model's prefill holds for a max_context prompt (its own state)."""
         dtype = self.model.model.embed_tokens.weight.dtype
@@ -419,6 +430,7 @@ class Server:
                         self.cache.close_stream(s)
         for first in self._lane_runs.pop(lane, []):          # hybrid: a resident lane's runs
             self.cache.release_run(first)
+        self._lanes_changed += 1
         _clear_lane(self.layers, lane, self.lanes)
         self.lane_request[lane] = None
         request.lane = None
@@ -456,6 +468,14 @@ class Server:
             if rows > self.cache.host.capacity:
                 raise ValueError(f"a request of {need} tokens needs {rows} host pool rows; the pool holds "
                                  f"{self.cache.host.capacity} (raise host_budget_gib)")
+        if self.hybrid:                   # an empty server places it resident, or hierarchical with its workspace
+            layers, total = len(self.layers), self.cache.max_streams
+            resident = self.runtime.run_streams(self.cache, self.max_context) * layers
+            hierarchical = self.runtime.run_streams(self.cache, len(prompt)) * layers + self.streams_per_request
+            if min(resident, hierarchical) > total:
+                raise ValueError(f"a prompt of {len(prompt)} tokens needs {hierarchical} of the cache's streams "
+                                 f"in hybrid mode (its own and its prefill workspace's; resident: {resident}); "
+                                 f"the cache has {total} (raise kv_budget_gib)")
 
     def _free_lane(self) -> int | None:
         """The lowest lane neither running a request nor reserved for the one being prefilled."""
@@ -466,59 +486,70 @@ class Server:
             return False
         if self.cache is None:
             return True
-        regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
         if self.hybrid:
-            return self._hybrid_admissible(regions, len(request.prompt))
-        return self.cache.host.fits(regions)
+            return self._hybrid_plan(request) is not None
+        return self.cache.host.fits(self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens))
 
     # -- hybrid: resident while the rows fit, hierarchical otherwise -----------------------------
 
-    def _hybrid_admissible(self, regions: list[int], prompt: int) -> bool:
-        """Resident runs are free for it, or after demoting resident lanes (latest first; each takes
-        host regions of its own request's size, in the order they would be made) its streams and
-        its prefill workspace's (counted, not placed: `_admit_hybrid` falls back to a workspace
-        outside the cache if the free streams lie in pieces too short)."""
-        runs = self.runtime.take_runs(self.cache, self.max_context)
-        if runs is not None:
-            for first in runs:
-                self.cache.release_run(first)
-            return True
-        need = len(regions) + self.runtime.run_streams(self.cache, prompt) * len(self.layers)
-        sizes, free = [], self.cache.free_streams()
-        for lane in self._demotion_order():
-            if free >= need:
-                break
-            r = self.lane_request[lane]
-            sizes += self.runtime.stream_regions(len(r.prompt) + r.max_new_tokens)
-            free += (self.runtime.run_streams(self.cache, self.max_context) - 1) * self.streams_per_request
-        return free >= need and self.cache.host.fits(sizes + regions)
+    def _hybrid_plan(self, request: Request) -> tuple[str, list[int]] | None:
+        """Where a request would go now: ("resident", []) when its runs are free, ("hierarchical",
+        the resident lanes to demote first, in order) when, after those demotions, a workspace run per
+        layer for its prompt and its own streams are free and the host pool holds the demoted
+        requests' regions and then its own; None when nothing would place it. Planned on a copy of
+        the cache's stream map with the cache's own rule (`lowest_runs`, lowest free stream first),
+        so `_admit_hybrid` then places it exactly so. Not admissible plans are remembered until a
+        lane changes (the queue's head asks every iteration)."""
+        from hisparse.cache import lowest_runs
+        key = (request.rid, self._lanes_changed)
+        if self._no_plan == key:
+            return None
+        cache, layers = self.cache, len(self.layers)
+        run, work = (self.runtime.run_streams(cache, n) for n in (self.max_context, len(request.prompt)))
+        taken = cache.taken_streams()
+        if lowest_runs(set(taken), cache.max_streams, run, layers) is not None:
+            return "resident", []
+        regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
+        demoted, sizes = [], []
+        for lane in [None, *self._demotion_order()]:
+            if lane is not None:                # its runs back and its streams opened, layer by layer
+                for first in self._lane_runs[lane]:
+                    taken.difference_update(range(first, first + run))
+                    taken.add(next(i for i in range(cache.max_streams) if i not in taken))
+                r = self.lane_request[lane]
+                demoted.append(lane)
+                sizes += self.runtime.stream_regions(len(r.prompt) + r.max_new_tokens)
+            trial = set(taken)
+            if lowest_runs(trial, cache.max_streams, work, layers) is not None \
+                    and cache.max_streams - len(trial) >= self.streams_per_request:
+                if cache.host.fits(sizes + regions):
+                    return "hierarchical", demoted
+                break                           # more demotions would need more host rows still
+        self._no_plan = key
+        return None
 
     def _demotion_order(self) -> list[int]:
         """Resident lanes, the latest admitted first (with equal lengths, the most of its output ahead)."""
         return sorted(self._lane_runs, key=lambda lane: -self.lane_request[lane].rid)
 
-    def _admit_hybrid(self, prompt: int) -> dict[str, list[int]]:
-        """A request about to prefill: {"runs": its resident runs} if they are free; otherwise resident
-        lanes are demoted, latest first, until its streams and a workspace run per layer for its
-        prompt are free: {"workspace_runs": those} ({} if no such runs can be had: the workspace is
-        then made outside the cache)."""
-        runs = self.runtime.take_runs(self.cache, self.max_context)
-        if runs is not None:
-            return {"runs": runs}
-        order = self._demotion_order()
-        while True:
-            workspace = self.runtime.take_runs(self.cache, prompt)
-            if workspace is not None and self.cache.free_streams() >= self.streams_per_request:
-                return {"workspace_runs": workspace}
-            for first in workspace or []:
-                self.cache.release_run(first)
-            if not order:
-                return {}
-            lane = order.pop(0)
+    def _admit_hybrid(self, request: Request) -> dict[str, list[int]]:
+        """Place a request about to prefill as `_hybrid_plan` says: {"runs": its resident runs}, or its
+        demotions made, {"workspace_runs": its workspace's runs}."""
+        plan = self._hybrid_plan(request)
+        if plan is None:
+            raise RuntimeError(f"request {request.rid} was admitted with no room to place it (a replayed "
+                               f"schedule from a server with more memory?)")
+        kind, demoted = plan
+        if kind == "resident":
+            return {"runs": self.runtime.take_runs(self.cache, self.max_context)}
+        for lane in demoted:
             r = self.lane_request[lane]
             self.runtime.demote(self.cache, self.layers, lane, r.length, len(r.prompt) + r.max_new_tokens,
-                                self._lane_runs.pop(lane))
+                                self._lane_runs[lane])
+            del self._lane_runs[lane]
             self.demotions += 1
+        self._lanes_changed += 1
+        return {"workspace_runs": self.runtime.take_runs(self.cache, len(request.prompt))}
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -650,6 +681,7 @@ class Server:
             if self._prefilling.in_place is not None:
                 self._prefilling.in_place.cancel()
             self._prefilling, self._reserved, request.lane = None, None, None
+            self._lanes_changed += 1
         elif request.lane is not None and self.lane_request[request.lane] is request:
             self._leave(request)
 
@@ -783,9 +815,14 @@ class Server:
         try:
             if self.in_place:
                 need = len(request.prompt) + request.max_new_tokens
-                runs = self._admit_hybrid(len(request.prompt)) if self.hybrid else {}
-                job = self.runtime.lane_prefill(self.kv_mode, self.cache, self.layers, request.lane,
-                                                len(request.prompt), need, **runs)
+                runs = self._admit_hybrid(request) if self.hybrid else {}
+                try:
+                    job = self.runtime.lane_prefill(self.kv_mode, self.cache, self.layers, request.lane,
+                                                    len(request.prompt), need, **runs)
+                except BaseException:
+                    for first in [first for held in runs.values() for first in held]:
+                        self.cache.release_run(first)
+                    raise
                 return _Prefill(request, job.state, job)
             return _Prefill(request, self._new_state(1, len(request.prompt)))
         except BaseException:             # (out of memory, say) the lane goes back
@@ -815,12 +852,14 @@ class Server:
         if request.done:
             if job.in_place is not None:
                 job.in_place.cancel()
+                self._lanes_changed += 1
             return 0
         if job.in_place is not None:
             if getattr(job.in_place, "runs", None) is not None:
                 self._lane_runs[request.lane] = job.in_place.runs
                 self.resident_admissions += 1
-            job.in_place.join()
+            job.in_place.join()                # (a workspace in runs goes back)
+            self._lanes_changed += 1
             held = 0
         else:
             held = self._join(request, job.state)

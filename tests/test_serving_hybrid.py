@@ -13,11 +13,12 @@ def hybrid_server(model, extra_runs: int, **kw) -> Server:
     """Three lanes and room for `extra_runs` resident requests beyond the lanes' own streams and the
     prefill workspace's (which hybrid also turns into streams)."""
     probe = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=1.0, max_batch=3, **kw)
-    per_stream = (probe.lane_bytes - probe._lane_bytes()[1]) // probe.streams_per_request
     runs = probe.runtime.run_streams(probe.cache, MAX_CONTEXT) * probe.streams_per_request
     budget = (probe.workspace_bytes + 4 * probe.cache.host.capacity + 3 * probe.lane_bytes
-              + extra_runs * runs * per_stream + per_stream // 2)
-    return Server(model, "hybrid", max_context=MAX_CONTEXT, kv_budget_gib=budget / GIB, max_batch=3, **kw)
+              + extra_runs * runs * probe._stream_bytes())
+    server = Server(model, "hybrid", max_context=MAX_CONTEXT, kv_budget_gib=budget / GIB, max_batch=3, **kw)
+    assert server.gpu_bytes() <= server.kv_budget          # the streams it made fit the budget exactly
+    return server
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
@@ -54,6 +55,7 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
             assert torch.equal(x, y), f"{family}: request {a.rid}, token {step}: logits differ"
     assert server.cache.free_streams() == server.cache.max_streams      # every run and stream given back
     assert server.cache.host.free_rows == server.cache.host.capacity
+    assert not any(kv.resident.any() for kv in server.layers), "an empty lane left marked resident"
 
 
 def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
@@ -62,8 +64,7 @@ def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
     model = tiny("deepseek_v32")
     kw = dict(cache_slots=48, prefill_chunk=24, **QUICK)
     server = hybrid_server(model, extra_runs=0, **kw)
-    per_stream = (server.lane_bytes - server._lane_bytes()[1]) // server.streams_per_request
-    assert server.cache.max_streams == 3 * server.streams_per_request + server.workspace_bytes // per_stream
+    assert server.cache.max_streams == 3 * server.streams_per_request + server.workspace_bytes // server._stream_bytes()
     run = server.serve(requests(seed=5, n=3), clients=3)
     assert run.summary()["resident_admissions"] == 1 and run.summary()["demotions"] == 1, run.summary()
     assert all(len(r.tokens) == r.max_new_tokens for r in run.requests)
@@ -85,17 +86,19 @@ def test_graphed_hybrid_is_bitwise_as_resident(family):
 
 
 def test_runs_of_streams_are_taken_whole_and_skipped_by_open_stream():
-    """take_run: the lowest run of free contiguous streams, or None with nothing taken; open_stream
-    never hands out a stream inside a run; released runs are free again."""
+    """take_runs: the lowest runs of free contiguous streams, all of them or none; open_stream never
+    hands out a stream inside a run; released runs are free again."""
     from hisparse.cache import HierarchicalKVCache
-    cache = HierarchicalKVCache(max_streams=8, cache_slots=4, host_rows=64, row_elems=2, dtype=torch.float32,
+    cache = HierarchicalKVCache(max_streams=10, cache_slots=4, host_rows=64, row_elems=2, dtype=torch.float32,
                                 device="cpu")
     a = cache.open_stream(4)                                    # stream 0
-    run = cache.take_run(3)
+    [run] = cache.take_runs(3)
     assert (a, run, cache.run_length(run)) == (0, 1, 3)
-    assert cache.open_stream(4) == 4 and cache.free_streams() == 3
-    assert cache.take_run(4) is None and cache.free_streams() == 3
-    assert cache.take_run(3) == 5 and cache.free_streams() == 0
+    assert cache.open_stream(4) == 4 and cache.free_streams() == 5
+    assert cache.take_runs(2, count=3) is None and cache.free_streams() == 5      # 5..9 hold two runs of 2
+    assert cache.take_runs(2, count=2) == [5, 7] and cache.free_streams() == 1
+    assert cache.take_runs(4) is None
+    assert cache.open_stream(4) == 9 and cache.free_streams() == 0
     with pytest.raises(RuntimeError, match="open or in runs"):
         cache.open_stream(4)
     cache.release_run(run)
@@ -103,4 +106,4 @@ def test_runs_of_streams_are_taken_whole_and_skipped_by_open_stream():
     with pytest.raises(ValueError, match="no run starts at stream 2"):
         cache.release_run(2)
     with pytest.raises(ValueError, match="a run's length must be a positive int"):
-        cache.take_run(0)
+        cache.take_runs(0)

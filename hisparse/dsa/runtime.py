@@ -287,15 +287,7 @@ class DsaRuntime:
 
     def take_runs(self, cache: HierarchicalKVCache, capacity: int) -> list[int] | None:
         """One run of `capacity` tokens per layer (first stream ids), or None (nothing taken)."""
-        runs = []
-        for _ in range(self.model.config.num_hidden_layers):
-            first = cache.take_run(self.run_streams(cache, capacity))
-            if first is None:
-                for taken in runs:
-                    cache.release_run(taken)
-                return None
-            runs.append(first)
-        return runs
+        return cache.take_runs(self.run_streams(cache, capacity), self.model.config.num_hidden_layers)
 
     def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
                runs: list[int]) -> None:
@@ -350,7 +342,7 @@ class DsaRuntime:
 
 
 def run_rows(cache: HierarchicalKVCache, first: int) -> torch.Tensor:
-    """The rows [streams * (B + 1), E] of the run `cache.take_run` returned as `first` (a view)."""
+    """The rows [streams * (B + 1), E] of the run `cache.take_runs` returned as `first` (a view)."""
     base = int(cache.row_base(torch.tensor([first]))[0])
     return cache.slots.view(-1, cache.slots.shape[-1])[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
 
