@@ -198,6 +198,25 @@ def test_graphed_serving_replay_is_bitwise(family):
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}"
 
 
+def test_cancel_finds_the_request_itself_among_waiting_ones():
+    """Requests are compared as objects: cancelling a running request while two others wait (their
+    prompts of one length, so an equality check would compare tensors) frees its lane, and the
+    waiting ones then run."""
+    model, kw = tiny("deepseek_v32"), dict(SETTINGS["deepseek_v32"], **QUICK)
+    server = Server(model, "hisparse", max_context=64, kv_budget_gib=0.05, max_batch=1, **kw)
+    server.open()
+    first = server.submit(Request(torch.arange(10), 5, arrival=float("nan")))
+    waiting = [server.submit(Request(torch.arange(12) + i, 2, arrival=float("nan"))) for i in range(2)]
+    server.step()
+    assert server.running == [first] and server.waiting == waiting
+    server.cancel(first)
+    while server.busy:
+        server.step()
+    run = server.close()
+    assert [r.rid for r in run.requests] == [w.rid for w in waiting]
+    assert all(len(r.tokens) == 2 for r in run.requests)
+
+
 def test_step_by_step_with_a_cancelled_request():
     """open / submit / step / cancel / close: a request cancelled mid-decode frees its lane, streams
     and host rows at once; the others finish with the tokens they get in a run without it."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_serving import MAX_CONTEXT, QUICK, fresh, requests, tiny
 
-from hisparse.serving import GIB, Server
+from hisparse.serving import GIB, Request, Server
 
 
 def hybrid_server(model, extra_runs: int, **kw) -> Server:
@@ -107,3 +107,20 @@ def test_runs_of_streams_are_taken_whole_and_skipped_by_open_stream():
         cache.release_run(2)
     with pytest.raises(ValueError, match="a run's length must be a positive int"):
         cache.take_runs(0)
+
+
+def test_a_request_hybrid_could_never_place_is_refused_at_submit():
+    """A budget of exactly one hisparse lane: the prompt's workspace, rounded up to whole streams a
+    layer, and its own streams do not fit the cache hybrid makes of it; refused when submitted (it
+    would wait forever), naming the streams it needs and what the cache has."""
+    model = tiny("deepseek_v32")
+    kw = dict(cache_slots=8, max_context=64, **QUICK)
+    probe = Server(model, "hisparse", kv_budget_gib=1.0, max_batch=1, **kw)
+    budget = probe.workspace_bytes + 4 * probe.cache.host.capacity + probe.lane_bytes
+    server = Server(model, "hybrid", kv_budget_gib=budget / GIB, max_batch=1, **kw)
+    server.open()
+    with pytest.raises(ValueError, match=r"a prompt of 58 tokens needs 16 of the cache's streams in hybrid mode .*"
+                                         r"the cache has 15 \(raise kv_budget_gib\)"):
+        server.submit(Request(torch.arange(58) % 97, 2))
+    assert not server.busy
+    server.close()
