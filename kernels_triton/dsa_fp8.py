@@ -19,17 +19,8 @@ launcher and `bench_attention_dsa --tune --kv-dtype fp8`):
     interpreter (numpy) the 4 partial dots round differently from one, so "split" equals "inline"
     within float32 rounding, not bit for bit.
 Both keep hisparse == resident bitwise (the same kernel over the same bytes in the same order).
-Compiled offline for sm_90a with Triton 3.6 (the GPU machine's; no device time), DeepSeek's sizes:
-the default (64 heads x 64 rows, 8 warps, 2 stages) takes 255 registers, no spill, 185 KiB of shared
-memory: one program an SM (256 threads x 255 registers fill the register file). Every wgmma is
-waited on right after it is issued (pendings 0), so within a program the dequantisation (shared ->
-registers -> convert -> shared) runs between the loads and QK^T with nothing beside it; only programs
-sharing an SM could overlap it: the 4-warp tiles (16-32 heads, mma.sync) fit two an SM by registers,
-and by shared memory those under 113 KiB (they take 22-125).
-"split" needs fewer conversion instructions at the mma.sync tiles (16 heads x 32 rows, 4 warps: 216
-registers against 255, 162 F2FP against 290; 32 x 32, 8 warps: 100 against 228) but spills more at 32
-heads with 4 warps, and at the wgmma tiles stores and reloads more shared memory (64 x 64: 99 STS
-against 35). Which is faster is for the GPU to say (`--tune --kv-dtype fp8`).
+Why the default tile is slow and what each mode compiles to (offline sm_90a compiles, no GPU time):
+results/notes/fp8.md; `bench_attention_dsa --tune --kv-dtype fp8` times both.
 
 Launcher and input checks: `hisparse.dsa.fp8.sparse_mla_decode_fp8`; torch reference beside it.
 """
