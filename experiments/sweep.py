@@ -100,7 +100,7 @@ KEY_HELP = {
     "layers": "layers of the dsa (61) / quest (32) / tiny model",
     "hidden": "hidden size of the dsa / quest model (1024)",
     "modes": "list of resident, hisparse, noio (serving, DSA: and hybrid)",
-    "cache_slots": "B, one or a list (needed by hisparse and noio)",
+    "cache_slots": "B, one or a list (needed by hisparse, noio and hybrid)",
     "contexts": "prompt tokens, one or a list (decode, throughput)",
     "batches": "requests, one or a list",
     "new_tokens": f"timed decode steps ({DEFAULTS['new_tokens']})",
