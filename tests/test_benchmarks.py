@@ -370,3 +370,39 @@ def test_summary_prints_the_serving_targets():
         "serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident 1.020 (target <= 1.03)",
         "serving 2 clients, hisparse, 1024 in / 64 out, p50 per prefill chunk: 512: TTFT 900 / TPOT 30.0 / ITL p99 50 "
         "ms; 2048: TTFT 650 / TPOT 34.0 / ITL p99 420 ms"]
+
+
+def test_summary_prints_the_prefill_bound_estimate_hybrid_targets_and_unmeasured_modes():
+    """With prefill time, step times, lanes and requests measured, the tokens/s target gets the
+    estimate beside it, n P + n (out - 1) / lanes x ITL p50 per mode: at 4 clients resident
+    8 x 1 s + 8 / 2 x 99 x 10 ms = 11.96 s, hisparse 8 x 1 + 8 / 4 x 99 x 12 ms = 10.376 s: 1.15x
+    (P: one client's resident TTFT less its queueing). Hybrid gets 0.97x resident's where resident
+    admits every request (lanes >= clients: 1 and 2) and 0.95x hisparse's at the two highest
+    levels; a level missing a mode says so instead of printing nan."""
+    from benchmarks.summary import serving_lines
+    shape = dict(bench="serving", input_len=1024, output_len=100, prefill_chunk=512, gpu="NVIDIA H200",
+                 commit="abc", timestamp="2026-12-02T10:00:00")
+    tokens = {("resident", 1): 50, ("hisparse", 1): 48, ("noio", 1): 50, ("hybrid", 1): 49,
+              ("resident", 2): 80, ("hisparse", 2): 78, ("hybrid", 2): 80,
+              ("resident", 4): 80, ("hisparse", 4): 90, ("hybrid", 4): 88.2, ("resident", 8): 80}
+    rows = []
+    for (mode, level), value in tokens.items():
+        lanes = min(level, 2) if mode == "resident" else level
+        metrics = dict(tokens_per_s=value, tpot_ms_p50=15.3 if mode == "hisparse" else 15.0,
+                       ttft_ms_p50=1000.0 if level < 4 else (9000.0 if mode == "resident" else 3000.0),
+                       queue_ms_p50=0.0, lanes=lanes, requests=2 * level,
+                       itl_ms_p50=10.0 if mode == "resident" else 12.0)
+        if mode == "hybrid":
+            metrics.update(resident_admissions=level, demotions=level // 4)
+        rows += [dict(shape, mode=mode, concurrency=level, metric=m, value=v) for m, v in metrics.items()]
+    assert serving_lines(pd.DataFrame(rows)) == [
+        "serving 4 clients: hisparse / resident output tokens/s 1.12x (target >= 1.6; 1.15x with every lane busy "
+        "and prefill alone between steps), p50 TTFT 3.00x lower (target >= 2); lanes 4 / 2",
+        "serving 8 clients: hisparse not measured yet (targets: tokens/s >= 1.6x, p50 TTFT >= 2x lower)",
+        "serving 1 clients: TPOT p50 hisparse / resident 1.020 (target <= 1.25), noio / resident 1.000 (target <= 1.03)",
+        "serving 1 clients: hybrid output tokens/s 0.980x resident's (target >= 0.97), 1 resident admissions, "
+        "0 demotions",
+        "serving 2 clients: hybrid output tokens/s 1.000x resident's (target >= 0.97), 2 resident admissions, "
+        "0 demotions",
+        "serving 4 clients: hybrid output tokens/s 0.980x hisparse's (target >= 0.95), 4 resident admissions, "
+        "1 demotions"]
