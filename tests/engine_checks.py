@@ -77,13 +77,15 @@ def assert_unit_run(engine, base, out, prompt_lengths, new_tokens: int, unit_tok
     assert_newest_units_written_through(engine.cache)
 
 
-def assert_torch_steps_agree(model, ours, prompts, capacity: int, steps: int, device) -> None:
+def assert_torch_steps_agree(model, ours, prompts, capacity: int, steps: int, device, fast: bool = True) -> None:
     """Decode `steps - 1` steps with the model's own torch attention (set by the caller) after a
-    per-request prefill, feeding `ours`' tokens: each step's logits within 1e-4 of `ours`'."""
+    per-request prefill, feeding `ours`' tokens: each step's logits within 1e-4 of `ours`'. fast: the
+    prefill `ours` ran after, the kernels' (the Engine's default, prefill="model") or, False, the
+    reference's (prefill="reference")."""
     singles = []
     for prompt in prompts:
         state = model.new_state(1, capacity)
-        model.prefill(prompt.to(device)[None], state, fast=True)     # the engine's prefill: the steps alone differ
+        model.prefill(prompt.to(device)[None], state, fast=fast)     # the engine's prefill: the steps alone differ
         singles.append(state)
     state = stack_states(singles)
     tokens = ours.tokens[:, 0].to(device)

@@ -3,12 +3,19 @@ logits and tokens, on a tiny checkpoint through the Triton kernels (the interpre
 
 The tiny model has one NSA layer with 2 KV heads (2 streams per request), the kernels' block sizes
 (compressed 32 / stride 16, selection blocks of 64), 4 selected blocks per KV head and a 64-token
-window (short, to keep interpreter runs fast). The long prompt (500 tokens, 8 blocks, 9 at the end)
+window (short, to keep interpreter runs fast). The long prompt (508 tokens, 8 blocks, 9 at the end)
 leaves a real choice besides the forced blocks (0 and the two newest), so blocks are evicted and
-fetched again at B = k; it opens a block at position 512, within the shared-selection runs' steps
-too. The short one (28 tokens) starts with no compressed block and one selection block (the
-selection is padded with -1) and completes its first compressed blocks (at 32 and 48 tokens) during
-the 20 decode steps."""
+fetched again at B = k; it opens a block at position 512, at the 5th decode step (so within the
+shared-selection runs' steps too, with steps after it). The short one (31 tokens) starts with no
+compressed block and one selection block (the selection is padded with -1) and completes its first
+compressed blocks (at 32 and 48 tokens, the first and the last of the 17 decode steps).
+
+The prompt's KV: test_hisparse_is_bitwise_resident's runs (and the torch-step test, on the same
+resident run) take it from the Engine's default prefill, the model's kernels (prefill="model"); the
+other tests, whose subject is the decode loop, from the eager reference prefill (prefill="reference":
+one prefill for every mode, as the kernel one is, and some 30x cheaper in the interpreter, where the
+500-token kernel prefills took most of this file's time). The kernel prefill is checked against the
+reference, selection groups included, in tests/test_prefill.py."""
 import functools
 import tempfile
 
@@ -40,11 +47,12 @@ from hisparse.synthetic import SyntheticConfig, split_kv_heads
 from hisparse.synthetic import generate as generate_trace
 from hisparse.traces import Trace
 
-PROMPT_LENGTHS = (500, 28)
+PROMPT_LENGTHS = (508, 31)
 N_SELECT = 4                     # k: selection blocks per KV head and step
 TINY = {"num_hidden_layers": 1, "num_selected_blocks": N_SELECT, "sliding_window": 64}
-STEPS = 21                       # new tokens: the prefill's token, then 20 decode steps (to 48 + 1 tokens)
+STEPS = 18                       # new tokens: the prefill's token, then 17 decode steps (to 48 + 1 tokens)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PREFILL = "reference"            # the prefill of the tests but the main bitwise one (the module docstring)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,9 +82,9 @@ def test_hisparse_is_bitwise_resident(slots_per_k):
 
 def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident():
     model = tiny_model()
-    noio = Engine(model, "noio", cache_slots=N_SELECT)
+    noio = Engine(model, "noio", cache_slots=N_SELECT, prefill=PREFILL)
     out = noio.generate(prompts(), new_tokens=2)           # one decode step: the same selection
-    first = Engine(model, "hisparse", cache_slots=N_SELECT)
+    first = Engine(model, "hisparse", cache_slots=N_SELECT, prefill=PREFILL)
     ref = first.generate(prompts(), new_tokens=2)
     assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
     assert noio.cache.slots[:, :-1].abs().sum() == 0, "no-IO must fetch no row"
@@ -85,12 +93,13 @@ def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident()
     capacity = max(PROMPT_LENGTHS) + 2
     first.cache = first.runtime.new_cache(len(PROMPT_LENGTHS), capacity, N_SELECT)
     hier, _ = first._prefill(prompts(), capacity)
-    resident, _ = Engine(model, "resident")._prefill(prompts(), capacity)
+    resident, _ = Engine(model, "resident", prefill=PREFILL)._prefill(prompts(), capacity)
     assert [type(kv) for kv in hier.layers] == [HierNsaKV] and [type(kv) for kv in resident.layers] == [NsaBlocksKV]
     for name in ("window_keys", "window_values", "compressed_keys", "compressed_values"):
         assert torch.equal(getattr(hier.layers[0], name), getattr(resident.layers[0], name)), name
     assert hier.layers[0].pool is None
-    assert out.kv_bytes_per_request < Engine(model, "resident").generate(prompts(), 2).kv_bytes_per_request
+    resident_bytes = Engine(model, "resident", prefill=PREFILL).generate(prompts(), 2).kv_bytes_per_request
+    assert out.kv_bytes_per_request < resident_bytes
 
 
 def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
@@ -102,8 +111,8 @@ def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
     assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
 
 
-SHARED_STEPS = 14              # new tokens of the shared-selection runs (two layers: twice the work per step);
-                               # the last step's input, at position 512, opens a block
+SHARED_STEPS = 8               # new tokens of the shared-selection runs (two layers: twice the work per step);
+                               # the 5th step's input, at position 512, opens a block; two steps follow
 
 
 def shared_to_anchor(model) -> dict[int, int]:
@@ -118,12 +127,12 @@ def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
     line too on a CPU, so there only briefly); bitwise the resident run; the shared streams do no
     resolve work."""
     model = tiny_model(num_hidden_layers=2, selection_group=2)
-    base = Engine(model, "resident").generate(prompts(), SHARED_STEPS)
-    own = Engine(tiny_model(num_hidden_layers=2), "resident").generate(prompts(), 1)    # the prefill's logits
+    base = Engine(model, "resident", prefill=PREFILL).generate(prompts(), SHARED_STEPS)
+    own = Engine(tiny_model(num_hidden_layers=2), "resident", prefill=PREFILL).generate(prompts(), 1)  # prefill logits
     assert not torch.equal(own.logits[0], base.logits[0]), "sharing the selection must change the model"
     heads = model.config.num_key_value_heads
     for prefetch in prefetch_settings(DEVICE):
-        engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=prefetch)
+        engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=prefetch, prefill=PREFILL)
         out = engine.generate(prompts(), SHARED_STEPS)
         assert_bitwise(base, out, f"prefetch={prefetch}")
         assert_newest_units_written_through(engine.cache, shared_to_anchor(model))
@@ -131,15 +140,15 @@ def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
         assert (per_layer[1] == 0).all() and (per_layer[0].sum(-1) > 0).all()
         assert (out.hits, out.misses) == tuple(int(x) for x in 2 * per_layer[0].sum((0, 1)))
     if DEVICE == "cpu":
-        assert_prefetch_in_line(Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=True),
-                                Engine(model, "resident"), prompts())
+        assert_prefetch_in_line(Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=True, prefill=PREFILL),
+                                Engine(model, "resident", prefill=PREFILL), prompts())
 
 
 def test_shared_selection_in_lockstep_after_every_step_and_agrees_with_the_torch_step(monkeypatch):
     """B = k (slots reused): after each step, every slot of layer 1's streams holds its own row of the
     block layer 0's slot holds; and the kernels' shared step agrees with the torch reference's."""
     model = tiny_model(num_hidden_layers=2, selection_group=2)
-    engine = Engine(model, "hisparse", cache_slots=N_SELECT)
+    engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefill=PREFILL)
     steps = 10
     capacity = max(PROMPT_LENGTHS) + steps
     engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, N_SELECT)
@@ -161,14 +170,14 @@ def test_shared_selection_in_lockstep_after_every_step_and_agrees_with_the_torch
     assert int(engine.cache.stats[anchor_streams, 1].sum()) > blocks, "slots were reused: blocks fetched again"
     ours = type("Run", (), dict(tokens=torch.stack(generated, 1).cpu(), logits=logits))
     monkeypatch.setattr(model, "sparse_attention", TorchNsaAttention(model.config))
-    assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
+    assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE, fast=False)
 
 
 def test_shared_selection_noio_copies_nothing():
     model = tiny_model(num_hidden_layers=2, selection_group=2)
-    noio = Engine(model, "noio", cache_slots=N_SELECT)
+    noio = Engine(model, "noio", cache_slots=N_SELECT, prefill=PREFILL)
     out = noio.generate(prompts(), new_tokens=2)
-    ref = Engine(model, "hisparse", cache_slots=N_SELECT).generate(prompts(), new_tokens=2)
+    ref = Engine(model, "hisparse", cache_slots=N_SELECT, prefill=PREFILL).generate(prompts(), new_tokens=2)
     assert (out.hits, out.misses) == (ref.hits, ref.misses) and out.misses > 0
     assert_noio_wrote_only_shared_newest_units(noio.cache, shared_to_anchor(model))
 
@@ -219,12 +228,13 @@ def test_traces_record_and_replay_per_kv_head(tmp_path):
         window=2, random_layers=0, noise=1.0, unit_size=SEL_BLOCK)), heads)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 97, (n,), generator=gen) for n in lengths]
-    a = check_traces_replay_exactly(model, prompts, new_tokens, N_SELECT, tmp_path, synthetic)  # hisparse, B = k
+    a = check_traces_replay_exactly(model, prompts, new_tokens, N_SELECT, tmp_path, synthetic,  # hisparse, B = k
+                                    prefill=PREFILL)
     # a trace held in another memory order replays the same (the kernels take contiguous selections)
     fortran = Trace(np.asfortranarray(synthetic.selections), "synthetic", SEL_BLOCK, synthetic.context,
                     synthetic.layer_anchor)
     assert not synthetic.selections.flags.f_contiguous and fortran.selections.flags.f_contiguous
-    b = Engine(model, "hisparse", cache_slots=N_SELECT).generate(prompts, new_tokens, replay=fortran)
+    b = Engine(model, "hisparse", cache_slots=N_SELECT, prefill=PREFILL).generate(prompts, new_tokens, replay=fortran)
     assert_bitwise(a, b, "a Fortran-ordered trace")
 
 
