@@ -1,5 +1,11 @@
 """The decode loop: hierarchical KV gives bitwise the resident run's logits and tokens, on tiny
-checkpoints through the Triton kernels (the interpreter on a CPU)."""
+checkpoints through the Triton kernels (the interpreter on a CPU).
+
+The prompt's KV: test_hisparse_is_bitwise_resident's runs and the decode-backend test take it from the
+Engine's default prefill, the model's kernels (prefill="model"); the other tests, whose subject is the
+decode loop and the Engine's bookkeeping, from the eager reference prefill (prefill="reference": one
+prefill for every mode, as the kernel one is, and some 100x cheaper in the interpreter). The kernel
+prefill is checked against the reference, and with hisparse decoding after it, in tests/test_prefill.py."""
 import functools
 import re
 import tempfile
@@ -21,10 +27,11 @@ from hisparse.synthetic import generate as generate_trace
 from hisparse.traces import load_trace, with_anchors
 
 PROMPT_LENGTHS = (27, 5)   # requests of different lengths, one shorter than k (few: the interpreter is slow)
-NEW_TOKENS = 33            # the long runs': the prefill's token, then 32 decode steps
+NEW_TOKENS = 21            # the long runs': the prefill's token, then 20 decode steps
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PREFILL = "reference"      # the prefill of the tests but the main bitwise and decode-backend ones (the docstring)
 
 
 @functools.cache
@@ -51,7 +58,7 @@ def prompts(seed=0, vocab=97):
 @pytest.mark.parametrize("family,slots_per_k", [("deepseek_v32", 1), ("deepseek_v32", 2), ("glm_moe_dsa", 1)],
                          ids=["dsv32-B=k", "dsv32-B=2k", "glm-B=k"])
 def test_hisparse_is_bitwise_resident(family, slots_per_k):
-    """32 decode steps; glm_moe_dsa has a shared layer replaying its anchor's miss plan (in line;
+    """20 decode steps; glm_moe_dsa has a shared layer replaying its anchor's miss plan (in line;
     on a side stream with prefetch, which needs a GPU: the tests marked gpu below)."""
     model, resident = tiny_model(family), resident_run(family)
     k = model.config.index_topk
@@ -65,9 +72,9 @@ def test_hisparse_is_bitwise_resident(family, slots_per_k):
 
 def test_noio_resolves_the_same_but_copies_nothing(model):
     k = model.config.index_topk
-    noio = Engine(model, "noio", cache_slots=k)
+    noio = Engine(model, "noio", cache_slots=k, prefill=PREFILL)
     out = noio.generate(prompts(), new_tokens=2)    # one decode step: the selection is the same
-    first = Engine(model, "hisparse", cache_slots=k).generate(prompts(), new_tokens=2)
+    first = Engine(model, "hisparse", cache_slots=k, prefill=PREFILL).generate(prompts(), new_tokens=2)
     assert (out.hits, out.misses) == (first.hits, first.misses)
     # streams open layer by layer; a shared layer's write-through of its newest row is no fetch
     batch = len(PROMPT_LENGTHS)
@@ -77,7 +84,7 @@ def test_noio_resolves_the_same_but_copies_nothing(model):
 
 def test_kernel_step_agrees_with_the_torch_reference_step(model, monkeypatch):
     """The kernels' decode step against the model's torch step (transformers' semantics)."""
-    engine = Engine(model, "resident")
+    engine = Engine(model, "resident", prefill=PREFILL)
     ours = engine.generate(prompts(), new_tokens=6)
     monkeypatch.setattr(model, "sparse_attention", TorchDsaAttention())    # restored after the test
     state, _ = engine._prefill([p.to(model.model.embed_tokens.weight.device) for p in prompts()],
@@ -91,8 +98,9 @@ def test_kernel_step_agrees_with_the_torch_reference_step(model, monkeypatch):
 
 
 def test_warmup_steps_are_left_out_of_the_timing_and_the_tokens_are_the_same(model):
-    base = Engine(model, "resident").generate(prompts(), new_tokens=6, keep_logits=False)
-    warm = Engine(model, "resident").generate(prompts(), new_tokens=6, keep_logits=False, warmup_steps=3)
+    base = Engine(model, "resident", prefill=PREFILL).generate(prompts(), new_tokens=6, keep_logits=False)
+    warm = Engine(model, "resident", prefill=PREFILL).generate(prompts(), new_tokens=6, keep_logits=False,
+                                                               warmup_steps=3)
     assert torch.equal(base.tokens, warm.tokens)
     assert (base.timed_steps, warm.timed_steps) == (4, 2)     # steps 2..5 and 4..5 of 1..5
     assert len(warm.step_ms) == 2 and all(ms > 0 for ms in warm.step_ms)
@@ -100,7 +108,7 @@ def test_warmup_steps_are_left_out_of_the_timing_and_the_tokens_are_the_same(mod
     # the step's call lies inside its marks (on a CPU the step runs in the call)
     assert len(warm.launch_ms) == 2 and all(0 < launch <= ms for launch, ms in zip(warm.launch_ms, warm.step_ms))
     with pytest.raises(ValueError, match="warmup_steps must be an int >= 1 .* got 0"):
-        Engine(model, "resident").generate(prompts(), new_tokens=6, warmup_steps=0)
+        Engine(model, "resident", prefill=PREFILL).generate(prompts(), new_tokens=6, warmup_steps=0)
 
 
 def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
@@ -141,7 +149,7 @@ def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
             call()
     assert engine.cache is None
     batch = torch.tensor([[1, 2, 3], [4, 5, 6]])          # a [batch, len] tensor is a batch of prompts
-    resident = Engine(model, "resident")
+    resident = Engine(model, "resident", prefill=PREFILL)
     assert torch.equal(resident.generate(batch, 2).tokens, resident.generate([[1, 2, 3], [4, 5, 6]], 2).tokens)
     with monkeypatch.context() as patch:                 # a selection larger than the kernel's scan holds
         patch.setattr(model.config, "index_topk", MAX_K + 1)
@@ -163,7 +171,7 @@ def test_cache_slots_must_be_an_int_in_every_mode():
 
 def test_a_failed_run_keeps_no_cache_and_restores_the_models_attention(model, monkeypatch):
     own = model.sparse_attention
-    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk)
+    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk, prefill=PREFILL)
     engine.generate(prompts(), new_tokens=2)
     assert engine.cache is not None and model.sparse_attention is own
 
@@ -180,14 +188,14 @@ def test_a_failed_run_keeps_no_cache_and_restores_the_models_attention(model, mo
 def test_recorded_selections_replay_to_the_same_run(tmp_path):
     """Record a run's selections, save and load them, replay them in place of the indexer."""
     model = tiny_model("glm_moe_dsa")
-    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk)
+    engine = Engine(model, "hisparse", cache_slots=model.config.index_topk, prefill=PREFILL)
     writer = engine.trace_writer(prompts())
     recorded = engine.generate(prompts(), new_tokens=9, record=writer)
     writer.save(tmp_path / "run.safetensors")
     trace = load_trace(tmp_path / "run.safetensors")
     assert trace.selections.shape == (8, 3, len(PROMPT_LENGTHS), model.config.index_topk)
     assert (trace.layer_anchor == [0, 0, 2]).all()       # the shared layer reuses layer 0's selection
-    replayed = Engine(model, "hisparse", cache_slots=model.config.index_topk).generate(
+    replayed = Engine(model, "hisparse", cache_slots=model.config.index_topk, prefill=PREFILL).generate(
         prompts(), new_tokens=9, replay=trace)
     assert_bitwise(recorded, replayed, "replayed trace")
     assert (recorded.hits, recorded.misses) == (replayed.hits, replayed.misses)
@@ -202,20 +210,20 @@ def test_replayed_trace_misses_equal_the_simulator():
     trace = generate_trace(cfg)                     # deepseek_v32: every layer is its own anchor
     equal_prompts = [torch.arange(20) % 97, (torch.arange(20) * 7) % 97]
     for cache_slots in (k, 2 * k):
-        out = Engine(model, "hisparse", cache_slots=cache_slots).generate(equal_prompts, new_tokens=25,
-                                                                           replay=trace)
+        out = Engine(model, "hisparse", cache_slots=cache_slots, prefill=PREFILL).generate(
+            equal_prompts, new_tokens=25, replay=trace)
         simulated = simulate_trace(trace, "lru", cache_slots)
         assert out.misses_per_step == simulated.misses.sum(1).tolist()
         assert out.miss_rate == pytest.approx(simulated.miss_rate())
     with pytest.raises(ValueError, match="trace has 24 steps, 30 new tokens need 29"):
-        Engine(model, "hisparse", cache_slots=k).generate(equal_prompts, new_tokens=30, replay=trace)
+        Engine(model, "hisparse", cache_slots=k, prefill=PREFILL).generate(equal_prompts, new_tokens=30, replay=trace)
     with pytest.raises(ValueError, match=r"trace context \[20, 20\] differs from the prompt lengths"):
-        Engine(model, "hisparse", cache_slots=k).generate(prompts(), new_tokens=3, replay=trace)
+        Engine(model, "hisparse", cache_slots=k, prefill=PREFILL).generate(prompts(), new_tokens=3, replay=trace)
     glm = tiny_model("glm_moe_dsa")
     with pytest.raises(ValueError, match=r"trace layer anchors \[0, 1, 2\] differ from the model's \[0, 0, 2\]"):
-        Engine(glm, "hisparse", cache_slots=k).generate(equal_prompts, new_tokens=3, replay=trace)
+        Engine(glm, "hisparse", cache_slots=k, prefill=PREFILL).generate(equal_prompts, new_tokens=3, replay=trace)
     fitted = with_anchors(trace, [0, 0, 2])
-    out = Engine(glm, "hisparse", cache_slots=k).generate(equal_prompts, new_tokens=25, replay=fitted)
+    out = Engine(glm, "hisparse", cache_slots=k, prefill=PREFILL).generate(equal_prompts, new_tokens=25, replay=fitted)
     assert out.misses_per_step == simulate_trace(fitted, "lru", k).misses.sum(1).tolist()
 
 
@@ -238,13 +246,14 @@ def test_prefetch_width_is_the_familys_unless_the_engine_is_given_one(monkeypatc
     model = tiny_model("glm_moe_dsa")
     k = model.config.index_topk
     assert Engine(model, "hisparse", cache_slots=k).prefetch_programs == 4
-    engine = Engine(model, "hisparse", cache_slots=k, prefetch=True, prefetch_programs=16)
+    engine = Engine(model, "hisparse", cache_slots=k, prefetch=True, prefetch_programs=16, prefill=PREFILL)
     made, attention = [], engine.runtime.attention
     monkeypatch.setattr(engine.runtime, "attention", lambda *a, **kw: made.append(attention(*a, **kw)) or made[-1])
     out = engine.generate(prompts(), new_tokens=2)          # a CPU copies in line, whatever the width
     assert [att.prefetch_programs for att in made] == [16]
     assert out.prefetched_layers == (1 if DEVICE == "cuda" else 0)      # glm_moe_dsa's one shared layer
-    assert_bitwise(Engine(model, "resident").generate(prompts(), new_tokens=2), out, "prefetch_programs=16")
+    assert_bitwise(Engine(model, "resident", prefill=PREFILL).generate(prompts(), new_tokens=2), out,
+                   "prefetch_programs=16")
 
 
 def test_decode_backend_picks_the_dsa_decode_kernel():

@@ -3,9 +3,9 @@ run's logits and tokens, on tiny checkpoints through the Triton kernels (the int
 
 The tiny models have 3 layers: two dense (resident KV in every mode) and one Quest layer with 2 KV
 heads, so 2 streams per request. A 48-token budget selects K = 3 pages per KV head; the prompts
-(64 and 21 tokens) grow to 96 and 53 tokens over 32 decode steps, so pages are really selected,
-evicted and fetched again, a page opens at the first step, and the short request selects fewer
-than K pages for a while (padding)."""
+(64 and 21 tokens) grow to 88 and 45 tokens over 24 decode steps, so pages are really selected,
+evicted and fetched again (at B = k more fetches than pages: 21 of 18 for llama), a page opens at
+the first step, and the short request selects fewer than K pages for a while (padding, to step 11)."""
 import functools
 import tempfile
 
@@ -39,7 +39,7 @@ from hisparse.traces import Trace
 PROMPT_LENGTHS = (64, 21)
 BUDGET = 48                      # tokens: K = 3 pages per KV head
 K = BUDGET // PAGE
-STEPS = 33                       # new tokens: the prefill's token, then 32 decode steps
+STEPS = 25                       # new tokens: the prefill's token, then 24 decode steps
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -154,8 +154,10 @@ def shared_to_anchor(model) -> dict[int, int]:
 def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
     """quest_selection_group 2: layer 3 attends over layer 2's pages with no resolve of its own,
     replaying layer 2's miss plan (in line, and through the prefetch path, which on a CPU is in line
-    too, so there only briefly); bitwise the resident run, the shared layer's slots in lockstep with its anchor's."""
-    model, new_tokens = shared_model(), 33
+    too, so there only briefly); bitwise the resident run, the shared layer's slots in lockstep with its anchor's.
+    17 decode steps: the long prompt opens a page at the first and at the last (positions 64 and 80), the
+    short one selects fewer than K pages (padding) to step 11 and opens a page at step 12 (position 32)."""
+    model, new_tokens = shared_model(), 18
     assert [model.config.selection_anchor(i) for i in range(5)] == [0, 1, 2, 2, 4]
     base = Engine(model, "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
     own = Engine(shared_model(1), "resident", token_budget=BUDGET).generate(prompts(), 2)   # prefill (dense), 1 step
