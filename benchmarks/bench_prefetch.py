@@ -82,11 +82,13 @@ QUICK = dict(GEOMETRY, hidden_size=64, intermediate_size=96, num_attention_heads
 FAMILY_GROUP = 4           # quest / nsa: sparse layers per shared selection (8 layers: 2 anchors, 6 shared)
 QUEST = dict(model_type="llama", vocab_size=1024, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
              head_dim=128, quest_dense_layers=0, quest_selection_group=FAMILY_GROUP)
-QUEST_QUICK = dict(QUEST, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+# the quick runs (tests, the CPU): one anchor and the layer sharing its selection (half the interpreter's
+# time of two such pairs, the same paths)
+QUEST_QUICK = dict(QUEST, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, quest_selection_group=2)
 NSA = dict(model_type="nsa", vocab_size=1024, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
            head_dim=128, selection_group=FAMILY_GROUP)
-NSA_QUICK = dict(NSA, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+NSA_QUICK = dict(NSA, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, selection_group=2, num_selected_blocks=4, sliding_window=64)
 QUEST_BUDGET, QUEST_QUICK_BUDGET = 2048, 48       # tokens: k = 128 pages, and 3 in the quick run
 MEASURABLE_IO = 0.05      # exposed(sync) below this share of tpot(noio): no hidden_frac

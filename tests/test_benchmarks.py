@@ -1,5 +1,6 @@
 """Every benchmark's --quick run (tiny shapes through the interpreter) works from a fresh process and
 writes its rows: the CSV columns the figures and the README read."""
+import importlib
 import os
 import shutil
 import subprocess
@@ -23,6 +24,18 @@ CASES = {   # benchmark -> (CSV it writes, metrics it must hold)
 }
 
 
+def parser_exit(capsys, monkeypatch, module: str, *argv: str) -> tuple[int, str]:
+    """`python -m module *argv` run in this process up to its exit: (exit status, stderr). For the
+    refusals a parser makes before any work (the status and message a fresh process gives, without its
+    seconds of imports); a command that went on to run instead fails the caller's pytest.raises."""
+    main = importlib.import_module(module).main
+    monkeypatch.setattr(sys, "argv", [module, *argv])     # main() parses sys.argv, as `python -m` gives it
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main()
+    return done.value.code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_quick_run_writes_its_rows(name, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # kernels_triton chooses it itself
@@ -39,9 +52,9 @@ def test_quick_run_writes_its_rows(name, tmp_path):
                                                          ("quest", 3, 2 * 16 * 16 * 4, "model"),
                                                          ("nsa", 4, 2 * 64 * 16 * 4, "synthetic")])
 def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, family, k, unit_bytes, workload):
-    """--family quest / nsa: the four modes on a model whose layers share a selection, replayed per KV
-    head from the synthetic generator or made by the model itself; rows name the family, its k, unit
-    size and workload; the figures, drawn for DSA, leave them out."""
+    """--family quest / nsa: the four modes on a model whose layers share a selection (--quick: an anchor
+    and one shared layer), replayed per KV head from the synthetic generator or made by the model itself;
+    rows name the family, its k, unit size and workload; the figures, drawn for DSA, leave them out."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--family", family,
                           "--workload", workload, "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
@@ -49,14 +62,15 @@ def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, famil
     assert run.returncode == 0, run.stderr[-2000:]
     rows = pd.read_csv(tmp_path / "prefetch.csv")
     assert (rows.family == family).all() and (rows.workload == ("model" if workload == "model" else "tiny")).all()
-    assert (rows.k == k).all() and (rows.unit_bytes == unit_bytes).all() and (rows.shared_layers == 2).all()
+    assert (rows.k == k).all() and (rows.unit_bytes == unit_bytes).all()
+    assert (rows.layers == 2).all() and (rows.shared_layers == 1).all()
     assert sorted(rows[rows.metric == "tpot_ms"]["mode"]) == ["noio", "prefetch", "resident", "sync"]
     assert (rows[(rows.metric == "miss_rate") & (rows["mode"] != "resident")].value > 0).all()
     from experiments.figures import default_prefetch_variant
     assert default_prefetch_variant(rows).empty
 
 
-def test_prefetch_variants_each_get_their_rows(tmp_path):
+def test_prefetch_variants_each_get_their_rows(tmp_path, capsys, monkeypatch):
     """Several copy widths in one run (each passed as the Engine's prefetch_programs): one prefetch run
     (and hidden share) per width, on the side stream's one priority."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -86,12 +100,10 @@ def test_prefetch_variants_each_get_their_rows(tmp_path):
     # compared as 1 / ceiling - 1 = anchors' io / noio: on the CPU the copies are a tiny share of the step
     assert len(ceiling) == 2 and (ceiling < 1).all()
     assert np.allclose(1 / ceiling - 1, anchor_io_ms / noio, rtol=1e-6, atol=0)
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--prefetch-programs", "0"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "--prefetch-programs 0: expected a positive integer" in bad.stderr
-    gone = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--prefetch-priority", "high"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert gone.returncode == 2 and "unrecognized arguments: --prefetch-priority high" in gone.stderr
+    code, err = parser_exit(capsys, monkeypatch, "benchmarks.bench_prefetch", "--quick", "--prefetch-programs", "0")
+    assert code == 2 and "--prefetch-programs 0: expected a positive integer" in err
+    code, err = parser_exit(capsys, monkeypatch, "benchmarks.bench_prefetch", "--quick", "--prefetch-priority", "high")
+    assert code == 2 and "unrecognized arguments: --prefetch-priority high" in err
 
 
 def test_resolve_decode_like_points_keep_their_miss_rates(tmp_path):
@@ -181,31 +193,30 @@ def test_bench_prefetch_refuses_bad_sizes_before_any_run(capsys, tmp_path):
     assert (tmp_path / "afile").read_text() == ""
 
 
-def test_every_command_with_an_out_folder_refuses_a_file_before_its_run(tmp_path):
+def test_every_command_with_an_out_folder_refuses_a_file_before_its_run(tmp_path, capsys, monkeypatch):
     """The benchmarks and studies that write result CSVs check --out first (not at the first write,
     after the run): a file there is the parser's error, and the file is left as it was."""
     (tmp_path / "afile").write_text("keep")
     for module in ("benchmarks.bench_resolve", "benchmarks.bench_attention_dsa", "benchmarks.bench_attention_nsa",
                    "benchmarks.bench_attention_quest", "experiments.policies"):
-        done = subprocess.run([sys.executable, "-m", module, "--quick", "--out", str(tmp_path / "afile")], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 2 and "is a file, not a folder for the result CSVs" in done.stderr, module
+        code, err = parser_exit(capsys, monkeypatch, module, "--quick", "--out", str(tmp_path / "afile"))
+        assert code == 2 and "is a file, not a folder for the result CSVs" in err, module
     assert (tmp_path / "afile").read_text() == "keep"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where the Gluon kernel cannot run (no GPU)")
-def test_bench_attention_dsa_refuses_the_gluon_backend_where_it_cannot_run(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention_dsa", "--quick", "--backend", "gluon",
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "--backend gluon: the Gluon decode kernel cannot run here: " in done.stderr
+def test_bench_attention_dsa_refuses_the_gluon_backend_where_it_cannot_run(tmp_path, capsys, monkeypatch):
+    code, err = parser_exit(capsys, monkeypatch, "benchmarks.bench_attention_dsa", "--quick", "--backend", "gluon",
+                            "--out", str(tmp_path))
+    assert code == 2, err[-2000:]
+    assert "--backend gluon: the Gluon decode kernel cannot run here: " in err
     assert not list(tmp_path.iterdir()), "nothing may run or be written"
 
 
-def test_bench_attention_dsa_fp8_refuses_what_it_does_not_time(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_attention_dsa", "--quick", "--kv-dtype", "fp8",
-                           "--indexer", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "--kv-dtype fp8 times the Triton FP8 kernel" in done.stderr, done.stderr[-2000:]
+def test_bench_attention_dsa_fp8_refuses_what_it_does_not_time(tmp_path, capsys, monkeypatch):
+    code, err = parser_exit(capsys, monkeypatch, "benchmarks.bench_attention_dsa", "--quick", "--kv-dtype", "fp8",
+                            "--indexer", "--out", str(tmp_path))
+    assert code == 2 and "--kv-dtype fp8 times the Triton FP8 kernel" in err, err[-2000:]
     assert not list(tmp_path.iterdir())
 
 
