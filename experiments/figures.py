@@ -93,7 +93,7 @@ EARLIER_PREFETCH_PROGRAMS = (16, 32)
 # (throughput.csv's batch is what the point's budget admitted, not part of the point: a rerun sized
 # another way replaces the older batch's rows rather than being drawn beside them)
 PER_POINT = {"decode.csv": (), "throughput.csv": ("batch",), "prefetch.csv": tuple(PREFETCH_VARIANT),
-             "attention.csv": ()}
+             "attention.csv": (), "serving.csv": ()}
 
 
 def newest_per_point(frame: pd.DataFrame, run_columns: tuple[str, ...] = RUN_COLUMNS) -> pd.DataFrame:

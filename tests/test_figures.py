@@ -528,3 +528,18 @@ def test_serving_vs_concurrency_one_line_per_mode_without_http_rows():
     got = lines(fig.axes[0])
     assert got["resident"] == ([2, 8], [102, 108]) and got["hierarchical"] == ([2, 8], [202, 208])
     assert len(fig.axes) == 4
+
+
+def test_serving_study_resumed_at_a_later_commit_keeps_its_earlier_points(tmp_path):
+    """serving.csv is read per point: a sweep that resumes at a later commit adds its levels and modes
+    to the earlier ones (the newest run's commit alone drew only the points it added)."""
+    def rows(mode, levels, commit, stamp):
+        return [{"family": "dsa", "mode": mode, "concurrency": c, "metric": m, "value": 10 * c, "commit": commit,
+                 "timestamp": stamp} for c in levels for m in ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50")]
+    earlier = rows("resident", (1, 2, 8), "aaa", "2026-12-01T00:00:00+00:00") + rows("hisparse", (1, 2), "aaa",
+                                                                                  "2026-12-01T00:00:00+00:00")
+    later = rows("hisparse", (8,), "bbb", "2026-12-02T00:00:00+00:00")
+    frame("serving", earlier + later).to_csv(tmp_path / "serving.csv", index=False)
+    fig = figures.draw("serving_vs_concurrency", tmp_path)
+    got = lines(fig.axes[0])
+    assert got["resident"] == ([1, 2, 8], [10, 20, 80]) and got["hierarchical"] == ([1, 2, 8], [10, 20, 80])
