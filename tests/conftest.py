@@ -8,7 +8,8 @@ Python, so workers on separate cores divide the suite's time), each test file ru
 whose module-level caches (a tiny model, its resident run) then serve all of that file's tests, and
 the GPU-marked tests in one worker of their own. On a machine with a GPU every test goes to that one
 worker (the others run on the GPU too), so no two share the GPU at once. Each worker takes its share
-of torch's threads.
+of torch's threads. The groups reach xdist's scheduler through `pytest_xdist_make_scheduler` below
+(pytest 9 keeps the nodeid suffix by which xdist 3.8 passes them on from taking effect).
 """
 import os
 
@@ -27,13 +28,40 @@ if WORKERS > 1:
 # The files that take longest in the interpreter, longest first: under --dist loadgroup a worker takes
 # one whole file at a time, so these start first (longest-first packing) rather than last, where
 # xdist's own order (most tests first) put them and the suite waited on the one worker running them.
-SLOW_FILES = ("test_engine_nsa.py", "test_benchmarks.py", "test_engine_quest.py", "test_engine_dsa.py",
-              "test_serving.py", "test_serving_staged.py", "test_sweep.py")
+SLOW_FILES = ("test_benchmarks.py", "test_sweep.py", "test_engine_nsa.py", "test_engine_quest.py", "test_prefill.py",
+              "test_nsa.py", "test_dsa_fp8.py", "test_serving.py", "test_engine_dsa.py", "test_serving_staged.py")
 
 
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):
         config.option.loadscopereorder = False      # the groups in the items' order, set below
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The group of a test by its nodeid: the suffix "@group" that xdist adds for its xdist_group mark
+    where it can (pytest < 9), else as set below: "gpu" with a GPU, the test's file without one (there
+    the GPU-marked tests are skipped, wherever they go)."""
+    at = nodeid.rfind("@")
+    if at > nodeid.rfind("]"):          # past a parameter id, which may hold an "@"
+        return nodeid[at + 1:]
+    return "gpu" if HAS_GPU else nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
+@pytest.hookimpl(tryfirst=True)         # before xdist's own, which would make its LoadGroupScheduling
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup by the groups of `xdist_group_of`. xdist 3.8 reads a test's group from a suffix
+    it sets on the nodeid (`item._nodeid`), which pytest 9's Node.nodeid (read from Node._id) never
+    shows: its scheduler then saw one group per test and spread each file over the workers, every
+    worker building the file's module caches (tiny models, resident runs) again."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return FileGroupScheduling(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)         # before xdist's own hook, which reads the groups
