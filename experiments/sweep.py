@@ -507,6 +507,14 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 # process, the graphs it captured replay slower (results/notes/graphs.md), and each graphed run captures
 # one. So rows record it.
 decode_runs = 0
+def graphs_of(point: dict) -> int:
+    """CUDA graphs a point's run captures in its process, at most: one a decode run, two a graphed
+    hybrid serving run (its mixed step and its all-resident one), none a policy study."""
+    if point["bench"] == "policies":
+        return 0
+    return 2 if point["bench"] == "serving" and point["mode"] == "hybrid" and point.get("graph") else 1
+
+
 draw_cache: Path | None = None       # --draw-cache: where serving requests' draws are kept
 serving_warmed: set = set()          # (input_len, prefill_chunk, mode, kv_dtype) prefilled in this process
 
@@ -742,13 +750,14 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)
     units = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens",
              "running_batch_mean": "requests", "running_batch_max": "requests",
-             "resident_admissions": "requests", "demotions": "requests"}
+             "resident_admissions": "requests", "demotions": "requests", "resident_steps": "steps"}
     rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
     rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
              dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),
              dict(point, metric="wall_s", value=run.wall_s, unit="s")]
     if point["mode"] != "resident":
         rows.append(dict(point, metric="miss_rate", value=misses / max(1, hits + misses), unit="fraction"))
+    decode_runs += max(0, server.graphs_captured - 1)
     del server
     release_cached_memory()
     return [dict(row, batch=None, run=decode_runs) for row in rows]
@@ -764,7 +773,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", choices=sorted(KEYS), action="append",
                     help="run only the studies of this kind (repeatable; default: every study)")
     ap.add_argument("--runs-per-process", type=int, default=None, metavar="N",
-                    help="after N decode runs, go on in a fresh process (the sweep resumes where it stopped): on "
+                    help="after N decode runs (N graphs: a graphed hybrid serving run counts 2), go on in a fresh process (the sweep resumes where it stopped): on "
                          "the H200, once PyTorch has captured 4 CUDA graphs in a process, its graphs replay "
                          "slower, so the 4th decode run and every later one take about 11%% longer per step "
                          "(results/notes/graphs.md), so N <= 3 keeps every run on the fast side; command "
@@ -868,7 +877,8 @@ def main(argv=None) -> int:
         shown = {k: v for k, v in point.items() if k not in ("bench", "family") and v is not None}
         print(f"[{i + 1}/{len(todo)}] {point['bench']} {shown}: {time.perf_counter() - t0:.1f} s "
               f"(elapsed {elapsed:.0f} s, about {eta:.0f} s left)", flush=True)
-        if args.runs_per_process and decode_runs >= args.runs_per_process and i + 1 < len(todo):
+        if args.runs_per_process and i + 1 < len(todo) and \
+                decode_runs + graphs_of(todo[i + 1][1]) > args.runs_per_process:
             print(f"{decode_runs} decode runs in this process: going on in a fresh one", flush=True)
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, "-m", "experiments.sweep", *sys.argv[1:]])

@@ -56,6 +56,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -157,7 +158,8 @@ class ServingRun:
     running_batch: list[int]          # active lanes at each decode step
     peak_gpu_bytes: int               # the most the KV state, cache and workspace held (budgeted bytes)
     peak_host_rows: int               # the most host pool rows in use
-    hybrid: dict[str, int] | None = None   # mode hybrid: requests admitted resident, demotions
+    hybrid: dict[str, int] | None = None   # mode hybrid: requests admitted resident, demotions, and
+                                           # decode steps whose lanes were all resident
 
     def summary(self) -> dict[str, float]:
         """Output tokens/s, TTFT / TPOT / latency / queueing percentiles (ms), running batch mean and max.
@@ -319,7 +321,11 @@ class Server:
             self._replay_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.lane_request: list[Request | None] = [None] * self.lanes
         self._reserved: int | None = None        # the lane of the request being prefilled
-        self._step = None                       # the decode step (graphed after its first eager run)
+        # the decode step (graphed after its first eager run); hybrid has a second for the steps whose
+        # lanes are all resident (no resolve: resident's cost), keyed by that
+        self._steps: dict[bool, Callable[[], torch.Tensor]] = {}
+        self._resident_step = False
+        self.resident_steps = 0                 # hybrid: decode steps of the resident kind (reset by open)
         self._warmed = False
 
     # -- memory ------------------------------------------------------------------------------
@@ -565,15 +571,26 @@ class Server:
         previous = self.model.sparse_attention
         self.model.sparse_attention = self.attention
         try:
-            for _ in range(2):              # eager (compiles), then captured and replayed with graph=True
-                self._decode_step()
+            for resident_step in (False, True) if self.hybrid else (False,):
+                for _ in range(2):          # eager (compiles), then captured and replayed with graph=True
+                    self._decode_step(resident_step)
         finally:
             self.model.sparse_attention = previous
         self.state.lengths.zero_()
         self._warmed = True
 
-    def _decode_step(self) -> torch.Tensor:
-        """One decode step of every lane from the host's view of them: logits [lanes, V]."""
+    def _decode_step(self, resident_step: bool | None = None) -> torch.Tensor:
+        """One decode step of every lane from the host's view of them: logits [lanes, V]. Hybrid: when
+        every lane holding a request is resident (or `resident_step` says so), the step that skips the
+        hierarchical write and resolve (`HierMlaKV.resident_step`), else the mixed one."""
+        if resident_step is None:
+            resident_step = self.hybrid and all(r is None or lane in self._lane_runs
+                                                for lane, r in enumerate(self.lane_request))
+        if resident_step != self._resident_step:
+            for kv in self.layers:
+                kv.resident_step = resident_step
+            self._resident_step = resident_step
+        self.resident_steps += resident_step
         lengths = [0 if r is None else r.length for r in self.lane_request]
         if self.cache is not None:
             self.runtime.advance_streams(self.cache, self.layers, lengths)
@@ -583,11 +600,19 @@ class Server:
         if self.selections is not None:       # each lane's step of its trace (an empty lane's is masked)
             self._fill_replay()
         self.state.max_length = max(lengths)
-        if self._step is None:
+        step = self._steps.get(resident_step)
+        if step is None:
             logits = self.model.decode(self.tokens, self.state)
-            self._step = self._graphed_step() if self.graph else (lambda: self.model.decode(self.tokens, self.state))
+            self._steps[resident_step] = self._graphed_step() if self.graph else (
+                lambda: self.model.decode(self.tokens, self.state))
             return logits
-        return self._step()
+        return step()
+
+    @property
+    def graphs_captured(self) -> int:
+        """CUDA graphs this server captured (one; hybrid two): from a process's 4th on, every graph
+        replays slower on the H200 (results/notes/graphs.md)."""
+        return len(self._steps) if self.graph else 0
 
     def _fill_replay(self) -> None:
         """replay_sel [layers, lanes, ..., k] from each lane's trace at the lane's next decode step."""
@@ -638,7 +663,7 @@ class Server:
         self.schedule = Schedule(self.lanes)
         self.running_batch: list[int] = []
         self.peak_gpu, self.peak_host = self.gpu_bytes(), 0
-        self.resident_admissions = self.demotions = 0      # hybrid's
+        self.resident_admissions = self.demotions = self.resident_steps = 0      # hybrid's
         self._start = time.perf_counter()
 
     def now(self) -> float:
@@ -753,8 +778,8 @@ class Server:
         self.model.sparse_attention = self._previous_attention
         return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
                           self.running_batch, self.peak_gpu, self.peak_host,
-                          {"resident_admissions": self.resident_admissions, "demotions": self.demotions}
-                          if self.hybrid else None)
+                          {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
+                           "resident_steps": self.resident_steps} if self.hybrid else None)
 
     def _emit(self, request: Request, token: int, t: float, logits: torch.Tensor) -> None:
         request.tokens.append(token)

@@ -26,7 +26,8 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
     """Three lanes and the streams for one more resident request: requests are admitted resident,
     one is demoted mid-run when a hierarchical one needs its streams, and steps decode both kinds
     together (glm_moe_dsa: with layers sharing their anchor's selection); resident replaying the
-    schedule gives every token and logit bitwise; every run, stream and host row is given back."""
+    schedule gives every token and logit bitwise, through the steps whose lanes are all resident (no
+    resolve) and the others; every run, stream and host row is given back."""
     model = tiny(family)
     kw = dict(cache_slots=48, prefill_chunk=24, keep_logits=True, graph=graph,
               **({} if graph else QUICK))                        # a run: 3 streams a layer
@@ -35,10 +36,14 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
     mixed = []
     decode = server._decode_step
 
-    def watched():
+    def watched(*warm_up):
+        if warm_up:                     # warm_up's steps, each kind forced
+            return decode(*warm_up)
         kinds = {bool(server.layers[0].resident[lane]) for lane, r in enumerate(server.lane_request) if r is not None}
         mixed.append(kinds == {True, False})
-        return decode()
+        logits = decode()
+        assert server._resident_step == (kinds == {True}), kinds          # the all-resident step exactly then
+        return logits
 
     server._decode_step = watched
     reqs = requests(seed=4, n=5)
@@ -46,6 +51,7 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
     summary = run.summary()
     assert summary["resident_admissions"] >= 2 and summary["demotions"] >= 1, summary
     assert any(mixed), "no step decoded resident and hierarchical lanes together: the test checks no mix"
+    assert 0 < summary["resident_steps"] < len(mixed), summary     # all-resident steps and others, both checked
     assert run.peak_gpu_bytes <= server.kv_budget
     again = Server(model, "resident", lanes=run.schedule.lanes, max_context=MAX_CONTEXT, **kw).serve(
         fresh(reqs), clients=3, replay=run.schedule)

@@ -669,3 +669,13 @@ def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message
     assert sweep.main(["--config", write(tmp_path, SERVING.replace(old, new, 1)), "--out", str(tmp_path / "o")]) == 2
     assert not list(tmp_path.glob("o/*.csv"))
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_graphs_of_counts_a_graphed_hybrid_serving_run_twice():
+    """--runs-per-process counts graphs: a graphed hybrid server captures its mixed step and its
+    all-resident step, so a process starting one must have room for two below the 4th capture."""
+    from experiments.sweep import graphs_of
+    serving = {"bench": "serving", "mode": "hybrid", "graph": True}
+    assert graphs_of(serving) == 2
+    assert graphs_of(dict(serving, graph=False)) == 1 and graphs_of(dict(serving, mode="hisparse")) == 1
+    assert graphs_of({"bench": "decode", "mode": "hisparse"}) == 1 and graphs_of({"bench": "policies"}) == 0

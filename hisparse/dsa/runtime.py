@@ -60,6 +60,9 @@ class HierMlaKV(MlaKV):
     # hybrid serving: [B] bool, the lanes whose latents are all on the GPU, token t at row
     # row_base + t of `cache.slots` viewed as rows (a run of the cache's streams); their streams are -1
     resident: torch.Tensor | None = None
+    # hybrid, host side: every lane holding a request is resident in this step (set before an eager
+    # step or a graph's capture), so the step skips the hierarchical write and the resolve
+    resident_step: bool = False
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Decode-step write (positions [B, 1]): the latent goes to the host pool, the reserved slot
@@ -80,6 +83,8 @@ class HierMlaKV(MlaKV):
             pool = self.cache.slots.view(-1, self.cache.slots.shape[-1])
             at = torch.where(self.resident, self.row_base + positions[:, 0], 0)
             pool[at] = torch.where(self.resident[:, None], latent[:, 0], pool[at])
+            if self.resident_step:
+                return
         if self.anchor_layer is None:
             if self.newest is not None:
                 raise RuntimeError("the last step's newest latents were never written: an anchor layer's "
@@ -132,6 +137,8 @@ class KernelDsaAttention(UnitResolver):
         if isinstance(kv, HierMlaKV):
             if kv.resident is None:
                 rows = self._slots(layer_idx, kv, selection)
+            elif kv.resident_step:      # no hierarchical lane: nothing to resolve (empty lanes' are -1)
+                rows = selection
             else:           # resolve the hierarchical lanes only; a resident lane's selection is its rows
                 keep = kv.resident[:, None]
                 rows = torch.where(keep, selection, self._slots(layer_idx, kv, torch.where(keep, -1, selection)))
