@@ -292,9 +292,13 @@ class DsaRuntime:
         """Streams of a run that holds `capacity` tokens of one layer (B + 1 rows a stream)."""
         return -(-capacity // (cache.cache_slots + 1))
 
+    def runs_per_request(self) -> int:
+        """Runs a resident request holds, one per stream it has when hierarchical: one a layer."""
+        return self.model.config.num_hidden_layers
+
     def take_runs(self, cache: HierarchicalKVCache, capacity: int) -> list[int] | None:
         """One run of `capacity` tokens per layer (first stream ids), or None (nothing taken)."""
-        return cache.take_runs(self.run_streams(cache, capacity), self.model.config.num_hidden_layers)
+        return cache.take_runs(self.run_streams(cache, capacity), self.runs_per_request())
 
     def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
                runs: list[int]) -> None:
