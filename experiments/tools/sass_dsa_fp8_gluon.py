@@ -1,0 +1,79 @@
+"""Compile the Gluon sparse MLA decode kernel over FP8 rows (kernels_triton/dsa_fp8_gluon.py) for sm_90a
+without a GPU and report it beside the bf16 rows' Gluon kernel (experiments/tools/sass_dsa_gluon.py's
+report): registers, spills, shared memory, SASS counts and the wgmma (HGMMA) shapes; F2FP / F2F /
+HADD2 / FMUL count the dequantisation's conversions and multiplies.
+
+    TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.sass_dsa_fp8_gluon [--ptx DIR]
+
+Needs Triton 3.6 (its Gluon Hopper API). Counts are static (instructions in the program, not executed).
+"""
+import argparse
+import os
+
+import triton
+
+import kernels_triton.dsa_fp8_gluon as fg
+from experiments.tools import sass_dsa, sass_dsa_gluon
+from experiments.tools.sass import registers_and_spills, sass_ops
+
+POINTER_TYPES = {"q_ptr": "*bf16", "kv8_ptr": "*fp8e4nv", "kv32_ptr": "*fp32", "kv16_ptr": "*bf16",
+                 "rows_ptr": "*i32", "row_base_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+ALIGNED = ("stride_qn", "stride_qh", "stride_rn", "stride_on", "stride_oh")
+CONVERSIONS = ("F2FP", "F2F", "HADD2", "FMUL", "PRMT")
+
+
+def fp8_signature() -> dict:
+    kernel = fg._sparse_mla_decode_fp8_gluon_kernel
+    return {name: POINTER_TYPES.get(name) or ("fp32" if name == "qk_scale_log2" else
+                                             "constexpr" if (name.isupper() or name == "num_warps")
+                                             and name not in ("H", "K_SEL", "CHUNK", "STRIDE16") else "i32")
+            for name in kernel.arg_names}
+
+
+def compile_fp8_gluon(row_base: bool):
+    sig = fp8_signature()
+    names = list(sig)
+    divisible = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [names.index(n) for n in ALIGNED]
+    constexprs = {"BLOCK_H": fg.BLOCK_H, "BLOCK_K": fg.BLOCK_K, "HAS_ROW_BASE": row_base,
+                  "NUM_STAGES": fg.NUM_STAGES, "num_warps": fg.NUM_WARPS}
+    return sass_dsa_gluon.compile_gluon_sm90(fg._sparse_mla_decode_fp8_gluon_kernel, sig, constexprs, divisible,
+                                             num_warps=fg.NUM_WARPS)
+
+
+def fp8_report(row_base: bool, ptx_dir: str | None = None) -> str:
+    try:
+        compiled = compile_fp8_gluon(row_base)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return "does not compile: " + " / ".join(lines[-8:])[:2500]
+    if ptx_dir:
+        os.makedirs(ptx_dir, exist_ok=True)
+        tag = f"fp8_gluon_rb{int(row_base)}"
+        for ext in ("ttgir", "llir", "ptx"):
+            with open(os.path.join(ptx_dir, f"{tag}.{ext}"), "w") as f:
+                f.write(compiled.asm[ext])
+        with open(os.path.join(ptx_dir, f"{tag}.sass"), "w") as f:
+            f.write(sass_dsa_gluon.sass_text(compiled))
+    regs, spills = registers_and_spills(compiled)
+    ops = sass_ops(compiled)
+    counts = " ".join(f"{name} {ops[name]}" for name in sass_dsa.SHOWN + CONVERSIONS)
+    return (f"{regs} regs, {spills} B spilled, {compiled.metadata.shared // 1024} KiB shared "
+            f"({compiled.metadata.shared} B) | {counts} | HGMMA shapes: {sass_dsa_gluon.hgmma_shapes(compiled)}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ptx", metavar="DIR", help="also write the FP8 kernel's ttgir/llir/ptx/sass there")
+    args = ap.parse_args(argv)
+    if fg.GLUON_IMPORT_ERROR is not None:
+        raise SystemExit(f"Triton {triton.__version__}: no usable Gluon ({fg.GLUON_IMPORT_ERROR})")
+    print(f"Triton {triton.__version__}, sm_90a, D {fg.D_V} + {fg.D_ROPE}, bf16 q, BLOCK_H {fg.BLOCK_H}, "
+          f"BLOCK_K {fg.BLOCK_K}, {fg.NUM_WARPS} warps, {fg.NUM_STAGES} stages")
+    for row_base in (False, True):
+        tag = "on " if row_base else "off"
+        print(f"  gluon fp8  row_base {tag}: {fp8_report(row_base, args.ptx)}")
+        print(f"  gluon bf16 row_base {tag}: {sass_dsa_gluon.gluon_report(64, 2, row_base)}")
+
+
+if __name__ == "__main__":
+    main()
