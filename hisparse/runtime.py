@@ -156,6 +156,32 @@ def write_resident_unit(pool: torch.Tensor, pos: torch.Tensor, key: torch.Tensor
     pool[rows, 1, offset] = value
 
 
+def run_rows(cache: HierarchicalKVCache, first: int) -> torch.Tensor:
+    """The rows [streams * (B + 1), E] of the run `cache.take_runs` returned as `first` (a view of
+    `cache.slots` as rows, where attention reads them)."""
+    base = int(cache.row_base(torch.tensor([first]))[0])
+    return cache.slots.view(-1, cache.slots.shape[-1])[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
+
+
+def write_run_token(pool: torch.Tensor, row_base: torch.Tensor, resident: torch.Tensor, pos: torch.Tensor,
+                    key: torch.Tensor, value: torch.Tensor, unit_tokens: int) -> None:
+    """Hybrid serving's decode write of a lane kept resident in runs of the cache's streams (Quest's
+    pages, NSA's blocks): the token at position pos [N] into row row_base [N, HKV] + pos // unit_tokens
+    of pool [rows, 2, unit_tokens, D] (`cache.slots` as rows), key and value [N, HKV, D] at its offset,
+    for the lanes resident [N] marks. No host sync (capturable): the other lanes write the first
+    resident lane's token to its place too (the old value there when no lane is resident), so no two
+    writes of one launch meet at one place with different values."""
+    n, hkv, _ = key.shape
+    keep = resident[:, None].expand(n, hkv)
+    rows = torch.where(keep, row_base + (pos // unit_tokens)[:, None], 0)               # [N, HKV]
+    offset = (pos % unit_tokens)[:, None].expand(n, hkv)
+    donor = resident.to(torch.int32).argmax()                  # the first resident lane (lane 0 if none)
+    rows, offset = torch.where(keep, rows, rows[donor]), torch.where(keep, offset, offset[donor])
+    for part, new in ((0, key), (1, value)):
+        at_donor = torch.where(resident[donor], new[donor], pool[rows[donor], part, offset[donor]])   # [HKV, D]
+        pool[rows, part, offset] = torch.where(keep[..., None], new, at_donor)
+
+
 def write_newest_unit(kv, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor, unit_tokens: int) -> None:
     """A per-KV-head family's decode write into a hierarchical layer `kv` (Quest's HierQuestKV, NSA's
     HierNsaKV): the token into the newest unit's row in host pool, reserved slot and cached copy

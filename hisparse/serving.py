@@ -66,7 +66,7 @@ from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
 from hisparse.runtime import KV_MODES, cache_bytes, nbytes, prefetch_width
 
-# hybrid (DSA): a request resident while its rows fit beside the others in runs of the cache's
+# hybrid (DSA, Quest): a request resident while its rows fit beside the others in runs of the cache's
 # streams, hierarchical otherwise; a resident one is demoted when a hierarchical one needs the room
 SERVING_MODES = (*KV_MODES, "hybrid")
 
@@ -194,7 +194,7 @@ class _Prefill:
 class Server:
     """A continuous-batching server over one model (see the module docstring).
 
-    mode: resident, hisparse, noio or hybrid (DSA; sized as hisparse, see `_admit_hybrid`). cache_slots: B
+    mode: resident, hisparse, noio or hybrid (DSA, Quest; sized as hisparse, see `_admit_hybrid`). cache_slots: B
     (hierarchical and hybrid modes). max_context: the most
     tokens a request may hold (prompt + max new tokens). kv_budget_gib: GPU memory for KV (lanes,
     cache, prefill workspace); host_budget_gib: the host pool (hierarchical modes; default: every lane
@@ -232,9 +232,14 @@ class Server:
         self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
         self.hybrid = mode == "hybrid"
         if self.hybrid and not hasattr(self.runtime, "take_runs"):
-            raise ValueError(f"mode 'hybrid' is built for DSA models so far, not {self.runtime.family}")
+            raise ValueError(f"mode 'hybrid' is built for DSA and Quest models so far, not "
+                             f"{self.runtime.family}: use mode 'hisparse' or 'resident'")
         self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are
-        self._lane_runs: dict[int, list[int]] = {}     # hybrid: lane -> its runs (one a layer) while resident
+        # hybrid: where a hierarchical prefill's workspace sits: in runs of the cache's streams (DSA's:
+        # its resident prefill writes straight into its runs, so only a hierarchical one needs it), or
+        # beside the cache in every mode (Quest's: its prefill attends over the model's PagedKV)
+        self._workspace_in_runs = getattr(self.runtime, "workspace_in_runs", True)
+        self._lane_runs: dict[int, list[int]] = {}     # hybrid: lane -> its runs (runs_per_request) while resident
         self._lanes_changed, self._no_plan = 0, None   # hybrid: a count of lane changes; the last unplaceable
         # the empty state a prefill writes into: DSA's runtime makes its kv_dtype's rows
         self._new_state = getattr(self.runtime, "new_state", model.new_state)
@@ -279,12 +284,13 @@ class Server:
         self.cache = None
         streams = self.lanes * self.streams_per_request
         if self.hybrid:
-            # the budget the lanes leave, the prefill workspace's too, goes to more streams: a resident
-            # request's rows and a hierarchical prefill's workspace sit in runs of them (given lanes=,
-            # the workspace alone: the memory hisparse would hold)
+            # the budget the lanes leave goes to more streams: a resident request's rows sit in runs of
+            # them, and so does a hierarchical prefill's workspace where the runtime puts it there (then
+            # the workspace's budget is spare too; given lanes=, that alone: the memory hisparse holds)
             stream_bytes = self._stream_bytes()
-            spare = self.workspace_bytes if self.kv_budget is None else \
-                self.kv_budget - 4 * host_rows - self.lanes * self.lane_bytes
+            kept = 0 if self._workspace_in_runs else self.workspace_bytes
+            spare = self.workspace_bytes - kept if self.kv_budget is None else \
+                self.kv_budget - 4 * host_rows - self.lanes * self.lane_bytes - kept
             streams += max(0, spare // stream_bytes)
         if mode != "resident":
             from hisparse.cache import HierarchicalKVCache
@@ -295,7 +301,7 @@ class Server:
         self.state = DecodeState(self.layers, self.max_context,
                                  torch.zeros(self.lanes, dtype=torch.int64, device=self.device))
         if self.hybrid:                             # every lane hierarchical until one is admitted resident
-            for kv in self.layers:
+            for kv in self._hier_layers():
                 kv.resident = torch.zeros(self.lanes, dtype=torch.bool, device=self.device)
         self.attention = self.runtime.attention(self.kv_mode, self.layers, check_values=not graph, prefetch=prefetch,
                                                 prefetch_programs=self.prefetch_programs)
@@ -375,6 +381,10 @@ class Server:
                                   row_elems=self._row_bytes() // self._row_dtype().itemsize, dtype=self._row_dtype(),
                                   device=self.device, pin=False)
         return int(cache_bytes(one) - nbytes(one.state.unit_slot))
+
+    def _hier_layers(self) -> list:
+        """The layer states whose KV is in the cache (Quest's dense layers keep the model's PagedKV)."""
+        return [kv for kv in self.layers if getattr(kv, "streams", None) is not None]
 
     def _workspace_bytes(self) -> int:
         """Bytes of the KV the model's prefill holds for a max_context prompt (its own state)."""
@@ -475,9 +485,9 @@ class Server:
                 raise ValueError(f"a request of {need} tokens needs {rows} host pool rows; the pool holds "
                                  f"{self.cache.host.capacity} (raise host_budget_gib)")
         if self.hybrid:                   # an empty server places it resident, or hierarchical with its workspace
-            layers, total = len(self.layers), self.cache.max_streams
-            resident = self.runtime.run_streams(self.cache, self.max_context) * layers
-            hierarchical = self.runtime.run_streams(self.cache, len(prompt)) * layers + self.streams_per_request
+            runs, total = self.runtime.runs_per_request(), self.cache.max_streams
+            resident = self.runtime.run_streams(self.cache, self.max_context) * runs
+            hierarchical = self.streams_per_request + self._workspace_streams(len(prompt)) * runs
             if min(resident, hierarchical) > total:
                 raise ValueError(f"a prompt of {len(prompt)} tokens needs {hierarchical} of the cache's streams "
                                  f"in hybrid mode (its own and its prefill workspace's; resident: {resident}); "
@@ -498,10 +508,15 @@ class Server:
 
     # -- hybrid: resident while the rows fit, hierarchical otherwise -----------------------------
 
+    def _workspace_streams(self, prompt: int) -> int:
+        """Streams of each of the runs_per_request runs a hierarchical prefill of `prompt` tokens takes
+        for its workspace (0 where the workspace sits beside the cache)."""
+        return self.runtime.run_streams(self.cache, prompt) if self._workspace_in_runs else 0
+
     def _hybrid_plan(self, request: Request) -> tuple[str, list[int]] | None:
         """Where a request would go now: ("resident", []) when its runs are free, ("hierarchical",
-        the resident lanes to demote first, in order) when, after those demotions, a workspace run per
-        layer for its prompt and its own streams are free and the host pool holds the demoted
+        the resident lanes to demote first, in order) when, after those demotions, its workspace's runs
+        (where it takes runs: one per run a resident request holds) and its own streams are free and the host pool holds the demoted
         requests' regions and then its own; None when nothing would place it. Planned on a copy of
         the cache's stream map with the cache's own rule (`lowest_runs`, lowest free stream first),
         so `_admit_hybrid` then places it exactly so. Not admissible plans are remembered until a
@@ -510,15 +525,15 @@ class Server:
         key = (request.rid, self._lanes_changed)
         if self._no_plan == key:
             return None
-        cache, layers = self.cache, len(self.layers)
-        run, work = (self.runtime.run_streams(cache, n) for n in (self.max_context, len(request.prompt)))
+        cache, count = self.cache, self.runtime.runs_per_request()
+        run, work = self.runtime.run_streams(cache, self.max_context), self._workspace_streams(len(request.prompt))
         taken = cache.taken_streams()
-        if lowest_runs(set(taken), cache.max_streams, run, layers) is not None:
+        if lowest_runs(set(taken), cache.max_streams, run, count) is not None:
             return "resident", []
         regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
         demoted, sizes = [], []
         for lane in [None, *self._demotion_order()]:
-            if lane is not None:                # its runs back and its streams opened, layer by layer
+            if lane is not None:                # its runs back and its streams opened, run by run
                 for first in self._lane_runs[lane]:
                     taken.difference_update(range(first, first + run))
                     taken.add(next(i for i in range(cache.max_streams) if i not in taken))
@@ -526,7 +541,7 @@ class Server:
                 demoted.append(lane)
                 sizes += self.runtime.stream_regions(len(r.prompt) + r.max_new_tokens)
             trial = set(taken)
-            if lowest_runs(trial, cache.max_streams, work, layers) is not None \
+            if (work == 0 or lowest_runs(trial, cache.max_streams, work, count) is not None) \
                     and cache.max_streams - len(trial) >= self.streams_per_request:
                 if cache.host.fits(sizes + regions):
                     return "hierarchical", demoted
@@ -540,7 +555,8 @@ class Server:
 
     def _admit_hybrid(self, request: Request) -> dict[str, list[int]]:
         """Place a request about to prefill as `_hybrid_plan` says: {"runs": its resident runs}, or its
-        demotions made, {"workspace_runs": its workspace's runs}."""
+        demotions made, {"workspace_runs": its workspace's runs} (or {} where the workspace sits beside
+        the cache)."""
         plan = self._hybrid_plan(request)
         if plan is None:
             raise RuntimeError(f"request {request.rid} was admitted with no room to place it (a replayed "
@@ -555,6 +571,8 @@ class Server:
             del self._lane_runs[lane]
             self.demotions += 1
         self._lanes_changed += 1
+        if not self._workspace_in_runs:
+            return {}
         return {"workspace_runs": self.runtime.take_runs(self.cache, len(request.prompt))}
 
     # -- the loop ----------------------------------------------------------------------------
@@ -582,12 +600,13 @@ class Server:
     def _decode_step(self, resident_step: bool | None = None) -> torch.Tensor:
         """One decode step of every lane from the host's view of them: logits [lanes, V]. Hybrid: when
         every lane holding a request is resident (or `resident_step` says so), the step that skips the
-        hierarchical write and resolve (`HierMlaKV.resident_step`), else the mixed one."""
+        hierarchical write and resolve (`HierMlaKV.resident_step`, `HierQuestKV.resident_step`), else
+        the mixed one."""
         if resident_step is None:
             resident_step = self.hybrid and all(r is None or lane in self._lane_runs
                                                 for lane, r in enumerate(self.lane_request))
         if resident_step != self._resident_step:
-            for kv in self.layers:
+            for kv in self._hier_layers():
                 kv.resident_step = resident_step
             self._resident_step = resident_step
         self.resident_steps += resident_step

@@ -1,12 +1,37 @@
-"""Hybrid serving (DSA): a request is resident in runs of the cache's streams while they are free and
-hierarchical otherwise, demoted when a hierarchical one needs the streams; resident and hierarchical
-lanes decode in one step, and every token and logit is bitwise the resident run's under the same
-schedule (tiny model, interpreter)."""
+"""Hybrid serving (DSA, Quest): a request is resident in runs of the cache's streams while they are
+free and hierarchical otherwise, demoted when a hierarchical one needs the streams; resident and
+hierarchical lanes decode in one step, and every token and logit is bitwise the resident run's under
+the same schedule (tiny models, interpreter)."""
+import functools
+
 import pytest
 import torch
-from test_serving import MAX_CONTEXT, QUICK, fresh, requests, tiny
+from test_serving import DEVICE, MAX_CONTEXT, QUICK, fresh, requests, tiny
 
+from hisparse.models.config import config_from_dict
+from hisparse.models.loading import build_model
+from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.serving import GIB, Request, Server
+
+# per family: B (and Quest's token budget, k = 3 pages), and the resident requests' room beyond the
+# lanes' streams. DSA: B = 48, a run of 3 streams a layer, room for one more; its prefill workspace
+# becomes streams too. Quest: B = 4, a run of 2 streams a KV head (9 pages), no room beyond the
+# lanes' (its workspace stays beside the cache): the second request is hierarchical, the third demotes
+HYBRID = {"deepseek_v32": (dict(cache_slots=48), 1), "glm_moe_dsa": (dict(cache_slots=48), 1),
+          "llama": (dict(cache_slots=4, token_budget=48), 0), "qwen3": (dict(cache_slots=4, token_budget=48), 0),
+          "llama-shared": (dict(cache_slots=4, token_budget=48), 0)}
+
+
+@functools.cache
+def model_of(family: str):
+    """tiny(family); "llama-shared": 2 dense and 2 Quest layers, the second in lockstep with the first
+    (quest_selection_group 2: it replays the first's miss plan, with no resolve of its own)."""
+    if family != "llama-shared":
+        return tiny(family)
+    model = build_model(config_from_dict(dict(TINY_CONFIGS["llama"], num_hidden_layers=4, quest_selection_group=2)))
+    model = model.to(DEVICE).float()
+    randomize_(model, 5)
+    return model
 
 
 def hybrid_server(model, extra_runs: int, **kw) -> Server:
@@ -21,17 +46,17 @@ def hybrid_server(model, extra_runs: int, **kw) -> Server:
     return server
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", list(HYBRID))
 def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family, graph=False):
-    """Three lanes and the streams for one more resident request: requests are admitted resident,
-    one is demoted mid-run when a hierarchical one needs its streams, and steps decode both kinds
-    together (glm_moe_dsa: with layers sharing their anchor's selection); resident replaying the
+    """Three lanes and the streams of `HYBRID`: requests are admitted resident, one is demoted
+    mid-run when a hierarchical one needs its streams, and steps decode both kinds together
+    (glm_moe_dsa, llama-shared: with layers sharing their anchor's selection); resident replaying the
     schedule gives every token and logit bitwise, through the steps whose lanes are all resident (no
     resolve) and the others; every run, stream and host row is given back."""
-    model = tiny(family)
-    kw = dict(cache_slots=48, prefill_chunk=24, keep_logits=True, graph=graph,
-              **({} if graph else QUICK))                        # a run: 3 streams a layer
-    server = hybrid_server(model, extra_runs=1, **kw)
+    model = model_of(family)
+    settings, extra_runs = HYBRID[family]
+    kw = dict(settings, prefill_chunk=24, keep_logits=True, graph=graph, **({} if graph else QUICK))
+    server = hybrid_server(model, extra_runs=extra_runs, **kw)
     assert server.lanes == 3
     mixed = []
     decode = server._decode_step
@@ -39,7 +64,8 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
     def watched(*warm_up):
         if warm_up:                     # warm_up's steps, each kind forced
             return decode(*warm_up)
-        kinds = {bool(server.layers[0].resident[lane]) for lane, r in enumerate(server.lane_request) if r is not None}
+        kinds = {bool(server.layers[-1].resident[lane]) for lane, r in enumerate(server.lane_request)
+                 if r is not None}
         mixed.append(kinds == {True, False})
         logits = decode()
         assert server._resident_step == (kinds == {True}), kinds          # the all-resident step exactly then
@@ -61,7 +87,7 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
             assert torch.equal(x, y), f"{family}: request {a.rid}, token {step}: logits differ"
     assert server.cache.free_streams() == server.cache.max_streams      # every run and stream given back
     assert server.cache.host.free_rows == server.cache.host.capacity
-    assert not any(kv.resident.any() for kv in server.layers), "an empty lane left marked resident"
+    assert not any(kv.resident.any() for kv in server._hier_layers()), "an empty lane left marked resident"
 
 
 def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
@@ -75,14 +101,14 @@ def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
     assert run.summary()["resident_admissions"] == 1 and run.summary()["demotions"] == 1, run.summary()
     assert all(len(r.tokens) == r.max_new_tokens for r in run.requests)
     assert server.cache.free_streams() == server.cache.max_streams
-    with pytest.raises(ValueError, match="'hybrid' is built for DSA"):
-        Server(tiny("llama"), "hybrid", cache_slots=4, token_budget=48, max_context=MAX_CONTEXT, kv_budget_gib=0.05)
+    with pytest.raises(ValueError, match="'hybrid' is built for DSA and Quest models so far, not NSA"):
+        Server(tiny("nsa"), "hybrid", cache_slots=16, max_context=MAX_CONTEXT, kv_budget_gib=0.05)
     with pytest.raises(ValueError, match="prefetch applies to mode 'hisparse'"):
         Server(model, "hybrid", prefetch=True, max_context=MAX_CONTEXT, kv_budget_gib=0.05, **kw)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", list(HYBRID))
 def test_graphed_hybrid_is_bitwise_as_resident(family):
     """The same on a GPU, every decode step a replay of one captured graph: residency, demotion and
     the lanes' kinds change only the static buffers between replays."""

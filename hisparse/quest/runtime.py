@@ -27,6 +27,13 @@ chunk's pages reach the lane or the host pool as the chunk is done, and the lane
 gathered one. Its decode steps write every lane, so an empty lane's write keeps what the lane
 holds (`QuestKV.lanes`): the one being prefilled into must keep its tokens (dense layers: see
 `DenseLaneView`).
+
+Hybrid serving keeps a lane resident in runs of the cache's streams (`QuestRuntime.take_runs`: one
+run per Quest layer and KV head, of B + 1 pages a stream): its pages sit there in the resident
+pool's layout, page p of KV head h at row `row_base[n, h] + p` of `cache.slots` viewed as rows, its
+streams -1 (the resolve and the newest-token write skip it). Attention reads rows of the run for
+such a lane and resolved slots for the others, in one launch over `cache.slots`, so each lane reads
+its mode's bytes with the same kernel.
 """
 from __future__ import annotations
 
@@ -55,10 +62,12 @@ from hisparse.runtime import (
     gather_in_lockstep,
     nbytes,
     open_unit_streams,
+    run_rows,
     shared_states,
     stream_counts,
     write_newest_unit,
     write_resident_unit,
+    write_run_token,
 )
 
 
@@ -127,7 +136,12 @@ class HierQuestKV(QuestKV):
     A shared layer (`quest_selection_group` > 1: it attends over its anchor layer's selection) moves
     in lockstep with its anchor: `anchor_layer` and `anchor_streams [N, HKV]` name the anchor, whose
     slot maps place its pages too, and `prefetched` is the event its layer-wise prefetch copy
-    records, when prefetch is on."""
+    records, when prefetch is on.
+
+    Hybrid serving: `resident [N]` bool marks the lanes whose pages sit in runs of the cache's
+    streams, page p of KV head h at row `row_base [N, HKV]` int64 + p of `cache.slots` viewed as
+    rows (their streams -1, their host_streams []); `resident_step` (host side) says every lane
+    holding a request is resident this step, so the step skips the hierarchical write and the resolve."""
 
     streams: torch.Tensor | None = None
     cache: HierarchicalKVCache | None = None
@@ -135,9 +149,23 @@ class HierQuestKV(QuestKV):
     anchor_layer: int | None = None
     anchor_streams: torch.Tensor | None = None
     prefetched: torch.cuda.Event | None = None
+    row_base: torch.Tensor | None = None
+    resident: torch.Tensor | None = None
+    resident_step: bool = False
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.resident is not None:         # resident lanes: into their runs' rows
+            pool = self.cache.slots.view(-1, 2, PAGE, key.shape[-1])
+            write_run_token(pool, self.row_base, self.resident, pos, key, value, PAGE)
+            if self.resident_step:
+                return
         write_newest_unit(self, pos, key, value, PAGE)
+
+
+def run_page_rows(row_base: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
+    """Rows [N, HKV, K] int32 of `cache.slots` viewed as rows holding pages selection [N, HKV, K] of
+    lanes kept resident in runs (row_base [N, HKV]: each run's first row); -1 stays."""
+    return torch.where(selection >= 0, row_base[:, :, None] + selection.long(), -1).to(torch.int32)
 
 
 class KernelQuestAttention(UnitResolver):
@@ -175,7 +203,14 @@ class KernelQuestAttention(UnitResolver):
         selection = self.lane_masked(selection.to(torch.int32)).contiguous()
         self.recorded[layer_idx] = selection
         if isinstance(kv, HierQuestKV):
-            rows = self.unit_rows(layer_idx, kv, selection)
+            if kv.resident is None:
+                rows = self.unit_rows(layer_idx, kv, selection)
+            elif kv.resident_step:      # no hierarchical lane: nothing to resolve (empty lanes' are -1)
+                rows = run_page_rows(kv.row_base, selection)
+            else:           # resolve the hierarchical lanes only; a resident lane reads its runs' rows
+                keep = kv.resident[:, None, None]
+                rows = torch.where(keep, run_page_rows(kv.row_base, selection),
+                                   self.unit_rows(layer_idx, kv, torch.where(keep, -1, selection)))
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
         else:
             rows, pool = resident_rows(selection, kv.max_pages), kv.pool
@@ -247,7 +282,8 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
     region = max_pages if host_tokens is None else triton.cdiv(host_tokens, PAGE)
     host_streams = [open_unit_streams(cache, rows, region) for rows in pages]
     return HierQuestKV(pool=None, kmin=kmin, kmax=kmax, max_pages=max_pages, cache=cache, host_streams=host_streams,
-                       streams=torch.tensor(host_streams, dtype=torch.int32, device=device))
+                       streams=torch.tensor(host_streams, dtype=torch.int32, device=device),
+                       row_base=torch.zeros(batch, hkv, dtype=torch.int64, device=device))
 
 
 class QuestRuntime:
@@ -258,6 +294,8 @@ class QuestRuntime:
     family = "Quest"
     selection_name = "token_budget // 16 pages"
     unit_size = PAGE
+    # hybrid serving: a prefill's workspace is the model's PagedKV in every mode, beside the cache
+    workspace_in_runs = False
 
     def __init__(self, model, token_budget: int | None = None):
         self.model = model
@@ -298,10 +336,56 @@ class QuestRuntime:
         return [triton.cdiv(tokens, PAGE)] * (len(quest_layers(self.model)) * self.kv_heads)
 
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
-                     host_tokens: int) -> QuestLanePrefill:
+                     host_tokens: int, runs: list[int] | None = None) -> QuestLanePrefill:
         """A serving lane's prefill in place (`hisparse.serving`; see `QuestLanePrefill`): the
-        request's streams opened now with `host_tokens` tokens of pages each (hierarchical modes)."""
-        return QuestLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens)
+        request's streams opened now with `host_tokens` tokens of pages each (hierarchical modes).
+        runs: a hybrid lane kept resident, its pages written straight into these runs of the cache's
+        streams (`take_runs`) and read from there."""
+        return QuestLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs)
+
+    # -- hybrid serving: a lane resident in runs of the cache's streams, or hierarchical ------------
+
+    def run_streams(self, cache: HierarchicalKVCache, capacity: int) -> int:
+        """Streams of a run that holds the pages of `capacity` tokens of one KV head (B + 1 pages a stream)."""
+        return -(-triton.cdiv(capacity, PAGE) // (cache.cache_slots + 1))
+
+    def runs_per_request(self) -> int:
+        """Runs a resident request holds, one per stream it has when hierarchical: one a Quest layer and KV head."""
+        return len(quest_layers(self.model)) * self.kv_heads
+
+    def take_runs(self, cache: HierarchicalKVCache, capacity: int) -> list[int] | None:
+        """One run of `capacity` tokens per Quest layer and KV head, layer by layer (first stream ids),
+        or None (nothing taken)."""
+        return cache.take_runs(self.run_streams(cache, capacity), self.runs_per_request())
+
+    def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
+               runs: list[int]) -> None:
+        """A resident hybrid lane becomes hierarchical between steps: run by run (Quest layer by layer,
+        KV head by head) its run goes back and a stream with a host region of `host_tokens` tokens of
+        pages gets the run's first pages up to token `length` (bytes as stored; the stream may reuse
+        the run's own streams, whose rows are read before anything is written there); the lane reads
+        through its streams from the next step, their caches empty. ValueError, before anything
+        changes, for runs that are not the lane's count or a host pool that cannot hold the regions."""
+        quest = [kv for kv in layers if isinstance(kv, HierQuestKV)]
+        if len(runs) != len(quest) * self.kv_heads:
+            raise ValueError(f"demoting lane {lane}: {len(runs)} runs, expected one per Quest layer and KV head "
+                             f"({len(quest)} x {self.kv_heads})")
+        region = triton.cdiv(host_tokens, PAGE)
+        if not cache.host.fits([region] * len(runs)):
+            raise ValueError(f"demoting lane {lane} needs {len(runs)} host regions of {region} pages; the host "
+                             f"pool has {cache.host.free_rows} rows free")
+        pages = triton.cdiv(length, PAGE)
+        for j, kv in enumerate(quest):
+            ids = []
+            for first in runs[j * self.kv_heads:(j + 1) * self.kv_heads]:
+                rows = run_rows(cache, first)[:pages]
+                cache.release_run(first)
+                stream = cache.open_stream(region)
+                cache.append(stream, rows)
+                ids.append(stream)
+            kv.resident[lane] = False
+            kv.streams[lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
+            kv.host_streams[lane] = ids
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes, in every mode: the Quest
@@ -449,11 +533,20 @@ class QuestLanePrefill:
     first, so what a former request left past this one's tokens is gone, as in a gathered lane."""
 
     def __init__(self, runtime: QuestRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
-                 prompt: int, host_tokens: int):
+                 prompt: int, host_tokens: int, runs: list[int] | None = None):
         self.layers, self.lane = layers, lane
         self.heads = runtime.kv_heads
         self.quest = [i for i, kv in enumerate(layers) if isinstance(kv, QuestKV)]
         self.lanes = self._lane_count(layers[0])
+        self.runs = runs
+        self.run_of: dict[int, list[int]] = {}    # hybrid, resident: Quest layer -> its run per KV head
+        if runs is not None:
+            if len(runs) != len(self.quest) * self.heads:
+                raise ValueError(f"a resident hybrid lane needs one run per Quest layer and KV head "
+                                 f"({len(self.quest)} x {self.heads}), got {len(runs)}")
+            self.run_of = {layer: runs[j * self.heads:(j + 1) * self.heads] for j, layer in enumerate(self.quest)}
+            for first in runs:              # as a resident lane is zeroed: nothing past its tokens
+                run_rows(cache, first).zero_()
         for kv in layers:
             zero_lane(self._lane_parts(kv), lane, self.lanes)
         device = runtime.model.model.embed_tokens.weight.device
@@ -461,7 +554,7 @@ class QuestLanePrefill:
                      else DenseLaneView(*(t[lane:lane + 1] for t in paged_tensors(kv)))   # dense: the lane
                      for i, kv in enumerate(layers)]
         self.streams: dict[int, list[int]] = {}        # Quest layer -> the request's stream per KV head
-        if mode != "resident":
+        if mode != "resident" and runs is None:
             self.streams = open_lane_streams(cache, self.quest, self.heads, triton.cdiv(host_tokens, PAGE))
         self.cache = cache
         self.state = DecodeState(prefilled, prompt, torch.zeros(1, dtype=torch.int64, device=device))
@@ -501,6 +594,10 @@ class QuestLanePrefill:
                 low, high = quest_metadata_from_keys(keys, span, last - first)
                 kv.kmin[self.lane, :, first:last], kv.kmax[self.lane, :, first:last] = low[0], high[0]
             rows = pages_from_tokens(keys, values, last - first).view(self.heads, last - first, 2, PAGE, -1)
+            if i in self.run_of:            # hybrid, resident: the resident pool's layout, in the runs
+                for first_stream, head_rows in zip(self.run_of[i], rows):
+                    run_rows(self.cache, first_stream)[first:last] = head_rows.reshape(last - first, -1)
+                continue
             store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i))
 
     def join(self) -> None:
@@ -513,9 +610,17 @@ class QuestLanePrefill:
                 low, high = quest_metadata_from_keys(view.keys[:, :, :first_page], span, 1)
                 kv.page_min[self.lane, :, :1], kv.page_max[self.lane, :, :1] = low[0], high[0]
         join_lane_streams(self.layers, self.lane, self.streams)
+        for layer, firsts in self.run_of.items():       # hybrid, resident: the lane reads its runs
+            kv = self.layers[layer]
+            kv.resident[self.lane] = True
+            kv.streams[self.lane] = -1
+            kv.row_base[self.lane] = self.cache.row_base(torch.tensor(firsts, device=kv.row_base.device))
+            kv.host_streams[self.lane] = []
         self.state = None
 
     def cancel(self) -> None:
-        """Give back the streams of a prefill that will not join."""
+        """Give back the streams (or runs) of a prefill that will not join."""
         close_lane_streams(self.cache, self.streams)
-        self.streams, self.state = {}, None
+        for first in self.runs or []:
+            self.cache.release_run(first)
+        self.streams, self.runs, self.run_of, self.state = {}, None, {}, None
