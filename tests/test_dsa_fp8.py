@@ -278,6 +278,39 @@ def test_decode_rejects_bad_inputs_before_launching(monkeypatch):
             fp8.sparse_mla_decode_fp8(**args)
 
 
+def test_gluon_backend_is_refused_before_launching_where_it_cannot_run(monkeypatch):
+    """backend "gluon" (kernels_triton/dsa_fp8_gluon.py) off Hopper: a ValueError naming why, and neither
+    kernel launched; a bad backend name, a Triton config or dequant mode with "gluon" alike; "auto"
+    and "triton" run the Triton FP8 kernel (so "auto" is unchanged until the H200 measures Gluon faster)."""
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(fp8, "_sparse_mla_decode_fp8_gluon_kernel", NoLaunch())
+    gen = torch.Generator().manual_seed(12)
+    q, _, kv, rows = fp8_inputs(2, 64, 29, 16, torch.float32, gen)
+    cpu = ("backend='gluon': the Gluon FP8 decode kernel cannot run this: "
+           + ("q is on cpu, not a CUDA GPU" if fp8.dsa_fp8_gluon.GLUON_IMPORT_ERROR is None else "Triton"))
+    cases = [
+        ({"backend": "gluon"}, cpu),
+        ({"backend": "flash"}, "backend='flash': expected one of \\('auto', 'triton', 'gluon'\\)"),
+        ({"backend": "gluon", "config": SMALL_TILES}, "is the Triton kernel's: the Gluon FP8 kernel takes none"),
+        ({"backend": "gluon", "dequant": "split"}, "dequant='split' is the Triton kernel's"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, **change)
+    with pytest.raises(ValueError, match=cpu.replace("(", "\\(")):
+        fp8.sparse_mla_decode_stored(q, kv, rows, 0.1, d_v=512, backend="gluon")
+    assert fp8.fp8_gluon_unsupported(q, kv) is not None
+    monkeypatch.setattr(fp8.dsa_fp8_gluon, "GLUON_IMPORT_ERROR", "ImportError: no gluon")
+    assert fp8.fp8_gluon_unsupported(q, kv) == f"Triton {fp8.triton.__version__} has no usable Gluon (ImportError: no gluon)"
+    for backend in ("auto", "triton"):
+        assert fp8.fp8_decode_backend(q, kv, backend) == "triton"
+        out, _ = fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, config=SMALL_TILES, backend=backend)
+        assert torch.equal(out, fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, config=SMALL_TILES)[0])
+
+
 def test_bench_tune_fp8_quick_times_every_config_and_each_agrees_with_the_reference(capsys):
     """`bench_attention_dsa --tune --kv-dtype fp8 --quick` (here at batch 1: 4 configurations, both
     dequantisation modes, 2 split counts, and the default): a line per configuration, each with a rel
@@ -343,6 +376,108 @@ def test_gpu_same_bytes_at_other_positions_give_the_same_bits(dequant):
     out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, row_base=base,
                                                  dequant=dequant)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
+
+
+# ---------------------------------------------------------------------------------------------
+# On a Hopper GPU: the Gluon FP8 kernel (kernels_triton/dsa_fp8_gluon.py, backend "gluon")
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def needs_gluon_fp8():
+    probe_q = torch.empty(1, 64, 576, dtype=torch.bfloat16, device="cuda")
+    reason = fp8.fp8_gluon_unsupported(probe_q, torch.empty(1, 656, dtype=torch.uint8, device="cuda"))
+    if reason:
+        pytest.skip(f"the Gluon FP8 kernel cannot run here: {reason}")
+
+
+def gluon_fp8_inputs(n: int, h: int, k: int, context: int = 32768, seed: int = 23):
+    """q [n, h, 576] bf16 (std 0.3), a resident pool of FP8 rows [n * context, 656] (latent blocks of
+    spread scales), rows [n, k] int32 of distinct tokens of each request in random order, with -1:
+    about 10% scattered, request 1 (if any) from position 1000 on, request 2 (if any) all."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    latent = torch.randn(n * context, 4, 128, device="cuda", generator=gen)
+    latent = (latent * 2.0 ** torch.randint(-4, 5, (n * context, 4, 1), device="cuda", generator=gen)).flatten(-2)
+    rope = torch.randn(n * context, 64, device="cuda", generator=gen)
+    kv = fp8.quantize_rows(latent.bfloat16(), rope.bfloat16())
+    q = (torch.randn(n, h, 576, device="cuda", generator=gen) * 0.3).bfloat16()
+    tokens = torch.rand(n, context, device="cuda", generator=gen).topk(k, dim=1).indices
+    rows = (tokens + torch.arange(n, device="cuda")[:, None] * context).to(torch.int32)
+    rows[torch.rand(n, k, device="cuda", generator=gen) < 0.1] = -1
+    if n > 1:
+        rows[1, 1000:] = -1
+    if n > 2:
+        rows[2] = -1
+    return q, kv, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_gluon_fp8")
+@pytest.mark.parametrize("n,h,k", [(1, 128, 2048), (4, 128, 2048), (64, 128, 2048), (4, 96, 1999), (3, 64, 333)],
+                         ids=["N1-H128-k2048", "N4-H128-k2048", "N64-H128-k2048", "N4-H96-k1999", "N3-H64-k333"])
+@pytest.mark.parametrize("splits", [None, 1, 3, 7], ids=["splits-auto", "splits1", "splits3", "splits7"])
+def test_gpu_gluon_fp8_decode_matches_ref(n, h, k, splits):
+    """The Gluon FP8 kernel against the torch reference over the dequantised rows (out within the
+    bf16 tolerance, lse within 1e-4, both finite where the reference is, every output element
+    written: out poisoned with NaN), a request without a valid row giving zeros and lse -inf, and
+    within the same tolerance of the Triton FP8 kernel. Heads 96 (a half-empty head block), k 1999
+    and 333 (a last tile short of 64 rows), split counts 1, 3 (a shorter last chunk), 7 and split_plan's."""
+    q, kv, rows = gluon_fp8_inputs(n, h, k)
+    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
+    out = torch.full((n, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((n, h), float("nan"), device="cuda")
+    fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, out=out, lse=lse, backend="gluon")
+    assert rel_err(out, ref_out) < TOL[torch.bfloat16]
+    assert rel_err(lse, ref_lse) < 1e-4
+    if n > 2:
+        assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isinf(lse[2]).all() and (lse[2] < 0).all()
+    tri_out, tri_lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, backend="triton")
+    assert rel_err(out, tri_out) < TOL[torch.bfloat16] and rel_err(lse, tri_lse) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_gluon_fp8")
+@pytest.mark.parametrize("splits", [1, 7], ids=["splits1", "splits7"])
+def test_gpu_gluon_fp8_same_bytes_at_other_positions_and_launches_give_the_same_bits(splits):
+    """What hisparse == resident needs of the Gluon FP8 kernel: the hot cache's slots (through
+    row_base) and the resident pool's rows holding the same bytes in the same order give the same
+    bits, and so does every repeated launch (3 each); both against the reference (row_base's too).
+    `sparse_mla_decode_stored(backend="gluon")` runs the same kernel (same bits)."""
+    gen = torch.Generator().manual_seed(24)
+    streams, slots = 8, 4096
+    kv_res, rows_res, kv_hot, rows_hot = hot_and_resident(streams, 8192, slots, 2048, gen)
+    kv_res, rows_res, kv_hot, rows_hot = kv_res.cuda(), rows_res.cuda(), kv_hot.cuda(), rows_hot.cuda()
+    q = (torch.randn(streams, 128, 576, generator=gen) * 0.3).bfloat16().cuda()
+    base = torch.arange(streams, dtype=torch.int64, device="cuda") * (slots + 1)
+    args = {"num_splits": splits, "backend": "gluon"}
+    out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res, rows_res, DSV32_SCALE, **args)
+    for _ in range(3):
+        again, again_lse = fp8.sparse_mla_decode_fp8(q, kv_res, rows_res, DSV32_SCALE, **args)
+        assert torch.equal(again, out_res) and torch.equal(again_lse, lse_res), "repeated launch"
+        out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base, **args)
+        assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot), "row_base"
+    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base)
+    assert rel_err(out_hot, ref_out) < TOL[torch.bfloat16] and rel_err(lse_hot, ref_lse) < 1e-4
+    if splits == 1:
+        stored = fp8.sparse_mla_decode_stored(q, kv_hot, rows_hot, DSV32_SCALE, d_v=512, row_base=base,
+                                              backend="gluon")
+        assert torch.equal(stored, out_hot)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_gluon_fp8")
+def test_gpu_gluon_fp8_refuses_what_it_cannot_run(monkeypatch):
+    """On the H200: fewer than 64 heads, fp16 / float32 q, and (capability faked) a GPU other than
+    sm_90 are refused before any launch, each naming why; "auto" still runs the Triton FP8 kernel."""
+    q, kv, rows = gluon_fp8_inputs(2, 128, 256, context=1024)
+    message = "backend='gluon': the Gluon FP8 decode kernel cannot run this: "
+    for bad_q, why in ((q[:, :32], "32 heads: it runs 64 a program"),
+                       (q.half(), "q dtype torch.float16: it takes bf16"), (q.float(), "q dtype torch.float32")):
+        with pytest.raises(ValueError, match=message + why):
+            fp8.sparse_mla_decode_fp8(bad_q.contiguous(), kv, rows, DSV32_SCALE, backend="gluon")
+    assert fp8.fp8_decode_backend(q, kv, "auto") == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    with pytest.raises(ValueError, match=message + "it needs an sm_90 \\(Hopper\\) GPU, this one is sm_100"):
+        fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, backend="gluon")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,8 +590,9 @@ def test_fp8_against_bf16_greedy_tokens():
 
 
 def test_kv_dtype_values_are_checked():
-    """A bad kv_dtype names the value and the choices; fp8 is refused for other families, for
-    models whose MLA rows are not 512 + 64, and with the Gluon decode kernel (before any launch)."""
+    """A bad kv_dtype names the value and the choices; fp8 is refused for other families and for
+    models whose MLA rows are not 512 + 64; with decode backend "gluon" it is accepted, and a launch
+    where the Gluon FP8 kernel cannot run (here: no GPU) is refused before it starts."""
     model = fp8_model("deepseek_v32")
     for bad in ("fp16", "FP8", None, 8):
         with pytest.raises(ValueError, match=r"kv_dtype=.*expected one of \('bf16', 'fp8'\)"):
@@ -465,11 +601,12 @@ def test_kv_dtype_values_are_checked():
         Server(model, "resident", max_context=16, lanes=1, kv_dtype="e5m2")
     with pytest.raises(ValueError, match="kv_dtype='int8'"):
         model.new_state(1, 4, kv_dtype="int8")
-    with pytest.raises(ValueError, match="'gluon' reads bf16/fp16 rows"):
-        Engine(model, "hisparse", cache_slots=8, kv_dtype="fp8", decode_backend="gluon")
+    Engine(model, "hisparse", cache_slots=8, kv_dtype="fp8", decode_backend="gluon")   # checked at the launch
+    with pytest.raises(ValueError, match="decode backend 'flash'"):
+        fp8.check_fp8_backend("flash")
     rows = fp8.to_rows(torch.randn(4, 576))
     q = torch.randn(1, 4, 576)
-    with pytest.raises(ValueError, match="'gluon' reads bf16/fp16 rows"):
+    with pytest.raises(ValueError, match="backend='gluon': the Gluon FP8 decode kernel cannot run this: "):
         fp8.sparse_mla_decode_stored(q, rows, torch.zeros(1, 2, dtype=torch.int32), 0.1, d_v=512, backend="gluon")
     llama = load_model(write_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="llama")), dtype=torch.float32,
                        device=DEVICE)
@@ -516,11 +653,19 @@ def real_prompts():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_hisparse_bitwise_resident_eager_and_graph(real_model):
+@pytest.mark.parametrize("backend", ["auto", "gluon"])
+def test_gpu_fp8_hisparse_bitwise_resident_eager_and_graph(real_model, backend):
+    """hisparse == resident bitwise over FP8 rows in the real-geometry decode loop, eager and graphed,
+    with "auto" (the Triton FP8 kernel) and with the Gluon FP8 kernel (skipped where it cannot run)."""
+    if backend == "gluon":
+        probe_q = torch.empty(1, real_model.config.num_attention_heads, 576, dtype=torch.bfloat16, device="cuda")
+        reason = fp8.fp8_gluon_unsupported(probe_q, torch.empty(1, 656, dtype=torch.uint8, device="cuda"))
+        if reason:
+            pytest.skip(f"the Gluon FP8 kernel cannot run here: {reason}")
     prompts = real_prompts()
 
     def run(mode, graph=False, **kw):
-        engine = Engine(real_model, mode, chunk_size=1024, kv_dtype="fp8", **kw)
+        engine = Engine(real_model, mode, chunk_size=1024, kv_dtype="fp8", decode_backend=backend, **kw)
         return engine.generate(prompts, 65, graph=graph)
 
     runs = {

@@ -40,6 +40,7 @@ import triton.runtime.errors
 # the module, not its names: reference.py imports this one too (MlaKV reads and writes FP8 rows)
 from hisparse.dsa import reference
 from hisparse.dsa.ops import (
+    DECODE_BACKENDS,
     FLOAT_DTYPES,
     DecodeConfig,
     _dot_precision,
@@ -52,7 +53,9 @@ from hisparse.dsa.ops import (
     split_buffers,
     split_plan,
 )
+from kernels_triton import dsa_fp8_gluon
 from kernels_triton.dsa_fp8 import FP8_DEQUANT, _sparse_mla_decode_fp8_kernel
+from kernels_triton.dsa_fp8_gluon import _sparse_mla_decode_fp8_gluon_kernel
 
 FP8 = torch.float8_e4m3fn
 D_LATENT, D_ROPE, TILE = 512, 64, 128
@@ -138,9 +141,10 @@ def check_fp8_geometry(config) -> None:
 
 
 def check_fp8_backend(backend: str) -> None:
-    """ValueError for a decode backend that cannot read FP8 rows (the Gluon kernel reads bf16/fp16 rows)."""
-    _require(backend != "gluon", "decode backend 'gluon' reads bf16/fp16 rows; kv_dtype='fp8' rows are read by the "
-             "Triton kernel (sparse_mla_decode_fp8): pass 'auto' (which picks it) or 'triton'")
+    """ValueError unless `backend` is one of DECODE_BACKENDS: each reads FP8 rows ("gluon" through
+    kernels_triton/dsa_fp8_gluon.py); whether "gluon" can run a launch's inputs is checked at the
+    launch, before it (`fp8_gluon_unsupported`)."""
+    _require(backend in DECODE_BACKENDS, f"decode backend {backend!r}: expected one of {DECODE_BACKENDS}")
 
 
 def to_rows(latent: torch.Tensor) -> torch.Tensor:
@@ -159,12 +163,12 @@ def sparse_mla_decode_stored(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tens
                              row_base: torch.Tensor | None = None, out: torch.Tensor | None = None,
                              backend: str = "auto") -> torch.Tensor:
     """Absorbed-MLA decode over stored rows of either kind: FP8 rows (kv uint8 [R, 656]) through
-    `sparse_mla_decode_fp8` (backend "auto" or "triton"; "gluon" is refused before any launch), else
-    `hisparse.dsa.ops.sparse_mla_decode` with `backend`. Returns out [N, H, d_v]."""
+    `sparse_mla_decode_fp8` with `backend` ("gluon" where it cannot run is refused before any launch),
+    else `hisparse.dsa.ops.sparse_mla_decode` with `backend`. Returns out [N, H, d_v]."""
     if kv.dtype == torch.uint8:
         check_fp8_backend(backend)
         _require(d_v == D_LATENT, f"d_v={d_v}: FP8 rows hold {D_LATENT} latent values (V)")
-        return sparse_mla_decode_fp8(q, kv, rows, sm_scale, out=out, row_base=row_base)[0]
+        return sparse_mla_decode_fp8(q, kv, rows, sm_scale, out=out, row_base=row_base, backend=backend)[0]
     return sparse_mla_decode(q, kv, rows, sm_scale, d_v=d_v, out=out, row_base=row_base, backend=backend)[0]
 
 
@@ -205,10 +209,51 @@ def default_fp8_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfi
     return default_decode_config(num_heads, D_LATENT + D_ROPE, dtype)
 
 
+def fp8_gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
+    """Why the Gluon FP8 decode kernel (kernels_triton/dsa_fp8_gluon.py) cannot run q [N, H, D] over
+    kv [R, ...], or None if it can: it needs Triton 3.6's Gluon, an sm_90 GPU, bf16 q of 512 + 64
+    values (the rows' RoPE is bf16 as stored), at least 64 heads and 656-byte uint8 rows."""
+    if dsa_fp8_gluon.GLUON_IMPORT_ERROR is not None:
+        return f"Triton {triton.__version__} has no usable Gluon ({dsa_fp8_gluon.GLUON_IMPORT_ERROR})"
+    if not q.is_cuda:
+        return f"q is on {q.device}, not a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"it needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
+    if triton.__version__.split(".")[:2] != ["3", "6"]:
+        return f"it is written against Triton 3.6's Gluon, this is {triton.__version__}"
+    if q.dtype != torch.bfloat16:
+        return f"q dtype {q.dtype}: it takes bf16 (the FP8 rows' RoPE is bf16)"
+    if q.dim() != 3 or q.shape[2] != D_LATENT + D_ROPE:
+        return f"q shape {tuple(q.shape)}: it takes [N, H, {D_LATENT} + {D_ROPE}] (MLA's latent and RoPE)"
+    if q.shape[1] < dsa_fp8_gluon.BLOCK_H:
+        return f"{q.shape[1]} heads: it runs {dsa_fp8_gluon.BLOCK_H} a program, so needs at least that many"
+    if kv.dtype != torch.uint8 or kv.dim() != 2 or kv.shape[1] != ROW_BYTES:
+        return f"kv {kv.dtype} {tuple(kv.shape)}: it reads uint8 [R, {ROW_BYTES}] rows"
+    return None
+
+
+def fp8_decode_backend(q: torch.Tensor, kv: torch.Tensor, backend: str = "auto",
+                       config: DecodeConfig | None = None, dequant: str = "inline") -> str:
+    """The kernel `sparse_mla_decode_fp8` runs: "triton" or "gluon". "auto" is the Triton FP8 kernel
+    everywhere, until the H200 measures the Gluon one faster (`bench_attention_dsa --kv-dtype fp8`
+    times both on Hopper; results/notes/fp8.md). "gluon" where `fp8_gluon_unsupported` finds a
+    reason, or with a Triton config or dequant mode, raises ValueError naming it."""
+    _require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
+    if backend != "gluon":
+        return "triton"
+    _require(config is None, f"config={config} is the Triton kernel's: the Gluon FP8 kernel takes none")
+    _require(dequant == "inline", f"dequant={dequant!r} is the Triton kernel's: the Gluon FP8 kernel dequantises "
+             "128 values a block into shared memory")
+    reason = fp8_gluon_unsupported(q, kv)
+    _require(reason is None, f"backend='gluon': the Gluon FP8 decode kernel cannot run this: {reason}")
+    return "gluon"
+
+
 def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
                           num_splits: int | None = None, config: DecodeConfig | None = None,
                           out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                          row_base: torch.Tensor | None = None, dequant: str = "inline"):
+                          row_base: torch.Tensor | None = None, dequant: str = "inline", backend: str = "auto"):
     """Absorbed-MLA decode over selected FP8 rows: out [N, H, 512] (q's dtype), lse [N, H] float32.
 
     As `hisparse.dsa.ops.sparse_mla_decode` (backend "triton") with kv uint8 [R, 656] rows in this
@@ -220,13 +265,21 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     config. Equal bytes in equal order give bitwise-equal outputs wherever the rows sit in kv.
     `dequant` (one of DEQUANT_MODES) picks how the kernel dequantises a tile: "inline" (the
     default, what every caller gets) or "split", which equals it within float32 rounding.
+    `backend` (`fp8_decode_backend`): "auto" and "triton" run the Triton kernel; "gluon" the Gluon
+    one (kernels_triton/dsa_fp8_gluon.py: Hopper, bf16 q, >= 64 heads, 64-row tiles; no config or
+    dequant), refused before any launch where it cannot run. The two accumulate in different orders
+    (no bitwise equality between them); each is deterministic.
     """
     _require(dequant in DEQUANT_MODES, f"dequant={dequant!r}: expected one of {DEQUANT_MODES}")
     _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base)
+    kernel = fp8_decode_backend(q, kv, backend, config, dequant)
     n, h, _ = q.shape
     out = out if out is not None else torch.empty((n, h, D_LATENT), dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:
+        return out, lse
+    if kernel == "gluon":
+        _launch_gluon(q, kv, rows, row_base, out, lse, sm_scale, num_splits)
         return out, lse
     if config is not None:
         _launch(q, kv, rows, row_base, out, lse, sm_scale, config, num_splits, dequant)
@@ -251,6 +304,31 @@ def _launch(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig,
         D_V=D_LATENT, D_ROPE=D_ROPE, TILE=TILE, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
         DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None, DEQUANT=FP8_DEQUANT[dequant],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        combine_splits(part, part_lse, out, lse)
+
+
+# The Gluon FP8 kernel's tiles, as `split_plan` takes them (64 heads x 64 rows a program, 8 warps, 2 stages)
+GLUON_FP8_TILES = DecodeConfig(block_h=dsa_fp8_gluon.BLOCK_H, block_k=dsa_fp8_gluon.BLOCK_K,
+                               num_warps=dsa_fp8_gluon.NUM_WARPS, num_stages=dsa_fp8_gluon.NUM_STAGES)
+
+
+def _launch_gluon(q, kv, rows, row_base, out, lse, sm_scale: float, num_splits: int | None) -> None:
+    """The Gluon FP8 kernel over inputs already checked: kv passed as its e4m3, float32 and bf16 views
+    (the latent bytes, the scales, the RoPE of the same rows), k split by `split_plan`."""
+    n, h, _ = q.shape
+    k = rows.shape[1]
+    chunk, splits = split_plan(n, h, k, GLUON_FP8_TILES, q.device, num_splits)
+    part, part_lse, split_strides = split_buffers(out, lse, splits)
+    _sparse_mla_decode_fp8_gluon_kernel[(triton.cdiv(h, GLUON_FP8_TILES.block_h), n, splits)](
+        q, kv.view(FP8), kv.view(torch.float32), kv.view(torch.bfloat16), rows,
+        rows if row_base is None else row_base, part, part_lse,
+        q.stride(0), q.stride(1), kv.stride(0) // 16, rows.stride(0), part.stride(0), part.stride(1),
+        split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
+        h, k, chunk, sm_scale * 1.4426950408889634,
+        BLOCK_H=GLUON_FP8_TILES.block_h, BLOCK_K=GLUON_FP8_TILES.block_k, HAS_ROW_BASE=row_base is not None,
+        NUM_STAGES=GLUON_FP8_TILES.num_stages, num_warps=GLUON_FP8_TILES.num_warps,
     )
     if splits > 1:
         combine_splits(part, part_lse, out, lse)
