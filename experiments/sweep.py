@@ -14,7 +14,8 @@ kinds:
 - policies:   replacement policies on a synthetic workload preset  -> policies.csv
 - decode:     the decode loop, per mode x cache slots x context x batch -> decode.csv
 - throughput: per context, the largest batch whose KV fits a GPU (and host) memory budget, in each
-              mode, and decode tokens/s at that batch (the paper's peak generation throughput) -> throughput.csv
+              mode, and decode tokens/s at that batch (the paper's peak generation throughput; DSA's
+              hybrid: `hybrid_batch`) -> throughput.csv
 - serving:    requests joining and leaving one batch (hisparse.serving) under the GPU and host budgets,
               a closed loop of C clients per concurrency level (or Poisson arrivals per rate), each mode:
               output tokens/s, TTFT, TPOT, running batch -> serving.csv
@@ -99,7 +100,7 @@ KEY_HELP = {
     "model": "tiny:<family>, dsa, quest, or a DSA checkpoint directory",
     "layers": "layers of the dsa (61) / quest (32) / tiny model",
     "hidden": "hidden size of the dsa / quest model (1024)",
-    "modes": "list of resident, hisparse, noio (serving, DSA: and hybrid)",
+    "modes": "list of resident, hisparse, noio (throughput and serving, DSA: and hybrid)",
     "cache_slots": "B, one or a list (needed by hisparse, noio and hybrid)",
     "contexts": "prompt tokens, one or a list (decode, throughput)",
     "batches": "requests, one or a list",
@@ -270,11 +271,11 @@ def validate(studies: list[dict]) -> None:
         if kind == "policies":
             continue
         modes = study["modes"]
-        allowed = (*KV_MODES, "hybrid") if kind == "serving" else KV_MODES
+        allowed = (*KV_MODES, "hybrid") if kind in ("throughput", "serving") else KV_MODES
         if not isinstance(modes, list) or not modes or any(m not in allowed for m in modes):
             raise ConfigError(f"{where}: modes = {modes!r}: expected a list of {allowed}"
-                              + (" (hybrid: serving studies only)" if isinstance(modes, list) and "hybrid" in modes
-                                 else ""))
+                              + (" (hybrid: throughput and serving studies only)"
+                                 if isinstance(modes, list) and "hybrid" in modes else ""))
         _listed_once(modes, "modes", where)
         if not isinstance(study["model"], str):
             raise ConfigError(f"{where}: model = {study['model']!r}: expected a string (tiny:<family>, dsa, quest or "
@@ -538,6 +539,8 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
     quest = {} if budget is None else {"token_budget": budget}
     dsa = {} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}
+    if point["mode"] == "hybrid":        # places the batch as `hybrid_batch` did, from the same budget
+        dsa["kv_budget_gib"] = point["kv_budget_gib"]
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
                     prefetch=prefetch and point["mode"] == "hisparse", decode_backend=decode_backend, **quest, **dsa)
     replay = replay and with_anchors(replay, engine.anchors)
@@ -632,22 +635,69 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
                          decode_backend=backend)
         return decode_rows(point, out, point["batch"])
     capacity = point["context"] + generated_tokens(study["new_tokens"], study["warmup_steps"])   # as run_decode
-    gpu_bytes, host_bytes = kv_bytes_per_request(model, point["mode"], capacity, point["cache_slots"],
-                                                 point.get("kv_dtype"))
-    fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
-    fits = fits_gpu
-    if host_bytes and "host_budget_gib" in study:
-        fits = min(fits, int(study["host_budget_gib"] * 2**30 // host_bytes))
-    batch = min(fits, study["max_batch"])
+    if point["mode"] == "hybrid":
+        (batch, resident), (fits_gpu, _) = (hybrid_batch(model, study, point, capacity, gpu_only)
+                                            for gpu_only in (False, True))
+        host_bytes = (batch - resident) * kv_bytes_per_request(model, "hisparse", capacity, point["cache_slots"],
+                                                               point.get("kv_dtype"))[1] / max(batch, 1)
+    else:
+        batch, fits_gpu, host_bytes = largest_batch(model, study, point, point["mode"], capacity)
     row = dict(point, batch=batch)
     sizes = [dict(row, metric="max_batch", value=batch, unit="requests"),
              dict(row, metric="max_batch_gpu_budget", value=fits_gpu, unit="requests"),
              dict(row, metric="host_bytes_per_request", value=host_bytes, unit="bytes")]
+    if point["mode"] == "hybrid":
+        sizes.append(dict(row, metric="resident_requests", value=resident, unit="requests"))
     if batch < 1:
         return sizes
     out = run_decode(model, dict(point, batch=batch), batch, study["new_tokens"], graph,
                      warmup_steps=study["warmup_steps"])
+    if point["mode"] == "hybrid" and out.resident_requests != resident:
+        raise RuntimeError(f"the engine placed {out.resident_requests} of {batch} requests resident, "
+                           f"hybrid_batch {resident}: the two must apply one rule")
     return sizes + decode_rows(row, out, batch)
+
+
+def largest_batch(model, study: dict, point: dict, mode: str, capacity: int) -> tuple[int, int, int]:
+    """(batch, batch by the GPU budget alone, host bytes per request) of resident, hisparse or noio: the
+    most requests of `capacity` tokens whose KV (`kv_bytes_per_request`) fits the GPU budget, and the
+    host budget where given, at most max_batch."""
+    gpu_bytes, host_bytes = kv_bytes_per_request(model, mode, capacity, point["cache_slots"], point.get("kv_dtype"))
+    fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
+    fits = fits_gpu
+    if host_bytes and "host_budget_gib" in study:
+        fits = min(fits, int(study["host_budget_gib"] * 2**30 // host_bytes))
+    return min(fits, study["max_batch"]), fits_gpu, host_bytes
+
+
+def hybrid_batch(model, study: dict, point: dict, capacity: int, gpu_only: bool = False) -> tuple[int, int]:
+    """(batch, resident requests) of mode hybrid (DSA) in the throughput study. The rule: hybrid's batch
+    is the larger of resident's and hisparse's largest batch under the same budgets (`largest_batch`;
+    gpu_only: the GPU budget alone, no host budget or max_batch), with as many requests
+    resident as the GPU budget allows beside the hierarchical ones' fixed parts (their slots, cache
+    state and slot maps: `DsaRuntime.hybrid_placement`, the engine's own), the rest hierarchical
+    within the host budget. Bytes are as the engine allocates them (`DsaRuntime.hybrid_bytes`): a
+    resident request holds what it holds in resident mode (its rows in a run of streams without cache
+    state, rounded up to whole streams once per batch), a hierarchical one what it holds in hisparse.
+    So at a short context, where resident's batch is the larger, it is resident's batch with every
+    request resident (one fewer where that rounding, < B + 1 rows, does not fit beside it); at a long
+    context hisparse's batch, the GPU budget hisparse leaves spare holding resident requests."""
+    from hisparse.dsa.runtime import DsaRuntime
+    runtime = DsaRuntime(model, kv_dtype=point.get("kv_dtype") or "bf16")
+    limits = study
+    if gpu_only:
+        limits = {key: value for key, value in study.items() if key != "host_budget_gib"}
+        limits["max_batch"] = math.inf
+    host_budget_gib = limits.get("host_budget_gib")
+    batch = max(largest_batch(model, limits, point, mode, capacity)[0] for mode in ("resident", "hisparse"))
+    budget = int(study["kv_budget_gib"] * 2**30)
+    host_rows = None if host_budget_gib is None else int(host_budget_gib * 2**30 // runtime.row_bytes)
+    while batch >= 1:
+        resident = runtime.hybrid_placement(batch, capacity, point["cache_slots"], budget, host_rows)
+        if resident is not None:
+            return batch, resident
+        batch -= 1
+    return 0, 0
 
 
 

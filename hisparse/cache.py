@@ -75,8 +75,16 @@ def lowest_runs(taken: set[int], max_streams: int, streams: int, count: int) -> 
 class HierarchicalKVCache:
     def __init__(self, max_streams: int, cache_slots: int, host_rows: int, row_elems: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-                 pin: bool | None = None):
-        max_streams = as_int(max_streams, "max_streams must be a positive int (streams)", minimum=1)
+                 pin: bool | None = None, run_only_streams: int = 0):
+        """max_streams streams with cache state (what `open_stream` opens), then `run_only_streams` more
+        that hold rows only, with no cache state (the fixed-batch engine's hybrid mode keeps its
+        resident requests' latents in a run of them, `take_runs`, and pays no LRU state for them);
+        stream ids 0 .. max_streams + run_only_streams - 1 in all."""
+        run_only_streams = as_int(run_only_streams, "run_only_streams must be an int >= 0 (streams without "
+                                  "cache state, for runs)", minimum=0)
+        max_streams = as_int(max_streams, "max_streams must be a positive int (streams)" if not run_only_streams
+                             else "max_streams must be an int >= 0 (streams with cache state)",
+                             minimum=0 if run_only_streams else 1)
         cache_slots = as_int(cache_slots, "cache_slots must be a positive int (B, GPU slots per stream)", minimum=1)
         host_rows = as_int(host_rows, "host_rows must be a positive int (host pool rows)", minimum=1)
         row_elems = as_int(row_elems, "row_elems must be a positive int (elements per row)", minimum=1)
@@ -89,8 +97,11 @@ class HierarchicalKVCache:
         self.cache_slots = cache_slots
         self.host = HostPool(host_rows, row_elems, dtype,
                              pin=(self.device.type == "cuda") if pin is None else pin)
+        # every stream's rows, [(S + run-only streams) * (B+1), E]; `slots`, its first S streams as
         # [S, B+1, E]: B LRU slots, then the reserved slot for the newest token
-        self.slots = torch.zeros(max_streams, cache_slots + 1, row_elems, dtype=dtype, device=self.device)
+        self.gpu_rows = torch.zeros((max_streams + run_only_streams) * (cache_slots + 1), row_elems, dtype=dtype,
+                                    device=self.device)
+        self.slots = self.gpu_rows[:max_streams * (cache_slots + 1)].view(max_streams, cache_slots + 1, row_elems)
         self.state = CacheState.empty(max_streams, cache_slots, host_rows, self.device)
         self.stream_len = [0] * max_streams
         self.stream_capacity = [0] * max_streams
@@ -101,6 +112,12 @@ class HierarchicalKVCache:
 
     @property
     def max_streams(self) -> int:
+        """Stream ids, the run-only ones included."""
+        return self.gpu_rows.shape[0] // (self.cache_slots + 1)
+
+    @property
+    def state_streams(self) -> int:
+        """Streams with cache state: the ids `open_stream` may give (the first ones)."""
         return self.slots.shape[0]
 
     @property
@@ -116,9 +133,10 @@ class HierarchicalKVCache:
         """Take a free stream with a host region of `capacity` units. Nothing changes on failure."""
         capacity = as_int(capacity, "a stream's capacity must be a positive int (units)", minimum=1)
         taken = self._taken()
-        free = [s for s in range(self.max_streams) if s not in taken]
+        free = [s for s in range(self.state_streams) if s not in taken]
         if not free:
-            raise RuntimeError(f"all {self.max_streams} streams are open or in runs; close one or raise max_streams")
+            raise RuntimeError(f"all {self.state_streams} streams with cache state are open or in runs; close one "
+                               f"or raise max_streams")
         base = self.host.alloc(capacity)
         stream = free[0]
         self.state.reset_stream(stream, base, capacity)
@@ -146,7 +164,7 @@ class HierarchicalKVCache:
 
     def take_runs(self, streams: int, count: int = 1) -> list[int] | None:
         """Reserve `count` runs of `streams` contiguous free stream ids each, as GPU rows: run r is rows
-        row_base(first) .. row_base(first) + streams * (B + 1) - 1 of `slots.view(-1, E)`, for a caller
+        row_base(first) .. row_base(first) + streams * (B + 1) - 1 of `gpu_rows`, for a caller
         that stores a whole sequence on the GPU (a resident request in hybrid serving) and indexes it
         itself. A run has no host region and no cache state; the resolve never sees it. Returns the
         first ids (the lowest runs that fit, `lowest_runs`), or None when they do not all fit (nothing
@@ -376,7 +394,8 @@ class HierarchicalKVCache:
                            newest=newest)
 
     def row_base(self, streams: torch.Tensor) -> torch.Tensor:
-        """Row of each stream's slot 0 in `self.slots.view(-1, E)`: streams [N] -> [N] int64."""
+        """Row of each stream's slot 0 in `self.gpu_rows` (`slots.view(-1, E)` and the run-only streams
+        after it): streams [N] -> [N] int64."""
         return streams.long() * (self.cache_slots + 1)
 
     def slot_rows(self, streams: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

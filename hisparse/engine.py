@@ -26,6 +26,7 @@ for the last two: `hisparse.synthetic.split_kv_heads` shapes a synthetic trace f
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ from hisparse.traces import Trace, TraceWriter, validate
 
 RUNTIMES = {DsaModel: DsaRuntime, QuestModel: QuestRuntime, NsaModel: NsaRuntime}
 PREFILLS = ("model", "reference", "random")
+ENGINE_MODES = (*KV_MODES, "hybrid")        # hybrid: DSA models (`Engine`'s docstring)
+GIB = 2**30
 
 
 def family_runtime(model, token_budget: int | None = None, decode_backend: str = "auto",
@@ -85,6 +88,8 @@ class Generation:
 
     misses_per_step: list[int] = field(default_factory=list)   # with replay, in hisparse modes
     prefetched_layers: int = 0                # shared layers whose copies ran on the side stream
+    resident_requests: int = 0                # hybrid: requests placed resident (the first ones)
+    resident_steps: int = 0                   # hybrid: decode steps of the all-resident kind (no resolve)
 
     @property
     def miss_rate(self) -> float:
@@ -147,14 +152,32 @@ class Engine:
     decode_backend (DSA models only): the sparse MLA decode kernel, "auto" (Gluon on Hopper where it
     runs, else Triton), "triton" or "gluon". kv_dtype (DSA models only for "fp8"): "bf16", latent rows
     in the model's dtype, or "fp8", 656-byte rows (hisparse.dsa.fp8) written quantised in prefill and
-    decode, moved as bytes by the cache, read by the FP8 Triton kernel (so "gluon" is refused)."""
+    decode, moved as bytes by the cache, read by the FP8 Triton kernel (so "gluon" is refused).
+
+    mode "hybrid" (DSA models): each `generate` places its batch from `kv_budget_gib` (GPU bytes of KV,
+    `DsaRuntime.hybrid_bytes`): the first requests resident, as many as fit beside the others'
+    hierarchical parts (`DsaRuntime.hybrid_placement`), their latents in one run of the cache's streams
+    (row_base there, streams -1), the rest hierarchical as in hisparse; one decode step over both,
+    the same kernels over `cache.gpu_rows`, so tokens and logits are bitwise resident's. Every
+    request resident: the all-resident step (no resolve, no hierarchical write); none: hisparse's."""
 
     def __init__(self, model: DsaModel | QuestModel | NsaModel, mode: str = "resident",
                  cache_slots: int | None = None, max_context: int | None = None, chunk_size: int | None = None,
                  prefetch: bool = False, prefill: str = "model", token_budget: int | None = None,
-                 prefetch_programs: int | None = None, decode_backend: str = "auto", kv_dtype: str = "bf16"):
-        if mode not in KV_MODES:
-            raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+                 prefetch_programs: int | None = None, decode_backend: str = "auto", kv_dtype: str = "bf16",
+                 kv_budget_gib: float | None = None):
+        if mode not in ENGINE_MODES:
+            raise ValueError(f"mode must be one of {ENGINE_MODES}, got {mode!r}")
+        if mode == "hybrid":
+            if kv_budget_gib is None:
+                raise ValueError("mode 'hybrid' needs kv_budget_gib (GPU memory for KV, GiB): it places each "
+                                 "batch's requests resident or hierarchical by what fits")
+            if isinstance(kv_budget_gib, bool) or not isinstance(kv_budget_gib, (int, float)) \
+                    or not (math.isfinite(kv_budget_gib) and kv_budget_gib > 0):
+                raise ValueError(f"kv_budget_gib must be a positive, finite number of GiB, got {kv_budget_gib!r}")
+        elif kv_budget_gib is not None:
+            raise ValueError(f"kv_budget_gib places mode 'hybrid''s requests; mode {mode!r} takes none "
+                             f"(got {kv_budget_gib!r})")
         if prefetch and mode != "hisparse":
             raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
         if prefill not in PREFILLS:
@@ -166,6 +189,10 @@ class Engine:
         if chunk_size is not None:
             chunk_size = as_int(chunk_size, "chunk_size must be an int >= 1 (prompt tokens per prefill chunk)", 1)
         self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        if mode == "hybrid" and not hasattr(self.runtime, "gather_hybrid"):
+            raise ValueError(f"mode 'hybrid' is built for DSA models (deepseek_v32, glm_moe_dsa) so far; this "
+                             f"{self.runtime.family} model ({type(model).__name__}) runs resident, hisparse or noio")
+        self.kv_budget = None if kv_budget_gib is None else int(kv_budget_gib * GIB)
         self.decode_backend, self.kv_dtype = decode_backend, kv_dtype
         self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
         if prefetch and not self.runtime.shared_layers:
@@ -192,6 +219,7 @@ class Engine:
         self.max_context, self.chunk_size = max_context, chunk_size
         self.prefetch, self.prefill = prefetch, prefill
         self.cache: HierarchicalKVCache | None = None
+        self.resident_requests = 0          # hybrid: the last generate's placement (the first requests)
 
     @property
     def anchors(self) -> list[int]:
@@ -219,7 +247,10 @@ class Engine:
                 last.append(logits[0, -1])
             first = torch.stack(last)
             rows = self.runtime.prefilled_rows(singles)
-        layers = self.runtime.gather_layers(self.mode, self.cache, rows, lengths, capacity, self.prefetch)
+        if self.mode == "hybrid":
+            layers = self.runtime.gather_hybrid(self.cache, rows, lengths, capacity, self.resident_requests)
+        else:
+            layers = self.runtime.gather_layers(self.mode, self.cache, rows, lengths, capacity, self.prefetch)
         return DecodeState(layers, capacity, lengths, int(lengths.max())), first
 
     # -- decode ------------------------------------------------------------------------------
@@ -260,14 +291,20 @@ class Engine:
         if bad:
             raise ValueError(f"token id {bad[0]} out of range: the vocabulary has {vocab} ids")
 
+        batch = len(prompts)
+        if self.mode == "hybrid":       # placed before anything is allocated or launched
+            self.resident_requests = self.placement(batch, capacity)
         previous_attention = self.model.sparse_attention
         self.cache = None               # the last run's host pool goes before a new one is pinned
         try:
-            batch = len(prompts)
-            if self.mode != "resident":
+            if self.mode == "hybrid":
+                self.cache = self.runtime.new_hybrid_cache(self.resident_requests, batch - self.resident_requests,
+                                                           capacity, self.cache_slots)
+            elif self.mode != "resident":
                 self.cache = self.runtime.new_cache(batch, capacity, self.cache_slots)
             state, first = self._prefill(prompts, capacity)
-            attention = self.runtime.attention(self.mode, state.layers, check_values=not graph, prefetch=self.prefetch,
+            kv_mode = "hisparse" if self.mode == "hybrid" else self.mode     # the attention's: resolves, copies
+            attention = self.runtime.attention(kv_mode, state.layers, check_values=not graph, prefetch=self.prefetch,
                                                prefetch_programs=self.prefetch_programs)
             if replay is not None:     # the whole trace on the device: each step copies its slice
                 steps = np.ascontiguousarray(replay.selections[:new_tokens - 1])
@@ -283,6 +320,9 @@ class Engine:
             generated = [tokens]
             out.kv_bytes_per_request = self.runtime.kv_bytes(state.layers, self.cache) / batch
             out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
+            if self.mode == "hybrid":
+                out.resident_requests = self.resident_requests
+                all_resident = state.layers[0].resident_step
 
             def step(toks: torch.Tensor) -> torch.Tensor:
                 return self.model.decode(toks, state)
@@ -302,6 +342,8 @@ class Engine:
                     self.runtime.advance_streams(self.cache, state.layers, [len(p) + t - 1 for p in prompts])
                 launch_start = time.perf_counter()
                 logits = step(tokens)
+                if self.mode == "hybrid":
+                    out.resident_steps += all_resident
                 if t >= timed_from:
                     out.launch_ms.append((time.perf_counter() - launch_start) * 1e3)
                 if record is not None:
@@ -330,6 +372,17 @@ class Engine:
         finally:
             # the run's attention holds its layers, hence the cache: put the model's own back
             self.model.sparse_attention = previous_attention
+
+    def placement(self, batch: int, capacity: int) -> int:
+        """Mode hybrid: resident requests of a batch of `batch` requests of `capacity` tokens under the
+        GPU budget (`DsaRuntime.hybrid_placement`), or ValueError when even all hierarchical exceeds it."""
+        resident = self.runtime.hybrid_placement(batch, capacity, self.cache_slots, self.kv_budget)
+        if resident is None:
+            need = self.runtime.hybrid_bytes(0, batch, capacity, self.cache_slots)
+            raise ValueError(f"kv_budget_gib={self.kv_budget / GIB:g} ({self.kv_budget} bytes) holds no placement of "
+                             f"{batch} requests of {capacity} tokens: all hierarchical they take {need} bytes "
+                             f"(cache_slots={self.cache_slots})")
+        return resident
 
     def trace_writer(self, prompts, source: str = "") -> TraceWriter:
         """A TraceWriter with this model's metadata, for `generate(..., record=...)`."""

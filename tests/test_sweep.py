@@ -119,7 +119,7 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
      r"study 0 \(decode\): cache_slots = \[8, 9, 8\] lists 8 twice"),
     (("modes = [\"resident\", \"hisparse\"]\ncache_slots = 8\ncontexts",
       "modes = [\"resident\", \"hybrid\"]\ncache_slots = 8\ncontexts"),
-     r"study 0 \(decode\): modes = .*expected a list of \('resident', 'hisparse', 'noio'\) \(hybrid: serving studies only\)"),
+     r"study 0 \(decode\): modes = .*expected a list of \('resident', 'hisparse', 'noio'\) \(hybrid: throughput and serving studies only\)"),
 ], ids=["kind", "unknown-key", "mode", "slots-below-k", "context", "workload", "quest-context", "family", "warmup",
         "warmup-list", "modes-int", "model-int", "workload-list", "graph-string", "layers-0", "prefetch-unshared",
         "decode-backend", "early-resolve-gone", "hidden-tiny", "max-batch-list", "max-batch-0", "kind-list", "slots-above-max",

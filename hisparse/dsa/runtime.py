@@ -26,6 +26,7 @@ from hisparse.dsa import fp8
 from hisparse.dsa.ops import DECODE_BACKENDS, dsa_select
 from hisparse.dsa.reference import MlaKV
 from hisparse.models.base import DecodeState
+from hisparse.resolve import CacheState
 from hisparse.runtime import (
     KV_MODES,
     Rows,
@@ -42,7 +43,7 @@ __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
 class HierMlaKV(MlaKV):
     """A layer's KV with the latents in the hierarchical cache: `latent` is None; `streams [B]`
     int32 are the rows' streams in `cache` (`host_streams` the same ids on the host), and
-    `row_base [B]` int64 the row of each stream's slot 0 in `cache.slots` viewed as rows;
+    `row_base [B]` int64 the row of each stream's slot 0 in `cache.gpu_rows` (the slots viewed as rows);
     `index_keys [B, capacity, Di]` stay resident.
 
     A shared layer (one that reuses an anchor layer's selection) moves in lockstep with its anchor:
@@ -57,11 +58,12 @@ class HierMlaKV(MlaKV):
     anchor_streams: torch.Tensor | None = None
     prefetched: torch.cuda.Event | None = None
     newest: tuple | None = None                # an anchor's (units [B], rows [B, D]) its resolve writes
-    # hybrid serving: [B] bool, the lanes whose latents are all on the GPU, token t at row
-    # row_base + t of `cache.slots` viewed as rows (a run of the cache's streams); their streams are -1
+    # hybrid (serving, and the fixed-batch engine): [B] bool, the lanes whose latents are all on the GPU,
+    # token t at row row_base + t of `cache.gpu_rows` (in a run of the cache's streams); their streams are -1
     resident: torch.Tensor | None = None
     # hybrid, host side: every lane holding a request is resident in this step (set before an eager
-    # step or a graph's capture), so the step skips the hierarchical write and the resolve
+    # step or a graph's capture), so the step skips the hierarchical write and the resolve; the
+    # engine's all-resident batch sets it for the whole run
     resident_step: bool = False
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
@@ -80,7 +82,7 @@ class HierMlaKV(MlaKV):
         if self.cache.slots.dtype == torch.uint8:
             latent = fp8.to_rows(latent)
         if self.resident is not None:           # resident lanes: at their rows (others write what is there)
-            pool = self.cache.slots.view(-1, self.cache.slots.shape[-1])
+            pool = self.cache.gpu_rows
             at = torch.where(self.resident, self.row_base + positions[:, 0], 0)
             pool[at] = torch.where(self.resident[:, None], latent[:, 0], pool[at])
             if self.resident_step:
@@ -143,7 +145,7 @@ class KernelDsaAttention(UnitResolver):
                 keep = kv.resident[:, None]
                 rows = torch.where(keep, selection, self._slots(layer_idx, kv, torch.where(keep, -1, selection)))
             row_base = kv.row_base
-            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+            pool = kv.cache.gpu_rows
         else:
             batch, capacity, _ = kv.latent.shape
             rows, row_base = selection, self._resident_base(batch, capacity, selection.device)
@@ -249,12 +251,8 @@ class DsaRuntime:
                       prefetch: bool, host_tokens: int) -> MlaKV:
         """One layer's batch state from per-request (latents [len, D], index keys [1, len, Di] | None)."""
         batch = len(lengths)
-        latent, keys = parts[0]
-        index_keys = None
-        if keys is not None:
-            index_keys = keys.new_zeros(batch, capacity, keys.shape[-1])
-            for b, (_, k) in enumerate(parts):
-                index_keys[b, :lengths[b]] = k[0]
+        latent = parts[0][0]
+        index_keys = _index_keys(parts, lengths, capacity)
         if mode == "resident":
             pool = latent.new_zeros(batch, capacity, latent.shape[-1])
             for b, (lat, _) in enumerate(parts):
@@ -273,6 +271,91 @@ class DsaRuntime:
             if prefetch and mode == "hisparse" and latent.is_cuda:
                 kv.prefetched = torch.cuda.Event()
         return kv
+
+    # -- hybrid in the fixed-batch engine: the first requests resident in one run, the others hierarchical --
+
+    def hybrid_run_streams(self, resident: int, capacity: int, cache_slots: int) -> int:
+        """Run-only streams of a hybrid engine batch: `resident` requests' latents packed in one run,
+        `capacity` rows per (request, layer), rounded up to whole streams of B + 1 rows."""
+        rows = resident * self.model.config.num_hidden_layers * capacity
+        return -(-rows // (cache_slots + 1))
+
+    def hybrid_bytes(self, resident: int, hierarchical: int, capacity: int, cache_slots: int) -> int:
+        """GPU bytes of a hybrid engine batch as `new_hybrid_cache` and `gather_hybrid` allocate them
+        (what `kv_bytes` then measures): every request's indexer keys (anchor layers); per hierarchical
+        request one stream a layer (B + 1 slots and their LRU state) and a 4-byte slot map entry per host
+        row; the resident requests' latents in one run of streams without cache state (`capacity` rows
+        per request and layer, less than B + 1 rows more than resident mode's in all)."""
+        cfg, elem = self.model.config, self.model.model.embed_tokens.weight.element_size()
+        anchors = sum(1 for t in cfg.indexer_types if t == "full")
+        index = (resident + hierarchical) * anchors * capacity * cfg.index_head_dim * elem
+        streams = hierarchical * cfg.num_hidden_layers
+        host_rows = max(1, streams * capacity)
+        state = CacheState.empty(streams, cache_slots, host_rows, "meta")
+        rows = (streams + self.hybrid_run_streams(resident, capacity, cache_slots)) * (cache_slots + 1)
+        return index + rows * self.row_bytes + nbytes(*vars(state).values())
+
+    def hybrid_placement(self, batch: int, capacity: int, cache_slots: int, kv_budget: int,
+                         host_rows: int | None = None) -> int | None:
+        """Resident requests of a hybrid batch of `batch` requests of `capacity` tokens: the most whose
+        placement (`hybrid_bytes`, the rest hierarchical) fits `kv_budget` GPU bytes, with the
+        hierarchical ones' latents within `host_rows` host rows where given; None when none fits."""
+        layers = self.model.config.num_hidden_layers
+        for resident in range(batch, -1, -1):
+            hierarchical = batch - resident
+            if host_rows is not None and hierarchical * layers * capacity > host_rows:
+                return None                 # fewer resident requests need more host rows still
+            if self.hybrid_bytes(resident, hierarchical, capacity, cache_slots) <= kv_budget:
+                return resident
+        return None
+
+    def new_hybrid_cache(self, resident: int, hierarchical: int, capacity: int,
+                         cache_slots: int) -> HierarchicalKVCache:
+        """The cache of a hybrid engine batch: a stream with cache state per (hierarchical request,
+        layer), a host region each, and `hybrid_run_streams` run-only streams for the resident ones."""
+        layers, weight = self.model.config.num_hidden_layers, self.model.model.embed_tokens.weight
+        return HierarchicalKVCache(max_streams=hierarchical * layers, cache_slots=cache_slots,
+                                   host_rows=max(1, hierarchical * layers * capacity), row_elems=self.row_elems,
+                                   dtype=self.row_dtype, device=weight.device,
+                                   run_only_streams=self.hybrid_run_streams(resident, capacity, cache_slots))
+
+    def gather_hybrid(self, cache: HierarchicalKVCache, rows: Rows, lengths, capacity: int,
+                      resident: int) -> list[HierMlaKV]:
+        """A hybrid engine batch's layers (cache: `new_hybrid_cache`): requests 0 .. resident - 1
+        resident, request j's layer i at rows base + (j * layers + i) * capacity of the cache's one run
+        (row_base there, streams -1, `resident` True); the others hierarchical as in hisparse (one
+        stream a layer, every latent in the host pool). All resident: every step is the resident one
+        (`resident_step`: no resolve, no hierarchical write); none resident: hisparse's (`resident` None)."""
+        batch, layers = len(lengths), len(self.anchors)
+        host = [[cache.open_stream(capacity) for _ in range(resident, batch)] for _ in range(layers)]
+        base = 0
+        if resident:        # after the streams are open: the run is then the run-only streams
+            first = cache.take_runs(self.hybrid_run_streams(resident, capacity, cache.cache_slots))
+            if first is None or first[0] < cache.state_streams:
+                raise RuntimeError(f"the hybrid cache's run-only streams hold no run of {resident} resident "
+                                   f"requests (got {first}): make the cache with new_hybrid_cache")
+            base = int(cache.row_base(torch.tensor(first))[0])
+        out = []
+        for i, anchor in enumerate(self.anchors):
+            parts = [rows(b, i) for b in range(batch)]
+            bases = [base + (j * layers + i) * capacity for j in range(resident)]
+            for j in range(resident):
+                cache.gpu_rows[bases[j]:bases[j] + int(lengths[j])] = parts[j][0]
+            for stream, (latent, _) in zip(host[i], parts[resident:]):
+                cache.append(stream, latent)
+            device = cache.gpu_rows.device
+            ids = [-1] * resident + host[i]
+            kv = HierMlaKV(latent=None, index_keys=_index_keys(parts, lengths, capacity), cache=cache,
+                           host_streams=ids, streams=torch.tensor(ids, dtype=torch.int32, device=device),
+                           row_base=torch.tensor(bases + [s * (cache.cache_slots + 1) for s in host[i]],
+                                                 dtype=torch.int64, device=device))
+            if anchor != i:
+                kv.anchor_layer, kv.anchor_streams = anchor, out[anchor].streams
+            if resident:
+                kv.resident = torch.arange(batch, device=device) < resident
+                kv.resident_step = resident == batch
+            out.append(kv)
+        return out
 
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
                      host_tokens: int, runs: list[int] | None = None,
@@ -311,7 +394,7 @@ class DsaRuntime:
         if not cache.host.fits([host_tokens] * len(layers)):
             raise ValueError(f"demoting lane {lane} needs {len(layers)} host regions of {host_tokens} rows; "
                              f"the host pool has {cache.host.free_rows} rows free")
-        pool = cache.slots.view(-1, cache.slots.shape[-1])
+        pool = cache.gpu_rows
         for kv, first in zip(layers, runs):
             base = int(cache.row_base(torch.tensor([first]))[0])
             cache.release_run(first)
@@ -340,8 +423,8 @@ class DsaRuntime:
 
     def counts(self, cache: HierarchicalKVCache, layers: list) -> tuple[int, int]:
         """(hits, misses) over every layer; a shared layer counts its anchor's, whose rows it copies."""
-        return stream_counts(cache, [kv.streams if kv.anchor_streams is None else kv.anchor_streams
-                                     for kv in layers])
+        streams = [kv.streams if kv.anchor_streams is None else kv.anchor_streams for kv in layers]
+        return stream_counts(cache, [s[s >= 0] for s in streams])      # a resident lane's are -1
 
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
         """The resident indexer keys, plus the resident latents or the hot slots with their LRU
@@ -352,10 +435,21 @@ class DsaRuntime:
         return total + sum(nbytes(kv.latent) for kv in layers)
 
 
+def _index_keys(parts, lengths, capacity: int) -> torch.Tensor | None:
+    """A layer's indexer keys [B, capacity, Di] from per-request (latents, keys [1, len, Di] | None)."""
+    keys = parts[0][1]
+    if keys is None:
+        return None
+    index_keys = keys.new_zeros(len(parts), capacity, keys.shape[-1])
+    for b, (_, k) in enumerate(parts):
+        index_keys[b, :lengths[b]] = k[0]
+    return index_keys
+
+
 def run_rows(cache: HierarchicalKVCache, first: int) -> torch.Tensor:
     """The rows [streams * (B + 1), E] of the run `cache.take_runs` returned as `first` (a view)."""
     base = int(cache.row_base(torch.tensor([first]))[0])
-    return cache.slots.view(-1, cache.slots.shape[-1])[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
+    return cache.gpu_rows[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
 
 
 class LanePrefill:
