@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchmarks.bench_prefill import TARGETS
-from experiments.figures import newest_per_point, serving_study
+from experiments.figures import RUN_COLUMNS, newest_per_point, serving_study
 
 
 def latest(frame: pd.DataFrame) -> pd.DataFrame:
@@ -226,6 +226,40 @@ def prefill_serial_cap(wide: pd.DataFrame, level: float, low: float, output_len:
     return span["resident"] / span["hisparse"]
 
 
+def throughput_lines(frame: pd.DataFrame) -> list[str]:
+    """The throughput study (experiments.sweep kind throughput; each point's newest rows, a GPU's where
+    there are any): issue 34's targets for mode hybrid, DSA, its tokens/s at least 0.97x resident's at
+    4K and at least 0.95x hisparse's (same cache_slots) at 64K and 128K, "not measured yet" where a
+    mode's row is missing."""
+    f = frame[frame.gpu != "cpu"] if (frame.gpu != "cpu").any() else frame
+    f = f[(f.family == "dsa") & f.metric.isin(["tokens_per_s", "resident_requests"])]
+    f = newest_per_point(f, RUN_COLUMNS + ("batch",)) if len(f) else f     # a rerun may size another batch
+    kv = f["kv_dtype"].fillna("bf16") if "kv_dtype" in f else pd.Series("bf16", index=f.index)
+    f, counts = f[kv == "bf16"], f[(kv == "bf16") & (f.metric == "resident_requests")]
+    f = f[f.metric == "tokens_per_s"]
+    lines = []
+    for context, over, target in ((4096, "resident", 0.97), (65536, "hisparse", 0.95), (131072, "hisparse", 0.95)):
+        at = f[f.context == context]
+        hybrid = at[at["mode"] == "hybrid"]
+        size = f"{context // 1024}K"
+        if hybrid.empty:
+            lines.append(f"throughput {size}: hybrid / {over} tokens/s not measured yet (target >= {target})")
+            continue
+        row = hybrid.iloc[-1]
+        base = at[at["mode"] == over]
+        if over == "hisparse":
+            base = base[base.cache_slots == row.cache_slots]
+        if base.empty:
+            lines.append(f"throughput {size}: {over} not measured yet beside hybrid (target: hybrid / {over} "
+                         f"tokens/s >= {target})")
+            continue
+        resident = counts[(counts.context == context) & (counts["mode"] == "hybrid")]
+        placed = f", {resident.value.iloc[-1]:.0f} of {row.batch:.0f} requests resident" if len(resident) else ""
+        lines.append(f"throughput {size}: hybrid / {over} tokens/s {row.value / base.value.iloc[-1]:.3f}x "
+                     f"(target >= {target}; batch {row.batch:.0f} / {base.batch.iloc[-1]:.0f}{placed})")
+    return lines
+
+
 # what makes an HTTP row the twin of an in-process one (the rest is how each was measured)
 TWIN = ["family", "model", "mode", "workload", "layers", "hidden", "cache_slots", "input_len", "output_len",
         "concurrency", "kv_budget_gib", "prefill_chunk", "kv_dtype"]
@@ -277,7 +311,7 @@ def chunk_lines(closed: pd.DataFrame) -> list[str]:
 SUMMARIES = {"resolve.csv": resolve_lines, "resolve_layers.csv": resolve_layers_lines,
              "attention.csv": attention_lines, "prefetch.csv": prefetch_lines,
              "decode_ablation.csv": decode_ablation_lines, "prefill.csv": prefill_lines,
-             "serving.csv": serving_lines}
+             "serving.csv": serving_lines, "throughput.csv": throughput_lines}
 
 
 def main(argv=None) -> None:

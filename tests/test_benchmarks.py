@@ -417,3 +417,31 @@ def test_summary_prints_the_prefill_bound_estimate_hybrid_targets_and_unmeasured
         "0 demotions",
         "serving 4 clients: hybrid output tokens/s 0.980x hisparse's (target >= 0.95), 4 resident admissions, "
         "1 demotions"]
+
+
+def test_summary_prints_hybrid_throughput_beside_its_targets_and_unmeasured_points():
+    """Throughput study rows (DSA): hybrid over resident at 4K (>= 0.97) and over hisparse at the same
+    cache_slots at 64K and 128K (>= 0.95), with the batches and requests placed resident; a point
+    without hybrid's, or without the mode it is measured against, says so instead of printing nan; a
+    CPU row and an older run of a point are not read, nor fp8 rows."""
+    from benchmarks.summary import throughput_lines
+    shape = dict(bench="throughput", family="dsa", model="dsa", workload="dsa_100k", gpu="NVIDIA H200", commit="abc",
+                 timestamp="2026-12-02T10:00:00", kv_budget_gib=24)
+    runs = [("resident", 4096, None, 72, 1000.0), ("hybrid", 4096, 4096, 72, 980.0),
+            ("hisparse", 65536, 4096, 19, 400.0), ("hybrid", 65536, 4096, 19, 392.0),
+            ("hisparse", 65536, 2048, 19, 100.0), ("hybrid", 131072, 4096, 10, 200.0)]
+    rows = [dict(shape, mode=m, context=c, cache_slots=b, batch=n, metric="tokens_per_s", value=v)
+            for m, c, b, n, v in runs]
+    rows += [dict(shape, mode="hybrid", context=c, cache_slots=4096, batch=n, metric="resident_requests", value=r)
+             for c, n, r in ((4096, 72, 72), (65536, 19, 1), (131072, 10, 0))]
+    rows.append(dict(rows[1], value=1.0, timestamp="2026-12-01T10:00:00"))          # an older run of the point
+    rows.append(dict(rows[1], value=5.0, gpu="cpu", timestamp="2026-12-03T10:00:00"))
+    rows.append(dict(rows[0], value=1.0, kv_dtype="fp8"))
+    assert throughput_lines(pd.DataFrame(rows)) == [
+        "throughput 4K: hybrid / resident tokens/s 0.980x (target >= 0.97; batch 72 / 72, 72 of 72 requests resident)",
+        "throughput 64K: hybrid / hisparse tokens/s 0.980x (target >= 0.95; batch 19 / 19, 1 of 19 requests resident)",
+        "throughput 128K: hisparse not measured yet beside hybrid (target: hybrid / hisparse tokens/s >= 0.95)"]
+    assert throughput_lines(pd.DataFrame(rows[:1])) == [
+        "throughput 4K: hybrid / resident tokens/s not measured yet (target >= 0.97)",
+        "throughput 64K: hybrid / hisparse tokens/s not measured yet (target >= 0.95)",
+        "throughput 128K: hybrid / hisparse tokens/s not measured yet (target >= 0.95)"]
