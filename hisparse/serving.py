@@ -66,7 +66,7 @@ from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
 from hisparse.runtime import KV_MODES, cache_bytes, nbytes, prefetch_width
 
-# hybrid (DSA, Quest): a request resident while its rows fit beside the others in runs of the cache's
+# hybrid (every family): a request resident while its rows fit beside the others in runs of the cache's
 # streams, hierarchical otherwise; a resident one is demoted when a hierarchical one needs the room
 SERVING_MODES = (*KV_MODES, "hybrid")
 
@@ -194,7 +194,7 @@ class _Prefill:
 class Server:
     """A continuous-batching server over one model (see the module docstring).
 
-    mode: resident, hisparse, noio or hybrid (DSA, Quest; sized as hisparse, see `_admit_hybrid`). cache_slots: B
+    mode: resident, hisparse, noio or hybrid (sized as hisparse, see `_admit_hybrid`). cache_slots: B
     (hierarchical and hybrid modes). max_context: the most
     tokens a request may hold (prompt + max new tokens). kv_budget_gib: GPU memory for KV (lanes,
     cache, prefill workspace); host_budget_gib: the host pool (hierarchical modes; default: every lane
@@ -232,12 +232,13 @@ class Server:
         self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
         self.hybrid = mode == "hybrid"
         if self.hybrid and not hasattr(self.runtime, "take_runs"):
-            raise ValueError(f"mode 'hybrid' is built for DSA and Quest models so far, not "
-                             f"{self.runtime.family}: use mode 'hisparse' or 'resident'")
+            raise ValueError(f"mode 'hybrid' needs a runtime that keeps requests in runs of the cache's streams "
+                             f"(take_runs, run_streams, runs_per_request, demote); {self.runtime.family}'s has "
+                             f"none: use mode 'hisparse' or 'resident'")
         self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are
         # hybrid: where a hierarchical prefill's workspace sits: in runs of the cache's streams (DSA's:
         # its resident prefill writes straight into its runs, so only a hierarchical one needs it), or
-        # beside the cache in every mode (Quest's: its prefill attends over the model's PagedKV)
+        # beside the cache in every mode (Quest's and NSA's: their prefill attends over the model's own state)
         self._workspace_in_runs = getattr(self.runtime, "workspace_in_runs", True)
         self._lane_runs: dict[int, list[int]] = {}     # hybrid: lane -> its runs (runs_per_request) while resident
         self._lanes_changed, self._no_plan = 0, None   # hybrid: a count of lane changes; the last unplaceable
@@ -516,8 +517,8 @@ class Server:
     def _hybrid_plan(self, request: Request) -> tuple[str, list[int]] | None:
         """Where a request would go now: ("resident", []) when its runs are free, ("hierarchical",
         the resident lanes to demote first, in order) when, after those demotions, its workspace's runs
-        (where it takes runs: one per run a resident request holds) and its own streams are free and the host pool holds the demoted
-        requests' regions and then its own; None when nothing would place it. Planned on a copy of
+        (where it takes runs: one per run a resident request holds) and its own streams are free and
+        the host pool holds the demoted requests' regions and then its own; None when nothing would place it. Planned on a copy of
         the cache's stream map with the cache's own rule (`lowest_runs`, lowest free stream first),
         so `_admit_hybrid` then places it exactly so. Not admissible plans are remembered until a
         lane changes (the queue's head asks every iteration)."""

@@ -1,4 +1,4 @@
-"""Hybrid serving (DSA, Quest): a request is resident in runs of the cache's streams while they are
+"""Hybrid serving (DSA, Quest, NSA): a request is resident in runs of the cache's streams while they are
 free and hierarchical otherwise, demoted when a hierarchical one needs the streams; resident and
 hierarchical lanes decode in one step, and every token and logit is bitwise the resident run's under
 the same schedule (tiny models, interpreter)."""
@@ -13,13 +13,18 @@ from hisparse.models.loading import build_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.serving import GIB, Request, Server
 
-# per family: B (and Quest's token budget, k = 3 pages), and the resident requests' room beyond the
-# lanes' streams. DSA: B = 48, a run of 3 streams a layer, room for one more; its prefill workspace
-# becomes streams too. Quest: B = 4, a run of 2 streams a KV head (9 pages), no room beyond the
-# lanes' (its workspace stays beside the cache): the second request is hierarchical, the third demotes
-HYBRID = {"deepseek_v32": (dict(cache_slots=48), 1), "glm_moe_dsa": (dict(cache_slots=48), 1),
-          "llama": (dict(cache_slots=4, token_budget=48), 0), "qwen3": (dict(cache_slots=4, token_budget=48), 0),
-          "llama-shared": (dict(cache_slots=4, token_budget=48), 0)}
+# per family: B (and Quest's token budget, k = 3 pages), the resident requests' room beyond the
+# lanes' streams, max_context. DSA: B = 48, a run of 3 streams a layer, room for one more; its
+# prefill workspace becomes streams too. Quest: B = 4, a run of 2 streams a KV head (9 pages), no
+# room beyond the lanes' (its workspace stays beside the cache): the second request is
+# hierarchical, the third demotes. NSA: B >= k = 16 blocks, so a run of 2 streams needs a
+# max_context over 17 blocks (the requests stay short; its decode step is the interpreter's slowest:
+# at most 4 new tokens)
+HYBRID = {"deepseek_v32": (dict(cache_slots=48), 1, MAX_CONTEXT), "glm_moe_dsa": (dict(cache_slots=48), 1, MAX_CONTEXT),
+          "llama": (dict(cache_slots=4, token_budget=48), 0, MAX_CONTEXT),
+          "qwen3": (dict(cache_slots=4, token_budget=48), 0, MAX_CONTEXT),
+          "llama-shared": (dict(cache_slots=4, token_budget=48), 0, MAX_CONTEXT),
+          "nsa": (dict(cache_slots=16), 0, 1100)}
 
 
 @functools.cache
@@ -34,14 +39,14 @@ def model_of(family: str):
     return model
 
 
-def hybrid_server(model, extra_runs: int, **kw) -> Server:
+def hybrid_server(model, extra_runs: int, max_context: int = MAX_CONTEXT, **kw) -> Server:
     """Three lanes and room for `extra_runs` resident requests beyond the lanes' own streams and the
-    prefill workspace's (which hybrid also turns into streams)."""
-    probe = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=1.0, max_batch=3, **kw)
-    runs = probe.runtime.run_streams(probe.cache, MAX_CONTEXT) * probe.streams_per_request
+    prefill workspace's (which hybrid also turns into streams where the family puts it in runs)."""
+    probe = Server(model, "hisparse", max_context=max_context, kv_budget_gib=1.0, max_batch=3, **kw)
+    runs = probe.runtime.run_streams(probe.cache, max_context) * probe.streams_per_request
     budget = (probe.workspace_bytes + 4 * probe.cache.host.capacity + 3 * probe.lane_bytes
               + extra_runs * runs * probe._stream_bytes())
-    server = Server(model, "hybrid", max_context=MAX_CONTEXT, kv_budget_gib=budget / GIB, max_batch=3, **kw)
+    server = Server(model, "hybrid", max_context=max_context, kv_budget_gib=budget / GIB, max_batch=3, **kw)
     assert server.gpu_bytes() <= server.kv_budget          # the streams it made fit the budget exactly
     return server
 
@@ -54,9 +59,9 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
     schedule gives every token and logit bitwise, through the steps whose lanes are all resident (no
     resolve) and the others; every run, stream and host row is given back."""
     model = model_of(family)
-    settings, extra_runs = HYBRID[family]
+    settings, extra_runs, max_context = HYBRID[family]
     kw = dict(settings, prefill_chunk=24, keep_logits=True, graph=graph, **({} if graph else QUICK))
-    server = hybrid_server(model, extra_runs=extra_runs, **kw)
+    server = hybrid_server(model, extra_runs=extra_runs, max_context=max_context, **kw)
     assert server.lanes == 3
     mixed = []
     decode = server._decode_step
@@ -73,13 +78,15 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
 
     server._decode_step = watched
     reqs = requests(seed=4, n=5)
+    if family == "nsa":
+        reqs = [Request(r.prompt, min(r.max_new_tokens, 4)) for r in reqs]
     run = server.serve(reqs, clients=3)
     summary = run.summary()
     assert summary["resident_admissions"] >= 2 and summary["demotions"] >= 1, summary
     assert any(mixed), "no step decoded resident and hierarchical lanes together: the test checks no mix"
     assert 0 < summary["resident_steps"] < len(mixed), summary     # all-resident steps and others, both checked
     assert run.peak_gpu_bytes <= server.kv_budget
-    again = Server(model, "resident", lanes=run.schedule.lanes, max_context=MAX_CONTEXT, **kw).serve(
+    again = Server(model, "resident", lanes=run.schedule.lanes, max_context=max_context, **kw).serve(
         fresh(reqs), clients=3, replay=run.schedule)
     for a, b in zip(run.requests, again.requests):
         assert a.tokens == b.tokens and len(a.tokens) == a.max_new_tokens, f"request {a.rid}"
@@ -101,8 +108,6 @@ def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
     assert run.summary()["resident_admissions"] == 1 and run.summary()["demotions"] == 1, run.summary()
     assert all(len(r.tokens) == r.max_new_tokens for r in run.requests)
     assert server.cache.free_streams() == server.cache.max_streams
-    with pytest.raises(ValueError, match="'hybrid' is built for DSA and Quest models so far, not NSA"):
-        Server(tiny("nsa"), "hybrid", cache_slots=16, max_context=MAX_CONTEXT, kv_budget_gib=0.05)
     with pytest.raises(ValueError, match="prefetch applies to mode 'hisparse'"):
         Server(model, "hybrid", prefetch=True, max_context=MAX_CONTEXT, kv_budget_gib=0.05, **kw)
 

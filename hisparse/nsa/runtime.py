@@ -25,7 +25,9 @@ can be captured in a CUDA graph. The engine records on the host which streams ga
 Serving (`hisparse.serving`) prefills a request into its lane in place (`NsaLanePrefill`, with the
 unit helpers of hisparse/quest/runtime.py): each chunk's blocks, window tokens and compressed
 blocks reach the lane or the host pool as the chunk is done; an empty lane's decode write keeps
-what the lane holds (`NsaBlocksKV.lanes`).
+what the lane holds (`NsaBlocksKV.lanes`). Hybrid serving keeps a lane's selection blocks resident in
+runs of the cache's streams as Quest keeps its pages (hisparse/quest/runtime.py): block b of KV head
+h at row `row_base[n, h] + b`; the window and compressed blocks are the lane's in every mode.
 """
 from __future__ import annotations
 
@@ -48,9 +50,13 @@ from hisparse.nsa.ops import (
 from hisparse.nsa.reference import NsaKV, compressed_blocks
 from hisparse.quest.runtime import (
     close_lane_streams,
+    demote_unit_runs,
+    join_lane_runs,
     join_lane_streams,
     kept_in_empty_lanes,
+    lane_runs,
     open_lane_streams,
+    run_page_rows,
     store_lane_units,
     write_resident_unit_kept,
     zero_lane,
@@ -63,9 +69,11 @@ from hisparse.runtime import (
     gather_in_lockstep,
     nbytes,
     open_unit_streams,
+    run_rows,
     shared_states,
     stream_counts,
     write_newest_unit,
+    write_run_token,
 )
 
 
@@ -119,7 +127,8 @@ class HierNsaKV(NsaBlocksKV):
     A shared layer (`selection_group` > 1: it attends over its anchor layer's blocks) moves in
     lockstep with its anchor: `anchor_layer` and `anchor_streams [N, HKV]` name the anchor, whose
     slot maps place its blocks too, and `prefetched` is the event its layer-wise prefetch copy
-    records, when prefetch is on (as Quest's `HierQuestKV`)."""
+    records, when prefetch is on (as Quest's `HierQuestKV`). Hybrid serving: `resident`, `row_base`,
+    `resident_step` as Quest's (a resident lane's blocks in runs of the cache's streams)."""
 
     streams: torch.Tensor | None = None
     cache: HierarchicalKVCache | None = None
@@ -127,8 +136,16 @@ class HierNsaKV(NsaBlocksKV):
     anchor_layer: int | None = None
     anchor_streams: torch.Tensor | None = None
     prefetched: torch.cuda.Event | None = None
+    row_base: torch.Tensor | None = None
+    resident: torch.Tensor | None = None
+    resident_step: bool = False
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.resident is not None:         # resident lanes: into their runs' rows
+            pool = self.cache.slots.view(-1, 2, SEL_BLOCK, key.shape[-1])
+            write_run_token(pool, self.row_base, self.resident, pos, key, value, SEL_BLOCK)
+            if self.resident_step:
+                return
         write_newest_unit(self, pos, key, value, SEL_BLOCK)
 
 
@@ -160,7 +177,14 @@ class KernelNsaAttention(UnitResolver):
             pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
 
             def rows_of(chosen: torch.Tensor) -> torch.Tensor:
-                return self.unit_rows(layer_idx, kv, self.lane_masked(chosen))
+                chosen = self.lane_masked(chosen)
+                if kv.resident is None:
+                    return self.unit_rows(layer_idx, kv, chosen)
+                if kv.resident_step:    # no hierarchical lane: nothing to resolve (empty lanes' are -1)
+                    return run_page_rows(kv.row_base, chosen)
+                keep = kv.resident[:, None, None]      # resolve the hierarchical lanes only
+                return torch.where(keep, run_page_rows(kv.row_base, chosen),
+                                   self.unit_rows(layer_idx, kv, torch.where(keep, -1, chosen))).contiguous()
         elif self.lanes is not None:         # empty serving lanes read nothing, as their -1 streams do
 
             def rows_of(chosen: torch.Tensor) -> torch.Tensor:
@@ -276,13 +300,40 @@ class NsaRuntime:
             return NsaBlocksKV(pool=pool.view(-1, 2, SEL_BLOCK, d), **resident)
         host_streams = [open_unit_streams(cache, rows, int(block_count(host_tokens))) for rows in blocks]
         return HierNsaKV(pool=None, **resident, cache=cache, host_streams=host_streams,
-                         streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device))
+                         streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device),
+                         row_base=torch.zeros(batch, hkv, dtype=torch.int64, device=keys0.device))
 
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
-                     host_tokens: int) -> NsaLanePrefill:
+                     host_tokens: int, runs: list[int] | None = None) -> NsaLanePrefill:
         """A serving lane's prefill in place (`hisparse.serving`; see `NsaLanePrefill`): the
-        request's streams opened now with `host_tokens` tokens of blocks each (hierarchical modes)."""
-        return NsaLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens)
+        request's streams opened now with `host_tokens` tokens of blocks each (hierarchical modes).
+        runs: a hybrid lane kept resident, its blocks written straight into these runs of the cache's
+        streams (`take_runs`) and read from there."""
+        return NsaLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs)
+
+    # -- hybrid serving: a lane resident in runs of the cache's streams, or hierarchical ------------
+
+    # a prefill's workspace is the model's own state in every mode, beside the cache
+    workspace_in_runs = False
+
+    def run_streams(self, cache: HierarchicalKVCache, capacity: int) -> int:
+        """Streams of a run that holds the blocks of `capacity` tokens of one KV head (B + 1 blocks a stream)."""
+        return -(-int(block_count(capacity)) // (cache.cache_slots + 1))
+
+    def runs_per_request(self) -> int:
+        """Runs a resident request holds, one per stream it has when hierarchical: one a layer and KV head."""
+        return self.config.num_hidden_layers * self.kv_heads
+
+    def take_runs(self, cache: HierarchicalKVCache, capacity: int) -> list[int] | None:
+        """One run of `capacity` tokens per layer and KV head, layer by layer (first stream ids), or None."""
+        return cache.take_runs(self.run_streams(cache, capacity), self.runs_per_request())
+
+    def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
+               runs: list[int]) -> None:
+        """A resident hybrid lane becomes hierarchical between steps (as `QuestRuntime.demote`, blocks
+        for pages): its window and compressed blocks stay where they are."""
+        demote_unit_runs(cache, layers, lane, int(block_count(length)), int(block_count(host_tokens)), runs,
+                         self.kv_heads)
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes, in every mode: the model's
@@ -328,10 +379,12 @@ class NsaLanePrefill:
     left past this one's tokens is gone, as in a gathered lane."""
 
     def __init__(self, runtime: NsaRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
-                 prompt: int, host_tokens: int):
+                 prompt: int, host_tokens: int, runs: list[int] | None = None):
         self.config, self.cache, self.layers, self.lane = runtime.config, cache, layers, lane
         self.heads = runtime.kv_heads
         self.lanes = layers[0].window_keys.shape[0]
+        self.runs = runs
+        self.run_of = lane_runs(cache, list(range(len(layers))), self.heads, runs)   # hybrid, resident
         for kv in layers:
             zero_lane([kv.pool, kv.window_keys, kv.window_values, kv.compressed_keys, kv.compressed_values], lane,
                       self.lanes)
@@ -339,7 +392,7 @@ class NsaLanePrefill:
         workspace = [layer.self_attn.new_kv(1, prompt, weight.device, weight.dtype)
                      for layer in runtime.model.model.layers]
         self.streams: dict[int, list[int]] = {}        # layer -> the request's stream per KV head
-        if mode != "resident":
+        if mode != "resident" and runs is None:
             self.streams = open_lane_streams(cache, list(range(len(layers))), self.heads,
                                              int(block_count(host_tokens)))
         self.state = DecodeState(workspace, prompt, torch.zeros(1, dtype=torch.int64, device=weight.device))
@@ -361,6 +414,10 @@ class NsaLanePrefill:
             span = slice(first * SEL_BLOCK, end)
             rows = nsa_block_rows(work.keys[:, :, span], work.values[:, :, span])      # [HKV * n, 2, SEL_BLOCK, D]
             rows = rows.view(self.heads, last - first, *rows.shape[1:])
+            if layer in self.run_of:        # hybrid, resident: the resident pool's layout, in the runs
+                for first_stream, head_rows in zip(self.run_of[layer], rows):
+                    run_rows(self.cache, first_stream)[first:last] = head_rows.reshape(last - first, -1)
+                continue
             store_lane_units(kv, self.lane, self.lanes, first, rows, kv.n_units, self.streams.get(layer))
 
     def _window(self, work: NsaKV, kv: NsaBlocksKV, start: int, end: int) -> None:
@@ -374,9 +431,12 @@ class NsaLanePrefill:
     def join(self) -> None:
         """The request's streams into its lane (hierarchical modes; the lane holds the rest already)."""
         join_lane_streams(self.layers, self.lane, self.streams)
+        join_lane_runs(self.cache, self.layers, self.lane, self.run_of)
         self.state = None
 
     def cancel(self) -> None:
-        """Give back the streams of a prefill that will not join."""
+        """Give back the streams (or runs) of a prefill that will not join."""
         close_lane_streams(self.cache, self.streams)
-        self.streams, self.state = {}, None
+        for first in self.runs or []:
+            self.cache.release_run(first)
+        self.streams, self.runs, self.run_of, self.state = {}, None, {}, None

@@ -366,26 +366,8 @@ class QuestRuntime:
         the run's own streams, whose rows are read before anything is written there); the lane reads
         through its streams from the next step, their caches empty. ValueError, before anything
         changes, for runs that are not the lane's count or a host pool that cannot hold the regions."""
-        quest = [kv for kv in layers if isinstance(kv, HierQuestKV)]
-        if len(runs) != len(quest) * self.kv_heads:
-            raise ValueError(f"demoting lane {lane}: {len(runs)} runs, expected one per Quest layer and KV head "
-                             f"({len(quest)} x {self.kv_heads})")
-        region = triton.cdiv(host_tokens, PAGE)
-        if not cache.host.fits([region] * len(runs)):
-            raise ValueError(f"demoting lane {lane} needs {len(runs)} host regions of {region} pages; the host "
-                             f"pool has {cache.host.free_rows} rows free")
-        pages = triton.cdiv(length, PAGE)
-        for j, kv in enumerate(quest):
-            ids = []
-            for first in runs[j * self.kv_heads:(j + 1) * self.kv_heads]:
-                rows = run_rows(cache, first)[:pages]
-                cache.release_run(first)
-                stream = cache.open_stream(region)
-                cache.append(stream, rows)
-                ids.append(stream)
-            kv.resident[lane] = False
-            kv.streams[lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
-            kv.host_streams[lane] = ids
+        demote_unit_runs(cache, layers, lane, triton.cdiv(length, PAGE), triton.cdiv(host_tokens, PAGE), runs,
+                         self.kv_heads)
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes, in every mode: the Quest
@@ -453,6 +435,59 @@ def join_lane_streams(layers: list, lane: int, streams: dict[int, list[int]]) ->
         kv = layers[layer]
         kv.streams[lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
         kv.host_streams[lane] = list(ids)
+
+
+def lane_runs(cache: HierarchicalKVCache, layers: list[int], heads: int,
+              runs: list[int] | None) -> dict[int, list[int]]:
+    """A resident hybrid lane's runs (`take_runs`: layer by layer, head by head) as layer -> its run
+    per KV head, each run zeroed (as a resident lane is: nothing past its tokens); {} for runs None."""
+    if runs is None:
+        return {}
+    if len(runs) != len(layers) * heads:
+        raise ValueError(f"a resident hybrid lane needs one run per hierarchical layer and KV head "
+                         f"({len(layers)} x {heads}), got {len(runs)}")
+    for first in runs:
+        run_rows(cache, first).zero_()
+    return {layer: runs[j * heads:(j + 1) * heads] for j, layer in enumerate(layers)}
+
+
+def join_lane_runs(cache: HierarchicalKVCache, layers: list, lane: int, run_of: dict[int, list[int]]) -> None:
+    """A resident hybrid lane's runs (layer -> its run per KV head) into lane `lane`: resident, its
+    rows' base the runs' first rows, its streams -1 (the resolve and the newest-unit write skip it)."""
+    for layer, firsts in run_of.items():
+        kv = layers[layer]
+        kv.resident[lane] = True
+        kv.streams[lane] = -1
+        kv.row_base[lane] = cache.row_base(torch.tensor(firsts, device=kv.row_base.device))
+        kv.host_streams[lane] = []
+
+
+def demote_unit_runs(cache: HierarchicalKVCache, layers: list, lane: int, units: int, region: int, runs: list[int],
+                     heads: int) -> None:
+    """A resident hybrid lane of a per-KV-head family becomes hierarchical between steps: run by run
+    (hierarchical layer by layer, KV head by head) its run goes back and a stream with a host region
+    of `region` units gets the run's first `units` rows (bytes as stored; the stream may reuse the
+    run's own streams, whose rows are read before anything is written there); the lane reads through
+    its streams from the next step, their caches empty. ValueError, before anything changes, for
+    runs that are not the lane's count or a host pool that cannot hold the regions."""
+    hier = [kv for kv in layers if getattr(kv, "streams", None) is not None]
+    if len(runs) != len(hier) * heads:
+        raise ValueError(f"demoting lane {lane}: {len(runs)} runs, expected one per hierarchical layer and KV "
+                         f"head ({len(hier)} x {heads})")
+    if not cache.host.fits([region] * len(runs)):
+        raise ValueError(f"demoting lane {lane} needs {len(runs)} host regions of {region} units; the host "
+                         f"pool has {cache.host.free_rows} rows free")
+    for j, kv in enumerate(hier):
+        ids = []
+        for first in runs[j * heads:(j + 1) * heads]:
+            rows = run_rows(cache, first)[:units]
+            cache.release_run(first)
+            stream = cache.open_stream(region)
+            cache.append(stream, rows)
+            ids.append(stream)
+        kv.resident[lane] = False
+        kv.streams[lane] = torch.tensor(ids, dtype=kv.streams.dtype, device=kv.streams.device)
+        kv.host_streams[lane] = ids
 
 
 def write_stream_units(cache: HierarchicalKVCache, stream: int, first: int, rows: torch.Tensor) -> None:
@@ -539,14 +574,7 @@ class QuestLanePrefill:
         self.quest = [i for i, kv in enumerate(layers) if isinstance(kv, QuestKV)]
         self.lanes = self._lane_count(layers[0])
         self.runs = runs
-        self.run_of: dict[int, list[int]] = {}    # hybrid, resident: Quest layer -> its run per KV head
-        if runs is not None:
-            if len(runs) != len(self.quest) * self.heads:
-                raise ValueError(f"a resident hybrid lane needs one run per Quest layer and KV head "
-                                 f"({len(self.quest)} x {self.heads}), got {len(runs)}")
-            self.run_of = {layer: runs[j * self.heads:(j + 1) * self.heads] for j, layer in enumerate(self.quest)}
-            for first in runs:              # as a resident lane is zeroed: nothing past its tokens
-                run_rows(cache, first).zero_()
+        self.run_of = lane_runs(cache, self.quest, self.heads, runs)   # hybrid, resident: layer -> its runs
         for kv in layers:
             zero_lane(self._lane_parts(kv), lane, self.lanes)
         device = runtime.model.model.embed_tokens.weight.device
@@ -610,12 +638,7 @@ class QuestLanePrefill:
                 low, high = quest_metadata_from_keys(view.keys[:, :, :first_page], span, 1)
                 kv.page_min[self.lane, :, :1], kv.page_max[self.lane, :, :1] = low[0], high[0]
         join_lane_streams(self.layers, self.lane, self.streams)
-        for layer, firsts in self.run_of.items():       # hybrid, resident: the lane reads its runs
-            kv = self.layers[layer]
-            kv.resident[self.lane] = True
-            kv.streams[self.lane] = -1
-            kv.row_base[self.lane] = self.cache.row_base(torch.tensor(firsts, device=kv.row_base.device))
-            kv.host_streams[self.lane] = []
+        join_lane_runs(self.cache, self.layers, self.lane, self.run_of)
         self.state = None
 
     def cancel(self) -> None:
