@@ -56,6 +56,8 @@ class FamilyRuntime(Protocol):
     unit_size: int             # tokens per unit (a trace's unit_size)
     kv_heads: int | None       # selections per request and layer: one per KV head, or None for one in all
     dense_layers: int          # the first layers, which attend densely and select nothing (a trace's rows: -1)
+    workspace_in_runs: bool    # hybrid serving: a hierarchical prefill's workspace sits in runs of the cache's
+                               # spare streams (DSA), or beside the cache in every mode (Quest, NSA)
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """Random KV rows for prompts of these lengths (prefill="random": timing only)."""
@@ -88,6 +90,9 @@ class FamilyRuntime(Protocol):
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
         """GPU bytes of the KV state of the whole batch."""
 
+    # Hybrid serving (hisparse.serving): run_streams(cache, capacity), runs_per_request(),
+    # take_runs(cache, capacity), demote(...) and lane_prefill(..., runs=) place a request resident
+    # in runs of the cache's streams; `hisparse/dsa/runtime.py` documents them.
     # Optional: new_state(batch, capacity) -> DecodeState, the empty state the engine prefills into
     # (DSA's stores its kv_dtype's rows); without it, the model's own `new_state`.
 
@@ -158,9 +163,9 @@ def write_resident_unit(pool: torch.Tensor, pos: torch.Tensor, key: torch.Tensor
 
 def run_rows(cache: HierarchicalKVCache, first: int) -> torch.Tensor:
     """The rows [streams * (B + 1), E] of the run `cache.take_runs` returned as `first` (a view of
-    `cache.slots` as rows, where attention reads them)."""
+    `cache.gpu_rows`, where attention reads them)."""
     base = int(cache.row_base(torch.tensor([first]))[0])
-    return cache.slots.view(-1, cache.slots.shape[-1])[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
+    return cache.gpu_rows[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
 
 
 def write_run_token(pool: torch.Tensor, row_base: torch.Tensor, resident: torch.Tensor, pos: torch.Tensor,

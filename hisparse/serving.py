@@ -239,7 +239,7 @@ class Server:
         # hybrid: where a hierarchical prefill's workspace sits: in runs of the cache's streams (DSA's:
         # its resident prefill writes straight into its runs, so only a hierarchical one needs it), or
         # beside the cache in every mode (Quest's and NSA's: their prefill attends over the model's own state)
-        self._workspace_in_runs = getattr(self.runtime, "workspace_in_runs", True)
+        self._workspace_in_runs = self.runtime.workspace_in_runs
         self._lane_runs: dict[int, list[int]] = {}     # hybrid: lane -> its runs (runs_per_request) while resident
         self._lanes_changed, self._no_plan = 0, None   # hybrid: a count of lane changes; the last unplaceable
         # the empty state a prefill writes into: DSA's runtime makes its kv_dtype's rows

@@ -33,6 +33,7 @@ from hisparse.runtime import (
     UnitResolver,
     cache_bytes,
     nbytes,
+    run_rows,
     shared_states,
     stream_counts,
 )
@@ -176,6 +177,8 @@ class DsaRuntime:
     family = "DSA"
     selection_name = "index_topk"
     unit_size, kv_heads, dense_layers = 1, None, 0
+    # hybrid serving: a hierarchical prefill's workspace (its latents) sits in runs of the spare streams
+    workspace_in_runs = True
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16"):
@@ -444,12 +447,6 @@ def _index_keys(parts, lengths, capacity: int) -> torch.Tensor | None:
     for b, (_, k) in enumerate(parts):
         index_keys[b, :lengths[b]] = k[0]
     return index_keys
-
-
-def run_rows(cache: HierarchicalKVCache, first: int) -> torch.Tensor:
-    """The rows [streams * (B + 1), E] of the run `cache.take_runs` returned as `first` (a view)."""
-    base = int(cache.row_base(torch.tensor([first]))[0])
-    return cache.gpu_rows[base:base + cache.run_length(first) * (cache.cache_slots + 1)]
 
 
 class LanePrefill:

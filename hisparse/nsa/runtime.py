@@ -142,7 +142,7 @@ class HierNsaKV(NsaBlocksKV):
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.resident is not None:         # resident lanes: into their runs' rows
-            pool = self.cache.slots.view(-1, 2, SEL_BLOCK, key.shape[-1])
+            pool = self.cache.gpu_rows.view(-1, 2, SEL_BLOCK, key.shape[-1])
             write_run_token(pool, self.row_base, self.resident, pos, key, value, SEL_BLOCK)
             if self.resident_step:
                 return
@@ -174,7 +174,7 @@ class KernelNsaAttention(UnitResolver):
             blocks = self.replay_sel[layer_idx]
         pool, rows_of = kv.pool, None
         if isinstance(kv, HierNsaKV):
-            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+            pool = kv.cache.gpu_rows
 
             def rows_of(chosen: torch.Tensor) -> torch.Tensor:
                 chosen = self.lane_masked(chosen)

@@ -155,7 +155,7 @@ class HierQuestKV(QuestKV):
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.resident is not None:         # resident lanes: into their runs' rows
-            pool = self.cache.slots.view(-1, 2, PAGE, key.shape[-1])
+            pool = self.cache.gpu_rows.view(-1, 2, PAGE, key.shape[-1])
             write_run_token(pool, self.row_base, self.resident, pos, key, value, PAGE)
             if self.resident_step:
                 return
@@ -211,7 +211,7 @@ class KernelQuestAttention(UnitResolver):
                 keep = kv.resident[:, None, None]
                 rows = torch.where(keep, run_page_rows(kv.row_base, selection),
                                    self.unit_rows(layer_idx, kv, torch.where(keep, -1, selection)))
-            pool = kv.cache.slots.view(-1, kv.cache.slots.shape[-1])
+            pool = kv.cache.gpu_rows
         else:
             rows, pool = resident_rows(selection, kv.max_pages), kv.pool
         return quest_attention(q.contiguous(), pool, rows, selection, lengths.to(torch.int32), scale)
