@@ -75,11 +75,13 @@ def lowest_runs(taken: set[int], max_streams: int, streams: int, count: int) -> 
 class HierarchicalKVCache:
     def __init__(self, max_streams: int, cache_slots: int, host_rows: int, row_elems: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-                 pin: bool | None = None, run_only_streams: int = 0):
+                 pin: bool | None = None, run_only_streams: int = 0, trash_row: bool = False):
         """max_streams streams with cache state (what `open_stream` opens), then `run_only_streams` more
         that hold rows only, with no cache state (the fixed-batch engine's hybrid mode keeps its
         resident requests' latents in a run of them, `take_runs`, and pays no LRU state for them);
-        stream ids 0 .. max_streams + run_only_streams - 1 in all."""
+        stream ids 0 .. max_streams + run_only_streams - 1 in all. trash_row: one more row of
+        `gpu_rows` past every stream's (`self.trash_row`, in no stream or run), where a launch that
+        writes every lane sends the writes of the lanes that have nothing to write (hybrid serving)."""
         run_only_streams = as_int(run_only_streams, "run_only_streams must be an int >= 0 (streams without "
                                   "cache state, for runs)", minimum=0)
         max_streams = as_int(max_streams, "max_streams must be a positive int (streams)" if not run_only_streams
@@ -99,8 +101,9 @@ class HierarchicalKVCache:
                              pin=(self.device.type == "cuda") if pin is None else pin)
         # every stream's rows, [(S + run-only streams) * (B+1), E]; `slots`, its first S streams as
         # [S, B+1, E]: B LRU slots, then the reserved slot for the newest token
-        self.gpu_rows = torch.zeros((max_streams + run_only_streams) * (cache_slots + 1), row_elems, dtype=dtype,
-                                    device=self.device)
+        rows = (max_streams + run_only_streams) * (cache_slots + 1)
+        self.gpu_rows = torch.zeros(rows + int(bool(trash_row)), row_elems, dtype=dtype, device=self.device)
+        self.trash_row: int | None = rows if trash_row else None
         self.slots = self.gpu_rows[:max_streams * (cache_slots + 1)].view(max_streams, cache_slots + 1, row_elems)
         self.state = CacheState.empty(max_streams, cache_slots, host_rows, self.device)
         self.stream_len = [0] * max_streams
@@ -113,7 +116,7 @@ class HierarchicalKVCache:
     @property
     def max_streams(self) -> int:
         """Stream ids, the run-only ones included."""
-        return self.gpu_rows.shape[0] // (self.cache_slots + 1)
+        return (self.gpu_rows.shape[0] - (self.trash_row is not None)) // (self.cache_slots + 1)
 
     @property
     def state_streams(self) -> int:

@@ -284,6 +284,9 @@ class Server:
             host_rows = self._host_rows(host_budget_gib, row_bytes, self.lanes)
         self.cache = None
         streams = self.lanes * self.streams_per_request
+        # DSA hybrid: a row of the cache past its streams' for the decode write of the lanes not resident
+        # (`HierMlaKV.write`), so no write lands in a run a prefill may be filling beside the step
+        trash = self.hybrid and self.runtime.family == "DSA"
         if self.hybrid:
             # the budget the lanes leave goes to more streams: a resident request's rows sit in runs of
             # them, and so does a hierarchical prefill's workspace where the runtime puts it there (then
@@ -292,12 +295,12 @@ class Server:
             kept = 0 if self._workspace_in_runs else self.workspace_bytes
             spare = self.workspace_bytes - kept if self.kv_budget is None else \
                 self.kv_budget - 4 * host_rows - self.lanes * self.lane_bytes - kept
-            streams += max(0, spare // stream_bytes)
+            streams += max(0, (spare - trash * row_bytes) // stream_bytes)
         if mode != "resident":
             from hisparse.cache import HierarchicalKVCache
             self.cache = HierarchicalKVCache(max_streams=streams, cache_slots=cache_slots,
                                              host_rows=host_rows, row_elems=row_bytes // self._row_dtype().itemsize,
-                                             dtype=self._row_dtype(), device=self.device)
+                                             dtype=self._row_dtype(), device=self.device, trash_row=trash)
         self.layers = self._empty_layers(self.lanes, self.cache)
         self.state = DecodeState(self.layers, self.max_context,
                                  torch.zeros(self.lanes, dtype=torch.int64, device=self.device))

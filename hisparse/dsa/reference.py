@@ -23,7 +23,8 @@ class MlaKV:
     latent: torch.Tensor
     index_keys: torch.Tensor | None
     # serving (hisparse.serving): [B] bool, the rows that hold a request; an empty row's decode write
-    # keeps what is there, so a lane whose request is being prefilled in place is not overwritten
+    # goes to position capacity - 1, which no request ever holds (`lane_positions`), so a lane whose
+    # request is being prefilled in place, even beside the step on another CUDA stream, is never written
     lanes: torch.Tensor | None = None
 
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
@@ -33,15 +34,18 @@ class MlaKV:
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         if self.latent.dtype == torch.uint8:
             latent = fp8.to_rows(latent)
-        self.latent[rows, positions] = self.kept_in_empty_lanes(self.latent, rows, positions, latent)
+        self.latent[rows, self.lane_positions(positions, self.latent)] = latent
         if index_keys is not None:
-            self.index_keys[rows, positions] = self.kept_in_empty_lanes(self.index_keys, rows, positions, index_keys)
+            self.index_keys[rows, self.lane_positions(positions, self.index_keys)] = index_keys
 
-    def kept_in_empty_lanes(self, pool: torch.Tensor, rows, positions, new: torch.Tensor) -> torch.Tensor:
-        """`new` [B, S, D], with the values already at (rows, positions) of pool in empty lanes."""
+    def lane_positions(self, positions: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """positions [B, S] with an empty lane's moved to the last position of pool [B, capacity, D].
+        No request's KV holds position capacity - 1: the server refuses prompt + max_new_tokens >
+        max_context (its states' capacity), and a request holds at most prompt + max_new_tokens - 1
+        tokens (its last token is never written), so an empty lane writes there unconditionally."""
         if self.lanes is None:
-            return new
-        return torch.where(self.lanes[:, None, None], new, pool[rows, positions])
+            return positions
+        return torch.where(self.lanes[:, None], positions, pool.shape[1] - 1)
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

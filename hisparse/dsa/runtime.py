@@ -79,13 +79,16 @@ class HierMlaKV(MlaKV):
             raise ValueError("a hierarchical state takes one token per row; prefill runs on a resident state")
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         if index_keys is not None:
-            self.index_keys[rows, positions] = self.kept_in_empty_lanes(self.index_keys, rows, positions, index_keys)
+            self.index_keys[rows, self.lane_positions(positions, self.index_keys)] = index_keys
         if self.cache.slots.dtype == torch.uint8:
             latent = fp8.to_rows(latent)
-        if self.resident is not None:           # resident lanes: at their rows (others write what is there)
-            pool = self.cache.gpu_rows
-            at = torch.where(self.resident, self.row_base + positions[:, 0], 0)
-            pool[at] = torch.where(self.resident[:, None], latent[:, 0], pool[at])
+        if self.resident is not None:           # resident lanes: at their rows
+            pool, trash = self.cache.gpu_rows, self.cache.trash_row
+            if trash is not None:     # serving: the others to the cache's trash row, which nothing reads
+                pool[torch.where(self.resident, self.row_base + positions[:, 0], trash)] = latent[:, 0]
+            else:         # the fixed-batch engine (no empty lane, no prefill beside a step): what is there
+                at = torch.where(self.resident, self.row_base + positions[:, 0], 0)
+                pool[at] = torch.where(self.resident[:, None], latent[:, 0], pool[at])
             if self.resident_step:
                 return
         if self.anchor_layer is None:
