@@ -76,3 +76,34 @@ def test_hybrid_writes_of_lanes_not_resident_go_to_the_trash_row():
     assert len(changed) >= 3
     for rows, want in changed[1:]:                 # (the first step's rows were not filled yet)
         assert rows == want
+
+
+def _drain(pieces) -> tuple[int, torch.Tensor]:
+    """Run a prefill_pieces generator to its end: (pieces run, its logits)."""
+    count = 0
+    while True:
+        count += 1
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return count, done.value
+
+
+def test_prefill_pieces_are_bitwise_the_prefill():
+    """glm_moe_dsa (3 layers, one sharing its anchor's selection), two chunks: one layer a piece (3
+    pieces a chunk) or two (2 pieces) leaves the logits and the state bitwise as `prefill` does."""
+    model = tiny("glm_moe_dsa")
+    prompt = torch.randint(0, 97, (1, 29), generator=torch.Generator().manual_seed(1))
+    whole = model.new_state(1, 40)
+    want = [model.prefill(part, whole, last_logits=True) for part in prompt.split(17, dim=1)]
+    layers = model.config.num_hidden_layers
+    for per in (1, 2, layers):
+        state = model.new_state(1, 40)
+        for part, logits in zip(prompt.split(17, dim=1), want):
+            count, got = _drain(model.prefill_pieces(part, state, per, last_logits=True))
+            assert count == -(-layers // per) and torch.equal(got, logits), per
+        assert torch.equal(state.lengths, whole.lengths) and state.max_length == whole.max_length == 29
+        for a, b in zip(state.layers, whole.layers):
+            assert torch.equal(a.latent, b.latent)
+            assert (a.index_keys is None) == (b.index_keys is None)
+            assert a.index_keys is None or torch.equal(a.index_keys, b.index_keys)

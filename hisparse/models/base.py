@@ -90,25 +90,57 @@ class CausalLM(nn.Module):
 
     def _run(self, input_ids: torch.Tensor, step: Step, state: DecodeState, last: bool = False) -> torch.Tensor:
         """Logits [B, S, V] of the tokens, or with `last` of the last one alone, [B, 1, V]."""
+        pieces = self._pieces(input_ids, step, state, last, len(self.model.layers))
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+
+    def _pieces(self, input_ids: torch.Tensor, step: Step, state: DecodeState, last: bool, layers_per_piece: int):
+        """`_run` as a generator: it yields after every `layers_per_piece` layers but the last ones, and
+        returns the logits (StopIteration.value) after the last piece, which ends with the head."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv in zip(self.model.layers, state.layers):
+        count = len(self.model.layers)
+        for i, (layer, kv) in enumerate(zip(self.model.layers, state.layers)):
             x = layer(x, step, kv)
+            if (i + 1) % layers_per_piece == 0 and i + 1 < count:
+                yield i + 1
         state.lengths.copy_(step.lengths)
         return self.lm_head(self.model.norm(x[:, -1:] if last else x))
 
-    def _prefill(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, last: bool,
-                 backend: str) -> torch.Tensor:
+    def _prefill_step(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, backend: str,
+                      start: int | None = None) -> Step:
+        """The Step of a prefill of input_ids [B, S] appended to `state` (its rows' lengths checked equal,
+        read from the device, unless the caller knows them: `start`)."""
         batch, seq = input_ids.shape
-        start = int(state.lengths.max())
-        if start != int(state.lengths.min()):
-            raise ValueError(f"prefill needs rows of equal length, found lengths {state.lengths.tolist()}; "
-                             f"prefill rows separately and join them with stack_states")
+        if start is None:
+            start = int(state.lengths.max())
+            if start != int(state.lengths.min()):
+                raise ValueError(f"prefill needs rows of equal length, found lengths {state.lengths.tolist()}; "
+                                 f"prefill rows separately and join them with stack_states")
         if start + seq > state.capacity:
             raise ValueError(f"state capacity {state.capacity} cannot hold {start} + {seq} tokens")
         positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
         state.max_length = start + seq
-        step = Step(positions, state.lengths + seq, decode=False, start=start, fast=fast, backend=backend)
-        return self._run(input_ids, step, state, last)
+        return Step(positions, state.lengths + seq, decode=False, start=start, fast=fast, backend=backend)
+
+    def _prefill(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, last: bool,
+                 backend: str) -> torch.Tensor:
+        return self._run(input_ids, self._prefill_step(input_ids, state, fast, backend), state, last)
+
+    @torch.no_grad()
+    def prefill_pieces(self, input_ids: torch.Tensor, state: DecodeState, layers_per_piece: int, fast: bool = False,
+                       last_logits: bool = False, backend: str = "auto", start: int | None = None):
+        """One prefill chunk (`prefill` without chunk_size) as a generator: next() runs the next
+        `layers_per_piece` layers (the first piece after the embedding, the last one with the head),
+        yielding the layers done so far between pieces; the last piece's next() raises StopIteration
+        whose value is the logits. The same ops in the same order as `prefill`, so the same bits.
+        start: the rows' length before the chunk, where the caller knows it (no read from the device)."""
+        if isinstance(layers_per_piece, bool) or not isinstance(layers_per_piece, int) or layers_per_piece < 1:
+            raise ValueError(f"layers_per_piece must be an int >= 1, got {layers_per_piece!r}")
+        step = self._prefill_step(input_ids, state, fast, backend, start)
+        return (yield from self._pieces(input_ids, step, state, last_logits, layers_per_piece))
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, state: DecodeState, chunk_size: int | None = None,
