@@ -46,12 +46,23 @@ after that read); requests that reached their max new tokens leave, their stream
 freed. So a running request waits at most one prefill chunk between two of its tokens: the chunk
 size trades TTFT (a whole prompt in one chunk) against TPOT.
 
+With `prefill_overlap` (DSA) the prefill does not stall the lanes: each iteration joins a request
+whose prompt finished in an earlier one (the main stream waits on the event its last piece recorded,
+then its first token is read), admits, launches the decode step of the running lanes on the main
+stream, then `prefill_layers` layers of the current chunk (`CausalLM.prefill_pieces`) on a side
+stream that waited only on what the main stream did before the step, then reads the step's tokens.
+A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
+where no request reads (DSA's last position of the lane, hybrid's trash row of the cache), so the
+step and the prefill into that lane never touch the same bytes. Without a GPU the piece runs
+inline after the step: the same schedule, which records every piece (`Iteration.layers`) and join.
+
 A run records its schedule (what each iteration admitted, prefilled and decoded); `serve(replay=...)`
 runs the same schedule in another mode, with the same lanes, so every request meets the same batch
 at every step: then tokens and logits are bitwise those of the recorded run (DESIGN section 6).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -127,11 +138,15 @@ class Request:
 @dataclass
 class Iteration:
     """What one iteration did (a schedule's entry): the request admitted (its rid) or -1, the prompt
-    tokens prefilled, and whether it ran a decode step."""
+    tokens of the chunk its prefill piece belongs to (0: none), and whether it ran a decode step.
+    layers: the piece, layers lo .. hi - 1 of that chunk (the whole chunk without prefill_overlap);
+    joined: the prefilled request joined its lane, its first token out, before the decode step."""
 
     admitted: int
     prefilled: int
     decoded: bool
+    layers: tuple[int, int] | None = None
+    joined: bool = False
 
 
 @dataclass
@@ -187,8 +202,14 @@ class _Prefill:
     request: Request
     state: DecodeState                # what the model's prefill runs on (the workspace)
     in_place: object | None = None    # the family's prefill into the lane (its runtime's lane_prefill)
-    done: int = 0                     # prompt tokens prefilled
+    done: int = 0                     # prompt tokens prefilled (whole chunks)
     last_logits: torch.Tensor | None = None
+    pieces: object | None = None      # the chunk under way: its prefill_pieces generator (one layer a next())
+    chunk: int = 0                    # its tokens
+    layer: int = 0                    # its layers done
+    held: int = 0                     # workspace bytes held
+    complete: bool = False            # every chunk done: the request joins at the next chance
+    finished: object | None = None    # overlap on a GPU: the event its last piece recorded on the side stream
 
 
 class Server:
@@ -206,14 +227,17 @@ class Server:
     its own (`Request.selections`, the same shape but for steps: its own draw of a synthetic workload,
     for realistic locality: a random model's own selections have none).
     token_budget (Quest), decode_backend (DSA), kv_dtype (DSA's "fp8" rows), prefetch, prefetch_programs:
-    as `Engine`'s."""
+    as `Engine`'s. prefill_overlap (DSA): each iteration launches the decode step first, then
+    `prefill_layers` layers of the current prefill chunk on a side CUDA stream (inline after the step
+    without a GPU), so the decode steps go on while a prompt is prefilled (see `step`)."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
                  lanes: int | None = None, prefill_chunk: int = 8192, graph: bool = False, prefill: str = "model",
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
-                 selections: torch.Tensor | None = None, kv_dtype: str = "bf16"):
+                 selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
+                 prefill_layers: int = 4):
         if mode not in SERVING_MODES:
             raise ValueError(f"mode must be one of {SERVING_MODES}, got {mode!r}")
         if prefill not in ("model", "reference"):
@@ -230,6 +254,17 @@ class Server:
         self.fast = prefill == "model"
         self.device = weight.device
         self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        if not isinstance(prefill_overlap, bool):
+            raise ValueError(f"prefill_overlap must be True or False, got {prefill_overlap!r}")
+        self.prefill_layers = as_int(prefill_layers, "prefill_layers must be an int >= 1 (layers of a prefill "
+                                     "piece an iteration, with prefill_overlap)", 1)
+        if prefill_overlap and (self.runtime.family != "DSA" or not hasattr(self.runtime, "lane_prefill")):
+            raise ValueError(f"prefill_overlap=True is built for DSA models, whose empty lanes' decode writes "
+                             f"land where no request reads; {self.runtime.family}'s still write into the lane a "
+                             f"prefill fills (Quest's dense lanes at token 0, NSA's window): use prefill_overlap=False")
+        self.prefill_overlap = prefill_overlap
+        # the side stream the prefill pieces run on, beside the decode steps on the main one
+        self._side = torch.cuda.Stream(self.device) if prefill_overlap and self.device.type == "cuda" else None
         self.hybrid = mode == "hybrid"
         if self.hybrid and not hasattr(self.runtime, "take_runs"):
             raise ValueError(f"mode 'hybrid' needs a runtime that keeps requests in runs of the cache's streams "
@@ -726,6 +761,8 @@ class Server:
         elif request in self._pending:
             self._pending.remove(request)
         elif self._prefilling is not None and self._prefilling.request is request:
+            if self._side is not None:
+                self._side.synchronize()         # its pieces in flight are done before its rows go back
             if self._prefilling.in_place is not None:
                 self._prefilling.in_place.cancel()
             self._prefilling, self._reserved, request.lane = None, None, None
@@ -741,37 +778,54 @@ class Server:
             self.waiting.append(self._pending.pop(0))
         finished = []
         step = Iteration(-1, 0, False)
+        plan = None
         if self._planned is not None:
-            step = next(self._planned, None)
-            if step is None:
+            plan = next(self._planned, None)
+            if plan is None:
                 raise ValueError("the replayed schedule ended before every request finished")
-            if step.admitted >= 0:
-                request = self.requests[step.admitted]
+        job = self._prefilling
+        # a prompt done in an earlier iteration (overlap: its last piece ran beside the last decode step)
+        if job is not None and job.complete and (plan is None or plan.joined):
+            self._join_prefill(job, step, finished)
+        if plan is not None:
+            if plan.admitted >= 0:
+                request = self.requests[plan.admitted]
                 for queue in (self.waiting, self._pending):      # admitted as recorded, wherever it waits
                     if request in queue:
                         queue.remove(request)
                 self._prefilling = self._start_prefill(request, t)
+                step.admitted = request.rid
         elif self._prefilling is None and self.waiting and self._admissible(self.waiting[0]):
             request = self.waiting.pop(0)
             self._prefilling = self._start_prefill(request, t)
             step.admitted = request.rid
-        if self._prefilling is not None:
-            job = self._prefilling
-            budget = step.prefilled if self._planned is not None else self.prefill_chunk
-            chunk, held = self._prefill_chunk(job, budget)
-            step.prefilled = chunk
-            self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(held))
-            if job.done == len(job.request.prompt):
-                request = job.request
-                joined = self._first_token(request, job, self.now())
-                self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(held + joined))
-                self._prefilling, self._reserved = None, None
-                if request.done:                       # that was its only token
-                    request.lane = None
-                    finished.append(request)
+        job = self._prefilling
+        piece = self._next_piece(job, plan)
+        # without overlap (or where the schedule joins the request after this very piece) the piece
+        # runs before the decode step, as one chunk of every layer does; an overlapping server runs
+        # every piece on its side stream even so (the join then waits on it), so no tensor of a chunk
+        # is made on one stream and used on the other
+        overlapped = piece is not None and self.prefill_overlap and not (plan is not None and plan.joined
+                                                                         and not step.joined)
+        if piece is not None:
+            step.prefilled, step.layers = piece[0], piece[1:]
+        if piece is not None and not overlapped:
+            self._run_piece(job, *piece, after=self._main_event() if self.prefill_overlap else None)
+            if job.complete and (plan.joined if plan is not None else True):
+                self._join_prefill(job, step, finished)
+            elif plan is not None and plan.joined and not step.joined:
+                raise ValueError(f"the replayed schedule joins request {job.request.rid} before its prompt is done")
+        elif plan is not None and plan.joined and not step.joined:
+            raise ValueError("the replayed schedule joins a request that is not being prefilled")
         active = self.running
-        if (self._planned is not None and step.decoded) or (self._planned is None and active):
+        decoding = plan.decoded if plan is not None else bool(active)
+        # the side stream sees what the main one did before the step (the lane's setup), not the step
+        before = self._main_event() if overlapped else None
+        if decoding:
             logits = self._decode_step()
+        if overlapped:
+            self._run_piece(job, *piece, after=before)
+        if decoding:
             tokens = logits.argmax(-1).cpu()              # the step's one host sync
             t = self.now()
             self.running_batch.append(len(active))
@@ -786,7 +840,7 @@ class Server:
         if self.cache is not None:
             self.peak_host = max(self.peak_host, self.cache.host.capacity - self.cache.host.free_rows)
         self.peak_gpu = max(self.peak_gpu, self.gpu_bytes())
-        if step.admitted >= 0 or step.prefilled or step.decoded:
+        if step.admitted >= 0 or step.prefilled or step.decoded or step.joined:
             self.schedule.iterations.append(step)
         return finished
 
@@ -877,20 +931,93 @@ class Server:
             self._reserved = request.lane = None
             raise
 
-    def _prefill_chunk(self, job: _Prefill, budget: int) -> tuple[int, int]:
-        """Run up to `budget` more prompt tokens: (tokens run, workspace bytes held)."""
-        prompt = job.request.prompt
-        part = prompt[job.done:job.done + budget].to(self.device)
-        logits = self.model.prefill(part[None], job.state, fast=self.fast, last_logits=True,
-                                    backend=self.decode_backend)
-        if job.in_place is not None:
-            job.in_place.chunk_done(job.done, job.done + len(part))
-            held = job.in_place.workspace_bytes
-        else:
-            held = sum(nbytes(t) for kv in job.state.layers for t in vars(kv).values() if isinstance(t, torch.Tensor))
-        job.done += len(part)
-        job.last_logits = logits[0, -1]
-        return len(part), held
+    def _next_piece(self, job: _Prefill | None, plan: Iteration | None) -> tuple[int, int, int] | None:
+        """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: the
+        schedule's, or the next `prefill_layers` layers (every layer without overlap) of the chunk
+        under way, a new chunk of at most `prefill_chunk` tokens when none is. Pieces are fixed
+        numbers of layers, never timed: the schedule is the same whatever the machine."""
+        count = self.model.config.num_hidden_layers
+        if plan is not None:
+            if not plan.prefilled:
+                return None
+            lo, hi = plan.layers if plan.layers is not None else (0, count)
+            if job is None or job.complete or lo != job.layer or (lo > 0 and plan.prefilled != job.chunk) \
+                    or not lo < hi <= count:
+                raise ValueError(f"the replayed schedule's prefill piece ({plan.prefilled} tokens, layers {lo}.."
+                                 f"{hi - 1}) does not follow the prefill under way")
+            return plan.prefilled, lo, hi
+        if job is None or job.complete:
+            return None
+        chunk = job.chunk if job.layer else min(self.prefill_chunk, len(job.request.prompt) - job.done)
+        per = self.prefill_layers if self.prefill_overlap else count
+        return chunk, job.layer, min(job.layer + per, count)
+
+    def _main_event(self):
+        """An event recorded on the current (main) stream now (None without a GPU)."""
+        if self._side is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _run_piece(self, job: _Prefill, chunk: int, lo: int, hi: int, after=None) -> None:
+        """Layers lo .. hi - 1 of the chunk of `chunk` prompt tokens from job.done (lo = 0 starts it):
+        on the side stream once it waited on `after` (overlap on a GPU), else on the current one. A
+        chunk's last piece ends with the head and the chunk's staging (`chunk_done`); the prompt's
+        last one records `job.finished` there. What the side stream allocates stays on it (the
+        prompt's part, the activations); the workspace, made on the main stream, is freed at the join,
+        after the main stream waited on `job.finished`."""
+        side = self._side if after is not None else None
+        with torch.cuda.stream(side) if side is not None else _no_stream():
+            if side is not None:
+                side.wait_event(after)
+            if lo == 0:
+                part = job.request.prompt[job.done:job.done + chunk].to(self.device)
+                job.pieces = self.model.prefill_pieces(part[None], job.state, 1, fast=self.fast, last_logits=True,
+                                                       backend=self.decode_backend, start=job.done)
+                job.chunk = len(part)
+            logits = None
+            for _ in range(hi - lo):                         # one layer a next(); the last one returns
+                try:
+                    next(job.pieces)
+                except StopIteration as end:
+                    logits = end.value
+            job.layer = hi
+            if (logits is None) != (hi < self.model.config.num_hidden_layers):
+                raise RuntimeError(f"prefill piece of layers {lo}..{hi - 1} ended out of step with the model")
+            if logits is None:
+                return
+            if job.in_place is not None:
+                job.in_place.chunk_done(job.done, job.done + job.chunk)
+                job.held = job.in_place.workspace_bytes
+            else:
+                job.held = sum(nbytes(t) for kv in job.state.layers for t in vars(kv).values()
+                               if isinstance(t, torch.Tensor))
+            job.done += job.chunk
+            job.last_logits = logits[0, -1]
+            job.pieces, job.chunk, job.layer = None, 0, 0
+            if job.done == len(job.request.prompt):
+                job.complete = True
+                if side is not None:
+                    job.finished = torch.cuda.Event()
+                    job.finished.record(side)
+        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(job.held))
+
+    def _join_prefill(self, job: _Prefill, step: Iteration, finished: list[Request]) -> None:
+        """The prompt is done: the main stream waits on its side-stream work, then its first token
+        out and the request in its lane (`_first_token`)."""
+        if job.finished is not None:
+            main = torch.cuda.current_stream()
+            main.wait_event(job.finished)
+            job.last_logits.record_stream(main)              # made on the side stream, read on this one
+        request = job.request
+        joined = self._first_token(request, job, self.now())
+        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(job.held + joined))
+        self._prefilling, self._reserved = None, None
+        step.joined = True
+        if request.done:                       # that was its only token
+            request.lane = None
+            finished.append(request)
 
     def _first_token(self, request: Request, job: _Prefill, t: float) -> int:
         """The prompt is done: its first token out, and the request in its lane unless that was its
@@ -913,6 +1040,11 @@ class Server:
             held = self._join(request, job.state)
         self.lane_request[request.lane] = request
         return held
+
+
+@contextlib.contextmanager
+def _no_stream():
+    yield
 
 
 def _as_list(streams) -> list[int]:

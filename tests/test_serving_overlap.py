@@ -2,10 +2,12 @@
 last position; hybrid's resident write on the cache's trash row), so a prefill into that lane may run
 beside the step; with `prefill_overlap` the prefill runs a few layers an iteration between decode
 steps, and every token and logit stays bitwise the resident replay's (tiny models, interpreter)."""
+import pytest
 import torch
-from test_serving import MAX_CONTEXT, QUICK, SETTINGS, tiny
+from test_serving import MAX_CONTEXT, QUICK, SETTINGS, fresh, tiny
 from test_serving_hybrid import hybrid_server
 
+from hisparse.engine import Engine
 from hisparse.serving import Request, Server
 
 PATTERN = 7777.0            # no value a tiny model's step computes
@@ -107,3 +109,108 @@ def test_prefill_pieces_are_bitwise_the_prefill():
             assert torch.equal(a.latent, b.latent)
             assert (a.index_keys is None) == (b.index_keys is None)
             assert a.index_keys is None or torch.equal(a.index_keys, b.index_keys)
+
+
+def random_requests(seed: int, n: int = 6) -> list[Request]:
+    """n requests of random prompts (1 to 3 chunks of 24), new tokens (1 to 9) and arrivals (0 to 0.1 s)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(5, 70, (1,), generator=gen))
+        new = int(torch.randint(1, 10, (1,), generator=gen))
+        arrival = float(torch.rand(1, generator=gen)) * 0.1
+        out.append(Request(torch.randint(0, 97, (length,), generator=gen), new, arrival=arrival))
+    return out
+
+
+def overlapped(run) -> int:
+    """Iterations of a run that ran a decode step and a prefill piece of part of the layers."""
+    return sum(1 for it in run.schedule.iterations if it.decoded and it.prefilled and it.layers != (0, LAYERS[0]))
+
+
+LAYERS = [0]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=False):
+    """hisparse with prefill_overlap (one layer a piece, chunks of 24: prompts of one to three chunks,
+    random arrivals) records its schedule; resident without overlap replays it, every piece in its
+    iteration: every token and logit equal, and the joins came between decode steps."""
+    model = tiny(family)
+    LAYERS[0] = model.config.num_hidden_layers
+    kw = dict(SETTINGS[family], max_context=MAX_CONTEXT, prefill_chunk=24, keep_logits=True, graph=graph,
+              **({} if graph else QUICK))
+    reqs = random_requests(seed=len(family))
+    server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=3, prefill_overlap=True, prefill_layers=1, **kw)
+    run = server.serve(reqs)
+    assert max(run.running_batch) >= 2, "no two requests ever shared a step"
+    assert overlapped(run) >= 4, "no decode step ran beside a prefill piece: the test checks no overlap"
+    assert any(len(r.prompt) > 48 for r in run.requests)               # a prompt of three chunks
+    pieces = [it.layers for it in run.schedule.iterations if it.prefilled]
+    assert set(pieces) == {(i, i + 1) for i in range(LAYERS[0])}
+    again = Server(model, "resident", lanes=run.schedule.lanes, **kw).serve(fresh(reqs), replay=run.schedule)
+    assert [it for it in again.schedule.iterations] == run.schedule.iterations
+    for a, b in zip(run.requests, again.requests):
+        assert a.tokens == b.tokens and len(a.tokens) == a.max_new_tokens, f"request {a.rid}"
+        assert len(a.logits) == len(b.logits) == a.max_new_tokens
+        for step, (x, y) in enumerate(zip(a.logits, b.logits)):
+            assert torch.equal(x, y), f"{family}: request {a.rid}, token {step}: logits differ"
+    assert not server.cache._open and server.cache.host.free_rows == server.cache.host.capacity
+
+
+def test_an_overlapping_server_replays_a_schedule_without_overlap_bitwise():
+    """The other way round: hisparse without overlap (whole chunks, each request joining right after
+    its last one) records; resident with prefill_overlap replays it (its earlier chunks after the
+    decode step, the last one before it, as the schedule joins): every token and logit equal."""
+    model = tiny("deepseek_v32")
+    kw = dict(SETTINGS["deepseek_v32"], max_context=MAX_CONTEXT, prefill_chunk=24, keep_logits=True, **QUICK)
+    gen = torch.Generator().manual_seed(5)
+    reqs = [Request(torch.randint(0, 97, (n,), generator=gen), new) for n, new in ((30, 6), (66, 5), (50, 4), (20, 3))]
+    run = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=3, **kw).serve(reqs, clients=3)
+    assert all(it.layers in (None, (0, 2)) for it in run.schedule.iterations)
+    assert sum(it.prefilled > 0 and it.decoded and not it.joined for it in run.schedule.iterations) >= 2
+    again = Server(model, "resident", lanes=run.schedule.lanes, prefill_overlap=True, **kw).serve(
+        fresh(reqs), clients=3, replay=run.schedule)
+    for a, b in zip(run.requests, again.requests):
+        assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}"
+
+
+def test_overlapped_requests_agree_with_each_run_alone():
+    """Greedy tokens equal Engine.generate's for each prompt alone (chunks of 24 there too), with
+    the prefill in pieces of two layers beside the other requests' decode steps (as
+    test_serving's solo check: the MoE's grouping by expert promises tokens, not logits' bits)."""
+    model, kw = tiny("deepseek_v32"), SETTINGS["deepseek_v32"]
+    reqs = random_requests(seed=21, n=4)
+    run = Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=3, prefill_chunk=24,
+                 prefill_overlap=True, prefill_layers=1, keep_logits=True, **QUICK, **kw).serve(reqs, clients=3)
+    assert overlapped(run) >= 2
+    engine = Engine(model, "resident", chunk_size=24, **QUICK)
+    for r in run.requests:
+        alone = engine.generate([r.prompt], new_tokens=r.max_new_tokens)
+        assert r.tokens == alone.tokens[0].tolist(), f"request {r.rid}"
+        for x, y in zip(r.logits, alone.logits):
+            torch.testing.assert_close(x, y[0], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_overlap_options_are_refused():
+    model, kw = tiny("deepseek_v32"), dict(SETTINGS["deepseek_v32"], max_context=64, lanes=2)
+    with pytest.raises(ValueError, match="prefill_overlap must be True or False, got 'yes'"):
+        Server(model, "hisparse", prefill_overlap="yes", **kw)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="prefill_layers must be an int >= 1"):
+            Server(model, "hisparse", prefill_overlap=True, prefill_layers=bad, **kw)
+    with pytest.raises(ValueError, match="prefill_overlap=True is built for DSA models.*Quest"):
+        Server(tiny("llama"), "hisparse", lanes=2, max_context=64, cache_slots=4, token_budget=48,
+               prefill_overlap=True)
+    with pytest.raises(ValueError, match="layers_per_piece must be an int >= 1, got 0"):
+        next(model.prefill_pieces(torch.zeros(1, 3, dtype=torch.int64), model.new_state(1, 3), 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_graphed_overlapped_prefill_is_bitwise_as_resident(family):
+    """On a GPU: decode steps replayed from one graph on the main stream, prefill pieces on the side
+    stream beside them (the kernels' prefill), resident replaying the schedule bitwise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=True)
