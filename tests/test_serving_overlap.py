@@ -4,7 +4,7 @@ beside the step; with `prefill_overlap` the prefill runs a few layers an iterati
 steps, and every token and logit stays bitwise the resident replay's (tiny models, interpreter)."""
 import pytest
 import torch
-from test_serving import MAX_CONTEXT, QUICK, SETTINGS, fresh, tiny
+from test_serving import MAX_CONTEXT, QUICK, SETTINGS, fresh, requests, tiny
 from test_serving_hybrid import hybrid_server
 
 from hisparse.engine import Engine
@@ -214,3 +214,22 @@ def test_graphed_overlapped_prefill_is_bitwise_as_resident(family):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=True)
+
+
+def test_hybrid_with_overlap_is_bitwise_as_resident():
+    """DSA hybrid (room for one resident request beyond the lanes) with prefill_overlap: requests
+    resident in runs and hierarchical, one demoted, prefills in pieces beside the decode steps;
+    resident replaying the schedule gives every token and logit bitwise."""
+    model = tiny("deepseek_v32")
+    kw = dict(cache_slots=48, prefill_chunk=24, keep_logits=True, **QUICK)
+    server = hybrid_server(model, extra_runs=1, prefill_overlap=True, prefill_layers=1, **kw)
+    reqs = requests(seed=4, n=5)                   # as test_serving_hybrid's, which demote
+    run = server.serve(reqs, clients=3)
+    summary = run.summary()
+    assert summary["resident_admissions"] >= 1 and summary["demotions"] >= 1, summary
+    assert sum(it.decoded and it.layers == (0, 1) for it in run.schedule.iterations) >= 2
+    again = Server(model, "resident", lanes=run.schedule.lanes, max_context=MAX_CONTEXT, **kw).serve(
+        fresh(reqs), clients=3, replay=run.schedule)
+    for a, b in zip(run.requests, again.requests):
+        assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}"
+    assert server.cache.free_streams() == server.cache.max_streams
