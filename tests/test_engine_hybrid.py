@@ -244,4 +244,4 @@ def test_a_hybrid_throughput_study_writes_its_rows_and_resident_requests(tmp_pat
     quest = textwrap.dedent(study).replace("tiny:deepseek_v32", "tiny:llama").replace("BUDGET", "0.001")
     config.write_text(quest)
     assert sweep.main(["--config", str(config), "--dry-run"]) == 2
-    assert "mode hybrid is built for DSA models so far; model 'tiny:llama' is quest" in capsys.readouterr().err
+    assert "(the fixed-batch Engine) is built for DSA models so far; model 'tiny:llama' is quest" in capsys.readouterr().err
