@@ -48,6 +48,7 @@ from hisparse.dsa.ops import (
     check_selection_inputs,
     combine_splits,
     default_decode_config,
+    gluon_platform_unsupported,
     launch_fitted,
     sparse_mla_decode,
     split_buffers,
@@ -213,15 +214,9 @@ def fp8_gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
     """Why the Gluon FP8 decode kernel (kernels_triton/dsa_fp8_gluon.py) cannot run q [N, H, D] over
     kv [R, ...], or None if it can: it needs Triton 3.6's Gluon, an sm_90 GPU, bf16 q of 512 + 64
     values (the rows' RoPE is bf16 as stored), at least 64 heads and 656-byte uint8 rows."""
-    if dsa_fp8_gluon.GLUON_IMPORT_ERROR is not None:
-        return f"Triton {triton.__version__} has no usable Gluon ({dsa_fp8_gluon.GLUON_IMPORT_ERROR})"
-    if not q.is_cuda:
-        return f"q is on {q.device}, not a CUDA GPU"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"it needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
-    if triton.__version__.split(".")[:2] != ["3", "6"]:
-        return f"it is written against Triton 3.6's Gluon, this is {triton.__version__}"
+    reason = gluon_platform_unsupported(q, dsa_fp8_gluon.GLUON_IMPORT_ERROR)
+    if reason is not None:
+        return reason
     if q.dtype != torch.bfloat16:
         return f"q dtype {q.dtype}: it takes bf16 (the FP8 rows' RoPE is bf16)"
     if q.dim() != 3 or q.shape[2] != D_LATENT + D_ROPE:

@@ -477,10 +477,11 @@ GLUON_TILES = DecodeConfig(block_h=dsa_gluon.BLOCK_H, block_k=dsa_gluon.BLOCK_K,
                            num_stages=dsa_gluon.NUM_STAGES)
 
 
-def gluon_decode_unsupported(q: torch.Tensor, d_v: int) -> str | None:
-    """Why the Gluon decode kernel cannot run q [N, H, D] with d_v value columns, or None if it can."""
-    if dsa_gluon.GLUON_IMPORT_ERROR is not None:
-        return f"Triton {triton.__version__} has no usable Gluon ({dsa_gluon.GLUON_IMPORT_ERROR})"
+def gluon_platform_unsupported(q: torch.Tensor, import_error: Exception | None) -> str | None:
+    """Why no Gluon decode kernel (bf16 or FP8 rows) can run here for q, or None: each needs its module
+    imported (`import_error` None), q on an sm_90 GPU and Triton 3.6, whose Gluon API they are written in."""
+    if import_error is not None:
+        return f"Triton {triton.__version__} has no usable Gluon ({import_error})"
     if not q.is_cuda:
         return f"q is on {q.device}, not a CUDA GPU"
     major, minor = torch.cuda.get_device_capability(q.device)
@@ -488,6 +489,14 @@ def gluon_decode_unsupported(q: torch.Tensor, d_v: int) -> str | None:
         return f"it needs an sm_90 (Hopper) GPU, this one is sm_{major}{minor}"
     if triton.__version__.split(".")[:2] != ["3", "6"]:
         return f"it is written against Triton 3.6's Gluon, this is {triton.__version__}"
+    return None
+
+
+def gluon_decode_unsupported(q: torch.Tensor, d_v: int) -> str | None:
+    """Why the Gluon decode kernel cannot run q [N, H, D] with d_v value columns, or None if it can."""
+    reason = gluon_platform_unsupported(q, dsa_gluon.GLUON_IMPORT_ERROR)
+    if reason is not None:
+        return reason
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"q dtype {q.dtype}: it takes bf16 or fp16"
     if (d_v, q.shape[2] - d_v) != (512, 64):
