@@ -180,10 +180,12 @@ def write_run_token(pool: torch.Tensor, row_base: torch.Tensor, resident: torch.
     keep = resident[:, None].expand(n, hkv)
     rows = torch.where(keep, row_base + (pos // unit_tokens)[:, None], 0)               # [N, HKV]
     offset = (pos % unit_tokens)[:, None].expand(n, hkv)
-    donor = resident.to(torch.int32).argmax()                  # the first resident lane (lane 0 if none)
+    # the first resident lane (lane 0 if none), as a [1] tensor: a 0-d index would be read on the host
+    donor = resident.to(torch.int32).argmax().view(1)
     rows, offset = torch.where(keep, rows, rows[donor]), torch.where(keep, offset, offset[donor])
     for part, new in ((0, key), (1, value)):
-        at_donor = torch.where(resident[donor], new[donor], pool[rows[donor], part, offset[donor]])   # [HKV, D]
+        at_donor = torch.where(resident[donor, None, None], new[donor],
+                               pool[rows[donor], part, offset[donor]])                      # [1, HKV, D]
         pool[rows, part, offset] = torch.where(keep[..., None], new, at_donor)
 
 
