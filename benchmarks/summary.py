@@ -183,7 +183,38 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         low = levels[0]
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
                      f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
-    return lines + hybrid_lines(wide, levels) + chunk_lines(every) + http
+    return lines + hybrid_lines(wide, levels) + overlap_lines(every) + chunk_lines(every) + http
+
+
+def overlap_lines(closed: pd.DataFrame) -> list[str]:
+    """Per (clients, mode) run with prefill_overlap (issue 33: prefill in layer pieces beside the decode
+    steps instead of alone between them; the newest run of each point): output tokens/s over resident's
+    with overlap and without (target >= 1.6 at the study's two highest levels) and over its own twin
+    without overlap, p50 TTFT and TPOT beside the twin's. The twin: same clients, mode, lengths and chunk."""
+    if "prefill_overlap" not in closed or not closed.prefill_overlap.notna().any():
+        return []
+    on = closed.prefill_overlap.notna()
+    key = ["concurrency", "mode", "input_len", "output_len", "prefill_chunk"]
+    wide_on = closed[on].pivot_table(index=key, columns="metric", values="value")
+    wide_off = closed[~on].pivot_table(index=key, columns="metric", values="value")
+    lines = []
+    for (level, mode, n_in, n_out, chunk), r in wide_on.iterrows():
+        twin = wide_off.loc[(level, mode, n_in, n_out, chunk)] if (level, mode, n_in, n_out, chunk) in wide_off.index \
+            else None
+        base = wide_off.loc[(level, "resident", n_in, n_out, chunk)] \
+            if (level, "resident", n_in, n_out, chunk) in wide_off.index else None
+        cells = [f"{r.tokens_per_s:.0f} tokens/s"]
+        if mode != "resident" and (level, "resident", n_in, n_out, chunk) in wide_on.index:
+            cells.append(f"{r.tokens_per_s / wide_on.loc[(level, 'resident', n_in, n_out, chunk)].tokens_per_s:.2f}x "
+                         f"resident's with overlap")
+        if base is not None and mode != "resident":
+            cells.append(f"{r.tokens_per_s / base.tokens_per_s:.2f}x resident's without (target >= 1.6)")
+        if twin is not None:
+            cells.append(f"{r.tokens_per_s / twin.tokens_per_s:.2f}x its own without; p50 TTFT {r.ttft_ms_p50:.0f} ms "
+                         f"(without {twin.ttft_ms_p50:.0f}), TPOT {r.tpot_ms_p50:.1f} ms (without "
+                         f"{twin.tpot_ms_p50:.1f})")
+        lines.append(f"serving {level:.0f} clients, {mode} with prefill_overlap: " + ", ".join(cells))
+    return lines
 
 
 def hybrid_lines(wide: pd.DataFrame, levels: list[float]) -> list[str]:
@@ -294,6 +325,8 @@ def chunk_lines(closed: pd.DataFrame) -> list[str]:
     gaps between tokens (ITL, where recorded) per chunk, the interleaving's trade-off (small chunks: decode steps wait less; large: a prompt prefills sooner)."""
     if "prefill_chunk" not in closed:
         return []
+    if "prefill_overlap" in closed:                 # overlapped points: overlap_lines
+        closed = closed[closed.prefill_overlap.isna()]
     lines = []
     wide = closed.pivot_table(index=["concurrency", "mode", "input_len", "output_len", "prefill_chunk"],
                               columns="metric", values="value")

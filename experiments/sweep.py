@@ -84,7 +84,7 @@ KEYS = {
                    "kv_dtype"},
     "serving": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "input_len", "output_len", "concurrency",
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
-                "prefill_chunk", "graph", "token_budget", "decode_backend", "workload", "kv_dtype"},
+                "prefill_chunk", "prefill_overlap", "graph", "token_budget", "decode_backend", "workload", "kv_dtype"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
@@ -123,6 +123,9 @@ KEY_HELP = {
     "requests": f"serving, open loop: requests per rate ({DEFAULTS['requests']})",
     "prefill_chunk": f"serving: prompt tokens prefilled per iteration, between decode steps, one or a list "
                      f"({DEFAULTS['prefill_chunk']})",
+    "prefill_overlap": "serving, DSA: prefill chunks in pieces of 4 layers beside the decode steps (Server's "
+                       "prefill_overlap) instead of alone between them; true, false or [false, true] (false); "
+                       "rows of true points say so, false ones leave the column empty",
 }
 
 
@@ -433,6 +436,11 @@ def done_points(path: Path) -> pd.DataFrame | None:
     return done
 
 
+# point keys a point carries only where they differ from their default (their rows leave the column
+# empty otherwise, as rows from before the key existed do)
+OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap"}
+
+
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
     """Whether `done` holds rows of `point` from `gpu`, run as `settings` say (`run_settings`; a row
     from before a setting was recorded matches any value of it)."""
@@ -443,6 +451,9 @@ def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dic
         if key not in done:
             return False
         mask &= _matches(done[key], value)
+    for key in OPTIONAL_POINT_KEYS - set(point):      # a bf16 point is not done by its fp8 twin's rows
+        if key in done:
+            mask &= done[key].isna()
     for key, value in (settings or {}).items():
         if key in done:
             mask &= done[key].isna() | _matches(done[key], value)
@@ -728,22 +739,34 @@ def validate_serving(study: dict, where: str) -> None:
     _positive_int(study, "max_batch", where)
     study.setdefault("prefill_chunk", DEFAULTS["prefill_chunk"])
     study["prefill_chunk"] = _positive_ints(study, "prefill_chunk", where)
+    overlap = study.get("prefill_overlap", False)
+    overlap = overlap if isinstance(overlap, list) else [overlap]
+    if not overlap or not all(isinstance(o, bool) for o in overlap):
+        raise ConfigError(f"{where}: prefill_overlap = {study['prefill_overlap']!r}: expected true, false or a "
+                          f"list of them")
+    _listed_once(overlap, "prefill_overlap", where)
+    if True in overlap and family(model_config(study)) != "dsa":
+        raise ConfigError(f"{where}: prefill_overlap = true is built for DSA models; model {study['model']!r} "
+                          f"is {family(model_config(study))}")
+    study["prefill_overlap"] = overlap
     slots = study.get("cache_slots")
     if isinstance(slots, list) and len(slots) != 1:
         raise ConfigError(f"{where}: cache_slots = {slots!r}: a serving study takes one B")
 
 
 def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
-    """One point per load level (concurrency or rate), prefill chunk and mode, the modes of a level and
-    chunk back to back."""
+    """One point per load level (concurrency or rate), prefill chunk, prefill overlap and mode, the
+    modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True;
+    the others leave it out (their rows, as before the key existed, leave the column empty)."""
     loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
     out = []
-    for (key, level), chunk, mode in itertools.product(loads, study["prefill_chunk"], study["modes"]):
+    for (key, level), chunk, overlap, mode in itertools.product(loads, study["prefill_chunk"],
+                                                                study["prefill_overlap"], study["modes"]):
         out.append(dict(base, bench="serving", mode=mode, context=study["input_len"], input_len=study["input_len"],
                         output_len=study["output_len"], concurrency=level if key == "concurrency" else None,
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
                         kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
-                        prefill_chunk=chunk))
+                        prefill_chunk=chunk, **({"prefill_overlap": True} if overlap else {})))
     return out
 
 
@@ -789,6 +812,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     host_budget_gib=point["host_budget_gib"], max_batch=max_batch,
                     prefill_chunk=point["prefill_chunk"], graph=point["graph"],
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
+                    prefill_overlap=point.get("prefill_overlap", False),
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
     warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
     if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K

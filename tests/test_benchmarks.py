@@ -445,3 +445,28 @@ def test_summary_prints_hybrid_throughput_beside_its_targets_and_unmeasured_poin
         "throughput 4K: hybrid / resident tokens/s not measured yet (target >= 0.97)",
         "throughput 64K: hybrid / hisparse tokens/s not measured yet (target >= 0.95)",
         "throughput 128K: hybrid / hisparse tokens/s not measured yet (target >= 0.95)"]
+
+
+def test_summary_sets_each_overlapped_serving_point_beside_its_twins():
+    """prefill_overlap rows: tokens/s over resident's with overlap and without, and over the mode's own
+    run without, TTFT and TPOT beside the twin's; the study's target lines read the rows without
+    overlap only (the overlapped ones, newer, are not taken for the study)."""
+    from benchmarks.summary import serving_lines
+    shape = dict(bench="serving", input_len=1024, output_len=100, prefill_chunk=512, gpu="NVIDIA H200")
+    values = {("resident", 4, None): 100, ("hisparse", 4, None): 130, ("resident", 8, None): 100,
+              ("hisparse", 8, None): 140, ("resident", 8, True): 110, ("hisparse", 8, True): 176}
+    rows = []
+    for (mode, level, overlap), tokens in values.items():
+        stamp = "2026-12-02T10:00:00" if overlap else "2026-12-01T10:00:00"
+        rows += [dict(shape, mode=mode, concurrency=level, prefill_overlap=overlap, metric=m, value=v, commit="a",
+                      timestamp=stamp)
+                 for m, v in (("tokens_per_s", tokens), ("ttft_ms_p50", 1000.0 if overlap else 2000.0),
+                              ("tpot_ms_p50", 22.0 if overlap else 20.0), ("lanes", 4.0))]
+    lines = serving_lines(pd.DataFrame(rows))
+    assert "hisparse / resident output tokens/s 1.40x" in lines[1]
+    assert lines[-2:] == [
+        "serving 8 clients, hisparse with prefill_overlap: 176 tokens/s, 1.60x resident's with overlap, 1.76x "
+        "resident's without (target >= 1.6), 1.26x its own without; p50 TTFT 1000 ms (without 2000), TPOT "
+        "22.0 ms (without 20.0)",
+        "serving 8 clients, resident with prefill_overlap: 110 tokens/s, 1.10x its own without; p50 TTFT 1000 ms "
+        "(without 2000), TPOT 22.0 ms (without 20.0)"]

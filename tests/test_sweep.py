@@ -697,6 +697,57 @@ def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_a_serving_study_with_prefill_overlap_runs_both_ways_and_marks_its_rows(tmp_path):
+    """prefill_overlap = [false, true]: each mode runs both ways, the same tokens out; the overlapped
+    points' rows say prefill_overlap True, the others leave it empty, and a rerun finds every point
+    done (a point without overlap is not done by its overlapped twin's rows, nor the other way)."""
+    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', 'prefill_chunk = 64\nprefill_overlap = [false, true]'))
+    out = tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "serving.csv")
+    tokens = rows[rows.metric == "output_tokens"]
+    assert len(tokens) == 4 and (tokens.value == 12).all()
+    assert tokens.prefill_overlap.isna().sum() == 2 and (tokens.prefill_overlap.dropna() == True).all()  # noqa: E712
+    done = sweep.done_points(out / "serving.csv")
+    study = sweep.tomllib.loads((tmp_path / "sweep.toml").read_text())["study"]
+    sweep.validate(study)
+    points = sweep.points(study[0])
+    assert sum("prefill_overlap" in p for p in points) == 2
+    assert all(sweep.already_done(done, p, "cpu") for p in points)
+    plain = done[done.prefill_overlap.isna()]
+    assert not any(sweep.already_done(plain, p, "cpu") for p in points if "prefill_overlap" in p)
+    overlapped = done[done.prefill_overlap.notna()]
+    assert not any(sweep.already_done(overlapped, p, "cpu") for p in points if "prefill_overlap" not in p)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("1", r"prefill_overlap = 1: expected true, false or a list of them"),
+    ("[true, true]", "prefill_overlap"),
+], ids=["not-bool", "twice"])
+def test_bad_prefill_overlap_fails_before_running(tmp_path, capsys, value, message):
+    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', f'prefill_chunk = 64\nprefill_overlap = {value}'))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
+    assert not list(tmp_path.glob("o/*.csv")) and re.search(message, capsys.readouterr().err)
+
+
+def test_prefill_overlap_is_refused_for_a_quest_model(tmp_path, capsys):
+    config = write(tmp_path, """
+        [[study]]
+        kind = "serving"
+        model = "tiny:llama"
+        modes = ["hisparse"]
+        cache_slots = 4
+        input_len = 120
+        output_len = 3
+        concurrency = [2]
+        kv_budget_gib = 0.001
+        prefill_overlap = true
+        workload = "model"
+        """)
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
+    assert "prefill_overlap = true is built for DSA models; model 'tiny:llama' is quest" in capsys.readouterr().err
+
+
 def test_graphs_of_counts_a_graphed_hybrid_serving_run_twice():
     """--runs-per-process counts graphs: a graphed hybrid server captures its mixed step and its
     all-resident step, so a process starting one must have room for two below the 4th capture."""
