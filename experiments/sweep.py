@@ -520,12 +520,20 @@ def build(study: dict, device: torch.device) -> torch.nn.Module:
 # process, the graphs it captured replay slower (results/notes/graphs.md), and each graphed run captures
 # one. So rows record it.
 decode_runs = 0
-def graphs_of(point: dict) -> int:
-    """CUDA graphs a point's run captures in its process, at most: one a decode run, two a graphed
-    hybrid serving run (its mixed step and its all-resident one), none a policy study."""
+def graphs_of(point: dict, graph: bool) -> int:
+    """CUDA graphs a point's run captures in its process, at most: one a decode run, two a hybrid
+    serving run with graph (its mixed step and its all-resident one), none a policy study. `graph`:
+    whether the run captures graphs (`run_settings`; the point itself does not say)."""
     if point["bench"] == "policies":
         return 0
-    return 2 if point["bench"] == "serving" and point["mode"] == "hybrid" and point.get("graph") else 1
+    return 2 if point["bench"] == "serving" and point["mode"] == "hybrid" and graph else 1
+
+
+
+def over_limit(runs: int, study: dict, point: dict, on_gpu: bool, limit: int) -> bool:
+    """Whether `point` of `study`, run next in a process that has made `runs` decode runs, would take
+    it past `limit` graphs (--runs-per-process): then the sweep goes on in a fresh process."""
+    return runs + graphs_of(point, run_settings(study, point, on_gpu).get("graph", False)) > limit
 
 
 draw_cache: Path | None = None       # --draw-cache: where serving requests' draws are kept
@@ -953,7 +961,7 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(todo)}] {point['bench']} {shown}: {time.perf_counter() - t0:.1f} s "
               f"(elapsed {elapsed:.0f} s, about {eta:.0f} s left)", flush=True)
         if args.runs_per_process and i + 1 < len(todo) and \
-                decode_runs + graphs_of(todo[i + 1][1]) > args.runs_per_process:
+                over_limit(decode_runs, *todo[i + 1], on_gpu, args.runs_per_process):
             print(f"{decode_runs} decode runs in this process: going on in a fresh one", flush=True)
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, "-m", "experiments.sweep", *sys.argv[1:]])

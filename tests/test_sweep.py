@@ -752,7 +752,21 @@ def test_graphs_of_counts_a_graphed_hybrid_serving_run_twice():
     """--runs-per-process counts graphs: a graphed hybrid server captures its mixed step and its
     all-resident step, so a process starting one must have room for two below the 4th capture."""
     from experiments.sweep import graphs_of
-    serving = {"bench": "serving", "mode": "hybrid", "graph": True}
-    assert graphs_of(serving) == 2
-    assert graphs_of(dict(serving, graph=False)) == 1 and graphs_of(dict(serving, mode="hisparse")) == 1
-    assert graphs_of({"bench": "decode", "mode": "hisparse"}) == 1 and graphs_of({"bench": "policies"}) == 0
+    serving = {"bench": "serving", "mode": "hybrid"}
+    assert graphs_of(serving, True) == 2
+    assert graphs_of(serving, False) == 1 and graphs_of(dict(serving, mode="hisparse"), True) == 1
+    assert graphs_of({"bench": "decode", "mode": "hisparse"}, True) == 1
+    assert graphs_of({"bench": "policies"}, False) == 0
+
+
+def test_the_sweep_starts_a_fresh_process_before_a_graphed_hybrid_run_would_be_the_4th_graph(tmp_path):
+    """The serving points carry no graph key (a run setting): the sweep reads it from the study. With
+    --runs-per-process 3, a graphed hybrid point after a hybrid one (2 + 2 graphs) goes to a fresh
+    process; after one resident point (1 + 2) it stays."""
+    study = sweep.tomllib.loads(textwrap.dedent(SERVING).replace('modes = ["resident", "hisparse"]',
+                                                                 'modes = ["hybrid"]\ngraph = true'))["study"]
+    sweep.validate(study)
+    point = sweep.points(study[0])[0]
+    assert "graph" not in point
+    assert sweep.over_limit(2, study[0], point, True, 3) and not sweep.over_limit(1, study[0], point, True, 3)
+    assert not sweep.over_limit(2, study[0], point, False, 3)       # no graphs on the CPU: one run
