@@ -43,18 +43,19 @@ def resolve_lines(frame: pd.DataFrame) -> list[str]:
 
 def attention_lines(frame: pd.DataFrame) -> list[str]:
     """Per family (and DSA's fp8 rows apart): the decode kernel's roofline fraction at batch >= 32
-    (target 0.40; fp8 rows: goal 0.50, bar 0.41) and its speed-up over the torch gather."""
+    (target 0.40; fp8 rows: goal 0.50, bar 0.41), the Triton kernel's and the Gluon one's where it
+    ran, and the Triton kernel's speed-up over the torch gather."""
     f = latest(frame)
     f = f.assign(kv_dtype=f["kv_dtype"].fillna("") if "kv_dtype" in f else "")
     lines = []
     for (family, kv), g in f.groupby(["family", "kv_dtype"]):
         name = f"{family} {kv}" if kv else family
         target = "goal >= 0.50, bar >= 0.41" if kv == "fp8" else "target >= 0.40"
-        tri = g[(g["mode"] == "triton") & (g.metric == "roofline_frac")]
-        if len(tri):
-            at = tri[tri.batch >= 32]
-            lines.append(f"attention {name}: roofline_frac at batch >= 32 min {at.value.min():.2f} "
-                         f"median {at.value.median():.2f} ({target})")
+        for mode in ("triton", "gluon"):                # the Gluon kernels (Hopper) where they ran
+            frac = g[(g["mode"] == mode) & (g.metric == "roofline_frac") & (g.batch >= 32)]
+            if len(frac):
+                lines.append(f"attention {name}{' gluon' if mode == 'gluon' else ''}: roofline_frac at batch >= 32 "
+                             f"min {frac.value.min():.2f} median {frac.value.median():.2f} ({target})")
         us = g[g.metric == "us"].pivot_table(index=["batch", "context"], columns="mode", values="value")
         if {"triton", "torch_gather"} <= set(us.columns):
             speed = (us.torch_gather / us.triton).dropna()

@@ -222,14 +222,17 @@ def test_bench_attention_dsa_fp8_refuses_what_it_does_not_time(tmp_path, capsys,
 
 def test_fp8_attention_rows_are_summarised_apart_from_bf16_ones():
     """attention.csv with bf16 rows of one commit and fp8 rows of a later one: each keeps its line
-    (and its target), neither hides the other."""
+    (and its target), neither hides the other; the Gluon FP8 kernel's rows get a line of their own."""
     from benchmarks.summary import attention_lines
     base = dict(bench="attention", family="dsa", mode="triton", batch=64, context=32768, metric="roofline_frac",
                 gpu="NVIDIA H200")
-    frame = pd.DataFrame([dict(base, commit="old", value=0.41), dict(base, commit="new", kv_dtype="fp8", value=0.30)])
+    frame = pd.DataFrame([dict(base, commit="old", value=0.41), dict(base, commit="new", kv_dtype="fp8", value=0.30),
+                          dict(base, commit="new", kv_dtype="fp8", mode="gluon", value=0.27),
+                          dict(base, commit="new", kv_dtype="fp8", mode="gluon", batch=16, value=0.1)])
     assert attention_lines(frame) == [
         "attention dsa: roofline_frac at batch >= 32 min 0.41 median 0.41 (target >= 0.40)",
-        "attention dsa fp8: roofline_frac at batch >= 32 min 0.30 median 0.30 (goal >= 0.50, bar >= 0.41)"]
+        "attention dsa fp8: roofline_frac at batch >= 32 min 0.30 median 0.30 (goal >= 0.50, bar >= 0.41)",
+        "attention dsa fp8 gluon: roofline_frac at batch >= 32 min 0.27 median 0.27 (goal >= 0.50, bar >= 0.41)"]
 
 
 def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
