@@ -30,6 +30,15 @@ from hisparse.models.moe import MoE
 PREFILL_QUERIES = 8192       # queries per sparse MLA launch in prefill
 
 
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b, s, h] = x[b, s, h] @ w[h] for x [B, S, H, I], w [H, I, O], out [B, S, H, O] (a view of a
+    wider buffer is fine): one batched matmul over heads, written in place. The einsum it replaces
+    returns a head-major result that a later cat or reshape copies (a 4K-token chunk's absorbed
+    queries are 0.6 GB at 128 heads)."""
+    b, s, h, _ = x.shape
+    torch.bmm(x.reshape(b * s, h, -1).transpose(0, 1), w, out=out.view(b * s, h, -1).transpose(0, 1))
+
+
 class Indexer(nn.Module):
     def __init__(self, config: DsaConfig):
         super().__init__()
@@ -149,14 +158,19 @@ class MlaAttention(nn.Module):
         kernel), selection [B, S, k] int32 (-1 pads) -> [B, S, H, Dv]. The latents are the ones
         written once per token, never expanded."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.dn + self.dv, self.dc)
-        q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w[:, : self.dn]), q_rot], dim=-1)
-        out = torch.empty(*q.shape[:3], self.dc, dtype=q.dtype, device=q.device)             # [B, S, H, Dc]
-        for row in range(q.shape[0]):
-            for s in range(0, q.shape[1], PREFILL_QUERIES):
-                part = slice(s, s + PREFILL_QUERIES)
+        b, s, h, _ = q_nope.shape
+        q = torch.empty(b, s, h, self.dc + self.dr, dtype=q_nope.dtype, device=q_nope.device)   # [B, S, H, Dc + Dr]
+        per_head_matmul(q_nope, w[:, : self.dn], q[..., : self.dc])     # absorbed in place: no [B, S, H, Dc] copy
+        q[..., self.dc:] = q_rot
+        out = torch.empty(b, s, h, self.dc, dtype=q.dtype, device=q.device)                   # [B, S, H, Dc]
+        for row in range(b):
+            for start in range(0, s, PREFILL_QUERIES):
+                part = slice(start, start + PREFILL_QUERIES)
                 fp8.sparse_mla_decode_stored(q[row, part], latent[row], selection[row, part], self.scaling,
                                              d_v=self.dc, out=out[row, part], backend=backend)
-        return torch.einsum("bshc,hvc->bshv", out, w[:, self.dn:])
+        values = torch.empty(b, s, h, self.dv, dtype=q.dtype, device=q.device)                # [B, S, H, Dv]
+        per_head_matmul(out, w[:, self.dn:].transpose(1, 2), values)
+        return values
 
     def _decode_attention(self, q_nope, q_rot, kv: MlaKV, lengths, selection):
         """Absorbed MLA for one token: q_nope [B, H, Dn] -> [B, 1, H, Dv]."""
