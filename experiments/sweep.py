@@ -52,7 +52,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from hisparse.dsa.fp8 import KV_DTYPES, ROW_BYTES, check_fp8_geometry
+from hisparse.dsa.fp8 import (
+    KV_DTYPES,
+    ROW_BYTES,
+    check_fp8_geometry,
+    fp8_decode_backend,
+)
 from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsupported
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
@@ -334,9 +339,6 @@ def validate(studies: list[dict]) -> None:
                     check_fp8_geometry(built)
                 except ValueError as exc:
                     raise ConfigError(f"{where}: kv_dtype = \"fp8\": {exc}") from None
-            if kv == "fp8" and study.get("decode_backend") == "gluon":
-                raise ConfigError(f"{where}: kv_dtype = \"fp8\" with decode_backend = \"gluon\": the Gluon kernel "
-                                  f"reads bf16 rows only; use auto or triton")
         if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
@@ -627,14 +629,16 @@ def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | Non
 
 
 def attention_kernel(model, backend: str = "auto", kv_dtype: str | None = None) -> str:
-    """The sparse attention kernel the model's decode runs: for DSA the one `sparse_mla_decode` picks
-    for its query shape, dtype, device and `backend` ("gluon" or "triton"), "triton" over fp8 rows (the
-    only kernel that reads them); "triton" for the other families."""
+    """The sparse attention kernel the model's decode runs: for DSA the one `sparse_mla_decode` (over
+    fp8 rows `sparse_mla_decode_fp8`) picks for its query shape, dtype, device and `backend` ("gluon"
+    or "triton"; fp8 rows' say so by the kv_dtype column); "triton" for the other families."""
     cfg, weight = model.config, model.model.embed_tokens.weight
-    if family(cfg) != "dsa" or kv_dtype == "fp8":
+    if family(cfg) != "dsa":
         return "triton"
     q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=weight.dtype,
                     device=weight.device)
+    if kv_dtype == "fp8":
+        return fp8_decode_backend(q, torch.empty(1, ROW_BYTES, dtype=torch.uint8, device=weight.device), backend)
     return decode_backend(q, cfg.kv_lora_rank, backend)
 
 

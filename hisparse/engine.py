@@ -152,7 +152,7 @@ class Engine:
     decode_backend (DSA models only): the sparse MLA decode kernel, "auto" (Gluon on Hopper where it
     runs, else Triton), "triton" or "gluon". kv_dtype (DSA models only for "fp8"): "bf16", latent rows
     in the model's dtype, or "fp8", 656-byte rows (hisparse.dsa.fp8) written quantised in prefill and
-    decode, moved as bytes by the cache, read by the FP8 Triton kernel (so "gluon" is refused).
+    decode, moved as bytes by the cache, read by an FP8 kernel (Gluon or Triton, as decode_backend picks).
 
     mode "hybrid" (DSA models): each `generate` places its batch from `kv_budget_gib` (GPU bytes of KV,
     `DsaRuntime.hybrid_bytes`): the first requests resident, as many as fit beside the others'

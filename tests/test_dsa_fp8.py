@@ -281,7 +281,8 @@ def test_decode_rejects_bad_inputs_before_launching(monkeypatch):
 def test_gluon_backend_is_refused_before_launching_where_it_cannot_run(monkeypatch):
     """backend "gluon" (kernels_triton/dsa_fp8_gluon.py) off Hopper: a ValueError naming why, and neither
     kernel launched; a bad backend name, a Triton config or dequant mode with "gluon" alike; "auto"
-    and "triton" run the Triton FP8 kernel (so "auto" is unchanged until the H200 measures Gluon faster)."""
+    and "triton" run the Triton FP8 kernel here. Where the Gluon kernel can run (faked), "auto" picks
+    it, unless a Triton config or dequant mode is asked for."""
     class NoLaunch:
         def __getitem__(self, grid):
             raise AssertionError("a kernel was launched")
@@ -309,6 +310,10 @@ def test_gluon_backend_is_refused_before_launching_where_it_cannot_run(monkeypat
         assert fp8.fp8_decode_backend(q, kv, backend) == "triton"
         out, _ = fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, config=SMALL_TILES, backend=backend)
         assert torch.equal(out, fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, config=SMALL_TILES)[0])
+    monkeypatch.setattr(fp8, "fp8_gluon_unsupported", lambda q, kv: None)
+    assert fp8.fp8_decode_backend(q, kv, "auto") == "gluon" and fp8.fp8_decode_backend(q, kv, "triton") == "triton"
+    assert fp8.fp8_decode_backend(q, kv, "auto", config=SMALL_TILES) == "triton"
+    assert fp8.fp8_decode_backend(q, kv, "auto", dequant="split") == "triton"
 
 
 def test_bench_tune_fp8_quick_times_every_config_and_each_agrees_with_the_reference(capsys):
@@ -468,14 +473,16 @@ def test_gpu_gluon_fp8_same_bytes_at_other_positions_and_launches_give_the_same_
 @pytest.mark.usefixtures("needs_gluon_fp8")
 def test_gpu_gluon_fp8_refuses_what_it_cannot_run(monkeypatch):
     """On the H200: fewer than 64 heads, fp16 / float32 q, and (capability faked) a GPU other than
-    sm_90 are refused before any launch, each naming why; "auto" still runs the Triton FP8 kernel."""
+    sm_90 are refused before any launch, each naming why; "auto" runs the Gluon FP8 kernel where it
+    can, the Triton one for what it cannot run."""
     q, kv, rows = gluon_fp8_inputs(2, 128, 256, context=1024)
     message = "backend='gluon': the Gluon FP8 decode kernel cannot run this: "
     for bad_q, why in ((q[:, :32], "32 heads: it runs 64 a program"),
                        (q.half(), "q dtype torch.float16: it takes bf16"), (q.float(), "q dtype torch.float32")):
         with pytest.raises(ValueError, match=message + why):
             fp8.sparse_mla_decode_fp8(bad_q.contiguous(), kv, rows, DSV32_SCALE, backend="gluon")
-    assert fp8.fp8_decode_backend(q, kv, "auto") == "triton"
+    assert fp8.fp8_decode_backend(q, kv, "auto") == "gluon"
+    assert fp8.fp8_decode_backend(q[:, :32].contiguous(), kv, "auto") == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     with pytest.raises(ValueError, match=message + "it needs an sm_90 \\(Hopper\\) GPU, this one is sm_100"):
         fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, backend="gluon")
@@ -654,10 +661,10 @@ def real_prompts():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "gluon"])
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
 def test_gpu_fp8_hisparse_bitwise_resident_eager_and_graph(real_model, backend):
     """hisparse == resident bitwise over FP8 rows in the real-geometry decode loop, eager and graphed,
-    with "auto" (the Triton FP8 kernel) and with the Gluon FP8 kernel (skipped where it cannot run)."""
+    with the Triton FP8 kernel and with the Gluon one ("auto" on Hopper; skipped where it cannot run)."""
     if backend == "gluon":
         probe_q = torch.empty(1, real_model.config.num_attention_heads, 576, dtype=torch.bfloat16, device="cuda")
         reason = fp8.fp8_gluon_unsupported(probe_q, torch.empty(1, 656, dtype=torch.uint8, device="cuda"))

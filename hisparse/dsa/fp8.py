@@ -230,13 +230,17 @@ def fp8_gluon_unsupported(q: torch.Tensor, kv: torch.Tensor) -> str | None:
 
 def fp8_decode_backend(q: torch.Tensor, kv: torch.Tensor, backend: str = "auto",
                        config: DecodeConfig | None = None, dequant: str = "inline") -> str:
-    """The kernel `sparse_mla_decode_fp8` runs: "triton" or "gluon". "auto" is the Triton FP8 kernel
-    everywhere, until the H200 measures the Gluon one faster (`bench_attention_dsa --kv-dtype fp8`
-    times both on Hopper; results/notes/fp8.md). "gluon" where `fp8_gluon_unsupported` finds a
+    """The kernel `sparse_mla_decode_fp8` runs: "triton" or "gluon". "auto" is the Gluon FP8 kernel
+    where it can run (`fp8_gluon_unsupported`) and no Triton config or dequant mode is asked for, as
+    for bf16 rows (on the H200 it is faster at every batch: 172 against 186 us at batch 64,
+    results/notes/fp8.md), else the Triton one. "gluon" where `fp8_gluon_unsupported` finds a
     reason, or with a Triton config or dequant mode, raises ValueError naming it."""
     _require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
-    if backend != "gluon":
+    if backend == "triton":
         return "triton"
+    if backend == "auto":
+        plain = config is None and dequant == "inline"
+        return "gluon" if plain and fp8_gluon_unsupported(q, kv) is None else "triton"
     _require(config is None, f"config={config} is the Triton kernel's: the Gluon FP8 kernel takes none")
     _require(dequant == "inline", f"dequant={dequant!r} is the Triton kernel's: the Gluon FP8 kernel dequantises "
              "128 values a block into shared memory")
@@ -260,9 +264,9 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     config. Equal bytes in equal order give bitwise-equal outputs wherever the rows sit in kv.
     `dequant` (one of DEQUANT_MODES) picks how the kernel dequantises a tile: "inline" (the
     default, what every caller gets) or "split", which equals it within float32 rounding.
-    `backend` (`fp8_decode_backend`): "auto" and "triton" run the Triton kernel; "gluon" the Gluon
-    one (kernels_triton/dsa_fp8_gluon.py: Hopper, bf16 q, >= 64 heads, 64-row tiles; no config or
-    dequant), refused before any launch where it cannot run. The two accumulate in different orders
+    `backend` (`fp8_decode_backend`): "triton" runs the Triton kernel; "gluon" the Gluon one
+    (kernels_triton/dsa_fp8_gluon.py: Hopper, bf16 q, >= 64 heads, 64-row tiles; no config or
+    dequant), refused before any launch where it cannot run; "auto" the Gluon one where it can run. The two accumulate in different orders
     (no bitwise equality between them); each is deterministic.
     """
     _require(dequant in DEQUANT_MODES, f"dequant={dequant!r}: expected one of {DEQUANT_MODES}")

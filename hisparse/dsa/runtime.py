@@ -111,7 +111,7 @@ class KernelDsaAttention(UnitResolver):
     replay_sel [layers, B, k] int32: when set, selections come from it instead of the indexer (the
     caller fills it from a trace before each step). `recorded[layer]` holds the selection each
     layer attended over in the last step. Rows are read as stored: uint8 FP8 rows through the FP8
-    kernel (`fp8.sparse_mla_decode_stored`, which refuses backend "gluon"), others through `backend`.
+    kernels (`fp8.sparse_mla_decode_stored`), others through the bf16 ones, each picked by `backend`.
     """
 
     family = "DSA"
