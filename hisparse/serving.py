@@ -51,7 +51,9 @@ whose prompt finished in an earlier one (the main stream waits on the event its 
 then its first token is read), admits, launches the decode step of the running lanes on the main
 stream, then `prefill_layers` layers of the current chunk (`CausalLM.prefill_pieces`) on a side
 stream that waited only on what the main stream did before the step, then reads the step's tokens.
-A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
+One piece is in flight at a time: an iteration whose previous piece is still running on the side
+stream launches none (a non-blocking event query), so the pieces keep pace with the GPU instead
+of piling up ahead of the decode steps. A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
 where no request reads (DSA's last position of the lane, hybrid's trash row of the cache), so the
 step and the prefill into that lane never touch the same bytes. Without a GPU the piece runs
 inline after the step: the same schedule, which records every piece (`Iteration.layers`) and join.
@@ -210,6 +212,7 @@ class _Prefill:
     held: int = 0                     # workspace bytes held
     complete: bool = False            # every chunk done: the request joins at the next chance
     finished: object | None = None    # overlap on a GPU: the event its last piece recorded on the side stream
+    piece_done: object | None = None  # overlap on a GPU: the event its latest piece recorded there
 
 
 class Server:
@@ -934,8 +937,9 @@ class Server:
     def _next_piece(self, job: _Prefill | None, plan: Iteration | None) -> tuple[int, int, int] | None:
         """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: the
         schedule's, or the next `prefill_layers` layers (every layer without overlap) of the chunk
-        under way, a new chunk of at most `prefill_chunk` tokens when none is. Pieces are fixed
-        numbers of layers, never timed: the schedule is the same whatever the machine."""
+        under way, a new chunk of at most `prefill_chunk` tokens when none is; None while the previous
+        piece still runs on the side stream (overlap on a GPU: one piece in flight). Pieces are fixed
+        numbers of layers; when they run follows the GPU, and the schedule records it."""
         count = self.model.config.num_hidden_layers
         if plan is not None:
             if not plan.prefilled:
@@ -947,6 +951,8 @@ class Server:
                                  f"{hi - 1}) does not follow the prefill under way")
             return plan.prefilled, lo, hi
         if job is None or job.complete:
+            return None
+        if job.piece_done is not None and not job.piece_done.query():       # the previous piece still runs
             return None
         chunk = job.chunk if job.layer else min(self.prefill_chunk, len(job.request.prompt) - job.done)
         per = self.prefill_layers if self.prefill_overlap else count
@@ -983,6 +989,9 @@ class Server:
                 except StopIteration as end:
                     logits = end.value
             job.layer = hi
+            if side is not None:
+                job.piece_done = torch.cuda.Event()
+                job.piece_done.record(side)
             if (logits is None) != (hi < self.model.config.num_hidden_layers):
                 raise RuntimeError(f"prefill piece of layers {lo}..{hi - 1} ended out of step with the model")
             if logits is None:

@@ -2,6 +2,8 @@
 last position; hybrid's resident write on the cache's trash row), so a prefill into that lane may run
 beside the step; with `prefill_overlap` the prefill runs a few layers an iteration between decode
 steps, and every token and logit stays bitwise the resident replay's (tiny models, interpreter)."""
+import dataclasses
+
 import pytest
 import torch
 from test_serving import MAX_CONTEXT, QUICK, SETTINGS, fresh, requests, tiny
@@ -233,3 +235,46 @@ def test_hybrid_with_overlap_is_bitwise_as_resident():
     for a, b in zip(run.requests, again.requests):
         assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), f"request {a.rid}"
     assert server.cache.free_streams() == server.cache.max_streams
+
+
+class _Event:
+    """An event as `_Prefill.piece_done` holds one: `query()` says whether its piece is done."""
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_an_iteration_launches_no_piece_while_the_previous_one_runs():
+    """One piece in flight (a GPU's side stream): while the latest piece's event is not done, the
+    iteration's piece is None, the decode step runs, the schedule records an iteration without a
+    piece; once it is done the next piece follows where the last ended. A replayed schedule runs its
+    pieces whatever the event says."""
+    model = tiny("deepseek_v32")
+    server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True, prefill_layers=1,
+                    max_context=MAX_CONTEXT, prefill_chunk=24, **SETTINGS["deepseek_v32"], **QUICK)
+    server.open()
+    first = server.submit(Request(torch.arange(9) % 97, 6, arrival=float("nan")))
+    while not first.tokens:
+        server.step()
+    second = server.submit(Request(torch.arange(40) % 89, 3, arrival=float("nan")))
+    server.step()                                       # admits the second, its first piece (layer 0)
+    job = server._prefilling
+    assert job is not None and job.request is second and job.layer == 1
+    job.piece_done = _Event(False)
+    tokens = len(first.tokens)
+    server.step()
+    assert job.layer == 1 and len(first.tokens) == tokens + 1     # no piece, the step ran
+    assert not server.schedule.iterations[-1].prefilled and server.schedule.iterations[-1].decoded
+    assert server._next_piece(job, None) is None
+    job.piece_done = _Event(True)
+    assert server._next_piece(job, None) == (24, 1, 2)
+    job.piece_done = _Event(False)
+    plan = dataclasses.replace(server.schedule.iterations[-1], prefilled=24, layers=(1, 2))
+    assert server._next_piece(job, plan) == (24, 1, 2)            # a replay follows its schedule
+    job.piece_done = None
+    while server.busy:
+        server.step()
+    server.close()
+    assert len(second.tokens) == 3
