@@ -953,7 +953,9 @@ class Server:
         if job is None or job.complete:
             return None
         if job.piece_done is not None and not job.piece_done.query():       # the previous piece still runs
-            return None
+            if self.running:
+                return None
+            job.piece_done.synchronize()             # nothing decodes beside it: wait rather than spin
         chunk = job.chunk if job.layer else min(self.prefill_chunk, len(job.request.prompt) - job.done)
         per = self.prefill_layers if self.prefill_overlap else count
         return chunk, job.layer, min(job.layer + per, count)

@@ -245,12 +245,15 @@ class _Event:
     def query(self) -> bool:
         return self.done
 
+    def synchronize(self) -> None:
+        self.done = True
+
 
 def test_an_iteration_launches_no_piece_while_the_previous_one_runs():
     """One piece in flight (a GPU's side stream): while the latest piece's event is not done, the
     iteration's piece is None, the decode step runs, the schedule records an iteration without a
-    piece; once it is done the next piece follows where the last ended. A replayed schedule runs its
-    pieces whatever the event says."""
+    piece; once it is done the next piece follows where the last ended. With nothing decoding the
+    server waits for the piece instead. A replayed schedule runs its pieces whatever the event says."""
     model = tiny("deepseek_v32")
     server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True, prefill_layers=1,
                     max_context=MAX_CONTEXT, prefill_chunk=24, **SETTINGS["deepseek_v32"], **QUICK)
@@ -273,6 +276,12 @@ def test_an_iteration_launches_no_piece_while_the_previous_one_runs():
     job.piece_done = _Event(False)
     plan = dataclasses.replace(server.schedule.iterations[-1], prefilled=24, layers=(1, 2))
     assert server._next_piece(job, plan) == (24, 1, 2)            # a replay follows its schedule
+    while first.lane is not None:                      # the first request leaves
+        job.piece_done = None
+        server.step()
+    job.piece_done = _Event(False)
+    assert not server.running and server._next_piece(job, None) is not None   # nothing decodes: it waits
+    assert job.piece_done.done
     job.piece_done = None
     while server.busy:
         server.step()
