@@ -294,7 +294,7 @@ def throughput_lines(frame: pd.DataFrame) -> list[str]:
 
 # what makes an HTTP row the twin of an in-process one (the rest is how each was measured)
 TWIN = ["family", "model", "mode", "workload", "layers", "hidden", "cache_slots", "input_len", "output_len",
-        "concurrency", "kv_budget_gib", "prefill_chunk", "kv_dtype"]
+        "concurrency", "kv_budget_gib", "prefill_chunk", "prefill_overlap", "kv_dtype"]
 
 
 def http_lines(frame: pd.DataFrame) -> list[str]:

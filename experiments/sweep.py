@@ -56,9 +56,9 @@ from hisparse.dsa.fp8 import (
     KV_DTYPES,
     ROW_BYTES,
     check_fp8_geometry,
-    fp8_decode_backend,
+    stored_decode_kernel,
 )
-from hisparse.dsa.ops import DECODE_BACKENDS, decode_backend, gluon_decode_unsupported
+from hisparse.dsa.ops import DECODE_BACKENDS, gluon_decode_unsupported
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
@@ -637,9 +637,7 @@ def attention_kernel(model, backend: str = "auto", kv_dtype: str | None = None) 
         return "triton"
     q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=weight.dtype,
                     device=weight.device)
-    if kv_dtype == "fp8":
-        return fp8_decode_backend(q, torch.empty(1, ROW_BYTES, dtype=torch.uint8, device=weight.device), backend)
-    return decode_backend(q, cfg.kv_lora_rank, backend)
+    return stored_decode_kernel(q, cfg.kv_lora_rank, kv_dtype or "bf16", backend)
 
 
 def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:

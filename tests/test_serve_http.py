@@ -376,8 +376,21 @@ def test_the_command_serves_a_model_already_built():
     server, _, _ = build_server(ap, ap.parse_args(["--max-context", "64", "--kv-budget-gib", "0.01",
                                                    "--kv-dtype", "fp8"]), fp8, "dsa-fp8")
     info = describe(server, "dsa-fp8", 0.01, None)["hisparse"]
+    point_columns = bench.point_columns
     assert server.kv_dtype == "fp8" and info["kv_dtype"] == "fp8" and info["unit_bytes"] == 656
-    assert info["attention_kernel"] == "triton"
+    assert info["attention_kernel"] == "triton" and info["prefill_overlap"] is False
+    assert "prefill_overlap" not in point_columns({"id": "dsa-fp8", "hisparse": info}, 8, 2, 1, None)
+    server, _, _ = build_server(ap, ap.parse_args(["--max-context", "64", "--kv-budget-gib", "0.01",
+                                                   "--prefill-overlap", "--prefill-layers", "2"]), tiny(FAMILY), "dsa")
+    assert server.prefill_overlap and server.prefill_layers == 2
+    info = describe(server, "dsa", 0.01, None)
+    assert point_columns(info, 8, 2, 1, None)["prefill_overlap"] is True
+
+
+def test_the_command_refuses_prefill_overlap_for_a_quest_model(tmp_path, capsys):
+    llama = write_tiny_checkpoint("llama", tmp_path / "llama")
+    assert serve_main(["--model", str(llama), "--mode", "hisparse", "--cache-slots", "8", "--prefill-overlap"]) == 2
+    assert "prefill_overlap=True is built for DSA models" in capsys.readouterr().err
 
 
 def test_the_command_checks_its_workload_options(tmp_path, capsys):

@@ -47,6 +47,7 @@ from hisparse.dsa.ops import (
     _require,
     check_selection_inputs,
     combine_splits,
+    decode_backend,
     default_decode_config,
     gluon_platform_unsupported,
     launch_fitted,
@@ -171,6 +172,15 @@ def sparse_mla_decode_stored(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tens
         _require(d_v == D_LATENT, f"d_v={d_v}: FP8 rows hold {D_LATENT} latent values (V)")
         return sparse_mla_decode_fp8(q, kv, rows, sm_scale, out=out, row_base=row_base, backend=backend)[0]
     return sparse_mla_decode(q, kv, rows, sm_scale, d_v=d_v, out=out, row_base=row_base, backend=backend)[0]
+
+
+def stored_decode_kernel(q: torch.Tensor, d_v: int, kv_dtype: str = "bf16", backend: str = "auto") -> str:
+    """The kernel `sparse_mla_decode_stored` runs for queries like q [N, H, d_v + RoPE] over rows of
+    kv_dtype with `backend`: "gluon" or "triton" (over fp8 rows the FP8 kernel of that name). What
+    result rows record as attention_kernel."""
+    if check_kv_dtype(kv_dtype) == "fp8":
+        return fp8_decode_backend(q, torch.empty(1, ROW_BYTES, dtype=torch.uint8, device=q.device), backend)
+    return decode_backend(q, d_v, backend)
 
 
 # ---------------------------------------------------------------------------------------------

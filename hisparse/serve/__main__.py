@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", choices=SERVING_MODES, default="resident",
                     help="resident (all KV on the GPU, the baseline), hisparse (host pool + --cache-slots GPU slots "
                          "per stream, exact), noio (hisparse without the copies: wrong tokens, the time's upper "
-                         "bound) or hybrid (DSA: sized as hisparse; a request is resident in the GPU memory its "
+                         "bound) or hybrid (sized as hisparse; a request is resident in the GPU memory its "
                          "lanes leave while it fits, hierarchical otherwise, exact) (default resident)")
     ap.add_argument("--cache-slots", type=_positive, default=None, metavar="B",
                     help="GPU slots per stream, at least the model's selection size k; required for hisparse, hybrid and "
@@ -84,13 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt tokens prefilled per iteration, between two decode steps: larger cuts TTFT a little, "
                          "smaller makes each stall of the running requests shorter (their mean TPOT stays) "
                          "(default 8192)")
+    ap.add_argument("--prefill-overlap", action="store_true",
+                    help="DSA checkpoints: run each prefill chunk in pieces of --prefill-layers layers on a side CUDA "
+                         "stream beside the decode steps, instead of alone between them (one piece in flight)")
+    ap.add_argument("--prefill-layers", type=_positive, default=4, metavar="N",
+                    help="with --prefill-overlap: layers of a prefill piece (default 4)")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
                     help="model: the family's prefill kernels (default); reference: the eager torch prefill")
     ap.add_argument("--graph", action="store_true",
                     help="decode steps in one captured CUDA graph (needs a CUDA GPU)")
     ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                     help="DSA checkpoints: how each MLA latent row is stored: bf16 (its 576 values in --dtype) or fp8 "
-                         "(DeepSeek-V3.2's 656-byte rows; needs 512 + 64 latents; the Triton FP8 kernel decodes "
+                         "(DeepSeek-V3.2's 656-byte rows; needs 512 + 64 latents; an FP8 kernel decodes "
                          "them) (default bf16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
@@ -156,6 +161,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
                         max_context=args.max_context, kv_budget_gib=args.kv_budget_gib,
                         host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
                         prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, kv_dtype=args.kv_dtype,
+                        prefill_overlap=args.prefill_overlap, prefill_layers=args.prefill_layers,
                         selections=None if workload is None else workload.draws[:, :, 0], **quest)
     except ValueError as exc:
         ap.error(f"cannot build the server: {exc}")

@@ -86,8 +86,8 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
         unit_bytes = runtime.row_bytes                      # 576 values in the model's dtype, or the fp8 row
         q = torch.empty(1, cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                         dtype=server.model.model.embed_tokens.weight.dtype, device=server.device)
-        from hisparse.dsa.ops import decode_backend
-        kernel = "triton" if server.kv_dtype == "fp8" else decode_backend(q, cfg.kv_lora_rank, server.decode_backend)
+        from hisparse.dsa.fp8 import stored_decode_kernel
+        kernel = stored_decode_kernel(q, cfg.kv_lora_rank, server.kv_dtype, server.decode_backend)
     else:
         unit_bytes, kernel = 2 * runtime.unit_size * cfg.head_dim * elem, "triton"
     hierarchical = server.mode != "resident"
@@ -100,6 +100,7 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
                 "attention_kernel": kernel, "workload": workload, "device": str(server.device)}
     if runtime.family == "DSA":
         settings["kv_dtype"] = server.kv_dtype
+        settings["prefill_overlap"] = server.prefill_overlap
     if runtime.family == "Quest":
         settings["token_budget"] = runtime.selection_size * runtime.unit_size
     return {"id": name, "object": "model", "owned_by": "hisparse", "max_model_len": server.max_context,

@@ -135,6 +135,8 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
         point["token_budget"] = s["token_budget"]
     if s.get("kv_dtype", "bf16") != "bf16":          # as the sweep's rows: bf16 leaves it empty
         point["kv_dtype"] = s["kv_dtype"]
+    if s.get("prefill_overlap"):                     # as the sweep's rows: without overlap leaves it empty
+        point["prefill_overlap"] = True
     return point
 
 
