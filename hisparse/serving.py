@@ -53,7 +53,8 @@ stream, then `prefill_layers` layers of the current chunk (`CausalLM.prefill_pie
 stream that waited only on what the main stream did before the step, then reads the step's tokens.
 One piece is in flight at a time: an iteration whose previous piece is still running on the side
 stream launches none (a non-blocking event query), so the pieces keep pace with the GPU instead
-of piling up ahead of the decode steps. A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
+of piling up ahead of the decode steps; a graphed step replays on a higher-priority stream, so
+the SMs take its blocks before the piece's. A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
 where no request reads (DSA's last position of the lane, hybrid's trash row of the cache), so the
 step and the prefill into that lane never touch the same bytes. Without a GPU the piece runs
 inline after the step: the same schedule, which records every piece (`Iteration.layers`) and join.
@@ -268,6 +269,9 @@ class Server:
         self.prefill_overlap = prefill_overlap
         # the side stream the prefill pieces run on, beside the decode steps on the main one
         self._side = torch.cuda.Stream(self.device) if prefill_overlap and self.device.type == "cuda" else None
+        # and the higher-priority stream graphed steps replay on beside them: a graph's kernels take
+        # the priority of the stream it is launched into, so the SMs take the step's blocks first
+        self._urgent = torch.cuda.Stream(self.device, priority=-1) if self._side is not None and graph else None
         self.hybrid = mode == "hybrid"
         if self.hybrid and not hasattr(self.runtime, "take_runs"):
             raise ValueError(f"mode 'hybrid' needs a runtime that keeps requests in runs of the cache's streams "
@@ -698,7 +702,14 @@ class Server:
             logits = self.model.decode(self.tokens, self.state)
 
         def step() -> torch.Tensor:
-            graph.replay()
+            if self._urgent is None:
+                graph.replay()
+                return logits
+            main = torch.cuda.current_stream()
+            self._urgent.wait_stream(main)               # after the lane setup; the main stream waits for it
+            with torch.cuda.stream(self._urgent):
+                graph.replay()
+            main.wait_stream(self._urgent)
             return logits
 
         return step
