@@ -44,7 +44,12 @@ from hisparse.nsa.runtime import NsaRuntime
 from hisparse.quest.model import QuestModel
 from hisparse.quest.runtime import QuestRuntime
 from hisparse.resolve import MAX_K, MAX_SLOTS
-from hisparse.runtime import KV_MODES, FamilyRuntime, prefetch_width
+from hisparse.runtime import (
+    KV_MODES,
+    FamilyRuntime,
+    count_graph_capture,
+    prefetch_width,
+)
 from hisparse.traces import Trace, TraceWriter, validate
 
 RUNTIMES = {DsaModel: DsaRuntime, QuestModel: QuestRuntime, NsaModel: NsaRuntime}
@@ -423,6 +428,7 @@ class Engine:
         Capturing records without executing, so the model's host-side length bound is put back."""
         static_tokens = tokens.clone()
         max_length = state.max_length
+        count_graph_capture()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_logits = self.model.decode(static_tokens, state)

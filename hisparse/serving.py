@@ -78,7 +78,13 @@ import torch
 from hisparse.engine import check_prompts, family_runtime
 from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
-from hisparse.runtime import KV_MODES, cache_bytes, nbytes, prefetch_width
+from hisparse.runtime import (
+    KV_MODES,
+    cache_bytes,
+    count_graph_capture,
+    nbytes,
+    prefetch_width,
+)
 
 # hybrid (every family): a request resident while its rows fit beside the others in runs of the cache's
 # streams, hierarchical otherwise; a resident one is demoted when a hierarchical one needs the room
@@ -697,6 +703,7 @@ class Server:
             self._replay_copied.record()
 
     def _graphed_step(self):
+        count_graph_capture()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = self.model.decode(self.tokens, self.state)

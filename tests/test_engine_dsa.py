@@ -396,3 +396,18 @@ def test_each_decode_backend_is_bitwise_resident_graphed(real_model, backend):
         prompts, 17, graph=True)
     assert_bitwise(base, out, f"decode_backend={backend}")
     assert out.misses > 0
+
+
+def test_the_fourth_graph_capture_of_a_process_warns_once(monkeypatch):
+    """count_graph_capture (Engine and Server call it before each capture): the process's 4th capture
+    warns that replays are slower from there on; the 3rd and the 5th do not."""
+    import warnings
+    monkeypatch.setattr(runtime, "graph_captures", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime.count_graph_capture() == 3
+    with pytest.warns(RuntimeWarning, match="4th decode-step CUDA graph.*about 11% slower"):
+        assert runtime.count_graph_capture() == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime.count_graph_capture() == 5
