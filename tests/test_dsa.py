@@ -125,11 +125,12 @@ def prefill_inputs(s, start, h, d, dtype, gen):
     return q, weights, torch.randn(start + s, d, generator=gen).to(dtype)
 
 
-def decode_indexer_of_chunk(q, weights, keys, start):
-    """The decode indexer of each query with its causal length: what the prefill kernel must equal."""
+def decode_indexer_of_chunk(q, weights, keys, start, block_t=None):
+    """The decode indexer of each query with its causal length, at the prefill's key tile (default
+    the decode kernel's): what the prefill kernel must equal bit for bit."""
     s, t = q.shape[0], keys.shape[0]
     lengths = torch.arange(start + 1, start + s + 1)
-    return dsa.indexer_scores(q, weights, keys.expand(s, t, keys.shape[1]), lengths), lengths
+    return dsa.indexer_scores(q, weights, keys.expand(s, t, keys.shape[1]), lengths, block_t=block_t), lengths
 
 
 PREFILL_CONFIGS = {
@@ -149,11 +150,12 @@ PREFILL_CONFIGS = {
 ])
 def test_prefill_indexer_is_the_decode_indexer_bit_for_bit(s, start, h, d, config):
     """Causality as lengths: query i scores the tokens < start + i + 1, -inf after, exactly the decode
-    kernel's bits (same tile operations), and the torch reference within float32's tolerance."""
+    kernel's bits at the same key tile (same tile operations; the default config at the decode
+    kernel's own), and the torch reference within float32's tolerance."""
     gen = torch.Generator().manual_seed(s * 100 + start)
     q, weights, keys = prefill_inputs(s, start, h, d, torch.float32, gen)
     got = dsa.prefill_indexer_scores(q, weights, keys, start, config)
-    decode, lengths = decode_indexer_of_chunk(q, weights, keys, start)
+    decode, lengths = decode_indexer_of_chunk(q, weights, keys, start, None if config is None else config.block_t)
     assert torch.equal(got, decode)
     expanded = keys.expand(s, *keys.shape)
     assert rel_err(got, dsa_ref.indexer_scores_ref(q, weights, expanded, lengths)) < TOL[torch.float32]

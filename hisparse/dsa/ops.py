@@ -91,20 +91,26 @@ def _check_indexer_inputs(q, weights, keys, lengths, key_scale) -> None:
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
-                   key_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   key_scale: torch.Tensor | None = None, block_t: int | None = None) -> torch.Tensor:
     """Lightning-indexer scores [N, T] float32 of each request's decode query; -inf at t >= lengths[n].
 
     q [N, H_index, D] (D a power of 2, 128 in the model), weights [N, H_index], keys [N, T, D] in q's
-    dtype or float8_e4m3fn with key_scale [N, T] float32, lengths [N] (clamped to T).
+    dtype or float8_e4m3fn with key_scale [N, T] float32, lengths [N] (clamped to T). block_t: keys a
+    program scores (a power of 2 >= 16; default 128 on a GPU, 32 elsewhere): the prefill indexer at
+    the same tile gives these bits (`prefill_indexer_scores`), at another tile the same within
+    float32 rounding.
     """
     _check_indexer_inputs(q, weights, keys, lengths, key_scale)
+    if block_t is not None:
+        _require(isinstance(block_t, int) and block_t >= 16 and block_t & (block_t - 1) == 0,
+                 f"block_t={block_t!r}: expected a power of 2 of at least 16")
     n, h, d = q.shape
     t = keys.shape[1]
     out = torch.empty((n, t), dtype=torch.float32, device=q.device)
     if n == 0 or t == 0:
         return out
     scale = key_scale if key_scale is not None else out  # never read without HAS_SCALE
-    block_t = 128 if q.is_cuda else 32
+    block_t = block_t or (128 if q.is_cuda else 32)
     _indexer_scores_kernel[(triton.cdiv(t, block_t), n)](
         q, weights, keys, scale, lengths, out,
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), keys.stride(1),
