@@ -185,6 +185,9 @@ def test_prefill_indexer_refuses_bad_inputs():
     with pytest.raises(ValueError, match="block_t=48"):
         dsa.PrefillIndexerConfig(block_t=48, queries=2, num_warps=4, num_stages=1)
     assert dsa.prefill_indexer_scores(q[:0], w[:0], keys[:5], 5).shape == (0, 5)
+    for bad in (24, 8, 32.0):
+        with pytest.raises(ValueError, match=f"block_t={bad!r}: expected a power of 2 of at least 16"):
+            dsa.indexer_scores(q, w, keys.expand(4, 9, 16), torch.full((4,), 9), block_t=bad)
 
 
 @pytest.mark.parametrize("picked, k", [(16, 16), (5, 7), (12, 12)], ids=["k16", "fewer-picks-k7", "k12"])
