@@ -43,8 +43,9 @@ def resolve_lines(frame: pd.DataFrame) -> list[str]:
 
 def attention_lines(frame: pd.DataFrame) -> list[str]:
     """Per family (and DSA's fp8 rows apart): the decode kernel's roofline fraction at batch >= 32
-    (target 0.40; fp8 rows: goal 0.50, bar 0.41), the Triton kernel's and the Gluon one's where it
-    ran, and the Triton kernel's speed-up over the torch gather."""
+    (target 0.40; fp8 rows: goal 0.50, bar 0.41) and its speed-up over the torch gather. Mode
+    `triton` is the kernel bench_attention_dsa's --backend picks (bf16 rows on Hopper: Gluon; fp8
+    rows: the Triton FP8 kernel); fp8 rows' mode `gluon`, the Gluon FP8 kernel, gets a line of its own."""
     f = latest(frame)
     f = f.assign(kv_dtype=f["kv_dtype"].fillna("") if "kv_dtype" in f else "")
     lines = []
@@ -188,27 +189,32 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
 
 
 def overlap_lines(closed: pd.DataFrame) -> list[str]:
-    """Per (clients, mode) run with prefill_overlap (issue 33: prefill in layer pieces beside the decode
-    steps instead of alone between them; the newest run of each point): output tokens/s over resident's
-    with overlap and without (target >= 1.6 at the study's two highest levels) and over its own twin
-    without overlap, p50 TTFT and TPOT beside the twin's. The twin: same clients, mode, lengths and chunk."""
+    """Per point run with prefill_overlap (issue 33: prefill in layer pieces beside the decode steps
+    instead of alone between them; the newest run of each point): output tokens/s over resident's with
+    overlap and over resident's without (the tokens/s target, >= 1.6, is the study's two highest
+    levels'), over its own twin without overlap, and p50 TTFT and TPOT beside the twin's. Twins share
+    clients, mode and the study's shape (lengths, chunk, budget, rows, model, workload)."""
     if "prefill_overlap" not in closed or not closed.prefill_overlap.notna().any():
         return []
-    on = closed.prefill_overlap.notna()
-    key = ["concurrency", "mode", "input_len", "output_len", "prefill_chunk"]
-    wide_on = closed[on].pivot_table(index=key, columns="metric", values="value")
-    wide_off = closed[~on].pivot_table(index=key, columns="metric", values="value")
+    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_budget_gib", "kv_dtype", "model", "workload")
+             if c in closed]
+    f = closed.assign(**{c: closed[c].astype(object).where(closed[c].notna(), "-") for c in shape})
+    on = f.prefill_overlap.notna()
+    key = ["concurrency", "mode", *shape]
+    wide_on = f[on].pivot_table(index=key, columns="metric", values="value")
+    wide_off = f[~on].pivot_table(index=key, columns="metric", values="value")
+
+    def of(wide, level, mode, rest):
+        return wide.loc[(level, mode, *rest)] if (level, mode, *rest) in wide.index else None
+
     lines = []
-    for (level, mode, n_in, n_out, chunk), r in wide_on.iterrows():
-        twin = wide_off.loc[(level, mode, n_in, n_out, chunk)] if (level, mode, n_in, n_out, chunk) in wide_off.index \
-            else None
-        base = wide_off.loc[(level, "resident", n_in, n_out, chunk)] \
-            if (level, "resident", n_in, n_out, chunk) in wide_off.index else None
+    for (level, mode, *rest), r in wide_on.iterrows():
+        twin, base, base_on = of(wide_off, level, mode, rest), of(wide_off, level, "resident", rest), \
+            of(wide_on, level, "resident", rest)
         cells = [f"{r.tokens_per_s:.0f} tokens/s"]
-        if mode != "resident" and (level, "resident", n_in, n_out, chunk) in wide_on.index:
-            cells.append(f"{r.tokens_per_s / wide_on.loc[(level, 'resident', n_in, n_out, chunk)].tokens_per_s:.2f}x "
-                         f"resident's with overlap")
-        if base is not None and mode != "resident":
+        if mode != "resident" and base_on is not None:
+            cells.append(f"{r.tokens_per_s / base_on.tokens_per_s:.2f}x resident's with overlap")
+        if mode != "resident" and base is not None:
             cells.append(f"{r.tokens_per_s / base.tokens_per_s:.2f}x resident's without (target >= 1.6)")
         if twin is not None:
             cells.append(f"{r.tokens_per_s / twin.tokens_per_s:.2f}x its own without; p50 TTFT {r.ttft_ms_p50:.0f} ms "
@@ -294,7 +300,7 @@ def throughput_lines(frame: pd.DataFrame) -> list[str]:
 
 # what makes an HTTP row the twin of an in-process one (the rest is how each was measured)
 TWIN = ["family", "model", "mode", "workload", "layers", "hidden", "cache_slots", "input_len", "output_len",
-        "concurrency", "kv_budget_gib", "prefill_chunk", "prefill_overlap", "kv_dtype"]
+        "concurrency", "kv_budget_gib", "prefill_chunk", "prefill_overlap", "prefill_layers", "kv_dtype"]
 
 
 def http_lines(frame: pd.DataFrame) -> list[str]:

@@ -549,7 +549,7 @@ def serving_study(rows: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         return rows
     shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_dtype") if c in rows]
-    key = rows[shape].astype(str).agg("/".join, axis=1)
+    key = rows[shape].astype(object).fillna("-").astype(str).agg("/".join, axis=1)   # pandas 3: str keeps NaN
     levels = rows.groupby(key).concurrency.nunique()
     studies = levels[levels >= 2]
     if len(studies) > 1 and "timestamp" in rows:

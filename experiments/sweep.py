@@ -58,7 +58,7 @@ from hisparse.dsa.fp8 import (
     check_fp8_geometry,
     stored_decode_kernel,
 )
-from hisparse.dsa.ops import DECODE_BACKENDS, gluon_decode_unsupported
+from hisparse.dsa.ops import DECODE_BACKENDS
 from hisparse.dsa.runtime import KV_MODES
 from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
@@ -440,7 +440,7 @@ def done_points(path: Path) -> pd.DataFrame | None:
 
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
-OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap"}
+OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "transport"}   # transport: HTTP rows (hisparse.serve.bench)
 
 
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
@@ -529,7 +529,6 @@ def graphs_of(point: dict, graph: bool) -> int:
     if point["bench"] == "policies":
         return 0
     return 2 if point["bench"] == "serving" and point["mode"] == "hybrid" and graph else 1
-
 
 
 def over_limit(runs: int, study: dict, point: dict, on_gpu: bool, limit: int) -> bool:
@@ -899,9 +898,11 @@ def main(argv=None) -> int:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             probe = torch.empty(1, cfg["num_attention_heads"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"],
                                 dtype=dtype, device=device)
-            if reason := gluon_decode_unsupported(probe, cfg["kv_lora_rank"]):
+            try:                             # the bf16 rows' Gluon kernel, or the fp8 rows' one
+                stored_decode_kernel(probe, cfg["kv_lora_rank"], study.get("kv_dtype", "bf16"), "gluon")
+            except ValueError as exc:
                 print(f"error: {args.config}: study {study.get('_index', '')}: decode_backend = \"gluon\" cannot run "
-                      f"here: {reason}", file=sys.stderr)
+                      f"here: {exc}", file=sys.stderr)
                 return 2
     gpu, out_dir = environment()["gpu"], Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():

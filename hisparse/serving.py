@@ -48,16 +48,17 @@ size trades TTFT (a whole prompt in one chunk) against TPOT.
 
 With `prefill_overlap` (DSA) the prefill does not stall the lanes: each iteration joins a request
 whose prompt finished in an earlier one (the main stream waits on the event its last piece recorded,
-then its first token is read), admits, launches the decode step of the running lanes on the main
-stream, then `prefill_layers` layers of the current chunk (`CausalLM.prefill_pieces`) on a side
+then its first token is read), admits, launches the decode step of the running lanes (a graphed step
+on a higher-priority stream the main one waits on), then `prefill_layers` layers of the current chunk (`CausalLM.prefill_pieces`) on a side
 stream that waited only on what the main stream did before the step, then reads the step's tokens.
 One piece is in flight at a time: an iteration whose previous piece is still running on the side
 stream launches none (a non-blocking event query), so the pieces keep pace with the GPU instead
-of piling up ahead of the decode steps; a graphed step replays on a higher-priority stream, so
-the SMs take its blocks before the piece's. A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
+of piling up ahead of the decode steps; a graphed step's higher-priority stream lets the SMs take
+its blocks before the piece's. A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
 where no request reads (DSA's last position of the lane, hybrid's trash row of the cache), so the
 step and the prefill into that lane never touch the same bytes. Without a GPU the piece runs
-inline after the step: the same schedule, which records every piece (`Iteration.layers`) and join.
+inline after the step, every iteration. The schedule records every piece (`Iteration.layers`) and
+join, whenever the GPU let them run, so a replay runs them in the same iterations.
 
 A run records its schedule (what each iteration admitted, prefilled and decoded); `serve(replay=...)`
 runs the same schedule in another mode, with the same lanes, so every request meets the same batch
@@ -206,6 +207,9 @@ class ServingRun:
         return out
 
 
+PREFILL_LAYERS = 4          # layers of a prefill piece with prefill_overlap, by default
+
+
 @dataclass
 class _Prefill:
     request: Request
@@ -237,9 +241,10 @@ class Server:
     its own (`Request.selections`, the same shape but for steps: its own draw of a synthetic workload,
     for realistic locality: a random model's own selections have none).
     token_budget (Quest), decode_backend (DSA), kv_dtype (DSA's "fp8" rows), prefetch, prefetch_programs:
-    as `Engine`'s. prefill_overlap (DSA): each iteration launches the decode step first, then
-    `prefill_layers` layers of the current prefill chunk on a side CUDA stream (inline after the step
-    without a GPU), so the decode steps go on while a prompt is prefilled (see `step`)."""
+    as `Engine`'s. prefill_overlap (DSA): each iteration launches the decode step first, then, unless
+    the previous piece still runs, `prefill_layers` layers of the current prefill chunk on a side CUDA
+    stream (inline after the step without a GPU), so the decode steps go on while a prompt is
+    prefilled (see the module docstring)."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
@@ -247,7 +252,7 @@ class Server:
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
                  selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
-                 prefill_layers: int = 4):
+                 prefill_layers: int = PREFILL_LAYERS):
         if mode not in SERVING_MODES:
             raise ValueError(f"mode must be one of {SERVING_MODES}, got {mode!r}")
         if prefill not in ("model", "reference"):
@@ -1009,12 +1014,10 @@ class Server:
                 except StopIteration as end:
                     logits = end.value
             job.layer = hi
-            if side is not None:
-                job.piece_done = torch.cuda.Event()
-                job.piece_done.record(side)
             if (logits is None) != (hi < self.model.config.num_hidden_layers):
                 raise RuntimeError(f"prefill piece of layers {lo}..{hi - 1} ended out of step with the model")
             if logits is None:
+                self._piece_recorded(job, side)
                 return
             if job.in_place is not None:
                 job.in_place.chunk_done(job.done, job.done + job.chunk)
@@ -1030,7 +1033,15 @@ class Server:
                 if side is not None:
                     job.finished = torch.cuda.Event()
                     job.finished.record(side)
+            self._piece_recorded(job, side)             # after the chunk's staging: it is part of the piece
         self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(job.held))
+
+    @staticmethod
+    def _piece_recorded(job: _Prefill, side) -> None:
+        """On the side stream, the event the next piece waits to be done before it launches."""
+        if side is not None:
+            job.piece_done = torch.cuda.Event()
+            job.piece_done.record(side)
 
     def _join_prefill(self, job: _Prefill, step: Iteration, finished: list[Request]) -> None:
         """The prompt is done: the main stream waits on its side-stream work, then its first token

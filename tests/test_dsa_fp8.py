@@ -362,7 +362,8 @@ def test_gpu_decode_real_shapes(dequant):
     ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
     base_out, _ = dsa.sparse_mla_decode(q, kv_bf16, rows, DSV32_SCALE, backend="triton")
     for splits in (None, 1, 7):
-        out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, dequant=dequant)
+        out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, dequant=dequant,
+                                             backend="triton")    # "auto" would run the Gluon kernel here
         assert rel_err(out, ref_out) < TOL[torch.bfloat16], f"num_splits={splits}"
         assert rel_err(lse, ref_lse) < 1e-4, f"num_splits={splits}"
         assert torch.equal(out[2], torch.zeros_like(out[2]))
@@ -377,9 +378,9 @@ def test_gpu_same_bytes_at_other_positions_give_the_same_bits(dequant):
     kv_res, rows_res, kv_hot, rows_hot = hot_and_resident(streams, 8192, slots, 2048, gen)
     q = torch.randn(streams, 128, 576, generator=gen).bfloat16().cuda()
     base = torch.arange(streams, dtype=torch.int64, device="cuda") * (slots + 1)
-    out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE, dequant=dequant)
-    out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, row_base=base,
-                                                 dequant=dequant)
+    kw = dict(dequant=dequant, backend="triton")                  # the Triton kernel ("auto": Gluon here)
+    out_res, lse_res = fp8.sparse_mla_decode_fp8(q, kv_res.cuda(), rows_res.cuda(), DSV32_SCALE, **kw)
+    out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot.cuda(), rows_hot.cuda(), DSV32_SCALE, row_base=base, **kw)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
 
 

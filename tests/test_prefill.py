@@ -340,3 +340,21 @@ def test_nsa_fast_prefill_at_real_shapes_agrees_with_the_reference_in_bf16():
     (ref, _), (fast, _) = both(model, ids, 2048)
     error = (fast[0, -1].float() - ref[0, -1].float()).abs().max() / ref[0, -1].float().abs().max()
     assert error < 3e-2, error
+
+
+def test_per_head_matmul_writes_a_strided_view_in_place():
+    """The absorbed prefill's batched matmul over heads: x [B, S, H, I] (a view of a wider tensor, as
+    q_nope is) times w [H, I, O] into out, a view of the first O columns of a wider buffer: the
+    einsum's values there (float32 rounding), the buffer's other columns untouched."""
+    from hisparse.dsa.model import per_head_matmul
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randn(2, 5, 3, 24, generator=gen)
+    x = wide[..., :16]                                              # [2, 5, 3, 16], row stride 24
+    w = torch.randn(3, 16, 8, generator=gen)
+    buf = torch.full((2, 5, 3, 11), 7.0)
+    per_head_matmul(x, w, buf[..., :8])
+    assert torch.allclose(buf[..., :8], torch.einsum("bshn,hnc->bshc", x, w), atol=1e-5)
+    assert (buf[..., 8:] == 7.0).all()
+    out = torch.empty(2, 5, 3, 16)                                 # a transposed weight, as for the values
+    per_head_matmul(buf[..., :8].contiguous(), w.transpose(1, 2), out)
+    assert torch.allclose(out, torch.einsum("bshc,hnc->bshn", buf[..., :8], w), atol=1e-5)

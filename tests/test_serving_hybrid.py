@@ -161,3 +161,41 @@ def test_a_request_hybrid_could_never_place_is_refused_at_submit():
         server.submit(Request(torch.arange(58) % 97, 2))
     assert not server.busy
     server.close()
+
+
+def test_write_run_token_writes_resident_lanes_only_and_reads_nothing_on_the_host():
+    """Hybrid's decode write for Quest / NSA lanes resident in runs: the resident lanes' key and value at
+    their row and offset; the other lanes write the first resident lane's token to its own place
+    (so the pool changes only there); and no op reads a device value on the host (a CUDA graph
+    capture refuses `aten._local_scalar_dense`, e.g. from indexing with a 0-d tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hisparse.runtime import write_run_token
+
+    class Syncs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(5)
+    rows, hkv, unit, d = 12, 2, 4, 3
+    for resident in ([False, True, False, True], [False, False, False, False], [True, False, False, False]):
+        pool = torch.randn(rows, 2, unit, d, generator=gen)
+        row_base = torch.tensor([[0, 1], [2, 4], [6, 7], [8, 10]])
+        res = torch.tensor(resident)
+        pos = torch.tensor([1, 5, 2, 6])
+        key, value = torch.randn(4, hkv, d, generator=gen), torch.randn(4, hkv, d, generator=gen)
+        expected = pool.clone()
+        for lane in range(4):
+            if resident[lane]:
+                for h in range(hkv):
+                    r = row_base[lane, h] + pos[lane] // unit
+                    expected[r, 0, pos[lane] % unit], expected[r, 1, pos[lane] % unit] = key[lane, h], value[lane, h]
+        with Syncs() as mode:
+            write_run_token(pool, row_base, res, pos, key, value, unit)
+        assert torch.equal(pool, expected), resident
+        assert not [f for f in mode.seen if "_local_scalar_dense" in f or ".item" in f], mode.seen

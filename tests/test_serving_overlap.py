@@ -211,8 +211,9 @@ def test_bad_overlap_options_are_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
 def test_graphed_overlapped_prefill_is_bitwise_as_resident(family):
-    """On a GPU: decode steps replayed from one graph on the main stream, prefill pieces on the side
-    stream beside them (the kernels' prefill), resident replaying the schedule bitwise."""
+    """On a GPU: decode steps replayed from one graph on the higher-priority stream, prefill pieces on
+    the side stream beside them, one in flight (the kernels' prefill), resident replaying the schedule
+    bitwise."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=True)

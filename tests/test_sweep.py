@@ -372,6 +372,11 @@ def test_attention_kernel_is_what_dsa_decode_picks_for_the_models_query(monkeypa
     assert sweep.attention_kernel(dsa_model, "triton") == "triton"           # the study's decode_backend
     quest_model = SimpleNamespace(config=SimpleNamespace(model_type="llama"), model=dsa_model.model)
     assert sweep.attention_kernel(quest_model) == "triton"
+    assert sweep.attention_kernel(dsa_model, kv_dtype="fp8") == "triton"   # fp8 rows: the FP8 kernels
+    from hisparse.dsa import fp8
+    monkeypatch.setattr(fp8, "fp8_gluon_unsupported", lambda q, kv: None)
+    assert sweep.attention_kernel(dsa_model, kv_dtype="fp8") == "gluon"
+    assert sweep.attention_kernel(dsa_model, "triton", "fp8") == "triton"
 
 
 def test_quest_studies_run_per_kv_head_in_pages(tmp_path):
@@ -704,7 +709,7 @@ def test_a_serving_study_with_prefill_overlap_runs_both_ways_and_marks_its_rows(
     rows = pd.read_csv(out / "serving.csv")
     tokens = rows[rows.metric == "output_tokens"]
     assert len(tokens) == 4 and (tokens.value == 12).all()
-    assert tokens.prefill_overlap.isna().sum() == 2 and (tokens.prefill_overlap.dropna() == True).all()  # noqa: E712
+    assert tokens.prefill_overlap.isna().sum() == 2 and tokens.prefill_overlap.dropna().astype(bool).all()
     done = sweep.done_points(out / "serving.csv")
     study = sweep.tomllib.loads((tmp_path / "sweep.toml").read_text())["study"]
     sweep.validate(study)
@@ -715,6 +720,18 @@ def test_a_serving_study_with_prefill_overlap_runs_both_ways_and_marks_its_rows(
     assert not any(sweep.already_done(plain, p, "cpu") for p in points if "prefill_overlap" in p)
     overlapped = done[done.prefill_overlap.notna()]
     assert not any(sweep.already_done(overlapped, p, "cpu") for p in points if "prefill_overlap" not in p)
+
+
+def test_a_point_is_not_done_by_rows_that_differ_in_an_optional_key():
+    """kv_dtype, prefill_overlap and transport: a point without the key is done only by rows that
+    leave it empty (a bf16 point not by its fp8 twin's rows, an in-process one not by HTTP rows)."""
+    point = {"bench": "serving", "mode": "hisparse", "concurrency": 8}
+    row = dict(point, gpu="g", metric="tokens_per_s", value=1.0)
+    for key, value in (("kv_dtype", "fp8"), ("prefill_overlap", True), ("transport", "http")):
+        done = pd.DataFrame([dict(row, **{key: value})])
+        assert not sweep.already_done(done, point, "g"), key
+        assert sweep.already_done(done, dict(point, **{key: value}), "g"), key
+        assert sweep.already_done(pd.DataFrame([dict(row, **{key: None})]), point, "g"), key
 
 
 @pytest.mark.parametrize("value,message", [

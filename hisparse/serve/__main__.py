@@ -30,7 +30,7 @@ from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, _device, _load, _positive
 from hisparse.serve.app import Service, closing_line, describe, log, serve
 from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
-from hisparse.serving import SERVING_MODES, Server
+from hisparse.serving import PREFILL_LAYERS, SERVING_MODES, Server
 from hisparse.synthetic import PRESETS, request_draws
 
 
@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-overlap", action="store_true",
                     help="DSA checkpoints: run each prefill chunk in pieces of --prefill-layers layers on a side CUDA "
                          "stream beside the decode steps, instead of alone between them (one piece in flight)")
-    ap.add_argument("--prefill-layers", type=_positive, default=4, metavar="N",
-                    help="with --prefill-overlap: layers of a prefill piece (default 4)")
+    ap.add_argument("--prefill-layers", type=_positive, default=None, metavar="N",
+                    help=f"with --prefill-overlap: layers of a prefill piece (default {PREFILL_LAYERS})")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
                     help="model: the family's prefill kernels (default); reference: the eager torch prefill")
     ap.add_argument("--graph", action="store_true",
@@ -155,13 +155,15 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
         option = "--kv-dtype" if args.kv_dtype != "bf16" and "kv_dtype" in str(exc) else "--model"
         ap.error(f"argument {option}: model {name!r} does not fit the kernels: {exc}")
     quest = {} if args.token_budget is None else {"token_budget": args.token_budget}
+    if args.prefill_layers is not None and not args.prefill_overlap:
+        ap.error("argument --prefill-layers: only with --prefill-overlap (the layers of a piece run beside a step)")
     workload = replay_workload(ap, args, model.config, name)
     try:
         server = Server(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
                         max_context=args.max_context, kv_budget_gib=args.kv_budget_gib,
                         host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
                         prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, kv_dtype=args.kv_dtype,
-                        prefill_overlap=args.prefill_overlap, prefill_layers=args.prefill_layers,
+                        prefill_overlap=args.prefill_overlap, prefill_layers=args.prefill_layers or PREFILL_LAYERS,
                         selections=None if workload is None else workload.draws[:, :, 0], **quest)
     except ValueError as exc:
         ap.error(f"cannot build the server: {exc}")

@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 
 from hisparse.generate import _positive
-from hisparse.serving import percentile
+from hisparse.serving import PREFILL_LAYERS, percentile
 
 UNITS = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens", "lanes": "requests",
          "failed_requests": "requests", "wall_s": "s"}
@@ -137,6 +137,8 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
         point["kv_dtype"] = s["kv_dtype"]
     if s.get("prefill_overlap"):                     # as the sweep's rows: without overlap leaves it empty
         point["prefill_overlap"] = True
+        if s.get("prefill_layers", PREFILL_LAYERS) != PREFILL_LAYERS:   # the sweep's pieces are the default's
+            point["prefill_layers"] = s["prefill_layers"]
     return point
 
 
