@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                     help="DSA checkpoints: how each MLA latent row is stored: bf16 (its 576 values in --dtype) or "
                          "fp8 (DeepSeek-V3.2's 656-byte rows: 512 e4m3, 4 scales, 64 bf16 RoPE; needs kv_lora_rank "
-                         "512 and qk_rope_head_dim 64; decoded by the Gluon FP8 kernel on Hopper, Triton's elsewhere) (default bf16)")
+                         "512 and qk_rope_head_dim 64; decoded by the Gluon FP8 kernel on Hopper, Triton's "
+                         "elsewhere) (default bf16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,

@@ -49,16 +49,17 @@ size trades TTFT (a whole prompt in one chunk) against TPOT.
 With `prefill_overlap` (DSA) the prefill does not stall the lanes: each iteration joins a request
 whose prompt finished in an earlier one (the main stream waits on the event its last piece recorded,
 then its first token is read), admits, launches the decode step of the running lanes (a graphed step
-on a higher-priority stream the main one waits on), then `prefill_layers` layers of the current chunk (`CausalLM.prefill_pieces`) on a side
-stream that waited only on what the main stream did before the step, then reads the step's tokens.
-One piece is in flight at a time: an iteration whose previous piece is still running on the side
-stream launches none (a non-blocking event query), so the pieces keep pace with the GPU instead
-of piling up ahead of the decode steps; a graphed step's higher-priority stream lets the SMs take
-its blocks before the piece's. A chunk's last piece stages it to the host pool there too. An empty lane's decode write lands
-where no request reads (DSA's last position of the lane, hybrid's trash row of the cache), so the
-step and the prefill into that lane never touch the same bytes. Without a GPU the piece runs
-inline after the step, every iteration. The schedule records every piece (`Iteration.layers`) and
-join, whenever the GPU let them run, so a replay runs them in the same iterations.
+on a higher-priority stream the main one waits on), then `prefill_layers` layers of the current
+chunk (`CausalLM.prefill_pieces`) on a side stream that waited only on what the main stream did
+before the step, then reads the step's tokens. One piece is in flight at a time: an iteration whose
+previous piece is still running on the side stream launches none (a non-blocking event query), so
+the pieces keep pace with the GPU instead of piling up ahead of the decode steps; a graphed step's
+higher-priority stream lets the SMs take its blocks before the piece's. A chunk's last piece stages
+it to the host pool there too. An empty lane's decode write lands where no request reads (DSA's last
+position of the lane, hybrid's trash row of the cache), so the step and the prefill into that lane
+never touch the same bytes. Without a GPU the piece runs inline after the step, every iteration. The
+schedule records every piece (`Iteration.layers`) and join, whenever the GPU let them run, so a
+replay runs them in the same iterations.
 
 A run records its schedule (what each iteration admitted, prefilled and decoded); `serve(replay=...)`
 runs the same schedule in another mode, with the same lanes, so every request meets the same batch

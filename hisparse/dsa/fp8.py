@@ -276,8 +276,8 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     default, what every caller gets) or "split", which equals it within float32 rounding.
     `backend` (`fp8_decode_backend`): "triton" runs the Triton kernel; "gluon" the Gluon one
     (kernels_triton/dsa_fp8_gluon.py: Hopper, bf16 q, >= 64 heads, 64-row tiles; no config or
-    dequant), refused before any launch where it cannot run; "auto" the Gluon one where it can run. The two accumulate in different orders
-    (no bitwise equality between them); each is deterministic.
+    dequant), refused before any launch where it cannot run; "auto" the Gluon one where it can run.
+    The two accumulate in different orders (no bitwise equality between them); each is deterministic.
     """
     _require(dequant in DEQUANT_MODES, f"dequant={dequant!r}: expected one of {DEQUANT_MODES}")
     _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base)
