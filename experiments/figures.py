@@ -561,7 +561,9 @@ def serving_study(rows: pd.DataFrame) -> pd.DataFrame:
 def serving_vs_concurrency(frame: pd.DataFrame) -> Figure:
     """The serving study (closed loop) against concurrency, per mode: output tokens/s, p50 and p99
     TTFT, p50 TPOT; each point's newest rows on the newest GPU, in process (rows sent over HTTP are
-    left out), of the study `serving_study` picks."""
+    left out), of the study `serving_study` picks. A graphed point that ran past its process's 4th
+    graph capture (column `run` >= 4: on the H200 every replay about 11% slower, notes/graphs.md)
+    is drawn hollow, marked gid "past_4th_graph"."""
     rows = frame
     if "transport" in rows:
         rows = rows[rows.transport.isna() | (rows.transport == "process")]
@@ -570,10 +572,17 @@ def serving_vs_concurrency(frame: pd.DataFrame) -> Figure:
               ("ttft_ms_p99", "TTFT p99 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")]
     rows = select(rows, [m for m, _ in panels])
     fig, axes = new_figure("Serving: closed loop of C clients", rows, 1, len(panels))
+    past = rows.run.ge(4) & rows.graph.astype(str).eq("True") if {"run", "graph"} <= set(rows) else rows.metric.isna()
     for ax, (metric, label) in zip(axes[0], panels):
         plot_lines(ax, rows[rows.metric == metric], "concurrency", ("mode",))
+        for mode, slow in rows[past & (rows.metric == metric)].groupby("mode"):
+            ax.plot(slow.concurrency, slow.value, linestyle="none", marker="o", markersize=7, markerfacecolor="white",
+                    markeredgecolor=MODE_COLORS.get(mode), gid="past_4th_graph")
         log2_axis(ax, rows["concurrency"], lambda c: f"{int(c)}")
         ax.set(xlabel="concurrent clients", ylabel=label)
+    if past.any():
+        fig.supxlabel("hollow: run past its process's 4th CUDA graph capture (every replay about 11% slower on "
+                      "the H200)", fontsize=7)
     return fig
 
 

@@ -530,6 +530,23 @@ def test_serving_vs_concurrency_one_line_per_mode_without_http_rows():
     assert len(fig.axes) == 4
 
 
+def test_serving_points_past_the_4th_graph_are_drawn_hollow():
+    """A graphed point whose run was its process's 4th graph or later gets a hollow marker over its
+    line's point (and the figure a note); the others, and an ungraphed run 5, none."""
+    records = [{"family": "dsa", "mode": mode, "concurrency": c, "metric": m, "value": 10 * c + i, "graph": graph,
+                "run": run}
+               for i, (mode, graph, run) in enumerate([("resident", True, 1), ("hybrid", True, 4)])
+               for c in (2, 8) for m in ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50")]
+    records += [dict(r, mode="hisparse", graph=False, run=5) for r in records if r["mode"] == "resident"]
+    fig = figures.serving_vs_concurrency(frame("serving", records))
+    hollow = [line for line in fig.axes[0].lines if line.get_gid() == "past_4th_graph"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [2, 8] and list(hollow[0].get_ydata()) == [21, 81]
+    assert any("4th CUDA graph" in t.get_text() for t in fig.texts)
+    plain = figures.serving_vs_concurrency(frame("serving", [dict(r, run=1) for r in records]))
+    assert not [line for line in plain.axes[0].lines if line.get_gid() == "past_4th_graph"]
+    assert not any("4th CUDA graph" in t.get_text() for t in plain.texts)
+
+
 def test_serving_study_resumed_at_a_later_commit_keeps_its_earlier_points(tmp_path):
     """serving.csv is read per point: a sweep that resumes at a later commit adds its levels and modes
     to the earlier ones (the newest run's commit alone drew only the points it added)."""
