@@ -108,6 +108,7 @@ class HierarchicalKVCache:
         self.state = CacheState.empty(max_streams, cache_slots, host_rows, self.device)
         self.stream_len = [0] * max_streams
         self.stream_capacity = [0] * max_streams
+        self.stream_base = [0] * max_streams     # each open stream's first host row, as state.host_base on the host
         self._open: set[int] = set()
         self._runs: dict[int, int] = {}         # first stream id -> streams, of each run (`take_runs`)
 
@@ -143,13 +144,13 @@ class HierarchicalKVCache:
         base = self.host.alloc(capacity)
         stream = free[0]
         self.state.reset_stream(stream, base, capacity)
-        self.stream_len[stream], self.stream_capacity[stream] = 0, capacity
+        self.stream_len[stream], self.stream_capacity[stream], self.stream_base[stream] = 0, capacity, base
         self._open.add(stream)
         return stream
 
     def close_stream(self, stream: int) -> None:
         stream = self._check_open(stream)
-        self.host.release(int(self.state.host_base[stream]))
+        self.host.release(self.stream_base[stream])
         self._open.remove(stream)
         self.stream_len[stream] = self.stream_capacity[stream] = 0
 
@@ -247,7 +248,7 @@ class HierarchicalKVCache:
         if length + n > capacity:
             raise ValueError(f"stream {stream} holds {length} of {capacity} units; appending {n} "
                              f"would exceed its host region")
-        self.host.write(int(self.state.host_base[stream]) + length, rows)
+        self.host.write(self.stream_base[stream] + length, rows)     # no device read: a prefill piece stages here
         self.slots[stream, self.reserved_slot] = rows[-1]
         self.stream_len[stream] = length + n
 
@@ -261,7 +262,7 @@ class HierarchicalKVCache:
         if not 0 <= unit < self.stream_len[stream]:
             raise ValueError(f"unit {unit} of stream {stream} does not exist (length "
                              f"{self.stream_len[stream]})")
-        base = int(self.state.host_base[stream])
+        base = self.stream_base[stream]
         self.host.write(base + unit, row[None])
         slot = int(self.state.unit_slot[base + unit])
         if slot >= 0:
