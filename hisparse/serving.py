@@ -53,13 +53,14 @@ on a higher-priority stream the main one waits on), then `prefill_layers` layers
 chunk (`CausalLM.prefill_pieces`) on a side stream that waited only on what the main stream did
 before the step, then reads the step's tokens. One piece is in flight at a time: an iteration whose
 previous piece is still running on the side stream launches none (a non-blocking event query), so
-the pieces keep pace with the GPU instead of piling up ahead of the decode steps; a graphed step's
-higher-priority stream lets the SMs take its blocks before the piece's. A chunk's last piece stages
-it to the host pool there too. An empty lane's decode write lands where no request reads (DSA's last
-position of the lane, hybrid's trash row of the cache), so the step and the prefill into that lane
-never touch the same bytes. Without a GPU the piece runs inline after the step, every iteration. The
-schedule records every piece (`Iteration.layers`) and join, whenever the GPU let them run, so a
-replay runs them in the same iterations.
+the pieces keep pace with the GPU instead of piling up ahead of the decode steps, and a finished
+prompt joins once its last piece is done (reading its first token earlier would stall the host); a
+graphed step's higher-priority stream lets the SMs take its blocks before the piece's. A chunk's
+last piece stages it to the host pool there too. An empty lane's decode write lands where no request
+reads (DSA's last position of the lane, hybrid's trash row of the cache), so the step and the
+prefill into that lane never touch the same bytes. Without a GPU the piece runs inline after the
+step, every iteration. The schedule records every piece (`Iteration.layers`) and join, whenever the
+GPU let them run, so a replay runs them in the same iterations.
 
 A run records its schedule (what each iteration admitted, prefilled and decoded); `serve(replay=...)`
 runs the same schedule in another mode, with the same lanes, so every request meets the same batch
@@ -811,8 +812,9 @@ class Server:
             if plan is None:
                 raise ValueError("the replayed schedule ended before every request finished")
         job = self._prefilling
-        # a prompt done in an earlier iteration (overlap: its last piece ran beside the last decode step)
-        if job is not None and job.complete and (plan is None or plan.joined):
+        # a prompt done in an earlier iteration (overlap: its last piece ran beside the last decode step;
+        # while that piece still runs and lanes decode, the join waits: reading its first token would)
+        if job is not None and job.complete and (plan.joined if plan is not None else self._may_join(job)):
             self._join_prefill(job, step, finished)
         if plan is not None:
             if plan.admitted >= 0:
@@ -1043,6 +1045,12 @@ class Server:
         if side is not None:
             job.piece_done = torch.cuda.Event()
             job.piece_done.record(side)
+
+    def _may_join(self, job: _Prefill) -> bool:
+        """Whether a complete prompt joins now (not replaying): at once without overlap on a GPU, or
+        once its last piece is done on the side stream (a non-blocking query), or when no lane
+        decodes (then the join waits for it)."""
+        return job.finished is None or not self.running or job.finished.query()
 
     def _join_prefill(self, job: _Prefill, step: Iteration, finished: list[Request]) -> None:
         """The prompt is done: the main stream waits on its side-stream work, then its first token

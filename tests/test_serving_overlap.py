@@ -288,3 +288,37 @@ def test_an_iteration_launches_no_piece_while_the_previous_one_runs():
         server.step()
     server.close()
     assert len(second.tokens) == 3
+
+
+def test_a_finished_prompt_joins_once_its_last_piece_is_done():
+    """Overlap on a GPU: a prompt whose last piece still runs (its `finished` event not done) does not
+    join while lanes decode (the step runs, the schedule records no join); once the event is done,
+    or with no lane decoding, it joins."""
+    model = tiny("deepseek_v32")
+    server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True, prefill_layers=1,
+                    max_context=MAX_CONTEXT, prefill_chunk=24, **SETTINGS["deepseek_v32"], **QUICK)
+    server.open()
+    first = server.submit(Request(torch.arange(9) % 97, 8, arrival=float("nan")))
+    while not first.tokens:
+        server.step()
+    second = server.submit(Request(torch.arange(20) % 89, 3, arrival=float("nan")))
+    while server._prefilling is None or not server._prefilling.complete:
+        server.step()
+    job = server._prefilling
+    assert server._may_join(job)                        # no event (no side stream): at once
+    job.finished = _Event(False)
+    tokens = len(first.tokens)
+    server.step()
+    assert server._prefilling is job and not second.tokens and len(first.tokens) == tokens + 1
+    assert not server.schedule.iterations[-1].joined
+    job.finished = _Event(True)
+    assert server._may_join(job)
+    job.finished = None                                 # (joining would wait on it on the main stream)
+    server.step()
+    assert server._prefilling is None and second.tokens and server.schedule.iterations[-1].joined
+    while server.busy:
+        server.step()
+    server.close()
+    idle = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True,
+                  max_context=MAX_CONTEXT, **SETTINGS["deepseek_v32"], **QUICK)
+    assert not idle.running and idle._may_join(type(job)(request=second, state=None, finished=_Event(False)))
