@@ -1,7 +1,31 @@
 """Checks shared by the decode-loop tests of the families (imported by tests/test_engine_*.py)."""
+import contextlib
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hisparse.models.base import stack_states
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Inside the block, record the ops that read a tensor's value on the host (`_local_scalar_dense`:
+    `int(t)`, `.item()`, a 0-d index): yields the list, filled when the block ends. On a GPU each is a
+    sync, and a CUDA graph capture refuses it; on the CPU the same ops show, so a CPU test finds them."""
+    seen, reads = [], []
+    with _Ops(seen):
+        yield reads
+    reads += [f for f in seen if "_local_scalar_dense" in f]
 
 
 def assert_bitwise(base, out, name: str = "") -> None:

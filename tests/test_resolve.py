@@ -288,24 +288,14 @@ def test_stream_bookkeeping_reads_nothing_from_the_device(device):
     piece stages its chunk with append on a side stream: a device read there would wait for the
     piece): no `aten._local_scalar_dense` among their ops; the rows land where state.host_base
     says (write_unit's too), and a closed stream's region is reused."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
+    from engine_checks import host_reads
     cache = HierarchicalKVCache(3, 4, host_rows=64, row_elems=3, dtype=torch.float32, device=device)
     first, second = cache.open_stream(capacity=10), cache.open_stream(capacity=12)
     rows = torch.randn(5, 3).to(device)
-    with Ops() as ops:
+    with host_reads() as reads:
         cache.append(second, rows)
         cache.close_stream(first)
-    assert not [f for f in ops.seen if "_local_scalar_dense" in f], ops.seen
+    assert not reads, reads
     cache.write_unit(second, 2, rows[0])           # (it reads the unit's slot on the device)
     base = int(cache.state.host_base[second])
     assert base == cache.stream_base[second]

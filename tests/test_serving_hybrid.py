@@ -168,18 +168,9 @@ def test_write_run_token_writes_resident_lanes_only_and_reads_nothing_on_the_hos
     their row and offset; the other lanes write the first resident lane's token to its own place
     (so the pool changes only there); and no op reads a device value on the host (a CUDA graph
     capture refuses `aten._local_scalar_dense`, e.g. from indexing with a 0-d tensor)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from engine_checks import host_reads
 
     from hisparse.runtime import write_run_token
-
-    class Syncs(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(5)
     rows, hkv, unit, d = 12, 2, 4, 3
@@ -195,7 +186,7 @@ def test_write_run_token_writes_resident_lanes_only_and_reads_nothing_on_the_hos
                 for h in range(hkv):
                     r = row_base[lane, h] + pos[lane] // unit
                     expected[r, 0, pos[lane] % unit], expected[r, 1, pos[lane] % unit] = key[lane, h], value[lane, h]
-        with Syncs() as mode:
+        with host_reads() as reads:
             write_run_token(pool, row_base, res, pos, key, value, unit)
         assert torch.equal(pool, expected), resident
-        assert not [f for f in mode.seen if "_local_scalar_dense" in f or ".item" in f], mode.seen
+        assert not reads, reads

@@ -250,19 +250,24 @@ class _Event:
         self.done = True
 
 
+def _one_decoding_one_arriving(first_out: int, second_prompt: int):
+    """An open overlapping server (one-layer pieces, chunks of 24) with a first request decoding and a
+    second of `second_prompt` tokens just submitted: (server, first, second)."""
+    server = Server(tiny("deepseek_v32"), "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True,
+                    prefill_layers=1, max_context=MAX_CONTEXT, prefill_chunk=24, **SETTINGS["deepseek_v32"], **QUICK)
+    server.open()
+    first = server.submit(Request(torch.arange(9) % 97, first_out, arrival=float("nan")))
+    while not first.tokens:
+        server.step()
+    return server, first, server.submit(Request(torch.arange(second_prompt) % 89, 3, arrival=float("nan")))
+
+
 def test_an_iteration_launches_no_piece_while_the_previous_one_runs():
     """One piece in flight (a GPU's side stream): while the latest piece's event is not done, the
     iteration's piece is None, the decode step runs, the schedule records an iteration without a
     piece; once it is done the next piece follows where the last ended. With nothing decoding the
     server waits for the piece instead. A replayed schedule runs its pieces whatever the event says."""
-    model = tiny("deepseek_v32")
-    server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True, prefill_layers=1,
-                    max_context=MAX_CONTEXT, prefill_chunk=24, **SETTINGS["deepseek_v32"], **QUICK)
-    server.open()
-    first = server.submit(Request(torch.arange(9) % 97, 6, arrival=float("nan")))
-    while not first.tokens:
-        server.step()
-    second = server.submit(Request(torch.arange(40) % 89, 3, arrival=float("nan")))
+    server, first, second = _one_decoding_one_arriving(6, 40)
     server.step()                                       # admits the second, its first piece (layer 0)
     job = server._prefilling
     assert job is not None and job.request is second and job.layer == 1
@@ -294,14 +299,7 @@ def test_a_finished_prompt_joins_once_its_last_piece_is_done():
     """Overlap on a GPU: a prompt whose last piece still runs (its `finished` event not done) does not
     join while lanes decode (the step runs, the schedule records no join); once the event is done,
     or with no lane decoding, it joins."""
-    model = tiny("deepseek_v32")
-    server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True, prefill_layers=1,
-                    max_context=MAX_CONTEXT, prefill_chunk=24, **SETTINGS["deepseek_v32"], **QUICK)
-    server.open()
-    first = server.submit(Request(torch.arange(9) % 97, 8, arrival=float("nan")))
-    while not first.tokens:
-        server.step()
-    second = server.submit(Request(torch.arange(20) % 89, 3, arrival=float("nan")))
+    server, first, second = _one_decoding_one_arriving(8, 20)
     while server._prefilling is None or not server._prefilling.complete:
         server.step()
     job = server._prefilling
@@ -319,6 +317,6 @@ def test_a_finished_prompt_joins_once_its_last_piece_is_done():
     while server.busy:
         server.step()
     server.close()
-    idle = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True,
+    idle = Server(server.model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True,
                   max_context=MAX_CONTEXT, **SETTINGS["deepseek_v32"], **QUICK)
     assert not idle.running and idle._may_join(type(job)(request=second, state=None, finished=_Event(False)))

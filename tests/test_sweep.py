@@ -621,24 +621,27 @@ def test_a_hybrid_serving_study_writes_its_counts(tmp_path):
     assert rows.loc["demotions", "value"] == 0
 
 
+QUEST_SERVING = """
+[[study]]
+kind = "serving"
+model = "tiny:llama"
+modes = ["hybrid"]
+cache_slots = 4
+token_budget = 48
+input_len = 120
+output_len = 3
+concurrency = [2]
+requests_per_client = 1
+kv_budget_gib = 0.001
+prefill_chunk = 64
+workload = "model"
+"""
+
+
 def test_a_hybrid_serving_study_runs_a_quest_model(tmp_path):
     """Serving studies take mode hybrid in every family: a tiny Quest model, its own selections, both
     requests resident (room for their runs under this budget), every decode step the all-resident one."""
-    config = write(tmp_path, """
-        [[study]]
-        kind = "serving"
-        model = "tiny:llama"
-        modes = ["hybrid"]
-        cache_slots = 4
-        token_budget = 48
-        input_len = 120
-        output_len = 3
-        concurrency = [2]
-        requests_per_client = 1
-        kv_budget_gib = 0.001
-        prefill_chunk = 64
-        workload = "model"
-        """)
+    config = write(tmp_path, QUEST_SERVING)
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 0
     rows = pd.read_csv(tmp_path / "o" / "serving.csv").set_index("metric")
     assert rows.loc["output_tokens", "value"] == 6 and rows.loc["resident_admissions", "value"] == 2
@@ -745,19 +748,7 @@ def test_bad_prefill_overlap_fails_before_running(tmp_path, capsys, value, messa
 
 
 def test_prefill_overlap_is_refused_for_a_quest_model(tmp_path, capsys):
-    config = write(tmp_path, """
-        [[study]]
-        kind = "serving"
-        model = "tiny:llama"
-        modes = ["hisparse"]
-        cache_slots = 4
-        input_len = 120
-        output_len = 3
-        concurrency = [2]
-        kv_budget_gib = 0.001
-        prefill_overlap = true
-        workload = "model"
-        """)
+    config = write(tmp_path, QUEST_SERVING.replace('workload = "model"', 'workload = "model"\nprefill_overlap = true'))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
     assert "prefill_overlap = true is built for DSA models; model 'tiny:llama' is quest" in capsys.readouterr().err
 
