@@ -8,33 +8,6 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _query_tile_scores(b_q, b_w, b_k, DOT_PRECISION: tl.constexpr):
-    """sum_h w[h] * ReLU(q[h] . k[t]) of one query over one key tile: b_q [BLOCK_H, D], b_w [BLOCK_H]
-    float32, b_k [BLOCK_T, D] -> [BLOCK_T] float32. The same operations, on the same tile shapes, as
-    `kernels_triton.dsa._indexer_scores_kernel`: with its BLOCK_T and warps the scores are its bits."""
-    b_dot = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_T]
-    return tl.sum(tl.maximum(b_dot, 0.0) * b_w[:, None], axis=0)
-
-
-@triton.jit
-def _store_query_scores(p_row, b_q, b_w, b_k, o_t, T, s, S, START, DOT_PRECISION: tl.constexpr):
-    """Query s's scores over one key tile into its row: -inf at t >= START + s + 1, nothing if s >= S."""
-    b_score = _query_tile_scores(b_q, b_w, b_k, DOT_PRECISION)
-    b_score = tl.where(o_t < START + s + 1, b_score, float("-inf"))
-    tl.store(p_row + o_t, b_score, mask=(o_t < T) & ((s + 0 * o_t) < S))
-
-
-@triton.jit
-def _load_query(q_ptr, w_ptr, s, S, stride_qs, stride_qh, stride_ws, stride_wh, o_h, o_d, m_h):
-    """Query s's indexer heads [BLOCK_H, D] and weights [BLOCK_H] float32 (zeros past H or S)."""
-    m_q = m_h & ((s + 0 * o_h) < S)                                  # [BLOCK_H]
-    p_q = q_ptr + s.to(tl.int64) * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_q[:, None], other=0.0)
-    b_w = tl.load(w_ptr + s.to(tl.int64) * stride_ws + o_h * stride_wh, mask=m_q, other=0.0)
-    return b_q, b_w.to(tl.float32)
-
-
 # the integer arguments that change from row block to row block are not specialised on (divisibility
 # by 16), so that a prefill compiles its kernels once, not again in the middle of a prompt
 @triton.jit(do_not_specialize=["S", "START", "TILES_PER_SPLIT"])
@@ -48,49 +21,53 @@ def _prefill_indexer_kernel(
     """scores[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t]) for t < START + s + 1 (query s's causal
     length), else -inf; q [S, H, D], w [S, H], k [T, D], scores [S, T] float32.
 
-    Program (query block, split) keeps QUERIES consecutive queries resident (1, 2 or 4: one q tile
-    each, so that each dot is the decode kernel's [BLOCK_H, D] x [D, BLOCK_T]) and loops over the
-    key tiles of its split, TILES_PER_SPLIT * BLOCK_T keys from split * that: each tile is loaded
-    once (pipelined by num_stages) and serves every query of the block. Tiles at or past the block's
-    last causal length are not read: they store -inf.
+    Program (query block, split) keeps QUERIES consecutive queries resident and loops over the key
+    tiles of its split, TILES_PER_SPLIT * BLOCK_T keys from split * that; tiles at or past the
+    block's last causal length are not read: they store -inf. Keys are the MMA's rows: one
+    [BLOCK_T, D] x [D, QUERIES * BLOCK_H] product a tile (column n is head n % BLOCK_H of query
+    s0 + n // BLOCK_H), then each query's BLOCK_H columns summed, within a thread and the 4 lanes of
+    its quad. The heads-as-rows product the decode kernel makes ([BLOCK_H, D] x [D, BLOCK_T]) sums
+    over the MMA's M axis, spread over the warps: a reduction through shared memory with barriers
+    every tile, 2.2x slower here on the H200 (results/notes/prefill.md). The heads are summed in
+    another order than the decode kernel's, so the scores equal its within float32 rounding, not
+    bit for bit.
     """
     i_q = tl.program_id(0)
     i_split = tl.program_id(1)
     s0 = i_q * QUERIES
-    o_h = tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, D)
     o_k = tl.arange(0, BLOCK_T)
-    m_h = o_h < H
+    o_j = tl.arange(0, QUERIES)
     t_begin = i_split * TILES_PER_SPLIT * BLOCK_T
     t_end = tl.minimum(T, t_begin + TILES_PER_SPLIT * BLOCK_T)
     t_causal = tl.minimum(t_end, START + tl.minimum(s0 + QUERIES, S))   # the block's longest length
-    p_out = out_ptr + s0.to(tl.int64) * stride_os
+    p_rows = out_ptr + (s0 + o_j).to(tl.int64) * stride_os                # [QUERIES]
+    m_rows = (s0 + o_j) < S                                               # [QUERIES]
 
-    b_q0, b_w0 = _load_query(q_ptr, w_ptr, s0, S, stride_qs, stride_qh, stride_ws, stride_wh, o_h, o_d, m_h)
-    if QUERIES > 1:
-        b_q1, b_w1 = _load_query(q_ptr, w_ptr, s0 + 1, S, stride_qs, stride_qh, stride_ws, stride_wh, o_h, o_d, m_h)
-    if QUERIES > 2:
-        b_q2, b_w2 = _load_query(q_ptr, w_ptr, s0 + 2, S, stride_qs, stride_qh, stride_ws, stride_wh, o_h, o_d, m_h)
-        b_q3, b_w3 = _load_query(q_ptr, w_ptr, s0 + 3, S, stride_qs, stride_qh, stride_ws, stride_wh, o_h, o_d, m_h)
+    # the block's queries side by side as the product's columns
+    o_n = tl.arange(0, QUERIES * BLOCK_H)
+    o_nh = o_n % BLOCK_H
+    s_n = s0 + o_n // BLOCK_H
+    m_n = (o_nh < H) & (s_n < S)                                          # [QUERIES * BLOCK_H]
+    p_q = q_ptr + s_n[:, None].to(tl.int64) * stride_qs + o_nh[:, None] * stride_qh + o_d[None, :]
+    b_qt = tl.trans(tl.load(p_q, mask=m_n[:, None], other=0.0))          # [D, QUERIES * BLOCK_H]
+    b_wn = tl.load(w_ptr + s_n.to(tl.int64) * stride_ws + o_nh * stride_wh, mask=m_n, other=0.0).to(tl.float32)
     for t0 in range(t_begin, t_causal, BLOCK_T):
         o_t = t0 + o_k
         b_k = tl.load(k_ptr + o_t[:, None].to(tl.int64) * stride_kt + o_d[None, :],
-                      mask=(o_t < t_causal)[:, None], other=0.0).to(b_q0.dtype)      # [BLOCK_T, D]
-        _store_query_scores(p_out, b_q0, b_w0, b_k, o_t, T, s0, S, START, DOT_PRECISION)
-        if QUERIES > 1:
-            _store_query_scores(p_out + stride_os, b_q1, b_w1, b_k, o_t, T, s0 + 1, S, START, DOT_PRECISION)
-        if QUERIES > 2:
-            _store_query_scores(p_out + 2 * stride_os, b_q2, b_w2, b_k, o_t, T, s0 + 2, S, START, DOT_PRECISION)
-            _store_query_scores(p_out + 3 * stride_os, b_q3, b_w3, b_k, o_t, T, s0 + 3, S, START, DOT_PRECISION)
+                      mask=(o_t < t_causal)[:, None], other=0.0).to(b_qt.dtype)      # [BLOCK_T, D]
+        b_dot = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)                   # [BLOCK_T, QUERIES * BLOCK_H]
+        b_dot = tl.maximum(b_dot, 0.0) * b_wn[None, :]
+        b_score = tl.sum(tl.reshape(b_dot, [BLOCK_T, QUERIES, BLOCK_H]), axis=2)   # [BLOCK_T, QUERIES]
+        b_score = tl.where(o_t[:, None] < START + s0 + o_j[None, :] + 1, b_score, float("-inf"))
+        tl.store(p_rows[None, :] + o_t[:, None], b_score, mask=(o_t < T)[:, None] & m_rows[None, :])
 
     # the split's tiles past the block's longest length: -inf without reading keys
     t_tail = t_begin + tl.cdiv(tl.maximum(t_causal - t_begin, 0), BLOCK_T) * BLOCK_T
-    o_j = tl.arange(0, QUERIES)
     b_inf = tl.full([QUERIES, BLOCK_T], float("-inf"), dtype=tl.float32)
-    p_rows = p_out + o_j[:, None].to(tl.int64) * stride_os
     for t0 in range(t_tail, t_end, BLOCK_T):
         o_t = t0 + o_k
-        tl.store(p_rows + o_t[None, :], b_inf, mask=((s0 + o_j) < S)[:, None] & (o_t < t_end)[None, :])
+        tl.store(p_rows[:, None] + o_t[None, :], b_inf, mask=m_rows[:, None] & (o_t < t_end)[None, :])
 
 
 @triton.jit(do_not_specialize=["K_PICKED"])

@@ -13,7 +13,8 @@ decode query per request:
   given, all heads sharing one selection, softmax scale from the model config.
 Prefill (`dsa_prefill_select`): a chunk's queries are decode queries of their causal lengths; their
 scores come from `prefill_indexer_scores` (kernels_triton/dsa_prefill.py: queries resident, a loop over
-key tiles), bit for bit the decode indexer's, and their top-k from `topk_of_indexer_scores`.
+key tiles, keys as the MMA's rows), the decode indexer's within float32 rounding, and their top-k from
+`topk_of_indexer_scores`.
 The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against.
 """
 from __future__ import annotations
@@ -96,9 +97,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, l
 
     q [N, H_index, D] (D a power of 2, 128 in the model), weights [N, H_index], keys [N, T, D] in q's
     dtype or float8_e4m3fn with key_scale [N, T] float32, lengths [N] (clamped to T). block_t: keys a
-    program scores (a power of 2 >= 16; default 128 on a GPU, 32 elsewhere): the prefill indexer at
-    the same tile gives these bits (`prefill_indexer_scores`), at another tile the same within
-    float32 rounding.
+    program scores (a power of 2 >= 16; default 128 on a GPU, 32 elsewhere): another tile, or the
+    prefill indexer (`prefill_indexer_scores`), gives the same within float32 rounding.
     """
     _check_indexer_inputs(q, weights, keys, lengths, key_scale)
     if block_t is not None:
@@ -269,14 +269,12 @@ class PrefillIndexerConfig:
 
 
 def default_prefill_indexer_config(device: torch.device) -> PrefillIndexerConfig:
-    """GPU: 4 queries a program, 128 keys a tile, 8 warps, 3 stages: on the H200 (Triton 3.6, 64 x 128
-    bf16 indexer) 3.9 ms for 2048 queries over 32K keys and for 512 over 128K (276 TFLOP/s; the
-    decode kernel 4.9-5.0 ms), and bitwise the decode indexer's scores, as was every config probed
-    (results/notes/prefill.md): each score is one dot column summed over the heads in the same order.
-    The interpreter: the decode's 32-key tile, where the same operations on the same shapes give
-    its bits (numpy)."""
+    """GPU: 4 queries a program, 64 keys a tile, 8 warps, 3 stages: on the H200 (Triton 3.6, 64 x 128
+    bf16 indexer) 1.68 ms for 2048 queries over 32K keys (634 TFLOP/s) and 1.80 ms for 512 over 128K
+    (608), the fastest sum of the two among the configs probed (results/notes/prefill.md).
+    The interpreter: 32-key tiles."""
     if device.type == "cuda":
-        return PrefillIndexerConfig(block_t=128, queries=4, num_warps=8, num_stages=3)
+        return PrefillIndexerConfig(block_t=64, queries=4, num_warps=8, num_stages=3)
     return PrefillIndexerConfig(block_t=32, queries=4, num_warps=4, num_stages=1)
 
 
@@ -311,10 +309,10 @@ def prefill_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.T
                            config: PrefillIndexerConfig | None = None) -> torch.Tensor:
     """Lightning-indexer scores [S, T] float32 of S consecutive queries at positions start .. start +
     S - 1 over one request's keys [T, D]: query s scores tokens t < start + s + 1 (its causal
-    length), -inf from there, exactly `indexer_scores(q, weights, keys.expand(S, T, D), start + 1 +
-    arange(S))` (the decode kernel, bit for bit at the default config; `reference.indexer_scores_ref`
-    in torch). q [S, H_index, D], weights [S, H_index], keys in q's dtype. The bitwise equality is
-    checked on the GPU (tests/test_prefill.py) and in the interpreter, not promised for every config."""
+    length), -inf from there: `indexer_scores(q, weights, keys.expand(S, T, D), start + 1 +
+    arange(S))` (the decode kernel) and `reference.indexer_scores_ref` within float32 rounding, the
+    heads summed in another order (tests/test_dsa.py). q [S, H_index, D], weights [S, H_index], keys
+    in q's dtype."""
     _check_prefill_indexer_inputs(q, weights, keys, start)
     cfg = config or default_prefill_indexer_config(q.device)
     s, h, d = q.shape
@@ -345,10 +343,10 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
                        max_elements: int = PREFILL_SELECT_ELEMENTS) -> torch.Tensor:
     """The selections [S, k] int32 (-1 padding) of one request's prefill chunk: q [S, H_index, D] and
     weights [S, H_index] of the tokens at positions start .. start + S - 1, keys [T, D] of its first
-    T = start + S tokens. Query s selects among tokens 0 .. start + s, exactly as `dsa_select` does
-    for a decode query of that length: causality is the lengths, no [S, T] mask is made. The scores
-    (`prefill_indexer_scores`, the decode indexer's bits) are made for as many queries at a time as
-    fit `max_elements`."""
+    T = start + S tokens. Query s selects among tokens 0 .. start + s as `dsa_select` does for a
+    decode query of that length (causality is the lengths, no [S, T] mask is made), from the scores
+    of `prefill_indexer_scores` (the decode indexer's within float32 rounding: a near-tie at the k-th
+    place may pick another token), made for as many queries at a time as fit `max_elements`."""
     _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
              f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, t = q.shape[0], keys.shape[0]
