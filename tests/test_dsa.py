@@ -227,6 +227,8 @@ def test_order_picks_is_two_stable_sorts(picked, k):
     assert torch.equal(sel, ref_sel) and torch.equal(last, ref_last) and torch.equal(ties, ref_ties)
     assert torch.equal(ties, (values == last[:, None]).sum(1).to(torch.int32))
     assert torch.equal(dsa.count_equal(scores, last), (scores == last[:, None]).sum(1).to(torch.int32))
+    strided = torch.stack([lengths, torch.zeros_like(lengths)], 1)[:, 0]      # a view of stride 2
+    assert torch.equal(dsa.order_picks(values, ids, strided, k)[0], sel)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,7 +45,6 @@ from kernels_triton.dsa_prefill import (
     _order_picks_kernel,
     _prefill_indexer_kernel,
 )
-from kernels_triton.dsa_topk import _topk_candidates_kernel, _topk_group_max_kernel
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
@@ -162,50 +161,21 @@ def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
     return sel
 
 
-def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int, width: int | None = None,
-                           kernels: bool | None = None) -> torch.Tensor:
+def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """`topk_select`'s result for scores the indexer kernels wrote (-inf at t >= lengths[n]: other
     scores past a length would be picked, then dropped), faster where a host sync does not matter
-    (prefill). Rows of more than `width` scores (default 4k) first shrink to their candidates, the
-    scores at or above a threshold no larger than their k-th best (`topk_threshold`,
-    `topk_candidates`: every top-k score and every score equal to the k-th is one), two reads of
-    the scores; rows with more candidates than `width`, and shorter rows, take the whole row
-    (torch.topk: about 10 reads' time on an H200). Either way: torch.topk on the
-    floats, the picks ordered best first with ties to the lower id by `order_picks` (one sort of k
-    unique keys per row), and `topk_select`'s exact keys only for rows whose equal scores straddle
-    the k-th place (more scores equal the lowest pick than were picked). kernels: the Triton
-    kernels (None: on a GPU; off it, the same in torch, which the interpreter would take about 45
-    ms a row to sort)."""
+    (prefill): torch.topk on the floats, the picks ordered best first with ties to the lower id by
+    `order_picks` (one sort of k unique keys per row), and `topk_select`'s exact keys only for rows
+    whose equal scores straddle the k-th place (more scores equal the lowest pick than were picked)."""
     _check_topk_inputs(scores, lengths, k)
-    width = 4 * k if width is None else width
-    _require(isinstance(width, int) and width >= k, f"width={width!r}: expected an int >= k={k}")
-    kernels = scores.is_cuda if kernels is None else kernels
-    n, t = scores.shape
-    if n == 0 or t <= width:
-        return _topk_of_rows(scores, lengths, k, kernels)
-    scores = scores if scores.stride(1) == 1 else scores.contiguous()
-    threshold, candidates = (topk_threshold, topk_candidates) if kernels else (topk_threshold_ref, topk_candidates_ref)
-    values, ids, count = candidates(scores, lengths, threshold(scores, lengths, k), width)
-    sel, straddles = _topk_of_candidates(values, ids, count, lengths.clamp(0, t), k, kernels)
-    # rows 2: more candidates than width, to the whole row; rows 1: ties straddle the k-th place
-    flags = torch.where(count > width, 2, straddles.to(torch.int32)).cpu()    # the one sync for both
-    for code, rows_of in ((2, _topk_of_rows), (1, topk_select)):
-        rows = (flags == code).nonzero().flatten().to(scores.device)
-        if rows.numel():
-            sel[rows] = rows_of(scores[rows], lengths[rows], k, *((kernels,) if code == 2 else ()))
-    return sel
-
-
-def _topk_of_rows(scores: torch.Tensor, lengths: torch.Tensor, k: int, kernels: bool) -> torch.Tensor:
-    """`topk_of_indexer_scores` over whole rows: torch.topk, `order_picks`, exact keys where ties straddle."""
     n, t = scores.shape
     if t == 0:
         return torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
     values, ids = scores.topk(min(k, t), dim=1, sorted=False)                         # [N, k']
-    if kernels:
+    if scores.is_cuda:
         sel, last, ties = order_picks(values, ids, lengths, k)
-        equal = count_equal(scores if scores.stride(1) == 1 else scores.contiguous(), last)
-    else:
+        equal = count_equal(scores, last)
+    else:              # the same in torch: the interpreter takes about 45 ms a row to run the sort kernel
         sel, last, ties = order_picks_ref(values, ids, lengths, k)
         equal = (scores == last[:, None]).sum(1).to(torch.int32)
     straddles = (equal != ties) & (last > float("-inf"))       # last -inf: every valid token is in
@@ -213,132 +183,6 @@ def _topk_of_rows(scores: torch.Tensor, lengths: torch.Tensor, k: int, kernels: 
     if rows.numel():
         sel[rows] = topk_select(scores[rows], lengths[rows], k)
     return sel
-
-
-def _topk_of_candidates(values, ids, count, lengths, k: int, kernels: bool):
-    """The selection [N, k] int32 from each row's candidates (values [N, C] float32, -inf past count,
-    ids [N, C] int32, count [N] int32 <= C; lengths clamped to [0, T]) and, [N] bool, the rows where
-    it may not be `topk_select`'s: where more candidates equal the lowest pick than were picked,
-    or, the lowest pick -inf, some candidate (a score within the length) is -inf.
-
-    Why counting among the candidates suffices: let v be the row's k-th best score. The threshold is
-    at most v, so every score >= v within the length is a candidate; past the length the scores
-    are -inf. If v > -inf, the k best candidates are the k best scores, the lowest pick is v, and
-    every score equal to v is a candidate: the count of candidates equal to v is the whole row's.
-    If v = -inf, the row has fewer than k finite scores, the threshold is -inf, and every score
-    within the length is a candidate: the picks hold all of them that are finite, the rest of the
-    picks are -inf, and `topk_select` fills those places with -1 (past the length) unless a score
-    within the length is -inf: then the padding's -inf (id T, so -1) might have been picked in its
-    place, so the row is flagged."""
-    c = values.shape[1]
-    picked, order = values.topk(k, dim=1, sorted=False)                               # [N, k]
-    picked_ids = ids.gather(1, order).to(torch.int64)
-    if kernels:
-        sel, last, ties = order_picks(picked, picked_ids, lengths, k)
-        equal = count_equal(values, last)
-    else:
-        sel, last, ties = order_picks_ref(picked, picked_ids, lengths, k)
-        equal = (values == last[:, None]).sum(1).to(torch.int32)
-    finite = last > float("-inf")
-    equal = equal - torch.where(finite, 0, c - count.clamp(max=c))                  # not the -inf padding
-    return sel, equal != torch.where(finite, ties, 0)
-
-
-def _topk_splits(rows: int, tiles: int, device: torch.device) -> int:
-    """Programs along a row: 1 where the rows alone give 4 programs a multiprocessor (and off the
-    GPU), else up to that many in all, at least 4 tiles each."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(tiles // 4, 4 * sms // max(1, rows)))
-
-
-def topk_threshold(scores: torch.Tensor, lengths: torch.Tensor, k: int, groups: int | None = None,
-                   splits: int | None = None) -> torch.Tensor:
-    """A threshold [N] float32 at most each row's k-th best score over t < lengths[n] (-inf where
-    fewer than k groups hold a score): the k-th largest maximum of its disjoint groups, one read of
-    the scores [N, T] float32. A group is the scores at t = g (mod `groups`, a power of 2 >= k;
-    default 2k rounded up) within one of `splits` equal spans of the row (None: enough to fill the
-    GPU; 1 off it). `topk_threshold_ref` is the same in torch for one span."""
-    _check_topk_inputs(scores, lengths, k)
-    _require(scores.stride(1) == 1, f"scores need a contiguous last dim, strides {scores.stride()}")
-    groups = triton.next_power_of_2(2 * k) if groups is None else groups
-    _require(isinstance(groups, int) and groups >= k and groups & (groups - 1) == 0,
-             f"groups={groups!r}: expected a power of 2 >= k={k}")
-    n, t = scores.shape
-    tiles = triton.cdiv(t, groups)
-    splits = _topk_splits(n, tiles, scores.device) if splits is None else splits
-    _require(isinstance(splits, int) and splits >= 1, f"splits={splits!r}: expected an int >= 1")
-    tiles_per_split = max(1, triton.cdiv(tiles, splits))
-    maxima = torch.empty((n, splits * groups), dtype=torch.float32, device=scores.device)
-    if n:
-        _topk_group_max_kernel[(n, splits)](
-            scores, lengths.contiguous(), maxima, scores.stride(0), maxima.stride(0), t, tiles_per_split,
-            GROUPS=groups, num_warps=8 if groups >= 4096 else 4,
-        )
-    return maxima.kthvalue(maxima.shape[1] - k + 1, dim=1).values
-
-
-def topk_threshold_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int, groups: int | None = None) -> torch.Tensor:
-    """`topk_threshold` in torch, one span (its default off the GPU)."""
-    _check_topk_inputs(scores, lengths, k)
-    groups = triton.next_power_of_2(2 * k) if groups is None else groups
-    _require(isinstance(groups, int) and groups >= k and groups & (groups - 1) == 0,
-             f"groups={groups!r}: expected a power of 2 >= k={k}")
-    n, t = scores.shape
-    tiles = max(1, triton.cdiv(t, groups))
-    o_t = torch.arange(tiles * groups, device=scores.device)
-    masked = torch.full((n, o_t.numel()), float("-inf"), device=scores.device)
-    masked[:, :t] = scores
-    masked.masked_fill_(o_t[None, :] >= lengths[:, None], float("-inf"))
-    maxima = masked.view(n, tiles, groups).amax(dim=1)                               # [N, groups]
-    return maxima.kthvalue(groups - k + 1, dim=1).values
-
-
-def topk_candidates(scores: torch.Tensor, lengths: torch.Tensor, tau: torch.Tensor, width: int,
-                    splits: int | None = None):
-    """Each row's candidates, its scores >= tau[n] at t < lengths[n], in one read of the scores [N, T]
-    float32: their values [N, width] float32 and token ids [N, width] int32 in no set order, then
-    padding (-inf, id T), and how many there are, count [N] int32, which may exceed width (then
-    only width of them are there, and the row is for the whole-row path). `splits` as in
-    `topk_threshold`; `topk_candidates_ref` is the same in torch, candidates in token order."""
-    _check_topk_inputs(scores, lengths, 1)
-    _require(scores.stride(1) == 1, f"scores need a contiguous last dim, strides {scores.stride()}")
-    n, t = scores.shape
-    _require(tau.shape == (n,) and tau.dtype == torch.float32 and tau.device == scores.device,
-             f"tau must be float32 [{n}] on {scores.device}, got {tau.dtype} {tuple(tau.shape)} on {tau.device}")
-    _require(isinstance(width, int) and width >= 1, f"width={width!r}: expected a positive int")
-    _require(t < 2 ** 31, f"T={t}: token ids must fit int32")
-    block_t = 4096 if scores.is_cuda else 64
-    tiles = triton.cdiv(t, block_t)
-    splits = _topk_splits(n, tiles, scores.device) if splits is None else splits
-    _require(isinstance(splits, int) and splits >= 1, f"splits={splits!r}: expected an int >= 1")
-    values = torch.full((n, width), float("-inf"), dtype=torch.float32, device=scores.device)
-    ids = torch.full((n, width), t, dtype=torch.int32, device=scores.device)
-    count = torch.zeros((n,), dtype=torch.int32, device=scores.device)
-    if n and t:
-        _topk_candidates_kernel[(n, splits)](
-            scores, lengths.contiguous(), tau.contiguous(), values, ids, count, scores.stride(0), values.stride(0),
-            t, max(1, triton.cdiv(tiles, splits)), width,
-            BLOCK_T=block_t, SHARED=splits > 1, num_warps=8 if block_t >= 4096 else 4,
-        )
-    return values, ids, count
-
-
-def topk_candidates_ref(scores: torch.Tensor, lengths: torch.Tensor, tau: torch.Tensor, width: int):
-    """`topk_candidates` in torch, the candidates in token order."""
-    n, t = scores.shape
-    o_t = torch.arange(t, device=scores.device)
-    keep = (o_t[None, :] < lengths[:, None]) & (scores >= tau[:, None])                # [N, T]
-    count = keep.sum(1).to(torch.int32)
-    place = keep.cumsum(1) - 1
-    keep &= place < width
-    row, col = keep.nonzero(as_tuple=True)
-    values = torch.full((n, width), float("-inf"), dtype=torch.float32, device=scores.device)
-    ids = torch.full((n, width), t, dtype=torch.int32, device=scores.device)
-    values[row, place[row, col]] = scores[row, col]
-    ids[row, place[row, col]] = col.to(torch.int32)
-    return values, ids, count
 
 
 def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int):
