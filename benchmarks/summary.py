@@ -193,11 +193,12 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     instead of alone between them; the newest run of each point): output tokens/s over resident's with
     overlap and over resident's without (the tokens/s target, >= 1.6, is the study's two highest
     levels'), over its own twin without overlap, and p50 TTFT and TPOT beside the twin's. Twins share
-    clients, mode and the study's shape (lengths, chunk, budget, rows, model, workload)."""
+    clients, mode and the study's shape (lengths, chunk, pieces, budget, rows, model, workload);
+    resident without overlap is taken at another chunk where none ran at the point's."""
     if "prefill_overlap" not in closed or not closed.prefill_overlap.notna().any():
         return []
-    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_budget_gib", "kv_dtype", "model", "workload")
-             if c in closed]
+    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "prefill_layers", "kv_budget_gib", "kv_dtype",
+                         "model", "workload") if c in closed]
     f = closed.assign(**{c: closed[c].astype(object).where(closed[c].notna(), "-") for c in shape})
     on = f.prefill_overlap.notna()
     key = ["concurrency", "mode", *shape]
@@ -207,9 +208,22 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     def of(wide, level, mode, rest):
         return wide.loc[(level, mode, *rest)] if (level, mode, *rest) in wide.index else None
 
+    loose = [i for i, c in enumerate(shape) if c in ("prefill_chunk", "prefill_layers")]
+
+    def resident_off(level, rest):
+        """Resident without overlap at the point's shape, else at any chunk (the newest such row)."""
+        exact = of(wide_off, level, "resident", rest)
+        if exact is not None:
+            return exact
+        for (lv, mode, *other), row in wide_off.iloc[::-1].iterrows():
+            if lv == level and mode == "resident" and all(o == r for i, (o, r) in enumerate(zip(other, rest))
+                                                          if i not in loose):
+                return row
+        return None
+
     lines = []
     for (level, mode, *rest), r in wide_on.iterrows():
-        twin, base, base_on = of(wide_off, level, mode, rest), of(wide_off, level, "resident", rest), \
+        twin, base, base_on = of(wide_off, level, mode, rest), resident_off(level, rest), \
             of(wide_on, level, "resident", rest)
         cells = [f"{r.tokens_per_s:.0f} tokens/s"]
         if mode != "resident" and base_on is not None:
@@ -220,7 +234,9 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
             cells.append(f"{r.tokens_per_s / twin.tokens_per_s:.2f}x its own without; p50 TTFT {r.ttft_ms_p50:.0f} ms "
                          f"(without {twin.ttft_ms_p50:.0f}), TPOT {r.tpot_ms_p50:.1f} ms (without "
                          f"{twin.tpot_ms_p50:.1f})")
-        lines.append(f"serving {level:.0f} clients, {mode} with prefill_overlap: " + ", ".join(cells))
+        pieces = rest[shape.index("prefill_layers")] if "prefill_layers" in shape else "-"
+        named = "" if pieces == "-" else f" (pieces of {pieces:.0f} layer{'s' if pieces != 1 else ''})"
+        lines.append(f"serving {level:.0f} clients, {mode} with prefill_overlap{named}: " + ", ".join(cells))
     return lines
 
 

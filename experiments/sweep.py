@@ -89,7 +89,8 @@ KEYS = {
                    "kv_dtype"},
     "serving": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "input_len", "output_len", "concurrency",
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
-                "prefill_chunk", "prefill_overlap", "graph", "token_budget", "decode_backend", "workload", "kv_dtype"},
+                "prefill_chunk", "prefill_overlap", "prefill_layers", "graph", "token_budget", "decode_backend",
+                "workload", "kv_dtype"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
@@ -128,9 +129,11 @@ KEY_HELP = {
     "requests": f"serving, open loop: requests per rate ({DEFAULTS['requests']})",
     "prefill_chunk": f"serving: prompt tokens prefilled per iteration, between decode steps, one or a list "
                      f"({DEFAULTS['prefill_chunk']})",
-    "prefill_overlap": "serving, DSA: prefill chunks in pieces of 4 layers beside the decode steps (Server's "
+    "prefill_overlap": "serving, DSA: prefill chunks in pieces of prefill_layers layers beside the decode steps (Server's "
                        "prefill_overlap) instead of alone between them; true, false or [false, true] (false); "
                        "rows of true points say so, false ones leave the column empty",
+    "prefill_layers": "serving, with prefill_overlap = true: layers of a prefill piece (4); rows of the overlapped "
+                      "points say it where it is not 4",
 }
 
 
@@ -440,7 +443,7 @@ def done_points(path: Path) -> pd.DataFrame | None:
 
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
-OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "transport"}   # transport: HTTP rows (hisparse.serve.bench)
+OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "prefill_layers", "transport"}   # transport: HTTP rows (hisparse.serve.bench)
 
 
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
@@ -758,6 +761,11 @@ def validate_serving(study: dict, where: str) -> None:
         raise ConfigError(f"{where}: prefill_overlap = true is built for DSA models; model {study['model']!r} "
                           f"is {family(model_config(study))}")
     study["prefill_overlap"] = overlap
+    if "prefill_layers" in study:
+        _positive_int(study, "prefill_layers", where)
+        if True not in overlap:
+            raise ConfigError(f"{where}: prefill_layers = {study['prefill_layers']!r} sizes the pieces of "
+                              f"prefill_overlap = true points, and this study has none")
     slots = study.get("cache_slots")
     if isinstance(slots, list) and len(slots) != 1:
         raise ConfigError(f"{where}: cache_slots = {slots!r}: a serving study takes one B")
@@ -766,7 +774,11 @@ def validate_serving(study: dict, where: str) -> None:
 def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     """One point per load level (concurrency or rate), prefill chunk, prefill overlap and mode, the
     modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True;
-    the others leave it out (their rows, as before the key existed, leave the column empty)."""
+    the others leave it out (their rows, as before the key existed, leave the column empty), and
+    prefill_layers where it is not the Server's default."""
+    from hisparse.serving import PREFILL_LAYERS
+    layers = study.get("prefill_layers", PREFILL_LAYERS)
+    overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {})}
     loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
     out = []
     for (key, level), chunk, overlap, mode in itertools.product(loads, study["prefill_chunk"],
@@ -775,7 +787,7 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
                         output_len=study["output_len"], concurrency=level if key == "concurrency" else None,
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
                         kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
-                        prefill_chunk=chunk, **({"prefill_overlap": True} if overlap else {})))
+                        prefill_chunk=chunk, **(overlapped if overlap else {})))
     return out
 
 
@@ -803,7 +815,7 @@ def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | 
 def run_serving(model, study: dict, point: dict) -> list[dict]:
     """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
     clients never have more requests out), its summary and sizes as rows."""
-    from hisparse.serving import GIB, Request, Server
+    from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server
     global decode_runs
     decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
@@ -822,6 +834,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     prefill_chunk=point["prefill_chunk"], graph=point["graph"],
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
                     prefill_overlap=point.get("prefill_overlap", False),
+                    prefill_layers=point.get("prefill_layers", PREFILL_LAYERS),
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
     warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
     if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K

@@ -475,3 +475,12 @@ def test_summary_sets_each_overlapped_serving_point_beside_its_twins():
         "22.0 ms (without 20.0)",
         "serving 8 clients, resident with prefill_overlap: 110 tokens/s, 1.10x its own without; p50 TTFT 1000 ms "
         "(without 2000), TPOT 22.0 ms (without 20.0)"]
+    # pieces of one layer of a smaller chunk: their own line, beside resident's without at the study's chunk
+    small = dict(shape, prefill_chunk=128, prefill_layers=1, mode="hisparse", concurrency=8, prefill_overlap=True,
+                 commit="a", timestamp="2026-12-03T10:00:00")
+    rows += [dict(small, metric=m, value=v) for m, v in (("tokens_per_s", 180.0), ("ttft_ms_p50", 3000.0),
+                                                         ("tpot_ms_p50", 21.0), ("lanes", 4.0))]
+    lines = serving_lines(pd.DataFrame(rows))
+    assert lines[-3] == ("serving 8 clients, hisparse with prefill_overlap (pieces of 1 layer): 180 tokens/s, "
+                         "1.80x resident's without (target >= 1.6)")
+    assert lines[-2].startswith("serving 8 clients, hisparse with prefill_overlap: 176 tokens/s")
