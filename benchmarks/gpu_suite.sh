@@ -14,7 +14,8 @@
 # to bench_resolve ("--decode-like" runs its points instead of the sweep: resolve_layers.csv, and no
 # resolve.csv or its target lines); SWEEP_ARGS (e.g. "--config experiments/configs/h200.toml --kind decode
 # --runs-per-process 3") first runs experiments.sweep with them into $OUT/sweep/ (every point: the copied
-# results/ are not read), capped by SWEEP_TIMEOUT (s, default 540). NCU=1 first profiles one launch of each
+# results/ are not read), capped by SWEEP_TIMEOUT (s, default 540); with --draw-cache among them the serving
+# requests' selections are drawn beside the GPU tests (--draw-only), not after them. NCU=1 first profiles one launch of each
 # of NCU_TARGETS (experiments/tools/ncu_kernels.py arguments, "|"-separated; default the resolve at 20% and
 # 100% misses, and DSA decode at batch 64) with Nsight Compute: $OUT/ncu_*.ncu-rep, with each report's
 # details and SASS source view as text beside it.
@@ -56,6 +57,13 @@ if [ "${HOST_GROW_GIB:-64}" != 0 ]; then
 pin_memory=True); print(f'host memory: pinned and freed ${HOST_GROW_GIB:-64} GiB in {time.time() - t:.0f} s')" \
     2>&1 | tail -1 | tee -a "$log"
 fi
+# a sweep with a draw cache draws its serving requests' selections on the host's cores beside the GPU tests
+draws=
+if [ -n "${SWEEP_ARGS:-}" ] && [[ " ${SWEEP_ARGS} " == *" --draw-cache "* ]]; then
+  read -r -a sweep <<< "$SWEEP_ARGS"
+  "$py" -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" --draw-only > "$OUT/draws_log.txt" 2>&1 &
+  draws=$!
+fi
 if [ "${TESTS:-tests}" != none ]; then
   "$py" -m pytest -m gpu -q -p no:cacheprovider --durations=5 ${TESTS:-tests} 2>&1 | tee -a "$log" || status=1
 fi
@@ -63,6 +71,10 @@ fi
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
   for f in benchmarks/bench_*.py; do b=${f#benchmarks/bench_}; benches+=("${b%.py}"); done
+fi
+if [ -n "$draws" ]; then
+  wait "$draws" || status=1
+  tail -2 "$OUT/draws_log.txt" | tee -a "$log"
 fi
 if [ -n "${SWEEP_ARGS:-}" ]; then
   echo "== experiments.sweep ${SWEEP_ARGS} --out $OUT/sweep" | tee -a "$log"

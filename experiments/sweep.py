@@ -879,7 +879,13 @@ def main(argv=None) -> int:
                     help="keep each serving request's synthetic selections in DIR (one .npy file per request: "
                          "output_len x layers x k int32, 0.5 GB at DSA's 61 layers and 1K tokens out) and reuse "
                          "them in later points and processes instead of drawing them again (tens of seconds each)")
+    ap.add_argument("--draw-only", action="store_true",
+                    help="with --draw-cache: draw the selections the points to run will read into DIR, run no "
+                         "point (on a GPU machine, beside the GPU tests: the draws take the host's cores, "
+                         "1.5-3 minutes for h200_serving.toml's 16 requests on the H200's 16 cores)")
     args = ap.parse_args(argv)
+    if args.draw_only and args.draw_cache is None:
+        ap.error("--draw-only fills the draw cache: name it with --draw-cache DIR")
     global draw_cache
     draw_cache = args.draw_cache
     if args.runs_per_process is not None:
@@ -958,6 +964,9 @@ def main(argv=None) -> int:
         for (workload, *_, input_len, output_len), (study, count) in needs.items():
             config = config_from_dict(model_config(study))
             fill_draw_cache(workload, config, input_len, output_len, count, draw_cache)
+    if args.draw_only:
+        print(f"draws of {sum(c for _, c in needs.values())} requests in {draw_cache}/; no point run (--draw-only)")
+        return 0
     start, models = time.perf_counter(), {}
     for i, (study, point) in enumerate(todo):
         t0 = time.perf_counter()

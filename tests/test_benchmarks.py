@@ -249,6 +249,25 @@ def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
     assert "== experiments.sweep --kind policies --out" in (tmp_path / "gpu_log.txt").read_text()
 
 
+def test_gpu_suite_draws_a_serving_sweeps_selections_before_the_sweep(tmp_path):
+    """SWEEP_ARGS with --draw-cache: the draws are made by a --draw-only sweep started beside the tests
+    (here none), so the sweep itself draws nothing; its rows land in $OUT/sweep."""
+    root = Path(__file__).resolve().parents[1]
+    config = tmp_path / "serving.toml"
+    config.write_text('[[study]]\nkind = "serving"\nmodel = "tiny:deepseek_v32"\nlayers = 1\nmodes = ["hisparse"]\n'
+                      'cache_slots = 16\ninput_len = 120\noutput_len = 3\nconcurrency = [1]\n'
+                      'requests_per_client = 1\nkv_budget_gib = 0.000066\nprefill_chunk = 64\nworkload = "tiny"\n')
+    env = dict(os.environ, TESTS="none", HOST_GROW_GIB="0", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+               SWEEP_ARGS=f"--config {config} --draw-cache {tmp_path / 'draws'}")
+    done = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "none"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    log = (tmp_path / "out" / "gpu_log.txt").read_text()
+    assert "draws of 1 requests" in log and "drawing" not in log.split("== experiments.sweep")[1]
+    assert len(list((tmp_path / "draws").glob("*.npy"))) == 1
+    assert (tmp_path / "out" / "sweep" / "serving.csv").exists()
+
+
 def test_gpu_suite_says_when_it_has_no_ncu_and_fails(tmp_path):
     """NCU=1 without Nsight Compute: the log says so and the suite's status is a failure (PATH holds only
     the tools the suite calls, so an installed ncu is not found; $PYTHON names this interpreter)."""

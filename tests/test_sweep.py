@@ -671,6 +671,21 @@ def test_a_serving_sweep_with_a_draw_cache_draws_every_request_first(tmp_path, c
         assert (cached[cached.metric == metric].value.values == plain[plain.metric == metric].value.values).all()
 
 
+def test_draw_only_fills_the_cache_and_runs_no_point(tmp_path, capsys):
+    """--draw-only: every request's draw lands in the cache, no row is written, and the sweep after it
+    draws nothing; without --draw-cache it is refused before anything runs."""
+    config = write(tmp_path, SERVING.replace('modes = ["resident", "hisparse"]', 'modes = ["hisparse"]'))
+    args = ["--config", config, "--out", str(tmp_path / "o"), "--draw-cache", str(tmp_path / "d")]
+    assert sweep.main(args + ["--draw-only"]) == 0
+    assert "draws of 4 requests" in capsys.readouterr().out
+    assert len(list((tmp_path / "d").glob("*.npy"))) == 4 and not (tmp_path / "o" / "serving.csv").exists()
+    assert sweep.main(args) == 0
+    assert "drawing" not in capsys.readouterr().out and (tmp_path / "o" / "serving.csv").exists()
+    with pytest.raises(SystemExit):
+        sweep.main(["--config", config, "--out", str(tmp_path / "p"), "--draw-only"])
+    assert "--draw-only fills the draw cache: name it with --draw-cache DIR" in capsys.readouterr().err
+
+
 def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
     """--draw-cache: the selections read back equal the ones drawn without it; a later call with more
     requests draws only the new ones; a changed preset field draws afresh under another name."""
