@@ -39,7 +39,8 @@ query=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,
 nvidia-smi --query-gpu=$query --format=csv >/dev/null 2>&1 || query=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw
 nvidia-smi --query-gpu=$query --format=csv,nounits -lms 500 > "$OUT/gpu_monitor.txt" 2>&1 &
 monitor=$!
-trap 'kill $monitor 2>/dev/null' EXIT
+draws=
+trap 'kill $monitor $draws 2>/dev/null' EXIT
 
 # capped SECONDS CMD...: CMD under a time limit, saying in the output when the limit stopped it
 # (rows a benchmark wrote before then are kept)
@@ -57,11 +58,12 @@ if [ "${HOST_GROW_GIB:-64}" != 0 ]; then
 pin_memory=True); print(f'host memory: pinned and freed ${HOST_GROW_GIB:-64} GiB in {time.time() - t:.0f} s')" \
     2>&1 | tail -1 | tee -a "$log"
 fi
-# a sweep with a draw cache draws its serving requests' selections on the host's cores beside the GPU tests
-draws=
+# a sweep with a draw cache (written "--draw-cache DIR") draws its serving requests' selections on the
+# host's cores beside the GPU tests
 if [ -n "${SWEEP_ARGS:-}" ] && [[ " ${SWEEP_ARGS} " == *" --draw-cache "* ]]; then
   read -r -a sweep <<< "$SWEEP_ARGS"
-  "$py" -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" --draw-only > "$OUT/draws_log.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES= timeout "${SWEEP_TIMEOUT:-540}" "$py" -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" \
+    --draw-only > "$OUT/draws_log.txt" 2>&1 &      # the host's cores only: no CUDA context beside the tests
   draws=$!
 fi
 if [ "${TESTS:-tests}" != none ]; then

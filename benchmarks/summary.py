@@ -193,8 +193,10 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     instead of alone between them; the newest run of each point): output tokens/s over resident's with
     overlap and over resident's without (the tokens/s target, >= 1.6, is the study's two highest
     levels'), over its own twin without overlap, and p50 TTFT and TPOT beside the twin's. Twins share
-    clients, mode and the study's shape (lengths, chunk, pieces, budget, rows, model, workload);
-    resident without overlap is taken at another chunk where none ran at the point's."""
+    clients, mode and the study's shape (lengths, chunk, budget, rows, model, workload); points without
+    overlap have no pieces, so an overlapped point of any piece size has them as twins. Where resident
+    ran without overlap at other chunks only, the line takes the fastest of those (the hardest
+    comparison) and names its chunk."""
     if "prefill_overlap" not in closed or not closed.prefill_overlap.notna().any():
         return []
     shape = [c for c in ("input_len", "output_len", "prefill_chunk", "prefill_layers", "kv_budget_gib", "kv_dtype",
@@ -204,39 +206,43 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     key = ["concurrency", "mode", *shape]
     wide_on = f[on].pivot_table(index=key, columns="metric", values="value")
     wide_off = f[~on].pivot_table(index=key, columns="metric", values="value")
+    chunk_at = shape.index("prefill_chunk") if "prefill_chunk" in shape else None
+    pieces_at = shape.index("prefill_layers") if "prefill_layers" in shape else None
 
     def of(wide, level, mode, rest):
         return wide.loc[(level, mode, *rest)] if (level, mode, *rest) in wide.index else None
 
-    loose = [i for i, c in enumerate(shape) if c in ("prefill_chunk", "prefill_layers")]
-
     def resident_off(level, rest):
-        """Resident without overlap at the point's shape, else at any chunk (the newest such row)."""
+        """(row, chunk named in the line or None) of resident without overlap: at the point's chunk,
+        else the fastest at another."""
         exact = of(wide_off, level, "resident", rest)
         if exact is not None:
-            return exact
-        for (lv, mode, *other), row in wide_off.iloc[::-1].iterrows():
-            if lv == level and mode == "resident" and all(o == r for i, (o, r) in enumerate(zip(other, rest))
-                                                          if i not in loose):
-                return row
-        return None
+            return exact, None
+        others = [(row, other[chunk_at]) for (lv, mode, *other), row in wide_off.iterrows()
+                  if lv == level and mode == "resident"
+                  and all(o == r for i, (o, r) in enumerate(zip(other, rest)) if i != chunk_at)]
+        return max(others, key=lambda o: o[0].tokens_per_s) if others else (None, None)
 
     lines = []
     for (level, mode, *rest), r in wide_on.iterrows():
-        twin, base, base_on = of(wide_off, level, mode, rest), resident_off(level, rest), \
+        plain = list(rest)
+        if pieces_at is not None:
+            plain[pieces_at] = "-"                   # points without overlap have no pieces
+        twin, (base, base_chunk), base_on = of(wide_off, level, mode, plain), resident_off(level, plain), \
             of(wide_on, level, "resident", rest)
         cells = [f"{r.tokens_per_s:.0f} tokens/s"]
         if mode != "resident" and base_on is not None:
             cells.append(f"{r.tokens_per_s / base_on.tokens_per_s:.2f}x resident's with overlap")
         if mode != "resident" and base is not None:
-            cells.append(f"{r.tokens_per_s / base.tokens_per_s:.2f}x resident's without (target >= 1.6)")
+            at = "" if base_chunk is None else f" at chunk {base_chunk:.0f}"
+            cells.append(f"{r.tokens_per_s / base.tokens_per_s:.2f}x resident's without{at} (target >= 1.6)")
         if twin is not None:
             cells.append(f"{r.tokens_per_s / twin.tokens_per_s:.2f}x its own without; p50 TTFT {r.ttft_ms_p50:.0f} ms "
                          f"(without {twin.ttft_ms_p50:.0f}), TPOT {r.tpot_ms_p50:.1f} ms (without "
                          f"{twin.tpot_ms_p50:.1f})")
-        pieces = rest[shape.index("prefill_layers")] if "prefill_layers" in shape else "-"
-        named = "" if pieces == "-" else f" (pieces of {pieces:.0f} layer{'s' if pieces != 1 else ''})"
-        lines.append(f"serving {level:.0f} clients, {mode} with prefill_overlap{named}: " + ", ".join(cells))
+        pieces = "-" if pieces_at is None else rest[pieces_at]
+        pieces_note = "" if pieces == "-" else f" (pieces of {pieces:.0f} layer{'s' if pieces != 1 else ''})"
+        lines.append(f"serving {level:.0f} clients, {mode} with prefill_overlap{pieces_note}: " + ", ".join(cells))
     return lines
 
 

@@ -494,12 +494,21 @@ def test_summary_sets_each_overlapped_serving_point_beside_its_twins():
         "22.0 ms (without 20.0)",
         "serving 8 clients, resident with prefill_overlap: 110 tokens/s, 1.10x its own without; p50 TTFT 1000 ms "
         "(without 2000), TPOT 22.0 ms (without 20.0)"]
-    # pieces of one layer of a smaller chunk: their own line, beside resident's without at the study's chunk
-    small = dict(shape, prefill_chunk=128, prefill_layers=1, mode="hisparse", concurrency=8, prefill_overlap=True,
-                 commit="a", timestamp="2026-12-03T10:00:00")
-    rows += [dict(small, metric=m, value=v) for m, v in (("tokens_per_s", 180.0), ("ttft_ms_p50", 3000.0),
-                                                         ("tpot_ms_p50", 21.0), ("lanes", 4.0))]
+    # pieces of one layer: beside the same chunk's twins without overlap (they have no pieces); at a
+    # chunk where resident ran without overlap at two other chunks only, the faster of those, named
+    one = dict(shape, prefill_layers=1, mode="hisparse", concurrency=8, prefill_overlap=True, commit="a",
+               timestamp="2026-12-03T10:00:00")
+    small = dict(one, prefill_chunk=128)
+    slow = dict(shape, prefill_chunk=4096, mode="resident", concurrency=8, prefill_overlap=None, commit="a",
+                timestamp="2026-11-30T10:00:00")
+    metrics = (("tokens_per_s", 180.0), ("ttft_ms_p50", 3000.0), ("tpot_ms_p50", 21.0), ("lanes", 4.0))
+    rows += [dict(p, metric=m, value=v) for p in (one, small) for m, v in metrics]
+    rows += [dict(slow, metric=m, value=50.0 if m == "tokens_per_s" else v) for m, v in metrics]
     lines = serving_lines(pd.DataFrame(rows))
-    assert lines[-3] == ("serving 8 clients, hisparse with prefill_overlap (pieces of 1 layer): 180 tokens/s, "
-                         "1.80x resident's without (target >= 1.6)")
-    assert lines[-2].startswith("serving 8 clients, hisparse with prefill_overlap: 176 tokens/s")
+    assert lines[-5] == ("serving 8 clients, hisparse with prefill_overlap (pieces of 1 layer): 180 tokens/s, "
+                         "1.80x resident's without at chunk 512 (target >= 1.6)")
+    assert lines[-4] == ("serving 8 clients, hisparse with prefill_overlap (pieces of 1 layer): 180 tokens/s, "
+                         "1.80x resident's without (target >= 1.6), 1.29x its own without; p50 TTFT 3000 ms "
+                         "(without 2000), TPOT 21.0 ms (without 20.0)")
+    assert lines[-3].startswith("serving 8 clients, hisparse with prefill_overlap: 176 tokens/s")
+    assert lines[-1].startswith("serving 8 clients, resident, 1024 in / 100 out, p50 per prefill chunk")   # 2 chunks ran

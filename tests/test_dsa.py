@@ -686,8 +686,8 @@ def test_gpu_gluon_decode_other_tiles_and_rings(block_k, num_stages):
 @pytest.mark.parametrize("s, start", [(2048, 30720), (512, 130560), (333, 4001)], ids=["32K", "128K", "odd"])
 def test_gpu_prefill_indexer_is_the_decode_indexer_within_rounding(s, start):
     """bf16 at the model's indexer (64 heads of 128): the default config's scores are the decode
-    kernel's within float32 rounding, -inf at the same places, and the prefill's selection is the
-    exact top-k of its own scores (`topk_select`)."""
+    kernel's within float32 rounding, -inf at the same places; the prefill's selection is the exact
+    top-k of its own scores (`topk_select`) and nearly every pick the decode path's."""
     gen = torch.Generator(device="cuda").manual_seed(s)
     q = torch.randn(s, 64, 128, device="cuda", generator=gen).to(torch.bfloat16)
     weights = torch.randn(s, 64, device="cuda", generator=gen) * 0.1
@@ -696,5 +696,8 @@ def test_gpu_prefill_indexer_is_the_decode_indexer_within_rounding(s, start):
     decode, lengths = decode_indexer_of_chunk(q, weights, keys, start)
     assert_causal_scores(got, decode, start, 1e-5)
     rows = slice(s - 64, s)
-    want = dsa.topk_select(got[rows], lengths[rows], 2048)
-    assert torch.equal(dsa.dsa_prefill_select(q, weights, keys, start, 2048)[rows], want)
+    picked = dsa.dsa_prefill_select(q, weights, keys, start, 2048)[rows]
+    assert torch.equal(picked, dsa.topk_select(got[rows], lengths[rows], 2048))
+    decode_picked = dsa.topk_select(decode[rows], lengths[rows], 2048)       # near-ties may swap, nothing more
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(picked.cpu(), decode_picked.cpu()))
+    assert same >= 0.999 * picked.numel(), same
