@@ -56,7 +56,9 @@ previous piece is still running on the side stream launches none (a non-blocking
 the pieces keep pace with the GPU instead of piling up ahead of the decode steps, and a finished
 prompt joins once its last piece is done (reading its first token earlier would stall the host); a
 graphed step's higher-priority stream lets the SMs take its blocks before the piece's. A chunk's
-last piece stages it to the host pool there too. An empty lane's decode write lands where no request
+last piece stages it to the host pool there too. A piece never reads from the GPU (its top-k takes
+`topk_select`'s exact keys for every row instead of a tie check read back, the same selection), so
+launching it never waits on the side stream. An empty lane's decode write lands where no request
 reads (DSA's last position of the lane, hybrid's trash row of the cache), so the step and the
 prefill into that lane never touch the same bytes. Without a GPU the piece runs inline after the
 step, every iteration. The schedule records every piece (`Iteration.layers`) and join, whenever the
@@ -1008,7 +1010,8 @@ class Server:
             if lo == 0:
                 part = job.request.prompt[job.done:job.done + chunk].to(self.device)
                 job.pieces = self.model.prefill_pieces(part[None], job.state, 1, fast=self.fast, last_logits=True,
-                                                       backend=self.decode_backend, start=job.done)
+                                                       backend=self.decode_backend, start=job.done,
+                                                       host_sync=not self.prefill_overlap)
                 job.chunk = len(part)
             logits = None
             for _ in range(hi - lo):                         # one layer a next(); the last one returns

@@ -340,26 +340,34 @@ PREFILL_SELECT_ELEMENTS = 1 << 26
 
 
 def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int, k: int,
-                       max_elements: int = PREFILL_SELECT_ELEMENTS) -> torch.Tensor:
+                       max_elements: int = PREFILL_SELECT_ELEMENTS, host_sync: bool = True) -> torch.Tensor:
     """The selections [S, k] int32 (-1 padding) of one request's prefill chunk: q [S, H_index, D] and
     weights [S, H_index] of the tokens at positions start .. start + S - 1, keys [T, D] of its first
     T = start + S tokens. Query s selects among tokens 0 .. start + s as `dsa_select` does for a
     decode query of that length (causality is the lengths, no [S, T] mask is made), from the scores
     of `prefill_indexer_scores` (the decode indexer's within float32 rounding: a near-tie at the k-th
-    place may pick another token), made for as many queries at a time as fit `max_elements`."""
+    place may pick another token), made for as many queries at a time as fit `max_elements`.
+    host_sync=False: the host never waits on the GPU (a prefill beside decode steps, which the host
+    must go on launching): every row takes `topk_select`'s exact keys, the same selection as
+    `topk_of_indexer_scores` gives without its tie check's read, slower (4.3 against 2.6 ms for 2048
+    rows of 32K scores on the H200, results/notes/prefill.md), in row blocks a fifth the size (its
+    int64 keys hold about 30 bytes an element at the peak, not 6)."""
     _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
              f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, t = q.shape[0], keys.shape[0]
     _require(isinstance(start, int) and 0 <= start and start + s == t,
              f"start={start!r}: a chunk of {s} queries over {t} keys starts at {t - s}")
+    _require(isinstance(host_sync, bool), f"host_sync={host_sync!r}: expected True or False")
     lengths = torch.arange(start + 1, t + 1, device=q.device)
     out = torch.empty((s, k), dtype=torch.int32, device=q.device)
+    max_elements = max_elements if host_sync else max(1, max_elements // 5)
     blocks = triton.cdiv(s, max(1, max_elements // max(1, t)))
     rows = triton.cdiv(s, max(1, blocks))    # equal blocks: no short one left at the end of a chunk
     for r in range(0, s, rows):
         part = slice(r, min(s, r + rows))
         scores = prefill_indexer_scores(q[part], weights[part], keys, start + r)
-        out[part] = topk_of_indexer_scores(scores, lengths[part], k)
+        out[part] = topk_of_indexer_scores(scores, lengths[part], k) if host_sync else \
+            topk_select(scores, lengths[part], k)
     return out
 
 
