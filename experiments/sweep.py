@@ -879,6 +879,10 @@ def main(argv=None) -> int:
                     help="keep each serving request's synthetic selections in DIR (one .npy file per request: "
                          "output_len x layers x k int32, 0.5 GB at DSA's 61 layers and 1K tokens out) and reuse "
                          "them in later points and processes instead of drawing them again (tens of seconds each)")
+    ap.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
+                    help="run only the points whose KEY is VALUE, as the dry run lists them (repeatable, all must "
+                         "hold; e.g. --only mode=hisparse --only concurrency=8): a part of a config that fits one "
+                         "GPU call")
     ap.add_argument("--draw-only", action="store_true",
                     help="with --draw-cache: draw the selections the points to run will read into DIR, run no "
                          "point (on a GPU machine, beside the GPU tests: the draws take the host's cores, "
@@ -886,6 +890,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.draw_only and args.draw_cache is None:
         ap.error("--draw-only fills the draw cache: name it with --draw-cache DIR")
+    only = []
+    for item in args.only:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            ap.error(f"--only {item!r}: expected KEY=VALUE, e.g. mode=hisparse")
+        only.append((key, value))
     global draw_cache
     draw_cache = args.draw_cache
     if args.runs_per_process is not None:
@@ -939,6 +949,14 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    known = set().union(*(p for s in studies for p in points(s)))
+    for key, _ in only:
+        if key not in known:
+            print(f"error: --only {key}=...: no point has the key {key!r}; its points have {sorted(known)}",
+                  file=sys.stderr)
+            return 2
+    pending = len(todo)
+    todo = [(study, point) for study, point in todo if all(str(point.get(k)) == v for k, v in only)]
     keys = [tuple(sorted((k, str(v)) for k, v in point.items())) for _, point in todo]
     if args.runs_per_process and len(set(keys)) < len(keys):
         print("error: two studies share a point (they differ only in how it runs: new_tokens, warmup_steps, "
@@ -946,9 +964,10 @@ def main(argv=None) -> int:
               "for --runs-per-process", file=sys.stderr)
         return 2
     total = sum(len(points(s)) for s in studies)
-    print(f"{args.config}: {total} points, {total - len(todo)} already in {out_dir}/, {len(todo)} to run on {gpu}"
+    print(f"{args.config}: {total} points, {total - pending} already in {out_dir}/, {pending} to run on {gpu}"
           + (f" ({rerun} of them stored from runs made another way, in new_tokens, warmup_steps, graph, prefetch "
-             f"or decode_backend: they run again, and the figures read a point's newest rows)" if rerun else ""))
+             f"or decode_backend: they run again, and the figures read a point's newest rows)" if rerun else "")
+          + (f"; --only {' '.join(f'{k}={v}' for k, v in only)}: {len(todo)} of them" if only else ""))
     if args.dry_run:
         for study, point in todo:
             print("  ", point)

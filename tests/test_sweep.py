@@ -671,6 +671,24 @@ def test_a_serving_sweep_with_a_draw_cache_draws_every_request_first(tmp_path, c
         assert (cached[cached.metric == metric].value.values == plain[plain.metric == metric].value.values).all()
 
 
+def test_only_runs_the_points_it_names_and_refuses_an_unknown_key(tmp_path, capsys):
+    """--only mode=hisparse: the hisparse point runs, resident's does not, and a later sweep without
+    --only finds only resident's to run; an unknown key or a malformed pair is refused before anything runs."""
+    config = write(tmp_path, SERVING)
+    out = tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out), "--only", "mode=hisparse", "--only", "concurrency=2"]) == 0
+    assert "--only mode=hisparse concurrency=2: 1 of them" in capsys.readouterr().out
+    assert set(pd.read_csv(out / "serving.csv")["mode"]) == {"hisparse"}
+    assert sweep.main(["--config", config, "--out", str(out), "--dry-run"]) == 0
+    listed = capsys.readouterr().out
+    assert "2 points, 1 already" in listed and "'mode': 'resident'" in listed and "'mode': 'hisparse'" not in listed
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "p"), "--only", "modes=hisparse"]) == 2
+    assert "no point has the key 'modes'" in capsys.readouterr().err and not (tmp_path / "p").exists()
+    with pytest.raises(SystemExit):
+        sweep.main(["--config", config, "--out", str(tmp_path / "p"), "--only", "hisparse"])
+    assert "--only 'hisparse': expected KEY=VALUE" in capsys.readouterr().err
+
+
 def test_draw_only_fills_the_cache_and_runs_no_point(tmp_path, capsys):
     """--draw-only: every request's draw lands in the cache, no row is written, and the sweep after it
     draws nothing; without --draw-cache it is refused before anything runs."""
