@@ -759,17 +759,17 @@ def test_a_serving_study_with_prefill_overlap_runs_both_ways_and_marks_its_rows(
 
 
 def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_path):
-    """prefill_layers = 1 with prefill_overlap = [false, true]: the overlapped points run in pieces of
-    one layer (the same tokens out) and their rows say prefill_layers 1; the plain points' rows and
-    an overlapped point of the default pieces (4) leave the column empty."""
+    """prefill_layers = 1 with prefill_overlap = [false, true]: the overlapped point runs in pieces of
+    one layer (the same tokens out) and its rows say prefill_layers 1; the plain point's rows leave the
+    column empty, and an overlapped point of the default pieces (4) is not done by them."""
     study = 'prefill_chunk = 64\nprefill_overlap = [false, true]\nprefill_layers = 1'
-    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', study))
+    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', study).replace('"resident", ', ''))
     out = tmp_path / "o"
     assert sweep.main(["--config", config, "--out", str(out)]) == 0
     tokens = pd.read_csv(out / "serving.csv").query("metric == 'output_tokens'")
-    assert len(tokens) == 4 and (tokens.value == 12).all()
+    assert len(tokens) == 2 and (tokens.value == 12).all()
     assert tokens.prefill_overlap.isna().equals(tokens.prefill_layers.isna())
-    assert (tokens.prefill_layers.dropna() == 1).all() and tokens.prefill_layers.notna().sum() == 2
+    assert (tokens.prefill_layers.dropna() == 1).all() and tokens.prefill_layers.notna().sum() == 1
     default = sweep.tomllib.loads((tmp_path / "sweep.toml").read_text())["study"]
     del default[0]["prefill_layers"]
     sweep.validate(default)
