@@ -1008,10 +1008,8 @@ class Server:
             if side is not None:
                 side.wait_event(after)
             if lo == 0:
-                part = job.request.prompt[job.done:job.done + chunk]
-                if side is not None:    # from pinned memory: a pageable copy would wait for the side stream
-                    part = part.pin_memory().to(self.device, non_blocking=True)
-                part = part.to(self.device)
+                part = job.request.prompt[job.done:job.done + chunk]    # pinned: a pageable copy would wait
+                part = part.pin_memory().to(self.device, non_blocking=True) if side is not None else part.to(self.device)
                 job.pieces = self.model.prefill_pieces(part[None], job.state, 1, fast=self.fast, last_logits=True,
                                                        backend=self.decode_backend, start=job.done,
                                                        host_sync=not self.prefill_overlap)

@@ -350,7 +350,7 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     host_sync=False: the host never waits on the GPU (a prefill beside decode steps, which the host
     must go on launching): every row takes `topk_select`'s exact keys, the same selection as
     `topk_of_indexer_scores` gives without its tie check's read, slower (about 4.3 against 1.5 ms
-    for 2048 rows of 32K scores on the H200, results/notes/prefill.md: a 32K prompt's top-k about
+    for 2048 rows of 32K scores on the H200, results/notes/prefill.md: a 32K prompt's top-k an estimated
     2.6 s instead of 0.9), in row blocks a fifth the size (its int64 keys hold about 30 bytes an
     element at the peak, not 6)."""
     _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
