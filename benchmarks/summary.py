@@ -295,6 +295,7 @@ def throughput_lines(frame: pd.DataFrame) -> list[str]:
     f = f[(f.family == "dsa") & f.metric.isin(["tokens_per_s", "resident_requests"])]
     f = newest_per_point(f, RUN_COLUMNS + ("batch",)) if len(f) else f     # a rerun may size another batch
     kv = f["kv_dtype"].fillna("bf16") if "kv_dtype" in f else pd.Series("bf16", index=f.index)
+    fp8 = f[(kv == "fp8") & (f.metric == "tokens_per_s")]
     f, counts = f[kv == "bf16"], f[(kv == "bf16") & (f.metric == "resident_requests")]
     f = f[f.metric == "tokens_per_s"]
     lines = []
@@ -317,6 +318,29 @@ def throughput_lines(frame: pd.DataFrame) -> list[str]:
         placed = f", {resident.value.iloc[-1]:.0f} of {row.batch:.0f} requests resident" if len(resident) else ""
         lines.append(f"throughput {size}: hybrid / {over} tokens/s {row.value / base.value.iloc[-1]:.3f}x "
                      f"(target >= {target}; batch {row.batch:.0f} / {base.batch.iloc[-1]:.0f}{placed})")
+    return lines + fp8_throughput_lines(fp8, f)
+
+
+def fp8_throughput_lines(fp8: pd.DataFrame, bf16: pd.DataFrame) -> list[str]:
+    """Issue 36: per context with fp8 rows, hisparse over resident tokens/s beside the bf16 run's at the
+    same context (the target at 128K: at least bf16's), with each run's batches."""
+    def pair(frame, context):
+        at = frame[frame.context == context]
+        h, r = at[at["mode"] == "hisparse"], at[at["mode"] == "resident"]
+        return (h.iloc[-1], r.iloc[-1]) if len(h) and len(r) else None
+    lines = []
+    for context in sorted(fp8.context.unique()):
+        ours = pair(fp8, context)
+        if ours is None:
+            continue
+        (h, r), theirs = ours, pair(bf16, context)
+        line = (f"throughput fp8 {context // 1024}K: hisparse / resident tokens/s {h.value / r.value:.2f}x "
+                f"(batch {h.batch:.0f} / {r.batch:.0f})")
+        if theirs is not None:
+            bh, br = theirs
+            target = "; target >= bf16's" if context == 131072 else ""
+            line += f", bf16 {bh.value / br.value:.2f}x (batch {bh.batch:.0f} / {br.batch:.0f}{target})"
+        lines.append(line)
     return lines
 
 

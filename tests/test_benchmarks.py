@@ -469,6 +469,23 @@ def test_summary_prints_hybrid_throughput_beside_its_targets_and_unmeasured_poin
         "throughput 128K: hybrid / hisparse tokens/s not measured yet (target >= 0.95)"]
 
 
+def test_summary_sets_fp8_throughput_beside_the_bf16_run_at_each_context():
+    """fp8 throughput rows (issue 36): hisparse over resident per context with both modes, beside the
+    bf16 rows' ratio where the context has them (the target at 128K); a context missing a mode is left out."""
+    from benchmarks.summary import throughput_lines
+    shape = dict(bench="throughput", family="dsa", model="dsa", workload="dsa_100k", gpu="NVIDIA H200", commit="abc",
+                 timestamp="2026-12-02T10:00:00", kv_budget_gib=24, cache_slots=4096, metric="tokens_per_s")
+    runs = [("bf16", "resident", 131072, 2, 100.0), ("bf16", "hisparse", 131072, 10, 300.0),
+            ("fp8", "resident", 131072, 3, 150.0), ("fp8", "hisparse", 131072, 11, 330.0),
+            ("fp8", "resident", 204800, 2, 100.0), ("fp8", "hisparse", 204800, 7, 250.0),
+            ("fp8", "hisparse", 32768, 37, 900.0)]
+    rows = [dict(shape, kv_dtype=kv, mode=m, context=c, batch=n, value=v) for kv, m, c, n, v in runs]
+    assert throughput_lines(pd.DataFrame(rows))[3:] == [
+        "throughput fp8 128K: hisparse / resident tokens/s 2.20x (batch 11 / 3), bf16 3.00x (batch 10 / 2; "
+        "target >= bf16's)",
+        "throughput fp8 200K: hisparse / resident tokens/s 2.50x (batch 7 / 2)"]
+
+
 def test_summary_sets_each_overlapped_serving_point_beside_its_twins():
     """prefill_overlap rows: tokens/s over resident's with overlap and without, and over the mode's own
     run without, TTFT and TPOT beside the twin's; the study's target lines read the rows without
