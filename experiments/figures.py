@@ -359,11 +359,14 @@ def throughput_vs_context(frame: pd.DataFrame) -> Figure:
     fig, axes = new_figure("Peak throughput (best batch) vs input length", rows, 1, len(families))
     for ax, (family, part) in zip(axes[0], families):
         plot_lines(ax, part, "context", ("mode", "cache_slots", "kv_dtype"))
-        wide = part.pivot_table(index="context", columns="mode", values="value", aggfunc="max")
-        if {"resident", "hisparse"} <= set(wide.columns):
-            for context, line in wide.dropna().iterrows():
-                ax.annotate(f"{line.hisparse / line.resident:.1f}x", (context, line.hisparse),
-                            textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
+        kv = part["kv_dtype"].fillna("bf16") if "kv_dtype" in part else pd.Series("bf16", index=part.index)
+        for fmt, rows_of_format in part.groupby(kv):   # each KV format's gain over its own resident
+            wide = rows_of_format.pivot_table(index="context", columns="mode", values="value", aggfunc="max")
+            if {"resident", "hisparse"} <= set(wide.columns):
+                for context, line in wide.dropna().iterrows():   # bf16's above its line, others' below
+                    ax.annotate(f"{line.hisparse / line.resident:.1f}x", (context, line.hisparse),
+                                textcoords="offset points", xytext=(0, 5 if fmt == "bf16" else -11),
+                                ha="center", fontsize=7)
         log2_axis(ax, part["context"], tokens)
         ax.set(title=family or "", xlabel="input length (tokens)", ylabel="tokens / s")
     return fig
