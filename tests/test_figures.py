@@ -104,6 +104,16 @@ def test_throughput_vs_context_plots_the_best_batch_and_the_gain():
     assert "NVIDIA H200, commit c0ffee" in fig.get_suptitle()
 
 
+def test_throughput_vs_context_sets_each_kv_format_beside_its_own_resident():
+    """fp8 rows are lines of their own, and their gain is over fp8 resident, not over bf16's."""
+    bf16 = decode_frame(["resident", "hisparse"], ["tokens_per_s"], contexts=(32768,))
+    fp8 = bf16.assign(kv_dtype="fp8", value=bf16["value"] * [1.5, 1.5, 1.0, 1.0])    # fp8 resident 1.5x faster
+    fig = figures.throughput_vs_context(pd.concat([bf16, fp8], ignore_index=True))
+    ax = fig.axes[0]
+    assert set(lines(ax)) == {"resident", "hierarchical", "resident, kv_dtype fp8", "hierarchical, kv_dtype fp8"}
+    assert sorted(t.get_text() for t in ax.texts) == ["1.3x", "2.0x"]     # 2040 / 1560 and 2040 / 1040
+
+
 @pytest.mark.parametrize("budget", ["kv_budget_gib", "host_budget_gib"])
 def test_throughput_vs_context_draws_the_newest_runs_budgets_only(budget):
     """An older run timed the same way but under another memory budget (and faster, so a max over both
