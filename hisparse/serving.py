@@ -1011,8 +1011,7 @@ class Server:
                 part = job.request.prompt[job.done:job.done + chunk]    # pinned: a pageable copy would wait
                 part = part.pin_memory().to(self.device, non_blocking=True) if side is not None else part.to(self.device)
                 job.pieces = self.model.prefill_pieces(part[None], job.state, 1, fast=self.fast, last_logits=True,
-                                                       backend=self.decode_backend, start=job.done,
-                                                       host_sync=not self.prefill_overlap)
+                                                       backend=self.decode_backend, start=job.done)
                 job.chunk = len(part)
             logits = None
             for _ in range(hi - lo):                         # one layer a next(); the last one returns

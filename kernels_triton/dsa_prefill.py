@@ -106,13 +106,23 @@ def _order_picks_kernel(
 
 
 @triton.jit
-def _count_equal_kernel(scores_ptr, last_ptr, count_ptr, stride_n, T, BLOCK_T: tl.constexpr):
-    """count[n] = how many of row n's T scores equal last[n] (+0.0 == -0.0): one pass over the row."""
+def _place_ties_kernel(scores_ptr, last_ptr, ties_ptr, sel_ptr, stride_n, stride_sn, T, K_PICKED,
+                       BLOCK_T: tl.constexpr):
+    """The tail of row n's ordered picks, sel[n, K_PICKED - ties[n] : K_PICKED], rewritten as the
+    ties[n] lowest token ids whose score equals the lowest pick last[n] (+0.0 == -0.0), in id order:
+    torch.topk picks any of equal scores, the exact order (`topk_select`) the lowest ids. One pass
+    over the row's T scores, no read back to the host; a row whose lowest pick is -inf (fewer valid
+    tokens than picks) is left as it is."""
     i_n = tl.program_id(0).to(tl.int64)
     b_last = tl.load(last_ptr + i_n)
-    b_count = tl.zeros([BLOCK_T], dtype=tl.int32)
+    ties = tl.load(ties_ptr + i_n)
+    ties = tl.where(b_last > float("-inf"), ties, 0)               # -inf: every valid token is in
+    base = K_PICKED - ties
+    seen = tl.full((), 0, dtype=tl.int32)                           # equal scores before this block
     for t0 in range(0, T, BLOCK_T):
         o_t = t0 + tl.arange(0, BLOCK_T)
         b_s = tl.load(scores_ptr + i_n * stride_n + o_t, mask=o_t < T, other=float("nan"))
-        b_count += (b_s == b_last).to(tl.int32)
-    tl.store(count_ptr + i_n, tl.sum(b_count, axis=0))
+        b_eq = (b_s == b_last).to(tl.int32)
+        b_rank = seen + tl.cumsum(b_eq, axis=0) - 1                 # among the row's equal scores
+        tl.store(sel_ptr + i_n * stride_sn + base + b_rank, o_t.to(tl.int32), mask=(b_eq > 0) & (b_rank < ties))
+        seen += tl.sum(b_eq, axis=0)

@@ -226,9 +226,31 @@ def test_order_picks_is_two_stable_sorts(picked, k):
     ref_sel, ref_last, ref_ties = dsa.order_picks_ref(values, ids, lengths, k)
     assert torch.equal(sel, ref_sel) and torch.equal(last, ref_last) and torch.equal(ties, ref_ties)
     assert torch.equal(ties, (values == last[:, None]).sum(1).to(torch.int32))
-    assert torch.equal(dsa.count_equal(scores, last), (scores == last[:, None]).sum(1).to(torch.int32))
     strided = torch.stack([lengths, torch.zeros_like(lengths)], 1)[:, 0]      # a view of stride 2
     assert torch.equal(dsa.order_picks(values, ids, strided, k)[0], sel)
+
+
+def test_place_ties_takes_the_lowest_ids_of_the_lowest_pick():
+    """The picks equal to the lowest one become the lowest ids of that score, in id order, across
+    several of the kernel's blocks of scores (interpreter: 64 a block), -0.0 equal to +0.0, rows
+    whose lowest pick is -inf untouched: as in torch, and then topk_select's selection exactly."""
+    gen = torch.Generator().manual_seed(3)
+    n, t, k = 10, 150, 12
+    scores = torch.randint(-2, 3, (n, t), generator=gen).float() * 0.5
+    scores[(scores == 0) & (torch.rand(n, t, generator=gen) < 0.5)] = -0.0
+    lengths = torch.randint(1, t + 1, (n,), generator=gen)
+    lengths[:2] = torch.tensor([5, 12])                              # fewer valid tokens than k, exactly k
+    scores = scores.masked_fill(torch.arange(t)[None, :] >= lengths[:, None], float("-inf"))
+    values, ids = scores.topk(k, dim=1, sorted=False)
+    sel, last, ties = dsa.order_picks_ref(values, ids, lengths, k)
+    got, want = sel.clone(), sel.clone()
+    dsa.place_ties(scores, last, ties, got, k)
+    dsa.place_ties_ref(scores, last, ties, want, k)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, sel)                                 # torch.topk picked other ties: replaced
+    assert torch.equal(got, dsa.topk_select(scores, lengths, k))
+    with pytest.raises(ValueError, match="ties int32"):
+        dsa.place_ties(scores, last, ties.long(), got, k)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -360,54 +360,29 @@ def test_per_head_matmul_writes_a_strided_view_in_place():
     assert torch.allclose(out, torch.einsum("bshc,hnc->bshn", buf[..., :8], w), atol=1e-5)
 
 
-def test_prefill_selection_without_host_syncs_is_the_same(monkeypatch):
-    """dsa_prefill_select(host_sync=False), for a prefill beside decode steps: every row through
-    topk_select's exact keys, the same selection as the default path (random and tied scores, rows
-    shorter than k), and no read back from the device: the default path's tie check calls nonzero,
-    this one never does."""
-    gen = torch.Generator().manual_seed(7)
-    q, weights, keys = torch.randn(13, 4, 16, generator=gen), torch.rand(13, 4, generator=gen), torch.randn(33, 16, generator=gen)
-    for sign in (1, -1):                       # -1: no positive dot, every score 0 (ties everywhere)
-        q_in, keys_in = (q, keys) if sign == 1 else (q.abs(), -keys.abs())
-        want = dsa_prefill_select(q_in, weights, keys_in, 20, 8)
-        called = []
-        monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **kw: called.append(1) or torch.tensor([]))
-        got = dsa_prefill_select(q_in, weights, keys_in, 20, 8, host_sync=False)
-        assert not called
-        dsa_prefill_select(q_in, weights, keys_in, 20, 8)
-        assert called                          # the default path does read back (this check can fail)
-        monkeypatch.undo()
-        assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="host_sync=1: expected True or False"):
-        dsa_prefill_select(q, weights, keys, 20, 8, host_sync=1)
-
-
 @pytest.mark.gpu
-def test_gpu_prefill_pieces_without_host_syncs_never_wait_on_the_gpu():
-    """A DSA chunk as prefill pieces with host_sync=False (what an overlapping Server launches beside
-    its decode steps) under torch's sync debug mode "error": no call reads back from the GPU; the
-    logits are the default pieces' bits."""
+def test_gpu_prefill_pieces_never_wait_on_the_gpu():
+    """A DSA chunk as prefill pieces (what an overlapping Server launches beside its decode steps)
+    under torch's sync debug mode "error": no call reads back from the GPU; the logits are the
+    plain fast prefill's bits."""
     from benchmarks.bench_prefill import DSA
     with torch.device("cuda"):
         model = build_model(config_from_dict(dict(DSA, num_hidden_layers=2, first_k_dense_replace=2)))
     randomize_(model, seed=0, on_device=True)
     model = model.to(torch.bfloat16).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-
-    def run(host_sync):
-        state = model.new_state(1, 3000)
-        pieces = model.prefill_pieces(ids, state, 1, fast=True, last_logits=True, start=0, host_sync=host_sync)
+    want = model.prefill(ids, model.new_state(1, 3000), fast=True, last_logits=True)
+    torch.cuda.synchronize()
+    state = model.new_state(1, 3000)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pieces = model.prefill_pieces(ids, state, 1, fast=True, last_logits=True, start=0)
         while True:
             try:
                 next(pieces)
             except StopIteration as done:
-                return done.value
-
-    want = run(True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        got = run(False)
+                got = done.value
+                break
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(got, want)

@@ -25,7 +25,7 @@ from benchmarks.bench_prefill import build
 # copies and reductions)
 PARTS = (
     ("indexer scores", r"indexer"),
-    ("top-k and ordering", r"topk|TopK|radix|sort|Sort|order_picks|count_equal|gatherTopK"),
+    ("top-k and ordering", r"topk|TopK|radix|sort|Sort|order_picks|place_ties|gatherTopK"),
     ("sparse attention", r"sparse_mla|mla_decode|flash|fmha|attention|_attn|nsa_|quest_"),
     ("matrix products", r"gemm|Gemm|GEMM|nvjet|xmma|cutlass|cublas|aten::mm|aten::bmm|aten::addmm|aten::matmul"),
     ("elementwise, copies, reductions", r"."),

@@ -126,7 +126,7 @@ class MlaAttention(nn.Module):
                 weights = index_w * self.indexer.softmax_scale
                 step.shared["selection"] = torch.stack([                                 # [B, S, k] int32
                     dsa_prefill_select(index_q[row], weights[row], kv.index_keys[row, :end], step.start,
-                                       self.indexer.topk, host_sync=step.host_sync) for row in range(b)])
+                                       self.indexer.topk) for row in range(b)])
             out = self._prefill_absorbed(q_nope, q_rot, kv.latent[:, :end], step.shared["selection"], step.backend)
         else:
             end = step.start + s

@@ -41,8 +41,8 @@ from kernels_triton.dsa_gluon import (
     _sparse_mla_decode_gluon_kernel,
 )
 from kernels_triton.dsa_prefill import (
-    _count_equal_kernel,
     _order_picks_kernel,
+    _place_ties_kernel,
     _prefill_indexer_kernel,
 )
 
@@ -163,10 +163,10 @@ def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
 
 def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """`topk_select`'s result for scores the indexer kernels wrote (-inf at t >= lengths[n]: other
-    scores past a length would be picked, then dropped), faster where a host sync does not matter
-    (prefill): torch.topk on the floats, the picks ordered best first with ties to the lower id by
-    `order_picks` (one sort of k unique keys per row), and `topk_select`'s exact keys only for rows
-    whose equal scores straddle the k-th place (more scores equal the lowest pick than were picked)."""
+    scores past a length would be picked, then dropped), faster (prefill): torch.topk on the floats,
+    the picks ordered best first with ties to the lower id by `order_picks` (one sort of k unique
+    keys per row), then the picks equal to the lowest one replaced by the lowest ids of that score
+    (`place_ties`: torch.topk may have picked others). Nothing is read back to the host."""
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
     if t == 0:
@@ -174,14 +174,10 @@ def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) 
     values, ids = scores.topk(min(k, t), dim=1, sorted=False)                         # [N, k']
     if scores.is_cuda:
         sel, last, ties = order_picks(values, ids, lengths, k)
-        equal = count_equal(scores, last)
+        place_ties(scores, last, ties, sel, values.shape[1])
     else:              # the same in torch: the interpreter takes about 45 ms a row to run the sort kernel
         sel, last, ties = order_picks_ref(values, ids, lengths, k)
-        equal = (scores == last[:, None]).sum(1).to(torch.int32)
-    straddles = (equal != ties) & (last > float("-inf"))       # last -inf: every valid token is in
-    rows = straddles.nonzero().flatten()
-    if rows.numel():
-        sel[rows] = topk_select(scores[rows], lengths[rows], k)
+        place_ties_ref(scores, last, ties, sel, values.shape[1])
     return sel
 
 
@@ -189,8 +185,7 @@ def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, 
     """The selection [N, k] int32 made of each row's top-k picks (values [N, k'] float32 and their
     token ids [N, k'] int64, k' <= k, in any order): best first, equal scores (+0.0 == -0.0) to the
     lower id, ids >= lengths[n] and the places past k' as -1 (`order_picks_ref` in torch). Also the
-    lowest picked value [N] float32 and how many picks equal it [N] int32 (`topk_of_indexer_scores`'
-    tie check)."""
+    lowest picked value [N] float32 and how many picks equal it [N] int32 (what `place_ties` replaces)."""
     n, picked = values.shape
     _require(values.dtype == torch.float32 and ids.shape == values.shape and ids.dtype == torch.int64,
              f"values float32 and ids int64 of one shape [N, k'], got {values.dtype} {tuple(values.shape)} "
@@ -210,18 +205,30 @@ def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, 
     return sel, last, ties
 
 
-def count_equal(scores: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """(scores == last[:, None]).sum(1) as int32 [N], in one pass over the float32 scores [N, T]."""
+def place_ties(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel: torch.Tensor, picked: int) -> None:
+    """In place: each row's last ties[n] of its `picked` ordered picks, sel[n, picked - ties[n] :
+    picked], become the ties[n] lowest ids t whose score [N, T] float32 equals last[n] (+0.0 ==
+    -0.0), in id order; rows whose last[n] is -inf are left as they are. One pass over the scores
+    (`_place_ties_kernel`); `place_ties_ref` in torch."""
     _require(scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1,
              f"scores must be float32 [N, T] with a contiguous last dim, got {scores.dtype} {tuple(scores.shape)}")
-    _require(last.shape == scores.shape[:1] and last.dtype == torch.float32 and last.device == scores.device,
-             f"last must be float32 [{scores.shape[0]}] on {scores.device}, got {last.dtype} {tuple(last.shape)}")
     n, t = scores.shape
-    count = torch.zeros((n,), dtype=torch.int32, device=scores.device)
+    _require(last.shape == (n,) and last.dtype == torch.float32 and ties.shape == (n,) and ties.dtype == torch.int32,
+             f"last must be float32 [{n}] and ties int32 [{n}], got {last.dtype} {tuple(last.shape)} and "
+             f"{ties.dtype} {tuple(ties.shape)}")
+    _require(sel.dim() == 2 and sel.shape[0] == n and 1 <= picked <= sel.shape[1] and sel.stride(1) == 1,
+             f"sel [{n}, >= {picked}] with a contiguous last dim, got {tuple(sel.shape)}")
+    _require(last.device == scores.device == ties.device == sel.device, "scores, last, ties and sel on one device")
     if n and t:
-        _count_equal_kernel[(n,)](scores, last, count, scores.stride(0), t,
-                                  BLOCK_T=4096 if scores.is_cuda else 64, num_warps=8)
-    return count
+        _place_ties_kernel[(n,)](scores, last, ties, sel, scores.stride(0), sel.stride(0), t, picked,
+                                 BLOCK_T=4096 if scores.is_cuda else 64, num_warps=8)
+
+
+def place_ties_ref(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel: torch.Tensor, picked: int) -> None:
+    """`place_ties` in torch."""
+    for row in torch.nonzero(last > float("-inf")).flatten().tolist():
+        tied = torch.nonzero(scores[row] == last[row]).flatten()[:int(ties[row])]
+        sel[row, picked - len(tied):picked] = tied.to(torch.int32)
 
 
 def order_picks_ref(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int):
@@ -340,35 +347,27 @@ PREFILL_SELECT_ELEMENTS = 1 << 26
 
 
 def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int, k: int,
-                       max_elements: int = PREFILL_SELECT_ELEMENTS, host_sync: bool = True) -> torch.Tensor:
+                       max_elements: int = PREFILL_SELECT_ELEMENTS) -> torch.Tensor:
     """The selections [S, k] int32 (-1 padding) of one request's prefill chunk: q [S, H_index, D] and
     weights [S, H_index] of the tokens at positions start .. start + S - 1, keys [T, D] of its first
     T = start + S tokens. Query s selects among tokens 0 .. start + s as `dsa_select` does for a
     decode query of that length (causality is the lengths, no [S, T] mask is made), from the scores
     of `prefill_indexer_scores` (the decode indexer's within float32 rounding: a near-tie at the k-th
-    place may pick another token), made for as many queries at a time as fit `max_elements`.
-    host_sync=False: the host never waits on the GPU (a prefill beside decode steps, which the host
-    must go on launching): every row takes `topk_select`'s exact keys, the same selection as
-    `topk_of_indexer_scores` gives without its tie check's read, slower (about 4.3 against 1.5 ms
-    for 2048 rows of 32K scores on the H200, results/notes/prefill.md: a 32K prompt's top-k an estimated
-    2.6 s instead of 0.9), in row blocks a fifth the size (its int64 keys hold about 30 bytes an
-    element at the peak, not 6)."""
+    place may pick another token), made for as many queries at a time as fit `max_elements`. The host
+    never waits on the GPU here (a prefill piece beside decode steps must not stall their launches)."""
     _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
              f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, t = q.shape[0], keys.shape[0]
     _require(isinstance(start, int) and 0 <= start and start + s == t,
              f"start={start!r}: a chunk of {s} queries over {t} keys starts at {t - s}")
-    _require(isinstance(host_sync, bool), f"host_sync={host_sync!r}: expected True or False")
     lengths = torch.arange(start + 1, t + 1, device=q.device)
     out = torch.empty((s, k), dtype=torch.int32, device=q.device)
-    max_elements = max_elements if host_sync else max(1, max_elements // 5)
     blocks = triton.cdiv(s, max(1, max_elements // max(1, t)))
     rows = triton.cdiv(s, max(1, blocks))    # equal blocks: no short one left at the end of a chunk
     for r in range(0, s, rows):
         part = slice(r, min(s, r + rows))
         scores = prefill_indexer_scores(q[part], weights[part], keys, start + r)
-        out[part] = topk_of_indexer_scores(scores, lengths[part], k) if host_sync else \
-            topk_select(scores, lengths[part], k)
+        out[part] = topk_of_indexer_scores(scores, lengths[part], k)
     return out
 
 

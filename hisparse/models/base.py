@@ -28,7 +28,6 @@ class Step:
     start: int | None = None  # prefill: the first position, the same for every row
     fast: bool = False  # prefill through the family's kernels (else the eager torch reference)
     backend: str = "auto"  # DSA's sparse MLA kernel in a fast prefill (hisparse.dsa.ops.DECODE_BACKENDS)
-    host_sync: bool = True  # a fast prefill may read from the GPU (False: it never does; DSA's top-k then slower)
     shared: dict = field(default_factory=dict)
 
 
@@ -111,7 +110,7 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x[:, -1:] if last else x))
 
     def _prefill_step(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, backend: str,
-                      start: int | None = None, host_sync: bool = True) -> Step:
+                      start: int | None = None) -> Step:
         """The Step of a prefill of input_ids [B, S] appended to `state` (its rows' lengths checked equal,
         read from the device, unless the caller knows them: `start`)."""
         batch, seq = input_ids.shape
@@ -124,8 +123,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"state capacity {state.capacity} cannot hold {start} + {seq} tokens")
         positions = torch.arange(start, start + seq, device=input_ids.device).expand(batch, seq)
         state.max_length = start + seq
-        return Step(positions, state.lengths + seq, decode=False, start=start, fast=fast, backend=backend,
-                    host_sync=host_sync)
+        return Step(positions, state.lengths + seq, decode=False, start=start, fast=fast, backend=backend)
 
     def _prefill(self, input_ids: torch.Tensor, state: DecodeState, fast: bool, last: bool,
                  backend: str) -> torch.Tensor:
@@ -133,18 +131,16 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def prefill_pieces(self, input_ids: torch.Tensor, state: DecodeState, layers_per_piece: int, fast: bool = False,
-                       last_logits: bool = False, backend: str = "auto", start: int | None = None,
-                       host_sync: bool = True):
+                       last_logits: bool = False, backend: str = "auto", start: int | None = None):
         """One prefill chunk (`prefill` without chunk_size) as a generator: next() runs the next
         `layers_per_piece` layers (the first piece after the embedding, the last one with the head),
         yielding the layers done so far between pieces; the last piece's next() raises StopIteration
         whose value is the logits. The same ops in the same order as `prefill`, so the same bits.
-        start: the rows' length before the chunk, where the caller knows it (no read from the device);
-        host_sync=False: no read from the device at all (a piece beside decode steps: DSA's top-k then
-        takes exact keys for every row, the same selection, slower; `dsa_prefill_select`)."""
+        start: the rows' length before the chunk, where the caller knows it: then a fast prefill reads
+        nothing back from the device (a piece beside decode steps must not stall their launches)."""
         if isinstance(layers_per_piece, bool) or not isinstance(layers_per_piece, int) or layers_per_piece < 1:
             raise ValueError(f"layers_per_piece must be an int >= 1, got {layers_per_piece!r}")
-        step = self._prefill_step(input_ids, state, fast, backend, start, host_sync)
+        step = self._prefill_step(input_ids, state, fast, backend, start)
         return (yield from self._pieces(input_ids, step, state, last_logits, layers_per_piece))
 
     @torch.no_grad()
