@@ -486,6 +486,23 @@ def test_summary_sets_fp8_throughput_beside_the_bf16_run_at_each_context():
         "throughput fp8 200K: hisparse / resident tokens/s 2.50x (batch 7 / 2)"]
 
 
+def test_summary_sets_the_fp8_decode_overhead_beside_bf16s():
+    """decode.csv (issue 36): hisparse's TPOT over resident's with fp8 rows beside the bf16 rows' at
+    the same hidden, context and batch; a point without bf16's says so; no fp8 rows, no lines."""
+    from benchmarks.summary import decode_lines
+    shape = dict(bench="decode", family="dsa", gpu="NVIDIA H200", commit="abc", timestamp="2026-12-02T10:00:00",
+                 hidden=1024, context=32768, metric="tpot_ms")
+    runs = [(None, "resident", 32, 19.0), (None, "hisparse", 32, 31.0), (None, "noio", 32, 20.0),
+            ("fp8", "resident", 32, 18.0), ("fp8", "hisparse", 32, 24.0),
+            ("fp8", "resident", 16, 15.0), ("fp8", "hisparse", 16, 17.5)]
+    rows = [dict(shape, kv_dtype=kv, mode=m, batch=b, value=v) for kv, m, b, v in runs]
+    assert decode_lines(pd.DataFrame(rows)) == [
+        "decode fp8, hidden 1024, 32K, batch 16: hisparse TPOT over resident +2.50 ms, bf16 not measured at this point",
+        "decode fp8, hidden 1024, 32K, batch 32: hisparse TPOT over resident +6.00 ms, bf16 +12.00 ms (0.50 of it; "
+        "target <= 0.67)"]
+    assert decode_lines(pd.DataFrame(rows[:3])) == []
+
+
 def test_summary_sets_each_overlapped_serving_point_beside_its_twins():
     """prefill_overlap rows: tokens/s over resident's with overlap and without, and over the mode's own
     run without, TTFT and TPOT beside the twin's; the study's target lines read the rows without
