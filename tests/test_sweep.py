@@ -576,19 +576,22 @@ def test_run_decode_replays_a_draw_of_its_own_for_every_request(monkeypatch):
     assert (sel == expected.selections).all()
 
 
-SERVING = """
+# prompts of 60 tokens in 2 chunks (the interpreter's prefill takes about 0.3 s a token here); a
+# budget (about 37 KB) of one resident lane, or two hierarchical ones and the prefill workspace
+SERVING_BUDGET, CHUNK = "kv_budget_gib = 0.000035", "prefill_chunk = 32"
+SERVING = f"""
 [[study]]
 kind = "serving"
 model = "tiny:deepseek_v32"
 layers = 1
 modes = ["resident", "hisparse"]
 cache_slots = 16
-input_len = 120
+input_len = 60
 output_len = 3
 concurrency = [2]
 requests_per_client = 2
-kv_budget_gib = 0.000066
-prefill_chunk = 64
+{SERVING_BUDGET}
+{CHUNK}
 workload = "tiny"
 """
 
@@ -603,8 +606,8 @@ def test_a_serving_study_admits_by_memory_and_writes_its_rows(tmp_path, capsys):
     assert (wide["requests"] == 4).all() and (wide["output_tokens"] == 12).all()
     assert {"tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "running_batch_mean",
             "queue_ms_p50", "peak_gpu_gib"} <= set(wide.columns)
-    assert set(rows.concurrency) == {2} and set(rows.input_len) == {120} and set(rows.output_len) == {3}
-    assert (wide["peak_gpu_gib"] * 2**30 <= 0.000066 * 2**30).all()
+    assert set(rows.concurrency) == {2} and set(rows.input_len) == {60} and set(rows.output_len) == {3}
+    assert (wide["peak_gpu_gib"] * 2**30 <= 0.000035 * 2**30).all()
 
 
 def test_a_hybrid_serving_study_writes_its_counts(tmp_path):
@@ -612,7 +615,7 @@ def test_a_hybrid_serving_study_writes_its_counts(tmp_path):
     how many were demoted, as requests, beside the serving metrics. Under this budget (twice the
     study's) the two lanes' spare streams hold both requests' runs: every request stays resident."""
     config = write(tmp_path, SERVING.replace('modes = ["resident", "hisparse"]', 'modes = ["hybrid"]').replace(
-        "kv_budget_gib = 0.000066", "kv_budget_gib = 0.00012"))
+        SERVING_BUDGET, "kv_budget_gib = 0.00007"))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 0
     rows = pd.read_csv(tmp_path / "o" / "serving.csv").set_index("metric")
     assert set(rows["mode"]) == {"hybrid"} and rows.loc["output_tokens", "value"] == 12
@@ -739,7 +742,7 @@ def test_a_serving_study_with_prefill_overlap_runs_both_ways_and_marks_its_rows(
     """prefill_overlap = [false, true]: each mode runs both ways, the same tokens out; the overlapped
     points' rows say prefill_overlap True, the others leave it empty, and a rerun finds every point
     done (a point without overlap is not done by its overlapped twin's rows, nor the other way)."""
-    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', 'prefill_chunk = 64\nprefill_overlap = [false, true]'))
+    config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + '\nprefill_overlap = [false, true]'))
     out = tmp_path / "o"
     assert sweep.main(["--config", config, "--out", str(out)]) == 0
     rows = pd.read_csv(out / "serving.csv")
@@ -762,8 +765,8 @@ def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_pat
     """prefill_layers = 1 with prefill_overlap = [false, true]: the overlapped point runs in pieces of
     one layer (the same tokens out) and its rows say prefill_layers 1; the plain point's rows leave the
     column empty, and an overlapped point of the default pieces (4) is not done by them."""
-    study = 'prefill_chunk = 64\nprefill_overlap = [false, true]\nprefill_layers = 1'
-    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', study).replace('"resident", ', ''))
+    study = CHUNK + '\nprefill_overlap = [false, true]\nprefill_layers = 1'
+    config = write(tmp_path, SERVING.replace(CHUNK, study).replace('"resident", ', ''))
     out = tmp_path / "o"
     assert sweep.main(["--config", config, "--out", str(out)]) == 0
     tokens = pd.read_csv(out / "serving.csv").query("metric == 'output_tokens'")
@@ -783,7 +786,7 @@ def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_pat
     ("prefill_overlap = true\nprefill_layers = 0", r"prefill_layers = 0: expected one positive integer"),
 ], ids=["without-overlap", "zero"])
 def test_bad_prefill_layers_fails_before_running(tmp_path, capsys, study, message):
-    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', f'prefill_chunk = 64\n{study}'))
+    config = write(tmp_path, SERVING.replace(CHUNK, f'{CHUNK}\n{study}'))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
     assert not list(tmp_path.glob("o/*.csv")) and re.search(message, capsys.readouterr().err)
 
@@ -805,7 +808,7 @@ def test_a_point_is_not_done_by_rows_that_differ_in_an_optional_key():
     ("[true, true]", "prefill_overlap"),
 ], ids=["not-bool", "twice"])
 def test_bad_prefill_overlap_fails_before_running(tmp_path, capsys, value, message):
-    config = write(tmp_path, SERVING.replace('prefill_chunk = 64', f'prefill_chunk = 64\nprefill_overlap = {value}'))
+    config = write(tmp_path, SERVING.replace(CHUNK, f'{CHUNK}\nprefill_overlap = {value}'))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
     assert not list(tmp_path.glob("o/*.csv")) and re.search(message, capsys.readouterr().err)
 
