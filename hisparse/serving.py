@@ -639,8 +639,9 @@ class Server:
     # -- the loop ----------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Compile the prefill and decode kernels (and capture the decode graph) before any request."""
-        if self._warmed:
+        """Compile the prefill and decode kernels (and capture the decode graph) before any request, on
+        a GPU; Triton's interpreter compiles nothing, so off the GPU there is nothing to prepare."""
+        if self._warmed or self.device.type != "cuda":
             return
         prompt = torch.zeros(min(self.max_context, 2 * self.runtime.unit_size + 3), dtype=torch.int64,
                              device=self.device)
