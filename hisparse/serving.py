@@ -56,9 +56,9 @@ previous piece is still running on the side stream launches none (a non-blocking
 the pieces keep pace with the GPU instead of piling up ahead of the decode steps, and a finished
 prompt joins once its last piece is done (reading its first token earlier would stall the host); a
 graphed step's higher-priority stream lets the SMs take its blocks before the piece's. A chunk's
-last piece stages it to the host pool there too. A piece never reads from the GPU (its top-k takes
-`topk_select`'s exact keys for every row instead of a tie check read back, the same selection), so
-launching it never waits on the side stream. An empty lane's decode write lands where no request
+last piece stages it to the host pool there too. A piece never reads from the GPU (DSA's top-k puts its tied
+picks in place on the GPU, `place_ties`, instead of reading back which rows tie), so launching it
+never waits on the side stream. An empty lane's decode write lands where no request
 reads (DSA's last position of the lane, hybrid's trash row of the cache), so the step and the
 prefill into that lane never touch the same bytes. Without a GPU the piece runs inline after the
 step, every iteration. The schedule records every piece (`Iteration.layers`) and join, whenever the

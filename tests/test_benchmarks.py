@@ -255,8 +255,8 @@ def test_gpu_suite_draws_a_serving_sweeps_selections_before_the_sweep(tmp_path):
     root = Path(__file__).resolve().parents[1]
     config = tmp_path / "serving.toml"
     config.write_text('[[study]]\nkind = "serving"\nmodel = "tiny:deepseek_v32"\nlayers = 1\nmodes = ["hisparse"]\n'
-                      'cache_slots = 16\ninput_len = 120\noutput_len = 3\nconcurrency = [1]\n'
-                      'requests_per_client = 1\nkv_budget_gib = 0.000066\nprefill_chunk = 64\nworkload = "tiny"\n')
+                      'cache_slots = 16\ninput_len = 60\noutput_len = 3\nconcurrency = [1]\n'
+                      'requests_per_client = 1\nkv_budget_gib = 0.000035\nprefill_chunk = 32\nworkload = "tiny"\n')
     env = dict(os.environ, TESTS="none", HOST_GROW_GIB="0", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                SWEEP_ARGS=f"--config {config} --draw-cache {tmp_path / 'draws'}")
     done = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "none"], cwd=root, env=env, capture_output=True,

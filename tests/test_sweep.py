@@ -576,7 +576,7 @@ def test_run_decode_replays_a_draw_of_its_own_for_every_request(monkeypatch):
     assert (sel == expected.selections).all()
 
 
-# prompts of 60 tokens in 2 chunks (the interpreter's prefill takes about 0.3 s a token here); a
+# prompts of 60 tokens in 2 chunks (the interpreter's prefill takes about 0.06 s a token here); a
 # budget (about 37 KB) of one resident lane, or two hierarchical ones and the prefill workspace
 SERVING_BUDGET, CHUNK = "kv_budget_gib = 0.000035", "prefill_chunk = 32"
 SERVING = f"""
