@@ -147,6 +147,20 @@ def prefill_lines(frame: pd.DataFrame) -> list[str]:
     return lines
 
 
+def with_commit(wide: pd.DataFrame, rows: pd.DataFrame, key: list[str]) -> pd.DataFrame:
+    """`wide` (a pivot of `rows` over `key`) with each point's commit beside its metrics, for `across`."""
+    if "commit" not in rows or wide.empty:
+        return wide
+    return wide.join(rows.groupby(key, dropna=False).commit.last())
+
+
+def across(row: pd.Series, twin: pd.Series) -> str:
+    """Two rows compared in one ratio: their commits where they differ (the ratio then mixes every
+    change between those trees with the one compared: rerun both on one tree), else ''."""
+    a, b = row.get("commit"), twin.get("commit")
+    return "" if a is None or b is None or a == b else f" [{a} against {b}]"
+
+
 def serving_lines(frame: pd.DataFrame) -> list[str]:
     """The serving study (experiments.sweep kind serving, in process; each point's newest rows, the
     study `serving_study` picks): the targets of issue 33 per concurrency level: hisparse over resident output tokens/s (>= 1.6) and p50
@@ -160,6 +174,7 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
     every = newest_per_point(every) if len(every) else every     # a study resumed across commits is one
     f = serving_study(every)
     wide = f.pivot_table(index=["concurrency", "mode"], columns="metric", values="value")
+    wide = with_commit(wide, f, ["concurrency", "mode"])
     levels = sorted({c for c, _ in wide.index})
     lines = []
 
@@ -168,6 +183,10 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
             return wide.loc[(level, mode), metric] / wide.loc[(level, over), metric]
         except KeyError:
             return float("nan")
+
+    def trees(level, mode, over="resident"):
+        both = [(level, m) for m in (mode, over)]
+        return across(wide.loc[both[0]], wide.loc[both[1]]) if all(p in wide.index for p in both) else ""
 
     for level in levels[-2:] if len(levels) > 1 else []:
         missing = [mode for mode in ("hisparse", "resident") if (level, mode) not in wide.index]
@@ -180,11 +199,13 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         cap = "" if cap != cap else f"; {cap:.2f}x with every lane busy and prefill alone between steps"
         lines.append(f"serving {level:.0f} clients: hisparse / resident output tokens/s "
                      f"{ratio(level, 'hisparse', 'tokens_per_s'):.2f}x (target >= 1.6{cap}), p50 TTFT "
-                     f"{1 / ratio(level, 'hisparse', 'ttft_ms_p50'):.2f}x lower (target >= 2); {lanes}")
+                     f"{1 / ratio(level, 'hisparse', 'ttft_ms_p50'):.2f}x lower (target >= 2); {lanes}"
+                     + trees(level, "hisparse"))
     if levels:
         low = levels[0]
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
-                     f"(target <= 1.25), noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} (target <= 1.03)")
+                     f"(target <= 1.25){trees(low, 'hisparse')}, noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} "
+                     f"(target <= 1.03){trees(low, 'noio')}")
     return lines + hybrid_lines(wide, levels) + overlap_lines(every) + chunk_lines(every) + http
 
 
@@ -204,8 +225,8 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     f = closed.assign(**{c: closed[c].astype(object).where(closed[c].notna(), "-") for c in shape})
     on = f.prefill_overlap.notna()
     key = ["concurrency", "mode", *shape]
-    wide_on = f[on].pivot_table(index=key, columns="metric", values="value")
-    wide_off = f[~on].pivot_table(index=key, columns="metric", values="value")
+    wide_on = with_commit(f[on].pivot_table(index=key, columns="metric", values="value"), f[on], key)
+    wide_off = with_commit(f[~on].pivot_table(index=key, columns="metric", values="value"), f[~on], key)
     chunk_at = shape.index("prefill_chunk") if "prefill_chunk" in shape else None
     pieces_at = shape.index("prefill_layers") if "prefill_layers" in shape else None
 
@@ -232,14 +253,15 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
             of(wide_on, level, "resident", rest)
         cells = [f"{r.tokens_per_s:.0f} tokens/s"]
         if mode != "resident" and base_on is not None:
-            cells.append(f"{r.tokens_per_s / base_on.tokens_per_s:.2f}x resident's with overlap")
+            cells.append(f"{r.tokens_per_s / base_on.tokens_per_s:.2f}x resident's with overlap" + across(r, base_on))
         if mode != "resident" and base is not None:
             at = "" if base_chunk is None else f" at chunk {base_chunk:.0f}"
-            cells.append(f"{r.tokens_per_s / base.tokens_per_s:.2f}x resident's without{at} (target >= 1.6)")
+            cells.append(f"{r.tokens_per_s / base.tokens_per_s:.2f}x resident's without{at} (target >= 1.6)"
+                         + across(r, base))
         if twin is not None:
             cells.append(f"{r.tokens_per_s / twin.tokens_per_s:.2f}x its own without; p50 TTFT {r.ttft_ms_p50:.0f} ms "
                          f"(without {twin.ttft_ms_p50:.0f}), TPOT {r.tpot_ms_p50:.1f} ms (without "
-                         f"{twin.tpot_ms_p50:.1f})")
+                         f"{twin.tpot_ms_p50:.1f})" + across(r, twin))
         pieces = "-" if pieces_at is None else rest[pieces_at]
         pieces_note = "" if pieces == "-" else f" (pieces of {pieces:.0f} layer{'s' if pieces != 1 else ''})"
         lines.append(f"serving {level:.0f} clients, {mode} with prefill_overlap{pieces_note}: " + ", ".join(cells))
@@ -258,10 +280,10 @@ def hybrid_lines(wide: pd.DataFrame, levels: list[float]) -> list[str]:
         cells = []
         if (level, "resident") in wide.index and wide.loc[(level, "resident"), "lanes"] >= level:
             ratio = own.tokens_per_s / wide.loc[(level, "resident"), "tokens_per_s"]
-            cells.append(f"{ratio:.3f}x resident's (target >= 0.97)")
+            cells.append(f"{ratio:.3f}x resident's (target >= 0.97)" + across(own, wide.loc[(level, "resident")]))
         if level in levels[-2:] and (level, "hisparse") in wide.index:
             ratio = own.tokens_per_s / wide.loc[(level, "hisparse"), "tokens_per_s"]
-            cells.append(f"{ratio:.3f}x hisparse's (target >= 0.95)")
+            cells.append(f"{ratio:.3f}x hisparse's (target >= 0.95)" + across(own, wide.loc[(level, "hisparse")]))
         if cells:
             counts = "".join(f", {own[m]:.0f} {m.replace('_', ' ')}" for m in ("resident_admissions", "demotions")
                              if m in own and own[m] == own[m])
@@ -273,11 +295,13 @@ def prefill_serial_cap(wide: pd.DataFrame, level: float, low: float, output_len:
     """Hisparse's output tokens/s over resident's at `level` clients if every step kept every lane busy,
     while every prefill runs alone and stalls the lanes (hisparse.serving's iteration): a run's span
     is then n prefills of P each plus n * (output_len - 1) / lanes decode steps of the mode's median
-    step (ITL p50), n the level's requests. P: the `low` level's resident TTFT p50 less its queueing
-    (one prefill and its first token, alone). An estimate from measured parts (lanes drain and fill in
-    a real run), not a limit of the GPU: nan where a part was not measured."""
+    step (ITL p50), n the level's requests. P: hisparse's TTFT p50 less its queueing p50 at `level`
+    (a prompt's chunks and its first token, the run's own prefill), or where that was not measured the
+    `low` level's resident's. An estimate from measured parts (lanes drain and fill in a real run), not
+    a limit of the GPU: nan where a part was not measured."""
     try:
-        prefill = (wide.loc[(low, "resident"), "ttft_ms_p50"] - wide.loc[(low, "resident"), "queue_ms_p50"]) / 1e3
+        at = (level, "hisparse") if (level, "hisparse") in wide.index else (low, "resident")
+        prefill = (wide.loc[at, "ttft_ms_p50"] - wide.loc[at, "queue_ms_p50"]) / 1e3
         n = wide.loc[(level, "resident"), "requests"]
         span = {mode: n * prefill + n / wide.loc[(level, mode), "lanes"] * (output_len - 1)
                 * wide.loc[(level, mode), "itl_ms_p50"] / 1e3 for mode in ("resident", "hisparse")}
@@ -365,7 +389,7 @@ def decode_lines(frame: pd.DataFrame) -> list[str]:
         line = (f"decode fp8, hidden {hidden:.0f}, {context // 1024:.0f}K, batch {batch:.0f}: hisparse TPOT over "
                 f"resident +{fp8:.2f} ms")
         line += (", bf16 not measured at this point" if pd.isna(bf16)
-                 else f", bf16 +{bf16:.2f} ms ({fp8 / bf16:.2f} of it; target <= 0.67)")
+                 else f", bf16 +{bf16:.2f} ms ({fp8 / bf16:.3f} of it; target <= 0.667)")
         lines.append(line)
     return lines
 
@@ -385,7 +409,7 @@ def http_lines(frame: pd.DataFrame) -> list[str]:
     keys = [c for c in TWIN if c in f]
     lines = []
     for point, rows in f.groupby(keys, dropna=False, sort=False):
-        by = rows.pivot_table(index="transport", columns="metric", values="value")
+        by = with_commit(rows.pivot_table(index="transport", columns="metric", values="value"), rows, ["transport"])
         if not {"http", "process"} <= set(by.index):
             continue
         web, own = by.loc["http"], by.loc["process"]
@@ -394,7 +418,7 @@ def http_lines(frame: pd.DataFrame) -> list[str]:
                  for name, m in (("TTFT", "ttft_ms_p50"), ("TPOT", "tpot_ms_p50"))]
         lines.append(f"serving over HTTP, {point['mode']} {point['concurrency']:.0f} clients, {point['input_len']:.0f} in / "
                      f"{point['output_len']:.0f} out: " + ", ".join(cells)
-                     + f"; tokens/s {web['tokens_per_s'] / own['tokens_per_s']:.3f}x in-process")
+                     + f"; tokens/s {web['tokens_per_s'] / own['tokens_per_s']:.3f}x in-process" + across(web, own))
     return lines
 
 

@@ -409,9 +409,10 @@ def test_summary_prints_the_prefill_bound_estimate_hybrid_targets_and_unmeasured
     """With prefill time, step times, lanes and requests measured, the tokens/s target gets the
     estimate beside it, n P + n (out - 1) / lanes x ITL p50 per mode: at 4 clients resident
     8 x 1 s + 8 / 2 x 99 x 10 ms = 11.96 s, hisparse 8 x 1 + 8 / 4 x 99 x 12 ms = 10.376 s: 1.15x
-    (P: one client's resident TTFT less its queueing). Hybrid gets 0.97x resident's where resident
-    admits every request (lanes >= clients: 1 and 2) and 0.95x hisparse's at the two highest
-    levels; a level missing a mode says so instead of printing nan."""
+    (P: hisparse's TTFT less its queueing at that level, 3 s - 2 s). Hybrid gets 0.97x resident's
+    where resident admits every request (lanes >= clients: 1 and 2) and 0.95x hisparse's at the two
+    highest levels; a level missing a mode says so instead of printing nan; a ratio of rows from two
+    commits names them (hybrid at 2 clients ran on another tree)."""
     from benchmarks.summary import serving_lines
     shape = dict(bench="serving", input_len=1024, output_len=100, prefill_chunk=512, gpu="NVIDIA H200",
                  commit="abc", timestamp="2026-12-02T10:00:00")
@@ -423,11 +424,12 @@ def test_summary_prints_the_prefill_bound_estimate_hybrid_targets_and_unmeasured
         lanes = min(level, 2) if mode == "resident" else level
         metrics = dict(tokens_per_s=value, tpot_ms_p50=15.3 if mode == "hisparse" else 15.0,
                        ttft_ms_p50=1000.0 if level < 4 else (9000.0 if mode == "resident" else 3000.0),
-                       queue_ms_p50=0.0, lanes=lanes, requests=2 * level,
+                       queue_ms_p50=2000.0 if (mode, level) == ("hisparse", 4) else 0.0, lanes=lanes, requests=2 * level,
                        itl_ms_p50=10.0 if mode == "resident" else 12.0)
         if mode == "hybrid":
             metrics.update(resident_admissions=level, demotions=level // 4)
-        rows += [dict(shape, mode=mode, concurrency=level, metric=m, value=v) for m, v in metrics.items()]
+        tree = dict(commit="def") if (mode, level) == ("hybrid", 2) else {}
+        rows += [dict(shape, mode=mode, concurrency=level, metric=m, value=v, **tree) for m, v in metrics.items()]
     assert serving_lines(pd.DataFrame(rows)) == [
         "serving 4 clients: hisparse / resident output tokens/s 1.12x (target >= 1.6; 1.15x with every lane busy "
         "and prefill alone between steps), p50 TTFT 3.00x lower (target >= 2); lanes 4 / 2",
@@ -435,8 +437,8 @@ def test_summary_prints_the_prefill_bound_estimate_hybrid_targets_and_unmeasured
         "serving 1 clients: TPOT p50 hisparse / resident 1.020 (target <= 1.25), noio / resident 1.000 (target <= 1.03)",
         "serving 1 clients: hybrid output tokens/s 0.980x resident's (target >= 0.97), 1 resident admissions, "
         "0 demotions",
-        "serving 2 clients: hybrid output tokens/s 1.000x resident's (target >= 0.97), 2 resident admissions, "
-        "0 demotions",
+        "serving 2 clients: hybrid output tokens/s 1.000x resident's (target >= 0.97) [def against abc], 2 resident "
+        "admissions, 0 demotions",
         "serving 4 clients: hybrid output tokens/s 0.980x hisparse's (target >= 0.95), 4 resident admissions, "
         "1 demotions"]
 
@@ -498,8 +500,8 @@ def test_summary_sets_the_fp8_decode_overhead_beside_bf16s():
     rows = [dict(shape, kv_dtype=kv, mode=m, batch=b, value=v) for kv, m, b, v in runs]
     assert decode_lines(pd.DataFrame(rows)) == [
         "decode fp8, hidden 1024, 32K, batch 16: hisparse TPOT over resident +2.50 ms, bf16 not measured at this point",
-        "decode fp8, hidden 1024, 32K, batch 32: hisparse TPOT over resident +6.00 ms, bf16 +12.00 ms (0.50 of it; "
-        "target <= 0.67)"]
+        "decode fp8, hidden 1024, 32K, batch 32: hisparse TPOT over resident +6.00 ms, bf16 +12.00 ms (0.500 of it; "
+        "target <= 0.667)"]
     assert decode_lines(pd.DataFrame(rows[:3])) == []
 
 
