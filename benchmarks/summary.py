@@ -220,8 +220,8 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     comparison) and names its chunk."""
     if "prefill_overlap" not in closed or not closed.prefill_overlap.notna().any():
         return []
-    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "prefill_layers", "kv_budget_gib", "kv_dtype",
-                         "model", "workload") if c in closed]
+    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "prefill_layers", "prefill_sms", "kv_budget_gib",
+                         "kv_dtype", "model", "workload") if c in closed]
     f = closed.assign(**{c: closed[c].astype(object).where(closed[c].notna(), "-") for c in shape})
     on = f.prefill_overlap.notna()
     key = ["concurrency", "mode", *shape]
@@ -229,6 +229,7 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     wide_off = with_commit(f[~on].pivot_table(index=key, columns="metric", values="value"), f[~on], key)
     chunk_at = shape.index("prefill_chunk") if "prefill_chunk" in shape else None
     pieces_at = shape.index("prefill_layers") if "prefill_layers" in shape else None
+    sms_at = shape.index("prefill_sms") if "prefill_sms" in shape else None
 
     def of(wide, level, mode, rest):
         return wide.loc[(level, mode, *rest)] if (level, mode, *rest) in wide.index else None
@@ -247,8 +248,9 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
     lines = []
     for (level, mode, *rest), r in wide_on.iterrows():
         plain = list(rest)
-        if pieces_at is not None:
-            plain[pieces_at] = "-"                   # points without overlap have no pieces
+        for at in (pieces_at, sms_at):
+            if at is not None:
+                plain[at] = "-"                      # points without overlap have no pieces
         twin, (base, base_chunk), base_on = of(wide_off, level, mode, plain), resident_off(level, plain), \
             of(wide_on, level, "resident", rest)
         cells = [f"{r.tokens_per_s:.0f} tokens/s"]
@@ -263,7 +265,10 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
                          f"(without {twin.ttft_ms_p50:.0f}), TPOT {r.tpot_ms_p50:.1f} ms (without "
                          f"{twin.tpot_ms_p50:.1f})" + across(r, twin))
         pieces = "-" if pieces_at is None else rest[pieces_at]
-        pieces_note = "" if pieces == "-" else f" (pieces of {pieces:.0f} layer{'s' if pieces != 1 else ''})"
+        sms = "-" if sms_at is None else rest[sms_at]
+        notes = ([] if pieces == "-" else [f"pieces of {pieces:.0f} layer{'s' if pieces != 1 else ''}"]) + \
+            ([] if sms == "-" else [f"on {sms:.0f} SMs"])
+        pieces_note = f" ({', '.join(notes)})" if notes else ""
         lines.append(f"serving {level:.0f} clients, {mode} with prefill_overlap{pieces_note}: " + ", ".join(cells))
     return lines
 
@@ -396,7 +401,7 @@ def decode_lines(frame: pd.DataFrame) -> list[str]:
 
 # what makes an HTTP row the twin of an in-process one (the rest is how each was measured)
 TWIN = ["family", "model", "mode", "workload", "layers", "hidden", "cache_slots", "input_len", "output_len",
-        "concurrency", "kv_budget_gib", "prefill_chunk", "prefill_overlap", "prefill_layers", "kv_dtype"]
+        "concurrency", "kv_budget_gib", "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "kv_dtype"]
 
 
 def http_lines(frame: pd.DataFrame) -> list[str]:

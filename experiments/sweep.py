@@ -89,8 +89,8 @@ KEYS = {
                    "kv_dtype"},
     "serving": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "input_len", "output_len", "concurrency",
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
-                "prefill_chunk", "prefill_overlap", "prefill_layers", "graph", "token_budget", "decode_backend",
-                "workload", "kv_dtype"},
+                "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "graph", "token_budget",
+                "decode_backend", "workload", "kv_dtype"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
@@ -134,6 +134,9 @@ KEY_HELP = {
                        "rows of true points say so, false ones leave the column empty",
     "prefill_layers": "serving, with prefill_overlap = true: layers of a prefill piece (4); rows of the overlapped "
                       "points say it where it is not 4",
+    "prefill_sms": "serving, with prefill_overlap = true, on a GPU: the pieces run in a CUDA green context of this "
+                   "many SMs, the decode steps keep the rest (unset: every SM shared); rows of the overlapped points "
+                   "say it",
 }
 
 
@@ -443,7 +446,7 @@ def done_points(path: Path) -> pd.DataFrame | None:
 
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
-OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "prefill_layers", "transport"}   # transport: HTTP rows (hisparse.serve.bench)
+OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "prefill_layers", "prefill_sms", "transport"}   # transport: HTTP rows (hisparse.serve.bench)
 
 
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
@@ -761,11 +764,12 @@ def validate_serving(study: dict, where: str) -> None:
         raise ConfigError(f"{where}: prefill_overlap = true is built for DSA models; model {study['model']!r} "
                           f"is {family(model_config(study))}")
     study["prefill_overlap"] = overlap
-    if "prefill_layers" in study:
-        _positive_int(study, "prefill_layers", where)
-        if True not in overlap:
-            raise ConfigError(f"{where}: prefill_layers = {study['prefill_layers']!r} sizes the pieces of "
-                              f"prefill_overlap = true points, and this study has none")
+    for key, what in (("prefill_layers", "sizes the pieces"), ("prefill_sms", "confines the pieces")):
+        if key in study:
+            _positive_int(study, key, where)
+            if True not in overlap:
+                raise ConfigError(f"{where}: {key} = {study[key]!r} {what} of prefill_overlap = true points, "
+                                  f"and this study has none")
     slots = study.get("cache_slots")
     if isinstance(slots, list) and len(slots) != 1:
         raise ConfigError(f"{where}: cache_slots = {slots!r}: a serving study takes one B")
@@ -775,10 +779,11 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     """One point per load level (concurrency or rate), prefill chunk, prefill overlap and mode, the
     modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True;
     the others leave it out (their rows, as before the key existed, leave the column empty), and
-    prefill_layers where it is not the Server's default."""
+    prefill_layers where it is not the Server's default, prefill_sms where set."""
     from hisparse.serving import PREFILL_LAYERS
     layers = study.get("prefill_layers", PREFILL_LAYERS)
-    overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {})}
+    overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {}),
+                  **({"prefill_sms": study["prefill_sms"]} if "prefill_sms" in study else {})}
     loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
     out = []
     for (key, level), chunk, overlap, mode in itertools.product(loads, study["prefill_chunk"],
@@ -834,7 +839,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     prefill_chunk=point["prefill_chunk"], graph=point["graph"],
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
                     prefill_overlap=point.get("prefill_overlap", False),
-                    prefill_layers=point.get("prefill_layers", PREFILL_LAYERS),
+                    prefill_layers=point.get("prefill_layers", PREFILL_LAYERS), prefill_sms=point.get("prefill_sms"),
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
     warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
     if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K

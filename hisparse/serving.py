@@ -248,7 +248,9 @@ class Server:
     as `Engine`'s. prefill_overlap (DSA): each iteration launches the decode step first, then, unless
     the previous piece still runs, `prefill_layers` layers of the current prefill chunk on a side CUDA
     stream (inline after the step without a GPU), so the decode steps go on while a prompt is
-    prefilled (see the module docstring)."""
+    prefilled (see the module docstring). prefill_sms (with prefill_overlap, on a GPU): that side
+    stream belongs to a CUDA green context of this many SMs (the driver rounds up to its granularity,
+    8 on Hopper), so the pieces never hold the SMs the decode steps need; None: they share every SM."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
@@ -256,7 +258,7 @@ class Server:
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
                  selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
-                 prefill_layers: int = PREFILL_LAYERS):
+                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None):
         if mode not in SERVING_MODES:
             raise ValueError(f"mode must be one of {SERVING_MODES}, got {mode!r}")
         if prefill not in ("model", "reference"):
@@ -281,9 +283,17 @@ class Server:
             raise ValueError(f"prefill_overlap=True is built for DSA models, whose empty lanes' decode writes "
                              f"land where no request reads; {self.runtime.family}'s still write into the lane a "
                              f"prefill fills (Quest's dense lanes at token 0, NSA's window): use prefill_overlap=False")
-        self.prefill_overlap = prefill_overlap
-        # the side stream the prefill pieces run on, beside the decode steps on the main one
-        self._side = torch.cuda.Stream(self.device) if prefill_overlap and self.device.type == "cuda" else None
+        if prefill_sms is not None:
+            prefill_sms = as_int(prefill_sms, "prefill_sms must be an int >= 1 (SMs the prefill pieces may use, "
+                                 "with prefill_overlap)", 1)
+            if not prefill_overlap:
+                raise ValueError(f"prefill_sms={prefill_sms} confines the prefill pieces of prefill_overlap=True "
+                                 f"to that many SMs; without overlap a prefill runs alone: leave it None")
+        self.prefill_overlap, self.prefill_sms = prefill_overlap, prefill_sms
+        # the side stream the prefill pieces run on, beside the decode steps on the main one (and the
+        # green context it belongs to with prefill_sms, kept as long as the stream)
+        self._side, self._green = (side_stream(self.device, prefill_sms) if prefill_overlap
+                                   and self.device.type == "cuda" else (None, None))
         # and the higher-priority stream graphed steps replay on beside them: a graph's kernels take
         # the priority of the stream it is launched into, so the SMs take the step's blocks first
         self._urgent = torch.cuda.Stream(self.device, priority=-1) if self._side is not None and graph else None
@@ -1104,6 +1114,28 @@ def _as_list(streams) -> list[int]:
     """A lane's host streams (DSA: one id, Quest and NSA: one per KV head) without the empty lane's -1."""
     ids = streams if isinstance(streams, list) else [streams]
     return [s for s in ids if s >= 0]
+
+
+def side_stream(device: torch.device, sms: int | None) -> tuple[torch.cuda.Stream, object]:
+    """(a stream beside the main one, its green context or None): an ordinary stream, or with `sms`
+    one of a CUDA green context of that many SMs (torch.cuda.green_contexts), whose kernels then
+    leave the other SMs free."""
+    if sms is None:
+        return torch.cuda.Stream(device), None
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms >= total:
+        raise ValueError(f"prefill_sms={sms}: this GPU has {total} SMs; leave some to the decode steps")
+    from torch.cuda.green_contexts import GreenContext
+    context = GreenContext.create(num_sms=sms, device_id=device.index or 0)
+    if hasattr(context, "Stream"):
+        stream = context.Stream()
+    else:                                             # torch before Stream(): one made while it is current
+        context.set_context()
+        try:
+            stream = torch.cuda.Stream(device)
+        finally:
+            context.pop_context()
+    return stream, context
 
 
 def _lane_tensors(kv, lanes: int) -> list[torch.Tensor]:

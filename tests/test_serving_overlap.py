@@ -134,7 +134,7 @@ LAYERS = [0]
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
-def test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=False):
+def test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=False, prefill_sms=None):
     """hisparse with prefill_overlap (one layer a piece, chunks of 24: prompts of one to three chunks,
     random arrivals) records its schedule; resident without overlap replays it, every piece in its
     iteration: every token and logit equal, and the joins came between decode steps."""
@@ -143,7 +143,9 @@ def test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=False)
     kw = dict(SETTINGS[family], max_context=MAX_CONTEXT, prefill_chunk=24, keep_logits=True, graph=graph,
               **({} if graph else QUICK))
     reqs = random_requests(seed=len(family))
-    server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=3, prefill_overlap=True, prefill_layers=1, **kw)
+    server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=3, prefill_overlap=True, prefill_layers=1,
+                    prefill_sms=prefill_sms, **kw)
+    assert (server._green is not None) == (prefill_sms is not None and graph)    # graph: on a GPU
     run = server.serve(reqs)
     assert max(run.running_batch) >= 2, "no two requests ever shared a step"
     assert overlapped(run) >= 4, "no decode step ran beside a prefill piece: the test checks no overlap"
@@ -201,6 +203,13 @@ def test_bad_overlap_options_are_refused():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="prefill_layers must be an int >= 1"):
             Server(model, "hisparse", prefill_overlap=True, prefill_layers=bad, **kw)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="prefill_sms must be an int >= 1"):
+            Server(model, "hisparse", prefill_overlap=True, prefill_sms=bad, **kw)
+    with pytest.raises(ValueError, match="prefill_sms=8 confines the prefill pieces of prefill_overlap=True"):
+        Server(model, "hisparse", prefill_sms=8, **kw)
+    off_gpu = Server(model, "hisparse", prefill_overlap=True, prefill_sms=8, **kw)
+    assert off_gpu.prefill_sms == 8 and off_gpu._side is None and off_gpu._green is None   # pieces run inline
     with pytest.raises(ValueError, match="prefill_overlap=True is built for DSA models.*Quest"):
         Server(tiny("llama"), "hisparse", lanes=2, max_context=64, cache_slots=4, token_budget=48,
                prefill_overlap=True)
@@ -217,6 +226,21 @@ def test_graphed_overlapped_prefill_is_bitwise_as_resident(family):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=True)
+
+
+@pytest.mark.gpu
+def test_pieces_in_a_green_context_are_bitwise_as_resident():
+    """On a GPU with prefill_sms: the pieces' side stream in a CUDA green context of 16 SMs, the
+    graphed steps on the rest; resident replaying the schedule bitwise (the kernels' grids do not
+    depend on where their blocks run). A context of every SM is refused before anything runs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hisparse.serving import side_stream
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    with pytest.raises(ValueError, match=f"prefill_sms={total}: this GPU has {total} SMs"):
+        side_stream(device, total)
+    test_overlapped_prefill_replayed_by_resident_is_bitwise("deepseek_v32", graph=True, prefill_sms=16)
 
 
 def test_hybrid_with_overlap_is_bitwise_as_resident():
