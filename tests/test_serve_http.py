@@ -381,17 +381,21 @@ def test_the_command_serves_a_model_already_built():
     assert info["attention_kernel"] == "triton" and info["prefill_overlap"] is False
     assert "prefill_overlap" not in point_columns({"id": "dsa-fp8", "hisparse": info}, 8, 2, 1, None)
     server, _, _ = build_server(ap, ap.parse_args(["--max-context", "64", "--kv-budget-gib", "0.01",
-                                                   "--prefill-overlap", "--prefill-layers", "2"]), tiny(FAMILY), "dsa")
-    assert server.prefill_overlap and server.prefill_layers == 2
+                                                   "--prefill-overlap", "--prefill-layers", "2", "--prefill-sms", "8"]),
+                                 tiny(FAMILY), "dsa")
+    assert server.prefill_overlap and server.prefill_layers == 2 and server.prefill_sms == 8
     info = describe(server, "dsa", 0.01, None)
     point = point_columns(info, 8, 2, 1, None)
     assert point["prefill_overlap"] is True and point["prefill_layers"] == 2     # not the sweep's 4-layer pieces
+    assert point["prefill_sms"] == 8
     server, _, _ = build_server(ap, ap.parse_args(["--max-context", "64", "--kv-budget-gib", "0.01",
                                                    "--prefill-overlap"]), tiny(FAMILY), "dsa")
     assert server.prefill_layers == 4 and "prefill_layers" not in point_columns(describe(server, "dsa", 0.01, None),
                                                                                 8, 2, 1, None)
-    with pytest.raises(SystemExit):
-        build_server(ap, ap.parse_args(["--prefill-layers", "2"]), tiny(FAMILY), "dsa")
+    assert "prefill_sms" not in point_columns(describe(server, "dsa", 0.01, None), 8, 2, 1, None)
+    for alone in (["--prefill-layers", "2"], ["--prefill-sms", "8"]):
+        with pytest.raises(SystemExit):
+            build_server(ap, ap.parse_args(alone), tiny(FAMILY), "dsa")
 
 
 def test_the_command_refuses_prefill_overlap_for_a_quest_model(tmp_path, capsys):

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "stream beside the decode steps, instead of alone between them (one piece in flight)")
     ap.add_argument("--prefill-layers", type=_positive, default=None, metavar="N",
                     help=f"with --prefill-overlap: layers of a prefill piece (default {PREFILL_LAYERS})")
+    ap.add_argument("--prefill-sms", type=_positive, default=None, metavar="N",
+                    help="with --prefill-overlap, on a GPU: run the pieces in a CUDA green context of N SMs, the "
+                         "decode steps keeping the rest (default: every SM shared)")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
                     help="model: the family's prefill kernels (default); reference: the eager torch prefill")
     ap.add_argument("--graph", action="store_true",
@@ -157,6 +160,8 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
     quest = {} if args.token_budget is None else {"token_budget": args.token_budget}
     if args.prefill_layers is not None and not args.prefill_overlap:
         ap.error("argument --prefill-layers: only with --prefill-overlap (the layers of a piece run beside a step)")
+    if args.prefill_sms is not None and not args.prefill_overlap:
+        ap.error("argument --prefill-sms: only with --prefill-overlap (it confines the pieces run beside a step)")
     workload = replay_workload(ap, args, model.config, name)
     try:
         server = Server(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
@@ -164,6 +169,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
                         host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
                         prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, kv_dtype=args.kv_dtype,
                         prefill_overlap=args.prefill_overlap, prefill_layers=args.prefill_layers or PREFILL_LAYERS,
+                        prefill_sms=args.prefill_sms,
                         selections=None if workload is None else workload.draws[:, :, 0], **quest)
     except ValueError as exc:
         ap.error(f"cannot build the server: {exc}")

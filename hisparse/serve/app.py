@@ -102,6 +102,7 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
         settings["kv_dtype"] = server.kv_dtype
         settings["prefill_overlap"] = server.prefill_overlap
         settings["prefill_layers"] = server.prefill_layers if server.prefill_overlap else None
+        settings["prefill_sms"] = server.prefill_sms
     if runtime.family == "Quest":
         settings["token_budget"] = runtime.selection_size * runtime.unit_size
     return {"id": name, "object": "model", "owned_by": "hisparse", "max_model_len": server.max_context,

@@ -139,6 +139,8 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
         point["prefill_overlap"] = True
         if s.get("prefill_layers", PREFILL_LAYERS) != PREFILL_LAYERS:   # the sweep's pieces are the default's
             point["prefill_layers"] = s["prefill_layers"]
+        if s.get("prefill_sms") is not None:
+            point["prefill_sms"] = s["prefill_sms"]
     return point
 
 
