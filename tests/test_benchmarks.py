@@ -548,3 +548,11 @@ def test_summary_sets_each_overlapped_serving_point_beside_its_twins():
                          "(without 2000), TPOT 21.0 ms (without 20.0)")
     assert lines[-3].startswith("serving 8 clients, hisparse with prefill_overlap: 176 tokens/s")
     assert lines[-1].startswith("serving 8 clients, resident, 1024 in / 100 out, p50 per prefill chunk")   # 2 chunks ran
+    # pieces in a green context of 64 SMs, on another tree: twins without overlap (no SMs to name),
+    # each ratio across the two trees naming both commits
+    green = dict(shape, prefill_sms=64, mode="hisparse", concurrency=8, prefill_overlap=True, commit="b",
+                 timestamp="2026-12-04T10:00:00")
+    rows += [dict(green, metric=m, value=v) for m, v in metrics]
+    assert ("serving 8 clients, hisparse with prefill_overlap (on 64 SMs): 180 tokens/s, 1.80x resident's without "
+            "(target >= 1.6) [b against a], 1.29x its own without; p50 TTFT 3000 ms (without 2000), TPOT 21.0 ms "
+            "(without 20.0) [b against a]") in serving_lines(pd.DataFrame(rows))

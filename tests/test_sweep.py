@@ -762,10 +762,11 @@ def test_a_serving_study_with_prefill_overlap_runs_both_ways_and_marks_its_rows(
 
 
 def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_path):
-    """prefill_layers = 1 with prefill_overlap = [false, true]: the overlapped point runs in pieces of
-    one layer (the same tokens out) and its rows say prefill_layers 1; the plain point's rows leave the
-    column empty, and an overlapped point of the default pieces (4) is not done by them."""
-    study = CHUNK + '\nprefill_overlap = [false, true]\nprefill_layers = 1'
+    """prefill_layers = 1 and prefill_sms = 8 with prefill_overlap = [false, true]: the overlapped point
+    runs in pieces of one layer (the same tokens out; no green context without a GPU) and its rows say
+    prefill_layers 1 and prefill_sms 8; the plain point's rows leave both empty, and an overlapped
+    point of the default pieces (4) is not done by them."""
+    study = CHUNK + '\nprefill_overlap = [false, true]\nprefill_layers = 1\nprefill_sms = 8'
     config = write(tmp_path, SERVING.replace(CHUNK, study).replace('"resident", ', ''))
     out = tmp_path / "o"
     assert sweep.main(["--config", config, "--out", str(out)]) == 0
@@ -773,8 +774,9 @@ def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_pat
     assert len(tokens) == 2 and (tokens.value == 12).all()
     assert tokens.prefill_overlap.isna().equals(tokens.prefill_layers.isna())
     assert (tokens.prefill_layers.dropna() == 1).all() and tokens.prefill_layers.notna().sum() == 1
+    assert tokens.prefill_overlap.isna().equals(tokens.prefill_sms.isna()) and (tokens.prefill_sms.dropna() == 8).all()
     default = sweep.tomllib.loads((tmp_path / "sweep.toml").read_text())["study"]
-    del default[0]["prefill_layers"]
+    del default[0]["prefill_layers"], default[0]["prefill_sms"]
     sweep.validate(default)
     four = [p for p in sweep.points(default[0]) if "prefill_overlap" in p]
     assert four and not any("prefill_layers" in p for p in four)
@@ -784,19 +786,22 @@ def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_pat
 @pytest.mark.parametrize("study,message", [
     ("prefill_layers = 1", r"prefill_layers = 1 sizes the pieces of prefill_overlap = true points, and this study has none"),
     ("prefill_overlap = true\nprefill_layers = 0", r"prefill_layers = 0: expected one positive integer"),
-], ids=["without-overlap", "zero"])
-def test_bad_prefill_layers_fails_before_running(tmp_path, capsys, study, message):
+    ("prefill_sms = 8", r"prefill_sms = 8 confines the pieces of prefill_overlap = true points, and this study has none"),
+    ("prefill_overlap = true\nprefill_sms = 0", r"prefill_sms = 0: expected one positive integer"),
+], ids=["without-overlap", "zero", "sms-without-overlap", "sms-zero"])
+def test_bad_prefill_layers_or_sms_fails_before_running(tmp_path, capsys, study, message):
     config = write(tmp_path, SERVING.replace(CHUNK, f'{CHUNK}\n{study}'))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
     assert not list(tmp_path.glob("o/*.csv")) and re.search(message, capsys.readouterr().err)
 
 
 def test_a_point_is_not_done_by_rows_that_differ_in_an_optional_key():
-    """kv_dtype, prefill_overlap, prefill_layers and transport: a point without the key is done only by rows that
+    """kv_dtype, prefill_overlap, prefill_layers, prefill_sms and transport: a point without the key is done only by rows that
     leave it empty (a bf16 point not by its fp8 twin's rows, an in-process one not by HTTP rows)."""
     point = {"bench": "serving", "mode": "hisparse", "concurrency": 8}
     row = dict(point, gpu="g", metric="tokens_per_s", value=1.0)
-    for key, value in (("kv_dtype", "fp8"), ("prefill_overlap", True), ("prefill_layers", 1), ("transport", "http")):
+    for key, value in (("kv_dtype", "fp8"), ("prefill_overlap", True), ("prefill_layers", 1), ("prefill_sms", 64),
+                       ("transport", "http")):
         done = pd.DataFrame([dict(row, **{key: value})])
         assert not sweep.already_done(done, point, "g"), key
         assert sweep.already_done(done, dict(point, **{key: value}), "g"), key
