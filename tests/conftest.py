@@ -28,8 +28,10 @@ if WORKERS > 1:
 # The files that take longest in the interpreter, longest first: under --dist loadgroup a worker takes
 # one whole file at a time, so these start first (longest-first packing) rather than last, where
 # xdist's own order (most tests first) put them and the suite waited on the one worker running them.
-SLOW_FILES = ("test_benchmarks.py", "test_sweep.py", "test_engine_nsa.py", "test_engine_quest.py", "test_prefill.py",
-              "test_nsa.py", "test_dsa_fp8.py", "test_serving.py", "test_engine_dsa.py", "test_serving_staged.py")
+SLOW_FILES = ("test_benchmarks.py", "test_engine_nsa.py", "test_engine_quest.py", "test_nsa.py", "test_sweep.py",
+              "test_engine_dsa.py", "test_prefill.py", "test_serving.py", "test_dsa_fp8.py", "test_serving_hybrid.py",
+              "test_serving_overlap.py", "test_figures.py", "test_resolve.py", "test_notebooks.py",
+              "test_serving_staged.py")
 
 
 def pytest_configure(config):

@@ -68,6 +68,25 @@ def assert_lockstep(cache, layers) -> None:
                         f"stream {stream} slot {slot}: not its row of unit {unit}, which the anchor holds there"
 
 
+@contextlib.contextmanager
+def lockstep_after_every_step(model, engine):
+    """Inside the block, every decode step of `model` (as `engine` runs it) is followed by
+    `assert_lockstep` over that step's layers, so a shared layer that lags its anchor's eviction by a
+    step fails; yields a list that receives the decode state once it is checked."""
+    states, decode = [], model.decode
+
+    def decode_then_check(tokens, state):
+        logits = decode(tokens, state)
+        assert_lockstep(engine.cache, state.layers)
+        states[:] = [state]
+        return logits
+    model.decode = decode_then_check
+    try:
+        yield states
+    finally:
+        del model.decode                # the class's method again
+
+
 def assert_noio_wrote_only_shared_newest_units(cache, map_streams: dict[int, int]) -> None:
     """After a noio run of one decode step (later steps write anchors' newest units through too): no
     slot but the reserved one was filled, except in a shared layer's streams (`map_streams`: stream ->

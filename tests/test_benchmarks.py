@@ -1,7 +1,10 @@
-"""Every benchmark's --quick run (tiny shapes through the interpreter) works from a fresh process and
-writes its rows: the CSV columns the figures and the README read."""
+"""Every benchmark's --quick run (tiny shapes through the interpreter) writes its rows: the CSV columns
+the figures and the README read. The runs go through each module's `__main__` block, as `python -m`
+runs it, in this process (a fresh one spends seconds on imports); one runs in a fresh process, where
+the benchmarks package itself chooses Triton's interpreter."""
 import importlib
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -22,6 +25,10 @@ CASES = {   # benchmark -> (CSV it writes, metrics it must hold)
                                   "vs_noio_ceiling"}),
     "prefill": ("prefill.csv", {"prefill_s", "tokens_per_s", "peak_gib", "kv_gib", "roofline_frac"}),
 }
+# the quick runs' own options, to make them shorter still where a benchmark has them: the rows are the
+# same columns (prefill: one of the quick run's two contexts)
+QUICK_ARGS = {"prefill": ["--contexts", "40"]}
+FRESH = "attention_dsa"     # the quick run made in a fresh process (the shortest)
 
 
 def parser_exit(capsys, monkeypatch, module: str, *argv: str) -> tuple[int, str]:
@@ -36,30 +43,52 @@ def parser_exit(capsys, monkeypatch, module: str, *argv: str) -> tuple[int, str]
     return done.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_quick_run_writes_its_rows(name, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # kernels_triton chooses it itself
-    run = subprocess.run([sys.executable, "-m", f"benchmarks.bench_{name}", "--quick", "--out", str(tmp_path)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+def run_as_main(monkeypatch, module: str, *argv: str) -> None:
+    """`python -m module *argv` in this process: the module's code run afresh as `__main__`, with the
+    sys.argv `python -m` gives it (Triton's interpreter was chosen on the tests' first import, as
+    the benchmarks package chooses it in a fresh process: test_a_quick_run_works_from_a_fresh_process)."""
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    monkeypatch.delitem(sys.modules, module, raising=False)       # run, not re-imported (and no runpy warning)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def check_quick_rows(name, out: Path) -> pd.DataFrame:
     csv, metrics = CASES[name]
-    rows = pd.read_csv(tmp_path / csv)
+    rows = pd.read_csv(out / csv)
     assert metrics <= set(rows.metric), f"{name}: missing {metrics - set(rows.metric)}"
     assert rows.value.notna().any() and (rows.gpu == "cpu").all() and rows.commit.notna().all()
+    return rows
+
+
+# bench_prefetch's quick run is test_prefetch_variants_each_get_their_rows's (with two copy widths)
+@pytest.mark.parametrize("name", sorted(set(CASES) - {FRESH, "prefetch"}))
+def test_quick_run_writes_its_rows(name, tmp_path, monkeypatch):
+    run_as_main(monkeypatch, f"benchmarks.bench_{name}", "--quick", "--out", str(tmp_path), *QUICK_ARGS.get(name, []))
+    check_quick_rows(name, tmp_path)
+
+
+def test_a_quick_run_works_from_a_fresh_process(tmp_path):
+    """`python -m benchmarks.bench_NAME --quick` from a fresh process with no TRITON_INTERPRET set: the
+    benchmarks package imports kernels_triton first, which chooses the interpreter before anything
+    imports triton (every bench_NAME runs after that package import)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # kernels_triton chooses it itself
+    run = subprocess.run([sys.executable, "-m", f"benchmarks.bench_{FRESH}", "--quick", "--out", str(tmp_path)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    check_quick_rows(FRESH, tmp_path)
 
 
 @pytest.mark.parametrize("family,k,unit_bytes,workload", [("quest", 3, 2 * 16 * 16 * 4, "synthetic"),
-                                                         ("quest", 3, 2 * 16 * 16 * 4, "model"),
-                                                         ("nsa", 4, 2 * 64 * 16 * 4, "synthetic")])
-def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, family, k, unit_bytes, workload):
+                                                         ("nsa", 4, 2 * 64 * 16 * 4, "model")])
+def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, monkeypatch, family, k, unit_bytes,
+                                                                 workload):
     """--family quest / nsa: the four modes on a model whose layers share a selection (--quick: an anchor
     and one shared layer), replayed per KV head from the synthetic generator or made by the model itself;
-    rows name the family, its k, unit size and workload; the figures, drawn for DSA, leave them out."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--family", family,
-                          "--workload", workload, "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    rows name the family, its k, unit size and workload; the figures, drawn for DSA, leave them out. Each
+    family runs one workload (the workload's branch is the same for both; the quick NSA run takes half a
+    minute here)."""
+    run_as_main(monkeypatch, "benchmarks.bench_prefetch", "--quick", "--family", family, "--workload", workload,
+                "--out", str(tmp_path))
     rows = pd.read_csv(tmp_path / "prefetch.csv")
     assert (rows.family == family).all() and (rows.workload == ("model" if workload == "model" else "tiny")).all()
     assert (rows.k == k).all() and (rows.unit_bytes == unit_bytes).all()
@@ -71,14 +100,11 @@ def test_prefetch_on_quest_and_nsa_models_with_shared_selections(tmp_path, famil
 
 
 def test_prefetch_variants_each_get_their_rows(tmp_path, capsys, monkeypatch):
-    """Several copy widths in one run (each passed as the Engine's prefetch_programs): one prefetch run
-    (and hidden share) per width, on the side stream's one priority."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_prefetch", "--quick", "--out", str(tmp_path),
-                          "--prefetch-programs", "8", "32"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = pd.read_csv(tmp_path / "prefetch.csv")
+    """The quick run (DSA), with several copy widths (each passed as the Engine's prefetch_programs):
+    its rows, and one prefetch run (and hidden share) per width, on the side stream's one priority."""
+    run_as_main(monkeypatch, "benchmarks.bench_prefetch", "--quick", "--out", str(tmp_path),
+                "--prefetch-programs", "8", "32")
+    rows = check_quick_rows("prefetch", tmp_path)
     hidden = rows[rows.metric == "hidden_frac"]
     assert sorted(zip(hidden.prefetch_programs, hidden.prefetch_priority)) == [(8, "normal"), (32, "normal")]
     from hisparse.resolve import copy_tile  # each prefetch row records its copy's tile
@@ -106,13 +132,10 @@ def test_prefetch_variants_each_get_their_rows(tmp_path, capsys, monkeypatch):
     assert code == 2 and "unrecognized arguments: --prefetch-priority high" in err
 
 
-def test_resolve_decode_like_points_keep_their_miss_rates(tmp_path):
+def test_resolve_decode_like_points_keep_their_miss_rates(tmp_path, monkeypatch):
     """--decode-like: layers' streams taking turns in one state, units spread over a longer context;
     the workload's exact miss rate holds at every point."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.bench_resolve", "--quick", "--decode-like",
-                          "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_as_main(monkeypatch, "benchmarks.bench_resolve", "--quick", "--decode-like", "--out", str(tmp_path))
     rows = pd.read_csv(tmp_path / "resolve_layers.csv")
     assert sorted(set(zip(rows.layers, rows.context))) == [(1, 48), (1, 60), (1, 256), (3, 256)]
     misses = rows[rows.metric == "miss_rate"]
@@ -235,27 +258,14 @@ def test_fp8_attention_rows_are_summarised_apart_from_bf16_ones():
         "attention dsa fp8 gluon: roofline_frac at batch >= 32 min 0.27 median 0.27 (goal >= 0.50, bar >= 0.41)"]
 
 
-def test_gpu_suite_runs_a_sweep_into_its_out_folder(tmp_path):
-    """benchmarks/gpu_suite.sh with SWEEP_ARGS runs the sweep into $OUT/sweep (here the default config's
-    policy study, on the CPU: no tests, no benchmarks) and logs it."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TESTS="none", HOST_GROW_GIB="0", SWEEP_ARGS="--kind policies", OUT=str(tmp_path),
-               PYTHON=sys.executable)       # this interpreter: an unactivated virtualenv is not on PATH
-    done = subprocess.run(["bash", "benchmarks/gpu_suite.sh", "none"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = pd.read_csv(tmp_path / "sweep" / "policies.csv")
-    assert len(rows) > 0 and "policies" in set(rows["bench"])
-    assert "== experiments.sweep --kind policies --out" in (tmp_path / "gpu_log.txt").read_text()
-
-
 def test_gpu_suite_draws_a_serving_sweeps_selections_before_the_sweep(tmp_path):
-    """SWEEP_ARGS with --draw-cache: the draws are made by a --draw-only sweep started beside the tests
-    (here none), so the sweep itself draws nothing; its rows land in $OUT/sweep."""
+    """benchmarks/gpu_suite.sh with SWEEP_ARGS runs the sweep into $OUT/sweep and logs it (here a tiny
+    serving study, on the CPU: no tests, no benchmarks). With --draw-cache among them the draws are
+    made by a --draw-only sweep started beside the tests, so the sweep itself draws nothing."""
     root = Path(__file__).resolve().parents[1]
     config = tmp_path / "serving.toml"
     config.write_text('[[study]]\nkind = "serving"\nmodel = "tiny:deepseek_v32"\nlayers = 1\nmodes = ["hisparse"]\n'
-                      'cache_slots = 16\ninput_len = 60\noutput_len = 3\nconcurrency = [1]\n'
+                      'cache_slots = 16\ninput_len = 24\noutput_len = 3\nconcurrency = [1]\n'
                       'requests_per_client = 1\nkv_budget_gib = 0.000035\nprefill_chunk = 32\nworkload = "tiny"\n')
     env = dict(os.environ, TESTS="none", HOST_GROW_GIB="0", OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                SWEEP_ARGS=f"--config {config} --draw-cache {tmp_path / 'draws'}")
@@ -263,9 +273,11 @@ def test_gpu_suite_draws_a_serving_sweeps_selections_before_the_sweep(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     log = (tmp_path / "out" / "gpu_log.txt").read_text()
+    assert f"== experiments.sweep --config {config} --draw-cache {tmp_path / 'draws'} --out" in log
     assert "draws of 1 requests" in log and "drawing" not in log.split("== experiments.sweep")[1]
     assert len(list((tmp_path / "draws").glob("*.npy"))) == 1
-    assert (tmp_path / "out" / "sweep" / "serving.csv").exists()
+    rows = pd.read_csv(tmp_path / "out" / "sweep" / "serving.csv")
+    assert len(rows) > 0 and set(rows["bench"]) == {"serving"}
 
 
 def test_gpu_suite_says_when_it_has_no_ncu_and_fails(tmp_path):

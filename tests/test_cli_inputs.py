@@ -20,9 +20,10 @@ def test_summary_prints_each_attention_family_from_its_own_latest_run(capsys):
         assert f"attention {family}: speed-up over torch_gather" in out, family
 
 
-def test_count_step_ops_counts_the_last_of_n_decode_steps_and_refuses_none():
+def test_count_step_ops_counts_the_last_of_n_decode_steps_and_refuses_none(tmp_path):
     """A subprocess with no GPU visible (the tool counts the interpreter's launches, which
-    kernels_triton chooses on import where no GPU is visible)."""
+    kernels_triton chooses on import where no GPU is visible); its temporary checkpoint goes under
+    this test's folder (TMPDIR), not /tmp."""
     script = """
 from experiments.tools import count_step_ops as c
 entered, enter = [], c.StepCounter.__enter__
@@ -34,7 +35,7 @@ except SystemExit as exc:
 c.main(["--steps", "1"])
 print("decode steps", len(entered))
 """
-    env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+    env = os.environ | {"CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -3,7 +3,6 @@ streams, as many as the GPU budget allows, the others hierarchical; one decode s
 the resident run's (tiny checkpoints, the Triton interpreter on a CPU). The throughput study's batch
 rule (`experiments.sweep.hybrid_batch`) is checked here too."""
 import functools
-import tempfile
 import textwrap
 import types
 
@@ -25,10 +24,15 @@ SLOTS = 8                         # B = k: the hierarchical requests evict heavi
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@functools.cache
-def tiny_model(family: str):
-    path = write_tiny_checkpoint(family, tempfile.mkdtemp(prefix=family), seed=3)
-    return load_model(path, dtype=torch.float32, device=DEVICE)
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """tiny_model(family): the family's tiny checkpoint (seed 3) written under pytest's temporary
+    folder and loaded, once per module."""
+    @functools.cache
+    def load(family: str):
+        path = write_tiny_checkpoint(family, tmp_path_factory.mktemp(family), seed=3)
+        return load_model(path, dtype=torch.float32, device=DEVICE)
+    return load
 
 
 def prompts(seed=0, vocab=97):
@@ -36,9 +40,13 @@ def prompts(seed=0, vocab=97):
     return [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
 
 
-@functools.cache
-def resident_run(family: str, graph: bool = False):
-    return Engine(tiny_model(family), "resident", prefill="reference").generate(prompts(), NEW_TOKENS, graph=graph)
+@pytest.fixture(scope="module")
+def resident_run(tiny_model):
+    """resident_run(family, graph=False): the all-resident run every hybrid run is compared against."""
+    @functools.cache
+    def run(family: str, graph: bool = False):
+        return Engine(tiny_model(family), "resident", prefill="reference").generate(prompts(), NEW_TOKENS, graph=graph)
+    return run
 
 
 def budget_for(model, resident: int, capacity: int = max(PROMPT_LENGTHS) + NEW_TOKENS) -> float:
@@ -60,7 +68,8 @@ def counting_resolves(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("family,resident", [("deepseek_v32", 1), ("glm_moe_dsa", 2)], ids=["dsv32-1of3", "glm-2of3"])
-def test_hybrid_mixes_resident_and_hierarchical_requests_bitwise_as_resident(family, resident, monkeypatch):
+def test_hybrid_mixes_resident_and_hierarchical_requests_bitwise_as_resident(tiny_model, resident_run, family, resident,
+                                                                              monkeypatch):
     """A budget for `resident` resident requests: the first that many are resident (their streams -1
     in every resolve), the others resolve and miss; tokens and logits are bitwise resident's
     (glm_moe_dsa: a shared layer replays its anchor's plan); the bytes held are the placement's."""
@@ -77,7 +86,7 @@ def test_hybrid_mixes_resident_and_hierarchical_requests_bitwise_as_resident(fam
     assert held == engine.runtime.hybrid_bytes(resident, 3 - resident, capacity, SLOTS) <= engine.kv_budget
 
 
-def test_an_all_resident_batch_takes_the_resident_step(monkeypatch):
+def test_an_all_resident_batch_takes_the_resident_step(tiny_model, resident_run, monkeypatch):
     """A budget every request fits resident in: no stream with cache state, no resolve, every step the
     all-resident one, bitwise resident's, within resident's bytes and one stream's rounding."""
     model = tiny_model("deepseek_v32")
@@ -94,7 +103,7 @@ def test_an_all_resident_batch_takes_the_resident_step(monkeypatch):
         < resident.kv_bytes_per_request * 3 + (SLOTS + 1) * row + 4
 
 
-def test_no_resident_request_is_hisparse():
+def test_no_resident_request_is_hisparse(tiny_model, resident_run):
     """A budget of hisparse's bytes alone: every request hierarchical, the hisparse step (no resident
     mask), with hisparse's hits and misses."""
     model = tiny_model("deepseek_v32")
@@ -106,7 +115,7 @@ def test_no_resident_request_is_hisparse():
     assert_bitwise(resident_run("deepseek_v32"), out, "none resident")
 
 
-def test_the_placement_never_exceeds_the_budget():
+def test_the_placement_never_exceeds_the_budget(tiny_model):
     """Over budgets at each edge from hisparse's bytes to past every request resident: the most resident requests
     whose bytes fit (one more would not), never fewer as the budget grows; each run holds exactly
     those bytes (measured), within the budget. Below hisparse's bytes: a clear error before any launch."""
@@ -134,7 +143,7 @@ def test_the_placement_never_exceeds_the_budget():
         del model.prefill
 
 
-def test_bad_hybrid_arguments_are_refused():
+def test_bad_hybrid_arguments_are_refused(tiny_model):
     model = tiny_model("deepseek_v32")
     with pytest.raises(ValueError, match="mode 'hybrid' needs kv_budget_gib"):
         Engine(model, "hybrid", cache_slots=SLOTS)
@@ -204,7 +213,7 @@ def test_the_throughput_batch_rule(context, budget, expect):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("resident", [1, 3], ids=["mixed", "all-resident"])
-def test_hybrid_graphed_is_bitwise_resident_graphed(resident):
+def test_hybrid_graphed_is_bitwise_resident_graphed(tiny_model, resident_run, resident):
     """The graphed twin: one captured step over resident and hierarchical requests (or the all-resident
     step), bitwise resident's graphed run."""
     model = tiny_model("glm_moe_dsa")
@@ -214,7 +223,7 @@ def test_hybrid_graphed_is_bitwise_resident_graphed(resident):
     assert_bitwise(resident_run("glm_moe_dsa", graph=True), out, f"graphed, {resident} of 3 resident")
 
 
-def test_a_hybrid_throughput_study_writes_its_rows_and_resident_requests(tmp_path, capsys):
+def test_a_hybrid_throughput_study_writes_its_rows_and_resident_requests(tiny_model, tmp_path, capsys):
     """The sweep's throughput kind with mode hybrid: rows like the other modes' plus resident_requests,
     the batch the larger of resident's and hisparse's (a budget for 2 of 4 resident: hisparse fits 4 at
     most, max_batch); a Quest model's hybrid study is refused."""

@@ -8,7 +8,9 @@ leaves a real choice besides the forced blocks (0 and the two newest), so blocks
 fetched again at B = k; it opens a block at position 512, at the 5th decode step (so within the
 shared-selection runs' steps too, with steps after it). The short one (31 tokens) starts with no
 compressed block and one selection block (the selection is padded with -1) and completes its first
-compressed blocks (at 32 and 48 tokens, the first and the last of the 17 decode steps).
+compressed block (at 32 tokens, the first of the 9 decode steps; compressing each newest block as
+the tokens come is tests/test_nsa.py's test_compress_newest_from_ring_matches_full_compression, over
+three of them).
 
 The prompt's KV comes from the eager reference prefill (prefill="reference"; random KV in
 test_random_prefill_runs): the subject here is the decode loop, and the prefill is one for every
@@ -17,14 +19,12 @@ run and most of this file's time (some 30x the reference's at 508 tokens). The k
 checked against the reference, selection groups included, and with hisparse decoding after it, in
 tests/test_prefill.py."""
 import functools
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 from engine_checks import (
     assert_bitwise,
-    assert_lockstep,
     assert_newest_units_written_through,
     assert_noio_wrote_only_shared_newest_units,
     assert_prefetch_in_line,
@@ -33,6 +33,7 @@ from engine_checks import (
     check_hisparse_against_resident_on_gpu,
     check_shared_selections_on_gpu,
     check_traces_replay_exactly,
+    lockstep_after_every_step,
     prefetch_settings,
 )
 
@@ -50,17 +51,22 @@ from hisparse.traces import Trace
 PROMPT_LENGTHS = (508, 31)
 N_SELECT = 4                     # k: selection blocks per KV head and step
 TINY = {"num_hidden_layers": 1, "num_selected_blocks": N_SELECT, "sliding_window": 64}
-STEPS = 18                       # new tokens: the prefill's token, then 17 decode steps (to 48 + 1 tokens)
+STEPS = 10                       # new tokens: the prefill's token, then 9 decode steps (to 517 and 40 tokens)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PREFILL = "reference"            # every run's prefill (the module docstring)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@functools.cache
-def tiny_model(**overrides):
-    path = write_tiny_checkpoint("nsa", tempfile.mkdtemp(prefix="nsa"), seed=3, **dict(TINY, **overrides))
-    return load_model(path, dtype=torch.float32, device=DEVICE)
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """tiny_model(**overrides): the tiny NSA checkpoint (TINY, keys overridable), written under pytest's
+    temporary folder and loaded once per module."""
+    @functools.cache
+    def load(**overrides):
+        path = write_tiny_checkpoint("nsa", tmp_path_factory.mktemp("nsa"), seed=3, **dict(TINY, **overrides))
+        return load_model(path, dtype=torch.float32, device=DEVICE)
+    return load
 
 
 def prompts(seed=0, vocab=97):
@@ -68,19 +74,26 @@ def prompts(seed=0, vocab=97):
     return [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
 
 
-@functools.cache
-def resident_run():
+@pytest.fixture(scope="module")
+def resident_run(tiny_model):
     return Engine(tiny_model(), "resident", prefill=PREFILL).generate(prompts(), STEPS)
 
 
-@pytest.mark.parametrize("slots_per_k", [1, 2], ids=["B=k", "B=2k"])
-def test_hisparse_is_bitwise_resident(slots_per_k):
-    engine = Engine(tiny_model(), "hisparse", cache_slots=slots_per_k * N_SELECT, prefill=PREFILL)
+def test_hisparse_is_bitwise_resident(tiny_model, resident_run):
+    """B = k over the 9 decode steps (blocks evicted and fetched again); B = 2k over 2 (slots past k,
+    the reserved slot after them, hits on the second step): the LRU at B = 2k over many steps is the
+    resolve's, the same for every family (tests/test_resolve.py, the DSA and Quest engine tests)."""
+    model = tiny_model()
+    engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefill=PREFILL)
     out = engine.generate(prompts(), STEPS)
-    assert_unit_run(engine, resident_run(), out, PROMPT_LENGTHS, STEPS, SEL_BLOCK, heavy_eviction=slots_per_k == 1)
+    assert_unit_run(engine, resident_run, out, PROMPT_LENGTHS, STEPS, SEL_BLOCK, heavy_eviction=True)
+    wide = Engine(model, "hisparse", cache_slots=2 * N_SELECT, prefill=PREFILL)
+    out = wide.generate(prompts(), 3)
+    base = Engine(model, "resident", prefill=PREFILL).generate(prompts(), 3)
+    assert_unit_run(wide, base, out, PROMPT_LENGTHS, 3, SEL_BLOCK, heavy_eviction=False)
 
 
-def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident():
+def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident(tiny_model):
     model = tiny_model()
     noio = Engine(model, "noio", cache_slots=N_SELECT, prefill=PREFILL)
     out = noio.generate(prompts(), new_tokens=2)           # one decode step: the same selection
@@ -102,9 +115,9 @@ def test_noio_resolves_the_same_but_copies_nothing_and_the_rest_stays_resident()
     assert out.kv_bytes_per_request < resident_bytes
 
 
-def test_kernel_step_agrees_with_the_torch_nsa_step(monkeypatch):
+def test_kernel_step_agrees_with_the_torch_nsa_step(tiny_model, resident_run, monkeypatch):
     """The kernels' decode step against the model's torch NSA step (hisparse.nsa.reference)."""
-    model, ours = tiny_model(), resident_run()
+    model, ours = tiny_model(), resident_run
     steps = 8
     monkeypatch.setattr(model, "sparse_attention", TorchNsaAttention(model.config))    # restored after the test
     capacity = max(PROMPT_LENGTHS) + STEPS                 # the engine's: the same selection blocks
@@ -121,11 +134,13 @@ def shared_to_anchor(model) -> dict[int, int]:
     return {per_layer + j: j for j in range(per_layer)}
 
 
-def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
+def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor(tiny_model, monkeypatch):
     """selection_group 2 over 2 layers: layer 1 attends over layer 0's blocks (with its own compressed
     and window branches) and replays layer 0's miss plan, in line and through the prefetch path (in
     line too on a CPU, so there only briefly); bitwise the resident run; the shared streams do no
-    resolve work."""
+    resolve work. In line at B = k (slots reused: blocks fetched again), after every step each slot of
+    layer 1's streams holds its own row of the block layer 0's slot holds; and the kernels' shared
+    step agrees with the torch reference's."""
     model = tiny_model(num_hidden_layers=2, selection_group=2)
     base = Engine(model, "resident", prefill=PREFILL).generate(prompts(), SHARED_STEPS)
     own = Engine(tiny_model(num_hidden_layers=2), "resident", prefill=PREFILL).generate(prompts(), 1)  # prefill logits
@@ -133,7 +148,16 @@ def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
     heads = model.config.num_key_value_heads
     for prefetch in prefetch_settings(DEVICE):
         engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=prefetch, prefill=PREFILL)
-        out = engine.generate(prompts(), SHARED_STEPS)
+        if prefetch:
+            out = engine.generate(prompts(), SHARED_STEPS)
+        else:
+            with lockstep_after_every_step(model, engine) as checked:
+                out = in_line = engine.generate(prompts(), SHARED_STEPS)
+            [state] = checked
+            assert (state.layers[1].anchor_layer, state.layers[0].anchor_layer) == (0, None)
+            anchor_streams = state.layers[0].streams.view(-1).long()
+            blocks = sum(engine.cache.stream_len[s] for s in anchor_streams.tolist())
+            assert int(engine.cache.stats[anchor_streams, 1].sum()) > blocks, "slots were reused: blocks fetched again"
         assert_bitwise(base, out, f"prefetch={prefetch}")
         assert_newest_units_written_through(engine.cache, shared_to_anchor(model))
         per_layer = engine.cache.stats.cpu().view(2, len(PROMPT_LENGTHS), heads, 2)
@@ -142,38 +166,12 @@ def test_shared_selection_is_bitwise_resident_in_lockstep_with_the_anchor():
     if DEVICE == "cpu":
         assert_prefetch_in_line(Engine(model, "hisparse", cache_slots=N_SELECT, prefetch=True, prefill=PREFILL),
                                 Engine(model, "resident", prefill=PREFILL), prompts())
+    monkeypatch.setattr(model, "sparse_attention", TorchNsaAttention(model.config))    # restored after the test
+    capacity = max(PROMPT_LENGTHS) + SHARED_STEPS            # the engine's
+    assert_torch_steps_agree(model, in_line, prompts(), capacity, SHARED_STEPS, DEVICE, fast=False)
 
 
-def test_shared_selection_in_lockstep_after_every_step_and_agrees_with_the_torch_step(monkeypatch):
-    """B = k (slots reused): after each step, every slot of layer 1's streams holds its own row of the
-    block layer 0's slot holds; and the kernels' shared step agrees with the torch reference's."""
-    model = tiny_model(num_hidden_layers=2, selection_group=2)
-    engine = Engine(model, "hisparse", cache_slots=N_SELECT, prefill=PREFILL)
-    steps = 10
-    capacity = max(PROMPT_LENGTHS) + steps
-    engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, N_SELECT)
-    state, first = engine._prefill(prompts(), capacity)
-    assert (state.layers[1].anchor_layer, state.layers[0].anchor_layer) == (0, None)
-    monkeypatch.setattr(model, "sparse_attention",
-                        engine.runtime.attention("hisparse", state.layers, check_values=True, prefetch=False))
-    tokens, logits = first.argmax(-1), [first.float().cpu()]
-    generated = [tokens]
-    for t in range(1, steps):
-        engine.runtime.advance_streams(engine.cache, state.layers, [n + t - 1 for n in PROMPT_LENGTHS])
-        step_logits = model.decode(tokens, state)
-        tokens = step_logits.argmax(-1)
-        logits.append(step_logits.float().cpu())
-        generated.append(tokens)
-        assert_lockstep(engine.cache, state.layers)
-    anchor_streams = state.layers[0].streams.view(-1).long()
-    blocks = sum(engine.cache.stream_len[s] for s in anchor_streams.tolist())
-    assert int(engine.cache.stats[anchor_streams, 1].sum()) > blocks, "slots were reused: blocks fetched again"
-    ours = type("Run", (), dict(tokens=torch.stack(generated, 1).cpu(), logits=logits))
-    monkeypatch.setattr(model, "sparse_attention", TorchNsaAttention(model.config))
-    assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE, fast=False)
-
-
-def test_shared_selection_noio_copies_nothing():
+def test_shared_selection_noio_copies_nothing(tiny_model):
     model = tiny_model(num_hidden_layers=2, selection_group=2)
     noio = Engine(model, "noio", cache_slots=N_SELECT, prefill=PREFILL)
     out = noio.generate(prompts(), new_tokens=2)
@@ -182,12 +180,12 @@ def test_shared_selection_noio_copies_nothing():
     assert_noio_wrote_only_shared_newest_units(noio.cache, shared_to_anchor(model))
 
 
-def test_random_prefill_runs():
+def test_random_prefill_runs(tiny_model):
     out = Engine(tiny_model(), "hisparse", cache_slots=N_SELECT, prefill="random").generate(prompts(), 3)
     assert out.tokens.shape == (2, 3) and out.misses > 0
 
 
-def test_bad_inputs_are_refused_before_anything_is_built():
+def test_bad_inputs_are_refused_before_anything_is_built(tiny_model):
     model = tiny_model()
     with pytest.raises(ValueError, match=rf"cache_slots B={N_SELECT - 1} is smaller than the selection size "
                                          rf"k={N_SELECT} \(num_selected_blocks\)"):
@@ -218,7 +216,7 @@ def test_bad_inputs_are_refused_before_anything_is_built():
         tiny_model(selection_group=0)
 
 
-def test_traces_record_and_replay_per_kv_head(tmp_path):
+def test_traces_record_and_replay_per_kv_head(tiny_model, tmp_path):
     """NSA selections recorded per (request, layer, KV head) replay bitwise; a synthetic trace drives
     hisparse as it drives resident, with the LRU simulator's misses (two 450-token prompts, B = k)."""
     model, heads = tiny_model(), tiny_model().config.num_key_value_heads

@@ -7,13 +7,11 @@ heads, so 2 streams per request. A 48-token budget selects K = 3 pages per KV he
 evicted and fetched again (at B = k more fetches than pages: 21 of 18 for llama), a page opens at
 the first step, and the short request selects fewer than K pages for a while (padding, to step 11)."""
 import functools
-import tempfile
 
 import pytest
 import torch
 from engine_checks import (
     assert_bitwise,
-    assert_lockstep,
     assert_newest_units_written_through,
     assert_noio_wrote_only_shared_newest_units,
     assert_prefetch_in_line,
@@ -22,6 +20,7 @@ from engine_checks import (
     check_hisparse_against_resident_on_gpu,
     check_shared_selections_on_gpu,
     check_traces_replay_exactly,
+    lockstep_after_every_step,
     prefetch_settings,
 )
 
@@ -43,10 +42,15 @@ STEPS = 25                       # new tokens: the prefill's token, then 24 deco
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@functools.cache
-def tiny_model(family: str):
-    path = write_tiny_checkpoint(family, tempfile.mkdtemp(prefix=family), seed=3)
-    return load_model(path, dtype=torch.float32, device=DEVICE)
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """tiny_model(family, **overrides): a tiny checkpoint (seed 3, config keys overridable) written
+    under pytest's temporary folder and loaded, once per module and arguments."""
+    @functools.cache
+    def load(family: str, **overrides):
+        path = write_tiny_checkpoint(family, tmp_path_factory.mktemp(family), seed=3, **overrides)
+        return load_model(path, dtype=torch.float32, device=DEVICE)
+    return load
 
 
 def prompts(seed=0, vocab=97):
@@ -54,21 +58,32 @@ def prompts(seed=0, vocab=97):
     return [torch.randint(0, vocab, (n,), generator=gen) for n in PROMPT_LENGTHS]
 
 
-@functools.cache
-def resident_run(family: str):
-    return Engine(tiny_model(family), "resident", token_budget=BUDGET).generate(prompts(), STEPS)
+# llama and qwen3 differ in their projections alone (qwen3 normalises q and k; checked against
+# transformers in tests/test_models.py): the cache and the kernels take the same path in both, so each
+# family runs one B, and both B run. At B = 2k (6 slots) no page is evicted, over 24 steps (the pages
+# reach 6 and 3) as over 12: it runs 12, to 76 and 33 tokens (the short request pads to step 11 and
+# opens a page at step 12)
+RUNS = {"llama": (1, STEPS), "qwen3": (2, 13)}          # family: (B / k, new tokens)
 
 
-@pytest.mark.parametrize("slots_per_k", [1, 2], ids=["B=k", "B=2k"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_hisparse_is_bitwise_resident(family, slots_per_k):
-    model, base = tiny_model(family), resident_run(family)
+@pytest.fixture(scope="module")
+def resident_run(tiny_model):
+    """resident_run(family): the family's resident run of its RUNS new tokens, once per module."""
+    @functools.cache
+    def run(family: str):
+        return Engine(tiny_model(family), "resident", token_budget=BUDGET).generate(prompts(), RUNS[family][1])
+    return run
+
+
+@pytest.mark.parametrize("family", list(RUNS), ids=["llama-B=k", "qwen3-B=2k"])
+def test_hisparse_is_bitwise_resident(tiny_model, resident_run, family):
+    (slots_per_k, steps), model, base = RUNS[family], tiny_model(family), resident_run(family)
     engine = Engine(model, "hisparse", cache_slots=slots_per_k * K, token_budget=BUDGET)
-    out = engine.generate(prompts(), STEPS)
-    assert_unit_run(engine, base, out, PROMPT_LENGTHS, STEPS, PAGE, heavy_eviction=slots_per_k == 1)
+    out = engine.generate(prompts(), steps)
+    assert_unit_run(engine, base, out, PROMPT_LENGTHS, steps, PAGE, heavy_eviction=slots_per_k == 1)
 
 
-def test_dense_layers_stay_resident_and_noio_copies_nothing():
+def test_dense_layers_stay_resident_and_noio_copies_nothing(tiny_model):
     model = tiny_model("llama")
     noio = Engine(model, "noio", cache_slots=K, token_budget=BUDGET)
     out = noio.generate(prompts(), new_tokens=2)           # one decode step: the same selection
@@ -89,7 +104,7 @@ def test_dense_layers_stay_resident_and_noio_copies_nothing():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_kernel_step_agrees_with_the_torch_quest_step(family, monkeypatch):
+def test_kernel_step_agrees_with_the_torch_quest_step(tiny_model, resident_run, family, monkeypatch):
     """The kernels' decode step against the model's torch Quest step (hisparse.quest.reference)."""
     model, ours = tiny_model(family), resident_run(family)
     steps = 8
@@ -98,13 +113,13 @@ def test_kernel_step_agrees_with_the_torch_quest_step(family, monkeypatch):
     assert_torch_steps_agree(model, ours, prompts(), capacity, steps, DEVICE)
 
 
-def test_random_prefill_runs():
+def test_random_prefill_runs(tiny_model):
     out = Engine(tiny_model("qwen3"), "hisparse", cache_slots=K, token_budget=BUDGET,
                  prefill="random").generate(prompts(), new_tokens=3)
     assert out.tokens.shape == (2, 3) and out.misses > 0
 
 
-def test_bad_inputs_are_refused():
+def test_bad_inputs_are_refused(tiny_model):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=rf"cache_slots B={K - 1} is smaller than the selection size k={K} "
                                          r"\(token_budget // 16 pages\)"):
@@ -128,20 +143,18 @@ def test_bad_inputs_are_refused():
         engine.generate([torch.arange(64) % 97] * 2, 3, replay=split_kv_heads(paged_in_blocks, 2))
     assert engine.cache is None
     with pytest.raises(ValueError, match="token_budget applies to Quest models"):
-        Engine(tiny_model_dsa(), "resident", token_budget=BUDGET)
-    dense = load_model(write_tiny_checkpoint("llama", tempfile.mkdtemp(), num_hidden_layers=2),
-                       dtype=torch.float32, device=DEVICE)
+        Engine(tiny_model("deepseek_v32"), "resident", token_budget=BUDGET)
+    dense = tiny_model("llama", num_hidden_layers=2)
     with pytest.raises(ValueError, match="no Quest layer"):
         Engine(dense, "hisparse", cache_slots=K, token_budget=BUDGET).generate(prompts(), 2)
 
 
-@functools.cache
-def shared_model(group: int = 2):
-    """5 layers: two dense, then Quest layers 2 and 3 attending over layer 2's selection, and layer 4
-    alone (quest_selection_group 2); the same weights as group 1, where each selects its own."""
-    path = write_tiny_checkpoint("llama", tempfile.mkdtemp(prefix="quest-shared"), seed=3, num_hidden_layers=5,
-                                 quest_selection_group=group)
-    return load_model(path, dtype=torch.float32, device=DEVICE)
+@pytest.fixture(scope="module")
+def shared_model(tiny_model):
+    """shared_model(group=2): 5 layers: two dense, then Quest layers 2 and 3 attending over layer 2's
+    selection, and layer 4 alone (quest_selection_group 2); the same weights as group 1, where each
+    selects its own."""
+    return lambda group=2: tiny_model("llama", num_hidden_layers=5, quest_selection_group=group)
 
 
 def shared_to_anchor(model) -> dict[int, int]:
@@ -151,12 +164,14 @@ def shared_to_anchor(model) -> dict[int, int]:
     return {per_layer + j: j for j in range(per_layer)}
 
 
-def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
+def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor(shared_model):
     """quest_selection_group 2: layer 3 attends over layer 2's pages with no resolve of its own,
     replaying layer 2's miss plan (in line, and through the prefetch path, which on a CPU is in line
     too, so there only briefly); bitwise the resident run, the shared layer's slots in lockstep with its anchor's.
     17 decode steps: the long prompt opens a page at the first and at the last (positions 64 and 80), the
-    short one selects fewer than K pages (padding) to step 11 and opens a page at step 12 (position 32)."""
+    short one selects fewer than K pages (padding) to step 11 and opens a page at step 12 (position 32).
+    In line, the lockstep is checked after every step, B = k: victim slots are reused (more misses than
+    pages), so a shared layer's copies must follow every eviction of its anchor's."""
     model, new_tokens = shared_model(), 18
     assert [model.config.selection_anchor(i) for i in range(5)] == [0, 1, 2, 2, 4]
     base = Engine(model, "resident", token_budget=BUDGET).generate(prompts(), new_tokens)
@@ -165,7 +180,14 @@ def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
     heads = model.config.num_key_value_heads
     for prefetch in prefetch_settings(DEVICE):
         engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET, prefetch=prefetch)
-        out = engine.generate(prompts(), new_tokens)
+        if prefetch:
+            out = engine.generate(prompts(), new_tokens)
+        else:
+            with lockstep_after_every_step(model, engine) as checked:
+                out = engine.generate(prompts(), new_tokens)
+            anchor_streams = checked[0].layers[2].streams.view(-1).long()
+            pages = sum(engine.cache.stream_len[s] for s in anchor_streams.tolist())
+            assert int(engine.cache.stats[anchor_streams, 1].sum()) > pages, "slots were reused: pages fetched again"
         assert_bitwise(base, out, f"prefetch={prefetch}")
         assert_newest_units_written_through(engine.cache, shared_to_anchor(model))
         # the shared layer's streams do no resolve work, and count their anchor's hits and misses
@@ -185,29 +207,7 @@ def test_shared_selections_are_bitwise_resident_in_lockstep_with_the_anchor():
     assert state.layers[3].kmin is None and state.layers[2].kmin is not None, "a shared layer keeps no bounds"
 
 
-def test_shared_selections_in_lockstep_after_every_step():
-    """The lockstep invariant checked after each of several steps, B = k: victim slots are reused
-    (more misses than pages), so a shared layer's copies must follow every eviction of its anchor's."""
-    model = shared_model()
-    engine = Engine(model, "hisparse", cache_slots=K, token_budget=BUDGET)
-    capacity = max(PROMPT_LENGTHS) + 12
-    engine.cache = engine.runtime.new_cache(len(PROMPT_LENGTHS), capacity, K)
-    state, first = engine._prefill(prompts(), capacity)
-    model.sparse_attention = engine.runtime.attention("hisparse", state.layers, check_values=True, prefetch=False)
-    try:
-        tokens = first.argmax(-1)
-        for t in range(1, 12):
-            engine.runtime.advance_streams(engine.cache, state.layers, [n + t - 1 for n in PROMPT_LENGTHS])
-            tokens = model.decode(tokens, state).argmax(-1)
-            assert_lockstep(engine.cache, state.layers)
-        anchor_streams = state.layers[2].streams.view(-1).long()
-        pages = sum(engine.cache.stream_len[s] for s in anchor_streams.tolist())
-        assert int(engine.cache.stats[anchor_streams, 1].sum()) > pages, "slots were reused: pages fetched again"
-    finally:
-        model.sparse_attention = TorchQuestAttention(BUDGET)
-
-
-def test_shared_selections_noio_copies_nothing():
+def test_shared_selections_noio_copies_nothing(shared_model):
     model = shared_model()
     noio = Engine(model, "noio", cache_slots=K, token_budget=BUDGET)
     out = noio.generate(prompts(), new_tokens=2)
@@ -216,17 +216,12 @@ def test_shared_selections_noio_copies_nothing():
     assert_noio_wrote_only_shared_newest_units(noio.cache, shared_to_anchor(model))
 
 
-def test_bad_selection_group_is_refused():
+def test_bad_selection_group_is_refused(tmp_path):
     with pytest.raises(ValueError, match="config quest_selection_group must be a positive int, found 0"):
-        write_tiny_checkpoint("llama", tempfile.mkdtemp(), quest_selection_group=0)
+        write_tiny_checkpoint("llama", tmp_path, quest_selection_group=0)
 
 
-def tiny_model_dsa():
-    path = write_tiny_checkpoint("deepseek_v32", tempfile.mkdtemp(prefix="dsa"), seed=3)
-    return load_model(path, dtype=torch.float32, device=DEVICE)
-
-
-def test_traces_record_and_replay_per_kv_head(tmp_path):
+def test_traces_record_and_replay_per_kv_head(tiny_model, tmp_path):
     """Quest selections recorded per (request, layer, KV head) replay bitwise (the dense layers'
     rows are -1); a synthetic trace drives hisparse as it drives resident, with the LRU simulator's
     misses (two 64-token prompts, B = k)."""

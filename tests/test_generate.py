@@ -242,13 +242,16 @@ def test_quest_tokens_equal_the_engine_with_a_token_budget(tiny_llama, capsys):
 
 
 def test_nsa_tokens_equal_the_engine(tiny_nsa, capsys):
+    """The eager prefill (--prefill reference): NSA's kernel prefill, half of each run in the interpreter
+    here, is tests/test_prefill.py's, and the command passes --prefill on as the other families' tests
+    check."""
     rc, out, err = cli(capsys, "--model", tiny_nsa, "--prompt-lens", "330,20", "--new-tokens", "3",
-                       "--show-tokens", "330", "--mode", "hisparse", "--cache-slots", "4")
+                       "--show-tokens", "330", "--mode", "hisparse", "--cache-slots", "4", "--prefill", "reference")
     assert rc == 0, err
     printed = requests(out)
     model = load_model(tiny_nsa, dtype=torch.float32, device=DEVICE)
-    want = Engine(model, "hisparse", cache_slots=4).generate([p for p, _ in printed], new_tokens=3,
-                                                              keep_logits=False)
+    want = Engine(model, "hisparse", cache_slots=4, prefill="reference").generate([p for p, _ in printed],
+                                                                                  new_tokens=3, keep_logits=False)
     assert [g for _, g in printed] == want.tokens.tolist()
     assert want.misses > 0
     assert field(out, "miss rate") == f"{want.miss_rate:.4f}"

@@ -34,8 +34,16 @@ def both(model, ids: torch.Tensor, chunk: int | None):
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("length,chunk", [(37, None), (37, 8), (29, 5), (3, None), (11, 4)])
+# (length, chunk): one chunk, chunks ending inside Quest's pages with a partial last one ((37, 8) and (29, 5)),
+# a prompt under DSA's k, many small chunks. DSA's prefill takes seconds a case in the interpreter, so each DSA
+# family runs one of the two partial-last-chunk cases (the same path through its kernels); Quest's run all
+SHAPES = [(37, None), (37, 8), (29, 5), (3, None), (11, 4)]
+ONE_OF_TWO = {("deepseek_v32", 29, 5), ("glm_moe_dsa", 37, 8)}
+
+
+@pytest.mark.parametrize("family,length,chunk", [
+    pytest.param(family, length, chunk, id=f"{length}-{chunk}-{family}")
+    for family in FAMILIES for length, chunk in SHAPES if (family, length, chunk) not in ONE_OF_TWO])
 def test_fast_prefill_agrees_with_the_reference(family, length, chunk):
     """Odd lengths, chunk boundaries inside Quest's 16-token pages, prompts shorter than DSA's k = 8:
     the same logits and the same written KV, within float32's tolerance."""
@@ -99,10 +107,12 @@ def test_prefill_selection_refuses_a_start_that_does_not_fit_the_keys():
         dsa_prefill_select(q, w, keys, 3, 8)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "llama"])
 def test_resident_and_hisparse_are_bitwise_equal_after_a_fast_prefill(family):
     """The Engine's default prefill (the kernels): hisparse decodes bitwise as resident does, and
-    greedy tokens agree with a run after the reference prefill."""
+    greedy tokens agree with a run after the reference prefill. Quest as llama: qwen3's prefill
+    differs in its projections alone (its fast prefill against the reference is checked above), and
+    what hisparse does after it is the same."""
     model = MODELS[family]
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (35, 20)]

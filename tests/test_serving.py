@@ -18,15 +18,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # per family: B, and Quest's token budget (k = 3 pages); few layers and the eager prefill keep the
 # interpreter quick (both modes prefill alike: the kernels' prefill has its own tests)
 SETTINGS = {"deepseek_v32": dict(cache_slots=16), "glm_moe_dsa": dict(cache_slots=8),
-            "llama": dict(cache_slots=4, token_budget=48), "nsa": dict(cache_slots=16)}
+            "llama": dict(cache_slots=4, token_budget=48), "nsa": dict(cache_slots=8)}
 QUICK = dict(prefill="reference")
 MAX_CONTEXT = 140
 
 
+# NSA: one layer, k = 4 selected blocks (B = 2k above) and a 64-token window (its interpreter decode step is the
+# slowest, and costs with k and the window: tests/test_engine_nsa.py's shape)
+NSA = {"num_hidden_layers": 1, "num_selected_blocks": 4, "sliding_window": 64}
+
+
 @functools.cache
 def tiny(family: str):
-    # llama: 2 dense + 1 Quest; NSA one layer (its interpreter decode step is the slowest: the checks are per layer)
-    overrides = {"deepseek_v32": {"num_hidden_layers": 2}, "nsa": {"num_hidden_layers": 1}}.get(family, {})
+    # llama: 2 dense + 1 Quest; NSA: the checks are per layer
+    overrides = {"deepseek_v32": {"num_hidden_layers": 2}, "nsa": NSA}.get(family, {})
     model = build_model(config_from_dict(dict(TINY_CONFIGS[family], **overrides))).to(DEVICE).float()
     randomize_(model, 5)
     return model

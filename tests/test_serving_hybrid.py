@@ -17,14 +17,13 @@ from hisparse.serving import GIB, Request, Server
 # lanes' streams, max_context. DSA: B = 48, a run of 3 streams a layer, room for one more; its
 # prefill workspace becomes streams too. Quest: B = 4, a run of 2 streams a KV head (9 pages), no
 # room beyond the lanes' (its workspace stays beside the cache): the second request is
-# hierarchical, the third demotes. NSA: B >= k = 16 blocks, so a run of 2 streams needs a
-# max_context over 17 blocks (the requests stay short; its decode step is the interpreter's slowest:
-# at most 4 new tokens)
+# hierarchical, the third demotes. NSA: B = k = 4 blocks, so a run of 2 streams needs a max_context
+# over 5 blocks (the requests stay short; its decode step is the interpreter's slowest: at most 4
+# new tokens). Quest runs as llama-shared alone: its first Quest layer selects its own pages as a
+# plain llama's does, and qwen3 differs from llama in its projections, not in what hybrid does
 HYBRID = {"deepseek_v32": (dict(cache_slots=48), 1, MAX_CONTEXT), "glm_moe_dsa": (dict(cache_slots=48), 1, MAX_CONTEXT),
-          "llama": (dict(cache_slots=4, token_budget=48), 0, MAX_CONTEXT),
-          "qwen3": (dict(cache_slots=4, token_budget=48), 0, MAX_CONTEXT),
           "llama-shared": (dict(cache_slots=4, token_budget=48), 0, MAX_CONTEXT),
-          "nsa": (dict(cache_slots=16), 0, 1100)}
+          "nsa": (dict(cache_slots=4), 0, 384)}
 
 
 @functools.cache

@@ -261,28 +261,34 @@ def test_a_dsa_model_of_another_size_is_another_point():
     assert sweep.points(study)[0]["hidden"] == 1024, "the dsa model's default size is part of its points"
 
 
-def test_runs_per_process_goes_on_in_fresh_processes(tmp_path, capsys):
-    """--runs-per-process 1: every decode run is its process's first (the H200's 4th-run switch never
-    comes), and the resumed sweep still runs every point once."""
+def test_runs_per_process_goes_on_in_fresh_processes(tmp_path, capsys, monkeypatch):
+    """--runs-per-process 1: every decode run (the decode study's two points, the throughput study's
+    hisparse one: each process starts a fresh one) is its process's first (the H200's 4th-run switch
+    never comes), and the resumed sweep still runs every point once."""
     import subprocess
     import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parent.parent
-    config, out = write(tmp_path, TINY), str(tmp_path / "results")
+    throughput_modes = 'modes = ["resident", "hisparse"]\ncache_slots = 8\ncontexts = [24]\nkv_budget'
+    assert TINY.count(throughput_modes) == 1
+    config = write(tmp_path, TINY.replace(throughput_modes, throughput_modes.replace('"resident", ', '')))
+    out = str(tmp_path / "results")
     run = subprocess.run([sys.executable, "-m", "experiments.sweep", "--config", config, "--out", out,
                           "--runs-per-process", "1"], cwd=repo, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.count("going on in a fresh one") == 3 and run.stdout.rstrip().endswith("experiments.figures")
+    assert run.stdout.count("going on in a fresh one") == 2 and run.stdout.rstrip().endswith("experiments.figures")
     decode = pd.read_csv(tmp_path / "results" / "decode.csv")
     tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
     assert sorted(decode.drop_duplicates("mode")["mode"]) == ["hisparse", "resident"]
     assert (decode.run == 1).all() and (tput.dropna(subset=["run"]).run == 1).all()
-    assert len(tput[tput.metric == "tokens_per_s"]) == 2
+    assert tput[tput.metric == "tokens_per_s"]["mode"].tolist() == ["hisparse"]
     twice = TINY.split("\n\n[[study]]")[0]
     twice = write(tmp_path, twice + "\n" + twice.replace("new_tokens = 3", "new_tokens = 5"))
-    run = subprocess.run([sys.executable, "-m", "experiments.sweep", "--config", twice, "--out", str(tmp_path / "r2"),
-                          "--runs-per-process", "1"], cwd=repo, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 2 and "two studies share a point" in run.stderr and not (tmp_path / "r2").exists()
+    capsys.readouterr()         # refused before anything runs: in this process, parsing sys.argv as the command does
+    monkeypatch.setattr(sys, "argv", ["experiments.sweep", "--config", twice, "--out", str(tmp_path / "r2"),
+                                      "--runs-per-process", "1"])
+    assert sweep.main() == 2
+    assert "two studies share a point" in capsys.readouterr().err and not (tmp_path / "r2").exists()
     for argv, message in ((["--runs-per-process", "0"], "expected a positive integer"),
                           (["--runs-per-process", "2", "--force"], "which --force would start over"),
                           (["--runs-per-process", "2"], "use it from the command line")):
@@ -576,8 +582,9 @@ def test_run_decode_replays_a_draw_of_its_own_for_every_request(monkeypatch):
     assert (sel == expected.selections).all()
 
 
-# prompts of 60 tokens in 2 chunks (the interpreter's prefill takes about 0.06 s a token here); a
-# budget (about 37 KB) of one resident lane, or two hierarchical ones and the prefill workspace
+# prompts of 60 tokens in 2 chunks (the interpreter's prefill takes about 0.06 s a token here), one
+# request per client; a budget (about 37 KB) of one resident lane, or two hierarchical ones and the
+# prefill workspace
 SERVING_BUDGET, CHUNK = "kv_budget_gib = 0.000035", "prefill_chunk = 32"
 SERVING = f"""
 [[study]]
@@ -589,25 +596,11 @@ cache_slots = 16
 input_len = 60
 output_len = 3
 concurrency = [2]
-requests_per_client = 2
+requests_per_client = 1
 {SERVING_BUDGET}
 {CHUNK}
 workload = "tiny"
 """
-
-
-def test_a_serving_study_admits_by_memory_and_writes_its_rows(tmp_path, capsys):
-    """Under one GPU budget resident holds one lane, hisparse two; every request served; rows per
-    (mode, concurrency) with the serving metrics."""
-    assert sweep.main(["--config", write(tmp_path, SERVING), "--out", str(tmp_path / "out")]) == 0
-    rows = pd.read_csv(tmp_path / "out" / "serving.csv")
-    wide = rows.pivot_table(index="mode", columns="metric", values="value")
-    assert wide.loc["resident", "lanes"] == 1 and wide.loc["hisparse", "lanes"] == 2
-    assert (wide["requests"] == 4).all() and (wide["output_tokens"] == 12).all()
-    assert {"tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "running_batch_mean",
-            "queue_ms_p50", "peak_gpu_gib"} <= set(wide.columns)
-    assert set(rows.concurrency) == {2} and set(rows.input_len) == {60} and set(rows.output_len) == {3}
-    assert (wide["peak_gpu_gib"] * 2**30 <= 0.000035 * 2**30).all()
 
 
 def test_a_hybrid_serving_study_writes_its_counts(tmp_path):
@@ -618,9 +611,9 @@ def test_a_hybrid_serving_study_writes_its_counts(tmp_path):
         SERVING_BUDGET, "kv_budget_gib = 0.00007"))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 0
     rows = pd.read_csv(tmp_path / "o" / "serving.csv").set_index("metric")
-    assert set(rows["mode"]) == {"hybrid"} and rows.loc["output_tokens", "value"] == 12
+    assert set(rows["mode"]) == {"hybrid"} and rows.loc["output_tokens", "value"] == 6
     assert rows.loc["resident_admissions", "unit"] == rows.loc["demotions", "unit"] == "requests"
-    assert rows.loc["lanes", "value"] == 2 and rows.loc["resident_admissions", "value"] == 4
+    assert rows.loc["lanes", "value"] == 2 and rows.loc["resident_admissions", "value"] == 2
     assert rows.loc["demotions", "value"] == 0
 
 
@@ -657,7 +650,7 @@ def test_a_serving_study_of_one_token_out_runs(tmp_path):
         'modes = ["resident", "hisparse"]', 'modes = ["hisparse"]'))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 0
     rows = pd.read_csv(tmp_path / "o" / "serving.csv")
-    assert rows[rows.metric == "output_tokens"].value.tolist() == [4]
+    assert rows[rows.metric == "output_tokens"].value.tolist() == [2]
 
 
 def test_a_serving_sweep_with_a_draw_cache_draws_every_request_first(tmp_path, capsys):
@@ -666,8 +659,8 @@ def test_a_serving_sweep_with_a_draw_cache_draws_every_request_first(tmp_path, c
     config = write(tmp_path, SERVING.replace('modes = ["resident", "hisparse"]', 'modes = ["hisparse"]'))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "a"), "--draw-cache", str(tmp_path / "d")]) == 0
     out = capsys.readouterr().out
-    assert "drawing 4 of 4 requests' selections" in out and out.index("drawing") < out.index("[1/1]")
-    assert len(list((tmp_path / "d").glob("*.npy"))) == 4
+    assert "drawing 2 of 2 requests' selections" in out and out.index("drawing") < out.index("[1/1]")
+    assert len(list((tmp_path / "d").glob("*.npy"))) == 2
     assert sweep.main(["--config", config, "--out", str(tmp_path / "b")]) == 0
     cached, plain = (pd.read_csv(tmp_path / d / "serving.csv") for d in ("a", "b"))
     for metric in ("output_tokens", "miss_rate", "lanes"):
@@ -698,8 +691,8 @@ def test_draw_only_fills_the_cache_and_runs_no_point(tmp_path, capsys):
     config = write(tmp_path, SERVING.replace('modes = ["resident", "hisparse"]', 'modes = ["hisparse"]'))
     args = ["--config", config, "--out", str(tmp_path / "o"), "--draw-cache", str(tmp_path / "d")]
     assert sweep.main(args + ["--draw-only"]) == 0
-    assert "draws of 4 requests" in capsys.readouterr().out
-    assert len(list((tmp_path / "d").glob("*.npy"))) == 4 and not (tmp_path / "o" / "serving.csv").exists()
+    assert "draws of 2 requests" in capsys.readouterr().out
+    assert len(list((tmp_path / "d").glob("*.npy"))) == 2 and not (tmp_path / "o" / "serving.csv").exists()
     assert sweep.main(args) == 0
     assert "drawing" not in capsys.readouterr().out and (tmp_path / "o" / "serving.csv").exists()
     with pytest.raises(SystemExit):
@@ -738,16 +731,25 @@ def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_a_serving_study_with_prefill_overlap_runs_both_ways_and_marks_its_rows(tmp_path):
-    """prefill_overlap = [false, true]: each mode runs both ways, the same tokens out; the overlapped
-    points' rows say prefill_overlap True, the others leave it empty, and a rerun finds every point
-    done (a point without overlap is not done by its overlapped twin's rows, nor the other way)."""
+def test_a_serving_study_admits_by_memory_writes_its_rows_and_runs_prefill_overlap_both_ways(tmp_path):
+    """Under one GPU budget resident holds one lane, hisparse two; every request served; rows per
+    (mode, concurrency) with the serving metrics. prefill_overlap = [false, true]: each mode runs both
+    ways, the same tokens out; the overlapped points' rows say prefill_overlap True, the others leave it
+    empty (the rows of a study without the key, checked above), and a rerun finds every point done (a
+    point without overlap is not done by its overlapped twin's rows, nor the other way)."""
     config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + '\nprefill_overlap = [false, true]'))
     out = tmp_path / "o"
     assert sweep.main(["--config", config, "--out", str(out)]) == 0
     rows = pd.read_csv(out / "serving.csv")
+    wide = rows[rows.prefill_overlap.isna()].pivot_table(index="mode", columns="metric", values="value")
+    assert wide.loc["resident", "lanes"] == 1 and wide.loc["hisparse", "lanes"] == 2
+    assert (wide["requests"] == 2).all() and (wide["output_tokens"] == 6).all()
+    assert {"tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "running_batch_mean",
+            "queue_ms_p50", "peak_gpu_gib"} <= set(wide.columns)
+    assert set(rows.concurrency) == {2} and set(rows.input_len) == {60} and set(rows.output_len) == {3}
+    assert (wide["peak_gpu_gib"] * 2**30 <= 0.000035 * 2**30).all()
     tokens = rows[rows.metric == "output_tokens"]
-    assert len(tokens) == 4 and (tokens.value == 12).all()
+    assert len(tokens) == 4 and (tokens.value == 6).all()
     assert tokens.prefill_overlap.isna().sum() == 2 and tokens.prefill_overlap.dropna().astype(bool).all()
     done = sweep.done_points(out / "serving.csv")
     study = sweep.tomllib.loads((tmp_path / "sweep.toml").read_text())["study"]
@@ -771,7 +773,7 @@ def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_pat
     out = tmp_path / "o"
     assert sweep.main(["--config", config, "--out", str(out)]) == 0
     tokens = pd.read_csv(out / "serving.csv").query("metric == 'output_tokens'")
-    assert len(tokens) == 2 and (tokens.value == 12).all()
+    assert len(tokens) == 2 and (tokens.value == 6).all()
     assert tokens.prefill_overlap.isna().equals(tokens.prefill_layers.isna())
     assert (tokens.prefill_layers.dropna() == 1).all() and tokens.prefill_layers.notna().sum() == 1
     assert tokens.prefill_overlap.isna().equals(tokens.prefill_sms.isna()) and (tokens.prefill_sms.dropna() == 8).all()
