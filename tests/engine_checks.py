@@ -1,5 +1,6 @@
 """Checks shared by the decode-loop tests of the families (imported by tests/test_engine_*.py)."""
 import contextlib
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -15,6 +16,19 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def tiny_loader(tmp_path_factory, device):
+    """load(family): the family's tiny checkpoint (seed 3) written under pytest's temporary folder and
+    loaded in float32 on `device`, once per family (for a module-scoped fixture)."""
+    from hisparse.models.loading import load_model
+    from hisparse.models.tiny import write_tiny_checkpoint
+
+    @functools.cache
+    def load(family: str):
+        path = write_tiny_checkpoint(family, tmp_path_factory.mktemp(family), seed=3)
+        return load_model(path, dtype=torch.float32, device=device)
+    return load
 
 
 @contextlib.contextmanager

@@ -11,14 +11,14 @@ import re
 
 import pytest
 import torch
-from engine_checks import assert_bitwise
+from engine_checks import assert_bitwise, tiny_loader
 
 from hisparse import runtime
 from hisparse.dsa.reference import TorchDsaAttention
 from hisparse.engine import Engine
 from hisparse.models.config import config_from_dict
-from hisparse.models.loading import build_model, load_model
-from hisparse.models.tiny import randomize_, write_tiny_checkpoint
+from hisparse.models.loading import build_model
+from hisparse.models.tiny import randomize_
 from hisparse.policies import simulate_trace
 from hisparse.resolve import MAX_K, MAX_SLOTS
 from hisparse.synthetic import SyntheticConfig
@@ -35,13 +35,8 @@ PREFILL = "reference"      # the prefill of the tests but the main bitwise and d
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """tiny_model(family): the family's tiny checkpoint (seed 3) written under pytest's temporary
-    folder and loaded, once per module."""
-    @functools.cache
-    def load(family: str):
-        path = write_tiny_checkpoint(family, tmp_path_factory.mktemp(family), seed=3)
-        return load_model(path, dtype=torch.float32, device=DEVICE)
-    return load
+    """tiny_model(family): the family's tiny checkpoint, loaded once per module."""
+    return tiny_loader(tmp_path_factory, DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ import types
 import pandas as pd
 import pytest
 import torch
-from engine_checks import assert_bitwise
+from engine_checks import assert_bitwise, tiny_loader
 
 from experiments import sweep
 from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa.runtime import DsaRuntime
 from hisparse.engine import GIB, Engine
-from hisparse.models.loading import load_model
-from hisparse.models.tiny import write_tiny_checkpoint
 
 PROMPT_LENGTHS = (27, 5, 19)      # one shorter than k = 8
 NEW_TOKENS = 7
@@ -26,13 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    """tiny_model(family): the family's tiny checkpoint (seed 3) written under pytest's temporary
-    folder and loaded, once per module."""
-    @functools.cache
-    def load(family: str):
-        path = write_tiny_checkpoint(family, tmp_path_factory.mktemp(family), seed=3)
-        return load_model(path, dtype=torch.float32, device=DEVICE)
-    return load
+    """tiny_model(family): the family's tiny checkpoint, loaded once per module."""
+    return tiny_loader(tmp_path_factory, DEVICE)
 
 
 def prompts(seed=0, vocab=97):
