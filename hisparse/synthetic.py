@@ -28,7 +28,8 @@ import hashlib
 import json
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -207,7 +208,10 @@ def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[n
     missing = [(seed, f) for seed, f in zip(seeds, files) if not f.exists()]
     if missing:
         print(f"  drawing {len(missing)} of {len(seeds)} requests' selections into {cache}/", flush=True)
-        drawn = draw_requests(cfg, [seed for seed, _ in missing]).selections
+        start = time.perf_counter()
+        drawn = _trace(replace(cfg, batch=len(missing)), [seed for seed, _ in missing], progress=lambda done: print(
+            f"  drew {done}/{len(missing)} requests' selections, {time.perf_counter() - start:.0f} s", flush=True)
+        ).selections
         for j, (_, f) in enumerate(missing):
             part = f.with_suffix(f".{os.getpid()}.part.npy")          # this process's own, then renamed
             np.save(part, np.ascontiguousarray(drawn[:, :, j]))
@@ -225,13 +229,18 @@ def request_trace(cfg: SyntheticConfig, context: int, steps: int, seed: int) -> 
     return _trace(replace(cfg, context=context, steps=steps, batch=1), [int(seed)])
 
 
-def _trace(cfg: SyntheticConfig, seeds: list[int]) -> Trace:
-    """The trace of one request per seed (cfg.batch of them), each drawn by `_generate_request`."""
+def _trace(cfg: SyntheticConfig, seeds: list[int], progress=None) -> Trace:
+    """The trace of one request per seed (cfg.batch of them), each drawn by `_generate_request`;
+    `progress(done)` is called as each request's draw finishes (in any order)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the per-step ops are small: intra-op threads only add contention, and
     try:                      # requests drawn side by side (torch and numpy release the GIL) scale better
         with ThreadPoolExecutor(max(1, min(len(seeds), os.cpu_count() or 1))) as pool:
-            sel = np.stack(list(pool.map(lambda seed: _generate_request(cfg, seed), seeds)), axis=2)
+            futures = [pool.submit(_generate_request, cfg, seed) for seed in seeds]
+            for done, _ in enumerate(as_completed(futures), 1):
+                if progress is not None:
+                    progress(done)
+            sel = np.stack([f.result() for f in futures], axis=2)
     finally:
         torch.set_num_threads(threads)
     source = json.dumps({"generator": "hisparse.synthetic", **asdict(cfg), "request_seeds": seeds})

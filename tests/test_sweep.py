@@ -707,7 +707,8 @@ def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
     plain = request_draws("tiny", config, 40, 4, 3)
     cached = request_draws("tiny", config, 40, 4, 2, cache=tmp_path)
     assert torch.equal(cached, plain[:, :, :2]) and len(list(tmp_path.glob("*.npy"))) == 2
-    assert "drawing 2 of 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "drawing 2 of 2" in out and "drew 1/2 requests' selections" in out and "drew 2/2" in out
     again = request_draws("tiny", config, 40, 4, 3, cache=tmp_path)
     assert torch.equal(again, plain) and "drawing 1 of 3" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.part.npy"))
