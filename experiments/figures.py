@@ -542,7 +542,7 @@ def miss_rate_vs_step(frame: pd.DataFrame) -> Figure:
 # name -> (CSV files it reads, function of their newest rows)
 def serving_study(rows: pd.DataFrame) -> pd.DataFrame:
     """Of closed-loop serving rows, those of the study across concurrency levels: of the (input_len,
-    output_len, prefill_chunk, kv_dtype) run at two levels or more, the one with the newest row (a
+    output_len, prefill_chunk, kv_dtype, kv_budget_gib) run at two levels or more, the one with the newest row (a
     study resumed at a later commit keeps its earlier points); else the one with the most levels
     (a chunk-size study beside it has one level). Points run with prefill_overlap are left out: they
     are compared with their twins (benchmarks.summary), not drawn as the study."""
@@ -551,7 +551,7 @@ def serving_study(rows: pd.DataFrame) -> pd.DataFrame:
         rows = rows[rows.prefill_overlap.isna()]
     if rows.empty:
         return rows
-    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_dtype") if c in rows]
+    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_dtype", "kv_budget_gib") if c in rows]
     key = rows[shape].astype(object).fillna("-").astype(str).agg("/".join, axis=1)   # pandas 3: str keeps NaN
     levels = rows.groupby(key).concurrency.nunique()
     studies = levels[levels >= 2]

@@ -885,8 +885,9 @@ def main(argv=None) -> int:
                          "output_len x layers x k int32, 0.5 GB at DSA's 61 layers and 1K tokens out) and reuse "
                          "them in later points and processes instead of drawing them again (tens of seconds each)")
     ap.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
-                    help="run only the points whose KEY is VALUE, as the dry run lists them (repeatable, all must "
-                         "hold; e.g. --only mode=hisparse --only concurrency=8): a part of a config that fits one "
+                    help="run only the points whose KEY is VALUE, as the dry run lists them, or one of VALUE,VALUE "
+                         "(repeatable, all must hold; e.g. --only mode=hisparse --only concurrency=6,8): a part of a "
+                         "config that fits one GPU call, its points in one process (the model built once)"
                          "GPU call")
     ap.add_argument("--draw-only", action="store_true",
                     help="with --draw-cache: draw the selections the points to run will read into DIR, run no "
@@ -900,7 +901,7 @@ def main(argv=None) -> int:
         key, eq, value = item.partition("=")
         if not eq or not key:
             ap.error(f"--only {item!r}: expected KEY=VALUE, e.g. mode=hisparse")
-        only.append((key, value))
+        only.append((key, value.split(",")))
     global draw_cache
     draw_cache = args.draw_cache
     if args.runs_per_process is not None:
@@ -961,7 +962,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     pending = len(todo)
-    todo = [(study, point) for study, point in todo if all(str(point.get(k)) == v for k, v in only)]
+    todo = [(study, point) for study, point in todo if all(str(point.get(k)) in v for k, v in only)]
     keys = [tuple(sorted((k, str(v)) for k, v in point.items())) for _, point in todo]
     if args.runs_per_process and len(set(keys)) < len(keys):
         print("error: two studies share a point (they differ only in how it runs: new_tokens, warmup_steps, "
@@ -972,7 +973,7 @@ def main(argv=None) -> int:
     print(f"{args.config}: {total} points, {total - pending} already in {out_dir}/, {pending} to run on {gpu}"
           + (f" ({rerun} of them stored from runs made another way, in new_tokens, warmup_steps, graph, prefetch "
              f"or decode_backend: they run again, and the figures read a point's newest rows)" if rerun else "")
-          + (f"; --only {' '.join(f'{k}={v}' for k, v in only)}: {len(todo)} of them" if only else ""))
+          + (f"; --only {' '.join(k + '=' + ','.join(v) for k, v in only)}: {len(todo)} of them" if only else ""))
     if args.dry_run:
         for study, point in todo:
             print("  ", point)

@@ -557,6 +557,21 @@ def test_serving_points_past_the_4th_graph_are_drawn_hollow():
     assert not any("4th CUDA graph" in t.get_text() for t in plain.texts)
 
 
+def test_serving_studies_at_two_budgets_are_not_mixed():
+    """Two studies of one shape under different GPU budgets are two studies (their lanes differ): the
+    one with the newest row is drawn, alone, even where both ran the same levels and modes."""
+    def rows(budget, levels, value, stamp):
+        return [{"family": "dsa", "mode": mode, "concurrency": c, "metric": "tokens_per_s", "value": value,
+                 "input_len": 16384, "output_len": 2048, "kv_budget_gib": budget, "timestamp": stamp}
+                for mode in ("resident", "hisparse") for c in levels]
+    older = rows(5, (1, 8), 1.0, "2026-12-01T00:00:00+00:00")
+    newer = rows(4, (2, 8), 2.0, "2026-12-02T00:00:00+00:00")
+    study = figures.serving_study(frame("serving", older + newer))
+    assert set(study.kv_budget_gib) == {4} and sorted(set(study.concurrency)) == [2, 8]
+    assert set(study.value) == {2.0}
+    assert set(figures.serving_study(frame("serving", older + newer[:1])).kv_budget_gib) == {5}
+
+
 def test_serving_study_resumed_at_a_later_commit_keeps_its_earlier_points(tmp_path):
     """serving.csv is read per point: a sweep that resumes at a later commit adds its levels and modes
     to the earlier ones (the newest run's commit alone drew only the points it added)."""

@@ -669,9 +669,15 @@ def test_a_serving_sweep_with_a_draw_cache_draws_every_request_first(tmp_path, c
 
 def test_only_runs_the_points_it_names_and_refuses_an_unknown_key(tmp_path, capsys):
     """--only mode=hisparse: the hisparse point runs, resident's does not, and a later sweep without
-    --only finds only resident's to run; an unknown key or a malformed pair is refused before anything runs."""
+    --only finds only resident's to run; values joined by commas are alternatives; an unknown key or a
+    malformed pair is refused before anything runs."""
     config = write(tmp_path, SERVING)
     out = tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out), "--dry-run", "--only", "mode=resident,hisparse",
+                       "--only", "concurrency=2"]) == 0
+    assert "--only mode=resident,hisparse concurrency=2: 2 of them" in capsys.readouterr().out
+    assert sweep.main(["--config", config, "--out", str(out), "--dry-run", "--only", "mode=noio,hisparse"]) == 0
+    assert "--only mode=noio,hisparse: 1 of them" in capsys.readouterr().out
     assert sweep.main(["--config", config, "--out", str(out), "--only", "mode=hisparse", "--only", "concurrency=2"]) == 0
     assert "--only mode=hisparse concurrency=2: 1 of them" in capsys.readouterr().out
     assert set(pd.read_csv(out / "serving.csv")["mode"]) == {"hisparse"}
