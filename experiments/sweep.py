@@ -841,6 +841,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     prefill_overlap=point.get("prefill_overlap", False),
                     prefill_layers=point.get("prefill_layers", PREFILL_LAYERS), prefill_sms=point.get("prefill_sms"),
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
+    print(f"  serving: {server.lanes} lanes of {server.lane_bytes / GIB:.3f} GiB, a prefill workspace of "
+          f"{server.workspace_bytes / GIB:.3f} GiB, under {point['kv_budget_gib']} GiB", flush=True)
     warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
     if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K
         warm = Request(reqs[0].prompt.clone(), min(2, point["output_len"]),    # on the H200): one untimed

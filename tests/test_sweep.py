@@ -738,8 +738,9 @@ def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_a_serving_study_admits_by_memory_writes_its_rows_and_runs_prefill_overlap_both_ways(tmp_path):
-    """Under one GPU budget resident holds one lane, hisparse two; every request served; rows per
+def test_a_serving_study_admits_by_memory_writes_its_rows_and_runs_prefill_overlap_both_ways(tmp_path, capsys):
+    """Under one GPU budget resident holds one lane, hisparse two (each point prints its lanes before it
+    serves); every request served; rows per
     (mode, concurrency) with the serving metrics. prefill_overlap = [false, true]: each mode runs both
     ways, the same tokens out; the overlapped points' rows say prefill_overlap True, the others leave it
     empty (the rows of a study without the key, checked above), and a rerun finds every point done (a
@@ -750,6 +751,9 @@ def test_a_serving_study_admits_by_memory_writes_its_rows_and_runs_prefill_overl
     rows = pd.read_csv(out / "serving.csv")
     wide = rows[rows.prefill_overlap.isna()].pivot_table(index="mode", columns="metric", values="value")
     assert wide.loc["resident", "lanes"] == 1 and wide.loc["hisparse", "lanes"] == 2
+    printed = capsys.readouterr().out                   # each point says its lanes before it serves
+    assert printed.count("serving: 1 lanes of") == 2 and printed.count("serving: 2 lanes of") == 2
+    assert "under 3.5e-05 GiB" in printed
     assert (wide["requests"] == 2).all() and (wide["output_tokens"] == 6).all()
     assert {"tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "running_batch_mean",
             "queue_ms_p50", "peak_gpu_gib"} <= set(wide.columns)
