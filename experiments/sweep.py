@@ -889,8 +889,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
                     help="run only the points whose KEY is VALUE, as the dry run lists them, or one of VALUE,VALUE "
                          "(repeatable, all must hold; e.g. --only mode=hisparse --only concurrency=6,8): a part of a "
-                         "config that fits one GPU call, its points in one process (the model built once)"
-                         "GPU call")
+                         "config that fits one GPU call, its points in one process (the model built once)")
     ap.add_argument("--draw-only", action="store_true",
                     help="with --draw-cache: draw the selections the points to run will read into DIR, run no "
                          "point (on a GPU machine, beside the GPU tests: the draws take the host's cores, "
