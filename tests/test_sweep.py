@@ -740,11 +740,11 @@ def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message
 
 def test_a_serving_study_admits_by_memory_writes_its_rows_and_runs_prefill_overlap_both_ways(tmp_path, capsys):
     """Under one GPU budget resident holds one lane, hisparse two (each point prints its lanes before it
-    serves); every request served; rows per
-    (mode, concurrency) with the serving metrics. prefill_overlap = [false, true]: each mode runs both
-    ways, the same tokens out; the overlapped points' rows say prefill_overlap True, the others leave it
-    empty (the rows of a study without the key, checked above), and a rerun finds every point done (a
-    point without overlap is not done by its overlapped twin's rows, nor the other way)."""
+    serves); every request served; rows per (mode, concurrency) with the serving metrics.
+    prefill_overlap = [false, true]: each mode runs both ways, the same tokens out; the overlapped
+    points' rows say prefill_overlap True, the others leave it empty (the rows of a study without the
+    key, checked above), and a rerun finds every point done (a point without overlap is not done by its
+    overlapped twin's rows, nor the other way)."""
     config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + '\nprefill_overlap = [false, true]'))
     out = tmp_path / "o"
     assert sweep.main(["--config", config, "--out", str(out)]) == 0
