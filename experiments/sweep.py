@@ -828,9 +828,9 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     if point["workload"] != "model":             # every request replays its own draw
         draws = request_draws(point["workload"], model.config, point["input_len"], point["output_len"], len(reqs),
                               cache=draw_cache)
-        for i, r in enumerate(reqs):
-            r.selections = draws[:, :, i]
-        selections = draws[:, :, 0]              # sizes the server's replay buffer
+        for r, draw in zip(reqs, draws):
+            r.selections = draw
+        selections = draws[0]                    # sizes the server's replay buffer
     max_batch = min(study["max_batch"], clients) if clients else study["max_batch"]
     quest = {} if point.get("token_budget") is None else {"token_budget": point["token_budget"]}
     server = Server(model, point["mode"], cache_slots=point["cache_slots"],

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hisparse.traces import Trace, with_anchors
+from hisparse.traces import Trace
 
 
 @dataclass(slots=True)
@@ -158,27 +158,28 @@ def batch_workload(cfg: SyntheticConfig, batch: int, seed: int | None = None) ->
 
 
 def request_draws(workload: str, model_config, input_len: int, output_len: int, count: int,
-                  cache: str | Path | None = None) -> torch.Tensor:
-    """int32 [output_len - 1, layers, count, k]: `count` requests' own draws of preset `workload` for a
-    DSA model (its layer count and k = index_topk) after prompts of input_len tokens, request i the
-    draw of seed request_seed(0, i), as `batch_workload`. A "shared" layer gets its anchor's (the last
-    "full" one before it). At 61 layers and k = 2048 a draw takes tens of seconds, drawn on the host's
-    cores side by side. With `cache` (a folder) each request's draw is kept there as a .npy file
-    named by its seed and a hash of its config, of this file and of numpy's and torch's versions, so
-    later calls (other points, processes, a server) read it instead of drawing it again."""
+                  cache: str | Path | None = None) -> list[torch.Tensor]:
+    """`count` requests' own draws of preset `workload` for a DSA model (its layer count and k =
+    index_topk) after prompts of input_len tokens: request i's is int32 [output_len - 1, layers, k],
+    the draw of seed request_seed(0, i), as `batch_workload`. A "shared" layer gets its anchor's (the
+    last "full" one before it). At 61 layers and k = 2048 a draw takes tens of seconds, drawn on the
+    host's cores side by side. With `cache` (a folder) each request's draw is kept there as a .npy
+    file named by its seed and a hash of its config, of this file and of numpy's and torch's
+    versions, so later calls (other points, processes, a server) read it instead of drawing it again.
+    Each draw is its own array, read once (1 GB at 61 layers and 2K out): not stacked into one."""
     cfg = _request_config(workload, model_config, input_len, output_len)
     seeds = [request_seed(0, i) for i in range(count)]
     if cache is None:
-        selections = draw_requests(cfg, seeds).selections
+        drawn = draw_requests(cfg, seeds).selections                        # [steps, layers, count, k]
+        draws = [drawn[:, :, i] for i in range(count)]
     else:
-        selections = np.stack(_cached_draws(cfg, seeds, Path(cache)), axis=2)
+        draws = _cached_draws(cfg, seeds, Path(cache))
     anchors, last_full = [], 0
     for i, kind in enumerate(model_config.indexer_types):
         last_full = i if kind == "full" else last_full
         anchors.append(last_full)
-    trace = Trace(selections, "synthetic", cfg.unit_size, np.full(count, input_len, dtype=np.int64),
-                  np.arange(cfg.layers))
-    return torch.from_numpy(np.ascontiguousarray(with_anchors(trace, anchors).selections))
+    own = anchors == list(range(cfg.layers))                                # no shared layer: no copy
+    return [torch.from_numpy(np.ascontiguousarray(d if own else d[:, anchors])) for d in draws]
 
 
 def fill_draw_cache(workload: str, model_config, input_len: int, output_len: int, count: int,
@@ -216,7 +217,7 @@ def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[n
             part = f.with_suffix(f".{os.getpid()}.part.npy")          # this process's own, then renamed
             np.save(part, np.ascontiguousarray(drawn[:, :, j]))
             part.rename(f)
-    return [np.load(f, mmap_mode="r") for f in files]
+    return [np.load(f) for f in files]
 
 
 def request_trace(cfg: SyntheticConfig, context: int, steps: int, seed: int) -> Trace:

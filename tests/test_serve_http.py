@@ -329,15 +329,15 @@ def test_a_replayed_workload_gives_each_request_its_draw_and_refuses_other_shape
     replays draw n (its tokens are an in-process run's with that draw); a prompt of another length,
     or more tokens than the draws cover, gets a 400 naming the field."""
     model = tiny(FAMILY)
-    draws = request_draws("tiny", model.config, 40, 4, 2)             # [3 steps, layers, 2 draws, k]
+    draws = request_draws("tiny", model.config, 40, 4, 2)             # 2 draws of [3 steps, layers, k]
     workload = ReplayWorkload("tiny", 40, 4, draws)
 
     def server() -> Server:
         return Server(model, "hisparse", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=3, prefill_chunk=CHUNK,
-                      prefill="reference", selections=draws[:, :, 0], **SETTINGS[FAMILY])
+                      prefill="reference", selections=draws[0], **SETTINGS[FAMILY])
     prompts = [list(range(1, 41)), list(range(50, 90))]
-    in_process = server().serve([Request(torch.tensor(p), 4, selections=draws[:, :, i]) for i, p in enumerate(prompts)])
-    mixed = server().serve([Request(torch.tensor(prompts[0]), 4, selections=draws[:, :, 1])])
+    in_process = server().serve([Request(torch.tensor(p), 4, selections=draws[i]) for i, p in enumerate(prompts)])
+    mixed = server().serve([Request(torch.tensor(prompts[0]), 4, selections=draws[1])])
     assert mixed.requests[0].tokens != in_process.requests[0].tokens, "the draws do not matter here: no check"
     running = Running(server(), workload=workload)
     try:

@@ -170,7 +170,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
                         prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, kv_dtype=args.kv_dtype,
                         prefill_overlap=args.prefill_overlap, prefill_layers=args.prefill_layers or PREFILL_LAYERS,
                         prefill_sms=args.prefill_sms,
-                        selections=None if workload is None else workload.draws[:, :, 0], **quest)
+                        selections=None if workload is None else workload.draws[0], **quest)
     except ValueError as exc:
         ap.error(f"cannot build the server: {exc}")
     return server, name, workload

@@ -35,14 +35,14 @@ class PromptRefused(ValueError):
 @dataclass
 class ReplayWorkload:
     """Synthetic selections the requests replay instead of the model's own (`hisparse.synthetic.
-    request_draws`): the n-th request submitted replays draw n % (number of draws) of `draws` int32
-    [output_len - 1, layers, draws, k], drawn for prompts of exactly input_len tokens, so a request
+    request_draws`): the n-th request submitted replays draw n % len(draws) of `draws`, each int32
+    [output_len - 1, layers, k], drawn for prompts of exactly input_len tokens, so a request
     must have that prompt length and at most output_len tokens out."""
 
     name: str
     input_len: int
     output_len: int
-    draws: torch.Tensor
+    draws: list[torch.Tensor]
 
     def refusal(self, prompt_len: int, max_new_tokens: int) -> tuple[str, str] | None:
         """(field, why) if a request of this shape cannot replay the draws, else None."""
@@ -153,7 +153,7 @@ class SchedulerThread:
         process's first long prompt compiles kernels (7 s at 16K on the H200), which would land in
         the first client's TTFT."""
         warm = Request(torch.zeros(workload.input_len, dtype=torch.int64), min(2, workload.output_len),
-                       selections=workload.draws[:, :, 0])
+                       selections=workload.draws[0])
         self.server.submit(warm)
         while self.server.busy:
             self.server.step()
@@ -211,7 +211,7 @@ class SchedulerThread:
         for i, request in enumerate(requests):
             if self.workload is not None:
                 draws = self.workload.draws
-                request.selections = draws[:, :, self._replays % draws.shape[2]]
+                request.selections = draws[self._replays % len(draws)]
                 self._replays += 1
             self.server.submit(request)
             self._jobs[id(request)] = _Job(request, sink, i)
