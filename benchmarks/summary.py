@@ -195,16 +195,23 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
                          f"(targets: tokens/s >= 1.6x, p50 TTFT >= 2x lower)")
             continue
         lanes = f"lanes {wide.loc[(level, 'hisparse'), 'lanes']:.0f} / {wide.loc[(level, 'resident'), 'lanes']:.0f}"
+        if "running_batch_mean" in wide.columns:       # below its lanes: lanes waiting on a prefill, or the drain
+            busy = [wide.loc[(level, mode), "running_batch_mean"] for mode in ("hisparse", "resident")]
+            lanes += "" if any(b != b for b in busy) else f", running batch {busy[0]:.2f} / {busy[1]:.2f}"
         cap = prefill_serial_cap(wide, level, levels[0], f.output_len.max())
         cap = "" if cap != cap else f"; {cap:.2f}x with every lane busy and prefill alone between steps"
         lines.append(f"serving {level:.0f} clients: hisparse / resident output tokens/s "
                      f"{ratio(level, 'hisparse', 'tokens_per_s'):.2f}x (target >= 1.6{cap}), p50 TTFT "
                      f"{1 / ratio(level, 'hisparse', 'ttft_ms_p50'):.2f}x lower (target >= 2); {lanes}"
                      + trees(level, "hisparse"))
+    def tpot(level, mode):
+        value = ratio(level, mode, "tpot_ms_p50")
+        return "not measured yet" if value != value else f"{value:.3f}"
+
     if levels:
         low = levels[0]
-        lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {ratio(low, 'hisparse', 'tpot_ms_p50'):.3f} "
-                     f"(target <= 1.25){trees(low, 'hisparse')}, noio / resident {ratio(low, 'noio', 'tpot_ms_p50'):.3f} "
+        lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {tpot(low, 'hisparse')} "
+                     f"(target <= 1.25){trees(low, 'hisparse')}, noio / resident {tpot(low, 'noio')} "
                      f"(target <= 1.03){trees(low, 'noio')}")
     return lines + hybrid_lines(wide, levels) + overlap_lines(every) + chunk_lines(every) + http
 

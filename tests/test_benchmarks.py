@@ -399,6 +399,8 @@ def test_summary_prints_the_serving_targets():
     rows = [dict(shape, mode=mode, concurrency=c, metric=m, value=v, commit="abc", timestamp="2026-12-01T10:00:00")
             for (mode, c), vals in values.items()
             for m, v in zip(("tokens_per_s", "tpot_ms_p50", "ttft_ms_p50", "lanes"), vals)]
+    rows += [dict(shape, mode=mode, concurrency=8, metric="running_batch_mean", value=v, commit="abc",
+                  timestamp="2026-12-01T10:00:00") for mode, v in (("hisparse", 6.5), ("resident", 4.0))]
     # a chunk study of an earlier commit (one level, two chunks) and a rerun of one of its points
     chunks = {(512, "2026-11-30T10:00:00"): (900, 30, 50), (2048, "2026-11-30T10:00:00"): (700, 35, 400),
               (2048, "2026-11-30T11:00:00"): (650, 34, 420)}
@@ -409,12 +411,15 @@ def test_summary_prints_the_serving_targets():
     lines = serving_lines(pd.DataFrame(rows))
     assert lines == [
         "serving 8 clients: hisparse / resident output tokens/s 2.00x (target >= 1.6), p50 TTFT 3.00x lower "
-        "(target >= 2); lanes 8 / 4",
+        "(target >= 2); lanes 8 / 4, running batch 6.50 / 4.00",
         "serving 16 clients: hisparse / resident output tokens/s 1.50x (target >= 1.6), p50 TTFT 2.00x lower "
         "(target >= 2); lanes 9 / 4",
         "serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident 1.020 (target <= 1.03)",
         "serving 2 clients, hisparse, 1024 in / 64 out, p50 per prefill chunk: 512: TTFT 900 / TPOT 30.0 / ITL p99 50 "
         "ms; 2048: TTFT 650 / TPOT 34.0 / ITL p99 420 ms"]
+    without_noio = serving_lines(pd.DataFrame([row for row in rows if row["mode"] != "noio"]))
+    assert ("serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident not measured yet "
+            "(target <= 1.03)") in without_noio
 
 
 def test_summary_prints_the_prefill_bound_estimate_hybrid_targets_and_unmeasured_modes():
