@@ -213,7 +213,48 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {tpot(low, 'hisparse')} "
                      f"(target <= 1.25){trees(low, 'hisparse')}, noio / resident {tpot(low, 'noio')} "
                      f"(target <= 1.03){trees(low, 'noio')}")
-    return lines + hybrid_lines(wide, levels) + overlap_lines(every) + chunk_lines(every) + http
+    return (lines + hybrid_lines(wide, levels) + longer_run_lines(every) + overlap_lines(every) + chunk_lines(every)
+            + http)
+
+
+def longer_run_lines(closed: pd.DataFrame) -> list[str]:
+    """Per level run with more requests per client than the default 2 (column requests_per_client):
+    hisparse over resident output tokens/s (target >= 1.6) and p50 TTFT, the running batches, and the
+    same ratio of the twin run with 2 each, where it exists. A closed loop ends with its last requests
+    decoding on fewer lanes than it has; more requests per client shrink that drain's share of the run."""
+    if "requests_per_client" not in closed or not closed.requests_per_client.notna().any():
+        return []
+    shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_budget_gib", "kv_dtype", "model", "workload")
+             if c in closed]
+    f = closed.assign(**{c: closed[c].astype(object).where(closed[c].notna(), "-")
+                         for c in [*shape, "requests_per_client"]})
+    f = f[f.prefill_overlap.isna()] if "prefill_overlap" in f else f
+    key = ["concurrency", "requests_per_client", *shape]
+    wide = with_commit(f.pivot_table(index=[*key, "mode"], columns="metric", values="value"), f, [*key, "mode"])
+
+    def of(point, mode):
+        return wide.loc[(*point, mode)] if (*point, mode) in wide.index else None
+
+    lines = []
+    for point in sorted({p[:-1] for p in wide.index if p[1] != "-"}):
+        level, per_client, *rest = point
+        hisparse, resident = of(point, "hisparse"), of(point, "resident")
+        head = f"serving {level:.0f} clients, {per_client:.0f} requests each"
+        if hisparse is None or resident is None:
+            missing = " and ".join(m for m, r in (("hisparse", hisparse), ("resident", resident)) if r is None)
+            lines.append(f"{head}: {missing} not measured yet (targets: tokens/s >= 1.6x, p50 TTFT >= 2x lower)")
+            continue
+        line = (f"{head}: hisparse / resident output tokens/s {hisparse.tokens_per_s / resident.tokens_per_s:.2f}x "
+                f"(target >= 1.6), p50 TTFT {resident.ttft_ms_p50 / hisparse.ttft_ms_p50:.2f}x lower (target >= 2)"
+                f"{across(hisparse, resident)}")
+        if "running_batch_mean" in wide.columns:
+            line += (f"; running batch {hisparse.running_batch_mean:.2f} of {hisparse.lanes:.0f} / "
+                     f"{resident.running_batch_mean:.2f} of {resident.lanes:.0f}")
+        twin = [of((level, "-", *rest), mode) for mode in ("hisparse", "resident")]
+        if all(t is not None for t in twin):
+            line += f"; 2 requests each: {twin[0].tokens_per_s / twin[1].tokens_per_s:.2f}x{across(twin[0], twin[1])}"
+        lines.append(line)
+    return lines
 
 
 def overlap_lines(closed: pd.DataFrame) -> list[str]:
@@ -408,7 +449,8 @@ def decode_lines(frame: pd.DataFrame) -> list[str]:
 
 # what makes an HTTP row the twin of an in-process one (the rest is how each was measured)
 TWIN = ["family", "model", "mode", "workload", "layers", "hidden", "cache_slots", "input_len", "output_len",
-        "concurrency", "kv_budget_gib", "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "kv_dtype"]
+        "concurrency", "kv_budget_gib", "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "kv_dtype",
+        "requests_per_client"]
 
 
 def http_lines(frame: pd.DataFrame) -> list[str]:

@@ -446,7 +446,8 @@ def done_points(path: Path) -> pd.DataFrame | None:
 
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
-OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "prefill_layers", "prefill_sms", "transport"}   # transport: HTTP rows (hisparse.serve.bench)
+OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "prefill_layers", "prefill_sms", "requests_per_client",
+                       "transport"}   # transport: HTTP rows (hisparse.serve.bench)
 
 
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
@@ -779,12 +780,15 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     """One point per load level (concurrency or rate), prefill chunk, prefill overlap and mode, the
     modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True;
     the others leave it out (their rows, as before the key existed, leave the column empty), and
-    prefill_layers where it is not the Server's default, prefill_sms where set."""
+    prefill_layers where it is not the Server's default, prefill_sms where set. A closed-loop point
+    carries requests_per_client where it is not the default 2 (a longer run of the same level)."""
     from hisparse.serving import PREFILL_LAYERS
     layers = study.get("prefill_layers", PREFILL_LAYERS)
     overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {}),
                   **({"prefill_sms": study["prefill_sms"]} if "prefill_sms" in study else {})}
     loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
+    per_client = study.get("requests_per_client", DEFAULTS["requests_per_client"])
+    longer = {} if per_client == DEFAULTS["requests_per_client"] else {"requests_per_client": per_client}
     out = []
     for (key, level), chunk, overlap, mode in itertools.product(loads, study["prefill_chunk"],
                                                                 study["prefill_overlap"], study["modes"]):
@@ -792,7 +796,8 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
                         output_len=study["output_len"], concurrency=level if key == "concurrency" else None,
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
                         kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
-                        prefill_chunk=chunk, **(overlapped if overlap else {})))
+                        prefill_chunk=chunk, **(overlapped if overlap else {}),
+                        **(longer if key == "concurrency" else {})))
     return out
 
 

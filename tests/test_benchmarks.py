@@ -422,6 +422,28 @@ def test_summary_prints_the_serving_targets():
             "(target <= 1.03)") in without_noio
 
 
+def test_summary_sets_a_run_of_more_requests_per_client_beside_its_twin():
+    """Points with requests_per_client (3 here) are not the study: each level gets its own line, the
+    tokens/s and TTFT ratios with the running batches, and the ratio of its twin run with 2 each; a
+    level where a mode is missing says so."""
+    from benchmarks.summary import serving_lines
+    shape = dict(bench="serving", input_len=1024, output_len=100, prefill_chunk=512, gpu="NVIDIA H200",
+                 commit="abc", timestamp="2026-12-02T10:00:00")
+    values = {("resident", 8, None): (80, 9000, 2, 2.0), ("hisparse", 8, None): (120, 3000, 5, 4.0),
+              ("resident", 1, None): (50, 1000, 1, 1.0), ("hisparse", 1, None): (48, 1000, 1, 1.0),
+              ("resident", 8, 3): (80, 12000, 2, 2.0), ("hisparse", 8, 3): (140, 3000, 5, 4.8),
+              ("hisparse", 6, 3): (130, 2000, 5, 4.5)}
+    rows = [dict(shape, mode=mode, concurrency=level, requests_per_client=per_client, metric=m, value=v)
+            for (mode, level, per_client), vals in values.items()
+            for m, v in zip(("tokens_per_s", "ttft_ms_p50", "lanes", "running_batch_mean"), vals)]
+    lines = serving_lines(pd.DataFrame(rows))
+    assert any(line.startswith("serving 8 clients: hisparse / resident output tokens/s 1.50x") for line in lines)
+    assert ("serving 6 clients, 3 requests each: resident not measured yet (targets: tokens/s >= 1.6x, p50 TTFT "
+            ">= 2x lower)") in lines
+    assert ("serving 8 clients, 3 requests each: hisparse / resident output tokens/s 1.75x (target >= 1.6), p50 TTFT "
+            "4.00x lower (target >= 2); running batch 4.80 of 5 / 2.00 of 2; 2 requests each: 1.50x") in lines
+
+
 def test_summary_prints_the_prefill_bound_estimate_hybrid_targets_and_unmeasured_modes():
     """With prefill time, step times, lanes and requests measured, the tokens/s target gets the
     estimate beside it, n P + n (out - 1) / lanes x ITL p50 per mode: at 4 clients resident

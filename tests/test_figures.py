@@ -570,6 +570,9 @@ def test_serving_studies_at_two_budgets_are_not_mixed():
     assert set(study.kv_budget_gib) == {4} and sorted(set(study.concurrency)) == [2, 8]
     assert set(study.value) == {2.0}
     assert set(figures.serving_study(frame("serving", older + newer[:1])).kv_budget_gib) == {5}
+    longer = [dict(r, requests_per_client=3, timestamp="2026-12-03T00:00:00+00:00", value=3.0) for r in newer]
+    study = figures.serving_study(frame("serving", older + newer + longer))
+    assert set(study.value) == {2.0} and study.requests_per_client.isna().all()   # a longer run is not the study
 
 
 def test_serving_study_resumed_at_a_later_commit_keeps_its_earlier_points(tmp_path):

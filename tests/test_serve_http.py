@@ -380,6 +380,10 @@ def test_the_command_serves_a_model_already_built():
     assert server.kv_dtype == "fp8" and info["kv_dtype"] == "fp8" and info["unit_bytes"] == 656
     assert info["attention_kernel"] == "triton" and info["prefill_overlap"] is False
     assert "prefill_overlap" not in point_columns({"id": "dsa-fp8", "hisparse": info}, 8, 2, 1, None)
+    described = {"id": "dsa-fp8", "hisparse": info}                 # as the sweep: only a closed loop's, not 2
+    assert point_columns(described, 8, 2, 4, None, 3)["requests_per_client"] == 3
+    assert all("requests_per_client" not in point_columns(described, 8, 2, *load)
+               for load in ((4, None, 2), (4, None, None), (None, 0.5, 3)))
     server, _, _ = build_server(ap, ap.parse_args(["--max-context", "64", "--kv-budget-gib", "0.01",
                                                    "--prefill-overlap", "--prefill-layers", "2", "--prefill-sms", "8"]),
                                  tiny(FAMILY), "dsa")

@@ -811,16 +811,35 @@ def test_bad_prefill_layers_or_sms_fails_before_running(tmp_path, capsys, study,
 
 
 def test_a_point_is_not_done_by_rows_that_differ_in_an_optional_key():
-    """kv_dtype, prefill_overlap, prefill_layers, prefill_sms and transport: a point without the key is done only by rows that
-    leave it empty (a bf16 point not by its fp8 twin's rows, an in-process one not by HTTP rows)."""
+    """kv_dtype, prefill_overlap, prefill_layers, prefill_sms, requests_per_client and transport: a point without the
+    key is done only by rows that leave it empty (a bf16 point not by its fp8 twin's rows, an in-process one not by
+    HTTP rows, a run of 2 requests per client not by one of 3)."""
     point = {"bench": "serving", "mode": "hisparse", "concurrency": 8}
     row = dict(point, gpu="g", metric="tokens_per_s", value=1.0)
     for key, value in (("kv_dtype", "fp8"), ("prefill_overlap", True), ("prefill_layers", 1), ("prefill_sms", 64),
-                       ("transport", "http")):
+                       ("requests_per_client", 3), ("transport", "http")):
         done = pd.DataFrame([dict(row, **{key: value})])
         assert not sweep.already_done(done, point, "g"), key
         assert sweep.already_done(done, dict(point, **{key: value}), "g"), key
         assert sweep.already_done(pd.DataFrame([dict(row, **{key: None})]), point, "g"), key
+
+
+def test_a_closed_loop_point_carries_requests_per_client_where_it_is_not_the_default(tmp_path):
+    """requests_per_client = 1 (not the default 2): each closed-loop point and its rows carry it, and the
+    point runs that many requests a client; with the default the points leave the key out, as the rows
+    from before it existed; an open-loop (rates) point never carries it."""
+    config = write(tmp_path, SERVING.replace('"resident", ', ''))
+    out = tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "serving.csv")
+    assert (rows.requests_per_client == 1).all() and rows.query("metric == 'requests'").value.tolist() == [2.0]
+    studies = sweep.tomllib.loads(SERVING.replace("requests_per_client = 1", "requests_per_client = 2"))["study"]
+    studies.append(dict(studies[0], requests_per_client=3, concurrency=None, rates=[1.0]))
+    del studies[1]["concurrency"]
+    sweep.validate(studies)
+    assert not any("requests_per_client" in p for s in studies for p in sweep.points(s))
+    three = dict(studies[0], requests_per_client=3)
+    assert {p["requests_per_client"] for p in sweep.points(three)} == {3}
 
 
 @pytest.mark.parametrize("value,message", [

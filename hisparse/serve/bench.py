@@ -122,8 +122,11 @@ def summarize(timings: list[Timing]) -> dict[str, float]:
     return out
 
 
-def point_columns(info: dict, input_len: int, output_len: int, concurrency: int | None, rate: float | None) -> dict:
-    """The columns of an in-process serving row, from the server's description."""
+def point_columns(info: dict, input_len: int, output_len: int, concurrency: int | None, rate: float | None,
+                  requests_per_client: int | None = None) -> dict:
+    """The columns of an in-process serving row, from the server's description (a closed loop's
+    requests_per_client where it is not the sweep's default, as the sweep's rows)."""
+    from experiments.sweep import DEFAULTS
     s = info["hisparse"]
     point = {"bench": "serving", "family": s["family"], "mode": s["mode"], "batch": None, "context": input_len,
              "k": s["k"], "cache_slots": s["cache_slots"], "unit_bytes": s["unit_bytes"], "workload": s["workload"],
@@ -135,6 +138,8 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
         point["token_budget"] = s["token_budget"]
     if s.get("kv_dtype", "bf16") != "bf16":          # as the sweep's rows: bf16 leaves it empty
         point["kv_dtype"] = s["kv_dtype"]
+    if concurrency is not None and requests_per_client not in (None, DEFAULTS["requests_per_client"]):
+        point["requests_per_client"] = requests_per_client
     if s.get("prefill_overlap"):                     # as the sweep's rows: without overlap leaves it empty
         point["prefill_overlap"] = True
         if s.get("prefill_layers", PREFILL_LAYERS) != PREFILL_LAYERS:   # the sweep's pieces are the default's
@@ -187,7 +192,7 @@ async def run_load(url: str, load: tuple[str, float], args: argparse.Namespace, 
             print(f"request {i} failed: {t.error}", file=sys.stderr)
     summary = summarize(timings)
     point = point_columns(info, args.input_len, args.output_len, *(
-        (int(load[1]), None) if load[0] == "concurrency" else (None, load[1])))
+        (int(load[1]), None) if load[0] == "concurrency" else (None, load[1])), args.requests_per_client)
     print(f"{point['mode']} {load[0]}={load[1]:g}: {summary['requests']} requests, "
           f"{summary['tokens_per_s']:.2f} tokens/s, TTFT p50 {summary['ttft_ms_p50']:.1f} ms, "
           f"TPOT p50 {summary['tpot_ms_p50']:.1f} ms, {summary['failed_requests']} failed", flush=True)
