@@ -425,6 +425,14 @@ def points(study: dict) -> list[dict]:
     return out
 
 
+def _natural(text: str) -> tuple:
+    """Sort key of a listed value: numbers by value, before the rest."""
+    try:
+        return (0, float(text), text)
+    except ValueError:
+        return (1, 0.0, text)
+
+
 def done_points(path: Path) -> pd.DataFrame | None:
     """The rows already in a results file (None if there is none), read to skip the points they hold."""
     if not path.exists():
@@ -893,8 +901,9 @@ def main(argv=None) -> int:
                          "them in later points and processes instead of drawing them again (tens of seconds each)")
     ap.add_argument("--only", action="append", default=[], metavar="KEY=VALUE",
                     help="run only the points whose KEY is VALUE, as the dry run lists them, or one of VALUE,VALUE "
-                         "(repeatable, all must hold; e.g. --only mode=hisparse --only concurrency=6,8): a part of a "
-                         "config that fits one GPU call, its points in one process (the model built once)")
+                         "(repeatable, all must hold; e.g. --only mode=hisparse --only concurrency=6,8; a point "
+                         "without KEY has the value None): a part of a config that fits one GPU call, its points in "
+                         "one process (the model built once); a VALUE no point has is an error")
     ap.add_argument("--draw-only", action="store_true",
                     help="with --draw-cache: draw the selections the points to run will read into DIR, run no "
                          "point (on a GPU machine, beside the GPU tests: the draws take the host's cores, "
@@ -961,11 +970,17 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    known = set().union(*(p for s in studies for p in points(s)))
-    for key, _ in only:
+    every = [p for s in studies for p in points(s)]
+    known = set().union(*every)
+    for key, values in only:
         if key not in known:
             print(f"error: --only {key}=...: no point has the key {key!r}; its points have {sorted(known)}",
                   file=sys.stderr)
+            return 2
+        present = {str(p.get(key)) for p in every}        # a point without the key lists it as None
+        if not present & set(values):                     # a typo would otherwise run nothing, silently
+            print(f"error: --only {key}={','.join(values)}: no point has {key} {' or '.join(values)}; its points "
+                  f"have {', '.join(sorted(present, key=_natural))}", file=sys.stderr)
             return 2
     pending = len(todo)
     todo = [(study, point) for study, point in todo if all(str(point.get(k)) in v for k, v in only)]

@@ -686,6 +686,9 @@ def test_only_runs_the_points_it_names_and_refuses_an_unknown_key(tmp_path, caps
     assert "2 points, 1 already" in listed and "'mode': 'resident'" in listed and "'mode': 'hisparse'" not in listed
     assert sweep.main(["--config", config, "--out", str(tmp_path / "p"), "--only", "modes=hisparse"]) == 2
     assert "no point has the key 'modes'" in capsys.readouterr().err and not (tmp_path / "p").exists()
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "p"), "--only", "concurrency=7,9"]) == 2
+    assert ("--only concurrency=7,9: no point has concurrency 7 or 9; its points have 2"
+            in capsys.readouterr().err) and not (tmp_path / "p").exists()
     with pytest.raises(SystemExit):
         sweep.main(["--config", config, "--out", str(tmp_path / "p"), "--only", "hisparse"])
     assert "--only 'hisparse': expected KEY=VALUE" in capsys.readouterr().err
