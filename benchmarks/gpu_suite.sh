@@ -14,7 +14,8 @@
 # to bench_resolve ("--decode-like" runs its points instead of the sweep: resolve_layers.csv, and no
 # resolve.csv or its target lines); SWEEP_ARGS (e.g. "--config experiments/configs/h200.toml --kind decode
 # --runs-per-process 3") first runs experiments.sweep with them into $OUT/sweep/ (every point: the copied
-# results/ are not read), capped by SWEEP_TIMEOUT (s, default 540); with --draw-cache among them the serving
+# results/ are not read), capped by SWEEP_TIMEOUT (s, default 540; its lines reach the log as they come, so a
+# call stopped from outside keeps them); with --draw-cache among them the serving
 # requests' selections are drawn beside the GPU tests (--draw-only), not after them. NCU=1 first profiles one launch of each
 # of NCU_TARGETS (experiments/tools/ncu_kernels.py arguments, "|"-separated; default the resolve at 20% and
 # 100% misses, and DSA decode at batch 64) with Nsight Compute: $OUT/ncu_*.ncu-rep, with each report's
@@ -81,7 +82,7 @@ fi
 if [ -n "${SWEEP_ARGS:-}" ]; then
   echo "== experiments.sweep ${SWEEP_ARGS} --out $OUT/sweep" | tee -a "$log"
   read -r -a sweep <<< "$SWEEP_ARGS"
-  capped "${SWEEP_TIMEOUT:-540}" "$py" -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" 2>&1 | grep -v Warning \
+  capped "${SWEEP_TIMEOUT:-540}" "$py" -m experiments.sweep --out "$OUT/sweep" "${sweep[@]}" 2>&1 | grep --line-buffered -v Warning \
     | tee -a "$log" || status=1
 fi
 if [ "${NCU:-0}" = 1 ]; then
