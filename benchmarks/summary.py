@@ -213,15 +213,17 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         lines.append(f"serving {low:.0f} clients: TPOT p50 hisparse / resident {tpot(low, 'hisparse')} "
                      f"(target <= 1.25){trees(low, 'hisparse')}, noio / resident {tpot(low, 'noio')} "
                      f"(target <= 1.03){trees(low, 'noio')}")
-    return (lines + hybrid_lines(wide, levels) + longer_run_lines(every) + overlap_lines(every) + chunk_lines(every)
-            + http)
+    two_each = every[every.requests_per_client.isna()] if "requests_per_client" in every else every
+    return (lines + hybrid_lines(wide, levels) + longer_run_lines(every) + overlap_lines(two_each)
+            + chunk_lines(two_each) + http)
 
 
 def longer_run_lines(closed: pd.DataFrame) -> list[str]:
-    """Per level run with more requests per client than the default 2 (column requests_per_client):
-    hisparse over resident output tokens/s (target >= 1.6) and p50 TTFT, the running batches, and the
-    same ratio of the twin run with 2 each, where it exists. A closed loop ends with its last requests
-    decoding on fewer lanes than it has; more requests per client shrink that drain's share of the run."""
+    """Per level run with a number of requests per client other than the default 2 (column
+    requests_per_client; a longer run, e.g. 3): hisparse over resident output tokens/s (target >= 1.6)
+    and p50 TTFT, the running batches, and the same ratio of the twin run with 2 each, where it exists.
+    A closed loop ends with its last requests decoding on fewer lanes than it has; more requests per
+    client shrink that drain's share of the run."""
     if "requests_per_client" not in closed or not closed.requests_per_client.notna().any():
         return []
     shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_budget_gib", "kv_dtype", "model", "workload")
@@ -247,7 +249,8 @@ def longer_run_lines(closed: pd.DataFrame) -> list[str]:
         line = (f"{head}: hisparse / resident output tokens/s {hisparse.tokens_per_s / resident.tokens_per_s:.2f}x "
                 f"(target >= 1.6), p50 TTFT {resident.ttft_ms_p50 / hisparse.ttft_ms_p50:.2f}x lower (target >= 2)"
                 f"{across(hisparse, resident)}")
-        if "running_batch_mean" in wide.columns:
+        if "running_batch_mean" in wide.columns and not pd.isna([hisparse.running_batch_mean,
+                                                                  resident.running_batch_mean]).any():
             line += (f"; running batch {hisparse.running_batch_mean:.2f} of {hisparse.lanes:.0f} / "
                      f"{resident.running_batch_mean:.2f} of {resident.lanes:.0f}")
         twin = [of((level, "-", *rest), mode) for mode in ("hisparse", "resident")]

@@ -125,7 +125,9 @@ KEY_HELP = {
     "output_len": "serving: tokens each request generates (its first from the prefill)",
     "concurrency": "serving: closed-loop client counts, one or a list (or rates)",
     "rates": "serving: open-loop Poisson arrival rates, requests/s, one or a list (or concurrency)",
-    "requests_per_client": f"serving, closed loop: requests each client sends ({DEFAULTS['requests_per_client']})",
+    "requests_per_client": f"serving, closed loop: requests each client sends ({DEFAULTS['requests_per_client']}; "
+                           "another value is carried in the rows' requests_per_client column, the default's "
+                           "leave it empty)",
     "requests": f"serving, open loop: requests per rate ({DEFAULTS['requests']})",
     "prefill_chunk": f"serving: prompt tokens prefilled per iteration, between decode steps, one or a list "
                      f"({DEFAULTS['prefill_chunk']})",
@@ -789,14 +791,14 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True;
     the others leave it out (their rows, as before the key existed, leave the column empty), and
     prefill_layers where it is not the Server's default, prefill_sms where set. A closed-loop point
-    carries requests_per_client where it is not the default 2 (a longer run of the same level)."""
+    carries requests_per_client where it is not the default 2 (e.g. a longer run of the same level)."""
     from hisparse.serving import PREFILL_LAYERS
     layers = study.get("prefill_layers", PREFILL_LAYERS)
     overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {}),
                   **({"prefill_sms": study["prefill_sms"]} if "prefill_sms" in study else {})}
     loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
     per_client = study.get("requests_per_client", DEFAULTS["requests_per_client"])
-    longer = {} if per_client == DEFAULTS["requests_per_client"] else {"requests_per_client": per_client}
+    not_two = {} if per_client == DEFAULTS["requests_per_client"] else {"requests_per_client": per_client}
     out = []
     for (key, level), chunk, overlap, mode in itertools.product(loads, study["prefill_chunk"],
                                                                 study["prefill_overlap"], study["modes"]):
@@ -805,7 +807,7 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
                         kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
                         prefill_chunk=chunk, **(overlapped if overlap else {}),
-                        **(longer if key == "concurrency" else {})))
+                        **(not_two if key == "concurrency" else {})))
     return out
 
 
@@ -841,7 +843,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     if point["workload"] != "model":             # every request replays its own draw
         draws = request_draws(point["workload"], model.config, point["input_len"], point["output_len"], len(reqs),
                               cache=draw_cache)
-        for r, draw in zip(reqs, draws):
+        for r, draw in zip(reqs, draws, strict=True):
             r.selections = draw
         selections = draws[0]                    # sizes the server's replay buffer
     max_batch = min(study["max_batch"], clients) if clients else study["max_batch"]

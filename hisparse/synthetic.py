@@ -165,28 +165,31 @@ def request_draws(workload: str, model_config, input_len: int, output_len: int, 
     last "full" one before it). At 61 layers and k = 2048 a draw takes tens of seconds, drawn on the
     host's cores side by side. With `cache` (a folder) each request's draw is kept there as a .npy
     file named by its seed and a hash of its config, of this file and of numpy's and torch's
-    versions, so later calls (other points, processes, a server) read it instead of drawing it again.
-    Each draw is its own array, read once (1 GB at 61 layers and 2K out): not stacked into one."""
+    versions, so later calls (other points, processes, a server) read it instead of drawing it again;
+    each cached draw is read once into its own array (1 GB at 61 layers and 2K out), never stacked
+    with the others. Without a cache the draws are made side by side in one array and then copied
+    apart, twice their size at the peak."""
     cfg = _request_config(workload, model_config, input_len, output_len)
     seeds = [request_seed(0, i) for i in range(count)]
     if cache is None:
         drawn = draw_requests(cfg, seeds).selections                        # [steps, layers, count, k]
         draws = [drawn[:, :, i] for i in range(count)]
     else:
-        draws = _cached_draws(cfg, seeds, Path(cache))
+        draws = [np.load(f) for f in _cached_draw_files(cfg, seeds, Path(cache))]
     anchors, last_full = [], 0
     for i, kind in enumerate(model_config.indexer_types):
         last_full = i if kind == "full" else last_full
         anchors.append(last_full)
-    own = anchors == list(range(cfg.layers))                                # no shared layer: no copy
-    return [torch.from_numpy(np.ascontiguousarray(d if own else d[:, anchors])) for d in draws]
+    no_shared = anchors == list(range(cfg.layers))                          # every layer its own: no copy
+    return [torch.from_numpy(np.ascontiguousarray(d if no_shared else d[:, anchors])) for d in draws]
 
 
 def fill_draw_cache(workload: str, model_config, input_len: int, output_len: int, count: int,
                     cache: str | Path) -> None:
     """Draw into `cache` every one of `count` requests' draws that `request_draws` would read from it
-    and it lacks, all side by side (one batch uses the host's cores; request by request does not)."""
-    _cached_draws(_request_config(workload, model_config, input_len, output_len),
+    and it lacks, all side by side (one batch uses the host's cores; request by request does not);
+    the draws already there are not read."""
+    _cached_draw_files(_request_config(workload, model_config, input_len, output_len),
                   [request_seed(0, i) for i in range(count)], Path(cache))
 
 
@@ -198,9 +201,10 @@ def _request_config(workload: str, model_config, input_len: int, output_len: int
     return preset(workload, **over)
 
 
-def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[np.ndarray]:
-    """Each seed's draw [steps, layers, k] of `cfg` from `cache`, the missing ones drawn together and
-    written first (to a temporary name, then renamed: an interrupted write leaves no half file)."""
+def _cached_draw_files(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[Path]:
+    """The .npy file in `cache` of each seed's draw [steps, layers, k] of `cfg`, the missing ones drawn
+    together and written first (to a temporary name, then renamed: an interrupted write leaves no
+    half file)."""
     fields = json.dumps(asdict(replace(cfg, batch=1, seed=0)), sort_keys=True)
     streams = f"numpy {np.__version__} torch {torch.__version__}"         # whose random streams make the draws
     tag = hashlib.sha1(fields.encode() + streams.encode() + Path(__file__).read_bytes()).hexdigest()[:12]
@@ -217,7 +221,7 @@ def _cached_draws(cfg: SyntheticConfig, seeds: list[int], cache: Path) -> list[n
             part = f.with_suffix(f".{os.getpid()}.part.npy")          # this process's own, then renamed
             np.save(part, np.ascontiguousarray(drawn[:, :, j]))
             part.rename(f)
-    return [np.load(f) for f in files]
+    return files
 
 
 def request_trace(cfg: SyntheticConfig, context: int, steps: int, seed: int) -> Trace:

@@ -417,6 +417,8 @@ def test_summary_prints_the_serving_targets():
         "serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident 1.020 (target <= 1.03)",
         "serving 2 clients, hisparse, 1024 in / 64 out, p50 per prefill chunk: 512: TTFT 900 / TPOT 30.0 / ITL p99 50 "
         "ms; 2048: TTFT 650 / TPOT 34.0 / ITL p99 420 ms"]
+    three_each = [dict(row, requests_per_client=3, value=10 * row["value"]) for row in rows if row["output_len"] == 64]
+    assert lines[-1] in serving_lines(pd.DataFrame(rows + three_each))     # a 3-per-client twin is not averaged in
     without_noio = serving_lines(pd.DataFrame([row for row in rows if row["mode"] != "noio"]))
     assert ("serving 2 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident not measured yet "
             "(target <= 1.03)") in without_noio

@@ -2,12 +2,13 @@
 import re
 import textwrap
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from experiments import sweep
-from hisparse.synthetic import request_draws
+from hisparse.synthetic import fill_draw_cache, request_draws
 
 TINY = """
 [[study]]
@@ -709,9 +710,10 @@ def test_draw_only_fills_the_cache_and_runs_no_point(tmp_path, capsys):
     assert "--draw-only fills the draw cache: name it with --draw-cache DIR" in capsys.readouterr().err
 
 
-def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
+def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys, monkeypatch):
     """--draw-cache: the selections read back equal the ones drawn without it; a later call with more
-    requests draws only the new ones; a changed preset field draws afresh under another name."""
+    requests draws only the new ones; a changed preset field draws afresh under another name; filling
+    a cache that holds every draw reads none of them."""
     config = sweep.build(dict(kind="serving", model="tiny:deepseek_v32", layers=2), torch.device("meta")).config
     plain = request_draws("tiny", config, 40, 4, 3)
     assert len(plain) == 3 and all(d.shape == (3, 2, config.index_topk) and d.is_contiguous() for d in plain)
@@ -724,7 +726,24 @@ def test_serving_draws_kept_in_a_cache_are_the_drawn_ones(tmp_path, capsys):
     assert len(again) == 3 and all(map(torch.equal, again, plain)) and "drawing 1 of 3" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.part.npy"))
     longer = request_draws("tiny", config, 41, 4, 1, cache=tmp_path)
-    assert len(list(tmp_path.glob("*.npy"))) == 4 and longer[0].shape == plain[0].shape
+    assert len(list(tmp_path.glob("*.npy"))) == 4 and not torch.equal(longer[0], plain[0])
+    assert "drawing 1 of 1" in capsys.readouterr().out
+    loads = []
+    monkeypatch.setattr(np, "load", lambda *a, **kw: loads.append(a))
+    fill_draw_cache("tiny", config, 40, 4, 3, tmp_path)          # every draw there: none is read
+    assert not loads and "drawing" not in capsys.readouterr().out
+
+
+def test_a_shared_indexer_layer_replays_its_anchors_draw(tmp_path):
+    """glm_moe_dsa's layer 1 shares layer 0's indexer: its draw is layer 0's, cached or not; the full
+    layers keep their own."""
+    config = sweep.build(dict(kind="serving", model="tiny:glm_moe_dsa", layers=3), torch.device("meta")).config
+    assert config.indexer_types == ["full", "shared", "full"]
+    plain = request_draws("tiny", config, 40, 4, 2)
+    cached = request_draws("tiny", config, 40, 4, 2, cache=tmp_path)
+    for draw, again in zip(plain, cached, strict=True):
+        assert torch.equal(draw, again) and draw.is_contiguous()
+        assert torch.equal(draw[:, 1], draw[:, 0]) and not torch.equal(draw[:, 2], draw[:, 0])
 
 
 @pytest.mark.parametrize("edit,message", [

@@ -222,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="closed loop: this many clients (a list: one run per level)")
     load.add_argument("--rate", type=_positive_list(float), metavar="R[,R...]",
                       help="open loop: Poisson arrivals at R requests/s (a list: one run per rate)")
-    ap.add_argument("--requests-per-client", type=_positive, default=4, metavar="N",
-                    help="closed loop: requests each client sends (default 4)")
+    ap.add_argument("--requests-per-client", type=_positive, default=2, metavar="N",
+                    help="closed loop: requests each client sends (default 2, as the sweep's: the rows then "
+                         "pair with its in-process ones)")
     ap.add_argument("--requests", type=_positive, default=16, metavar="N",
                     help="open loop: requests per rate (default 16)")
     ap.add_argument("--input-len", type=_positive, default=1024, metavar="L",
