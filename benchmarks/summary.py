@@ -204,6 +204,7 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
                      f"{ratio(level, 'hisparse', 'tokens_per_s'):.2f}x (target >= 1.6{cap}), p50 TTFT "
                      f"{1 / ratio(level, 'hisparse', 'ttft_ms_p50'):.2f}x lower (target >= 2); {lanes}"
                      + trees(level, "hisparse"))
+
     def tpot(level, mode):
         value = ratio(level, mode, "tpot_ms_p50")
         return "not measured yet" if value != value else f"{value:.3f}"
