@@ -154,6 +154,11 @@ def with_commit(wide: pd.DataFrame, rows: pd.DataFrame, key: list[str]) -> pd.Da
     return wide.join(rows.groupby(key, dropna=False).commit.last())
 
 
+def with_placeholders(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """`frame` with "-" for the empty cells of `columns`, so that they can key a pivot (NaN keys drop)."""
+    return frame.assign(**{c: frame[c].astype(object).where(frame[c].notna(), "-") for c in columns})
+
+
 def across(row: pd.Series, twin: pd.Series) -> str:
     """Two rows compared in one ratio: their commits where they differ (the ratio then mixes every
     change between those trees with the one compared: rerun both on one tree), else ''."""
@@ -197,7 +202,7 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
         lanes = f"lanes {wide.loc[(level, 'hisparse'), 'lanes']:.0f} / {wide.loc[(level, 'resident'), 'lanes']:.0f}"
         if "running_batch_mean" in wide.columns:       # below its lanes: lanes waiting on a prefill, or the drain
             busy = [wide.loc[(level, mode), "running_batch_mean"] for mode in ("hisparse", "resident")]
-            lanes += "" if any(b != b for b in busy) else f", running batch {busy[0]:.2f} / {busy[1]:.2f}"
+            lanes += "" if pd.isna(busy).any() else f", running batch {busy[0]:.2f} / {busy[1]:.2f}"
         cap = prefill_serial_cap(wide, level, levels[0], f.output_len.max())
         cap = "" if cap != cap else f"; {cap:.2f}x with every lane busy and prefill alone between steps"
         lines.append(f"serving {level:.0f} clients: hisparse / resident output tokens/s "
@@ -229,8 +234,7 @@ def longer_run_lines(closed: pd.DataFrame) -> list[str]:
         return []
     shape = [c for c in ("input_len", "output_len", "prefill_chunk", "kv_budget_gib", "kv_dtype", "model", "workload")
              if c in closed]
-    f = closed.assign(**{c: closed[c].astype(object).where(closed[c].notna(), "-")
-                         for c in [*shape, "requests_per_client"]})
+    f = with_placeholders(closed, [*shape, "requests_per_client"])
     f = f[f.prefill_overlap.isna()] if "prefill_overlap" in f else f
     key = ["concurrency", "requests_per_client", *shape]
     wide = with_commit(f.pivot_table(index=[*key, "mode"], columns="metric", values="value"), f, [*key, "mode"])
@@ -274,7 +278,7 @@ def overlap_lines(closed: pd.DataFrame) -> list[str]:
         return []
     shape = [c for c in ("input_len", "output_len", "prefill_chunk", "prefill_layers", "prefill_sms", "kv_budget_gib",
                          "kv_dtype", "model", "workload") if c in closed]
-    f = closed.assign(**{c: closed[c].astype(object).where(closed[c].notna(), "-") for c in shape})
+    f = with_placeholders(closed, shape)
     on = f.prefill_overlap.notna()
     key = ["concurrency", "mode", *shape]
     wide_on = with_commit(f[on].pivot_table(index=key, columns="metric", values="value"), f[on], key)

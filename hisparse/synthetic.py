@@ -190,7 +190,7 @@ def fill_draw_cache(workload: str, model_config, input_len: int, output_len: int
     and it lacks, all side by side (one batch uses the host's cores; request by request does not);
     the draws already there are not read."""
     _cached_draw_files(_request_config(workload, model_config, input_len, output_len),
-                  [request_seed(0, i) for i in range(count)], Path(cache))
+                       [request_seed(0, i) for i in range(count)], Path(cache))
 
 
 def _request_config(workload: str, model_config, input_len: int, output_len: int) -> SyntheticConfig:

@@ -856,8 +856,8 @@ def test_a_closed_loop_point_carries_requests_per_client_where_it_is_not_the_def
     rows = pd.read_csv(out / "serving.csv")
     assert (rows.requests_per_client == 1).all() and rows.query("metric == 'requests'").value.tolist() == [2.0]
     studies = sweep.tomllib.loads(SERVING.replace("requests_per_client = 1", "requests_per_client = 2"))["study"]
-    studies.append(dict(studies[0], requests_per_client=3, concurrency=None, rates=[1.0]))
-    del studies[1]["concurrency"]
+    open_loop = {k: v for k, v in studies[0].items() if k != "concurrency"}
+    studies.append(dict(open_loop, requests_per_client=3, rates=[1.0]))
     sweep.validate(studies)
     assert not any("requests_per_client" in p for s in studies for p in sweep.points(s))
     three = dict(studies[0], requests_per_client=3)
