@@ -43,6 +43,23 @@ One tile i (two warp groups, warps_per_cta [4, 2] in both MMA layouts, as dsa_gl
 Rows -1 (and rows past the chunk's end) are masked copies, zero-filled (a zero byte is e4m3 0, a
 zero scale 0), and their logits are -inf.
 
+Dequantisation modes (constexpr DEQUANT, names in GLUON_FP8_DEQUANT; the launcher passes none: "f32")
+----------------------------------------------------------------------------------------------------
+- 0 "f32" (default): raw bytes row-major; a thread converts 16 consecutive bytes of a row, 8 lanes
+  along the row. Its STS.128 of the bf16 block conflict 2-way in each 8-lane phase: lanes t and t + 4
+  hit the same 16 bytes of the 128-byte swizzle in the two 64-column halves (our reading of Nsight
+  Compute's 22% excess shared wavefronts). Per 2 values: F2FP (e4m3x2 -> f16x2), 2 HADD2 (-> f32),
+  2 FMUL, F2FP (-> bf16x2).
+- 1 "swizzled": the same arithmetic (bitwise the same K tile and output), 8 lanes down 8 rows
+  (`_row_lanes_layout`) and the raw bytes' 16-byte chunks XORed with row % 8 (`_raw_layout`), so the
+  raw loads, the cp.async writes and the bf16 stores of 8 lanes each meet 8 bank groups; one scale
+  a thread a block instead of 2.
+- 2 "bf16x2": "swizzled" with `_e4m3_bf16x2` converting in bf16 (PRMT, SHL, AND, 2 HMUL2 per 2
+  values): bitwise the "f32" K tile for power-of-two scales (the format's), not for others.
+THREAD_SUMS (constexpr, default False) keeps the softmax row sums per row, warp group and lane
+(`_thread_sums`) instead of per element of S: 14 fewer registers, no spill, l summed in another order
+(out and lse within float32 rounding of the default's, not bitwise).
+
 Semantics are `_sparse_mla_decode_gluon_kernel`'s over the dequantised rows: output = acc / l
 (zeros without a valid row), lse in natural log (-inf without a valid row), fp32 accumulation,
 rows read in order BLOCK_K at a time, the same operations in the same order on every launch. Its
@@ -75,6 +92,8 @@ TILE = 128        # latent values per scale
 D_V, D_ROPE = 512, 64
 SCALE_WORD = D_V // 4            # float32 index of a row's first scale (byte 512)
 ROPE_HALF = (D_V + 16) // 2      # bf16 index of a row's first RoPE value (byte 528)
+# How a 128-value block is dequantised into the bf16 K tile: name -> DEQUANT of the kernel (the module docstring)
+GLUON_FP8_DEQUANT = {"f32": 0, "swizzled": 1, "bf16x2": 2}
 
 if GLUON_IMPORT_ERROR is None:
     try:
@@ -84,6 +103,8 @@ if GLUON_IMPORT_ERROR is None:
         _TILE = gl.constexpr(TILE)
         _SCALE_WORD = gl.constexpr(SCALE_WORD)
         _ROPE_HALF = gl.constexpr(ROPE_HALF)
+        _TWO_120 = gl.constexpr(2.0 ** 120)   # e4m3 bits placed in a bf16 read as the value times 2 ** -120
+        _TWO_7 = gl.constexpr(2.0 ** 7)       # the largest scale whose scale * 2 ** 120 is a finite bf16
 
         @gluon.constexpr_function
         def _nvmma_shared(shape, bitwidth):
@@ -99,6 +120,56 @@ if GLUON_IMPORT_ERROR is None:
             lanes_c = min(32, cols // per)
             return gl.BlockedLayout(size_per_thread=[1, per], threads_per_warp=[32 // lanes_c, lanes_c],
                                     warps_per_cta=[num_warps, 1], order=[1, 0])
+
+        @gluon.constexpr_function
+        def _row_lanes_layout(cols, bits, num_warps):
+            """Blocked layout of a [rows, cols] tile of `bits`-bit values: 16-byte vectors, 8 consecutive lanes on
+            8 consecutive rows (same columns), 4 lanes along them: a 16-byte shared access (served 8 lanes at a
+            time) of 8 rows' same chunk meets 8 XOR phases of a 128-byte swizzle, so 8 bank groups."""
+            return gl.BlockedLayout(size_per_thread=[1, 128 // bits], threads_per_warp=[8, 4],
+                                    warps_per_cta=[num_warps, 1], order=[0, 1])
+
+        @gluon.constexpr_function
+        def _raw_layout(dequant):
+            """Shared layout of the raw latent bytes [BLOCK_K, 512]: row-major ("f32"), or 16-byte chunks XORed
+            with row % 8 (the other modes; rows are 512 bytes, so unswizzled 8 rows' same chunk share banks)."""
+            if dequant == 0:
+                return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            return gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+
+        @gluon.constexpr_function
+        def _deq_layout(dequant, num_warps):
+            """Register layout of one dequantised block [BLOCK_K, 128] (16 e4m3 a thread, 32 for BLOCK_K 64)."""
+            if dequant == 0:
+                return _vector_layout(_TILE, 8, num_warps)          # 8 lanes along a row
+            return _row_lanes_layout(_TILE, 8, num_warps)           # 8 lanes down 8 rows
+
+        @gluon.jit
+        def _e4m3_bf16x2(x, mult, mult2):
+            """bf16 x * mult * mult2 of x e4m3 and bf16 factors broadcast to it, 4 values an asm. Per 2 bytes:
+            prmt to [sign(b1) b1 sign(b0) b0] (selector nibble 8 + i: byte i's sign replicated), shl 4, and
+            0x87F087F0 leave sign << 15 | (b & 0x7f) << 4 in each 16-bit half: the bf16 of the e4m3 value times
+            2 ** -120 (e4m3 subnormals become bf16 subnormals, still exact), then two mul.rn.bf16x2. With
+            mult = min(scale, 2 ** 7) * 2 ** 120 (finite) and mult2 = max(scale / 2 ** 7, 1), both exact for a
+            power-of-two scale, every product is exact or rounds once as the f32 path's bf16 does: the same bits
+            (one multiply would overflow for scales over 2 ** 7). An e4m3 NaN byte (never written) gives a
+            finite value."""
+            return gl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 lo, hi;
+                prmt.b32 lo, $2, 0, 0x9180;
+                prmt.b32 hi, $2, 0, 0xB3A2;
+                shl.b32 lo, lo, 4;
+                shl.b32 hi, hi, 4;
+                and.b32 lo, lo, 0x87F087F0;
+                and.b32 hi, hi, 0x87F087F0;
+                mul.rn.bf16x2 lo, lo, $3;
+                mul.rn.bf16x2 hi, hi, $4;
+                mul.rn.bf16x2 $0, lo, $5;
+                mul.rn.bf16x2 $1, hi, $6;
+                }""",
+                constraints="=r,=r,r,r,r,r,r", args=[x.to(gl.uint8, bitcast=True), mult, mult2], dtype=gl.bfloat16,
+                is_pure=True, pack=4)
 
         @gluon.jit
         def _gather_tile(kv8_ptr, kv32_ptr, kv16_ptr, p_rows, j0, end, STRIDE16, raw_smem, scale_smem, sbase, rope_smem,
@@ -125,12 +196,28 @@ if GLUON_IMPORT_ERROR is None:
                 async_copy.async_copy_global_to_shared(scale_smem.index(sbase + t), p_sc + t, mask=row_s >= 0)
 
         @gluon.jit
-        def _convert_block(raw_smem, scale_smem, sbase, c: gl.constexpr, layout: gl.constexpr):
+        def _convert_block(raw_smem, scale_smem, sbase, c: gl.constexpr, layout: gl.constexpr,
+                           DEQUANT: gl.constexpr):
             """Latent block c (columns c*128 .. c*128 + 127) of a raw stage, dequantised:
-            [BLOCK_K, 128] bf16 in `layout` (e4m3 -> float32, times the row's scale, -> bf16: exact)."""
+            [BLOCK_K, 128] bf16 in `layout` (e4m3 -> float32, times the row's scale, -> bf16: exact; DEQUANT
+            "bf16x2": `_e4m3_bf16x2`, the same bits for power-of-two scales)."""
             x = raw_smem.slice(c * _TILE, _TILE, dim=1).load(layout)                 # [BLOCK_K, 128] e4m3
             scale = scale_smem.index(sbase + c).load(gl.SliceLayout(1, layout))            # [BLOCK_K]
+            if DEQUANT == 2:
+                m1 = (gl.minimum(scale, _TWO_7) * _TWO_120).to(gl.bfloat16)        # [BLOCK_K]: <= 2 ** 127
+                m2 = gl.maximum(scale * (1.0 / _TWO_7), 1.0).to(gl.bfloat16)     # [BLOCK_K]: 1 unless scale > 2 ** 7
+                return _e4m3_bf16x2(x, m1[:, None], m2[:, None])
             return (x.to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+
+        @gluon.jit
+        def _thread_sums(x):
+            """x [BLOCK_H, BLOCK_K] in the QK^T accumulator layout (warps [4, 2], instr N = BLOCK_K / 2), summed
+            over the columns each thread holds: [BLOCK_H, 2, 4]. Column g * BLOCK_K/2 + j * 8 + t * 2 + b sits in
+            warp group g, lane t (mod 4), registers j and b, so the sum over j and b stays in registers."""
+            BH: gl.constexpr = x.shape[0]
+            BK: gl.constexpr = x.shape[1]
+            x5 = gl.reshape(x, [BH, 2, BK // 16, 4, 2])        # [rows, group g, chunk j, lane t, pair b]: no moves
+            return gl.sum(gl.sum(x5, axis=4), axis=2)
 
         @gluon.jit
         def _qk_block(q_nope, k_nope, c: gl.constexpr, s_tok):
@@ -140,7 +227,7 @@ if GLUON_IMPORT_ERROR is None:
 
         @gluon.jit
         def _dequant_and_qk(q_nope, q_rope, k_nope, k_rope, raw_smem, scale_smem, sbase, b0, s_zero,
-                            deq_l: gl.constexpr):
+                            deq_l: gl.constexpr, DEQUANT: gl.constexpr):
             """K nope := the dequantised raw stage (block 0 already converted: b0), QK^T issued block by
             block, each block's conversion overlapping the previous block's MMA. Returns S (waited)."""
             k_nope.slice(0, _TILE, dim=1).store(b0)
@@ -149,7 +236,8 @@ if GLUON_IMPORT_ERROR is None:
             s_tok = warpgroup_mma(q_rope, k_rope.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_tok = _qk_block(q_nope, k_nope, 0, s_tok)
             for c in gl.static_range(1, _D_V // _TILE):
-                k_nope.slice(c * _TILE, _TILE, dim=1).store(_convert_block(raw_smem, scale_smem, sbase, c, deq_l))
+                blk = _convert_block(raw_smem, scale_smem, sbase, c, deq_l, DEQUANT)
+                k_nope.slice(c * _TILE, _TILE, dim=1).store(blk)
                 fence_async_shared()
                 gl.thread_barrier()
                 s_tok = _qk_block(q_nope, k_nope, c, s_tok)
@@ -162,10 +250,11 @@ if GLUON_IMPORT_ERROR is None:
             stride_ls,
             H, K_SEL, CHUNK, qk_scale_log2,
             BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, HAS_ROW_BASE: gl.constexpr, NUM_STAGES: gl.constexpr,
-            num_warps: gl.constexpr,
+            num_warps: gl.constexpr, DEQUANT: gl.constexpr = 0, THREAD_SUMS: gl.constexpr = False,
         ):
             """As `_sparse_mla_decode_gluon_kernel` over FP8 rows (the module docstring): STRIDE16 =
-            the pool's row stride in 16-byte units; the three kv pointers view the same bytes."""
+            the pool's row stride in 16-byte units; the three kv pointers view the same bytes. DEQUANT (0 "f32",
+            1 "swizzled", 2 "bf16x2") and THREAD_SUMS: the module docstring's "Dequantisation modes"."""
             gl.static_assert(num_warps == 8, "two warp groups: warps_per_cta [4, 2]")
             gl.static_assert(BLOCK_H == 64, "one wgmma M of 64 rows per warp group")
             gl.static_assert(NUM_STAGES == 2, "tile i + 2 is copied into tile i's stage")
@@ -179,15 +268,15 @@ if GLUON_IMPORT_ERROR is None:
             row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
             nope_reg: gl.constexpr = _vector_layout(_D_V, 16, num_warps)
             rope_reg: gl.constexpr = _vector_layout(_D_ROPE, 16, num_warps)
-            deq_l: gl.constexpr = _vector_layout(_TILE, 8, num_warps)       # [BLOCK_K, 128] e4m3: 16 a thread
-            plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            deq_l: gl.constexpr = _deq_layout(DEQUANT, num_warps)       # [BLOCK_K, 128] e4m3: 2 x 16 a thread
 
             q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, _D_V], _nvmma_shared([BLOCK_H, _D_V], 16))
             q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, _D_ROPE], _nvmma_shared([BLOCK_H, _D_ROPE], 16))
             k_nope = gl.allocate_shared_memory(dtype, [BLOCK_K, _D_V], _nvmma_shared([BLOCK_K, _D_V], 16))
             k_rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, _D_ROPE],
                                                _nvmma_shared([BLOCK_K, _D_ROPE], 16))
-            raw = gl.allocate_shared_memory(kv8_ptr.dtype.element_ty, [NUM_STAGES, BLOCK_K, _D_V], plain)
+            raw = gl.allocate_shared_memory(kv8_ptr.dtype.element_ty, [NUM_STAGES, BLOCK_K, _D_V],
+                                         _raw_layout(DEQUANT))
             scales = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * (_D_V // _TILE), BLOCK_K],
                                                gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_K], _nvmma_shared([BLOCK_H, BLOCK_K], 16))
@@ -223,18 +312,23 @@ if GLUON_IMPORT_ERROR is None:
                 async_copy.commit_group()
 
             m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
-            l_part = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)  # row sums, reduced at the end
+            # row sums, reduced across threads once after the loop: one per element of S [BLOCK_H, BLOCK_K], or
+            # with THREAD_SUMS one per row, warp group and lane [BLOCK_H, 2, 4] (`_thread_sums`: 2 registers a
+            # thread instead of 16, which removes the spill; l then rounds differently)
+            l_part = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
             acc = gl.zeros([BLOCK_H, _D_V], gl.float32, layout=o_layout)
             s_zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout=s_layout)
+            l_thr = _thread_sums(s_zero)
+            alpha_thr: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_thr.type.layout))
             o_kc = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
 
             # tile 0: dequantised and S computed (for n_tiles == 0 it reads unwritten shared memory and
             # is never used)
             async_copy.wait_group(NUM_STAGES - 1)
             gl.thread_barrier()
-            b0 = _convert_block(raw.index(0), scales, 0, 0, deq_l)
+            b0 = _convert_block(raw.index(0), scales, 0, 0, deq_l, DEQUANT)
             s = _dequant_and_qk(q_nope, q_rope, k_nope, k_rope.index(0), raw.index(0), scales, 0, b0,
-                                s_zero, deq_l)
+                                s_zero, deq_l, DEQUANT)
             for i in range(n_tiles):
                 # Here S = Q K^T of tile i is in registers and K nope holds tile i.
                 j0 = start + i * BLOCK_K
@@ -254,7 +348,10 @@ if GLUON_IMPORT_ERROR is None:
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
                 alpha = gl.exp2(m_i - m_safe)
                 p = gl.exp2(s - m_safe[:, None])
-                l_part = l_part * alpha[:, None] + p
+                if THREAD_SUMS:
+                    l_thr = l_thr * gl.convert_layout(alpha, alpha_thr)[:, None, None] + _thread_sums(p)
+                else:
+                    l_part = l_part * alpha[:, None] + p
                 m_i = m_new
 
                 # P to shared memory; tile i + 1's copies (this thread's) landed; one barrier makes both
@@ -269,15 +366,18 @@ if GLUON_IMPORT_ERROR is None:
                     nxt = (i + 1) % NUM_STAGES
                     raw_n = raw.index(nxt)
                     sc_n = nxt * N_BLK
-                    b0 = _convert_block(raw_n, scales, sc_n, 0, deq_l)              # overlaps PV(i)
+                    b0 = _convert_block(raw_n, scales, sc_n, 0, deq_l, DEQUANT)     # overlaps PV(i)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
                     gl.thread_barrier()                                     # both groups are done with K nope
                     s = _dequant_and_qk(q_nope, q_rope, k_nope, k_rope.index(nxt), raw_n, scales, sc_n, b0,
-                                        s_zero, deq_l)
+                                        s_zero, deq_l, DEQUANT)
                 else:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
             async_copy.wait_group(0)  # the last (empty) groups
-            l_i = gl.sum(l_part, axis=1)
+            if THREAD_SUMS:
+                l_i = gl.convert_layout(gl.sum(gl.sum(l_thr, axis=2), axis=1), row_s)   # lanes, then groups
+            else:
+                l_i = gl.sum(l_part, axis=1)
 
             m_any = l_i > 0.0
             l_safe = gl.where(m_any, l_i, 1.0)
