@@ -18,7 +18,7 @@ from test_dsa_fp8 import DSV32_SCALE, TOL, gluon_fp8_inputs, hot_and_resident
 
 from hisparse.dsa import fp8
 from hisparse.dsa import ops as dsa
-from kernels_triton import dsa_fp8_gluon_cluster as cluster
+from experiments.tools import gluon_fp8_cluster as cluster
 
 
 class NoLaunch:
@@ -127,7 +127,7 @@ def needs_cluster():
     if reason:
         pytest.skip(f"the cluster FP8 kernel cannot run here: {reason}")
     try:
-        run = subprocess.run([sys.executable, "-m", "kernels_triton.dsa_fp8_gluon_cluster", "--smoke"],
+        run = subprocess.run([sys.executable, "-m", "experiments.tools.gluon_fp8_cluster", "--smoke"],
                              capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"--smoke did not finish in 240 s (a hang: barrier or offset?): {exc.stdout} {exc.stderr}")
