@@ -124,7 +124,7 @@ def check_offsets(row_base: bool) -> dict[str, int]:
 def offline(ptx_dir: str | None = None) -> None:
     import triton
 
-    from experiments.tools.sass import registers_and_spills, sass_ops
+    from experiments.tools.sass import main_loop_ops, registers_and_spills, sass_ops
     from experiments.tools.sass_dsa_gluon import hgmma_shapes, sass_text
     if GLUON_IMPORT_ERROR is not None:
         raise SystemExit(f"Triton {triton.__version__}: no usable Gluon ({GLUON_IMPORT_ERROR})")
@@ -157,6 +157,7 @@ def offline(ptx_dir: str | None = None) -> None:
               f"UCGABAR_ARV {sync.get('UCGABAR_ARV', 0)} / UCGABAR_WAIT {sync.get('UCGABAR_WAIT', 0)}, "
               f"MEMBAR.ALL.GPU {sync.get('MEMBAR.ALL.GPU', 0)}")
         print(f"    sync ops: {dict(sorted(sync.items()))}")
+        print(f"    main loop: {main_loop_ops(sass)[0]} instructions (one trip)")
         print(f"    HGMMA shapes: {hgmma_shapes(compiled)}")
 
 

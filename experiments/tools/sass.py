@@ -44,6 +44,27 @@ def sass_ops(compiled) -> collections.Counter:
     return ops
 
 
+def main_loop_ops(sass: str) -> tuple[int, collections.Counter]:
+    """(instructions, opcode -> count) of a kernel's main loop in its SASS text: the span of its widest
+    backward branch before the first EXIT (static counts: one trip of the loop's body)."""
+    program = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if m:
+            program.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2).strip())))
+    end = min((a for a, text in program if text.startswith("EXIT")), default=float("inf"))
+    loop = None
+    for addr, text in program:
+        branch = re.match(r"U?BRA\S*\s+0x([0-9a-f]+)", text)
+        if branch and addr <= end and int(branch.group(1), 16) < addr:
+            if loop is None or addr - int(branch.group(1), 16) > loop[1] - loop[0]:
+                loop = (int(branch.group(1), 16), addr)
+    if loop is None:
+        return 0, collections.Counter()
+    body = [text for a, text in program if loop[0] <= a <= loop[1]]
+    return len(body), collections.Counter(text.split()[0].split(".")[0] for text in body)
+
+
 def registers_and_spills(compiled) -> tuple[int, int]:
     """(registers per thread, bytes per thread of stack and local memory: where registers spill) from
     the cubin's resource usage."""

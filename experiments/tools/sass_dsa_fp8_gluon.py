@@ -1,7 +1,7 @@
 """Compile the Gluon sparse MLA decode kernel over FP8 rows (kernels_triton/dsa_fp8_gluon.py) for sm_90a
 without a GPU and report it beside the bf16 rows' Gluon kernel (experiments/tools/sass_dsa_gluon.py's
-report): registers, spills, shared memory, SASS counts and the wgmma (HGMMA) shapes; F2FP / F2F /
-HADD2 / FMUL count the dequantisation's conversions and multiplies.
+report): registers, spills, shared memory, SASS counts, the main loop's instructions (one trip) and the
+wgmma (HGMMA) shapes; F2FP / F2F / HADD2 / FMUL count the dequantisation's conversions and multiplies.
 
     TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.sass_dsa_fp8_gluon [--ptx DIR] [--dequant MODE|all]
         [--thread-sums]
@@ -15,7 +15,7 @@ import triton
 
 import kernels_triton.dsa_fp8_gluon as fg
 from experiments.tools import sass_dsa, sass_dsa_gluon
-from experiments.tools.sass import registers_and_spills, sass_ops
+from experiments.tools.sass import main_loop_ops, registers_and_spills, sass_ops
 
 POINTER_TYPES = {"q_ptr": "*bf16", "kv8_ptr": "*fp8e4nv", "kv32_ptr": "*fp32", "kv16_ptr": "*bf16",
                  "rows_ptr": "*i32", "row_base_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
@@ -59,8 +59,11 @@ def fp8_report(row_base: bool, ptx_dir: str | None = None, dequant: str = "f32",
     regs, spills = registers_and_spills(compiled)
     ops = sass_ops(compiled)
     counts = " ".join(f"{name} {ops[name]}" for name in sass_dsa.SHOWN + CONVERSIONS)
+    loop, loop_ops = main_loop_ops(sass_dsa_gluon.sass_text(compiled))
+    in_loop = " ".join(f"{name} {loop_ops[name]}" for name in ("LDL", "STS", "LDS", *CONVERSIONS))
     return (f"{regs} regs, {spills} B spilled, {compiled.metadata.shared // 1024} KiB shared "
-            f"({compiled.metadata.shared} B) | {counts} | HGMMA shapes: {sass_dsa_gluon.hgmma_shapes(compiled)}")
+            f"({compiled.metadata.shared} B) | {counts} | main loop {loop} instructions: {in_loop} | "
+            f"HGMMA shapes: {sass_dsa_gluon.hgmma_shapes(compiled)}")
 
 
 def main(argv=None) -> None:

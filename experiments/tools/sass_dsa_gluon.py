@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 import kernels_triton.dsa_gluon as dg
 from experiments.tools import sass_dsa
-from experiments.tools.sass import TOOLS, registers_and_spills, sass_ops
+from experiments.tools.sass import TOOLS, main_loop_ops, registers_and_spills, sass_ops
 
 D_V, D_ROPE = sass_dsa.D_V, sass_dsa.D_ROPE
 SHOWN = sass_dsa.SHOWN
@@ -87,7 +87,8 @@ def gluon_report(block_k: int, stages: int, row_base: bool, ptx_dir: str | None 
     ops = sass_ops(compiled)
     counts = " ".join(f"{name} {ops[name]}" for name in SHOWN)
     return (f"{regs} regs, {spills} B spilled, {compiled.metadata.shared // 1024} KiB shared "
-            f"({compiled.metadata.shared} B) | {counts} | HGMMA shapes: {hgmma_shapes(compiled)}")
+            f"({compiled.metadata.shared} B) | {counts} | main loop {main_loop_ops(sass_text(compiled))[0]} "
+            f"instructions | HGMMA shapes: {hgmma_shapes(compiled)}")
 
 
 def triton_hgmma_shapes(block_k: int, row_base: bool) -> str:
