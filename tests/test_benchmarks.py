@@ -388,6 +388,12 @@ def test_a_serving_study_resumed_at_a_later_commit_is_read_whole():
     lines = serving_lines(pd.DataFrame(rows))
     assert [line.split(":")[0] for line in lines[:3]] == ["serving 3 clients", "serving 8 clients", "serving 1 clients"]
     assert "TPOT p50 hisparse / resident 1.100" in lines[2]
+    # resident at 1 client rerun later on another machine (slower): hisparse's TPOT is still read
+    # against resident's run of its own commit; noio, run beside the rerun, against the rerun
+    later = dict(shape, concurrency=1, metric="tpot_ms_p50", commit="d", timestamp="2026-12-04T10:00:00")
+    rows += [dict(later, mode="resident", value=25.0), dict(later, mode="noio", value=24.0)]
+    assert ("serving 1 clients: TPOT p50 hisparse / resident 1.100 (target <= 1.25), noio / resident 0.960 "
+            "(target <= 1.03)") in serving_lines(pd.DataFrame(rows))
 
 
 def test_summary_prints_the_serving_targets():
