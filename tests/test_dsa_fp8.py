@@ -441,6 +441,36 @@ def test_gpu_gluon_fp8_decode_matches_ref(n, h, k, splits):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("needs_gluon_fp8")
+@pytest.mark.parametrize("splits", [1, 4], ids=["splits1", "splits4"])
+def test_gpu_gluon_fp8_dequantises_every_byte_at_every_scale_exactly(splits):
+    """One valid row a request: softmax gives it weight 1 and the others 0, so out is that row's latent
+    as the kernel dequantised it, which must equal `dequantize_rows` bit for bit: every e4m3 byte (the
+    NaN bytes, never written, replaced by zeros) at power-of-two scales from 2^-14 to 2^20, on both
+    sides of the kernel's second bf16 multiply (scales over 2^7), the valid row at tile edges."""
+    gen = torch.Generator().manual_seed(25)
+    byte = torch.arange(256, dtype=torch.int32)
+    byte = torch.where((byte & 0x7F) == 0x7F, byte & 0x80, byte).to(torch.uint8)    # 0x7f, 0xff (NaN) -> +-0
+    scales = torch.tensor([2.0 ** e for e in (-14, -3, 0, 6, 7, 8, 12, 20)])
+    n, k, per_request = len(scales), 256, 64
+    kv = torch.zeros(n * per_request, fp8.ROW_BYTES, dtype=torch.uint8)
+    rows = torch.full((n, k), -1, dtype=torch.int32)
+    for r, pos in enumerate((0, 63, 64, 127, 130, 191, 192, 255)):            # first, last of a tile, ...
+        row = r * per_request + r
+        kv[row, :fp8.SCALE_BYTE] = torch.cat([byte[torch.randperm(256, generator=gen)] for _ in range(2)])
+        kv[row, fp8.SCALE_BYTE:fp8.ROPE_BYTE] = scales.roll(r)[:fp8.N_TILES].contiguous().view(torch.uint8)
+        kv[row, fp8.ROPE_BYTE:] = torch.randn(fp8.D_ROPE, generator=gen).bfloat16().view(torch.uint8)
+        rows[r, pos] = row
+    q = (torch.randn(n, 128, 576, generator=gen) * 0.3).bfloat16().cuda()
+    out, lse = fp8.sparse_mla_decode_fp8(q, kv.cuda(), rows.cuda(), DSV32_SCALE, num_splits=splits,
+                                         backend="gluon")
+    latent, _ = fp8.dequantize_rows(kv[rows.clamp_min(0).amax(dim=1).long()], torch.bfloat16)   # [n, 512]
+    assert torch.isfinite(lse).all()
+    for r in range(n):
+        assert torch.equal(out[r].cpu(), latent[r].expand(128, -1)), f"request {r}, scales {scales.roll(r)[:4]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_gluon_fp8")
 @pytest.mark.parametrize("splits", [1, 7], ids=["splits1", "splits7"])
 def test_gpu_gluon_fp8_same_bytes_at_other_positions_and_launches_give_the_same_bits(splits):
     """What hisparse == resident needs of the Gluon FP8 kernel: the hot cache's slots (through

@@ -3,8 +3,7 @@ without a GPU and report it beside the bf16 rows' Gluon kernel (experiments/tool
 report): registers, spills, shared memory, SASS counts, the main loop's instructions (one trip) and the
 wgmma (HGMMA) shapes; F2FP / F2F / HADD2 / FMUL count the dequantisation's conversions and multiplies.
 
-    TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.sass_dsa_fp8_gluon [--ptx DIR] [--dequant MODE|all]
-        [--thread-sums]
+    TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.sass_dsa_fp8_gluon [--ptx DIR]
 
 Needs Triton 3.6 (its Gluon Hopper API). Counts are static (instructions in the program, not executed).
 """
@@ -31,26 +30,25 @@ def fp8_signature() -> dict:
             for name in kernel.arg_names}
 
 
-def compile_fp8_gluon(row_base: bool, dequant: str = "f32", thread_sums: bool = False):
+def compile_fp8_gluon(row_base: bool):
     sig = fp8_signature()
     names = list(sig)
     divisible = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [names.index(n) for n in ALIGNED]
     constexprs = {"BLOCK_H": fg.BLOCK_H, "BLOCK_K": fg.BLOCK_K, "HAS_ROW_BASE": row_base,
-                  "NUM_STAGES": fg.NUM_STAGES, "num_warps": fg.NUM_WARPS,
-                  "DEQUANT": fg.GLUON_FP8_DEQUANT[dequant], "THREAD_SUMS": thread_sums}
+                  "NUM_STAGES": fg.NUM_STAGES, "num_warps": fg.NUM_WARPS}
     return sass_dsa_gluon.compile_gluon_sm90(fg._sparse_mla_decode_fp8_gluon_kernel, sig, constexprs, divisible,
                                              num_warps=fg.NUM_WARPS)
 
 
-def fp8_report(row_base: bool, ptx_dir: str | None = None, dequant: str = "f32", thread_sums: bool = False) -> str:
+def fp8_report(row_base: bool, ptx_dir: str | None = None) -> str:
     try:
-        compiled = compile_fp8_gluon(row_base, dequant, thread_sums)
+        compiled = compile_fp8_gluon(row_base)
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         lines = [line for line in str(exc).splitlines() if line.strip()]
         return "does not compile: " + " / ".join(lines[-8:])[:2500]
     if ptx_dir:
         os.makedirs(ptx_dir, exist_ok=True)
-        tag = f"fp8_gluon_{dequant}{'_ts' * thread_sums}_rb{int(row_base)}"
+        tag = f"fp8_gluon_rb{int(row_base)}"
         for ext in ("ttgir", "llir", "ptx"):
             with open(os.path.join(ptx_dir, f"{tag}.{ext}"), "w") as f:
                 f.write(compiled.asm[ext])
@@ -69,20 +67,14 @@ def fp8_report(row_base: bool, ptx_dir: str | None = None, dequant: str = "f32",
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ptx", metavar="DIR", help="also write the FP8 kernel's ttgir/llir/ptx/sass there")
-    ap.add_argument("--dequant", choices=[*fg.GLUON_FP8_DEQUANT, "all"], default="f32",
-                    help="the FP8 kernel's DEQUANT mode (default %(default)s; all: each in turn)")
-    ap.add_argument("--thread-sums", action="store_true", help="the FP8 kernel with THREAD_SUMS (row sums per thread)")
     args = ap.parse_args(argv)
     if fg.GLUON_IMPORT_ERROR is not None:
         raise SystemExit(f"Triton {triton.__version__}: no usable Gluon ({fg.GLUON_IMPORT_ERROR})")
     print(f"Triton {triton.__version__}, sm_90a, D {fg.D_V} + {fg.D_ROPE}, bf16 q, BLOCK_H {fg.BLOCK_H}, "
           f"BLOCK_K {fg.BLOCK_K}, {fg.NUM_WARPS} warps, {fg.NUM_STAGES} stages")
-    modes = list(fg.GLUON_FP8_DEQUANT) if args.dequant == "all" else [args.dequant]
     for row_base in (False, True):
         tag = "on " if row_base else "off"
-        for mode in modes:
-            print(f"  gluon fp8 {mode}{' thread_sums' * args.thread_sums} row_base {tag}: "
-                  f"{fp8_report(row_base, args.ptx, mode, args.thread_sums)}")
+        print(f"  gluon fp8 row_base {tag}: {fp8_report(row_base, args.ptx)}")
         print(f"  gluon bf16 row_base {tag}: {sass_dsa_gluon.gluon_report(64, 2, row_base)}")
 
 
