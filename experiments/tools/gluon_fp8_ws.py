@@ -1,0 +1,192 @@
+"""Launch, offline compile check, smoke test and timing of the warp-specialised Gluon FP8 decode kernel
+(kernels_triton/dsa_fp8_gluon_ws.py, its docstring for the scheme), a prototype of issue 36 kept here until it is
+measured on a GPU (results/notes/fp8.md, "Left"). It takes the Gluon FP8 kernel's arguments, so it runs through
+that kernel's launcher: `ws_kernel()` swaps it in for `sparse_mla_decode_fp8(..., backend="gluon")`. If it is
+exact and faster, it replaces that kernel in kernels_triton/dsa_fp8_gluon.py and this file goes.
+
+    TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.gluon_fp8_ws      # offline sm_90a compile
+    timeout 300 python -m experiments.tools.gluon_fp8_ws --smoke                   # on a Hopper GPU, first
+    python -m experiments.tools.gluon_fp8_ws --time [--batches 64 128]             # on a Hopper GPU
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+
+import torch
+
+from hisparse.dsa import fp8
+from kernels_triton import dsa_fp8_gluon_ws as ws
+
+
+@contextlib.contextmanager
+def ws_kernel():
+    """Inside: `sparse_mla_decode_fp8(..., backend="gluon")` (its checks, split plan and arguments) launches the
+    warp-specialised kernel; today's kernel is back on the way out, whatever happened inside."""
+    today = fp8._sparse_mla_decode_fp8_gluon_kernel
+    fp8._sparse_mla_decode_fp8_gluon_kernel = ws._sparse_mla_decode_fp8_ws_kernel
+    try:
+        yield
+    finally:
+        fp8._sparse_mla_decode_fp8_gluon_kernel = today
+
+
+def decode_ws(q, kv, rows, sm_scale: float, **kwargs):
+    """`sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)` through the warp-specialised
+    kernel: the same refusals (ValueError before any launch), outputs and, meant bit for bit, values."""
+    with ws_kernel():
+        return fp8.sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline compile (no GPU): TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.gluon_fp8_ws
+# ---------------------------------------------------------------------------------------------
+
+def compile_offline(row_base: bool):
+    """The kernel compiled for sm_90a (Triton 3.6) as `_launch_gluon` specialises it."""
+    from experiments.tools import sass_dsa_fp8_gluon as sf
+    from experiments.tools.sass_dsa_gluon import compile_gluon_sm90
+    kernel = ws._sparse_mla_decode_fp8_ws_kernel
+    sig = {name: sf.POINTER_TYPES.get(name) or ("fp32" if name == "qk_scale_log2" else
+                                               "constexpr" if (name.isupper() or name == "num_warps")
+                                               and name not in ("H", "K_SEL", "CHUNK", "STRIDE16") else "i32")
+           for name in kernel.arg_names}
+    names = list(sig)
+    divisible = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [names.index(n) for n in sf.ALIGNED]
+    tiles = fp8.GLUON_FP8_TILES
+    constexprs = {"BLOCK_H": tiles.block_h, "BLOCK_K": tiles.block_k, "HAS_ROW_BASE": row_base,
+                  "NUM_STAGES": tiles.num_stages, "num_warps": tiles.num_warps}
+    return compile_gluon_sm90(kernel, sig, constexprs, divisible, num_warps=tiles.num_warps)
+
+
+def partitions(sass: str) -> dict[str, tuple[int, int, int]]:
+    """{partition: (registers it runs at, instructions, local loads and stores)} from the SASS: the producer's
+    code runs between its setmaxnreg up and its drop back to the idle count, the consumers' between their
+    drop for the region and their return."""
+    lines = sass.splitlines()
+    marks = [(i, kind, int(regs, 16)) for i, line in enumerate(lines)
+             for kind, regs in re.findall(r"USETMAXREG\.(\w+)\.CTAPOOL[^,;]*,? ?(0x[0-9a-f]+)", line)]
+    if len(marks) != 6:
+        raise SystemExit(f"expected 6 setmaxnreg (idle, producer in and out, consumers' parent, region, return), "
+                         f"got {[(k, r) for _, k, r in marks]}")
+    spans = {"producer": (marks[1], marks[2]), "consumers": (marks[4], marks[5])}
+    found = {}
+    for name, ((start, _, regs), (stop, _, _)) in spans.items():
+        body = [line for line in lines[start:stop] if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        local = sum(bool(re.search(r"\b(STL|LDL)\b", line)) for line in body)
+        found[name] = (regs, len(body), local)
+    return found
+
+
+def offline(ptx_dir: str | None = None) -> None:
+    import triton
+
+    from experiments.tools.sass import registers_and_spills
+    from experiments.tools.sass_dsa_gluon import hgmma_shapes, sass_text
+    if ws.GLUON_IMPORT_ERROR is not None:
+        raise SystemExit(f"Triton {triton.__version__}: no usable Gluon ({ws.GLUON_IMPORT_ERROR})")
+    print(f"Triton {triton.__version__}, sm_90a, {ws.NUM_WARPS} consumer warps + {ws.PRODUCER_WARPS} producer "
+          f"warps at {ws.PRODUCER_REGS} registers, BLOCK_H {ws.BLOCK_H}, BLOCK_K {ws.BLOCK_K}, {ws.NUM_BUFFERS} K "
+          f"buffers")
+    for row_base in (False, True):
+        compiled = compile_offline(row_base)
+        sass = sass_text(compiled)
+        if ptx_dir:
+            os.makedirs(ptx_dir, exist_ok=True)
+            tag = f"fp8_gluon_ws_rb{int(row_base)}"
+            for ext in ("ttgir", "llir", "ptx"):
+                with open(os.path.join(ptx_dir, f"{tag}.{ext}"), "w") as f:
+                    f.write(compiled.asm[ext])
+            with open(os.path.join(ptx_dir, f"{tag}.sass"), "w") as f:
+                f.write(sass)
+        regs, spills = registers_and_spills(compiled)
+        parts = ", ".join(f"{name} at {r} registers, {n} instructions, {local} local loads/stores"
+                          for name, (r, n, local) in partitions(sass).items())
+        print(f"  row_base {'on ' if row_base else 'off'}: launched at {regs} registers, {spills} B spilled, "
+              f"{compiled.metadata.shared // 1024} KiB shared ({compiled.metadata.shared} B), "
+              f"{compiled.metadata.num_warps} warps | {parts} | HGMMA shapes: {hgmma_shapes(compiled)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# On a Hopper GPU: --smoke (first, under a time limit) and --time
+# ---------------------------------------------------------------------------------------------
+
+def smoke(n: int = 3, k: int = 333, seed: int = 0) -> bool:
+    """One small launch (n requests, k rows: a short last tile, -1 rows, a request without any) at 128 and 96
+    heads, splits 1 and 3, against today's Gluon FP8 kernel; prints and returns whether out and lse are bitwise
+    equal. Run it in a process with a time limit: a wrong barrier phase hangs the GPU until it is killed."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    latent = torch.randn(n * 4096, 512, device="cuda", generator=gen).bfloat16()
+    rope = torch.randn(n * 4096, 64, device="cuda", generator=gen).bfloat16()
+    kv = fp8.quantize_rows(latent, rope)
+    rows = torch.stack([torch.randperm(4096, device="cuda", generator=gen)[:k] + i * 4096 for i in range(n)])
+    rows = rows.to(torch.int32)
+    rows[torch.rand(n, k, device="cuda", generator=gen) < 0.1] = -1
+    rows[-1] = -1
+    ok = True
+    for heads in (128, 96):
+        q = (torch.randn(n, heads, 576, device="cuda", generator=gen) * 0.3).bfloat16()
+        for splits in (1, 3):
+            ref = fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, num_splits=splits, backend="gluon")
+            got = decode_ws(q, kv, rows, 0.1, num_splits=splits)
+            torch.cuda.synchronize()
+            same = torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+            diff = (ref[0].float() - got[0].float()).abs().nan_to_num(float("inf")).max().item()
+            print(f"smoke n {n} heads {heads} k {k} splits {splits}: bitwise equal {same} "
+                  f"(max |out diff| {diff:.3g})", flush=True)
+            ok = ok and same
+    return ok
+
+
+def time_against_gluon(batches=(64, 128), heads: int = 128, k: int = 2048, context: int = 8192,
+                       seed: int = 0) -> None:
+    """k rows over a pool of batch * context FP8 rows (bench_attention_dsa's make_inputs): us (CUDA graphs,
+    benchmarks/common.py's time_us) and roofline fraction over 656-byte rows of today's Gluon FP8 kernel and of
+    the warp-specialised one, and whether their outputs are bitwise equal."""
+    from benchmarks.bench_attention_dsa import SM_SCALE, make_inputs, work
+    from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for batch in batches:
+        q, kv, rows = make_inputs(batch, context, heads, k, torch.device("cuda"), gen)
+        stored = fp8.to_rows(kv)
+        del kv
+        flops, nbytes = work(batch, heads, k, fp8.ROW_BYTES)
+        roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
+        ref = fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")
+        got = decode_ws(q, stored, rows, SM_SCALE)
+        same = torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+        kernels = {"gluon_fp8": lambda: fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")[0],
+                   "gluon_fp8_ws": lambda: decode_ws(q, stored, rows, SM_SCALE)[0]}
+        base = None
+        for name, fn in kernels.items():
+            us, p20, p80 = time_us(fn, cudagraph=True)
+            base = base or us
+            print(f"batch {batch:4d} heads {heads} k {k} context {context}: {name:13s} {us:8.1f} us "
+                  f"(p20 {p20:.1f}, p80 {p80:.1f})  roofline_frac {roofline_us / us:.3f}  "
+                  f"x{base / us:.3f} of gluon_fp8", flush=True)
+        print(f"batch {batch:4d}: warp-specialised bitwise equal to gluon_fp8: {same}", flush=True)
+        del q, stored, rows, ref, got
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="on a Hopper GPU: one small launch against today's Gluon "
+                    "FP8 kernel (exit status 1 unless bitwise equal); run it under `timeout`")
+    ap.add_argument("--time", action="store_true", help="on a Hopper GPU: time against today's Gluon FP8 kernel")
+    ap.add_argument("--batches", type=int, nargs="+", default=[64, 128], help="--time's batches (default 64 128)")
+    ap.add_argument("--context", type=int, default=8192, help="pool rows per request for --time (default %(default)s)")
+    ap.add_argument("--ptx", metavar="DIR", help="offline: also write the ttgir/llir/ptx/sass there")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        raise SystemExit(0 if smoke() else 1)
+    if args.time:
+        time_against_gluon(args.batches, context=args.context)
+        return
+    offline(args.ptx)
+
+
+if __name__ == "__main__":
+    main()

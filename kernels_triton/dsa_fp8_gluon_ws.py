@@ -1,0 +1,254 @@
+"""Sparse MLA decode over DSA's 656-byte FP8 rows in Gluon with a producer warp group (warp specialised), a
+prototype of issue 36 beside kernels_triton/dsa_fp8_gluon.py: the same arguments, outputs and, meant bit for
+bit, values; launcher, offline check, smoke test and timing in experiments/tools/gluon_fp8_ws.py until it is
+measured on a GPU.
+
+Why
+---
+In the Gluon FP8 kernel the two warp groups that run the matrix math also dequantise (255 registers, one
+program an SM), so the conversion adds to each tile's time instead of hiding behind the tensor cores: 0.31
+of the roofline against the bf16 Gluon kernel's 0.41 over the same math. Here a third warp group converts
+tile i + 1 into a second K buffer while the two others compute tile i, as FlashMLA's sparse FP8 decode
+does; the consumers' loop is then the bf16 kernel's, waiting on a barrier instead of converting.
+
+Partitions (Gluon `warp_specialize`: setmaxnreg gives the producer few registers and the consumers the rest)
+--------------------------------------------------------------------------------------------------------
+- consumers, 8 warps (the default partition; warps_per_cta [4, 2] in both MMA layouts, as dsa_gluon.py):
+  per tile i, wait `full[i % 2]`, S = Q K(i)^T (RoPE dims first, then the four 128-column blocks, one
+  accumulator chain: the Gluon FP8 kernel's order), online softmax in the log2 domain (row sums per row,
+  warp group and lane: `_thread_sums`), P to shared memory, O = O * alpha + P V(i), wait, arrive
+  `empty[i % 2]`.
+- producer, 4 warps: per tile i, wait `empty[i % 2]` (the consumers are done with tile i - 2), then for
+  each 128-column block load its e4m3 bytes and scales from global memory into registers (-1 rows and rows
+  past the chunk: zeros), convert (`_e4m3_bf16x2`, the Gluon FP8 kernel's bits) and store to K nope; the
+  RoPE dims as stored; fence, arrive `full[i % 2]`.
+A Gluon `mbarrier.arrive` is one arrival after a barrier over its partition's warps (bar.sync, then thread
+0 arrives), so every barrier counts 1. `empty` starts as if complete (the producer waits parity 1 of a
+fresh barrier, which returns at once).
+
+Shapes (one program = head block `i_hb` of BLOCK_H = 64 heads, request n, split s), as dsa_fp8_gluon.py
+----------------------------------------------------------------------------------------------------
+q [N, H, 576] bf16; kv uint8 [R, 656] as three views (kv8 e4m3, kv32 float32, kv16 bf16); rows [N, k]
+int32 (-1 = skip); row_base [N] int64 (optional); out [N, H, 512] bf16 (or float32 partials [N, H,
+splits, 512]); lse [N, H] (or [N, H, splits]) float32.
+Shared memory: Q nope 64 x 512 bf16 (64 KiB) + rope 64 x 64 (8 KiB); K nope [2, 64, 512] bf16 (128 KiB) +
+rope [2, 64, 64] (16 KiB); P 64 x 64 (8 KiB); 4 mbarriers: 224 KiB. (No raw-byte ring: the producer
+reads global memory into registers, which is what frees the room for a second K buffer.)
+
+bf16 q only, 512 + 64 rows, >= 64 heads, sm_90a, Triton 3.6.
+"""
+from __future__ import annotations
+
+from kernels_triton.dsa_fp8_gluon import (  # noqa: F401 -- the shapes are the Gluon FP8 kernel's
+    BLOCK_H, BLOCK_K, D_ROPE, D_V, GLUON_IMPORT_ERROR, ROPE_HALF, SCALE_WORD, TILE,
+)
+
+NUM_WARPS = 8             # the consumers (the default partition); the producer adds PRODUCER_WARPS
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 112       # registers a producer thread (setmaxnreg): its 4 blocks in flight; the consumers get 192
+NUM_BUFFERS = 2           # K tiles: tile i + 1 converted while tile i is computed
+
+if GLUON_IMPORT_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from kernels_triton.dsa_fp8_gluon import (
+        _D_ROPE,
+        _D_V,
+        _ROPE_HALF,
+        _SCALE_WORD,
+        _TILE,
+        _TWO_7,
+        _TWO_120,
+        LN2,
+        _e4m3_bf16x2,
+        _nvmma_shared,
+        _qk_block,
+        _row_lanes_layout,
+        _thread_sums,
+        _vector_layout,
+    )
+
+    _BLOCK_H = gl.constexpr(BLOCK_H)
+    _BLOCK_K = gl.constexpr(BLOCK_K)
+    _PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+
+    @gluon.jit
+    def _store_block(k_tile, c: gl.constexpr, x, scale):
+        """Latent block c of a K tile [BLOCK_K, 512] bf16 := x [BLOCK_K, 128] e4m3 times scale [BLOCK_K], by
+        `_e4m3_bf16x2` (the Gluon FP8 kernel's `_convert_block`, its bits)."""
+        m1 = (gl.minimum(scale, _TWO_7) * _TWO_120).to(gl.bfloat16)        # [BLOCK_K]: <= 2 ** 127
+        m2 = gl.maximum(scale * (1.0 / _TWO_7), 1.0).to(gl.bfloat16)     # [BLOCK_K]: 1 unless scale > 2 ** 7
+        k_tile.slice(c * _TILE, _TILE, dim=1).store(_e4m3_bf16x2(x, m1[:, None], m2[:, None]))
+
+    @gluon.jit
+    def _produce(kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full, empty):
+        """The producer partition: every tile of the chunk dequantised into K buffer i % 2 (module docstring)."""
+        deq_l: gl.constexpr = _row_lanes_layout(_TILE, 8, _PRODUCER_WARPS)     # [BLOCK_K, 128] e4m3: 4 x 16 B a thread
+        rope_l: gl.constexpr = _vector_layout(_D_ROPE, 16, _PRODUCER_WARPS)    # [BLOCK_K, 64] bf16: 4 x 16 B a thread
+        o_k = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(1, deq_l))
+        o_c = gl.arange(0, _TILE, layout=gl.SliceLayout(0, deq_l))
+        o_kr = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(1, rope_l))
+        o_r = _ROPE_HALF + gl.arange(0, _D_ROPE, layout=gl.SliceLayout(0, rope_l))
+        for i in range(n_tiles):
+            b = i % 2
+            j0 = start + i * _BLOCK_K
+            row = gl.load(p_rows + j0 + o_k, mask=j0 + o_k < end, other=-1)
+            valid = row >= 0
+            p_row = kv8_ptr + (row.to(gl.int64) * STRIDE16 * 16)[:, None] + o_c[None, :]
+            p_scale = kv32_ptr + row.to(gl.int64) * STRIDE16 * 4 + _SCALE_WORD
+            row_r = gl.load(p_rows + j0 + o_kr, mask=j0 + o_kr < end, other=-1)
+            rope = gl.load(kv16_ptr + (row_r.to(gl.int64) * STRIDE16 * 8)[:, None] + o_r[None, :],
+                           mask=(row_r >= 0)[:, None], other=0.0)
+            # the tile's bytes in flight before waiting for its buffer: [BLOCK_K, 128] e4m3 and [BLOCK_K] a block
+            x0 = gl.load(p_row, mask=valid[:, None], other=0.0)
+            x1 = gl.load(p_row + _TILE, mask=valid[:, None], other=0.0)
+            x2 = gl.load(p_row + 2 * _TILE, mask=valid[:, None], other=0.0)
+            x3 = gl.load(p_row + 3 * _TILE, mask=valid[:, None], other=0.0)
+            s0 = gl.load(p_scale, mask=valid, other=0.0)
+            s1 = gl.load(p_scale + 1, mask=valid, other=0.0)
+            s2 = gl.load(p_scale + 2, mask=valid, other=0.0)
+            s3 = gl.load(p_scale + 3, mask=valid, other=0.0)
+            mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)        # the consumers are done with tile i - 2
+            k_rope.index(b).store(rope)
+            _store_block(k_nope.index(b), 0, x0, s0)
+            _store_block(k_nope.index(b), 1, x1, s1)
+            _store_block(k_nope.index(b), 2, x2, s2)
+            _store_block(k_nope.index(b), 3, x3, s3)
+            fence_async_shared()                                   # the stores, visible to wgmma
+            mbarrier.arrive(full.index(b))
+
+    @gluon.jit
+    def _consume(q_nope, q_rope, k_nope, k_rope, p_smem, full, empty, p_rows, start, end, n_tiles, qk_scale_log2,
+                 out_ptr, lse_ptr, i_hb, i_n, i_s, H, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
+                 stride_ls):
+        """The consumer partition (8 warps): the tile loop of the Gluon FP8 kernel without its dequantisation,
+        then out and lse (module docstring)."""
+        dtype: gl.constexpr = gl.bfloat16
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, _BLOCK_K // 2, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                           instr_shape=[16, _D_V // 2, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+        acc = gl.zeros([_BLOCK_H, _D_V], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([_BLOCK_H, _BLOCK_K], gl.float32, layout=s_layout)
+        l_thr = _thread_sums(s_zero)                                 # [BLOCK_H, 2, 4]: 2 registers a thread
+        alpha_thr: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_thr.type.layout))
+        o_kc = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+        for i in range(n_tiles):
+            b = i % 2
+            o_j = start + i * _BLOCK_K + o_kc
+            row = gl.load(p_rows + o_j, mask=o_j < end, other=-1)
+            mbarrier.wait(full.index(b), (i // 2) & 1)
+            s_tok = warpgroup_mma(q_rope, k_rope.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            for c in gl.static_range(_D_V // _TILE):
+                s_tok = _qk_block(q_nope, k_nope.index(b), c, s_tok)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+
+            s = gl.where((row >= 0)[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_thr = l_thr * gl.convert_layout(alpha, alpha_thr)[:, None, None] + _thread_sums(p)
+            m_i = m_new
+
+            p_smem.store(p.to(dtype))                 # both groups are past PV(i - 1), so P is free
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc_tok = warpgroup_mma(p_smem, k_nope.index(b), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+            gl.thread_barrier()                       # both groups are done with K(i) and P
+            mbarrier.arrive(empty.index(b))
+        l_i = gl.convert_layout(gl.sum(gl.sum(l_thr, axis=2), axis=1), row_s)   # lanes, then groups
+
+        m_any = l_i > 0.0
+        l_safe = gl.where(m_any, l_i, 1.0)
+        lse = gl.where(m_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        o_ho = i_hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_o)
+        o_vo = gl.arange(0, _D_V, layout=gl.SliceLayout(0, o_layout))
+        p_out = (out_ptr + i_n * stride_on + o_ho[:, None].to(gl.int64) * stride_oh + i_s * stride_os
+                 + o_vo[None, :])
+        gl.store(p_out, out.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
+        o_hl = i_hb * _BLOCK_H + gl.arange(0, _BLOCK_H, layout=row_s)
+        gl.store(lse_ptr + i_n * stride_ln + o_hl * stride_lh + i_s * stride_ls, lse, mask=o_hl < H)
+
+    @gluon.jit
+    def _sparse_mla_decode_fp8_ws_kernel(
+        q_ptr, kv8_ptr, kv32_ptr, kv16_ptr, rows_ptr, row_base_ptr, out_ptr, lse_ptr,
+        stride_qn, stride_qh, STRIDE16, stride_rn, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
+        stride_ls,
+        H, K_SEL, CHUNK, qk_scale_log2,
+        BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, HAS_ROW_BASE: gl.constexpr, NUM_STAGES: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """`_sparse_mla_decode_fp8_gluon_kernel`'s arguments and semantics (NUM_STAGES: K buffers, 2), with a
+        producer warp group (the module docstring)."""
+        gl.static_assert(num_warps == 8, "two consumer warp groups: warps_per_cta [4, 2]")
+        gl.static_assert(BLOCK_H == 64, "one wgmma M of 64 rows per warp group")
+        gl.static_assert(BLOCK_K == 64, "the producer's layouts are written for 64-row tiles")
+        gl.static_assert(NUM_STAGES == 2, "two K buffers")
+        dtype: gl.constexpr = gl.bfloat16
+        nope_reg: gl.constexpr = _vector_layout(_D_V, 16, num_warps)
+        rope_reg: gl.constexpr = _vector_layout(_D_ROPE, 16, num_warps)
+
+        q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, _D_V], _nvmma_shared([BLOCK_H, _D_V], 16))
+        q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, _D_ROPE], _nvmma_shared([BLOCK_H, _D_ROPE], 16))
+        k_nope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, _D_V], _nvmma_shared([BLOCK_K, _D_V], 16))
+        k_rope = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, _D_ROPE], _nvmma_shared([BLOCK_K, _D_ROPE], 16))
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_K], _nvmma_shared([BLOCK_H, BLOCK_K], 16))
+        full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NUM_STAGES):
+            mbarrier.init(full.index(b), count=1)
+            mbarrier.init(empty.index(b), count=1)
+
+        i_hb = gl.program_id(0)  # fastest: the head blocks of a request share its rows in L2
+        i_n = gl.program_id(1).to(gl.int64)
+        i_s = gl.program_id(2)
+        p_rows = rows_ptr + i_n * stride_rn
+        if HAS_ROW_BASE:
+            base = gl.load(row_base_ptr + i_n) * STRIDE16
+            kv8_ptr += base * 16
+            kv32_ptr += base * 4
+            kv16_ptr += base * 8
+        start = i_s * CHUNK
+        end = gl.minimum(start + CHUNK, K_SEL)
+        n_tiles = gl.cdiv(end - start, BLOCK_K)
+
+        # Q (heads past H zero-filled), before the partitions fork (the producer's warps wait here)
+        o_hn = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, nope_reg))
+        o_vn = gl.arange(0, _D_V, layout=gl.SliceLayout(0, nope_reg))
+        p_qn = q_ptr + i_n * stride_qn + o_hn[:, None].to(gl.int64) * stride_qh + o_vn[None, :]
+        async_copy.async_copy_global_to_shared(q_nope, p_qn, mask=(o_hn < H)[:, None])
+        o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rope_reg))
+        o_rr = _D_V + gl.arange(0, _D_ROPE, layout=gl.SliceLayout(0, rope_reg))
+        p_qr = q_ptr + i_n * stride_qn + o_hr[:, None].to(gl.int64) * stride_qh + o_rr[None, :]
+        async_copy.async_copy_global_to_shared(q_rope, p_qr, mask=(o_hr < H)[:, None])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        gl.warp_specialize([
+            (_consume, (q_nope, q_rope, k_nope, k_rope, p_smem, full, empty, p_rows, start, end, n_tiles,
+                        qk_scale_log2, out_ptr, lse_ptr, i_hb, i_n, i_s, H, stride_on, stride_oh, stride_os,
+                        stride_ln, stride_lh, stride_ls)),
+            (_produce, (kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full,
+                        empty)),
+        ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+else:
+    _sparse_mla_decode_fp8_ws_kernel = None
