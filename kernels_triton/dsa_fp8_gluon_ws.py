@@ -18,13 +18,13 @@ Partitions (Gluon `warp_specialize`: setmaxnreg gives the producer few registers
   accumulator chain: the Gluon FP8 kernel's order), online softmax in the log2 domain (row sums per row,
   warp group and lane: `_thread_sums`), P to shared memory, O = O * alpha + P V(i), wait, arrive
   `empty[i % 2]`.
-- producer, 4 warps: per tile i, wait `empty[i % 2]` (the consumers are done with tile i - 2), then for
-  each 128-column block load its e4m3 bytes and scales from global memory into registers (-1 rows and rows
-  past the chunk: zeros), convert (`_e4m3_bf16x2`, the Gluon FP8 kernel's bits) and store to K nope; the
-  RoPE dims as stored; fence, arrive `full[i % 2]`.
-A Gluon `mbarrier.arrive` is one arrival after a barrier over its partition's warps (bar.sync, then thread
-0 arrives), so every barrier counts 1. `empty` starts as if complete (the producer waits parity 1 of a
-fresh barrier, which returns at once).
+- producer, 4 warps: per tile i (its row ids loaded a tile ahead), load each 128-column block's e4m3
+  bytes and scales from global memory into registers (-1 rows and rows past the chunk: zeros), wait
+  `empty[i % 2]` (the consumers are done with tile i - 2), convert (`_e4m3_bf16x2`, the Gluon FP8
+  kernel's bits) and store to K nope; the RoPE dims as stored; fence, arrive `full[i % 2]`.
+A Gluon `mbarrier.arrive` is one arrival, by thread 0 of its partition, so every barrier counts 1; the
+partition's `gl.thread_barrier()` before it puts all its warps' work first. `empty` starts as if complete
+(the producer waits parity 1 of a fresh barrier, which returns at once).
 
 Shapes (one program = head block `i_hb` of BLOCK_H = 64 heads, request n, split s), as dsa_fp8_gluon.py
 ----------------------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ from kernels_triton.dsa_fp8_gluon import (  # noqa: F401 -- the shapes are the G
 
 NUM_WARPS = 8             # the consumers (the default partition); the producer adds PRODUCER_WARPS
 PRODUCER_WARPS = 4
-PRODUCER_REGS = 112       # registers a producer thread (setmaxnreg): its 4 blocks in flight; the consumers get 192
+PRODUCER_REGS = 120       # a producer thread's registers (setmaxnreg): 4 blocks and the next row ids in flight
 NUM_BUFFERS = 2           # K tiles: tile i + 1 converted while tile i is computed
 
 if GLUON_IMPORT_ERROR is None:
@@ -98,14 +98,19 @@ if GLUON_IMPORT_ERROR is None:
         o_c = gl.arange(0, _TILE, layout=gl.SliceLayout(0, deq_l))
         o_kr = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(1, rope_l))
         o_r = _ROPE_HALF + gl.arange(0, _D_ROPE, layout=gl.SliceLayout(0, rope_l))
+        # each tile's row ids are loaded a tile ahead, so its data loads need not wait for them (two layouts'
+        # copies: converting one to the other would take scratch shared memory)
+        next_row = gl.load(p_rows + start + o_k, mask=start + o_k < end, other=-1)
+        next_row_r = gl.load(p_rows + start + o_kr, mask=start + o_kr < end, other=-1)
         for i in range(n_tiles):
             b = i % 2
-            j0 = start + i * _BLOCK_K
-            row = gl.load(p_rows + j0 + o_k, mask=j0 + o_k < end, other=-1)
+            row, row_r = next_row, next_row_r
+            j1 = start + (i + 1) * _BLOCK_K
+            next_row = gl.load(p_rows + j1 + o_k, mask=j1 + o_k < end, other=-1)
+            next_row_r = gl.load(p_rows + j1 + o_kr, mask=j1 + o_kr < end, other=-1)
             valid = row >= 0
             p_row = kv8_ptr + (row.to(gl.int64) * STRIDE16 * 16)[:, None] + o_c[None, :]
             p_scale = kv32_ptr + row.to(gl.int64) * STRIDE16 * 4 + _SCALE_WORD
-            row_r = gl.load(p_rows + j0 + o_kr, mask=j0 + o_kr < end, other=-1)
             rope = gl.load(kv16_ptr + (row_r.to(gl.int64) * STRIDE16 * 8)[:, None] + o_r[None, :],
                            mask=(row_r >= 0)[:, None], other=0.0)
             # the tile's bytes in flight before waiting for its buffer: [BLOCK_K, 128] e4m3 and [BLOCK_K] a block
@@ -124,6 +129,7 @@ if GLUON_IMPORT_ERROR is None:
             _store_block(k_nope.index(b), 2, x2, s2)
             _store_block(k_nope.index(b), 3, x3, s3)
             fence_async_shared()                                   # the stores, visible to wgmma
+            gl.thread_barrier()                       # every producer warp's stores, before thread 0 arrives
             mbarrier.arrive(full.index(b))
 
     @gluon.jit

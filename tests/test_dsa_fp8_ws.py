@@ -11,6 +11,7 @@ counts 1 and several, and graphed replays equal to eager launches.
 """
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,35 @@ def test_ws_swap_is_undone_and_bad_inputs_are_refused_before_launching(monkeypat
     assert fp8._sparse_mla_decode_fp8_gluon_kernel is today
 
 
+def test_ws_swap_reaches_the_launch(monkeypatch):
+    """Inside the swap, today's launcher launches the warp-specialised kernel (else the GPU tests would compare
+    today's kernel with itself), outside it today's."""
+    monkeypatch.setattr(dsa_fp8_gluon_ws, "_sparse_mla_decode_fp8_ws_kernel", NoLaunch())
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 128, 576, generator=gen).bfloat16()
+    kv = fp8.quantize_rows(torch.randn(40, 512, generator=gen), torch.randn(40, 64, generator=gen))
+    rows = torch.randint(-1, 40, (2, 16), generator=gen, dtype=torch.int32)
+    out, lse = torch.empty(2, 128, 512, dtype=torch.bfloat16), torch.empty(2, 128)
+    with gluon_fp8_ws.ws_kernel(), pytest.raises(AssertionError, match="a kernel was launched"):
+        fp8._launch_gluon(q, kv, rows, None, out, lse, 0.1, 1)
+    launched = []
+
+    class Record:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(grid)
+
+    monkeypatch.setattr(fp8, "_sparse_mla_decode_fp8_gluon_kernel", Record())
+    fp8._launch_gluon(q, kv, rows, None, out, lse, 0.1, 1)
+    assert launched == [(2, 2, 1)]
+
+
+def test_same_bits_tells_signed_zeros_apart():
+    """The tests' bitwise check: -0.0 and 0.0 are equal values but not the same bits."""
+    zero = torch.zeros(3, dtype=torch.bfloat16)
+    assert torch.equal(zero, -zero) and not gluon_fp8_ws.same_bits(zero, -zero)
+    assert gluon_fp8_ws.same_bits(zero.float(), zero.float().clone())
+
+
 # ---------------------------------------------------------------------------------------------
 # On a Hopper GPU
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +117,7 @@ def needs_ws():
         pytest.skip(f"the Gluon FP8 kernels cannot run here: {reason}")
     try:
         run = subprocess.run([sys.executable, "-m", "experiments.tools.gluon_fp8_ws", "--smoke"],
-                             capture_output=True, text=True, timeout=240)
+                             capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"--smoke did not finish in 240 s (a hang: a barrier phase?): {exc.stdout} {exc.stderr}")
     if run.returncode != 0:
@@ -97,8 +127,10 @@ def needs_ws():
 def assert_bitwise(got, ref, what: str):
     out, lse = got
     ref_out, ref_lse = ref
-    assert torch.equal(lse, ref_lse), f"{what}: lse differs, max {(lse - ref_lse).abs().nan_to_num().max():.3g}"
-    assert torch.equal(out, ref_out), f"{what}: out differs, max {(out.float() - ref_out.float()).abs().max():.3g}"
+    lse_diff = (lse - ref_lse).abs().nan_to_num().max()
+    assert gluon_fp8_ws.same_bits(lse, ref_lse), f"{what}: lse differs, max {lse_diff:.3g}"
+    out_diff = (out.float() - ref_out.float()).abs().max()
+    assert gluon_fp8_ws.same_bits(out, ref_out), f"{what}: out differs, max {out_diff:.3g}"
 
 
 @pytest.mark.gpu

@@ -33,6 +33,12 @@ def ws_kernel():
         fp8._sparse_mla_decode_fp8_gluon_kernel = today
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same bits (torch.equal compares values: it takes -0.0 for 0.0)."""
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype]))
+
+
 def decode_ws(q, kv, rows, sm_scale: float, **kwargs):
     """`sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)` through the warp-specialised
     kernel: the same refusals (ValueError before any launch), outputs and, meant bit for bit, values."""
@@ -132,7 +138,7 @@ def smoke(n: int = 3, k: int = 333, seed: int = 0) -> bool:
             ref = fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, num_splits=splits, backend="gluon")
             got = decode_ws(q, kv, rows, 0.1, num_splits=splits)
             torch.cuda.synchronize()
-            same = torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+            same = same_bits(ref[0], got[0]) and same_bits(ref[1], got[1])
             diff = (ref[0].float() - got[0].float()).abs().nan_to_num(float("inf")).max().item()
             print(f"smoke n {n} heads {heads} k {k} splits {splits}: bitwise equal {same} "
                   f"(max |out diff| {diff:.3g})", flush=True)
@@ -156,7 +162,7 @@ def time_against_gluon(batches=(64, 128), heads: int = 128, k: int = 2048, conte
         roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
         ref = fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")
         got = decode_ws(q, stored, rows, SM_SCALE)
-        same = torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+        same = same_bits(ref[0], got[0]) and same_bits(ref[1], got[1])
         kernels = {"gluon_fp8": lambda: fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")[0],
                    "gluon_fp8_ws": lambda: decode_ws(q, stored, rows, SM_SCALE)[0]}
         base = None
