@@ -466,6 +466,7 @@ def test_gpu_gluon_fp8_dequantises_every_byte_at_every_scale_exactly(splits):
     latent, _ = fp8.dequantize_rows(kv[rows.clamp_min(0).amax(dim=1).long()], torch.bfloat16)   # [n, 512]
     assert torch.isfinite(lse).all()
     for r in range(n):
+        # values, not bits: a -0.0 latent sums to +0.0 in the float32 accumulator
         assert torch.equal(out[r].cpu(), latent[r].expand(128, -1)), f"request {r}, scales {scales.roll(r)[:4]}"
 
 

@@ -93,6 +93,10 @@ def offline(ptx_dir: str | None = None) -> None:
     from experiments.tools.sass_dsa_gluon import hgmma_shapes, sass_text
     if ws.GLUON_IMPORT_ERROR is not None:
         raise SystemExit(f"Triton {triton.__version__}: no usable Gluon ({ws.GLUON_IMPORT_ERROR})")
+    if not triton.__version__.startswith("3.6"):
+        raise SystemExit(f"Triton {triton.__version__}: the kernel is written for Triton 3.6's Gluon (the GPU "
+                         "machine's); compile with it, e.g. TRITON_INTERPRET=0 /tmp/t36/bin/python -m "
+                         "experiments.tools.gluon_fp8_ws")
     print(f"Triton {triton.__version__}, sm_90a, {ws.NUM_WARPS} consumer warps + {ws.PRODUCER_WARPS} producer "
           f"warps at {ws.PRODUCER_REGS} registers, BLOCK_H {ws.BLOCK_H}, BLOCK_K {ws.BLOCK_K}, {ws.NUM_BUFFERS} K "
           f"buffers")
