@@ -181,15 +181,21 @@ if GLUON_IMPORT_ERROR is None:
                 async_copy.async_copy_global_to_shared(scale_smem.index(sbase + t), p_sc + t, mask=row_s >= 0)
 
         @gluon.jit
-        def _convert_block(raw_smem, scale_smem, sbase, c: gl.constexpr, layout: gl.constexpr):
-            """Latent block c (columns c*128 .. c*128 + 127) of a raw stage, dequantised: [BLOCK_K, 128] bf16
-            in `layout` (`_e4m3_bf16x2`: for power-of-two scales the bits of e4m3 -> float32, times the
-            row's scale, -> bf16, which is exact)."""
-            x = raw_smem.slice(c * _TILE, _TILE, dim=1).load(layout)                 # [BLOCK_K, 128] e4m3
-            scale = scale_smem.index(sbase + c).load(gl.SliceLayout(1, layout))            # [BLOCK_K]
+        def _dequant(x, scale):
+            """x [BLOCK_K, 128] e4m3 times its rows' scales [BLOCK_K] (SliceLayout(1) of x's layout), as bf16
+            in x's layout (`_e4m3_bf16x2`: for power-of-two scales the bits of e4m3 -> float32, times the
+            scale, -> bf16, which is exact)."""
             m1 = (gl.minimum(scale, _TWO_7) * _TWO_120).to(gl.bfloat16)        # [BLOCK_K]: <= 2 ** 127
             m2 = gl.maximum(scale * (1.0 / _TWO_7), 1.0).to(gl.bfloat16)     # [BLOCK_K]: 1 unless scale > 2 ** 7
             return _e4m3_bf16x2(x, m1[:, None], m2[:, None])
+
+        @gluon.jit
+        def _convert_block(raw_smem, scale_smem, sbase, c: gl.constexpr, layout: gl.constexpr):
+            """Latent block c (columns c*128 .. c*128 + 127) of a raw stage, dequantised: [BLOCK_K, 128] bf16
+            in `layout`."""
+            x = raw_smem.slice(c * _TILE, _TILE, dim=1).load(layout)                 # [BLOCK_K, 128] e4m3
+            scale = scale_smem.index(sbase + c).load(gl.SliceLayout(1, layout))            # [BLOCK_K]
+            return _dequant(x, scale)
 
         @gluon.jit
         def _thread_sums(x):

@@ -20,8 +20,8 @@ Partitions (Gluon `warp_specialize`: setmaxnreg gives the producer few registers
   `empty[i % 2]`.
 - producer, 4 warps: per tile i (its row ids loaded a tile ahead), load each 128-column block's e4m3
   bytes and scales from global memory into registers (-1 rows and rows past the chunk: zeros), wait
-  `empty[i % 2]` (the consumers are done with tile i - 2), convert (`_e4m3_bf16x2`, the Gluon FP8
-  kernel's bits) and store to K nope; the RoPE dims as stored; fence, arrive `full[i % 2]`.
+  `empty[i % 2]` (the consumers are done with tile i - 2), convert (`_dequant`, the Gluon FP8
+  kernel's) and store to K nope; the RoPE dims as stored; fence, arrive `full[i % 2]`.
 A Gluon `mbarrier.arrive` is one arrival, by thread 0 of its partition, so every barrier counts 1; the
 partition's `gl.thread_barrier()` before it puts all its warps' work first. `empty` starts as if complete
 (the producer waits parity 1 of a fresh barrier, which returns at once).
@@ -65,10 +65,8 @@ if GLUON_IMPORT_ERROR is None:
         _ROPE_HALF,
         _SCALE_WORD,
         _TILE,
-        _TWO_7,
-        _TWO_120,
         LN2,
-        _e4m3_bf16x2,
+        _dequant,
         _nvmma_shared,
         _qk_block,
         _row_lanes_layout,
@@ -80,14 +78,6 @@ if GLUON_IMPORT_ERROR is None:
     _BLOCK_K = gl.constexpr(BLOCK_K)
     _PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
-
-    @gluon.jit
-    def _store_block(k_tile, c: gl.constexpr, x, scale):
-        """Latent block c of a K tile [BLOCK_K, 512] bf16 := x [BLOCK_K, 128] e4m3 times scale [BLOCK_K], by
-        `_e4m3_bf16x2` (the Gluon FP8 kernel's `_convert_block`, its bits)."""
-        m1 = (gl.minimum(scale, _TWO_7) * _TWO_120).to(gl.bfloat16)        # [BLOCK_K]: <= 2 ** 127
-        m2 = gl.maximum(scale * (1.0 / _TWO_7), 1.0).to(gl.bfloat16)     # [BLOCK_K]: 1 unless scale > 2 ** 7
-        k_tile.slice(c * _TILE, _TILE, dim=1).store(_e4m3_bf16x2(x, m1[:, None], m2[:, None]))
 
     @gluon.jit
     def _produce(kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full, empty):
@@ -124,10 +114,11 @@ if GLUON_IMPORT_ERROR is None:
             s3 = gl.load(p_scale + 3, mask=valid, other=0.0)
             mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)        # the consumers are done with tile i - 2
             k_rope.index(b).store(rope)
-            _store_block(k_nope.index(b), 0, x0, s0)
-            _store_block(k_nope.index(b), 1, x1, s1)
-            _store_block(k_nope.index(b), 2, x2, s2)
-            _store_block(k_nope.index(b), 3, x3, s3)
+            k_tile = k_nope.index(b)                                   # [BLOCK_K, 512] bf16, block c at c * 128
+            k_tile.slice(0, _TILE, dim=1).store(_dequant(x0, s0))
+            k_tile.slice(_TILE, _TILE, dim=1).store(_dequant(x1, s1))
+            k_tile.slice(2 * _TILE, _TILE, dim=1).store(_dequant(x2, s2))
+            k_tile.slice(3 * _TILE, _TILE, dim=1).store(_dequant(x3, s3))
             fence_async_shared()                                   # the stores, visible to wgmma
             gl.thread_barrier()                       # every producer warp's stores, before thread 0 arrives
             mbarrier.arrive(full.index(b))
