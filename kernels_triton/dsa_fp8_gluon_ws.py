@@ -11,17 +11,23 @@ of the roofline against the bf16 Gluon kernel's 0.41 over the same math. Here a 
 tile i + 1 into a second K buffer while the two others compute tile i, as FlashMLA's sparse FP8 decode
 does; the consumers' loop is then the bf16 kernel's, waiting on a barrier instead of converting.
 
-Partitions (Gluon `warp_specialize`: setmaxnreg gives the producer few registers and the consumers the rest)
---------------------------------------------------------------------------------------------------------
+Partitions (Gluon `warp_specialize`: setmaxnreg gives the producer PRODUCER_REGS registers, or
+PRODUCER_REGS_OVERLAP with OVERLAP, and the consumers the rest)
+--------------------------------------------------------------------------------------------
 - consumers, 8 warps (the default partition; warps_per_cta [4, 2] in both MMA layouts, as dsa_gluon.py):
   per tile i, wait `full[i % 2]`, S = Q K(i)^T (RoPE dims first, then the four 128-column blocks, one
   accumulator chain: the Gluon FP8 kernel's order), online softmax in the log2 domain (row sums per row,
   warp group and lane: `_thread_sums`), P to shared memory, O = O * alpha + P V(i), wait, arrive
   `empty[i % 2]`.
-- producer, 4 warps: per tile i (its row ids loaded a tile ahead), load each 128-column block's e4m3
-  bytes and scales from global memory into registers (-1 rows and rows past the chunk: zeros), wait
-  `empty[i % 2]` (the consumers are done with tile i - 2), convert (`_dequant`, the Gluon FP8
-  kernel's) and store to K nope; the RoPE dims as stored; fence, arrive `full[i % 2]`.
+  With OVERLAP (constexpr, default True) the consumers issue S(i + 1) = Q K(i + 1)^T before tile i's
+  softmax, so the tensor cores work while it runs (the other K buffer already holds tile i + 1; the
+  wgmma groups complete in order, so waiting for all but the newest, PV(i), gives S(i + 1)). The same
+  operations on the same values: the same bits either way.
+- producer, 4 warps: per tile i (its row ids loaded a tile ahead), load the e4m3 bytes and scales of two
+  128-column blocks at a time from global memory into registers (-1 rows and rows past the chunk:
+  zeros; the first two before waiting `empty[i % 2]`, the consumers being done with tile i - 2),
+  convert (`_dequant`, the Gluon FP8 kernel's) and store to K nope; the RoPE dims as stored; fence,
+  arrive `full[i % 2]`.
 A Gluon `mbarrier.arrive` is one arrival, by thread 0 of its partition, so every barrier counts 1; the
 partition's `gl.thread_barrier()` before it puts all its warps' work first. `empty` starts as if complete
 (the producer waits parity 1 of a fresh barrier, which returns at once).
@@ -45,7 +51,8 @@ from kernels_triton.dsa_fp8_gluon import (  # noqa: F401 -- the shapes are the G
 
 NUM_WARPS = 8             # the consumers (the default partition); the producer adds PRODUCER_WARPS
 PRODUCER_WARPS = 4
-PRODUCER_REGS = 120       # a producer thread's registers (setmaxnreg): 4 blocks and the next row ids in flight
+PRODUCER_REGS = 120       # a producer thread's registers (setmaxnreg); the consumers get 192
+PRODUCER_REGS_OVERLAP = 72  # with OVERLAP: the consumers need 216 to hold S(i + 1) beside S(i) without a spill
 NUM_BUFFERS = 2           # K tiles: tile i + 1 converted while tile i is computed
 
 if GLUON_IMPORT_ERROR is None:
@@ -56,6 +63,7 @@ if GLUON_IMPORT_ERROR is None:
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 
@@ -78,6 +86,7 @@ if GLUON_IMPORT_ERROR is None:
     _BLOCK_K = gl.constexpr(BLOCK_K)
     _PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _PRODUCER_REGS_OVERLAP = gl.constexpr(PRODUCER_REGS_OVERLAP)
 
     @gluon.jit
     def _produce(kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full, empty):
@@ -103,33 +112,62 @@ if GLUON_IMPORT_ERROR is None:
             p_scale = kv32_ptr + row.to(gl.int64) * STRIDE16 * 4 + _SCALE_WORD
             rope = gl.load(kv16_ptr + (row_r.to(gl.int64) * STRIDE16 * 8)[:, None] + o_r[None, :],
                            mask=(row_r >= 0)[:, None], other=0.0)
-            # the tile's bytes in flight before waiting for its buffer: [BLOCK_K, 128] e4m3 and [BLOCK_K] a block
-            x0 = gl.load(p_row, mask=valid[:, None], other=0.0)
-            x1 = gl.load(p_row + _TILE, mask=valid[:, None], other=0.0)
-            x2 = gl.load(p_row + 2 * _TILE, mask=valid[:, None], other=0.0)
-            x3 = gl.load(p_row + 3 * _TILE, mask=valid[:, None], other=0.0)
-            s0 = gl.load(p_scale, mask=valid, other=0.0)
-            s1 = gl.load(p_scale + 1, mask=valid, other=0.0)
-            s2 = gl.load(p_scale + 2, mask=valid, other=0.0)
-            s3 = gl.load(p_scale + 3, mask=valid, other=0.0)
-            mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)        # the consumers are done with tile i - 2
-            k_rope.index(b).store(rope)
+            # two blocks' bytes in flight at a time ([BLOCK_K, 128] e4m3 and [BLOCK_K] scales each), the first two
+            # before waiting for the buffer
             k_tile = k_nope.index(b)                                   # [BLOCK_K, 512] bf16, block c at c * 128
-            k_tile.slice(0, _TILE, dim=1).store(_dequant(x0, s0))
-            k_tile.slice(_TILE, _TILE, dim=1).store(_dequant(x1, s1))
-            k_tile.slice(2 * _TILE, _TILE, dim=1).store(_dequant(x2, s2))
-            k_tile.slice(3 * _TILE, _TILE, dim=1).store(_dequant(x3, s3))
+            for h in gl.static_range(2):
+                xa = gl.load(p_row + 2 * h * _TILE, mask=valid[:, None], other=0.0)
+                xb = gl.load(p_row + (2 * h + 1) * _TILE, mask=valid[:, None], other=0.0)
+                sa = gl.load(p_scale + 2 * h, mask=valid, other=0.0)
+                sb = gl.load(p_scale + 2 * h + 1, mask=valid, other=0.0)
+                if h == 0:
+                    mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)    # the consumers are done with tile i - 2
+                    k_rope.index(b).store(rope)
+                k_tile.slice(2 * h * _TILE, _TILE, dim=1).store(_dequant(xa, sa))
+                k_tile.slice((2 * h + 1) * _TILE, _TILE, dim=1).store(_dequant(xb, sb))
             fence_async_shared()                                   # the stores, visible to wgmma
             gl.thread_barrier()                       # every producer warp's stores, before thread 0 arrives
             mbarrier.arrive(full.index(b))
 
     @gluon.jit
+    def _issue_qk(q_nope, q_rope, k_nope, k_rope, b, s_zero):
+        """Issue S = Q K^T of K buffer b (async): the RoPE dims, then the four 128-column blocks, one chain (the
+        Gluon FP8 kernel's order)."""
+        s_tok = warpgroup_mma(q_rope, k_rope.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for c in gl.static_range(_D_V // _TILE):
+            s_tok = _qk_block(q_nope, k_nope.index(b), c, s_tok)
+        return s_tok
+
+    @gluon.jit
+    def _softmax(s, row, m_i, l_thr, qk_scale_log2):
+        """One tile's online softmax in the log2 domain (the Gluon FP8 kernel's): S [BLOCK_H, BLOCK_K] with -1 rows
+        -inf, the running max m_i [BLOCK_H] and the per-thread row sums l_thr [BLOCK_H, 2, 4] -> (P, alpha, m_i,
+        l_thr)."""
+        s = gl.where((row >= 0)[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        alpha_thr: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_thr.type.layout))
+        l_thr = l_thr * gl.convert_layout(alpha, alpha_thr)[:, None, None] + _thread_sums(p)
+        return p, alpha, m_new, l_thr
+
+    @gluon.jit
+    def _issue_pv(p, alpha, acc, p_smem, k_tile):
+        """P to shared memory (both groups are past the previous PV, so it is free), then O = O * alpha + P V
+        issued async: its token."""
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        return warpgroup_mma(p_smem, k_tile, acc, is_async=True)
+
+    @gluon.jit
     def _consume(q_nope, q_rope, k_nope, k_rope, p_smem, full, empty, p_rows, start, end, n_tiles, qk_scale_log2,
                  out_ptr, lse_ptr, i_hb, i_n, i_s, H, stride_on, stride_oh, stride_os, stride_ln, stride_lh,
-                 stride_ls):
+                 stride_ls, OVERLAP: gl.constexpr):
         """The consumer partition (8 warps): the tile loop of the Gluon FP8 kernel without its dequantisation,
         then out and lse (module docstring)."""
-        dtype: gl.constexpr = gl.bfloat16
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                            instr_shape=[16, _BLOCK_K // 2, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -141,34 +179,40 @@ if GLUON_IMPORT_ERROR is None:
         acc = gl.zeros([_BLOCK_H, _D_V], gl.float32, layout=o_layout)
         s_zero = gl.zeros([_BLOCK_H, _BLOCK_K], gl.float32, layout=s_layout)
         l_thr = _thread_sums(s_zero)                                 # [BLOCK_H, 2, 4]: 2 registers a thread
-        alpha_thr: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, l_thr.type.layout))
         o_kc = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(0, s_layout))
-        for i in range(n_tiles):
-            b = i % 2
-            o_j = start + i * _BLOCK_K + o_kc
-            row = gl.load(p_rows + o_j, mask=o_j < end, other=-1)
-            mbarrier.wait(full.index(b), (i // 2) & 1)
-            s_tok = warpgroup_mma(q_rope, k_rope.index(b).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            for c in gl.static_range(_D_V // _TILE):
-                s_tok = _qk_block(q_nope, k_nope.index(b), c, s_tok)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-
-            s = gl.where((row >= 0)[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_thr = l_thr * gl.convert_layout(alpha, alpha_thr)[:, None, None] + _thread_sums(p)
-            m_i = m_new
-
-            p_smem.store(p.to(dtype))                 # both groups are past PV(i - 1), so P is free
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc_tok = warpgroup_mma(p_smem, k_nope.index(b), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
-            gl.thread_barrier()                       # both groups are done with K(i) and P
-            mbarrier.arrive(empty.index(b))
+        if OVERLAP:
+            # S(i + 1) on the tensor cores while softmax(i) runs: S(0) first, then each trip issues the next
+            # tile's QK^T (a placeholder token on the last) before its own softmax and PV
+            s = s_zero
+            if n_tiles > 0:
+                mbarrier.wait(full.index(0), 0)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_qk(q_nope, q_rope, k_nope, k_rope, 0, s_zero), ))
+            for i in range(n_tiles):
+                b = i % 2
+                o_j = start + i * _BLOCK_K + o_kc
+                row = gl.load(p_rows + o_j, mask=o_j < end, other=-1)
+                s_next = warpgroup_mma_init(s_zero)
+                if i + 1 < n_tiles:
+                    mbarrier.wait(full.index(1 - b), ((i + 1) // 2) & 1)
+                    s_next = _issue_qk(q_nope, q_rope, k_nope, k_rope, 1 - b, s_zero)
+                p, alpha, m_i, l_thr = _softmax(s, row, m_i, l_thr, qk_scale_log2)
+                acc_tok = _issue_pv(p, alpha, acc, p_smem, k_nope.index(b))
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, ))   # QK^T(i + 1): committed before PV(i)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+                gl.thread_barrier()                   # both groups are done with K(i) and P
+                mbarrier.arrive(empty.index(b))
+        else:
+            for i in range(n_tiles):
+                b = i % 2
+                o_j = start + i * _BLOCK_K + o_kc
+                row = gl.load(p_rows + o_j, mask=o_j < end, other=-1)
+                mbarrier.wait(full.index(b), (i // 2) & 1)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_qk(q_nope, q_rope, k_nope, k_rope, b, s_zero), ))
+                p, alpha, m_i, l_thr = _softmax(s, row, m_i, l_thr, qk_scale_log2)
+                acc_tok = _issue_pv(p, alpha, acc, p_smem, k_nope.index(b))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, ))
+                gl.thread_barrier()                   # both groups are done with K(i) and P
+                mbarrier.arrive(empty.index(b))
         l_i = gl.convert_layout(gl.sum(gl.sum(l_thr, axis=2), axis=1), row_s)   # lanes, then groups
 
         m_any = l_i > 0.0
@@ -190,7 +234,7 @@ if GLUON_IMPORT_ERROR is None:
         stride_ls,
         H, K_SEL, CHUNK, qk_scale_log2,
         BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, HAS_ROW_BASE: gl.constexpr, NUM_STAGES: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, OVERLAP: gl.constexpr = True,
     ):
         """`_sparse_mla_decode_fp8_gluon_kernel`'s arguments and semantics (NUM_STAGES: K buffers, 2), with a
         producer warp group (the module docstring)."""
@@ -240,12 +284,13 @@ if GLUON_IMPORT_ERROR is None:
         fence_async_shared()
         gl.thread_barrier()
 
+        regs: gl.constexpr = _PRODUCER_REGS_OVERLAP if OVERLAP else _PRODUCER_REGS
         gl.warp_specialize([
             (_consume, (q_nope, q_rope, k_nope, k_rope, p_smem, full, empty, p_rows, start, end, n_tiles,
                         qk_scale_log2, out_ptr, lse_ptr, i_hb, i_n, i_s, H, stride_on, stride_oh, stride_os,
-                        stride_ln, stride_lh, stride_ls)),
+                        stride_ln, stride_lh, stride_ls, OVERLAP)),
             (_produce, (kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full,
                         empty)),
-        ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+        ], [_PRODUCER_WARPS], [regs])
 else:
     _sparse_mla_decode_fp8_ws_kernel = None

@@ -34,21 +34,22 @@ class NoLaunch:
 
 def test_ws_kernel_takes_todays_arguments_and_tiles():
     """Today's launcher (`_launch_gluon`) passes the warp-specialised kernel its own kernel's arguments and tile
-    constants: the parameter lists are the same, and the shapes both modules assume agree."""
+    constants: the parameter lists are the same but for OVERLAP (the tool adds it), and the shapes both modules
+    assume agree."""
     today, ws = dsa_fp8_gluon._sparse_mla_decode_fp8_gluon_kernel, dsa_fp8_gluon_ws._sparse_mla_decode_fp8_ws_kernel
     if dsa_fp8_gluon.GLUON_IMPORT_ERROR is not None:
         assert today is None and ws is None
         return
-    assert ws.arg_names == today.arg_names
+    assert ws.arg_names == today.arg_names + ["OVERLAP"]
     tiles = fp8.GLUON_FP8_TILES
     assert (tiles.block_h, tiles.block_k, tiles.num_stages, tiles.num_warps) == (
         dsa_fp8_gluon_ws.BLOCK_H, dsa_fp8_gluon_ws.BLOCK_K, dsa_fp8_gluon_ws.NUM_BUFFERS, dsa_fp8_gluon_ws.NUM_WARPS)
     # the setmaxnreg budget: 8 consumer warps and the producer's within 64K registers, the consumers above 160
-    regs = 65536 // ((dsa_fp8_gluon_ws.NUM_WARPS + dsa_fp8_gluon_ws.PRODUCER_WARPS) * 32) // 8 * 8
-    pool = regs * (dsa_fp8_gluon_ws.NUM_WARPS + dsa_fp8_gluon_ws.PRODUCER_WARPS) * 32
-    consumers = (pool - dsa_fp8_gluon_ws.PRODUCER_REGS * dsa_fp8_gluon_ws.PRODUCER_WARPS * 32) // (
-        dsa_fp8_gluon_ws.NUM_WARPS * 32) // 8 * 8
-    assert dsa_fp8_gluon_ws.PRODUCER_REGS % 8 == 0 and consumers >= 160
+    warps = dsa_fp8_gluon_ws.NUM_WARPS + dsa_fp8_gluon_ws.PRODUCER_WARPS
+    pool = 65536 // (warps * 32) // 8 * 8 * warps * 32
+    for producer in (dsa_fp8_gluon_ws.PRODUCER_REGS, dsa_fp8_gluon_ws.PRODUCER_REGS_OVERLAP):
+        consumers = (pool - producer * dsa_fp8_gluon_ws.PRODUCER_WARPS * 32) // (dsa_fp8_gluon_ws.NUM_WARPS * 32)
+        assert producer % 8 == 0 and 24 <= producer and consumers // 8 * 8 >= 160, producer
 
 
 def test_ws_swap_is_undone_and_bad_inputs_are_refused_before_launching(monkeypatch):
@@ -59,7 +60,7 @@ def test_ws_swap_is_undone_and_bad_inputs_are_refused_before_launching(monkeypat
     today = fp8._sparse_mla_decode_fp8_gluon_kernel
     with pytest.raises(RuntimeError, match="inside"):
         with gluon_fp8_ws.ws_kernel():
-            assert isinstance(fp8._sparse_mla_decode_fp8_gluon_kernel, NoLaunch)
+            assert isinstance(fp8._sparse_mla_decode_fp8_gluon_kernel.kernel, NoLaunch)
             raise RuntimeError("inside")
     assert fp8._sparse_mla_decode_fp8_gluon_kernel is today
     gen = torch.Generator().manual_seed(5)
@@ -140,7 +141,8 @@ def assert_bitwise(got, ref, what: str):
                          ids=["N1-H128-k2048", "N3-H128-k2048", "N64-H128-k2048", "N3-H128-k1999", "N4-H96-k1999",
                               "N3-H64-k333"])
 @pytest.mark.parametrize("splits", [None, 1, 3, 7], ids=["splits-auto", "splits1", "splits3", "splits7"])
-def test_gpu_ws_equals_todays_gluon_fp8_kernel_bitwise(n, h, k, splits):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_gpu_ws_equals_todays_gluon_fp8_kernel_bitwise(n, h, k, splits, overlap):
     """out and lse bit for bit today's Gluon FP8 kernel's, every element written (out and lse poisoned with NaN);
     -1 rows scattered (about 10%), request 1 from position 1000 on, request 2 all; k 1999 and 333 end on short
     tiles, 96 heads leave half a head block empty. Within the bf16 tolerance of the torch reference too, the
@@ -148,10 +150,10 @@ def test_gpu_ws_equals_todays_gluon_fp8_kernel_bitwise(n, h, k, splits):
     q, kv, rows = gluon_fp8_inputs(n, h, k)
     out = torch.full((n, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((n, h), float("nan"), device="cuda")
-    got = gluon_fp8_ws.decode_ws(q, kv, rows, DSV32_SCALE, num_splits=splits, out=out, lse=lse)
+    got = gluon_fp8_ws.decode_ws(q, kv, rows, DSV32_SCALE, overlap, num_splits=splits, out=out, lse=lse)
     assert got[0] is out and got[1] is lse
     ref = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, backend="gluon")
-    assert_bitwise((out, lse), ref, f"n {n} h {h} k {k} splits {splits}")
+    assert_bitwise((out, lse), ref, f"n {n} h {h} k {k} splits {splits} overlap {overlap}")
     ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
     assert rel_err(out, ref_out) < TOL[torch.bfloat16] and rel_err(lse, ref_lse) < 1e-4
     if n > 2:

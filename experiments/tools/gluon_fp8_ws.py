@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import re
 
@@ -21,12 +22,24 @@ from hisparse.dsa import fp8
 from kernels_triton import dsa_fp8_gluon_ws as ws
 
 
+class WithOverlap:
+    """The warp-specialised kernel with OVERLAP added to every launch."""
+
+    def __init__(self, kernel, overlap: bool):
+        self.kernel, self.overlap = kernel, overlap
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **kwargs, OVERLAP=self.overlap)
+
+
 @contextlib.contextmanager
-def ws_kernel():
+def ws_kernel(overlap: bool = True):
     """Inside: `sparse_mla_decode_fp8(..., backend="gluon")` (its checks, split plan and arguments) launches the
-    warp-specialised kernel; today's kernel is back on the way out, whatever happened inside."""
+    warp-specialised kernel, with QK^T of the next tile beside this tile's softmax or not (`overlap`, the
+    kernel's OVERLAP); today's kernel is back on the way out, whatever happened inside."""
     today = fp8._sparse_mla_decode_fp8_gluon_kernel
-    fp8._sparse_mla_decode_fp8_gluon_kernel = ws._sparse_mla_decode_fp8_ws_kernel
+    fp8._sparse_mla_decode_fp8_gluon_kernel = WithOverlap(ws._sparse_mla_decode_fp8_ws_kernel, overlap)
     try:
         yield
     finally:
@@ -39,10 +52,11 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype]))
 
 
-def decode_ws(q, kv, rows, sm_scale: float, **kwargs):
+def decode_ws(q, kv, rows, sm_scale: float, overlap: bool = True, **kwargs):
     """`sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)` through the warp-specialised
-    kernel: the same refusals (ValueError before any launch), outputs and, meant bit for bit, values."""
-    with ws_kernel():
+    kernel (`overlap`: `ws_kernel`'s): the same refusals (ValueError before any launch), outputs and, meant bit
+    for bit, values."""
+    with ws_kernel(overlap):
         return fp8.sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)
 
 
@@ -50,7 +64,7 @@ def decode_ws(q, kv, rows, sm_scale: float, **kwargs):
 # Offline compile (no GPU): TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.gluon_fp8_ws
 # ---------------------------------------------------------------------------------------------
 
-def compile_offline(row_base: bool):
+def compile_offline(row_base: bool, overlap: bool):
     """The kernel compiled for sm_90a (Triton 3.6) as `_launch_gluon` specialises it."""
     from experiments.tools import sass_dsa_fp8_gluon as sf
     from experiments.tools.sass_dsa_gluon import compile_gluon_sm90
@@ -63,7 +77,7 @@ def compile_offline(row_base: bool):
     divisible = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [names.index(n) for n in sf.ALIGNED]
     tiles = fp8.GLUON_FP8_TILES
     constexprs = {"BLOCK_H": tiles.block_h, "BLOCK_K": tiles.block_k, "HAS_ROW_BASE": row_base,
-                  "NUM_STAGES": tiles.num_stages, "num_warps": tiles.num_warps}
+                  "NUM_STAGES": tiles.num_stages, "num_warps": tiles.num_warps, "OVERLAP": overlap}
     return compile_gluon_sm90(kernel, sig, constexprs, divisible, num_warps=tiles.num_warps)
 
 
@@ -98,14 +112,13 @@ def offline(ptx_dir: str | None = None) -> None:
                          "machine's); compile with it, e.g. TRITON_INTERPRET=0 /tmp/t36/bin/python -m "
                          "experiments.tools.gluon_fp8_ws")
     print(f"Triton {triton.__version__}, sm_90a, {ws.NUM_WARPS} consumer warps + {ws.PRODUCER_WARPS} producer "
-          f"warps at {ws.PRODUCER_REGS} registers, BLOCK_H {ws.BLOCK_H}, BLOCK_K {ws.BLOCK_K}, {ws.NUM_BUFFERS} K "
-          f"buffers")
-    for row_base in (False, True):
-        compiled = compile_offline(row_base)
+          f"warps, BLOCK_H {ws.BLOCK_H}, BLOCK_K {ws.BLOCK_K}, {ws.NUM_BUFFERS} K buffers")
+    for overlap, row_base in itertools.product((True, False), (False, True)):
+        compiled = compile_offline(row_base, overlap)
         sass = sass_text(compiled)
         if ptx_dir:
             os.makedirs(ptx_dir, exist_ok=True)
-            tag = f"fp8_gluon_ws_rb{int(row_base)}"
+            tag = f"fp8_gluon_ws_overlap{int(overlap)}_rb{int(row_base)}"
             for ext in ("ttgir", "llir", "ptx"):
                 with open(os.path.join(ptx_dir, f"{tag}.{ext}"), "w") as f:
                     f.write(compiled.asm[ext])
@@ -114,8 +127,9 @@ def offline(ptx_dir: str | None = None) -> None:
         regs, spills = registers_and_spills(compiled)
         parts = ", ".join(f"{name} at {r} registers, {n} instructions, {local} local loads/stores"
                           for name, (r, n, local) in partitions(sass).items())
-        print(f"  row_base {'on ' if row_base else 'off'}: launched at {regs} registers, {spills} B spilled, "
-              f"{compiled.metadata.shared // 1024} KiB shared ({compiled.metadata.shared} B), "
+        shared = compiled.metadata.shared
+        print(f"  overlap {'on ' if overlap else 'off'} row_base {'on ' if row_base else 'off'}: launched at {regs} "
+              f"registers, {spills} B spilled, {shared // 1024} KiB shared ({shared} B), "
               f"{compiled.metadata.num_warps} warps | {parts} | HGMMA shapes: {hgmma_shapes(compiled)}")
 
 
@@ -125,8 +139,9 @@ def offline(ptx_dir: str | None = None) -> None:
 
 def smoke(n: int = 3, k: int = 333, seed: int = 0) -> bool:
     """One small launch (n requests, k rows: a short last tile, -1 rows, a request without any) at 128 and 96
-    heads, splits 1 and 3, against today's Gluon FP8 kernel; prints and returns whether out and lse are bitwise
-    equal. Run it in a process with a time limit: a wrong barrier phase hangs the GPU until it is killed."""
+    heads, splits 1 and 3, with and without OVERLAP, against today's Gluon FP8 kernel; prints and returns whether
+    out and lse are bitwise equal. Run it in a process with a time limit: a wrong barrier phase hangs the GPU until
+    it is killed."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     latent = torch.randn(n * 4096, 512, device="cuda", generator=gen).bfloat16()
     rope = torch.randn(n * 4096, 64, device="cuda", generator=gen).bfloat16()
@@ -138,13 +153,13 @@ def smoke(n: int = 3, k: int = 333, seed: int = 0) -> bool:
     ok = True
     for heads in (128, 96):
         q = (torch.randn(n, heads, 576, device="cuda", generator=gen) * 0.3).bfloat16()
-        for splits in (1, 3):
+        for splits, overlap in itertools.product((1, 3), (True, False)):
             ref = fp8.sparse_mla_decode_fp8(q, kv, rows, 0.1, num_splits=splits, backend="gluon")
-            got = decode_ws(q, kv, rows, 0.1, num_splits=splits)
+            got = decode_ws(q, kv, rows, 0.1, overlap, num_splits=splits)
             torch.cuda.synchronize()
             same = same_bits(ref[0], got[0]) and same_bits(ref[1], got[1])
             diff = (ref[0].float() - got[0].float()).abs().nan_to_num(float("inf")).max().item()
-            print(f"smoke n {n} heads {heads} k {k} splits {splits}: bitwise equal {same} "
+            print(f"smoke n {n} heads {heads} k {k} splits {splits} overlap {overlap}: bitwise equal {same} "
                   f"(max |out diff| {diff:.3g})", flush=True)
             ok = ok and same
     return ok
@@ -154,7 +169,7 @@ def time_against_gluon(batches=(64, 128), heads: int = 128, k: int = 2048, conte
                        seed: int = 0) -> None:
     """k rows over a pool of batch * context FP8 rows (bench_attention_dsa's make_inputs): us (CUDA graphs,
     benchmarks/common.py's time_us) and roofline fraction over 656-byte rows of today's Gluon FP8 kernel and of
-    the warp-specialised one, and whether their outputs are bitwise equal."""
+    the warp-specialised one without and with OVERLAP, and whether their outputs are bitwise equal."""
     from benchmarks.bench_attention_dsa import SM_SCALE, make_inputs, work
     from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -165,19 +180,21 @@ def time_against_gluon(batches=(64, 128), heads: int = 128, k: int = 2048, conte
         flops, nbytes = work(batch, heads, k, fp8.ROW_BYTES)
         roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
         ref = fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")
-        got = decode_ws(q, stored, rows, SM_SCALE)
-        same = same_bits(ref[0], got[0]) and same_bits(ref[1], got[1])
+        same = {overlap: all(same_bits(a, b) for a, b in zip(ref, decode_ws(q, stored, rows, SM_SCALE, overlap)))
+                for overlap in (True, False)}
         kernels = {"gluon_fp8": lambda: fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")[0],
-                   "gluon_fp8_ws": lambda: decode_ws(q, stored, rows, SM_SCALE)[0]}
+                   "gluon_fp8_ws": lambda: decode_ws(q, stored, rows, SM_SCALE, False)[0],
+                   "gluon_fp8_ws_overlap": lambda: decode_ws(q, stored, rows, SM_SCALE, True)[0]}
         base = None
         for name, fn in kernels.items():
             us, p20, p80 = time_us(fn, cudagraph=True)
             base = base or us
-            print(f"batch {batch:4d} heads {heads} k {k} context {context}: {name:13s} {us:8.1f} us "
+            print(f"batch {batch:4d} heads {heads} k {k} context {context}: {name:20s} {us:8.1f} us "
                   f"(p20 {p20:.1f}, p80 {p80:.1f})  roofline_frac {roofline_us / us:.3f}  "
                   f"x{base / us:.3f} of gluon_fp8", flush=True)
-        print(f"batch {batch:4d}: warp-specialised bitwise equal to gluon_fp8: {same}", flush=True)
-        del q, stored, rows, ref, got
+        print(f"batch {batch:4d}: bitwise equal to gluon_fp8: gluon_fp8_ws {same[False]}, gluon_fp8_ws_overlap "
+              f"{same[True]}", flush=True)
+        del q, stored, rows, ref
         torch.cuda.empty_cache()
 
 
