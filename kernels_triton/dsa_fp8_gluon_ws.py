@@ -19,10 +19,12 @@ PRODUCER_REGS_OVERLAP with OVERLAP, and the consumers the rest)
   accumulator chain: the Gluon FP8 kernel's order), online softmax in the log2 domain (row sums per row,
   warp group and lane: `_thread_sums`), P to shared memory, O = O * alpha + P V(i), wait, arrive
   `empty[i % 2]`.
-  With OVERLAP (constexpr, default True) the consumers issue S(i + 1) = Q K(i + 1)^T before tile i's
-  softmax, so the tensor cores work while it runs (the other K buffer already holds tile i + 1; the
-  wgmma groups complete in order, so waiting for all but the newest, PV(i), gives S(i + 1)). The same
-  operations on the same values: the same bits either way.
+  With OVERLAP (constexpr, default False) the consumers issue S(i + 1) = Q K(i + 1)^T before tile i's
+  softmax, so the tensor cores work while it runs (the wgmma groups complete in order, so waiting for
+  all but the newest, PV(i), gives S(i + 1)); the same operations on the same values, the same bits.
+  But with two K buffers the consumers then hold both from softmax(i) to PV(i)'s end, so the producer
+  converts tile i + 2 only after that and the next trip waits for it: the producer's work and the
+  consumers' alternate instead of running side by side. Which costs less is for the GPU to say.
 - producer, 4 warps: per tile i (its row ids loaded a tile ahead), load the e4m3 bytes and scales of two
   128-column blocks at a time from global memory into registers (-1 rows and rows past the chunk:
   zeros; the first two before waiting `empty[i % 2]`, the consumers being done with tile i - 2),
@@ -234,7 +236,7 @@ if GLUON_IMPORT_ERROR is None:
         stride_ls,
         H, K_SEL, CHUNK, qk_scale_log2,
         BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, HAS_ROW_BASE: gl.constexpr, NUM_STAGES: gl.constexpr,
-        num_warps: gl.constexpr, OVERLAP: gl.constexpr = True,
+        num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
     ):
         """`_sparse_mla_decode_fp8_gluon_kernel`'s arguments and semantics (NUM_STAGES: K buffers, 2), with a
         producer warp group (the module docstring)."""

@@ -34,7 +34,7 @@ class WithOverlap:
 
 
 @contextlib.contextmanager
-def ws_kernel(overlap: bool = True):
+def ws_kernel(overlap: bool = False):
     """Inside: `sparse_mla_decode_fp8(..., backend="gluon")` (its checks, split plan and arguments) launches the
     warp-specialised kernel, with QK^T of the next tile beside this tile's softmax or not (`overlap`, the
     kernel's OVERLAP); today's kernel is back on the way out, whatever happened inside."""
@@ -52,7 +52,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype]))
 
 
-def decode_ws(q, kv, rows, sm_scale: float, overlap: bool = True, **kwargs):
+def decode_ws(q, kv, rows, sm_scale: float, overlap: bool = False, **kwargs):
     """`sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)` through the warp-specialised
     kernel (`overlap`: `ws_kernel`'s): the same refusals (ValueError before any launch), outputs and, meant bit
     for bit, values."""
