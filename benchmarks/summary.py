@@ -176,8 +176,9 @@ def serving_lines(frame: pd.DataFrame) -> list[str]:
     if "transport" in f:
         f = f[f.transport.isna() | (f.transport == "process")]
     every = f[f.concurrency.notna()]
-    runs = serving_study(every[every.gpu == newest_per_point(every).gpu.iloc[0]]) if len(every) else every
-    every = newest_per_point(every) if len(every) else every     # a study resumed across commits is one
+    newest = newest_per_point(every) if len(every) else every     # a study resumed across commits is one
+    runs = serving_study(every[every.gpu == newest.gpu.iloc[0]]) if len(every) else every   # every run, for tpot
+    every = newest
     f = serving_study(every)
     wide = f.pivot_table(index=["concurrency", "mode"], columns="metric", values="value")
     wide = with_commit(wide, f, ["concurrency", "mode"])

@@ -65,20 +65,9 @@ def decode_ws(q, kv, rows, sm_scale: float, overlap: bool = False, **kwargs):
 # ---------------------------------------------------------------------------------------------
 
 def compile_offline(row_base: bool, overlap: bool):
-    """The kernel compiled for sm_90a (Triton 3.6) as `_launch_gluon` specialises it."""
-    from experiments.tools import sass_dsa_fp8_gluon as sf
-    from experiments.tools.sass_dsa_gluon import compile_gluon_sm90
-    kernel = ws._sparse_mla_decode_fp8_ws_kernel
-    sig = {name: sf.POINTER_TYPES.get(name) or ("fp32" if name == "qk_scale_log2" else
-                                               "constexpr" if (name.isupper() or name == "num_warps")
-                                               and name not in ("H", "K_SEL", "CHUNK", "STRIDE16") else "i32")
-           for name in kernel.arg_names}
-    names = list(sig)
-    divisible = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [names.index(n) for n in sf.ALIGNED]
-    tiles = fp8.GLUON_FP8_TILES
-    constexprs = {"BLOCK_H": tiles.block_h, "BLOCK_K": tiles.block_k, "HAS_ROW_BASE": row_base,
-                  "NUM_STAGES": tiles.num_stages, "num_warps": tiles.num_warps, "OVERLAP": overlap}
-    return compile_gluon_sm90(kernel, sig, constexprs, divisible, num_warps=tiles.num_warps)
+    """The kernel compiled for sm_90a (Triton 3.6) as `_launch_gluon` specialises it, with OVERLAP."""
+    from experiments.tools.sass_dsa_fp8_gluon import compile_fp8_gluon
+    return compile_fp8_gluon(row_base, ws._sparse_mla_decode_fp8_ws_kernel, OVERLAP=overlap)
 
 
 def partitions(sass: str) -> dict[str, tuple[int, int, int]]:

@@ -22,22 +22,25 @@ ALIGNED = ("stride_qn", "stride_qh", "stride_rn", "stride_on", "stride_oh")
 CONVERSIONS = ("F2FP", "F2F", "HADD2", "FMUL", "PRMT")
 
 
-def fp8_signature() -> dict:
-    kernel = fg._sparse_mla_decode_fp8_gluon_kernel
+def fp8_signature(kernel=None) -> dict:
+    """Argument name -> type of the Gluon FP8 kernel (or `kernel`, which takes its arguments) as a launch sees it."""
+    kernel = kernel or fg._sparse_mla_decode_fp8_gluon_kernel
     return {name: POINTER_TYPES.get(name) or ("fp32" if name == "qk_scale_log2" else
                                              "constexpr" if (name.isupper() or name == "num_warps")
                                              and name not in ("H", "K_SEL", "CHUNK", "STRIDE16") else "i32")
             for name in kernel.arg_names}
 
 
-def compile_fp8_gluon(row_base: bool):
-    sig = fp8_signature()
+def compile_fp8_gluon(row_base: bool, kernel=None, **constexprs):
+    """The Gluon FP8 kernel (or `kernel`, which takes its arguments, with its extra `constexprs`) compiled for
+    sm_90a as `_launch_gluon` specialises it: pointers and the aligned strides divisible by 16."""
+    kernel = kernel or fg._sparse_mla_decode_fp8_gluon_kernel
+    sig = fp8_signature(kernel)
     names = list(sig)
     divisible = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [names.index(n) for n in ALIGNED]
     constexprs = {"BLOCK_H": fg.BLOCK_H, "BLOCK_K": fg.BLOCK_K, "HAS_ROW_BASE": row_base,
-                  "NUM_STAGES": fg.NUM_STAGES, "num_warps": fg.NUM_WARPS}
-    return sass_dsa_gluon.compile_gluon_sm90(fg._sparse_mla_decode_fp8_gluon_kernel, sig, constexprs, divisible,
-                                             num_warps=fg.NUM_WARPS)
+                  "NUM_STAGES": fg.NUM_STAGES, "num_warps": fg.NUM_WARPS, **constexprs}
+    return sass_dsa_gluon.compile_gluon_sm90(kernel, sig, constexprs, divisible, num_warps=fg.NUM_WARPS)
 
 
 def fp8_report(row_base: bool, ptx_dir: str | None = None) -> str:
