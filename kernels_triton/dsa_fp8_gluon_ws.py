@@ -91,7 +91,36 @@ if GLUON_IMPORT_ERROR is None:
     _PRODUCER_REGS_OVERLAP = gl.constexpr(PRODUCER_REGS_OVERLAP)
 
     @gluon.jit
-    def _produce(kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full, empty):
+    def _prefetch_rows_l2(ptrs):
+        """cp.async.bulk.prefetch.L2 of the 656 bytes at each of ptrs [BLOCK_K] (SliceLayout(1) of the producer's
+        `_row_lanes_layout`: lanes 0-7 hold distinct rows, the other 24 the same ones, so only they issue)."""
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .pred p;
+            .reg .b32 l;
+            mov.u32 l, %laneid;
+            setp.lt.u32 p, l, 8;
+            @p cp.async.bulk.prefetch.L2.global [$1], 656;
+            mov.u32 $0, 0;
+            }""",
+            constraints="=r,l", args=[ptrs], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _prefetch_lines_l2_2(ptrs, ptrs2):
+        """prefetch.global.L2 of two 128-byte lines per element: ptrs [BLOCK_K, 4] (row r's start + j * 128)
+        covers byte j * 128 and byte min(512 + j * 128, 655) of each row, so the four cover every line a
+        656-byte row touches."""
+        return gl.inline_asm_elementwise(
+            asm="""{
+            prefetch.global.L2 [$1];
+            prefetch.global.L2 [$2];
+            mov.u32 $0, 0;
+            }""",
+            constraints="=r,l,l", args=[ptrs, ptrs2], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _produce(kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full, empty,
+                 PROBE: gl.constexpr, PREFETCH: gl.constexpr):
         """The producer partition: every tile of the chunk dequantised into K buffer i % 2 (module docstring)."""
         deq_l: gl.constexpr = _row_lanes_layout(_TILE, 8, _PRODUCER_WARPS)     # [BLOCK_K, 128] e4m3: 4 x 16 B a thread
         rope_l: gl.constexpr = _vector_layout(_D_ROPE, 16, _PRODUCER_WARPS)    # [BLOCK_K, 64] bf16: 4 x 16 B a thread
@@ -106,9 +135,15 @@ if GLUON_IMPORT_ERROR is None:
         for i in range(n_tiles):
             b = i % 2
             row, row_r = next_row, next_row_r
+            if PROBE == 1:            # timing probe: every tile reads tile 0's rows (cache hits), wrong values
+                row = gl.load(p_rows + start + o_k, mask=start + o_k < end, other=-1)
+                row_r = gl.load(p_rows + start + o_kr, mask=start + o_kr < end, other=-1)
             j1 = start + (i + 1) * _BLOCK_K
             next_row = gl.load(p_rows + j1 + o_k, mask=j1 + o_k < end, other=-1)
             next_row_r = gl.load(p_rows + j1 + o_kr, mask=j1 + o_kr < end, other=-1)
+            if PREFETCH == 3:
+                j2 = j1 + _BLOCK_K
+                pf2_row = gl.load(p_rows + j2 + o_k, mask=j2 + o_k < end, other=-1)
             valid = row >= 0
             p_row = kv8_ptr + (row.to(gl.int64) * STRIDE16 * 16)[:, None] + o_c[None, :]
             p_scale = kv32_ptr + row.to(gl.int64) * STRIDE16 * 4 + _SCALE_WORD
@@ -125,8 +160,26 @@ if GLUON_IMPORT_ERROR is None:
                 if h == 0:
                     mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)    # the consumers are done with tile i - 2
                     k_rope.index(b).store(rope)
-                k_tile.slice(2 * h * _TILE, _TILE, dim=1).store(_dequant(xa, sa))
-                k_tile.slice((2 * h + 1) * _TILE, _TILE, dim=1).store(_dequant(xb, sb))
+                if PREFETCH == 1 and h == 1:   # tile i + 1's rows into L2 (row -1: row 0, read by nobody); the
+                    # asm's zero added to the row ids, or the unused asm would be dropped
+                    next_row += _prefetch_rows_l2(kv8_ptr + gl.maximum(next_row, 0).to(gl.int64) * STRIDE16 * 16)
+                if PREFETCH >= 2 and h == 1:   # 2: tile i + 1's rows; 3: tile i + 2's
+                    pf_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
+                                                          warps_per_cta=[_PRODUCER_WARPS, 1], order=[0, 1])
+                    if PREFETCH == 3:
+                        pf_row = gl.convert_layout(gl.maximum(pf2_row, 0), gl.SliceLayout(1, pf_l))
+                    else:
+                        pf_row = gl.convert_layout(gl.maximum(next_row, 0), gl.SliceLayout(1, pf_l))
+                    o_j = gl.arange(0, 4, layout=gl.SliceLayout(0, pf_l))
+                    base = kv8_ptr + (pf_row.to(gl.int64) * STRIDE16 * 16)[:, None]
+                    zero = _prefetch_lines_l2_2(base + o_j[None, :] * 128, base + gl.minimum(512 + o_j * 128, 655)[None, :])
+                    next_row += gl.convert_layout(gl.max(zero, axis=1), next_row.type.layout)
+                if PROBE == 2:        # timing probe: every byte loaded, half the blocks converted and stored
+                    bits = xa.to(gl.uint8, bitcast=True) ^ xb.to(gl.uint8, bitcast=True)
+                    k_tile.slice(2 * h * _TILE, _TILE, dim=1).store(_dequant(bits.to(xa.dtype, bitcast=True), sa + sb))
+                else:
+                    k_tile.slice(2 * h * _TILE, _TILE, dim=1).store(_dequant(xa, sa))
+                    k_tile.slice((2 * h + 1) * _TILE, _TILE, dim=1).store(_dequant(xb, sb))
             fence_async_shared()                                   # the stores, visible to wgmma
             gl.thread_barrier()                       # every producer warp's stores, before thread 0 arrives
             mbarrier.arrive(full.index(b))
@@ -236,7 +289,8 @@ if GLUON_IMPORT_ERROR is None:
         stride_ls,
         H, K_SEL, CHUNK, qk_scale_log2,
         BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, HAS_ROW_BASE: gl.constexpr, NUM_STAGES: gl.constexpr,
-        num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
+        num_warps: gl.constexpr, OVERLAP: gl.constexpr = False, PROBE: gl.constexpr = 0,
+        PREFETCH: gl.constexpr = 1,
     ):
         """`_sparse_mla_decode_fp8_gluon_kernel`'s arguments and semantics (NUM_STAGES: K buffers, 2), with a
         producer warp group (the module docstring)."""
@@ -292,7 +346,7 @@ if GLUON_IMPORT_ERROR is None:
                         qk_scale_log2, out_ptr, lse_ptr, i_hb, i_n, i_s, H, stride_on, stride_oh, stride_os,
                         stride_ln, stride_lh, stride_ls, OVERLAP)),
             (_produce, (kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full,
-                        empty)),
+                        empty, PROBE, PREFETCH)),
         ], [_PRODUCER_WARPS], [regs])
 else:
     _sparse_mla_decode_fp8_ws_kernel = None

@@ -25,21 +25,22 @@ from kernels_triton import dsa_fp8_gluon_ws as ws
 class WithOverlap:
     """The warp-specialised kernel with OVERLAP added to every launch."""
 
-    def __init__(self, kernel, overlap: bool):
-        self.kernel, self.overlap = kernel, overlap
+    def __init__(self, kernel, overlap: bool, probe: int = 0, prefetch: int = 1):
+        self.kernel, self.overlap, self.probe, self.prefetch = kernel, overlap, probe, prefetch
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, **kwargs, OVERLAP=self.overlap)
+        return lambda *args, **kwargs: launch(*args, **kwargs, OVERLAP=self.overlap, PROBE=self.probe,
+                                                  PREFETCH=self.prefetch)
 
 
 @contextlib.contextmanager
-def ws_kernel(overlap: bool = False):
+def ws_kernel(overlap: bool = False, probe: int = 0, prefetch: int = 1):
     """Inside: `sparse_mla_decode_fp8(..., backend="gluon")` (its checks, split plan and arguments) launches the
     warp-specialised kernel, with QK^T of the next tile beside this tile's softmax or not (`overlap`, the
     kernel's OVERLAP); today's kernel is back on the way out, whatever happened inside."""
     today = fp8._sparse_mla_decode_fp8_gluon_kernel
-    fp8._sparse_mla_decode_fp8_gluon_kernel = WithOverlap(ws._sparse_mla_decode_fp8_ws_kernel, overlap)
+    fp8._sparse_mla_decode_fp8_gluon_kernel = WithOverlap(ws._sparse_mla_decode_fp8_ws_kernel, overlap, probe, prefetch)
     try:
         yield
     finally:
@@ -52,11 +53,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype]))
 
 
-def decode_ws(q, kv, rows, sm_scale: float, overlap: bool = False, **kwargs):
+def decode_ws(q, kv, rows, sm_scale: float, overlap: bool = False, probe: int = 0, prefetch: int = 1,
+              **kwargs):
     """`sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)` through the warp-specialised
     kernel (`overlap`: `ws_kernel`'s): the same refusals (ValueError before any launch), outputs and, meant bit
     for bit, values."""
-    with ws_kernel(overlap):
+    with ws_kernel(overlap, probe, prefetch):
         return fp8.sparse_mla_decode_fp8(q, kv, rows, sm_scale, backend="gluon", **kwargs)
 
 
@@ -165,15 +167,24 @@ def time_against_gluon(batches=(64, 128), heads: int = 128, k: int = 2048, conte
     for batch in batches:
         q, kv, rows = make_inputs(batch, context, heads, k, torch.device("cuda"), gen)
         stored = fp8.to_rows(kv)
-        del kv
         flops, nbytes = work(batch, heads, k, fp8.ROW_BYTES)
         roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6
         ref = fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")
+        from hisparse.dsa import ops as dsa
+        kv_bf16 = kv                      # the bf16 Gluon kernel over the same rows' bf16 values: the bar's kernel
+        bf16_gluon = lambda: dsa.sparse_mla_decode(q, kv_bf16, rows, SM_SCALE, backend="gluon")[0]  # noqa: E731
         same = {overlap: all(same_bits(a, b) for a, b in zip(ref, decode_ws(q, stored, rows, SM_SCALE, overlap)))
                 for overlap in (True, False)}
+        print("prefetch 0/1/2/3 bitwise:", [all(same_bits(a, b) for a, b in zip(ref, decode_ws(q, stored, rows, SM_SCALE,
+              False, 0, pf))) for pf in (0, 1, 2, 3)], flush=True)
         kernels = {"gluon_fp8": lambda: fp8.sparse_mla_decode_fp8(q, stored, rows, SM_SCALE, backend="gluon")[0],
                    "gluon_fp8_ws": lambda: decode_ws(q, stored, rows, SM_SCALE, False)[0],
-                   "gluon_fp8_ws_overlap": lambda: decode_ws(q, stored, rows, SM_SCALE, True)[0]}
+                   "gluon_fp8_ws_no_prefetch": lambda: decode_ws(q, stored, rows, SM_SCALE, False, 0, 0)[0],
+                   "gluon_fp8_ws_prefetch_lines": lambda: decode_ws(q, stored, rows, SM_SCALE, False, 0, 2)[0],
+                   "gluon_fp8_ws_prefetch_lines_2": lambda: decode_ws(q, stored, rows, SM_SCALE, False, 0, 3)[0],
+                   "probe_cached_rows": lambda: decode_ws(q, stored, rows, SM_SCALE, False, 1, 2)[0],
+                   "probe_half_convert": lambda: decode_ws(q, stored, rows, SM_SCALE, False, 2, 2)[0],
+                   "bf16_gluon": lambda: bf16_gluon()}
         base = None
         for name, fn in kernels.items():
             us, p20, p80 = time_us(fn, cudagraph=True)
@@ -183,7 +194,7 @@ def time_against_gluon(batches=(64, 128), heads: int = 128, k: int = 2048, conte
                   f"x{base / us:.3f} of gluon_fp8", flush=True)
         print(f"batch {batch:4d}: bitwise equal to gluon_fp8: gluon_fp8_ws {same[False]}, gluon_fp8_ws_overlap "
               f"{same[True]}", flush=True)
-        del q, stored, rows, ref
+        del q, kv, stored, rows, ref, kv_bf16
         torch.cuda.empty_cache()
 
 
