@@ -1,7 +1,8 @@
 """Compile the Gluon sparse MLA decode kernel over FP8 rows (kernels_triton/dsa_fp8_gluon.py) for sm_90a
 without a GPU and report it beside the bf16 rows' Gluon kernel (experiments/tools/sass_dsa_gluon.py's
-report): registers, spills, shared memory, SASS counts, the main loop's instructions (one trip) and the
-wgmma (HGMMA) shapes; F2FP / F2F / HADD2 / FMUL count the dequantisation's conversions and multiplies.
+report): registers, spills, shared memory, SASS counts, the main loop's instructions (one trip), each warp
+partition's registers (setmaxnreg), instructions and local-memory accesses, and the wgmma (HGMMA) shapes;
+F2FP / F2F / HADD2 / FMUL / PRMT count the dequantisation's conversions and multiplies.
 
     TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.sass_dsa_fp8_gluon [--ptx DIR]
 
@@ -9,6 +10,7 @@ Needs Triton 3.6 (its Gluon Hopper API). Counts are static (instructions in the 
 """
 import argparse
 import os
+import re
 
 import triton
 
@@ -43,6 +45,25 @@ def compile_fp8_gluon(row_base: bool, kernel=None, **constexprs):
     return sass_dsa_gluon.compile_gluon_sm90(kernel, sig, constexprs, divisible, num_warps=fg.NUM_WARPS)
 
 
+def partitions(sass: str) -> dict[str, tuple[int, int, int]]:
+    """{partition: (registers it runs at, instructions, local loads and stores)} of the warp-specialised
+    kernel's SASS: the producer's code runs between its setmaxnreg up and its drop back to the idle count, the
+    consumers' between their drop for the region and their return."""
+    lines = sass.splitlines()
+    marks = [(i, kind, int(regs, 16)) for i, line in enumerate(lines)
+             for kind, regs in re.findall(r"USETMAXREG\.(\w+)\.CTAPOOL[^,;]*,? ?(0x[0-9a-f]+)", line)]
+    if len(marks) != 6:
+        raise ValueError(f"expected 6 setmaxnreg (idle, producer in and out, consumers' parent, region, return), "
+                         f"got {[(k, r) for _, k, r in marks]}")
+    spans = {"producer": (marks[1], marks[2]), "consumers": (marks[4], marks[5])}
+    found = {}
+    for name, ((start, _, regs), (stop, _, _)) in spans.items():
+        body = [line for line in lines[start:stop] if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        local = sum(bool(re.search(r"\b(STL|LDL)\b", line)) for line in body)
+        found[name] = (regs, len(body), local)
+    return found
+
+
 def fp8_report(row_base: bool, ptx_dir: str | None = None) -> str:
     try:
         compiled = compile_fp8_gluon(row_base)
@@ -60,10 +81,13 @@ def fp8_report(row_base: bool, ptx_dir: str | None = None) -> str:
     regs, spills = registers_and_spills(compiled)
     ops = sass_ops(compiled)
     counts = " ".join(f"{name} {ops[name]}" for name in sass_dsa.SHOWN + CONVERSIONS)
-    loop, loop_ops = main_loop_ops(sass_dsa_gluon.sass_text(compiled))
+    sass = sass_dsa_gluon.sass_text(compiled)
+    loop, loop_ops = main_loop_ops(sass)
     in_loop = " ".join(f"{name} {loop_ops[name]}" for name in ("LDL", "STS", "LDS", *CONVERSIONS))
+    parts = ", ".join(f"{name} at {r} registers, {n} instructions, {local} local loads/stores"
+                      for name, (r, n, local) in partitions(sass).items())
     return (f"{regs} regs, {spills} B spilled, {compiled.metadata.shared // 1024} KiB shared "
-            f"({compiled.metadata.shared} B) | {counts} | main loop {loop} instructions: {in_loop} | "
+            f"({compiled.metadata.shared} B) | {counts} | main loop {loop} instructions: {in_loop} | {parts} | "
             f"HGMMA shapes: {sass_dsa_gluon.hgmma_shapes(compiled)}")
 
 
@@ -74,7 +98,8 @@ def main(argv=None) -> None:
     if fg.GLUON_IMPORT_ERROR is not None:
         raise SystemExit(f"Triton {triton.__version__}: no usable Gluon ({fg.GLUON_IMPORT_ERROR})")
     print(f"Triton {triton.__version__}, sm_90a, D {fg.D_V} + {fg.D_ROPE}, bf16 q, BLOCK_H {fg.BLOCK_H}, "
-          f"BLOCK_K {fg.BLOCK_K}, {fg.NUM_WARPS} warps, {fg.NUM_STAGES} stages")
+          f"BLOCK_K {fg.BLOCK_K}, {fg.NUM_WARPS} consumer warps + {fg.PRODUCER_WARPS} producer warps, "
+          f"{fg.NUM_STAGES} K buffers")
     for row_base in (False, True):
         tag = "on " if row_base else "off"
         print(f"  gluon fp8 row_base {tag}: {fp8_report(row_base, args.ptx)}")
