@@ -20,8 +20,8 @@ Barriers (bars [4, 1] at global_smem + BAR_OFF: full[0], full[1], empty[0], empt
 --------------------------------------------------------------------------------
 - full[b], count 2: this CTA's producer arrives expecting TX_BYTES (the peer's 32 rows) when it starts tile i,
   and again after its own stores (fence, partition barrier); the peer's st.async complete the bytes.
-- empty[b], count 2: this CTA's consumers arrive after PV(i), and so do the peer's (a remote mbarrier arrive,
-  inline PTX: Gluon 3.6 has none), so a producer writes tile i + 2 into both CTAs' buffer b only after both
+- empty[b], count 2: this CTA's consumers arrive after PV(i), and so do the peer's (a relaxed remote mbarrier
+  arrive, inline PTX: Gluon 3.6 has none; a release one costs a MEMBAR.ALL.GPU a tile), so a producer writes tile i + 2 into both CTAs' buffer b only after both
   CTAs' consumers are done with tile i. A fresh barrier passes parity 1 at once (tiles 0 and 1).
 - A full cluster barrier at each partition's start (after mbarrier.init, released to the cluster) and end: no
   remote write reaches a barrier before it exists, and neither CTA exits while its peer may still write to it.
@@ -79,6 +79,9 @@ if GLUON_IMPORT_ERROR is None:
     # producer: a block of its half-tile [32, 128] (e4m3, then bf16): 8 lanes down 8 rows, 4 along them
     DEQ_P = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [PRODUCER_WARPS, 1], [0, 1], cga_layout=_WHOLE))
     ROPE_P = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0], cga_layout=_WHOLE))
+    # the same block as int32 words [32, 32] (4 e4m3 bytes each, 16-byte loads): what is held across the loop
+    # (loop-carried 8-bit values are unpacked one a register; words stay packed)
+    WORD_P = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [PRODUCER_WARPS, 1], [0, 1], cga_layout=_WHOLE))
     PF_P = gl.constexpr(gl.BlockedLayout([1, 1], [8, 4], [PRODUCER_WARPS, 1], [0, 1], cga_layout=_WHOLE))
     ONE_C = gl.constexpr(gl.BlockedLayout([1], [32], [NUM_WARPS], [0], cga_layout=[[0]]))
     ONE_P = gl.constexpr(gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0], cga_layout=[[0]]))
@@ -88,6 +91,7 @@ if GLUON_IMPORT_ERROR is None:
     # 8 int8 results (2 registers, unused); 8 int32 each of local and peer addresses and peer mbarrier addresses
     # ($2..$25, the same value 8 times: the first is read); 8 bf16 packed in 4 registers ($26..$29)
     _STORE_CONSTRAINTS = gl.constexpr("=r,=r," + ",".join(["r"] * 28))
+    _WORDS_CONSTRAINTS = gl.constexpr("=r,=r," + ",".join(["r"] * 10))     # 2 results; 2 each of 5 inputs
 
     @gluon.jit
     def _cluster_rank(like):
@@ -100,6 +104,13 @@ if GLUON_IMPORT_ERROR is None:
         """A full cluster barrier (release / acquire), every thread of both CTAs. `like`: one value a thread."""
         return gl.inline_asm_elementwise(
             "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
+            "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _cluster_sync_relaxed(like):
+        """A cluster barrier without release semantics (no MEMBAR.ALL.GPU): execution order only."""
+        return gl.inline_asm_elementwise(
+            "barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n\tmov.u32 $0, 0;",
             "=r,r", [like], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -127,7 +138,7 @@ if GLUON_IMPORT_ERROR is None:
         (a shared::cluster address, one value a thread)."""
         return gl.inline_asm_elementwise(
             "{\n .reg .pred p;\n .reg .b32 t;\n mov.u32 t, %tid.x;\n and.b32 t, t, 255;\n setp.eq.u32 p, t, 0;\n"
-            " @p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$1];\n mov.u32 $0, 0;\n}",
+            " @p mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [$1];\n mov.u32 $0, 0;\n}",
             "=r,r", [peer_bar], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.constexpr_function
@@ -150,8 +161,70 @@ if GLUON_IMPORT_ERROR is None:
             pack=8)
 
     @gluon.jit
+    def _dequant_words(w, scale):
+        """w [32, 32] int32, 4 e4m3 values a word (byte j = value 4 * word + j), times the rows' float32 scales
+        [32]: (lo, hi) int32 [32, 32], each two bf16 (values 4 * word + 0, 1 and + 2, 3), by dsa_fp8_gluon.py's
+        `_e4m3_bf16x2` arithmetic (the same bits)."""
+        m1 = (gl.minimum(scale, 128.0) * 1.329227995784916e36).to(gl.bfloat16)      # min(scale, 2^7) * 2^120
+        m2 = gl.maximum(scale * (1.0 / 128.0), 1.0).to(gl.bfloat16)
+        m1 = m1.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        m2 = m2.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        m1x2 = (m1 | (m1 << 16))[:, None]                                             # bf16x2
+        m2x2 = (m2 | (m2 << 16))[:, None]
+        return gl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi;
+            prmt.b32 lo, $2, 0, 0x9180;
+            prmt.b32 hi, $2, 0, 0xB3A2;
+            shl.b32 lo, lo, 4;
+            shl.b32 hi, hi, 4;
+            and.b32 lo, lo, 0x87F087F0;
+            and.b32 hi, hi, 0x87F087F0;
+            mul.rn.bf16x2 lo, lo, $3;
+            mul.rn.bf16x2 hi, hi, $3;
+            mul.rn.bf16x2 $0, lo, $4;
+            mul.rn.bf16x2 $1, hi, $4;
+            }""",
+            constraints="=r,=r,r,r,r", args=[w, m1x2, m2x2], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+    @gluon.constexpr_function
+    def _store_words_asm(k_off):
+        """PTX: 16 bytes ({$8, $10, $9, $11}: lo and hi of word 0, then of word 1) at $2 + k_off here and at $4 +
+        k_off in the peer (st.async, completing the peer's mbarrier at $6 by 16 bytes)."""
+        return gl.constexpr(
+            f"st.shared.v4.b32 [$2+{k_off}], {{$8, $10, $9, $11}};\n\t"
+            f"st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$4+{k_off}], {{$8, $10, $9, $11}}, "
+            f"[$6];\n\tmov.b32 $0, 0;\n\tmov.b32 $1, 0;")
+
+    @gluon.jit
+    def _store_words(here, peer, peer_bar, lo, hi, K_BLOCK_OFF: gl.constexpr):
+        """lo, hi [32, 32] (`_dequant_words`) into this CTA's K buffer and the peer's, 2 words (16 bytes of
+        bf16) an asm: here / peer [32, 32] each pair's address in block 0 (the same value twice)."""
+        return gl.inline_asm_elementwise(
+            asm=_store_words_asm(K_BLOCK_OFF),
+            constraints=_WORDS_CONSTRAINTS, args=[here, peer, peer_bar, lo, hi],
+            dtype=gl.int32, is_pure=False, pack=2)
+
+    @gluon.jit
+    def _load_half(kv32_ptr, row, o_w, STRIDE16):
+        """A tile's latent bytes for this CTA: its rows' 4 blocks as words [32, 32] int32 and their scales [32]
+        (-1 rows: zeros)."""
+        valid = row >= 0
+        p_w = kv32_ptr + (row.to(gl.int64) * STRIDE16 * 4)[:, None] + o_w[None, :]
+        p_scale = kv32_ptr + row.to(gl.int64) * STRIDE16 * 4 + _SCALE_WORD
+        x0 = gl.load(p_w, mask=valid[:, None], other=0.0).to(gl.int32, bitcast=True)
+        x1 = gl.load(p_w + 32, mask=valid[:, None], other=0.0).to(gl.int32, bitcast=True)
+        x2 = gl.load(p_w + 64, mask=valid[:, None], other=0.0).to(gl.int32, bitcast=True)
+        x3 = gl.load(p_w + 96, mask=valid[:, None], other=0.0).to(gl.int32, bitcast=True)
+        s0 = gl.load(p_scale, mask=valid, other=0.0)
+        s1 = gl.load(p_scale + 1, mask=valid, other=0.0)
+        s2 = gl.load(p_scale + 2, mask=valid, other=0.0)
+        s3 = gl.load(p_scale + 3, mask=valid, other=0.0)
+        return x0, x1, x2, x3, s0, s1, s2, s3
+
+    @gluon.jit
     def _prefetch_rows(kv8_ptr, row, STRIDE16):
-        """Every 128-byte line of the rows `row` [HALF_K] (SliceLayout(1, DEQ_P); -1: row 0) asked of L2 (as
+        """Every 128-byte line of the rows `row` [HALF_K] (SliceLayout(1, WORD_P); -1: row 0) asked of L2 (as
         dsa_fp8_gluon.py's). Returns zeros in row's layout."""
         pf_row = gl.convert_layout(gl.maximum(row, 0), gl.SliceLayout(1, PF_P))
         o_j = gl.arange(0, 4, layout=gl.SliceLayout(0, PF_P))
@@ -172,54 +245,54 @@ if GLUON_IMPORT_ERROR is None:
         """The producer partition: this CTA's half of every tile dequantised into both CTAs' K buffer i % 2."""
         one = gl.arange(0, _PRODUCER_WARPS * 32, layout=ONE_P)
         _cluster_sync(one)                                  # both CTAs' mbarriers exist
-        rank = _cluster_rank(gl.arange(0, _HALF_K, layout=gl.SliceLayout(1, DEQ_P)))
-        o_k = rank * _HALF_K + gl.arange(0, _HALF_K, layout=gl.SliceLayout(1, DEQ_P))   # this CTA's rows of a tile
-        o_c = gl.arange(0, _TILE, layout=gl.SliceLayout(0, DEQ_P))
+        rank = _cluster_rank(gl.arange(0, _HALF_K, layout=gl.SliceLayout(1, WORD_P)))
+        o_k = rank * _HALF_K + gl.arange(0, _HALF_K, layout=gl.SliceLayout(1, WORD_P))   # this CTA's rows of a tile
+        o_w = gl.arange(0, 32, layout=gl.SliceLayout(0, WORD_P))                         # a block's words
         o_kr = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(1, ROPE_P))
         o_r = _ROPE_HALF + gl.arange(0, _D_ROPE, layout=gl.SliceLayout(0, ROPE_P))
-        # each 8 columns' first byte in block 0 of K buffer 0 (the same value for the 8: one register)
-        c8 = (o_c // 8) * 8
+        # each word pair's first bf16 byte in block 0 of K buffer 0 (bf16 column 4 * word; the same value for
+        # the pair: one register)
+        c8 = (o_w // 2) * 8
         kofs = (c8[None, :] // 64) * (_BLOCK_K * 128) + o_k[:, None] * 128 + \
             (((c8[None, :] % 64) // 8) ^ (o_k[:, None] % 8)) * 16
         here0 = _smem_addr(K_OFF + kofs)
         peer0 = _peer_addr(here0)
         peer_full0 = _peer_addr(_smem_addr(BAR_OFF + kofs * 0))
-        next_row = gl.load(p_rows + start + o_k, mask=start + o_k < end, other=-1)
-        next_row_r = gl.load(p_rows + start + o_kr, mask=start + o_kr < end, other=-1)
+        # tile 0's bytes; then per tile: tile i + 1's loads first (held in registers, as words, a whole tile),
+        # tile i + 2's rows into L2, tile i converted and stored
+        row = gl.load(p_rows + start + o_k, mask=start + o_k < end, other=-1)
+        x0, x1, x2, x3, s0, s1, s2, s3 = _load_half(kv32_ptr, row, o_w, STRIDE16)
+        j1 = start + _BLOCK_K
+        next_row = gl.load(p_rows + j1 + o_k, mask=j1 + o_k < end, other=-1)
         for i in range(n_tiles):
             b = i % 2
-            row, row_r = next_row, next_row_r
-            j1 = start + (i + 1) * _BLOCK_K
-            next_row = gl.load(p_rows + j1 + o_k, mask=j1 + o_k < end, other=-1)
-            next_row_r = gl.load(p_rows + j1 + o_kr, mask=j1 + o_kr < end, other=-1)
-            valid = row >= 0
-            p_row = kv8_ptr + (row.to(gl.int64) * STRIDE16 * 16)[:, None] + o_c[None, :]
-            p_scale = kv32_ptr + row.to(gl.int64) * STRIDE16 * 4 + _SCALE_WORD
+            j0 = start + i * _BLOCK_K
+            row_r = gl.load(p_rows + j0 + o_kr, mask=j0 + o_kr < end, other=-1)
             rope = gl.load(kv16_ptr + (row_r.to(gl.int64) * STRIDE16 * 8)[:, None] + o_r[None, :],
-                           mask=(row_r >= 0)[:, None], other=0.0)
-            x0 = gl.load(p_row, mask=valid[:, None], other=0.0)
-            x1 = gl.load(p_row + _TILE, mask=valid[:, None], other=0.0)
-            s0 = gl.load(p_scale, mask=valid, other=0.0)
-            s1 = gl.load(p_scale + 1, mask=valid, other=0.0)
+                           mask=(row_r >= 0)[:, None], other=0.0)        # this tile's, stored last
+            n0, n1, n2, n3, t0, t1, t2, t3 = _load_half(kv32_ptr, next_row, o_w, STRIDE16)
+            j2 = j0 + 2 * _BLOCK_K
+            next_row = gl.load(p_rows + j2 + o_k, mask=j2 + o_k < end, other=-1)
             here = here0 + b * _K_BUF_BYTES
             peer = peer0 + b * _K_BUF_BYTES
             peer_full = peer_full0 + b * 8
             mbarrier.wait(bars.index(2 + b), ((i // 2) & 1) ^ 1)        # both CTAs' consumers are done with tile i - 2
             mbarrier.expect(bars.index(b), _TX_BYTES)                 # arrival 1 of 2: the peer's bytes to come
-            k_rope.index(b).store(rope)
-            _store_here_and_peer(here, peer, peer_full, _dequant(x0, s0), 0)
-            x2 = gl.load(p_row + 2 * _TILE, mask=valid[:, None], other=0.0)
-            s2 = gl.load(p_scale + 2, mask=valid, other=0.0)
-            _store_here_and_peer(here, peer, peer_full, _dequant(x1, s1), 16384)
-            x3 = gl.load(p_row + 3 * _TILE, mask=valid[:, None], other=0.0)
-            s3 = gl.load(p_scale + 3, mask=valid, other=0.0)
+            lo, hi = _dequant_words(x0, s0)
+            _store_words(here, peer, peer_full, lo, hi, 0)
+            lo, hi = _dequant_words(x1, s1)
+            _store_words(here, peer, peer_full, lo, hi, 16384)
             next_row += _prefetch_rows(kv8_ptr, next_row, STRIDE16)
-            _store_here_and_peer(here, peer, peer_full, _dequant(x2, s2), 32768)
-            _store_here_and_peer(here, peer, peer_full, _dequant(x3, s3), 49152)
+            lo, hi = _dequant_words(x2, s2)
+            _store_words(here, peer, peer_full, lo, hi, 32768)
+            lo, hi = _dequant_words(x3, s3)
+            _store_words(here, peer, peer_full, lo, hi, 49152)
+            k_rope.index(b).store(rope)
             fence_async_shared()                                  # the local stores, visible to wgmma
             gl.thread_barrier()                                   # every producer warp's stores first
             mbarrier.arrive(bars.index(b))                        # arrival 2 of 2
-        _cluster_sync(one)                                        # the peer's partitions are done with this CTA
+            x0, x1, x2, x3, s0, s1, s2, s3 = n0, n1, n2, n3, t0, t1, t2, t3
+        _cluster_sync_relaxed(one)                                # the peer's partitions are done with this CTA
 
     @gluon.jit
     def _consume(q_blk, q_rope, k_nope, k_blk, k_rope, p_smem, bars, p_rows, start, end, n_tiles, qk_scale_log2,
@@ -277,7 +350,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.store(p_out, out.to(out_ptr.dtype.element_ty), mask=(o_ho < H)[:, None])
         o_hl = gl.arange(0, _HEADS, layout=row_s)
         gl.store(lse_ptr + i_n * stride_ln + o_hl * stride_lh + i_s * stride_ls, lse, mask=o_hl < H)
-        _cluster_sync(one)                        # the peer's partitions are done with this CTA
+        _cluster_sync_relaxed(one)                # the peer's partitions are done with this CTA
 
     @gluon.jit
     def _sparse_mla_decode_fp8_x2_kernel(
