@@ -205,83 +205,46 @@ if GLUON_IMPORT_ERROR is None:
             return gl.convert_layout(gl.max(zero, axis=1), row.type.layout)
 
         @gluon.jit
-        def _dequant_words(w, scale):
-            """w [BLOCK_K, 32] int32, 4 e4m3 values a word (byte j: value 4 * word + j), times the rows' float32
-            scales [BLOCK_K]: [BLOCK_K, 64] int32, two bf16 a word in column order, by `_e4m3_bf16x2`'s
-            arithmetic (the same bits)."""
-            m1 = (gl.minimum(scale, _TWO_7) * _TWO_120).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
-            m2 = gl.maximum(scale * (1.0 / _TWO_7), 1.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
-            m1x2 = ((m1 & 0xFFFF) | (m1 << 16))[:, None]                          # bf16x2
-            m2x2 = ((m2 & 0xFFFF) | (m2 << 16))[:, None]
-            lo, hi = gl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 lo, hi;
-                prmt.b32 lo, $2, 0, 0x9180;
-                prmt.b32 hi, $2, 0, 0xB3A2;
-                shl.b32 lo, lo, 4;
-                shl.b32 hi, hi, 4;
-                and.b32 lo, lo, 0x87F087F0;
-                and.b32 hi, hi, 0x87F087F0;
-                mul.rn.bf16x2 lo, lo, $3;
-                mul.rn.bf16x2 hi, hi, $3;
-                mul.rn.bf16x2 $0, lo, $4;
-                mul.rn.bf16x2 $1, hi, $4;
-                }""",
-                constraints="=r,=r,r,r,r", args=[w, m1x2, m2x2], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-            BK: gl.constexpr = w.shape[0]
-            return gl.reshape(gl.join(lo, hi), [BK, 64])
-
-        @gluon.jit
-        def _load_words(kv32_ptr, row, o_w, STRIDE16, c: gl.constexpr):
-            """Latent block c of rows `row` as words [BLOCK_K, 32] int32 and its scales [BLOCK_K] (-1: zeros)."""
-            valid = row >= 0
-            base = row.to(gl.int64) * STRIDE16 * 4
-            w = gl.load(kv32_ptr + base[:, None] + c * 32 + o_w[None, :], mask=valid[:, None], other=0.0)
-            return w.to(gl.int32, bitcast=True), gl.load(kv32_ptr + base + _SCALE_WORD + c, mask=valid, other=0.0)
-
-        @gluon.jit
         def _produce(kv8_ptr, kv32_ptr, kv16_ptr, p_rows, start, end, n_tiles, STRIDE16, k_nope, k_rope, full,
                      empty):
             """The producer partition: every tile of the chunk dequantised into K buffer i % 2 (module docstring)."""
-            # words of a block [BLOCK_K, 32] int32: 8 lanes down 8 rows, 4 along them, 16 bytes a load
-            word_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4],
-                                                    warps_per_cta=[_PRODUCER_WARPS, 1], order=[0, 1])
+            deq_l: gl.constexpr = _row_lanes_layout(_TILE, 8, _PRODUCER_WARPS)  # [BLOCK_K, 128] e4m3: 64 B a thread
             rope_l: gl.constexpr = _vector_layout(_D_ROPE, 16, _PRODUCER_WARPS)  # [BLOCK_K, 64] bf16: 64 B a thread
-            o_k = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(1, word_l))
-            o_w = gl.arange(0, 32, layout=gl.SliceLayout(0, word_l))
+            o_k = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(1, deq_l))
+            o_c = gl.arange(0, _TILE, layout=gl.SliceLayout(0, deq_l))
             o_kr = gl.arange(0, _BLOCK_K, layout=gl.SliceLayout(1, rope_l))
             o_r = _ROPE_HALF + gl.arange(0, _D_ROPE, layout=gl.SliceLayout(0, rope_l))
-            k_words = k_nope._reinterpret(gl.int32, [2, _BLOCK_K, _D_V // 2], _nvmma_shared([_BLOCK_K, _D_V // 2], 32))
-            # each block's words are loaded two block conversions before they are converted (blocks 0 and 1 of
-            # tile i + 1 during blocks 2 and 3 of tile i), held as int32 words (8-bit values held across the loop
-            # would take a register each)
-            row = gl.load(p_rows + start + o_k, mask=start + o_k < end, other=-1)
-            w0, s0 = _load_words(kv32_ptr, row, o_w, STRIDE16, 0)
-            w1, s1 = _load_words(kv32_ptr, row, o_w, STRIDE16, 1)
-            j1 = start + _BLOCK_K
-            next_row = gl.load(p_rows + j1 + o_k, mask=j1 + o_k < end, other=-1)
+            # each tile's row ids are loaded a tile ahead, so its data loads need not wait for them (two layouts'
+            # copies: converting one to the other would take scratch shared memory)
+            next_row = gl.load(p_rows + start + o_k, mask=start + o_k < end, other=-1)
+            next_row_r = gl.load(p_rows + start + o_kr, mask=start + o_kr < end, other=-1)
             for i in range(n_tiles):
                 b = i % 2
-                j0 = start + i * _BLOCK_K
-                row_r = gl.load(p_rows + j0 + o_kr, mask=j0 + o_kr < end, other=-1)
+                row, row_r = next_row, next_row_r
+                j1 = start + (i + 1) * _BLOCK_K
+                next_row = gl.load(p_rows + j1 + o_k, mask=j1 + o_k < end, other=-1)
+                next_row_r = gl.load(p_rows + j1 + o_kr, mask=j1 + o_kr < end, other=-1)
+                valid = row >= 0
+                p_row = kv8_ptr + (row.to(gl.int64) * STRIDE16 * 16)[:, None] + o_c[None, :]
+                p_scale = kv32_ptr + row.to(gl.int64) * STRIDE16 * 4 + _SCALE_WORD
                 rope = gl.load(kv16_ptr + (row_r.to(gl.int64) * STRIDE16 * 8)[:, None] + o_r[None, :],
                                mask=(row_r >= 0)[:, None], other=0.0)
-                j2 = j0 + 2 * _BLOCK_K
-                far_row = gl.load(p_rows + j2 + o_k, mask=j2 + o_k < end, other=-1)
-                w2, s2 = _load_words(kv32_ptr, row, o_w, STRIDE16, 2)
-                k_tile = k_words.index(b)                                  # [BLOCK_K, 256] int32, block c at c * 64
-                mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)        # the consumers are done with tile i - 2
-                k_tile.slice(0, 64, dim=1).store(_dequant_words(w0, s0))
-                w3, s3 = _load_words(kv32_ptr, row, o_w, STRIDE16, 3)
-                k_tile.slice(64, 64, dim=1).store(_dequant_words(w1, s1))
-                # tile i + 2's rows into L2 (its row ids have landed by now); tile i + 1's first two blocks
-                far_row += _prefetch_rows(kv8_ptr, far_row, STRIDE16)
-                w0, s0 = _load_words(kv32_ptr, next_row, o_w, STRIDE16, 0)
-                k_tile.slice(128, 64, dim=1).store(_dequant_words(w2, s2))
-                w1, s1 = _load_words(kv32_ptr, next_row, o_w, STRIDE16, 1)
-                k_tile.slice(192, 64, dim=1).store(_dequant_words(w3, s3))
-                k_rope.index(b).store(rope)
-                row, next_row = next_row, far_row
+                # two blocks' bytes in flight at a time ([BLOCK_K, 128] e4m3 and [BLOCK_K] scales each), the
+                # first two before waiting for the buffer
+                k_tile = k_nope.index(b)                                   # [BLOCK_K, 512] bf16, block c at c * 128
+                for h in gl.static_range(2):
+                    xa = gl.load(p_row + 2 * h * _TILE, mask=valid[:, None], other=0.0)
+                    xb = gl.load(p_row + (2 * h + 1) * _TILE, mask=valid[:, None], other=0.0)
+                    sa = gl.load(p_scale + 2 * h, mask=valid, other=0.0)
+                    sb = gl.load(p_scale + 2 * h + 1, mask=valid, other=0.0)
+                    if h == 0:
+                        mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)    # the consumers are done with tile i - 2
+                        k_rope.index(b).store(rope)
+                    else:
+                        # tile i + 1's rows into L2 while this half converts (its row ids have landed by now)
+                        next_row += _prefetch_rows(kv8_ptr, next_row, STRIDE16)
+                    k_tile.slice(2 * h * _TILE, _TILE, dim=1).store(_dequant(xa, sa))
+                    k_tile.slice((2 * h + 1) * _TILE, _TILE, dim=1).store(_dequant(xb, sb))
                 fence_async_shared()                                   # the stores, visible to wgmma
                 gl.thread_barrier()                       # every producer warp's stores, before thread 0 arrives
                 mbarrier.arrive(full.index(b))
