@@ -318,7 +318,8 @@ def _launch(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig,
         combine_splits(part, part_lse, out, lse)
 
 
-# The Gluon FP8 kernel's tiles, as `split_plan` takes them (64 heads x 64 rows a program; 8 consumer warps, 2 K buffers)
+# The Gluon FP8 kernel's tiles, as `split_plan` takes them (64 heads x 64 rows a program; 8 consumer warps,
+# 2 K buffers)
 GLUON_FP8_TILES = DecodeConfig(block_h=dsa_fp8_gluon.BLOCK_H, block_k=dsa_fp8_gluon.BLOCK_K,
                                num_warps=dsa_fp8_gluon.NUM_WARPS, num_stages=dsa_fp8_gluon.NUM_STAGES)
 
