@@ -1,7 +1,7 @@
 """Compile the Gluon sparse MLA decode kernel over FP8 rows (kernels_triton/dsa_fp8_gluon.py) for sm_90a
 without a GPU and report it beside the bf16 rows' Gluon kernel (experiments/tools/sass_dsa_gluon.py's
-report): registers, spills, shared memory, SASS counts, the main loop's instructions (one trip), each warp
-partition's registers (setmaxnreg), instructions and local-memory accesses, and the wgmma (HGMMA) shapes;
+report): registers, spills, shared memory, SASS counts, each warp partition's registers (setmaxnreg),
+instructions and local-memory accesses, and the wgmma (HGMMA) shapes;
 F2FP / F2F / HADD2 / FMUL / PRMT count the dequantisation's conversions and multiplies.
 
     TRITON_INTERPRET=0 /tmp/t36/bin/python -m experiments.tools.sass_dsa_fp8_gluon [--ptx DIR]
@@ -16,7 +16,7 @@ import triton
 
 import kernels_triton.dsa_fp8_gluon as fg
 from experiments.tools import sass_dsa, sass_dsa_gluon
-from experiments.tools.sass import main_loop_ops, registers_and_spills, sass_ops
+from experiments.tools.sass import registers_and_spills, sass_ops
 
 POINTER_TYPES = {"q_ptr": "*bf16", "kv8_ptr": "*fp8e4nv", "kv32_ptr": "*fp32", "kv16_ptr": "*bf16",
                  "rows_ptr": "*i32", "row_base_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
@@ -24,25 +24,25 @@ ALIGNED = ("stride_qn", "stride_qh", "stride_rn", "stride_on", "stride_oh")
 CONVERSIONS = ("F2FP", "F2F", "HADD2", "FMUL", "PRMT")
 
 
-def fp8_signature(kernel=None) -> dict:
-    """Argument name -> type of the Gluon FP8 kernel (or `kernel`, which takes its arguments) as a launch sees it."""
-    kernel = kernel or fg._sparse_mla_decode_fp8_gluon_kernel
+def fp8_signature() -> dict:
+    """Argument name -> type of the Gluon FP8 kernel as a launch sees it."""
+    kernel = fg._sparse_mla_decode_fp8_gluon_kernel
     return {name: POINTER_TYPES.get(name) or ("fp32" if name == "qk_scale_log2" else
                                              "constexpr" if (name.isupper() or name == "num_warps")
                                              and name not in ("H", "K_SEL", "CHUNK", "STRIDE16") else "i32")
             for name in kernel.arg_names}
 
 
-def compile_fp8_gluon(row_base: bool, kernel=None, **constexprs):
-    """The Gluon FP8 kernel (or `kernel`, which takes its arguments, with its extra `constexprs`) compiled for
-    sm_90a as `_launch_gluon` specialises it: pointers and the aligned strides divisible by 16."""
-    kernel = kernel or fg._sparse_mla_decode_fp8_gluon_kernel
-    sig = fp8_signature(kernel)
+def compile_fp8_gluon(row_base: bool):
+    """The Gluon FP8 kernel compiled for sm_90a as `_launch_gluon` specialises it: pointers and the aligned
+    strides divisible by 16."""
+    sig = fp8_signature()
     names = list(sig)
     divisible = [i for i, t in enumerate(sig.values()) if t.startswith("*")] + [names.index(n) for n in ALIGNED]
     constexprs = {"BLOCK_H": fg.BLOCK_H, "BLOCK_K": fg.BLOCK_K, "HAS_ROW_BASE": row_base,
-                  "NUM_STAGES": fg.NUM_STAGES, "num_warps": fg.NUM_WARPS, **constexprs}
-    return sass_dsa_gluon.compile_gluon_sm90(kernel, sig, constexprs, divisible, num_warps=fg.NUM_WARPS)
+                  "NUM_STAGES": fg.NUM_STAGES, "num_warps": fg.NUM_WARPS}
+    return sass_dsa_gluon.compile_gluon_sm90(fg._sparse_mla_decode_fp8_gluon_kernel, sig, constexprs, divisible,
+                                             num_warps=fg.NUM_WARPS)
 
 
 def partitions(sass: str) -> dict[str, tuple[int, int, int]]:
@@ -81,13 +81,10 @@ def fp8_report(row_base: bool, ptx_dir: str | None = None) -> str:
     regs, spills = registers_and_spills(compiled)
     ops = sass_ops(compiled)
     counts = " ".join(f"{name} {ops[name]}" for name in sass_dsa.SHOWN + CONVERSIONS)
-    sass = sass_dsa_gluon.sass_text(compiled)
-    loop, loop_ops = main_loop_ops(sass)
-    in_loop = " ".join(f"{name} {loop_ops[name]}" for name in ("LDL", "STS", "LDS", *CONVERSIONS))
     parts = ", ".join(f"{name} at {r} registers, {n} instructions, {local} local loads/stores"
-                      for name, (r, n, local) in partitions(sass).items())
+                      for name, (r, n, local) in partitions(sass_dsa_gluon.sass_text(compiled)).items())
     return (f"{regs} regs, {spills} B spilled, {compiled.metadata.shared // 1024} KiB shared "
-            f"({compiled.metadata.shared} B) | {counts} | main loop {loop} instructions: {in_loop} | {parts} | "
+            f"({compiled.metadata.shared} B) | {counts} | {parts} | "
             f"HGMMA shapes: {sass_dsa_gluon.hgmma_shapes(compiled)}")
 
 
