@@ -107,11 +107,99 @@ class FamilyRuntime(Protocol):
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
         """GPU bytes of the KV state of the whole batch."""
 
-    # Hybrid serving (hisparse.serving): run_streams(cache, capacity), runs_per_request(),
-    # take_runs(cache, capacity), demote(...) and lane_prefill(..., runs=) place a request resident
-    # in runs of the cache's streams; `hisparse/dsa/runtime.py` documents them.
-    # Optional: new_state(batch, capacity) -> DecodeState, the empty state the engine prefills into
-    # (DSA's stores its kv_dtype's rows); without it, the model's own `new_state`.
+    # -- what the serving engine (hisparse/serving/) uses besides the above --
+    row_bytes: int             # bytes of one host-pool row (a unit of one stream)
+    row_dtype: torch.dtype     # the dtype rows are stored in (uint8 for DSA's FP8 rows)
+    prefill_beside_decode: bool   # a prefill may run beside decode steps (an empty lane's decode write
+                                  # lands where no request reads); serving's prefill_overlap needs it
+    hybrid_trash_row: bool     # hybrid serving: non-resident lanes' decode write goes to a trash row of the cache
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState:
+        """The empty state a prefill writes into (DSA's holds its kv_dtype's rows)."""
+
+    def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
+                     host_tokens: int, runs: list[int] | None = None, **placement) -> LanePrefill:
+        """A prefill of `prompt` tokens straight into serving lane `lane` of `layers` (hybrid: `runs`
+        keeps it resident in those runs of the cache's streams; DSA also takes `workspace_runs`)."""
+
+    def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
+        """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes."""
+
+    def serving_lanes(self, layers: list, mask: torch.Tensor) -> LaneStates:
+        """The lanes' view of a serving batch's layer states; every layer that keeps an empty lane's
+        decode write from landing where a request reads is bound to `mask` [lanes] bool."""
+
+    def run_streams(self, cache: HierarchicalKVCache, capacity: int) -> int:
+        """Hybrid: streams of one run holding `capacity` tokens of one stream's units."""
+
+    def runs_per_request(self) -> int:
+        """Hybrid: runs a resident request takes (DSA one a layer; Quest, NSA one a layer and KV head)."""
+
+    def take_runs(self, cache: HierarchicalKVCache, capacity: int) -> list[int] | None:
+        """Hybrid: the first stream of each of a request's runs, all taken, or None (nothing taken)."""
+
+    def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
+               runs: list[int]) -> None:
+        """Hybrid: move a resident lane's `length` tokens from its runs to new streams with host regions."""
+
+
+class LanePrefill(Protocol):
+    """One request's prefill into a serving lane (`FamilyRuntime.lane_prefill`)."""
+
+    state: DecodeState         # what the model's prefill runs on
+    runs: list[int] | None     # hybrid: the runs it is resident in (None: hierarchical or not hybrid)
+    workspace_bytes: int       # GPU bytes it holds beside the lanes and the cache
+
+    def chunk_done(self, start: int, end: int) -> None:
+        """Prompt tokens start .. end - 1 are prefilled: their units to the lane, the host pool or the runs."""
+
+    def join(self) -> None:
+        """The prompt is done: the lane reads what was written (a workspace in runs goes back)."""
+
+    def cancel(self) -> None:
+        """It will not join: its streams, regions and runs go back."""
+
+
+class LaneStates:
+    """A serving batch's layer states as lanes (`FamilyRuntime.serving_lanes`): `hierarchical` the
+    states whose rows are in the cache (streams [lanes, ...] and host_streams per lane, -1 / [] for an
+    empty lane; hybrid's `resident` flags and `resident_step`), of which `owned` resolve their own
+    selection (not a shared layer's, whose streams move in lockstep with its anchor's)."""
+
+    def __init__(self, hierarchical: list):
+        self.hierarchical = hierarchical
+        self.owned = [kv for kv in hierarchical if kv.anchor_layer is None]
+
+    def streams(self, lane: int, owned: bool = False) -> list[int]:
+        """The cache streams lane `lane` holds (every layer's, or the owned layers' only)."""
+        return [s for kv in (self.owned if owned else self.hierarchical) for s in _ids(kv.host_streams[lane])]
+
+    def clear(self, lane: int) -> None:
+        """An empty lane: -1 streams (closed by the caller) and not resident, in every hierarchical layer."""
+        for kv in self.hierarchical:
+            kv.streams.view(len(kv.host_streams), -1)[lane] = -1
+            kv.host_streams[lane] = [] if isinstance(kv.host_streams[lane], list) else -1
+            if kv.resident is not None:
+                kv.resident[lane] = False
+
+    def track_residency(self, device: torch.device) -> None:
+        """Hybrid: every lane's resident flag, all hierarchical until one is admitted resident."""
+        for kv in self.hierarchical:
+            kv.resident = torch.zeros(len(kv.host_streams), dtype=torch.bool, device=device)
+
+    def set_resident_step(self, resident_step: bool) -> None:
+        """Hybrid: the next step's lanes holding a request are all resident (it skips the resolve)."""
+        for kv in self.hierarchical:
+            kv.resident_step = resident_step
+
+    def any_resident(self) -> bool:
+        return any(bool(kv.resident.any()) for kv in self.hierarchical if kv.resident is not None)
+
+
+def _ids(streams) -> list[int]:
+    """A lane's host streams (DSA: one id; Quest, NSA: one per KV head) without an empty lane's -1."""
+    ids = streams if isinstance(streams, list) else [streams]
+    return [s for s in ids if s >= 0]
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:

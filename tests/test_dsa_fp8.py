@@ -670,7 +670,7 @@ def test_serving_fp8_rows_and_tokens(fp8_model, resident_run):
     """A server with fp8 rows: 656-byte rows in its host pool and accounting, and the engine's tokens."""
     model = fp8_model("deepseek_v32")
     server = Server(model, "hisparse", cache_slots=8, max_context=CAPACITY, lanes=2, kv_dtype="fp8")
-    assert server._row_bytes() == 656
+    assert server.runtime.row_bytes == 656
     assert server.cache.host.rows.dtype == torch.uint8 and server.cache.host.rows.shape[1] == 656
     assert server.runtime.lane_workspace_bytes("hisparse", 10) == 2 * 10 * 656      # 2 layers, 10 tokens
     run = server.serve([Request(p, max_new_tokens=5) for p in engine_prompts()], clients=2)

@@ -44,7 +44,7 @@ def hybrid_server(model, extra_runs: int, max_context: int = MAX_CONTEXT, **kw) 
     probe = Server(model, "hisparse", max_context=max_context, kv_budget_gib=1.0, max_batch=3, **kw)
     runs = probe.runtime.run_streams(probe.cache, max_context) * probe.streams_per_request
     budget = (probe.workspace_bytes + 4 * probe.cache.host.capacity + 3 * probe.lane_bytes
-              + extra_runs * runs * probe._stream_bytes())
+              + extra_runs * runs * probe.memory.stream_bytes())
     server = Server(model, "hybrid", max_context=max_context, kv_budget_gib=budget / GIB, max_batch=3, **kw)
     assert server.gpu_bytes() <= server.kv_budget          # the streams it made fit the budget exactly
     return server
@@ -72,7 +72,7 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
                  if r is not None}
         mixed.append(kinds == {True, False})
         logits = decode()
-        assert server._resident_step == (kinds == {True}), kinds          # the all-resident step exactly then
+        assert server.runner.resident_step == (kinds == {True}), kinds          # the all-resident step exactly then
         return logits
 
     server._decode_step = watched
@@ -93,7 +93,7 @@ def test_hybrid_mixes_resident_and_hierarchical_lanes_bitwise_as_resident(family
             assert torch.equal(x, y), f"{family}: request {a.rid}, token {step}: logits differ"
     assert server.cache.free_streams() == server.cache.max_streams      # every run and stream given back
     assert server.cache.host.free_rows == server.cache.host.capacity
-    assert not any(kv.resident.any() for kv in server._hier_layers()), "an empty lane left marked resident"
+    assert not any(kv.resident.any() for kv in server.runner.lane_states.hierarchical), "an empty lane left marked resident"
 
 
 def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
@@ -102,7 +102,7 @@ def test_hybrid_without_spare_room_demotes_when_a_second_request_comes():
     model = tiny("deepseek_v32")
     kw = dict(cache_slots=48, prefill_chunk=24, **QUICK)
     server = hybrid_server(model, extra_runs=0, **kw)
-    assert server.cache.max_streams == 3 * server.streams_per_request + server.workspace_bytes // server._stream_bytes()
+    assert server.cache.max_streams == 3 * server.streams_per_request + server.workspace_bytes // server.memory.stream_bytes()
     run = server.serve(requests(seed=5, n=3), clients=3)
     assert run.summary()["resident_admissions"] == 1 and run.summary()["demotions"] == 1, run.summary()
     assert all(len(r.tokens) == r.max_new_tokens for r in run.requests)

@@ -145,7 +145,7 @@ def test_overlapped_prefill_replayed_by_resident_is_bitwise(family, graph=False,
     reqs = random_requests(seed=len(family))
     server = Server(model, "hisparse", kv_budget_gib=0.05, max_batch=3, prefill_overlap=True, prefill_layers=1,
                     prefill_sms=prefill_sms, **kw)
-    assert (server._green is not None) == (prefill_sms is not None and graph)    # graph: on a GPU
+    assert (server.runner.green is not None) == (prefill_sms is not None and graph)    # graph: on a GPU
     run = server.serve(reqs)
     assert max(run.running_batch) >= 2, "no two requests ever shared a step"
     assert overlapped(run) >= 4, "no decode step ran beside a prefill piece: the test checks no overlap"
@@ -209,7 +209,7 @@ def test_bad_overlap_options_are_refused():
     with pytest.raises(ValueError, match="prefill_sms=8 confines the prefill pieces of prefill_overlap=True"):
         Server(model, "hisparse", prefill_sms=8, **kw)
     off_gpu = Server(model, "hisparse", prefill_overlap=True, prefill_sms=8, **kw)
-    assert off_gpu.prefill_sms == 8 and off_gpu._side is None and off_gpu._green is None   # pieces run inline
+    assert off_gpu.prefill_sms == 8 and off_gpu.runner.side is None and off_gpu.runner.green is None   # pieces run inline
     with pytest.raises(ValueError, match="prefill_overlap=True is built for DSA models.*Quest"):
         Server(tiny("llama"), "hisparse", lanes=2, max_context=64, cache_slots=4, token_budget=48,
                prefill_overlap=True)
@@ -327,14 +327,14 @@ def test_a_finished_prompt_joins_once_its_last_piece_is_done():
     while server._prefilling is None or not server._prefilling.complete:
         server.step()
     job = server._prefilling
-    assert server._may_join(job)                        # no event (no side stream): at once
+    assert server.runner.may_join(job, bool(server.running))   # no event (no side stream): at once
     job.finished = _Event(False)
     tokens = len(first.tokens)
     server.step()
     assert server._prefilling is job and not second.tokens and len(first.tokens) == tokens + 1
     assert not server.schedule.iterations[-1].joined
     job.finished = _Event(True)
-    assert server._may_join(job)
+    assert server.runner.may_join(job, bool(server.running))
     job.finished = None                                 # (joining would wait on it on the main stream)
     server.step()
     assert server._prefilling is None and second.tokens and server.schedule.iterations[-1].joined
@@ -343,4 +343,5 @@ def test_a_finished_prompt_joins_once_its_last_piece_is_done():
     server.close()
     idle = Server(server.model, "hisparse", kv_budget_gib=0.05, max_batch=2, prefill_overlap=True,
                   max_context=MAX_CONTEXT, **SETTINGS["deepseek_v32"], **QUICK)
-    assert not idle.running and idle._may_join(type(job)(request=second, state=None, finished=_Event(False)))
+    assert not idle.running and idle.runner.may_join(type(job)(request=second, lane_prefill=None, finished=_Event(False)),
+                                                 bool(idle.running))

@@ -13,6 +13,7 @@ from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.serving import Request, Server
+from hisparse.serving.runner import PrefillJob
 from tests.test_serving import DEVICE, MAX_CONTEXT, QUICK, SETTINGS, tiny
 
 # (prompt length, prefill chunk) per family: prompts that end inside a unit (16-token pages, 64-token
@@ -23,16 +24,51 @@ MODES = ("resident", "hisparse")
 NOT_COMPARED = {"cache", "lanes", "anchor_streams", "prefetched", "host_streams", "weight_k", "weight_v"}
 
 
+class GatheredPrefill:
+    """The reference a lane prefill is held against (`LanePrefill`'s contract): the whole prompt in
+    the model's own state (`model.new_state(1, len)`), then at the join gathered by `gather_layers`
+    and copied into the lane field by field."""
+
+    runs, workspace_bytes = None, 0
+
+    def __init__(self, server: Server, request: Request):
+        self.server, self.request = server, request
+        self.state = server.model.new_state(1, len(request.prompt))
+
+    def chunk_done(self, start: int, end: int) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+    def join(self) -> None:
+        server, request = self.server, self.request
+        length = len(request.prompt)
+        rows = server.runtime.prefilled_rows([self.state])
+        single = server.runtime.gather_layers(server.memory.kv_mode, server.cache, rows,
+                                              torch.tensor([length], device=server.device), server.max_context,
+                                              server.prefetch, host_tokens=length + request.max_new_tokens)
+        for kv, one in zip(server.layers, single):
+            for f in dataclasses.fields(kv):
+                mine, theirs = getattr(kv, f.name), getattr(one, f.name)
+                if f.name not in NOT_COPIED and isinstance(mine, torch.Tensor):
+                    mine.view(server.lanes, -1)[request.lane].copy_(theirs.reshape(-1))
+            if hasattr(kv, "host_streams") and kv.streams is not None:
+                kv.host_streams[request.lane] = one.host_streams[0]
+
+
+NOT_COPIED = {"cache", "anchor_layer", "anchor_streams", "prefetched", "newest", "host_streams", "lanes",
+              "weight_k", "weight_v"}
+
+
 class GenericServer(Server):
-    """The Server with the runtime's lane prefill hidden: each request prefills into the model's own
-    state (`model.new_state(1, len)`) and joins through `gather_layers` and a lane copy (the path a
-    family without `lane_prefill` takes). A subclass rather than a patched runtime, so nothing is
-    shared with the server under test; the lanes are given, so the workspace accounting (which
-    differs) sizes nothing."""
+    """The Server with each request prefilled as `GatheredPrefill` does. A subclass rather than a
+    patched runtime, so nothing is shared with the server under test; the lanes are given, so the
+    workspace accounting (which differs) sizes nothing."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.in_place = False
+        self.runner.start_prefill = lambda request, placement: PrefillJob(request, GatheredPrefill(self, request))
 
 
 @functools.cache
@@ -52,7 +88,7 @@ def servers(family: str, mode: str, chunk: int, model=None):
         kw.pop("cache_slots")
     pair = Server(model, mode, **kw), GenericServer(model, mode, **kw)
     for server in pair:     # no warm-up: its decode steps (compiles, a graph capture) prepare nothing in the
-        server._warmed = True          # interpreter, and NSA's cost seconds each here
+        server.runner.warmed = True    # interpreter, and NSA's cost seconds each here
     return pair
 
 
@@ -71,15 +107,14 @@ def serve_with_snapshot_at_join(server: Server, reqs: list[Request]) -> dict:
     """Serve the requests step by step; returns `lane_snapshot` taken as the last one joins its lane
     (before that iteration's decode step)."""
     taken = {}
-    first_token = server._first_token
+    join = server._join_prefill
 
-    def joined(request, job, t):
-        held = first_token(request, job, t)
-        if request is reqs[-1]:
+    def joined(job, step, finished):
+        join(job, step, finished)
+        if job.request is reqs[-1]:
             taken.update(lane_snapshot(server))
-        return held
 
-    server._first_token = joined
+    server._join_prefill = joined
     server.open()
     for r in reqs:
         server.submit(r)
@@ -133,7 +168,6 @@ def test_lane_prefill_joins_bitwise_as_the_generic_path(family, mode):
     with the same contents.)"""
     _, chunk = CASES[family]
     staged, generic = servers(family, mode, chunk)
-    assert staged.in_place and not generic.in_place
     reqs, again = two_requests(family), two_requests(family)
     joined = serve_with_snapshot_at_join(staged, reqs)
     expected = serve_with_snapshot_at_join(generic, again)
@@ -186,9 +220,9 @@ def test_host_pool_holds_the_first_chunk_before_the_prompt_is_done(family):
     server.step()
     job = server._prefilling
     assert job is not None and job.done == chunk < prompt
-    assert job.in_place.workspace_bytes == server.runtime.lane_workspace_bytes("hisparse", prompt)
+    assert job.lane_prefill.workspace_bytes == server.runtime.lane_workspace_bytes("hisparse", prompt)
     assert server.workspace_bytes == server.runtime.lane_workspace_bytes("hisparse", MAX_CONTEXT)
-    streams = [s for ids in job.in_place.streams.values() for s in ids]
+    streams = [s for ids in job.lane_prefill.streams.values() for s in ids]
     assert streams and all(server.cache.stream_len[s] == 2 for s in streams)
     first = {s: server.cache.host.rows[int(server.cache.state.host_base[s])].clone() for s in streams}
     assert all(bool(row.any()) for row in first.values())

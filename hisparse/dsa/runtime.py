@@ -29,6 +29,7 @@ from hisparse.models.base import DecodeState
 from hisparse.resolve import CacheState
 from hisparse.runtime import (
     KV_MODES,
+    LaneStates,
     Rows,
     UnitResolver,
     cache_bytes,
@@ -182,6 +183,9 @@ class DsaRuntime:
     unit_size, kv_heads, dense_layers = 1, None, 0
     # hybrid serving: a hierarchical prefill's workspace (its latents) sits in runs of the spare streams
     workspace_in_runs = True
+    # serving: an empty lane's decode write lands at its lane's last position (MlaKV.lanes), so a prefill
+    # may fill a lane beside the steps; hybrid's non-resident lanes write the cache's trash row
+    prefill_beside_decode, hybrid_trash_row = True, True
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16"):
@@ -416,6 +420,12 @@ class DsaRuntime:
         if mode == "resident":
             return 0
         return self.model.config.num_hidden_layers * tokens * self.row_bytes
+
+    def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
+        """The lanes of a serving batch's layers; each keeps an empty lane's decode write (`MlaKV.lanes`)."""
+        for kv in layers if mask is not None else []:
+            kv.lanes = mask
+        return LaneStates([kv for kv in layers if isinstance(kv, HierMlaKV) and kv.streams is not None])
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelDsaAttention:

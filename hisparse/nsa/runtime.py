@@ -62,6 +62,7 @@ from hisparse.quest.runtime import (
     zero_lane,
 )
 from hisparse.runtime import (
+    LaneStates,
     Rows,
     UnitResolver,
     advance_unit_streams,
@@ -219,6 +220,8 @@ class NsaRuntime:
 
     family = "NSA"
     selection_name = "num_selected_blocks"
+    # serving: an empty lane's decode write still lands in the lane a prefill fills (NSA's window ring)
+    prefill_beside_decode, hybrid_trash_row = False, False
     unit_size, dense_layers = SEL_BLOCK, 0
 
     def __init__(self, model, token_budget: int | None = None):
@@ -341,6 +344,25 @@ class NsaRuntime:
         dtype = self.model.model.embed_tokens.weight.dtype
         return sum(nbytes(*vars(layer.self_attn.new_kv(1, tokens, "meta", dtype)).values())
                    for layer in self.model.model.layers)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one host-pool row: a unit's keys and values of one KV head."""
+        return 2 * self.unit_size * self.model.config.head_dim * self.row_dtype.itemsize
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState:
+        return self.model.new_state(batch, capacity)
+
+    def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
+        """The lanes of a serving batch's layers; each NsaBlocksKV keeps an empty lane's decode write."""
+        for kv in layers if mask is not None else []:
+            if isinstance(kv, NsaBlocksKV):
+                kv.lanes = mask
+        return LaneStates([kv for kv in layers if isinstance(kv, HierNsaKV) and kv.streams is not None])
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelNsaAttention:

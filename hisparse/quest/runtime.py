@@ -55,6 +55,7 @@ from hisparse.quest.ops import (
 )
 from hisparse.quest.reference import PagedKV
 from hisparse.runtime import (
+    LaneStates,
     Rows,
     UnitResolver,
     advance_unit_streams,
@@ -293,6 +294,8 @@ class QuestRuntime:
 
     family = "Quest"
     selection_name = "token_budget // 16 pages"
+    # serving: an empty lane's decode write still lands in the lane a prefill fills (Quest's dense lanes write at token 0)
+    prefill_beside_decode, hybrid_trash_row = False, False
     unit_size = PAGE
     # hybrid serving: a prefill's workspace is the model's PagedKV in every mode, beside the cache
     workspace_in_runs = False
@@ -374,6 +377,25 @@ class QuestRuntime:
         layers' keys, values and page bounds of the whole prompt (the model's PagedKV)."""
         return sum(nbytes(*paged_tensors(quest_workspace(self.model, i, tokens, "meta")))
                    for i in quest_layers(self.model))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one host-pool row: a unit's keys and values of one KV head."""
+        return 2 * self.unit_size * self.model.config.head_dim * self.row_dtype.itemsize
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState:
+        return self.model.new_state(batch, capacity)
+
+    def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
+        """The lanes of a serving batch's layers; each QuestKV keeps an empty lane's decode write."""
+        for kv in layers if mask is not None else []:
+            if isinstance(kv, QuestKV):
+                kv.lanes = mask
+        return LaneStates([kv for kv in layers if isinstance(kv, HierQuestKV) and kv.streams is not None])
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelQuestAttention:

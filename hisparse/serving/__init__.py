@@ -1,0 +1,16 @@
+"""Serving: requests join and leave one decode batch, admitted by what fits the memory budgets.
+
+    request.py    a request, its timings, a run's schedule and summary
+    scheduler.py  the queues, admission order, the prefill chunk budget (plain Python)
+    memory.py     lanes, host pool regions, GPU and host budgets: what fits (hybrid's placement too)
+    runner.py     the device: the lanes' buffers, the decode step and its graph, prefill pieces
+    server.py     the loop and the public API: open, submit, step, cancel, close, serve
+"""
+from hisparse.serving.memory import GIB, LaneMemory
+from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, percentile, timing_summary
+from hisparse.serving.runner import Runner, side_stream
+from hisparse.serving.scheduler import Scheduler
+from hisparse.serving.server import PREFILL_LAYERS, SERVING_MODES, Server
+
+__all__ = ["GIB", "PREFILL_LAYERS", "SERVING_MODES", "Iteration", "LaneMemory", "Request", "Runner", "Schedule",
+           "Scheduler", "Server", "ServingRun", "percentile", "side_stream", "timing_summary"]

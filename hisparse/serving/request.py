@@ -1,0 +1,145 @@
+"""A request, what a run records of it, and the run's summary (TTFT, TPOT, ITL, latency percentiles).
+
+The timings are host times in seconds after the run's start: a request's `arrival`, and one entry
+of `token_times` per token, taken after the decode step's tokens were read on the host. The HTTP
+load client (`hisparse.serve.bench`) times its requests the same way and summarises them with
+`timing_summary` too.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TokenTimeline:
+    """ttft, tpot and latency of something with a `start` and `token_times` (seconds)."""
+
+    start: float
+    token_times: list[float]
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time between its tokens (None for a single token)."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    @property
+    def latency(self) -> float:
+        return self.token_times[-1] - self.start
+
+
+@dataclass(eq=False)          # requests are compared as objects (queues remove this one, not an equal one)
+class Request(TokenTimeline):
+    """One request: prompt token ids, how many tokens to generate, when it arrives (seconds after the
+    run starts; a closed loop sets it when the client's previous request finishes)."""
+
+    prompt: torch.Tensor
+    max_new_tokens: int
+    arrival: float = 0.0
+    rid: int = -1                                  # set by the server: index in the run's requests
+    client: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)    # seconds after the run's start
+    logits: list[torch.Tensor] = field(default_factory=list)  # [V] float32 per token, with keep_logits
+    prefill_start: float | None = None
+    hits: int = 0
+    misses: int = 0
+    lane: int | None = None
+    cancelled: bool = False
+    selections: torch.Tensor | None = None   # int32 [steps, layers, ..., k]: replayed instead of the indexer's
+    on_token: object | None = None      # called as on_token(request, token) for each new token (streaming)
+
+    @property
+    def start(self) -> float:
+        return self.arrival
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_new_tokens
+
+    @property
+    def length(self) -> int:
+        """Tokens the request's KV holds before its next decode step (prompt and every token but the last)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def queued(self) -> float:
+        return self.prefill_start - self.arrival
+
+
+@dataclass
+class Iteration:
+    """What one iteration did (a schedule's entry): the request admitted (its rid) or -1, the prompt
+    tokens of the chunk its prefill piece belongs to (0: none), and whether it ran a decode step.
+    layers: the piece, layers lo .. hi - 1 of that chunk (the whole chunk without prefill_overlap);
+    joined: the prefilled request joined its lane, its first token out, before the decode step."""
+
+    admitted: int
+    prefilled: int
+    decoded: bool
+    layers: tuple[int, int] | None = None
+    joined: bool = False
+
+
+@dataclass
+class Schedule:
+    lanes: int
+    iterations: list[Iteration] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation, nan for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
+
+
+def timing_summary(done: list[TokenTimeline], first_start: float, itl: bool = True) -> dict[str, float]:
+    """Requests, output tokens, tokens/s over the span from `first_start` to the last token, and the
+    50th, 90th and 99th percentiles (ms) of TTFT, TPOT, ITL (every gap between two tokens of a request,
+    over all requests: a prefill chunk's stall shows in its tail) and end-to-end latency."""
+    out = {"requests": len(done), "output_tokens": sum(len(r.token_times) for r in done)}
+    span = max((r.token_times[-1] for r in done), default=0.0) - first_start
+    out["tokens_per_s"] = out["output_tokens"] / span if done and span > 0 else math.nan
+    series = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None]}
+    if itl:
+        series["itl"] = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
+    series["latency"] = [r.latency for r in done]
+    for name, values in series.items():
+        for q in (50, 90, 99):
+            out[f"{name}_ms_p{q}"] = percentile(values, q) * 1e3
+    return out
+
+
+@dataclass
+class ServingRun:
+    requests: list[Request]
+    schedule: Schedule
+    wall_s: float
+    running_batch: list[int]          # active lanes at each decode step
+    peak_gpu_bytes: int               # the most the KV state, cache and workspace held (budgeted bytes)
+    peak_host_rows: int               # the most host pool rows in use
+    hybrid: dict[str, int] | None = None   # mode hybrid: requests admitted resident, demotions, and
+                                           # decode steps whose lanes were all resident
+
+    def summary(self) -> dict[str, float]:
+        """`timing_summary` of the requests, their queueing percentiles (ms), the running batch's
+        mean and max, and hybrid's counts."""
+        reqs = self.requests
+        out = timing_summary(reqs, min((r.arrival for r in reqs), default=0.0))
+        for q in (50, 90, 99):
+            out[f"queue_ms_p{q}"] = percentile([r.queued for r in reqs], q) * 1e3
+        out["running_batch_mean"] = sum(self.running_batch) / max(1, len(self.running_batch))
+        out["running_batch_max"] = max(self.running_batch, default=0)
+        if self.hybrid is not None:
+            out.update(self.hybrid)
+        return out

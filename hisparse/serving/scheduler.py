@@ -1,0 +1,99 @@
+"""Who runs next: the queues, admission order and the prefill chunk budget, in plain Python over sizes.
+
+Requests wait in two queues: `pending`, submitted with an arrival still to come (by arrival time),
+and `waiting`, arrived and not admitted (first come, first served). The head of `waiting` is
+admitted when nothing is being prefilled, a lane is free and the memory says it fits
+(`LaneMemory.admissible`). A prefill advances one piece an iteration: a chunk of at most
+`prefill_chunk` prompt tokens through every layer, or, with prefill beside decode, `piece_layers`
+layers of it at a time. Nothing here touches the device.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+from hisparse.serving.request import Iteration, Request
+
+
+class Scheduler:
+    def __init__(self, prefill_chunk: int, piece_layers: int, layers: int):
+        self.prefill_chunk, self.piece_layers, self.layers = prefill_chunk, piece_layers, layers
+        self.pending: list[Request] = []        # submitted with an arrival still to come
+        self.waiting: list[Request] = []        # arrived, not admitted, first come first served
+
+    def add(self, request: Request) -> None:
+        self.pending.append(request)
+        self.pending.sort(key=lambda r: (r.arrival, r.rid))
+
+    def arrive(self, now: float) -> None:
+        """Arrivals up to `now` join the waiting queue."""
+        while self.pending and self.pending[0].arrival <= now:
+            self.waiting.append(self.pending.pop(0))
+
+    def next_arrival(self) -> float | None:
+        return self.pending[0].arrival if self.pending else None
+
+    def queued(self, request: Request) -> bool:
+        return request in self.waiting or request in self.pending
+
+    def remove(self, request: Request) -> bool:
+        """Take a request out of whichever queue holds it; False if none does."""
+        for queue in (self.waiting, self.pending):
+            if request in queue:
+                queue.remove(request)
+                return True
+        return False
+
+    def admit(self, fits: Callable[[Request], bool]) -> Request | None:
+        """The head of the waiting queue, taken out, if `fits` says it can be placed now."""
+        if self.waiting and fits(self.waiting[0]):
+            return self.waiting.pop(0)
+        return None
+
+    def next_piece(self, prompt: int, done: int, chunk: int, layer: int) -> tuple[int, int, int]:
+        """(chunk tokens, first layer, end layer) of a prefill's next piece: the rest of the chunk
+        under way (`layer` > 0: `chunk` tokens from layer `layer`), else a new chunk from token `done`."""
+        if not layer:
+            chunk = min(self.prefill_chunk, prompt - done)
+        return chunk, layer, min(layer + self.piece_layers, self.layers)
+
+    def planned_piece(self, plan: Iteration, chunk: int, layer: int, under_way: bool) -> tuple[int, int, int] | None:
+        """A replayed schedule's piece, checked to follow the prefill under way (`under_way`: one is,
+        `chunk` tokens, `layer` layers of it done)."""
+        if not plan.prefilled:
+            return None
+        lo, hi = plan.layers if plan.layers is not None else (0, self.layers)
+        if not under_way or lo != layer or (lo > 0 and plan.prefilled != chunk) or not lo < hi <= self.layers:
+            raise ValueError(f"the replayed schedule's prefill piece ({plan.prefilled} tokens, layers {lo}.."
+                             f"{hi - 1}) does not follow the prefill under way")
+        return plan.prefilled, lo, hi
+
+
+def free_lane(lane_request: list[Request | None], reserved: int | None) -> int | None:
+    """The lowest lane neither running a request nor reserved for the one being prefilled."""
+    return next((i for i, r in enumerate(lane_request) if r is None and i != reserved), None)
+
+
+def drive(server, requests: list[Request], clients: int | None, progress: bool) -> None:
+    """Submit and step an open server until every request finished: a closed loop of `clients`
+    (request i sent by client i % clients once its previous one finished), or each at its arrival
+    (clients None), sleeping while nothing runs until the next one. progress: a line every 10 s."""
+    for r in requests if clients is None else requests[:clients]:
+        server.submit(r)
+    place = {id(r): i for i, r in enumerate(requests)}
+    done, last_progress = 0, time.perf_counter()
+    while done < len(requests):
+        for r in server.step():
+            done += 1
+            nxt = place[id(r)] + clients if clients is not None else len(requests)
+            if nxt < len(requests):                          # the client's next request, now
+                requests[nxt].arrival = r.token_times[-1]
+                server.submit(requests[nxt])
+        arrival = server.next_arrival()
+        if not (server.prefilling or server.running or server.waiting) and arrival is not None:
+            time.sleep(max(0.0, min(arrival - server.now(), 0.05)))   # idle until then
+        if progress and time.perf_counter() - last_progress > 10:
+            last_progress = time.perf_counter()
+            print(f"  serving: {done}/{len(requests)} requests done, {len(server.running)} running, "
+                  f"{len(server.waiting)} waiting, {server.now():.0f} s", file=sys.stderr, flush=True)

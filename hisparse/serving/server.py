@@ -1,0 +1,397 @@
+"""The serving loop: requests join and leave one decode batch, admitted by what fits the budgets.
+
+    server = Server(model, "hisparse", cache_slots=4096, max_context=40960, kv_budget_gib=24, graph=True)
+    run = server.serve(requests, clients=8)     # closed loop; clients=None: each request's arrival
+    server.open(); server.submit(Request(prompt, 64, arrival=math.nan)); server.step(); server.close()
+
+Each iteration (`step`): join a prompt finished earlier; admit the head of the queue when nothing
+is prefilling (`Scheduler`, `LaneMemory`); one prefill piece (`Runner.run_piece`); one decode step
+of every lane, its tokens read on the host (TTFT and TPOT are host times after that read); requests
+done leave. A run records its schedule; `serve(replay=...)` runs it in another mode with the same
+lanes, so every request meets the same batch at every step: tokens and logits are then bitwise equal.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from hisparse.engine import check_prompts, family_runtime
+from hisparse.host_pool import as_int
+from hisparse.runtime import KV_MODES, prefetch_width
+from hisparse.serving.memory import LaneMemory
+from hisparse.serving.request import Iteration, Request, Schedule, ServingRun
+from hisparse.serving.runner import PrefillJob, Runner, check_overlap
+from hisparse.serving.scheduler import Scheduler, drive, free_lane
+
+# hybrid (every family): a request resident while its rows fit beside the others in runs of the cache's
+# streams, hierarchical otherwise; a resident one is demoted when a hierarchical one needs the room
+SERVING_MODES = (*KV_MODES, "hybrid")
+PREFILL_LAYERS = 4          # layers of a prefill piece with prefill_overlap, by default
+
+
+class Server:
+    """A continuous-batching server over one model (see the module docstring).
+
+    mode: resident, hisparse, noio or hybrid. cache_slots: B (hierarchical and hybrid modes).
+    max_context: the most tokens a request may hold (prompt + max new tokens). kv_budget_gib,
+    host_budget_gib, max_batch, lanes: what the lanes and the cache hold (`LaneMemory`).
+    prefill_chunk: prompt tokens per iteration. graph: decode steps in one CUDA graph. prefill:
+    "model" (the family's kernels) or "reference" (eager). keep_logits: every token's logits on each
+    request. selections: int32 [steps, layers, ..., k], a trace each request replays from its first
+    decode step instead of the indexer's, unless it brings its own (`Request.selections`).
+    token_budget (Quest), decode_backend (DSA), kv_dtype (DSA's "fp8" rows), prefetch,
+    prefetch_programs: as `Engine`'s. prefill_overlap (families whose runtime has
+    `prefill_beside_decode`: DSA): each iteration launches the decode step, then `prefill_layers`
+    layers of the current chunk on a side CUDA stream (inline after the step without a GPU).
+    prefill_sms: that side stream in a CUDA green context of this many SMs (None: every SM)."""
+
+    def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
+                 kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
+                 lanes: int | None = None, prefill_chunk: int = 8192, graph: bool = False, prefill: str = "model",
+                 keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
+                 prefetch: bool = False, prefetch_programs: int | None = None,
+                 selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
+                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None):
+        if mode not in SERVING_MODES:
+            raise ValueError(f"mode must be one of {SERVING_MODES}, got {mode!r}")
+        if prefill not in ("model", "reference"):
+            raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
+        if prefetch and mode != "hisparse":
+            raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
+        max_context = as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2)
+        self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk must be an int >= 1 (prompt tokens an iteration)", 1)
+        max_batch = as_int(max_batch, "max_batch must be an int >= 1 (lanes at most)", 1)
+        weight = model.model.embed_tokens.weight
+        if graph and not weight.is_cuda:
+            raise ValueError("graph=True needs the model on a CUDA GPU")
+        self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
+        self.device = weight.device
+        self.runtime = runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.prefill_layers, prefill_sms = check_overlap(runtime, prefill_overlap, prefill_layers, prefill_sms)
+        self.prefill_overlap, self.prefill_sms = prefill_overlap, prefill_sms
+        self.hybrid = mode == "hybrid"
+        self.decode_backend, self.prefetch, self.kv_dtype = decode_backend, prefetch, kv_dtype
+        self.prefetch_programs = prefetch_width(runtime.family, prefetch_programs)
+        self.memory = LaneMemory(runtime, mode, cache_slots, max_context, kv_budget_gib, host_budget_gib, max_batch,
+                                 lanes, prefetch, self.device)
+        self.runner = Runner(model, runtime, self.memory, graph, prefill == "model", decode_backend, prefetch,
+                             self.prefetch_programs, selections, prefill_overlap, prefill_sms)
+        count = model.config.num_hidden_layers
+        self.scheduler = Scheduler(self.prefill_chunk, self.prefill_layers if prefill_overlap else count, count)
+        self.lane_request: list[Request | None] = [None] * self.lanes
+        self._reserved: int | None = None        # the lane of the request being prefilled
+        self._prefilling: PrefillJob | None = None
+        self._planned = None                     # a replayed schedule's iterations
+        self.requests: list[Request] = []
+        self.resident_admissions = self.demotions = self.resident_steps = 0      # hybrid's counts (reset by open)
+
+    # what the memory holds, as a server's caller reads it
+    lanes = property(lambda self: self.memory.lanes)
+    cache = property(lambda self: self.memory.cache)
+    cache_slots = property(lambda self: self.memory.cache_slots)
+    max_context = property(lambda self: self.memory.max_context)
+    kv_budget = property(lambda self: self.memory.kv_budget)
+    lane_bytes = property(lambda self: self.memory.lane_bytes)
+    workspace_bytes = property(lambda self: self.memory.workspace_bytes)
+    streams_per_request = property(lambda self: self.memory.streams_per_request)
+    layers = property(lambda self: self.runner.layers)
+
+    def gpu_bytes(self, extra: int = 0) -> int:
+        """Budgeted GPU bytes in use now: the lanes' state, the cache, the workspace in use (`extra`)."""
+        return self.memory.gpu_bytes(self.runner.layers, extra)
+
+    @property
+    def graphs_captured(self) -> int:
+        """CUDA graphs this server captured (one; hybrid two; results/notes/graphs.md on a 4th)."""
+        return len(self.runner.steps) if self.graph else 0
+
+    def warm_up(self) -> None:
+        self.runner.warm_up()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def check_request(self, request: Request) -> None:
+        """ValueError if the request could never be served: bad ids, or more than the server holds."""
+        prompt = check_prompts([request.prompt])[0]
+        request.prompt = prompt.cpu()
+        request.max_new_tokens = as_int(request.max_new_tokens, "max_new_tokens must be an int >= 1", 1)
+        vocab = self.model.config.vocab_size
+        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+            bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
+            raise ValueError(f"token id {bad} out of range: the vocabulary has {vocab} ids")
+        need = len(prompt) + request.max_new_tokens
+        self.runner.check_trace(request)
+        if need > self.max_context:
+            raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
+                             f"tokens, over the server's max_context={self.max_context}")
+        self.memory.check(len(prompt), need)
+
+    def _admissible(self, request: Request) -> bool:
+        return free_lane(self.lane_request, self._reserved) is not None and \
+            self.memory.admissible(request, self.lane_request)
+
+    # -- a run: open, submit, step, close (serve drives them for a list of requests) ---------------
+
+    def open(self, replay: Schedule | None = None) -> None:
+        """Start a run: kernels warmed up, the clock at 0, the server's attention in the model (until
+        `close`). replay: follow that schedule (the same lanes) instead of choosing."""
+        if replay is not None and replay.lanes != self.lanes:
+            raise ValueError(f"the schedule ran {replay.lanes} lanes, this server has {self.lanes}: build it with "
+                             f"lanes={replay.lanes}")
+        if any(r is not None for r in self.lane_request):
+            raise RuntimeError("the server still holds requests of an earlier run")
+        self.runner.warm_up()
+        self._previous_attention = self.model.sparse_attention
+        self.model.sparse_attention = self.runner.attention
+        self.requests = []                          # every request submitted in this run, by rid
+        self.scheduler.pending, self.scheduler.waiting = [], []
+        self._prefilling = None
+        self._planned = iter(replay.iterations) if replay is not None else None
+        self.schedule = Schedule(self.lanes)
+        self.running_batch: list[int] = []
+        self.peak_gpu, self.peak_host = self.gpu_bytes(), 0
+        self.resident_admissions = self.demotions = self.resident_steps = 0
+        self._start = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since `open`."""
+        return time.perf_counter() - self._start
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request (ValueError, and nothing queued, if it could never be served). Its
+        arrival: as set, relative to `open`; math.nan (the default for a new Request is 0.0) means now."""
+        self.check_request(request)
+        request.rid, request.tokens, request.token_times, request.logits = len(self.requests), [], [], []
+        request.prefill_start, request.lane, request.cancelled = None, None, False
+        if math.isnan(request.arrival):
+            request.arrival = self.now()
+        self.requests.append(request)
+        self.scheduler.add(request)
+        return request
+
+    waiting = property(lambda self: self.scheduler.waiting)       # arrived, not admitted (first come first served)
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.lane_request if r is not None]
+
+    prefilling = property(lambda self: None if self._prefilling is None else self._prefilling.request)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is queued, being prefilled or decoding."""
+        return bool(self.scheduler.waiting or self.scheduler.pending or self._prefilling or self.running)
+
+    def next_arrival(self) -> float | None:
+        """When the next submitted request arrives (seconds since `open`), None if none is due."""
+        return self.scheduler.next_arrival()
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request wherever it is (a client that went away): its lane, streams and host regions
+        are freed at once. Not while replaying a schedule."""
+        if self._planned is not None:
+            raise RuntimeError("a replayed schedule cannot lose a request")
+        request.cancelled = True
+        if self.scheduler.remove(request):
+            return
+        if self._prefilling is not None and self._prefilling.request is request:
+            self.runner.stop_prefill()
+            self._prefilling.lane_prefill.cancel()
+            self._prefilling, self._reserved, request.lane = None, None, None
+            self.memory.lanes_changed += 1
+        elif request.lane is not None and self.lane_request[request.lane] is request:
+            self._leave(request)
+
+    def step(self) -> list[Request]:
+        """One iteration (see the module docstring); returns the requests that finished in it. On
+        their way each request's `on_token(request, token)`, if set, is called for every new token."""
+        t = self.now()
+        self.scheduler.arrive(t)
+        finished = []
+        step = Iteration(-1, 0, False)
+        plan = None
+        if self._planned is not None:
+            plan = next(self._planned, None)
+            if plan is None:
+                raise ValueError("the replayed schedule ended before every request finished")
+        job = self._prefilling
+        # a prompt done in an earlier iteration (overlap: its last piece ran beside the last decode step;
+        # while that piece still runs and lanes decode, the join waits: reading its first token would)
+        if job is not None and job.complete and (plan.joined if plan is not None
+                                                 else self.runner.may_join(job, bool(self.running))):
+            self._join_prefill(job, step, finished)
+        if plan is not None:
+            if plan.admitted >= 0:
+                request = self.requests[plan.admitted]
+                self.scheduler.remove(request)                   # admitted as recorded, wherever it waits
+                self._prefilling = self._start_prefill(request, t)
+                step.admitted = request.rid
+        elif self._prefilling is None:
+            request = self.scheduler.admit(self._admissible)
+            if request is not None:
+                self._prefilling = self._start_prefill(request, t)
+                step.admitted = request.rid
+        job = self._prefilling
+        piece = self._next_piece(job, plan)
+        # without overlap (or where the schedule joins the request after this very piece) the piece
+        # runs before the decode step, as one chunk of every layer does; an overlapping server runs
+        # every piece on its side stream even so (the join then waits on it), so no tensor of a chunk
+        # is made on one stream and used on the other
+        overlapped = piece is not None and self.prefill_overlap and not (plan is not None and plan.joined
+                                                                         and not step.joined)
+        if piece is not None:
+            step.prefilled, step.layers = piece[0], piece[1:]
+        if piece is not None and not overlapped:
+            self._run_piece(job, piece, after=self.runner.main_event() if self.prefill_overlap else None)
+            if job.complete and (plan.joined if plan is not None else True):
+                self._join_prefill(job, step, finished)
+            elif plan is not None and plan.joined and not step.joined:
+                raise ValueError(f"the replayed schedule joins request {job.request.rid} before its prompt is done")
+        elif plan is not None and plan.joined and not step.joined:
+            raise ValueError("the replayed schedule joins a request that is not being prefilled")
+        active = self.running
+        decoding = plan.decoded if plan is not None else bool(active)
+        # the side stream sees what the main one did before the step (the lane's setup), not the step
+        before = self.runner.main_event() if overlapped else None
+        if decoding:
+            logits = self._decode_step()
+        if overlapped:
+            self._run_piece(job, piece, after=before)
+        if decoding:
+            tokens = logits.argmax(-1).cpu()              # the step's one host sync
+            t = self.now()
+            self.running_batch.append(len(active))
+            step.decoded = True
+            for lane, r in enumerate(self.lane_request):
+                if r is None:
+                    continue
+                self._emit(r, int(tokens[lane]), t, logits[lane])
+                if r.done:
+                    self._leave(r)
+                    finished.append(r)
+        self.peak_host = max(self.peak_host, self.memory.host_rows_in_use())
+        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes())
+        if step.admitted >= 0 or step.prefilled or step.decoded or step.joined:
+            self.schedule.iterations.append(step)
+        return finished
+
+    def close(self) -> ServingRun:
+        """End the run (every request finished or cancelled): the model's own attention back."""
+        if self._prefilling is not None or self.running:
+            raise RuntimeError("close() with requests still running: cancel them first")
+        self.model.sparse_attention = self._previous_attention
+        return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
+                          self.running_batch, self.peak_gpu, self.peak_host,
+                          {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
+                           "resident_steps": self.resident_steps} if self.hybrid else None)
+
+    def serve(self, requests: list[Request], clients: int | None = None, replay: Schedule | None = None,
+              progress: bool = False) -> ServingRun:
+        """Serve `requests` to the end; the run lists them in their order (rids: order of submission).
+        clients: a closed loop of that many clients, request i sent by client i % clients as soon as
+        its previous one finished; None: each request arrives at its `arrival`. replay: run that
+        schedule (the same lanes) instead of choosing. progress: a line on stderr every 10 s."""
+        for r in requests:                   # every request checked before anything runs
+            self.check_request(r)
+        if clients is not None:
+            clients = as_int(clients, "clients must be an int >= 1", 1)
+            for i, r in enumerate(requests):
+                r.client = i % clients
+        self.open(replay)
+        try:
+            drive(self, requests, clients, progress)
+            run = self.close()
+            run.requests = list(requests)           # in the caller's order
+            return run
+        except BaseException:
+            for r in list(self.requests):
+                if r.lane is not None or self.scheduler.queued(r):
+                    self._planned = None
+                    self.cancel(r)
+            self.model.sparse_attention = self._previous_attention
+            raise
+
+    # -- inside an iteration -----------------------------------------------------------------------
+
+    def _decode_step(self) -> torch.Tensor:
+        """The runner's step over the lanes; hybrid's all-resident kind when every lane holding a
+        request is resident."""
+        resident_step = self.hybrid and all(r is None or lane in self.memory.lane_runs
+                                            for lane, r in enumerate(self.lane_request))
+        self.resident_steps += resident_step
+        return self.runner.decode_step(self.lane_request, resident_step)
+
+    def _start_prefill(self, request: Request, t: float) -> PrefillJob:
+        request.prefill_start = t
+        request.lane = self._reserved = free_lane(self.lane_request, self._reserved)   # reserved (still masked)
+        if request.lane is None:
+            raise ValueError(f"the replayed schedule admits request {request.rid} with every lane taken")
+        try:
+            placement = {}
+            if self.hybrid:
+                placement, demoted = self.memory.place(request, self.lane_request, self.layers)
+                self.demotions += demoted
+            return self.runner.start_prefill(request, placement)
+        except BaseException:             # (out of memory, say) the lane goes back
+            self._reserved = request.lane = None
+            raise
+
+    def _next_piece(self, job: PrefillJob | None, plan: Iteration | None) -> tuple[int, int, int] | None:
+        """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: the
+        schedule's, or the scheduler's next one; None while the previous piece still runs on the side
+        stream beside decoding lanes (one piece in flight)."""
+        if plan is not None:
+            under_way = job is not None and not job.complete
+            return self.scheduler.planned_piece(plan, job.chunk if job else 0, job.layer if job else 0, under_way)
+        if job is None or job.complete or self.runner.piece_in_flight(job, bool(self.running)):
+            return None
+        return self.scheduler.next_piece(len(job.request.prompt), job.done, job.chunk, job.layer)
+
+    def _run_piece(self, job: PrefillJob, piece: tuple[int, int, int], after) -> None:
+        self.runner.run_piece(job, *piece, after=after)
+        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(job.held))
+
+    def _join_prefill(self, job: PrefillJob, step: Iteration, finished: list[Request]) -> None:
+        """The prompt is done: its first token out, and the request in its lane unless that was its
+        only token."""
+        self.runner.wait_prefill(job)
+        request = job.request
+        self._emit(request, int(job.last_logits.argmax()), self.now(), job.last_logits)
+        if request.done:                       # that was its only token
+            job.lane_prefill.cancel()
+            request.lane = None
+            finished.append(request)
+        else:
+            if job.lane_prefill.runs is not None:
+                self.memory.lane_runs[request.lane] = job.lane_prefill.runs
+                self.resident_admissions += 1
+            job.lane_prefill.join()            # (a workspace in runs goes back)
+            self.lane_request[request.lane] = request
+        self.memory.lanes_changed += 1
+        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(job.held))
+        self._prefilling, self._reserved = None, None
+        step.joined = True
+
+    def _leave(self, request: Request) -> None:
+        """Free a finished request's lane: its counters read, its streams and host regions released."""
+        lane = request.lane
+        if self.cache is not None:
+            counts = self.runner.lane_counts(lane)
+            if counts is not None:
+                request.hits, request.misses = counts
+            self.memory.release(lane, self.runner.lane_states.streams(lane))
+        else:
+            self.memory.lanes_changed += 1
+        self.runner.lane_states.clear(lane)
+        self.lane_request[lane] = None
+        request.lane = None
+
+    def _emit(self, request: Request, token: int, t: float, logits: torch.Tensor) -> None:
+        request.tokens.append(token)
+        request.token_times.append(t)
+        if self.keep_logits:
+            request.logits.append(logits.float().cpu())
+        if request.on_token is not None:
+            request.on_token(request, token)
