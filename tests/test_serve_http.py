@@ -17,13 +17,15 @@ import aiohttp
 import pandas as pd
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from test_serving import SETTINGS, tiny
 
 from hisparse.engine import Engine
 from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.serve import bench, scheduler
 from hisparse.serve.__main__ import main as serve_main
-from hisparse.serve.app import Service, describe, parse_metrics, serve
+from hisparse.serve.app import Service, describe, serve
+from hisparse.serve.metrics import CONTENT_TYPE_LATEST
 from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
 from hisparse.serving import GIB, Request, Server
 from hisparse.synthetic import request_draws
@@ -123,10 +125,17 @@ async def events(response) -> list:
     return out
 
 
-async def metrics(session, url: str) -> dict:
+async def scrape(session, url: str) -> dict:
+    """GET /metrics parsed by prometheus_client: {family name: its family}."""
     async with session.get(f"{url}/metrics") as response:
-        assert response.status == 200 and response.content_type == "text/plain"
-        return parse_metrics(await response.text())
+        assert response.status == 200 and response.headers["Content-Type"] == CONTENT_TYPE_LATEST
+        return {family.name: family for family in text_string_to_metric_families(await response.text())}
+
+
+async def metrics(session, url: str) -> dict:
+    """The unlabelled samples of /metrics as {sample name: value} (a counter's is name_total)."""
+    return {s.name: s.value for family in (await scrape(session, url)).values() for s in family.samples
+            if not s.labels}
 
 
 def test_concurrent_completions_equal_each_prompt_alone(resident):
