@@ -17,13 +17,15 @@ import aiohttp
 import pandas as pd
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from test_serving import SETTINGS, tiny
 
 from hisparse.engine import Engine
 from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.serve import bench, scheduler
 from hisparse.serve.__main__ import main as serve_main
-from hisparse.serve.app import Service, describe, parse_metrics, serve
+from hisparse.serve.app import Service, describe, serve
+from hisparse.serve.metrics import CONTENT_TYPE_LATEST, LATENCY_BUCKETS
 from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
 from hisparse.serving import GIB, Request, Server
 from hisparse.synthetic import request_draws
@@ -123,10 +125,17 @@ async def events(response) -> list:
     return out
 
 
-async def metrics(session, url: str) -> dict:
+async def scrape(session, url: str) -> dict:
+    """GET /metrics parsed by prometheus_client: {family name: its family}."""
     async with session.get(f"{url}/metrics") as response:
-        assert response.status == 200 and response.content_type == "text/plain"
-        return parse_metrics(await response.text())
+        assert response.status == 200 and response.headers["Content-Type"] == CONTENT_TYPE_LATEST
+        return {family.name: family for family in text_string_to_metric_families(await response.text())}
+
+
+async def metrics(session, url: str) -> dict:
+    """The unlabelled samples of /metrics as {sample name: value} (a counter's is name_total)."""
+    return {s.name: s.value for family in (await scrape(session, url)).values() for s in family.samples
+            if not s.labels}
 
 
 def test_concurrent_completions_equal_each_prompt_alone(resident):
@@ -252,6 +261,68 @@ def test_a_client_leaving_mid_stream_frees_its_memory(hisparse):
     assert after["hisparse_requests_cancelled_total"] == before["hisparse_requests_cancelled_total"] + 1
     assert after["hisparse_host_rows_capacity"] == HOST_ROWS
     assert status == 200 and good["choices"][0]["token_ids"] == alone(tuple(B), 2)
+
+
+METRICS = {   # every metric /metrics had before prometheus_client (a counter's family drops _total), and the latencies
+    "counter": ["hisparse_requests_served", "hisparse_requests_cancelled", "hisparse_requests_failed",
+                "hisparse_requests_refused", "hisparse_prompt_tokens", "hisparse_generation_tokens",
+                "hisparse_cache_hits", "hisparse_cache_misses"],
+    "gauge": ["hisparse_requests_running", "hisparse_requests_waiting", "hisparse_requests_in_flight", "hisparse_lanes",
+              "hisparse_gpu_kv_bytes", "hisparse_gpu_kv_budget_bytes", "hisparse_host_rows_in_use",
+              "hisparse_host_rows_capacity", "hisparse_host_bytes_in_use", "hisparse_host_bytes_capacity",
+              "hisparse_draining"],
+    "histogram": ["hisparse_time_to_first_token_seconds", "hisparse_inter_token_latency_seconds",
+                  "hisparse_time_per_output_token_seconds"],
+}
+
+
+def test_metrics_count_the_requests_served_and_their_latencies():
+    """A server of its own (its own registry, beside the module's servers in this process): after
+    five prompts (two in one request, one streamed) and a refusal, the counters are those requests'
+    and tokens'; TTFT has one observation per prompt with a first token, ITL one per later token,
+    TPOT one per prompt of two tokens or more, each sum and bucket what the server's token times give."""
+    running = Running(new_server("resident"))
+    asks = [{"prompt": A, "max_tokens": 4}, {"prompt": [B, C], "max_tokens": 3}, {"prompt": B, "max_tokens": 1}]
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                idle = await metrics(s, running.url)
+                answers = await asyncio.gather(*(post(s, running.url, body) for body in asks))
+                body = {"prompt": C, "max_tokens": 2, "stream": True}
+                async with s.post(f"{running.url}/v1/completions", json=body) as response:
+                    streamed = await events(response)
+                refused, _ = await post(s, running.url, {"prompt": [1], "max_tokens": 0})
+                return idle, answers, streamed, refused, await scrape(s, running.url)
+        idle, answers, streamed, refused, families = run(go())
+        requests = running.server.requests[:]
+    finally:
+        running.shut_down()
+    assert [status for status, _ in answers] == [200] * 3 and streamed[-1] == "[DONE]" and refused == 400
+    for kind, names in METRICS.items():
+        assert {name: families[name].type for name in names} == dict.fromkeys(names, kind)
+    assert all(v == 0 for name, v in idle.items() if name.endswith(("_total", "_count", "_sum"))), idle
+    value = {s.name: s.value for family in families.values() for s in family.samples if not s.labels}
+    tokens = [len(r.tokens) for r in requests]
+    assert len(requests) == 5 and tokens == [4, 3, 3, 1, 2]            # a request here is a prompt
+    assert value["hisparse_requests_served_total"] == 5 and value["hisparse_requests_refused_total"] == 1
+    assert value["hisparse_requests_cancelled_total"] == value["hisparse_requests_failed_total"] == 0
+    assert value["hisparse_prompt_tokens_total"] == 2 * len(B) + 2 * len(C) + len(A)
+    assert value["hisparse_generation_tokens_total"] == sum(tokens) == 13
+    assert value["hisparse_requests_in_flight"] == value["hisparse_requests_running"] == 0
+    assert value["hisparse_lanes"] == running.server.lanes and value["hisparse_draining"] == 0
+    assert value["hisparse_gpu_kv_budget_bytes"] == running.server.kv_budget
+    ttft = [r.ttft for r in requests]
+    itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
+    tpot = [r.tpot for r in requests if r.tpot is not None]
+    assert value["hisparse_time_to_first_token_seconds_count"] == 5
+    assert value["hisparse_inter_token_latency_seconds_count"] == value["hisparse_generation_tokens_total"] - 5 == 8
+    assert value["hisparse_time_per_output_token_seconds_count"] == 4
+    for name, observed in (("hisparse_time_to_first_token_seconds", ttft), ("hisparse_inter_token_latency_seconds", itl),
+                           ("hisparse_time_per_output_token_seconds", tpot)):
+        assert value[f"{name}_sum"] == pytest.approx(sum(observed), rel=1e-9, abs=1e-12), name
+        buckets = {float(s.labels["le"]): s.value for s in families[name].samples if s.name == f"{name}_bucket"}
+        assert list(buckets) == [*LATENCY_BUCKETS, float("inf")], name
+        assert buckets == {le: sum(x <= le for x in observed) for le in buckets}, name
 
 
 def test_shutdown_lets_a_running_request_finish_and_frees_everything():

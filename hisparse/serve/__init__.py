@@ -10,6 +10,7 @@ hand tokens to the loop with `call_soon_threadsafe`. A step runs whenever anythi
 so a new request waits at most one iteration to be admitted.
 
 Files: `protocol.py` (the completions format: request checks, response bodies), `scheduler.py`
-(the thread), `app.py` (handlers, metrics, shutdown), `__main__.py` (the command), `bench.py`
-(the load client: closed and open loops over HTTP, rows into results/serving.csv).
+(the thread), `metrics.py` (GET /metrics: prometheus_client, a registry per scheduler), `app.py`
+(handlers, shutdown), `__main__.py` (the command), `bench.py` (the load client: closed and open
+loops over HTTP, rows into results/serving.csv).
 """

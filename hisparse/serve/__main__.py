@@ -6,7 +6,8 @@
     python -m hisparse.serve.bench --url http://127.0.0.1:8000 --concurrency 2 --input-len 32 --output-len 8
 
 Endpoints: POST /v1/completions (token-id prompts, greedy, `stream` for server-sent events),
-GET /v1/models (the model and how it is served), GET /health, GET /metrics (Prometheus text).
+GET /v1/models (the model and how it is served), GET /health, GET /metrics (prometheus_client's
+text: request and token counters, sizes, TTFT/TPOT/ITL histograms in seconds; `metrics.py`).
 SIGINT or SIGTERM: new requests get 503, those in flight finish (for up to --shutdown-timeout s,
 then they are cancelled), the server closes with every stream and host row freed, exit 0.
 Without a GPU the kernels run in Triton's interpreter (slow: tiny checkpoints, short prompts).

@@ -1,5 +1,6 @@
 """The aiohttp application: OpenAI-style completions over a `SchedulerThread`, health, model info
-and Prometheus metrics, and the graceful shutdown (see the package docstring).
+and Prometheus metrics (prometheus_client, the scheduler's registry: `metrics.py`), and the
+graceful shutdown (see the package docstring).
 
 Handlers run on the event loop; the scheduler thread reaches them only through `_Sink`, which
 moves each token onto the loop with `call_soon_threadsafe`.
@@ -8,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
 
+from hisparse.serve.metrics import CONTENT_TYPE_LATEST
 from hisparse.serve.protocol import (
     BadRequest,
     choice,
@@ -61,7 +62,6 @@ class Service:
     scheduler: SchedulerThread
     info: dict
     draining: bool = False
-    refused: int = 0                                 # 4xx answers to /v1/completions
     pending: set = field(default_factory=set)        # completion handlers running now
 
     @property
@@ -141,8 +141,8 @@ async def metrics(request: web.Request) -> web.Response:
         snapshot = await asyncio.wrap_future(service.scheduler.snapshot())
     except SchedulerStopped as exc:        # between the start of a shutdown and its final snapshot
         return _error(503, str(exc), None, "server_unavailable")
-    return web.Response(text=prometheus_text(snapshot, service), content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    body = service.scheduler.metrics.exposition(snapshot, service.draining)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -152,7 +152,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         completion = parse_completion(await _json_body(request), service.vocab_size)
     except BadRequest as exc:
-        service.refused += 1
+        service.scheduler.metrics.refused.inc()
         return _error(exc.status, exc.message, exc.param)
     sink = _Sink(asyncio.get_running_loop())
     try:
@@ -162,7 +162,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         requests = await asyncio.wrap_future(submitted)
     except PromptRefused as exc:
-        service.refused += 1
+        service.scheduler.metrics.refused.inc()
         where = f"prompt {exc.index}" if len(completion.prompts) > 1 else "the prompt"
         return _error(400, f"{where} cannot be served: {exc}", exc.param)
     except SchedulerStopped as exc:
@@ -265,63 +265,6 @@ async def _stream(request: web.Request, service: Service, completion, sink: _Sin
 
 async def _event(response: web.StreamResponse, body: dict) -> None:
     await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-
-
-# -- metrics -----------------------------------------------------------------------------------
-
-def prometheus_text(snap: dict, service: Service) -> str:
-    """The snapshot in Prometheus' text exposition format (version 0.0.4)."""
-    budget = snap["kv_budget_bytes"]
-    rows = [
-        ("hisparse_requests_running", "gauge", "requests decoding in a lane", snap["running"]),
-        ("hisparse_requests_waiting", "gauge", "requests queued, not yet admitted", snap["waiting"]),
-        ("hisparse_requests_in_flight", "gauge", "requests submitted, not finished (queued, prefilling, decoding)",
-         snap["in_flight"]),
-        ("hisparse_lanes", "gauge", "rows of the decode batch (the most requests decoding at once)", snap["lanes"]),
-        ("hisparse_requests_served_total", "counter", "requests that got all their tokens", snap["served"]),
-        ("hisparse_requests_cancelled_total", "counter", "requests cancelled (their client went away)",
-         snap["cancelled"]),
-        ("hisparse_requests_failed_total", "counter", "requests stopped by the server (shutdown, a failed step)",
-         snap["failed"]),
-        ("hisparse_requests_refused_total", "counter", "completion requests answered 4xx", service.refused),
-        ("hisparse_prompt_tokens_total", "counter", "prompt tokens of requests that left", snap["prompt_tokens"]),
-        ("hisparse_generation_tokens_total", "counter", "tokens generated for requests that left",
-         snap["generated_tokens"]),
-        ("hisparse_cache_hits_total", "counter", "GPU cache hits of requests that left (hierarchical modes)",
-         snap["hits"]),
-        ("hisparse_cache_misses_total", "counter", "GPU cache misses of requests that left (hierarchical modes)",
-         snap["misses"]),
-        ("hisparse_gpu_kv_bytes", "gauge", "budgeted GPU bytes in use: lanes, cache, prefill workspace in use",
-         snap["gpu_bytes"]),
-        ("hisparse_gpu_kv_budget_bytes", "gauge", "the GPU budget for KV (NaN: sized by lanes, not a budget)",
-         float("nan") if budget is None else budget),
-        ("hisparse_host_rows_in_use", "gauge", "host pool rows held by requests", snap["host_rows_in_use"]),
-        ("hisparse_host_rows_capacity", "gauge", "host pool rows (0 in resident mode)", snap["host_rows_capacity"]),
-        ("hisparse_host_bytes_in_use", "gauge", "host pool bytes held by requests",
-         snap["host_rows_in_use"] * snap["host_row_bytes"]),
-        ("hisparse_host_bytes_capacity", "gauge", "host pool bytes", snap["host_rows_capacity"] * snap["host_row_bytes"]),
-        ("hisparse_draining", "gauge", "1 while shutting down (new requests refused)", int(service.draining)),
-    ]
-    lines = []
-    for name, kind, text, value in rows:
-        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
-    return "\n".join(lines) + "\n"
-
-
-def _number(value) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text (no labels) as {name: value}: what a test or the load client reads back."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split()
-            out[name] = float(value)
-    return out
 
 
 # -- running and stopping ----------------------------------------------------------------------

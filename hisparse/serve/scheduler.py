@@ -4,7 +4,8 @@ send it commands through a queue and get `concurrent.futures.Future`s back.
 
 Each submitted prompt has a sink: `sink.token(index, token)` for every new token and
 `sink.end(index, error)` once (error None: it finished; else why it stopped), both called on the
-scheduler thread, so a sink hands them on (the HTTP app: `loop.call_soon_threadsafe`).
+scheduler thread, so a sink hands them on (the HTTP app: `loop.call_soon_threadsafe`). The same
+thread counts them into `metrics` (the server's Prometheus metrics, `metrics.Metrics`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from functools import partial
 
 import torch
 
+from hisparse.serve.metrics import Metrics
 from hisparse.serving import Request, Server
 
 RECYCLE_AFTER = 1024    # requests a run keeps (Server.requests) before an idle server starts a new run
@@ -75,6 +77,7 @@ class SchedulerThread:
         self._replays = 0                               # requests given a draw of the workload so far
         self.counters = {"served": 0, "cancelled": 0, "failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "hits": 0, "misses": 0}
+        self.metrics = Metrics()                        # the same counts, latencies and sizes for GET /metrics
         self.final_snapshot: dict | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[int, _Job] = {}                 # id(request) -> its job, while in flight
@@ -200,7 +203,7 @@ class SchedulerThread:
 
     def _submit(self, prompts: list[list[int]], max_new_tokens: int, sink) -> list[Request]:
         requests = [Request(torch.tensor(ids, dtype=torch.int64), max_new_tokens, arrival=math.nan,
-                            on_token=partial(_forward_token, sink, i)) for i, ids in enumerate(prompts)]
+                            on_token=partial(self._on_token, sink, i)) for i, ids in enumerate(prompts)]
         for i, request in enumerate(requests):        # all checked before any is queued
             if self.workload is not None and (why := self.workload.refusal(len(request.prompt), max_new_tokens)):
                 raise PromptRefused(i, why[1], why[0])
@@ -240,6 +243,11 @@ class SchedulerThread:
         c["generated_tokens"] += len(request.tokens)
         c["hits"] += request.hits             # set when the request left its lane (0 if it never decoded)
         c["misses"] += request.misses
+        self.metrics.left(request, outcome)
+
+    def _on_token(self, sink, index: int, request: Request, token: int) -> None:
+        self.metrics.token(request)
+        sink.token(index, token)
 
     def _stop(self) -> dict:
         self._cancel([job.request for job in self._jobs.values()], "the server shut down before it finished")
@@ -259,7 +267,3 @@ class SchedulerThread:
             snap.update(host_rows_capacity=host.capacity, host_rows_in_use=host.capacity - host.free_rows,
                         host_row_bytes=host.row_bytes)
         return snap
-
-
-def _forward_token(sink, index: int, request: Request, token: int) -> None:
-    sink.token(index, token)
