@@ -213,8 +213,8 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     outside its stream's region writes there, as with `write_rows`.
     `num_warps` and `packed_scan` are tuning knobs (same results). `packed_scan` ranks the free slots
     with one scan over half as many elements, both halves of the LRU order packed in one int32 (fewer
-    instructions, and faster on the H200). Its halves count in 16 bits, so the default (None) uses it
-    wherever B <= 32768 and the single scan above; True insists on it.
+    instructions, and faster: results/notes/resolve.md). Its halves count in 16 bits, so the default
+    (None) uses it wherever B <= 32768 and the single scan above; True insists on it.
     """
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)

@@ -8,12 +8,12 @@ run); offline compile: experiments/tools/sass_dsa_fp8_gluon.py; checked against 
 
 Why
 ---
-Dequantising on the warps that wait on every wgmma adds the conversion to each tile's matrix math (0.31 of
-the roofline). In its own warps it hides behind it, as in FlashMLA's sparse FP8 decode, but only once the
-rows' bytes are near: a producer that gathers 64 random 656-byte rows from HBM into registers waits on that
-latency every tile (0.30 of roofline, no faster). So it asks L2 for the next tile's rows (prefetch.global.L2,
-one instruction per 128-byte line) half a tile ahead, and its loads then find them there: 0.38 (H200,
-batch 64, 128 heads, k 2048; the bf16 Gluon kernel at 0.41 is these consumers without the FP8 rows;
+Dequantising on the warps that wait on every wgmma adds the conversion to each tile's matrix math. In its
+own warps it hides behind it, as in FlashMLA's sparse FP8 decode, but only once the rows' bytes are near: a
+producer that gathers 64 random 656-byte rows from HBM into registers waits on that latency every tile (no
+faster than dequantising inline). So it asks L2 for the next tile's rows (prefetch.global.L2, one
+instruction per 128-byte line) half a tile ahead, and its loads then find them there. The bf16 Gluon kernel
+is these consumers without the FP8 rows, the bar this kernel is measured against (results/attention.csv,
 results/notes/fp8.md).
 
 Partitions (Gluon `warp_specialize`; setmaxnreg: the producer PRODUCER_REGS registers, the consumers 192)

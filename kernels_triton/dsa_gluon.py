@@ -33,13 +33,13 @@ Work split between the two warp groups (warps_per_cta [4, 2] in both MMA layouts
   computes all of S while group 1 waits for P) but does the same tensor-core work, balanced.
 - online softmax in the log2 domain: the row max reduces across the two groups (Gluon lowers the
   reduction through a little shared memory); the row sum is kept per thread (a [64, BLOCK_K] running
-  sum rescaled like O) and reduced once after the loop, which saved 3% on the H200. P (bf16) is
-  written to shared memory, fenced for the async proxy, then a block barrier.
+  sum rescaled like O) and reduced once after the loop, which was faster (results/notes/attention.md).
+  P (bf16) is written to shared memory, fenced for the async proxy, then a block barrier.
 - O += P V: each group owns a 64 x 256 fp32 accumulator (columns g*256 ... (g+1)*256 of V): A = P
   (shared, all of it), B = the tile's first D_V columns (shared). PV of tile i is issued without
   waiting, then (once tile i+1 has landed) QK^T of tile i+1 behind it, and the warps wait for both:
-  the tensor cores run them back to back, without the barrier and copy issue between them (2% on
-  the H200).
+  the tensor cores run them back to back, without the barrier and copy issue between them
+  (results/notes/attention.md).
 - rows are gathered with cp.async (pointer tensors: rows[n, j] index kv) into a ring of NUM_STAGES
   buffers. Tile i + NUM_STAGES - 1 goes into the buffer of tile i - 1, so it is issued at the top of
   iteration i, after the barrier that follows PV(i-1)'s wait; with 2 stages it must have landed once

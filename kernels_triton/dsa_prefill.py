@@ -28,7 +28,7 @@ def _prefill_indexer_kernel(
     s0 + n // BLOCK_H), then each query's BLOCK_H columns summed, within a thread and the 4 lanes of
     its quad. The heads-as-rows product the decode kernel makes ([BLOCK_H, D] x [D, BLOCK_T]) sums
     over the MMA's M axis, spread over the warps: a reduction through shared memory with barriers
-    every tile, 2.2x slower here on the H200 (results/notes/prefill.md). The heads are summed in
+    every tile, slower here (results/notes/prefill.md). The heads are summed in
     another order than the decode kernel's, so the scores equal its within float32 rounding, not
     bit for bit.
     """

@@ -63,7 +63,7 @@ def _put_row(src, p_host, p_cached, p_reserved, slot, ROW_WORDS: tl.constexpr, B
 
 # K and B unspecialised (Triton specialises integers divisible by 16): the selection and LRU rows then
 # load one element per thread, the layout their scattered accesses take anyway, so no tensor changes
-# layout through shared memory (fewer barriers, and faster on the H200: results/resolve.csv).
+# layout through shared memory (fewer barriers, and faster: results/notes/resolve.md).
 @triton.jit(do_not_specialize=["K", "B"])
 def _resolve_kernel(
     sel_ptr,         # [N, K] int32 selected unit ids, -1 pads
@@ -199,7 +199,7 @@ def _resolve_kernel(
                      cache_ptr + (first_slot + B) * ROW_WORDS, new_slot, ROW_WORDS, BLOCK_W, True)
 
 
-# Variants tried on the H200 and not kept: results/notes/resolve.md.
+# Variants tried and not kept: results/notes/resolve.md.
 
 
 @triton.jit

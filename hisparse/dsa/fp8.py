@@ -242,8 +242,8 @@ def fp8_decode_backend(q: torch.Tensor, kv: torch.Tensor, backend: str = "auto",
                        config: DecodeConfig | None = None, dequant: str = "inline") -> str:
     """The kernel `sparse_mla_decode_fp8` runs: "triton" or "gluon". "auto" is the Gluon FP8 kernel
     where it can run (`fp8_gluon_unsupported`) and no Triton config or dequant mode is asked for, as
-    for bf16 rows (on the H200 it is faster at every batch: 172 against 186 us at batch 64,
-    results/notes/fp8.md), else the Triton one. "gluon" where `fp8_gluon_unsupported` finds a
+    for bf16 rows (it was faster at every batch measured: results/notes/fp8.md,
+    results/attention.csv), else the Triton one. "gluon" where `fp8_gluon_unsupported` finds a
     reason, or with a Triton config or dequant mode, raises ValueError naming it."""
     _require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
     if backend == "triton":

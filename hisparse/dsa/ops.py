@@ -276,9 +276,8 @@ class PrefillIndexerConfig:
 
 
 def default_prefill_indexer_config(device: torch.device) -> PrefillIndexerConfig:
-    """GPU: 4 queries a program, 64 keys a tile, 8 warps, 3 stages: on the H200 (Triton 3.6, 64 x 128
-    bf16 indexer) 1.68 ms for 2048 queries over 32K keys (634 TFLOP/s) and 1.80 ms for 512 over 128K
-    (608), the fastest sum of the two among the configs probed (results/notes/prefill.md).
+    """GPU: 4 queries a program, 64 keys a tile, 8 warps, 3 stages: of the configs probed, the fastest
+    sum of 2048 queries over 32K keys and 512 over 128K (64 x 128 bf16 indexer; results/notes/prefill.md).
     The interpreter: 32-key tiles."""
     if device.type == "cuda":
         return PrefillIndexerConfig(block_t=64, queries=4, num_warps=8, num_stages=3)
@@ -397,9 +396,8 @@ def default_decode_config(num_heads: int, d_qk: int, dtype: torch.dtype) -> Deco
 
     bf16 at the model's shape (128 heads, D 576): 64 heads x 64 rows per step, 8 warps (two warp
     groups), 2 stages: 216 KiB of shared memory, 255 registers, no spills under Triton 3.6 (sm_90a,
-    compiled offline; 3.9 spills 216 B). On the H200 at batch 64 it took 151 us where 32-row tiles
-    took 214-216 us. float32 (not a GPU
-    target) gets tiles that do not spill.
+    compiled offline; 3.9 spills 216 B), and faster than 32-row tiles (results/notes/attention.md).
+    float32 (not a GPU target) gets tiles that do not spill.
     """
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
     if dtype == torch.float32:
