@@ -22,11 +22,11 @@ from test_serving import SETTINGS, tiny
 
 from hisparse.engine import Engine
 from hisparse.models.tiny import write_tiny_checkpoint
-from hisparse.serve import bench, scheduler
+from hisparse.serve import bench, worker
 from hisparse.serve.__main__ import main as serve_main
 from hisparse.serve.app import Service, describe, serve
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST, LATENCY_BUCKETS
-from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
+from hisparse.serve.worker import ReplayWorkload, ServerThread
 from hisparse.serving import GIB, Request, Server
 from hisparse.synthetic import request_draws
 
@@ -45,9 +45,9 @@ class Running:
 
     def __init__(self, server: Server, shutdown_timeout: float = 5.0, workload: ReplayWorkload | None = None):
         self.server = server
-        self.scheduler = SchedulerThread(server, workload)
-        self.scheduler.start()
-        self.service = Service(self.scheduler, describe(server, "tiny", 0.05, None,
+        self.worker = ServerThread(server, workload)
+        self.worker.start()
+        self.service = Service(self.worker, describe(server, "tiny", 0.05, None,
                                                         "model" if workload is None else workload.name))
         self.final = None
         ready = threading.Event()
@@ -203,9 +203,9 @@ BAD = [  # (body, param, words the message must hold)
 
 
 def test_each_bad_request_gets_a_4xx_naming_the_field_and_the_next_is_served(resident, monkeypatch):
-    """And the idle scheduler starts a new run every few requests (so a long-lived server does not
+    """And the idle server thread starts a new run every few requests (so a long-lived server does not
     keep every finished request): a good request after each bad one still gets its tokens."""
-    monkeypatch.setattr(scheduler, "RECYCLE_AFTER", 4)
+    monkeypatch.setattr(worker, "RECYCLE_AFTER", 4)
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -377,7 +377,7 @@ def assert_nothing_held(running: Running, final: dict) -> None:
     server = running.server
     assert not server.cache._open and server.cache.host.free_rows == server.cache.host.capacity
     assert all(r is None for r in server.lane_request) and not server.busy
-    assert not running.thread.is_alive() and not running.scheduler._thread.is_alive()
+    assert not running.thread.is_alive() and not running.worker._thread.is_alive()
 
 
 def test_load_client_writes_http_rows(resident, tmp_path):
@@ -424,7 +424,7 @@ def test_a_replayed_workload_gives_each_request_its_draw_and_refuses_other_shape
         assert long[0] == 400 and long[1]["error"]["param"] == "max_tokens"
         assert running.service.info["hisparse"]["workload"] == "tiny"
         assert len(running.server.requests) == 3, "no untimed warm-up request of the workload's shape first"
-        assert running.scheduler.snapshot().result(10)["served"] == 2      # the warm-up is not counted
+        assert running.worker.snapshot().result(10)["served"] == 2      # the warm-up is not counted
     finally:
         running.shut_down()
 

@@ -1,4 +1,4 @@
-"""python -m hisparse.serve: an OpenAI-compatible HTTP server over the serving scheduler.
+"""python -m hisparse.serve: an OpenAI-compatible HTTP server over the serving engine.
 
     python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny
     python -m hisparse.serve --model /tmp/tiny --mode hisparse --cache-slots 16 --port 8000
@@ -30,7 +30,7 @@ from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, _device, _load, _positive
 from hisparse.serve.app import Service, closing_line, describe, log, serve
-from hisparse.serve.scheduler import ReplayWorkload, SchedulerThread
+from hisparse.serve.worker import ReplayWorkload, ServerThread
 from hisparse.serving import PREFILL_LAYERS, SERVING_MODES, Server
 from hisparse.synthetic import PRESETS, request_draws
 
@@ -237,15 +237,15 @@ def main(argv: list[str] | None = None, model=None, name: str | None = None) -> 
         return exc.code if isinstance(exc.code, int) else 1
     info = describe(server, name, args.kv_budget_gib, args.host_budget_gib,     # before its thread owns it
                     "model" if workload is None else workload.name)
-    scheduler = SchedulerThread(server, workload)
+    worker = ServerThread(server, workload)
     log(f"hisparse.serve: warming up on {server.device} ...")
-    scheduler.start()
-    service = Service(scheduler, info)
+    worker.start()
+    service = Service(worker, info)
     try:
         final = asyncio.run(_serve_until_signalled(service, args))
     except OSError as exc:                       # the port is taken, the address not ours
         log(f"hisparse.serve: cannot listen on {args.host}:{args.port}: {exc}")
-        scheduler.stop()
+        worker.stop()
         return 1
     log(closing_line(final))
     return 0

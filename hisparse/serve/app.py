@@ -1,8 +1,8 @@
-"""The aiohttp application: OpenAI-style completions over a `SchedulerThread`, health, model info
-and Prometheus metrics (prometheus_client, the scheduler's registry: `metrics.py`), and the
+"""The aiohttp application: OpenAI-style completions over a `ServerThread`, health, model info
+and Prometheus metrics (prometheus_client, the server thread's registry: `metrics.py`), and the
 graceful shutdown (see the package docstring).
 
-Handlers run on the event loop; the scheduler thread reaches them only through `_Sink`, which
+Handlers run on the event loop; the server thread reaches them only through `_Sink`, which
 moves each token onto the loop with `call_soon_threadsafe`.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hisparse.serve.protocol import (
     parse_completion,
     usage,
 )
-from hisparse.serve.scheduler import PromptRefused, SchedulerStopped, SchedulerThread
+from hisparse.serve.worker import PromptRefused, ServerStopped, ServerThread
 from hisparse.serving import Server
 
 MAX_BODY_BYTES = 64 * 2 ** 20     # a 128K-token prompt is under 1 MiB of JSON; aiohttp's default is 1 MiB
@@ -37,7 +37,7 @@ class _End:
 
 
 class _Sink:
-    """One HTTP request's tokens, from the scheduler thread into an asyncio queue of (index, token | _End)."""
+    """One HTTP request's tokens, from the server thread into an asyncio queue of (index, token | _End)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop, self.queue = loop, asyncio.Queue()
@@ -57,9 +57,9 @@ class _Sink:
 
 @dataclass
 class Service:
-    """What the handlers share: the scheduler, the model's description, whether it is draining."""
+    """What the handlers share: the server thread, the model's description, whether it is draining."""
 
-    scheduler: SchedulerThread
+    worker: ServerThread
     info: dict
     draining: bool = False
     pending: set = field(default_factory=set)        # completion handlers running now
@@ -138,10 +138,10 @@ async def models(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
     try:
-        snapshot = await asyncio.wrap_future(service.scheduler.snapshot())
-    except SchedulerStopped as exc:        # between the start of a shutdown and its final snapshot
+        snapshot = await asyncio.wrap_future(service.worker.snapshot())
+    except ServerStopped as exc:        # between the start of a shutdown and its final snapshot
         return _error(503, str(exc), None, "server_unavailable")
-    body = service.scheduler.metrics.exposition(snapshot, service.draining)
+    body = service.worker.metrics.exposition(snapshot, service.draining)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -152,20 +152,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         completion = parse_completion(await _json_body(request), service.vocab_size)
     except BadRequest as exc:
-        service.scheduler.metrics.refused.inc()
+        service.worker.metrics.refused.inc()
         return _error(exc.status, exc.message, exc.param)
     sink = _Sink(asyncio.get_running_loop())
     try:
-        submitted = service.scheduler.submit(completion.prompts, completion.max_tokens, sink)
-    except SchedulerStopped as exc:
+        submitted = service.worker.submit(completion.prompts, completion.max_tokens, sink)
+    except ServerStopped as exc:
         return _error(503, str(exc), None, "server_unavailable")
     try:
         requests = await asyncio.wrap_future(submitted)
     except PromptRefused as exc:
-        service.scheduler.metrics.refused.inc()
+        service.worker.metrics.refused.inc()
         where = f"prompt {exc.index}" if len(completion.prompts) > 1 else "the prompt"
         return _error(400, f"{where} cannot be served: {exc}", exc.param)
-    except SchedulerStopped as exc:
+    except ServerStopped as exc:
         return _error(503, str(exc), None, "server_unavailable")
     except asyncio.CancelledError:           # the client left while it was being queued
         submitted.add_done_callback(lambda f: _cancel_quietly(service, f))
@@ -181,8 +181,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         service.pending.discard(task)
         if progress.ended < len(requests):   # the client went away (or a write failed): free its memory
             try:
-                service.scheduler.cancel(requests)
-            except SchedulerStopped:
+                service.worker.cancel(requests)
+            except ServerStopped:
                 pass                          # shutdown cancels it anyway
 
 
@@ -206,8 +206,8 @@ def _cancel_quietly(service: Service, submitted) -> None:
     if submitted.cancelled() or submitted.exception() is not None:
         return
     try:
-        service.scheduler.cancel(submitted.result())
-    except SchedulerStopped:
+        service.worker.cancel(submitted.result())
+    except ServerStopped:
         pass
 
 
@@ -275,9 +275,9 @@ async def drain(service: Service, timeout: float) -> dict:
     service.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while service.scheduler.in_flight and loop.time() < deadline:
+    while service.worker.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    final = await loop.run_in_executor(None, service.scheduler.stop)
+    final = await loop.run_in_executor(None, service.worker.stop)
     if service.pending:                  # the handlers write their last events (an error for the cancelled)
         await asyncio.wait(set(service.pending), timeout=5)
     return final

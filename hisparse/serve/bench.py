@@ -27,14 +27,14 @@ from pathlib import Path
 import aiohttp
 
 from hisparse.generate import _positive
-from hisparse.serving import PREFILL_LAYERS, percentile
+from hisparse.serving import PREFILL_LAYERS, TokenTimeline, timing_summary
 
 UNITS = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens", "lanes": "requests",
          "failed_requests": "requests", "wall_s": "s"}
 
 
 @dataclass
-class Timing:
+class Timing(TokenTimeline):
     """One request as the client saw it: send time and each token event's time (perf_counter s)."""
 
     sent: float
@@ -43,17 +43,8 @@ class Timing:
     error: str | None = None
 
     @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.sent
-
-    @property
-    def tpot(self) -> float | None:
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
-
-    @property
-    def latency(self) -> float:
-        return self.token_times[-1] - self.sent
+    def start(self) -> float:
+        return self.sent
 
 
 async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> Timing:
@@ -110,14 +101,7 @@ async def open_loop(session, url: str, prompts: list[list[int]], max_tokens: int
 def summarize(timings: list[Timing]) -> dict[str, float]:
     """run_serving's metric names over the requests that succeeded (queueing is not visible over HTTP)."""
     ok = [t for t in timings if t.error is None and t.token_times]
-    out = {"requests": len(ok), "output_tokens": sum(len(t.token_times) for t in ok)}
-    span = max((t.token_times[-1] for t in ok), default=0.0) - min((t.sent for t in timings), default=0.0)
-    out["tokens_per_s"] = out["output_tokens"] / span if ok and span > 0 else float("nan")
-    series = {"ttft": [t.ttft for t in ok], "tpot": [t.tpot for t in ok if t.tpot is not None],
-              "latency": [t.latency for t in ok]}
-    for name, values in series.items():
-        for q in (50, 90, 99):
-            out[f"{name}_ms_p{q}"] = percentile(values, q) * 1e3
+    out = timing_summary(ok, min((t.sent for t in timings), default=0.0), itl=False)
     out["failed_requests"] = len(timings) - len(ok)
     return out
 

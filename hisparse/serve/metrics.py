@@ -1,9 +1,9 @@
 """The server's Prometheus metrics (GET /metrics), kept by prometheus_client in a registry of their
-own per scheduler, so several apps live in one process (the tests) without sharing counts.
+own per server thread, so several apps live in one process (the tests) without sharing counts.
 
-Counters and latency histograms are updated on the scheduler thread, as tokens come out and
+Counters and latency histograms are updated on the server thread, as tokens come out and
 requests leave; refusals on the event loop (prometheus_client's metrics are thread-safe). Gauges are
-set from a scheduler snapshot when /metrics is read. Latencies are the server's clock, in seconds:
+set from a server thread snapshot when /metrics is read. Latencies are the server's clock, in seconds:
 TTFT from a prompt's submission to its first token, ITL between consecutive tokens of a prompt,
 TPOT a prompt's mean gap, observed when it leaves with two tokens or more. A "request" here is one
 prompt of a completion.
@@ -20,7 +20,7 @@ __all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "Metrics"]
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 60.0)
 
-GAUGES = {   # name: (help, its value in a scheduler snapshot with "draining" added)
+GAUGES = {   # name: (help, its value in a server thread snapshot with "draining" added)
     "hisparse_requests_running": ("requests decoding in a lane", lambda s: s["running"]),
     "hisparse_requests_waiting": ("requests queued, not yet admitted", lambda s: s["waiting"]),
     "hisparse_requests_in_flight": ("requests submitted, not finished (queued, prefilling, decoding)",
@@ -67,7 +67,7 @@ class Metrics:
         self.gauges = {name: Gauge(name, text, registry=registry) for name, (text, _) in GAUGES.items()}
 
     def token(self, request: Request) -> None:
-        """Its newest token came out (scheduler thread)."""
+        """Its newest token came out (server thread)."""
         times = request.token_times
         if len(times) == 1:
             self.ttft.observe(request.ttft)
@@ -75,7 +75,7 @@ class Metrics:
             self.itl.observe(times[-1] - times[-2])
 
     def left(self, request: Request, outcome: str) -> None:
-        """It left the server: "served", "cancelled" or "failed" (scheduler thread)."""
+        """It left the server: "served", "cancelled" or "failed" (server thread)."""
         self.outcomes[outcome].inc()
         self.prompt_tokens.inc(len(request.prompt))
         self.generation_tokens.inc(len(request.tokens))

@@ -7,10 +7,11 @@
     server.py     the loop and the public API: open, submit, step, cancel, close, serve
 """
 from hisparse.serving.memory import GIB, LaneMemory
-from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, percentile, timing_summary
+from hisparse.serving.request import (Iteration, Request, Schedule, ServingRun, TokenTimeline, percentile,
+                                      timing_summary)
 from hisparse.serving.runner import Runner, side_stream
 from hisparse.serving.scheduler import Scheduler
 from hisparse.serving.server import PREFILL_LAYERS, SERVING_MODES, Server
 
 __all__ = ["GIB", "PREFILL_LAYERS", "SERVING_MODES", "Iteration", "LaneMemory", "Request", "Runner", "Schedule",
-           "Scheduler", "Server", "ServingRun", "percentile", "side_stream", "timing_summary"]
+           "Scheduler", "Server", "ServingRun", "TokenTimeline", "percentile", "side_stream", "timing_summary"]

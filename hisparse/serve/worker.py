@@ -1,10 +1,10 @@
-"""The serving scheduler in a thread of its own: the model is not thread-safe, so one thread owns
+"""The serving engine in a thread of its own: the model is not thread-safe, so one thread owns
 the `Server` and does everything with it (submit, step, cancel, read its sizes); other threads
 send it commands through a queue and get `concurrent.futures.Future`s back.
 
 Each submitted prompt has a sink: `sink.token(index, token)` for every new token and
 `sink.end(index, error)` once (error None: it finished; else why it stopped), both called on the
-scheduler thread, so a sink hands them on (the HTTP app: `loop.call_soon_threadsafe`). The same
+server thread, so a sink hands them on (the HTTP app: `loop.call_soon_threadsafe`). The same
 thread counts them into `metrics` (the server's Prometheus metrics, `metrics.Metrics`).
 """
 from __future__ import annotations
@@ -57,8 +57,8 @@ class ReplayWorkload:
         return None
 
 
-class SchedulerStopped(RuntimeError):
-    """The scheduler no longer takes commands (shut down)."""
+class ServerStopped(RuntimeError):
+    """The server thread no longer takes commands (shut down)."""
 
 
 @dataclass
@@ -68,7 +68,7 @@ class _Job:
     index: int
 
 
-class SchedulerThread:
+class ServerThread:
     """Runs `server` step by step in one thread: `start()` opens it (warm-up included), `stop()`
     cancels what is left and closes it."""
 
@@ -84,7 +84,7 @@ class SchedulerThread:
         self._ready: Future = Future()
         self._stopping = False                          # set by stop(), on the caller's thread
         self._done = False
-        self._thread = threading.Thread(target=self._run, name="hisparse-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="hisparse-server", daemon=True)
 
     # -- the caller's side (any thread) --------------------------------------------------------
 
@@ -124,12 +124,12 @@ class SchedulerThread:
 
     def _call(self, fn, *args) -> Future:
         if self._stopping or self._done:
-            raise SchedulerStopped("the server is shutting down")
+            raise ServerStopped("the server is shutting down")
         future = Future()
         self._commands.put((future, fn, args))
         return future
 
-    # -- the scheduler thread ----------------------------------------------------------------
+    # -- the server thread ----------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -169,7 +169,7 @@ class SchedulerThread:
             except queue.Empty:
                 return
             if future.set_running_or_notify_cancel():
-                future.set_exception(SchedulerStopped("the server is shutting down"))
+                future.set_exception(ServerStopped("the server is shutting down"))
 
     def _run_commands(self, block: bool) -> None:
         while True:
