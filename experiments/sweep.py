@@ -68,6 +68,7 @@ from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
 from hisparse.results import append_rows, environment, read_stored_rows
 from hisparse.runtime import nbytes
+from hisparse.serving_requests import REQUESTS_PER_CLIENT, serving_request_count, serving_requests
 from hisparse.synthetic import (
     PRESETS,
     batch_workload,
@@ -96,7 +97,7 @@ REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
             "serving": {"model", "modes", "input_len", "output_len", "kv_budget_gib"}}
 DEFAULTS = {"new_tokens": 8, "warmup_steps": 1, "max_batch": 256,     # optional keys validate fills in
-            "requests_per_client": 2, "requests": 8, "prefill_chunk": 8192}
+            "requests_per_client": REQUESTS_PER_CLIENT, "requests": 8, "prefill_chunk": 8192}
 TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
 TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 # what each key means and, for an optional one, its default (`--help` lists them per kind)
@@ -809,27 +810,6 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
                         prefill_chunk=chunk, **(overlapped if overlap else {}),
                         **(not_two if key == "concurrency" else {})))
     return out
-
-
-def serving_request_count(study: dict, point: dict) -> int:
-    """Requests of a serving point: requests_per_client per client, or `requests` (open loop)."""
-    closed = point["concurrency"] is not None
-    return point["concurrency"] * study["requests_per_client"] if closed else study["requests"]
-
-
-def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | None]:
-    """The point's requests (random prompts, seeded per request: the same in every mode) and its
-    client count (None: Poisson arrivals at the rate, seeded)."""
-    from hisparse.serving import Request
-    closed = point["concurrency"] is not None
-    count = serving_request_count(study, point)
-    gen = torch.Generator().manual_seed(0)
-    arrivals = torch.zeros(count) if closed else torch.empty(count).exponential_(generator=gen).cumsum(0) / point["rate"]
-    reqs = []
-    for i in range(count):
-        prompt = torch.randint(0, vocab, (point["input_len"],), generator=torch.Generator().manual_seed(1000 + i))
-        reqs.append(Request(prompt, point["output_len"], arrival=float(arrivals[i])))
-    return reqs, point["concurrency"]
 
 
 def run_serving(model, study: dict, point: dict) -> list[dict]:
