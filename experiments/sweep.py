@@ -52,6 +52,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from experiments.policies import study as policy_study
 from hisparse.dsa.fp8 import (
     KV_DTYPES,
     ROW_BYTES,
@@ -59,7 +60,7 @@ from hisparse.dsa.fp8 import (
     stored_decode_kernel,
 )
 from hisparse.dsa.ops import DECODE_BACKENDS
-from hisparse.dsa.runtime import KV_MODES
+from hisparse.dsa.runtime import KV_MODES, DsaRuntime
 from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
 from hisparse.models.config import config_from_dict
@@ -68,6 +69,7 @@ from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
 from hisparse.results import append_rows, environment, read_stored_rows
 from hisparse.runtime import nbytes
+from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server
 from hisparse.serving_requests import REQUESTS_PER_CLIENT, serving_request_count, serving_requests
 from hisparse.synthetic import (
     PRESETS,
@@ -721,7 +723,6 @@ def hybrid_batch(model, study: dict, point: dict, capacity: int, gpu_only: bool 
     So at a short context, where resident's batch is the larger, it is resident's batch with every
     request resident (one fewer where that rounding, < B + 1 rows, does not fit beside it); at a long
     context hisparse's batch, the GPU budget hisparse leaves spare holding resident requests."""
-    from hisparse.dsa.runtime import DsaRuntime
     runtime = DsaRuntime(model, kv_dtype=point.get("kv_dtype") or "bf16")
     limits = study
     if gpu_only:
@@ -793,7 +794,6 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     the others leave it out (their rows, as before the key existed, leave the column empty), and
     prefill_layers where it is not the Server's default, prefill_sms where set. A closed-loop point
     carries requests_per_client where it is not the default 2 (e.g. a longer run of the same level)."""
-    from hisparse.serving import PREFILL_LAYERS
     layers = study.get("prefill_layers", PREFILL_LAYERS)
     overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {}),
                   **({"prefill_sms": study["prefill_sms"]} if "prefill_sms" in study else {})}
@@ -815,7 +815,6 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
 def run_serving(model, study: dict, point: dict) -> list[dict]:
     """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
     clients never have more requests out), its summary and sizes as rows."""
-    from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server
     global decode_runs
     decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
@@ -999,7 +998,6 @@ def main(argv=None) -> int:
     for i, (study, point) in enumerate(todo):
         t0 = time.perf_counter()
         if point["bench"] == "policies":
-            from experiments.policies import study as policy_study
             rows = policy_study(preset(point["workload"]), point["workload"], calibrated=False)
         else:
             key = (study["model"], study.get("layers"), study.get("hidden"))
