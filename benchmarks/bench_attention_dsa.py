@@ -317,7 +317,6 @@ def tune_fp8(cfg: dict, device: torch.device, batch: int, cudagraph: bool = Fals
 def tune_gluon(q, kv, rows, ref, cudagraph: bool) -> list[tuple]:
     """(us, label, rel err) of the Gluon kernel (kernels_triton/dsa_gluon.py: QK^T once per tile) at
     its tile and ring shapes, on a Hopper GPU with Triton's Gluon; none elsewhere."""
-    from kernels_triton.dsa_gluon import sparse_mla_decode_gluon
     if reason := dsa.gluon_decode_unsupported(q, D_V):
         print(f"  gluon: not timed ({reason})")
         return []
@@ -325,7 +324,7 @@ def tune_gluon(q, kv, rows, ref, cudagraph: bool) -> list[tuple]:
     for block_k, stages in ((64, 2), (32, 3), (32, 4)):
         label = f"gluon(block_k={block_k}, num_stages={stages})"
         def call():
-            return sparse_mla_decode_gluon(q, kv, rows, SM_SCALE, block_k=block_k, num_stages=stages)
+            return dsa.sparse_mla_decode_gluon(q, kv, rows, SM_SCALE, block_k=block_k, num_stages=stages)
         try:
             err = ((call()[0].float() - ref).abs().max() / ref.abs().max()).item()
             results.append((time_us(call, cudagraph)[0], label, err))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from benchmarks.bench_prefill import TARGETS
-from experiments.figures import RUN_COLUMNS, newest_per_point, serving_study
+from hisparse.result_selection import RUN_COLUMNS, newest_per_point, serving_study
 
 
 def latest(frame: pd.DataFrame) -> pd.DataFrame:

@@ -52,6 +52,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from experiments.policies import study as policy_study
 from hisparse.dsa.fp8 import (
     KV_DTYPES,
     ROW_BYTES,
@@ -59,7 +60,7 @@ from hisparse.dsa.fp8 import (
     stored_decode_kernel,
 )
 from hisparse.dsa.ops import DECODE_BACKENDS
-from hisparse.dsa.runtime import KV_MODES
+from hisparse.dsa.runtime import KV_MODES, DsaRuntime
 from hisparse.engine import Engine
 from hisparse.host_pool import release_cached_memory
 from hisparse.models.config import config_from_dict
@@ -68,6 +69,8 @@ from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
 from hisparse.results import append_rows, environment, read_stored_rows
 from hisparse.runtime import nbytes
+from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server
+from hisparse.serving.workload import REQUESTS_PER_CLIENT, serving_request_count, serving_requests
 from hisparse.synthetic import (
     PRESETS,
     batch_workload,
@@ -96,7 +99,7 @@ REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
             "serving": {"model", "modes", "input_len", "output_len", "kv_budget_gib"}}
 DEFAULTS = {"new_tokens": 8, "warmup_steps": 1, "max_batch": 256,     # optional keys validate fills in
-            "requests_per_client": 2, "requests": 8, "prefill_chunk": 8192}
+            "requests_per_client": REQUESTS_PER_CLIENT, "requests": 8, "prefill_chunk": 8192}
 TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
 TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 # what each key means and, for an optional one, its default (`--help` lists them per kind)
@@ -720,7 +723,6 @@ def hybrid_batch(model, study: dict, point: dict, capacity: int, gpu_only: bool 
     So at a short context, where resident's batch is the larger, it is resident's batch with every
     request resident (one fewer where that rounding, < B + 1 rows, does not fit beside it); at a long
     context hisparse's batch, the GPU budget hisparse leaves spare holding resident requests."""
-    from hisparse.dsa.runtime import DsaRuntime
     runtime = DsaRuntime(model, kv_dtype=point.get("kv_dtype") or "bf16")
     limits = study
     if gpu_only:
@@ -792,7 +794,6 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     the others leave it out (their rows, as before the key existed, leave the column empty), and
     prefill_layers where it is not the Server's default, prefill_sms where set. A closed-loop point
     carries requests_per_client where it is not the default 2 (e.g. a longer run of the same level)."""
-    from hisparse.serving import PREFILL_LAYERS
     layers = study.get("prefill_layers", PREFILL_LAYERS)
     overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {}),
                   **({"prefill_sms": study["prefill_sms"]} if "prefill_sms" in study else {})}
@@ -811,31 +812,9 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     return out
 
 
-def serving_request_count(study: dict, point: dict) -> int:
-    """Requests of a serving point: requests_per_client per client, or `requests` (open loop)."""
-    closed = point["concurrency"] is not None
-    return point["concurrency"] * study["requests_per_client"] if closed else study["requests"]
-
-
-def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list, int | None]:
-    """The point's requests (random prompts, seeded per request: the same in every mode) and its
-    client count (None: Poisson arrivals at the rate, seeded)."""
-    from hisparse.serving import Request
-    closed = point["concurrency"] is not None
-    count = serving_request_count(study, point)
-    gen = torch.Generator().manual_seed(0)
-    arrivals = torch.zeros(count) if closed else torch.empty(count).exponential_(generator=gen).cumsum(0) / point["rate"]
-    reqs = []
-    for i in range(count):
-        prompt = torch.randint(0, vocab, (point["input_len"],), generator=torch.Generator().manual_seed(1000 + i))
-        reqs.append(Request(prompt, point["output_len"], arrival=float(arrivals[i])))
-    return reqs, point["concurrency"]
-
-
 def run_serving(model, study: dict, point: dict) -> list[dict]:
     """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
     clients never have more requests out), its summary and sizes as rows."""
-    from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server
     global decode_runs
     decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
@@ -1019,7 +998,6 @@ def main(argv=None) -> int:
     for i, (study, point) in enumerate(todo):
         t0 = time.perf_counter()
         if point["bench"] == "policies":
-            from experiments.policies import study as policy_study
             rows = policy_study(preset(point["workload"]), point["workload"], calibrated=False)
         else:
             key = (study["model"], study.get("layers"), study.get("hidden"))

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 
 import kernels_triton.dsa_gluon as dg
 from experiments.tools import sass_dsa
-from experiments.tools.sass import TOOLS, main_loop_ops, registers_and_spills, sass_ops
+from experiments.tools.sass import TOOLS, compile_sm90, main_loop_ops, registers_and_spills, sass_ops
 
 D_V, D_ROPE = sass_dsa.D_V, sass_dsa.D_ROPE
 SHOWN = sass_dsa.SHOWN
@@ -97,7 +97,6 @@ def triton_hgmma_shapes(block_k: int, row_base: bool) -> str:
         [names.index(n) for n in sass_dsa.ALIGNED]
     constexprs = {"D_V": D_V, "D_ROPE": D_ROPE, "BLOCK_H": 64, "BLOCK_K": block_k, "DOT_PRECISION": "ieee",
                   "HAS_ROW_BASE": row_base}
-    from experiments.tools.sass import compile_sm90
     try:
         compiled = compile_sm90(sass_dsa.KERNEL, sass_dsa.SIGNATURE, constexprs, divisible, num_warps=8,
                                 num_stages=2)

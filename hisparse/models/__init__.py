@@ -1,6 +1,11 @@
 """What the three families' decoders share: config, checkpoint loading, layers, MoE, tiny checkpoints
 (each family's decoder is hisparse/<family>/model.py).
 
+Layers: config.py, layers.py, base.py and moe.py sit below the families (each family's model.py
+imports them); loading.py (which family's class a config builds) and tiny.py sit above them, so this
+file does not import those two: import them from their modules.
+
+    from hisparse.models.loading import load_model
     model = load_model(checkpoint_dir, dtype=torch.bfloat16, device="cuda")
     state = model.new_state(batch, capacity)          # per-layer KV, plain tensors
     logits = model.prefill(prompt_ids, state)          # [B, S, V]; chunk_size=..., fast=True (kernels)
@@ -18,7 +23,5 @@ hisparse.quest.reference.TorchQuestAttention, hisparse.nsa.reference.TorchNsaAtt
 another object with the same methods to run kernels that read through the hierarchical cache.
 """
 from hisparse.models.base import DecodeState, stack_states
-from hisparse.models.loading import build_model, load_model
-from hisparse.models.tiny import write_tiny_checkpoint
 
-__all__ = ["DecodeState", "build_model", "load_model", "stack_states", "write_tiny_checkpoint"]
+__all__ = ["DecodeState", "stack_states"]

@@ -4,7 +4,6 @@ per-expert MoE weights onto the fused expert tensors. Every name and shape is ch
 tensor is read, and the model is returned only when all of it loaded: nothing half-built, nothing
 unpickled.
 """
-import importlib
 import json
 import re
 from pathlib import Path
@@ -12,23 +11,25 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from hisparse.dsa.model import DsaModel
 from hisparse.models.base import CausalLM
 from hisparse.models.config import DsaConfig, ModelConfig, read_config
 from hisparse.models.layers import Rotary
+from hisparse.nsa.model import NsaModel
+from hisparse.quest.model import QuestModel
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-# model_type -> the family's model class, imported when first built (the families import this package)
-_FAMILIES = {"deepseek_v32": "hisparse.dsa.model.DsaModel", "glm_moe_dsa": "hisparse.dsa.model.DsaModel",
-             "llama": "hisparse.quest.model.QuestModel", "qwen3": "hisparse.quest.model.QuestModel",
-             "nsa": "hisparse.nsa.model.NsaModel"}
+# model_type -> the family's model class (this module sits above the families, which import the
+# package's shared pieces: so hisparse/models/__init__.py does not import it)
+MODEL_CLASSES: dict[str, type[CausalLM]] = {"deepseek_v32": DsaModel, "glm_moe_dsa": DsaModel,
+                                            "llama": QuestModel, "qwen3": QuestModel, "nsa": NsaModel}
 
 
 def build_model(config: ModelConfig) -> CausalLM:
-    module, cls = _FAMILIES[config.model_type].rsplit(".", 1)
-    return getattr(importlib.import_module(module), cls)(config)
+    return MODEL_CLASSES[config.model_type](config)
 
 
 def checkpoint_layout(model: CausalLM, fused: frozenset = frozenset()) -> dict[str, tuple[str, tuple, tuple]]:

@@ -7,7 +7,7 @@
 
 Closed loop (--concurrency C): C clients, each sending its next request when its last one
 finished (request i by client i % C). Open loop (--rate R): N requests at Poisson arrivals of R
-per second. The prompts and arrivals are the in-process study's (`experiments.sweep.serving_requests`:
+per second. The prompts and arrivals are the in-process study's (`hisparse.serving.workload`:
 random prompts seeded per request, arrivals seeded), so a row here sits beside its in-process
 twin. Every request streams; per request, TTFT is send to the first token event, TPOT the mean gap
 between its token events, latency send to the last; tokens/s is every output token over the span
@@ -28,6 +28,7 @@ import aiohttp
 
 from hisparse.generate import _positive
 from hisparse.serving import PREFILL_LAYERS, TokenTimeline, timing_summary
+from hisparse.serving.workload import REQUESTS_PER_CLIENT, serving_requests
 
 UNITS = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens", "lanes": "requests",
          "failed_requests": "requests", "wall_s": "s"}
@@ -110,7 +111,6 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
                   requests_per_client: int | None = None) -> dict:
     """The columns of an in-process serving row, from the server's description (a closed loop's
     requests_per_client where it is not the sweep's default, as the sweep's rows)."""
-    from experiments.sweep import DEFAULTS
     s = info["hisparse"]
     point = {"bench": "serving", "family": s["family"], "mode": s["mode"], "batch": None, "context": input_len,
              "k": s["k"], "cache_slots": s["cache_slots"], "unit_bytes": s["unit_bytes"], "workload": s["workload"],
@@ -122,7 +122,7 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
         point["token_budget"] = s["token_budget"]
     if s.get("kv_dtype", "bf16") != "bf16":          # as the sweep's rows: bf16 leaves it empty
         point["kv_dtype"] = s["kv_dtype"]
-    if concurrency is not None and requests_per_client not in (None, DEFAULTS["requests_per_client"]):
+    if concurrency is not None and requests_per_client not in (None, REQUESTS_PER_CLIENT):
         point["requests_per_client"] = requests_per_client
     if s.get("prefill_overlap"):                     # as the sweep's rows: without overlap leaves it empty
         point["prefill_overlap"] = True
@@ -143,8 +143,6 @@ def rows(point: dict, summary: dict, lanes: int, wall_s: float) -> list[dict]:
 def workload(load: tuple[str, float], input_len: int, output_len: int, vocab: int, requests_per_client: int,
              requests: int) -> tuple[list[list[int]], list[float]]:
     """The in-process study's prompts and arrivals for this load (the same seeds)."""
-    # one definition of the study's requests (imported here: the sweep module is large)
-    from experiments.sweep import serving_requests
     key, level = load
     point = {"concurrency": level if key == "concurrency" else None, "rate": level if key == "rate" else None,
              "input_len": input_len, "output_len": output_len}

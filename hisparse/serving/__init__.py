@@ -5,6 +5,7 @@
     memory.py     lanes, host pool regions, GPU and host budgets: what fits (hybrid's placement too)
     runner.py     the device: the lanes' buffers, the decode step and its graph, prefill pieces
     server.py     the loop and the public API: open, submit, step, cancel, close, serve
+    workload.py   the serving study's requests (in-process and over HTTP alike)
 """
 from hisparse.serving.memory import GIB, LaneMemory
 from hisparse.serving.request import (Iteration, Request, Schedule, ServingRun, TokenTimeline, percentile,
