@@ -8,6 +8,8 @@ import torch
 from serving_golden import CASES, GOLDEN, case_name, run_case
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the golden hashes are the interpreter's logits on the CPU; "
+                    "on a GPU the serving GPU tests check resident == hisparse == hybrid bitwise")
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
 def test_serving_reproduces_its_golden_run(case):
     expected = json.loads(GOLDEN.read_text())[case_name(*case)]
