@@ -31,19 +31,19 @@ KV_MODES = ("resident", "hisparse", "noio")
 # to keep PCIe busy, and more crowd out the layers it overlaps with (results/prefetch.csv).
 PREFETCH_PROGRAMS_PER_FAMILY = {"DSA": 4, "NSA": 32, "Quest": 32}
 
-# Decode-step graphs this process captured (Engine, Server). On the H200, from a process's 4th
-# PyTorch graph capture on, every graph replays about 11% slower (results/notes/graphs.md).
+# Decode-step graphs this process captured (Engine, Server). From a process's 4th PyTorch graph
+# capture on, every graph replays slower (measured: results/notes/graphs.md).
 graph_captures = 0
 
 
 def count_graph_capture() -> int:
     """Count one decode-step graph capture; at the process's 4th, warn (once) that every graph's
-    replays are now slower on the H200, so timings past it do not compare with earlier ones."""
+    replays are now slower (results/notes/graphs.md), so timings past it do not compare with earlier ones."""
     global graph_captures
     graph_captures += 1
     if graph_captures == 4:
-        warnings.warn("this process has captured its 4th decode-step CUDA graph: on the H200 every graph's replays "
-                      "are about 11% slower from here on (results/notes/graphs.md), so time runs in fresh processes "
+        warnings.warn("this process has captured its 4th decode-step CUDA graph: every graph's replays "
+                      "are slower from here on (results/notes/graphs.md), so time runs in fresh processes "
                       "(experiments.sweep --runs-per-process 3)", RuntimeWarning, stacklevel=3)
     return graph_captures
 

@@ -410,7 +410,7 @@ def test_the_fourth_graph_capture_of_a_process_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert runtime.count_graph_capture() == 3
-    with pytest.warns(RuntimeWarning, match="4th decode-step CUDA graph.*about 11% slower"):
+    with pytest.warns(RuntimeWarning, match="4th decode-step CUDA graph.*slower from here on"):
         assert runtime.count_graph_capture() == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -153,8 +153,8 @@ class ServerThread:
 
     def _warm_up(self, workload: ReplayWorkload) -> None:
         """One untimed request of the workload's shape before serving (uncounted, no draw used): a
-        process's first long prompt compiles kernels (7 s at 16K on the H200), which would land in
-        the first client's TTFT."""
+        process's first long prompt compiles kernels (seconds at 16K), which would land in the
+        first client's TTFT."""
         warm = Request(torch.zeros(workload.input_len, dtype=torch.int64), min(2, workload.output_len),
                        selections=workload.draws[0])
         self.server.submit(warm)
