@@ -23,11 +23,11 @@ can be captured in a CUDA graph. The engine records on the host which streams ga
 (`NsaRuntime.advance_streams`).
 
 Serving (`hisparse.serving`) prefills a request into its lane in place (`NsaLanePrefill`, with the
-unit helpers of hisparse/quest/runtime.py): each chunk's blocks, window tokens and compressed
-blocks reach the lane or the host pool as the chunk is done; an empty lane's decode write keeps
-what the lane holds (`NsaBlocksKV.lanes`). Hybrid serving keeps a lane's selection blocks resident in
-runs of the cache's streams as Quest keeps its pages (hisparse/quest/runtime.py): block b of KV head
-h at row `row_base[n, h] + b`; the window and compressed blocks are the lane's in every mode.
+unit helpers of hisparse/unit_lanes.py, which Quest's uses too): each chunk's blocks, window tokens
+and compressed blocks reach the lane or the host pool as the chunk is done; an empty lane's decode
+write keeps what the lane holds (`NsaBlocksKV.lanes`). Hybrid serving keeps a lane's selection blocks
+resident in runs of the cache's streams as Quest keeps its pages (hisparse/quest/runtime.py): block b
+of KV head h at row `row_base[n, h] + b`; the window and compressed blocks are the lane's in every mode.
 """
 from __future__ import annotations
 
@@ -48,19 +48,6 @@ from hisparse.nsa.ops import (
     nsa_window_ring,
 )
 from hisparse.nsa.reference import NsaKV, compressed_blocks
-from hisparse.quest.runtime import (
-    close_lane_streams,
-    demote_unit_runs,
-    join_lane_runs,
-    join_lane_streams,
-    kept_in_empty_lanes,
-    lane_runs,
-    open_lane_streams,
-    run_page_rows,
-    store_lane_units,
-    write_resident_unit_kept,
-    zero_lane,
-)
 from hisparse.runtime import (
     Rows,
     UnitResolver,
@@ -74,6 +61,19 @@ from hisparse.runtime import (
     stream_counts,
     write_newest_unit,
     write_run_token,
+)
+from hisparse.unit_lanes import (
+    close_lane_streams,
+    demote_unit_runs,
+    join_lane_runs,
+    join_lane_streams,
+    kept_in_empty_lanes,
+    lane_runs,
+    open_lane_streams,
+    run_unit_rows,
+    store_lane_units,
+    write_resident_unit_kept,
+    zero_lane,
 )
 
 
@@ -181,9 +181,9 @@ class KernelNsaAttention(UnitResolver):
                 if kv.resident is None:
                     return self.unit_rows(layer_idx, kv, chosen)
                 if kv.resident_step:    # no hierarchical lane: nothing to resolve (empty lanes' are -1)
-                    return run_page_rows(kv.row_base, chosen)
+                    return run_unit_rows(kv.row_base, chosen)
                 keep = kv.resident[:, None, None]      # resolve the hierarchical lanes only
-                return torch.where(keep, run_page_rows(kv.row_base, chosen),
+                return torch.where(keep, run_unit_rows(kv.row_base, chosen),
                                    self.unit_rows(layer_idx, kv, torch.where(keep, -1, chosen))).contiguous()
         elif self.lanes is not None:         # empty serving lanes read nothing, as their -1 streams do
 
