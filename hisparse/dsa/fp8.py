@@ -1,5 +1,6 @@
-"""DSA's FP8 KV rows: the 656-byte format DeepSeek-V3.2 serves with, its torch reference, and the
-sparse MLA decode over such rows (launcher of kernels_triton/dsa_fp8.py, and its torch reference).
+"""DSA's FP8 KV rows: the 656-byte format DeepSeek-V3.2 serves with (written and read in torch), and the
+sparse MLA decode over such rows (launcher of kernels_triton/dsa_fp8.py; its torch reference is
+`hisparse.dsa.reference.sparse_mla_decode_fp8_ref`).
 
 One row per token (little-endian, as every target of this project):
 
@@ -37,8 +38,6 @@ import torch
 import triton
 import triton.runtime.errors
 
-# the module, not its names: reference.py imports this one too (MlaKV reads and writes FP8 rows)
-from hisparse.dsa import reference
 from hisparse.dsa.ops import (
     DECODE_BACKENDS,
     FLOAT_DTYPES,
@@ -186,19 +185,6 @@ def stored_decode_kernel(q: torch.Tensor, d_v: int, kv_dtype: str = "bf16", back
 # ---------------------------------------------------------------------------------------------
 # Sparse MLA decode over FP8 rows
 # ---------------------------------------------------------------------------------------------
-
-def sparse_mla_decode_fp8_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
-                              row_base: torch.Tensor | None = None):
-    """Plain torch: dequantise the selected rows of kv uint8 [R, 656], then `sparse_mla_decode_ref`
-    (float32 absorbed MLA): (out [N, H, 512] in q's dtype, lse [N, H] float32)."""
-    n, k = rows.shape
-    valid = rows >= 0
-    base = 0 if row_base is None else row_base[:, None]
-    latent, rope = dequantize_rows(kv[torch.where(valid, base + rows.long(), 0)])  # [N, k, 512], [N, k, 64]
-    picked = torch.cat([latent, rope.float()], dim=-1).view(n * k, D_LATENT + D_ROPE)
-    local = torch.where(valid, torch.arange(n * k, device=rows.device).view(n, k), -1)
-    return reference.sparse_mla_decode_ref(q, picked, local, sm_scale, d_v=D_LATENT)
-
 
 def _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base) -> None:
     require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
