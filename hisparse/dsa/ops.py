@@ -15,7 +15,9 @@ Prefill (`dsa_prefill_select`): a chunk's queries are decode queries of their ca
 scores come from `prefill_indexer_scores` (kernels_triton/dsa_prefill.py: queries resident, a loop over
 key tiles, keys as the MMA's rows), the decode indexer's within float32 rounding, and their top-k from
 `topk_of_indexer_scores`.
-The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against.
+The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against,
+but for `order_picks_ref` and `place_ties_ref`: `topk_of_indexer_scores` runs them on the CPU, so they
+stay here (reference.py imports fp8.py, which imports this module).
 """
 from __future__ import annotations
 
@@ -224,6 +226,7 @@ def place_ties(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel
                                  BLOCK_T=4096 if scores.is_cuda else 64, num_warps=8)
 
 
+# torch references that are also the CPU path of `topk_of_indexer_scores` (see the module docstring)
 def place_ties_ref(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel: torch.Tensor, picked: int) -> None:
     """`place_ties` in torch."""
     for row in torch.nonzero(last > float("-inf")).flatten().tolist():
