@@ -215,13 +215,22 @@ def selection_size(config) -> int:
 
 
 class NsaRuntime:
-    """NSA models (model_type nsa) in the engine: k = num_selected_blocks blocks per KV head and step."""
+    """NSA models (model_type nsa) in the engine: k = num_selected_blocks blocks per KV head and step.
+    token_budget (Quest's), decode_backend and kv_dtype (DSA's) are other families' options (every
+    runtime takes the same arguments): only their defaults are accepted."""
 
     family = "NSA"
     selection_name = "num_selected_blocks"
     unit_size, dense_layers = SEL_BLOCK, 0
 
-    def __init__(self, model, token_budget: int | None = None):
+    def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
+                 kv_dtype: str = "bf16"):
+        if decode_backend != "auto":
+            raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
+                             f"{self.family} model ({type(model).__name__}) has none")
+        if kv_dtype != "bf16":
+            raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {self.family} model "
+                             f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
         if token_budget is not None:
             raise ValueError("token_budget applies to Quest models; an NSA model selects num_selected_blocks "
                              "blocks")

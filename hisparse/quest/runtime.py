@@ -272,7 +272,8 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
 class QuestRuntime:
     """Quest models (llama, qwen3) in the engine: `token_budget` tokens per KV head and step
     (default the model's), k = token_budget // 16 pages; the first `quest_dense_layers` stay dense
-    and resident in every mode."""
+    and resident in every mode. decode_backend and kv_dtype are DSA's options (every runtime takes
+    the same arguments): only their defaults are accepted."""
 
     family = "Quest"
     selection_name = "token_budget // 16 pages"
@@ -280,7 +281,14 @@ class QuestRuntime:
     # hybrid serving: a prefill's workspace is the model's PagedKV in every mode, beside the cache
     workspace_in_runs = False
 
-    def __init__(self, model, token_budget: int | None = None):
+    def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
+                 kv_dtype: str = "bf16"):
+        if decode_backend != "auto":
+            raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
+                             f"{self.family} model ({type(model).__name__}) has none")
+        if kv_dtype != "bf16":
+            raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {self.family} model "
+                             f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
         self.model = model
         self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
         self.selection_size = selection_size(model, self.token_budget)
