@@ -47,6 +47,7 @@ from benchmarks.common import (
 )
 from hisparse.dsa import fp8
 from hisparse.dsa import ops as dsa
+from hisparse.dsa import reference as dsa_ref
 from hisparse.results import append_rows, check_out_folder
 
 D_QK, D_V = 576, 512
@@ -244,7 +245,7 @@ def tune_fp8(cfg: dict, device: torch.device, batch: int, cudagraph: bool = Fals
     q, kv, rows = make_inputs(batch, cfg["contexts"][0], heads, k, device, gen)
     stored = fp8.to_rows(kv)                                              # [R, 656] uint8
     del kv
-    ref = fp8.sparse_mla_decode_fp8_ref(q, stored, rows, SM_SCALE)[0].float()
+    ref = dsa_ref.sparse_mla_decode_fp8_ref(q, stored, rows, SM_SCALE)[0].float()
     ref_max = ref.abs().max()
     flops, nbytes = work(batch, heads, k, fp8.ROW_BYTES)
     roofline_us = max(flops / MMA_FLOPS_PER_S, nbytes / HBM_BYTES_PER_S) * 1e6

@@ -68,15 +68,7 @@ def family_runtime(model, token_budget: int | None = None, decode_backend: str =
     if runtime is None:
         raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa), Quest models (llama, qwen3) "
                          f"and NSA models (nsa), got {type(model).__name__}")
-    if runtime is DsaRuntime:
-        return DsaRuntime(model, token_budget, decode_backend, kv_dtype)
-    if decode_backend != "auto":
-        raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
-                         f"{runtime.family} model ({type(model).__name__}) has none")
-    if kv_dtype != "bf16":
-        raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {runtime.family} model "
-                         f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
-    return runtime(model, token_budget)
+    return runtime(model, token_budget, decode_backend, kv_dtype)
 
 
 @dataclass

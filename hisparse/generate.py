@@ -45,7 +45,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_PROMPT_LEN = 32
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="checkpoint directory: config.json plus *.safetensors (Hugging Face layout), "
                          "e.g. one written by `python -m hisparse.make_tiny`")
     prompt = ap.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt-len", type=_positive, metavar="N",
+    prompt.add_argument("--prompt-len", type=positive_int, metavar="N",
                         help=f"random prompts of N token ids each, drawn with --seed; each request gets its "
                              f"own (default {DEFAULT_PROMPT_LEN} when no prompt option is given)")
     prompt.add_argument("--prompt-lens", type=_prompt_lens, metavar="A,B,...",
@@ -110,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="explicit prompt token ids, comma-separated, e.g. '1,2,3'; one prompt is "
                              "repeated for every request of --batch; several prompts separated by ';' "
                              "('1,2,3;4,5') give one request each")
-    ap.add_argument("--new-tokens", type=_positive, default=16, metavar="N",
+    ap.add_argument("--new-tokens", type=positive_int, default=16, metavar="N",
                     help="tokens generated per request, the first from the prefill's logits (default 16); "
                          "timing needs N >= 3 (the first decode step compiles and, with --graph, precedes the capture)")
-    ap.add_argument("--batch", type=_positive, default=None, metavar="N",
+    ap.add_argument("--batch", type=positive_int, default=None, metavar="N",
                     help="number of requests decoded together (default 1, or the number of --prompt-lens / "
                          "';'-separated --prompt-ids)")
     ap.add_argument("--mode", choices=KV_MODES, default="resident",
@@ -121,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "blocks): resident (all on the GPU, the baseline), hisparse (host pool + --cache-slots GPU "
                          "slots per stream, exact), noio (hisparse without the copies: wrong outputs, the time's "
                          "upper bound) (default resident)")
-    ap.add_argument("--cache-slots", type=_positive, default=None, metavar="B",
+    ap.add_argument("--cache-slots", type=positive_int, default=None, metavar="B",
                     help="GPU slots per stream ((request, layer) for DSA, (request, layer, KV head) for Quest and "
                          "NSA); required for hisparse and noio, at least the model's selection size k (DSA: "
                          "index_topk tokens; Quest: token_budget // 16 pages; NSA: num_selected_blocks blocks); "
                          "ignored in resident mode")
-    ap.add_argument("--token-budget", type=_positive, default=None, metavar="T",
+    ap.add_argument("--token-budget", type=positive_int, default=None, metavar="T",
                     help="Quest checkpoints (llama, qwen3) only: tokens each KV head reads per decode step, "
                          f"k = T // {PAGE} pages, the current page included (at least {PAGE}; "
                          "default 4096, the model's)")
@@ -146,21 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None,
                     help="torch device, e.g. cuda or cuda:1 (default cuda when a GPU is present, else cpu through "
                          "the Triton interpreter; on a GPU machine run with CUDA_VISIBLE_DEVICES= for that)")
-    ap.add_argument("--chunk-size", type=_positive, default=None, metavar="N",
+    ap.add_argument("--chunk-size", type=positive_int, default=None, metavar="N",
                     help="prefill long prompts in chunks of N tokens (default: the whole prompt at once)")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
                     help="model: through the family's kernels (default); "
                          "reference: the eager torch prefill")
-    ap.add_argument("--max-context", type=_positive, default=None, metavar="N",
+    ap.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                     help="KV capacity per request in tokens (default: longest prompt + new tokens)")
     ap.add_argument("--seed", type=_seed, default=0,
                     help="seed of the random prompts, from 0 to 2**64 - 1 (default 0)")
-    ap.add_argument("--show-tokens", type=_positive, default=32, metavar="N",
+    ap.add_argument("--show-tokens", type=positive_int, default=32, metavar="N",
                     help="print at most N prompt ids and N generated ids per request (default 32)")
     return ap
 
 
-def _device(ap: argparse.ArgumentParser, text: str | None) -> torch.device:
+def parse_device(ap: argparse.ArgumentParser, text: str | None) -> torch.device:
     if text is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -210,7 +210,7 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3f} MiB ({nbytes:,.0f} bytes)"
 
 
-def _load(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, device: torch.device):
+def load_checkpoint(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, device: torch.device):
     """The checkpoint's model; its warnings (config.json keys HiSparse does not read) printed as such first,
     a bad checkpoint (a bad config value included) an argparse error."""
     with warnings.catch_warnings(record=True) as caught:
@@ -227,7 +227,7 @@ def _load(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, device: to
 
 
 def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    device = _device(ap, args.device)
+    device = parse_device(ap, args.device)
     if args.graph:
         if not torch.cuda.is_available():
             ap.error("argument --graph: CUDA graphs need a CUDA GPU and none is available")
@@ -261,7 +261,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error(f"argument --kv-dtype: {args.kv_dtype} rows are DSA's (deepseek_v32, glm_moe_dsa), not model_type "
                  f"{model_type!r}'s ({family} keeps its KV in --dtype: --kv-dtype bf16)")
 
-    model = _load(ap, args.model, dtype, device)
+    model = load_checkpoint(ap, args.model, dtype, device)
     cfg = model.config
     try:
         runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)

@@ -171,7 +171,7 @@ def _check_rows(host: torch.Tensor, cache: torch.Tensor) -> None:
                                                   "(zero-copy reads) or device memory")
 
 
-def _check_new_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host: torch.Tensor) -> None:
+def check_new_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host: torch.Tensor) -> None:
     """rows [M, E] in the host pool's dtype, stored as unit units[m] (int64) of stream streams[m] (int32)."""
     _expect(rows.dim() == 2 and rows.shape[1] == host.shape[1] and rows.dtype == host.dtype,
             f"rows must be [M, {host.shape[1]}] {host.dtype}, got {tuple(rows.shape)} {rows.dtype}")
@@ -219,7 +219,7 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     check_resolve_inputs(state, streams, sel, stream_len)
     _check_rows(host, cache)
     if newest is not None:
-        _check_new_rows(streams, *newest, host)
+        check_new_rows(streams, *newest, host)
         _expect(all(t.device == cache.device for t in newest), f"newest rows and units must be on the cache's "
                 f"device {cache.device}, got {newest[0].device} and {newest[1].device}")
         if stream_len is not None:
@@ -339,7 +339,7 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
     map_streams [M] int32: whose unit -> slot map says where the unit is cached (default: streams;
     a shared layer, moving in lockstep with its anchor, passes the anchor's streams)."""
     _check_rows(host, cache)
-    _check_new_rows(streams, units, rows, host)
+    check_new_rows(streams, units, rows, host)
     map_streams = streams if map_streams is None else map_streams
     _expect(map_streams.shape == streams.shape and map_streams.dtype == torch.int32,
             f"map_streams must be int32 {tuple(streams.shape)}, got {map_streams.dtype} {tuple(map_streams.shape)}")
@@ -353,7 +353,7 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
     )
 
 
-def _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int, map_streams) -> None:
+def check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int, map_streams) -> None:
     _check_rows(host, cache)
     _expect(keys.dim() == 3 and values.shape == keys.shape, f"keys and values must be [N, HKV, D] of one "
             f"shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
@@ -384,7 +384,7 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
     converted on the way. map_streams [N * HKV] int32: whose unit -> slot map places the cached copy
     (default: streams; a shared layer in lockstep with its anchor passes the anchor's streams; -1: no
     write-through). See `hisparse.resolve_ref.write_unit_token_ref`."""
-    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
+    check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
     map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape
     _write_unit_token_kernel[(n * hkv,)](

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.resolve import CacheState, ResolveResult, _check_new_rows, _check_unit_token
+from hisparse.resolve import CacheState, ResolveResult, check_new_rows, check_unit_token
 
 
 def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
@@ -13,7 +13,7 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
     """The same resolve, one stream at a time in plain torch and Python, updating `state` in place;
     `newest` rows are written first, as `write_rows` would (host row, reserved slot, cached copy)."""
     if newest is not None:
-        _check_new_rows(streams, *newest, host)
+        check_new_rows(streams, *newest, host)
         for stream, unit, row in zip(streams.tolist(), newest[0].tolist(), newest[1]):
             if stream >= 0:
                 host_row = int(state.host_base[stream]) + unit
@@ -66,7 +66,7 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
 def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host, cache, unit_tokens: int,
                          map_streams=None) -> None:
     """`write_unit_token` in torch, in place."""
-    _check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
+    check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
     map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape
     for m, stream in enumerate(streams.tolist()):

@@ -19,6 +19,7 @@ from test_dsa import random_rows, rel_err
 from benchmarks import bench_attention_dsa
 from hisparse.dsa import fp8
 from hisparse.dsa import ops as dsa
+from hisparse.dsa import reference as dsa_ref
 from hisparse.engine import Engine
 from hisparse.generate import main as generate_main
 from hisparse.models.loading import load_model
@@ -171,7 +172,7 @@ def test_decode_matches_ref(n, h, r, k, dtype, splits, dequant, nan_empty):
     q, _, kv, rows = fp8_inputs(n, h, r, k, dtype, gen)
     out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, config=SMALL_TILES,
                                          dequant=dequant)
-    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
     assert out.dtype == dtype and out.shape == (n, h, 512) and lse.shape == (n, h)
     assert rel_err(out, ref_out) < TOL[dtype]
     assert rel_err(lse, ref_lse) < 1e-5
@@ -243,9 +244,9 @@ def test_same_bytes_at_other_positions_give_the_same_bits(splits, dequant):
     base = torch.arange(streams, dtype=torch.int64) * (slots + 1)
     out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base, **args)
     assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot)
-    assert rel_err(out_res, fp8.sparse_mla_decode_fp8_ref(q, kv_res, rows_res, DSV32_SCALE)[0]) < TOL[torch.float32]
-    ref_hot = fp8.sparse_mla_decode_fp8_ref(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base)
-    assert torch.equal(ref_hot[0], fp8.sparse_mla_decode_fp8_ref(q, kv_res, rows_res, DSV32_SCALE)[0])
+    assert rel_err(out_res, dsa_ref.sparse_mla_decode_fp8_ref(q, kv_res, rows_res, DSV32_SCALE)[0]) < TOL[torch.float32]
+    ref_hot = dsa_ref.sparse_mla_decode_fp8_ref(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base)
+    assert torch.equal(ref_hot[0], dsa_ref.sparse_mla_decode_fp8_ref(q, kv_res, rows_res, DSV32_SCALE)[0])
 
 
 def test_decode_rejects_bad_inputs_before_launching(monkeypatch):
@@ -358,7 +359,7 @@ def test_gpu_decode_real_shapes(dequant):
     rows = (tokens + torch.arange(n, device="cuda")[:, None] * context).to(torch.int32)
     rows[1, 1000:] = -1
     rows[2] = -1
-    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
     base_out, _ = dsa.sparse_mla_decode(q, kv_bf16, rows, DSV32_SCALE, backend="triton")
     for splits in (None, 1, 7):
         out, lse = fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, dequant=dequant,
@@ -427,7 +428,7 @@ def test_gpu_gluon_fp8_decode_matches_ref(n, h, k, splits):
     within the same tolerance of the Triton FP8 kernel. Heads 96 (a half-empty head block), k 1999
     and 333 (a last tile short of 64 rows), split counts 1, 3 (a shorter last chunk), 7 and split_plan's."""
     q, kv, rows = gluon_fp8_inputs(n, h, k)
-    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_fp8_ref(q, kv, rows, DSV32_SCALE)
     out = torch.full((n, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((n, h), float("nan"), device="cuda")
     fp8.sparse_mla_decode_fp8(q, kv, rows, DSV32_SCALE, num_splits=splits, out=out, lse=lse, backend="gluon")
@@ -491,7 +492,7 @@ def test_gpu_gluon_fp8_same_bytes_at_other_positions_and_launches_give_the_same_
         assert torch.equal(again, out_res) and torch.equal(again_lse, lse_res), "repeated launch"
         out_hot, lse_hot = fp8.sparse_mla_decode_fp8(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base, **args)
         assert torch.equal(out_res, out_hot) and torch.equal(lse_res, lse_hot), "row_base"
-    ref_out, ref_lse = fp8.sparse_mla_decode_fp8_ref(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_fp8_ref(q, kv_hot, rows_hot, DSV32_SCALE, row_base=base)
     assert rel_err(out_hot, ref_out) < TOL[torch.bfloat16] and rel_err(lse_hot, ref_lse) < 1e-4
     if splits == 1:               # the stored-rows entry runs the same kernel at the default split plan
         stored = fp8.sparse_mla_decode_stored(q, kv_hot, rows_hot, DSV32_SCALE, d_v=512, row_base=base,

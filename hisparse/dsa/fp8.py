@@ -1,5 +1,6 @@
-"""DSA's FP8 KV rows: the 656-byte format DeepSeek-V3.2 serves with, its torch reference, and the
-sparse MLA decode over such rows (launcher of kernels_triton/dsa_fp8.py, and its torch reference).
+"""DSA's FP8 KV rows: the 656-byte format DeepSeek-V3.2 serves with (written and read in torch), and the
+sparse MLA decode over such rows (launcher of kernels_triton/dsa_fp8.py; its torch reference is
+`hisparse.dsa.reference.sparse_mla_decode_fp8_ref`).
 
 One row per token (little-endian, as every target of this project):
 
@@ -37,20 +38,18 @@ import torch
 import triton
 import triton.runtime.errors
 
-# the module, not its names: reference.py imports this one too (MlaKV reads and writes FP8 rows)
-from hisparse.dsa import reference
 from hisparse.dsa.ops import (
     DECODE_BACKENDS,
     FLOAT_DTYPES,
     DecodeConfig,
-    _dot_precision,
-    _require,
     check_selection_inputs,
     combine_splits,
     decode_backend,
     default_decode_config,
+    dot_precision,
     gluon_platform_unsupported,
     launch_fitted,
+    require,
     sparse_mla_decode,
     split_buffers,
     split_plan,
@@ -89,14 +88,14 @@ def block_scales(latent: torch.Tensor) -> torch.Tensor:
 def quantize_rows(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rows uint8 [..., 656] of latent [..., 512] and rope [..., 64] (float16/bf16/float32, same
     leading shape and device), in the format of this module's docstring. Finite inputs only."""
-    _require(latent.dtype in FLOAT_DTYPES and rope.dtype in FLOAT_DTYPES,
-             f"latent dtype {latent.dtype}, rope dtype {rope.dtype}: expected each one of {FLOAT_DTYPES}")
-    _require(latent.dim() >= 1 and latent.shape[-1] == D_LATENT,
-             f"latent shape {tuple(latent.shape)}: expected [..., {D_LATENT}]")
-    _require(rope.dim() >= 1 and rope.shape[-1] == D_ROPE, f"rope shape {tuple(rope.shape)}: expected [..., {D_ROPE}]")
-    _require(latent.shape[:-1] == rope.shape[:-1],
-             f"latent {tuple(latent.shape)} and rope {tuple(rope.shape)}: expected the same leading shape")
-    _require(latent.device == rope.device, f"latent is on {latent.device}, rope on {rope.device}")
+    require(latent.dtype in FLOAT_DTYPES and rope.dtype in FLOAT_DTYPES,
+            f"latent dtype {latent.dtype}, rope dtype {rope.dtype}: expected each one of {FLOAT_DTYPES}")
+    require(latent.dim() >= 1 and latent.shape[-1] == D_LATENT,
+            f"latent shape {tuple(latent.shape)}: expected [..., {D_LATENT}]")
+    require(rope.dim() >= 1 and rope.shape[-1] == D_ROPE, f"rope shape {tuple(rope.shape)}: expected [..., {D_ROPE}]")
+    require(latent.shape[:-1] == rope.shape[:-1],
+            f"latent {tuple(latent.shape)} and rope {tuple(rope.shape)}: expected the same leading shape")
+    require(latent.device == rope.device, f"latent is on {latent.device}, rope on {rope.device}")
     scales = block_scales(latent)                                                    # [..., 4]
     blocks = latent.float().unflatten(-1, (N_TILES, TILE)) / scales[..., None]       # exact: powers of two
     values = blocks.clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)                      # [..., 512]
@@ -108,9 +107,9 @@ def quantize_rows(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 def _check_rows(rows: torch.Tensor, name: str = "rows") -> None:
-    _require(rows.dtype == torch.uint8, f"{name} dtype {rows.dtype}: expected torch.uint8 (the {ROW_BYTES}-byte rows)")
-    _require(rows.dim() >= 1 and rows.shape[-1] == ROW_BYTES,
-             f"{name} shape {tuple(rows.shape)}: expected [..., {ROW_BYTES}] (row width {ROW_BYTES} bytes)")
+    require(rows.dtype == torch.uint8, f"{name} dtype {rows.dtype}: expected torch.uint8 (the {ROW_BYTES}-byte rows)")
+    require(rows.dim() >= 1 and rows.shape[-1] == ROW_BYTES,
+            f"{name} shape {tuple(rows.shape)}: expected [..., {ROW_BYTES}] (row width {ROW_BYTES} bytes)")
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +117,7 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
 
     dtype float32 or bf16: an e4m3 value times a power-of-two scale is exact in both."""
     _check_rows(rows)
-    _require(dtype in (torch.float32, torch.bfloat16), f"dtype {dtype}: expected torch.float32 or torch.bfloat16")
+    require(dtype in (torch.float32, torch.bfloat16), f"dtype {dtype}: expected torch.float32 or torch.bfloat16")
     values = rows[..., :SCALE_BYTE].view(FP8).float().unflatten(-1, (N_TILES, TILE))
     scales = rows[..., SCALE_BYTE:ROPE_BYTE].contiguous().view(torch.float32)           # [..., 4]
     latent = (values * scales[..., None]).flatten(-2).to(dtype)
@@ -138,15 +137,15 @@ def check_kv_dtype(kv_dtype) -> str:
 def check_fp8_geometry(config) -> None:
     """ValueError unless the model's MLA rows are 512 latent + 64 RoPE values, the FP8 row's."""
     dims = (config.kv_lora_rank, config.qk_rope_head_dim)
-    _require(dims == (D_LATENT, D_ROPE), f"kv_dtype='fp8' stores {D_LATENT} latent + {D_ROPE} RoPE values a row "
-             f"(DeepSeek-V3.2's MLA); this model has kv_lora_rank={dims[0]}, qk_rope_head_dim={dims[1]}")
+    require(dims == (D_LATENT, D_ROPE), f"kv_dtype='fp8' stores {D_LATENT} latent + {D_ROPE} RoPE values a row "
+            f"(DeepSeek-V3.2's MLA); this model has kv_lora_rank={dims[0]}, qk_rope_head_dim={dims[1]}")
 
 
 def check_fp8_backend(backend: str) -> None:
     """ValueError unless `backend` is one of DECODE_BACKENDS: each reads FP8 rows ("gluon" through
     kernels_triton/dsa_fp8_gluon.py); whether "gluon" can run a launch's inputs is checked at the
     launch, before it (`fp8_gluon_unsupported`)."""
-    _require(backend in DECODE_BACKENDS, f"decode backend {backend!r}: expected one of {DECODE_BACKENDS}")
+    require(backend in DECODE_BACKENDS, f"decode backend {backend!r}: expected one of {DECODE_BACKENDS}")
 
 
 def to_rows(latent: torch.Tensor) -> torch.Tensor:
@@ -169,7 +168,7 @@ def sparse_mla_decode_stored(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tens
     else `hisparse.dsa.ops.sparse_mla_decode` with `backend`. Returns out [N, H, d_v]."""
     if kv.dtype == torch.uint8:
         check_fp8_backend(backend)
-        _require(d_v == D_LATENT, f"d_v={d_v}: FP8 rows hold {D_LATENT} latent values (V)")
+        require(d_v == D_LATENT, f"d_v={d_v}: FP8 rows hold {D_LATENT} latent values (V)")
         return sparse_mla_decode_fp8(q, kv, rows, sm_scale, out=out, row_base=row_base, backend=backend)[0]
     return sparse_mla_decode(q, kv, rows, sm_scale, d_v=d_v, out=out, row_base=row_base, backend=backend)[0]
 
@@ -187,30 +186,17 @@ def stored_decode_kernel(q: torch.Tensor, d_v: int, kv_dtype: str = "bf16", back
 # Sparse MLA decode over FP8 rows
 # ---------------------------------------------------------------------------------------------
 
-def sparse_mla_decode_fp8_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
-                              row_base: torch.Tensor | None = None):
-    """Plain torch: dequantise the selected rows of kv uint8 [R, 656], then `sparse_mla_decode_ref`
-    (float32 absorbed MLA): (out [N, H, 512] in q's dtype, lse [N, H] float32)."""
-    n, k = rows.shape
-    valid = rows >= 0
-    base = 0 if row_base is None else row_base[:, None]
-    latent, rope = dequantize_rows(kv[torch.where(valid, base + rows.long(), 0)])  # [N, k, 512], [N, k, 64]
-    picked = torch.cat([latent, rope.float()], dim=-1).view(n * k, D_LATENT + D_ROPE)
-    local = torch.where(valid, torch.arange(n * k, device=rows.device).view(n, k), -1)
-    return reference.sparse_mla_decode_ref(q, picked, local, sm_scale, d_v=D_LATENT)
-
-
 def _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base) -> None:
-    _require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
+    require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
     d = q.shape[2]
-    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
-    _require(d == D_LATENT + D_ROPE, f"q head dim {d}: expected {D_LATENT} + {D_ROPE} = {D_LATENT + D_ROPE} "
-             f"(the FP8 rows hold MLA's latent and RoPE key)")
-    _require(kv.dim() == 2, f"kv shape {tuple(kv.shape)}: expected [R, {ROW_BYTES}] uint8 rows")
+    require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    require(d == D_LATENT + D_ROPE, f"q head dim {d}: expected {D_LATENT} + {D_ROPE} = {D_LATENT + D_ROPE} "
+            f"(the FP8 rows hold MLA's latent and RoPE key)")
+    require(kv.dim() == 2, f"kv shape {tuple(kv.shape)}: expected [R, {ROW_BYTES}] uint8 rows")
     _check_rows(kv, "kv")
-    _require(kv.stride(1) == 1 and kv.stride(0) % 16 == 0 and kv.data_ptr() % 16 == 0,
-             f"kv strides {kv.stride()}, address {kv.data_ptr():#x}: expected contiguous 16-byte-aligned "
-             f"rows (row stride a multiple of 16 bytes; {ROW_BYTES} is)")
+    require(kv.stride(1) == 1 and kv.stride(0) % 16 == 0 and kv.data_ptr() % 16 == 0,
+            f"kv strides {kv.stride()}, address {kv.data_ptr():#x}: expected contiguous 16-byte-aligned "
+            f"rows (row stride a multiple of 16 bytes; {ROW_BYTES} is)")
     check_selection_inputs(q, kv, rows, sm_scale, D_LATENT, out, lse, row_base)
 
 
@@ -245,17 +231,17 @@ def fp8_decode_backend(q: torch.Tensor, kv: torch.Tensor, backend: str = "auto",
     for bf16 rows (it was faster at every batch measured: results/notes/fp8.md,
     results/attention.csv), else the Triton one. "gluon" where `fp8_gluon_unsupported` finds a
     reason, or with a Triton config or dequant mode, raises ValueError naming it."""
-    _require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
+    require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
     if backend == "triton":
         return "triton"
     if backend == "auto":
         plain = config is None and dequant == "inline"
         return "gluon" if plain and fp8_gluon_unsupported(q, kv) is None else "triton"
-    _require(config is None, f"config={config} is the Triton kernel's: the Gluon FP8 kernel takes none")
-    _require(dequant == "inline", f"dequant={dequant!r} is the Triton kernel's: the Gluon FP8 kernel dequantises "
-             "128 values a block into shared memory")
+    require(config is None, f"config={config} is the Triton kernel's: the Gluon FP8 kernel takes none")
+    require(dequant == "inline", f"dequant={dequant!r} is the Triton kernel's: the Gluon FP8 kernel dequantises "
+            "128 values a block into shared memory")
     reason = fp8_gluon_unsupported(q, kv)
-    _require(reason is None, f"backend='gluon': the Gluon FP8 decode kernel cannot run this: {reason}")
+    require(reason is None, f"backend='gluon': the Gluon FP8 decode kernel cannot run this: {reason}")
     return "gluon"
 
 
@@ -279,7 +265,7 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     dequant), refused before any launch where it cannot run; "auto" the Gluon one where it can run.
     The two accumulate in different orders (no bitwise equality between them); each is deterministic.
     """
-    _require(dequant in DEQUANT_MODES, f"dequant={dequant!r}: expected one of {DEQUANT_MODES}")
+    require(dequant in DEQUANT_MODES, f"dequant={dequant!r}: expected one of {DEQUANT_MODES}")
     _check_fp8_decode_inputs(q, kv, rows, sm_scale, out, lse, row_base)
     kernel = fp8_decode_backend(q, kv, backend, config, dequant)
     n, h, _ = q.shape
@@ -311,7 +297,7 @@ def _launch(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: DecodeConfig,
         split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
         h, k, chunk, sm_scale * 1.4426950408889634,
         D_V=D_LATENT, D_ROPE=D_ROPE, TILE=TILE, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None, DEQUANT=FP8_DEQUANT[dequant],
+        DOT_PRECISION=dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None, DEQUANT=FP8_DEQUANT[dequant],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:

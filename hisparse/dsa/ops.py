@@ -15,7 +15,9 @@ Prefill (`dsa_prefill_select`): a chunk's queries are decode queries of their ca
 scores come from `prefill_indexer_scores` (kernels_triton/dsa_prefill.py: queries resident, a loop over
 key tiles, keys as the MMA's rows), the decode indexer's within float32 rounding, and their top-k from
 `topk_of_indexer_scores`.
-The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against.
+The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against,
+but for `order_picks_ref` and `place_ties_ref`: `topk_of_indexer_scores` runs them on the CPU, so they
+stay here (reference.py imports fp8.py, which imports this module).
 """
 from __future__ import annotations
 
@@ -50,12 +52,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs get exact float32 products; 16-bit ones use the tensor cores as they are."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -65,30 +67,30 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def _check_indexer_inputs(q, weights, keys, lengths, key_scale) -> None:
-    _require(q.dim() == 3, f"q must be [N, H_index, D], got shape {tuple(q.shape)}")
+    require(q.dim() == 3, f"q must be [N, H_index, D], got shape {tuple(q.shape)}")
     n, h, d = q.shape
-    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
-    _require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
-    _require(weights.shape == (n, h), f"weights shape {tuple(weights.shape)}: expected {(n, h)}")
-    _require(weights.dtype.is_floating_point, f"weights dtype {weights.dtype}: expected a float dtype")
-    _require(keys.dim() == 3 and keys.shape[0] == n and keys.shape[2] == d,
-             f"keys shape {tuple(keys.shape)}: expected [N={n}, T, D={d}]")
-    _require(keys.dtype in (q.dtype, FP8), f"keys dtype {keys.dtype}: expected {q.dtype} (as q) or {FP8}")
-    _require(lengths.shape == (n,) and lengths.dtype in (torch.int32, torch.int64),
-             f"lengths must be int32/int64 of shape {(n,)}, got {lengths.dtype} {tuple(lengths.shape)}")
+    require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
+    require(weights.shape == (n, h), f"weights shape {tuple(weights.shape)}: expected {(n, h)}")
+    require(weights.dtype.is_floating_point, f"weights dtype {weights.dtype}: expected a float dtype")
+    require(keys.dim() == 3 and keys.shape[0] == n and keys.shape[2] == d,
+            f"keys shape {tuple(keys.shape)}: expected [N={n}, T, D={d}]")
+    require(keys.dtype in (q.dtype, FP8), f"keys dtype {keys.dtype}: expected {q.dtype} (as q) or {FP8}")
+    require(lengths.shape == (n,) and lengths.dtype in (torch.int32, torch.int64),
+            f"lengths must be int32/int64 of shape {(n,)}, got {lengths.dtype} {tuple(lengths.shape)}")
     if keys.dtype == FP8:
-        _require(key_scale is not None, "fp8 keys need key_scale [N, T] float32")
-        _require(key_scale.shape == keys.shape[:2] and key_scale.dtype == torch.float32,
-                 f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: "
-                 f"expected float32 {tuple(keys.shape[:2])}")
+        require(key_scale is not None, "fp8 keys need key_scale [N, T] float32")
+        require(key_scale.shape == keys.shape[:2] and key_scale.dtype == torch.float32,
+                f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: "
+                f"expected float32 {tuple(keys.shape[:2])}")
     else:
-        _require(key_scale is None, f"key_scale is only for fp8 keys, keys are {keys.dtype}")
+        require(key_scale is None, f"key_scale is only for fp8 keys, keys are {keys.dtype}")
     tensors = {"q": q, "weights": weights, "keys": keys, "lengths": lengths, "key_scale": key_scale}
     for name, t in tensors.items():
         if t is not None:
-            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
-    _require(q.stride(-1) == 1 and keys.stride(-1) == 1,
-             f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
+            require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    require(q.stride(-1) == 1 and keys.stride(-1) == 1,
+            f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
@@ -102,8 +104,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, l
     """
     _check_indexer_inputs(q, weights, keys, lengths, key_scale)
     if block_t is not None:
-        _require(isinstance(block_t, int) and block_t >= 16 and block_t & (block_t - 1) == 0,
-                 f"block_t={block_t!r}: expected a power of 2 of at least 16")
+        require(isinstance(block_t, int) and block_t >= 16 and block_t & (block_t - 1) == 0,
+                f"block_t={block_t!r}: expected a power of 2 of at least 16")
     n, h, d = q.shape
     t = keys.shape[1]
     out = torch.empty((n, t), dtype=torch.float32, device=q.device)
@@ -117,7 +119,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, l
         scale.stride(0), scale.stride(1), out.stride(0),
         t,
         H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
-        HAS_SCALE=key_scale is not None, DOT_PRECISION=_dot_precision(q.dtype),
+        HAS_SCALE=key_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
     )
     return out
@@ -128,13 +130,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, l
 # ---------------------------------------------------------------------------------------------
 
 def _check_topk_inputs(scores, lengths, k) -> None:
-    _require(scores.dim() == 2 and scores.dtype == torch.float32,
-             f"scores must be float32 [N, T], got {scores.dtype} {tuple(scores.shape)}")
-    _require(lengths.shape == (scores.shape[0],) and lengths.dtype in (torch.int32, torch.int64),
-             f"lengths must be int32/int64 of shape {(scores.shape[0],)}, "
-             f"got {lengths.dtype} {tuple(lengths.shape)}")
-    _require(lengths.device == scores.device, f"lengths on {lengths.device}, scores on {scores.device}")
-    _require(isinstance(k, int) and k >= 1, f"k must be a positive int, got {k!r}")
+    require(scores.dim() == 2 and scores.dtype == torch.float32,
+            f"scores must be float32 [N, T], got {scores.dtype} {tuple(scores.shape)}")
+    require(lengths.shape == (scores.shape[0],) and lengths.dtype in (torch.int32, torch.int64),
+            f"lengths must be int32/int64 of shape {(scores.shape[0],)}, "
+            f"got {lengths.dtype} {tuple(lengths.shape)}")
+    require(lengths.device == scores.device, f"lengths on {lengths.device}, scores on {scores.device}")
+    require(isinstance(k, int) and k >= 1, f"k must be a positive int, got {k!r}")
 
 
 def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -187,12 +189,12 @@ def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, 
     lower id, ids >= lengths[n] and the places past k' as -1 (`order_picks_ref` in torch). Also the
     lowest picked value [N] float32 and how many picks equal it [N] int32 (what `place_ties` replaces)."""
     n, picked = values.shape
-    _require(values.dtype == torch.float32 and ids.shape == values.shape and ids.dtype == torch.int64,
-             f"values float32 and ids int64 of one shape [N, k'], got {values.dtype} {tuple(values.shape)} "
-             f"and {ids.dtype} {tuple(ids.shape)}")
-    _require(1 <= picked <= k and lengths.shape == (n,) and lengths.device == values.device,
-             f"{picked} picks for k={k}, lengths {tuple(lengths.shape)} on {lengths.device}")
-    _require(values.stride(1) == 1 and ids.stride(1) == 1, "values and ids need a contiguous last dim")
+    require(values.dtype == torch.float32 and ids.shape == values.shape and ids.dtype == torch.int64,
+            f"values float32 and ids int64 of one shape [N, k'], got {values.dtype} {tuple(values.shape)} "
+            f"and {ids.dtype} {tuple(ids.shape)}")
+    require(1 <= picked <= k and lengths.shape == (n,) and lengths.device == values.device,
+            f"{picked} picks for k={k}, lengths {tuple(lengths.shape)} on {lengths.device}")
+    require(values.stride(1) == 1 and ids.stride(1) == 1, "values and ids need a contiguous last dim")
     sel = torch.empty((n, k), dtype=torch.int32, device=values.device)
     last = torch.empty((n,), dtype=torch.float32, device=values.device)
     ties = torch.empty((n,), dtype=torch.int32, device=values.device)
@@ -210,20 +212,21 @@ def place_ties(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel
     picked], become the ties[n] lowest ids t whose score [N, T] float32 equals last[n] (+0.0 ==
     -0.0), in id order; rows whose last[n] is -inf are left as they are. One pass over the scores
     (`_place_ties_kernel`); `place_ties_ref` in torch."""
-    _require(scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1,
-             f"scores must be float32 [N, T] with a contiguous last dim, got {scores.dtype} {tuple(scores.shape)}")
+    require(scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1,
+            f"scores must be float32 [N, T] with a contiguous last dim, got {scores.dtype} {tuple(scores.shape)}")
     n, t = scores.shape
-    _require(last.shape == (n,) and last.dtype == torch.float32 and ties.shape == (n,) and ties.dtype == torch.int32,
-             f"last must be float32 [{n}] and ties int32 [{n}], got {last.dtype} {tuple(last.shape)} and "
-             f"{ties.dtype} {tuple(ties.shape)}")
-    _require(sel.dim() == 2 and sel.shape[0] == n and 1 <= picked <= sel.shape[1] and sel.stride(1) == 1,
-             f"sel [{n}, >= {picked}] with a contiguous last dim, got {tuple(sel.shape)}")
-    _require(last.device == scores.device == ties.device == sel.device, "scores, last, ties and sel on one device")
+    require(last.shape == (n,) and last.dtype == torch.float32 and ties.shape == (n,) and ties.dtype == torch.int32,
+            f"last must be float32 [{n}] and ties int32 [{n}], got {last.dtype} {tuple(last.shape)} and "
+            f"{ties.dtype} {tuple(ties.shape)}")
+    require(sel.dim() == 2 and sel.shape[0] == n and 1 <= picked <= sel.shape[1] and sel.stride(1) == 1,
+            f"sel [{n}, >= {picked}] with a contiguous last dim, got {tuple(sel.shape)}")
+    require(last.device == scores.device == ties.device == sel.device, "scores, last, ties and sel on one device")
     if n and t:
         _place_ties_kernel[(n,)](scores, last, ties, sel, scores.stride(0), sel.stride(0), t, picked,
                                  BLOCK_T=4096 if scores.is_cuda else 64, num_warps=8)
 
 
+# torch references that are also the CPU path of `topk_of_indexer_scores` (see the module docstring)
 def place_ties_ref(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel: torch.Tensor, picked: int) -> None:
     """`place_ties` in torch."""
     for row in torch.nonzero(last > float("-inf")).flatten().tolist():
@@ -266,13 +269,13 @@ class PrefillIndexerConfig:
     splits: int | None = None
 
     def __post_init__(self):
-        _require(self.block_t >= 16 and self.block_t == triton.next_power_of_2(self.block_t),
-                 f"block_t={self.block_t}: expected a power of 2 >= 16")
-        _require(self.queries in (1, 2, 4), f"queries={self.queries}: expected 1, 2 or 4")
-        _require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
-        _require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
-        _require(self.splits is None or (isinstance(self.splits, int) and self.splits >= 1),
-                 f"splits={self.splits!r}: expected None or an int >= 1")
+        require(self.block_t >= 16 and self.block_t == triton.next_power_of_2(self.block_t),
+                f"block_t={self.block_t}: expected a power of 2 >= 16")
+        require(self.queries in (1, 2, 4), f"queries={self.queries}: expected 1, 2 or 4")
+        require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
+        require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
+        require(self.splits is None or (isinstance(self.splits, int) and self.splits >= 1),
+                f"splits={self.splits!r}: expected None or an int >= 1")
 
 
 def default_prefill_indexer_config(device: torch.device) -> PrefillIndexerConfig:
@@ -285,22 +288,22 @@ def default_prefill_indexer_config(device: torch.device) -> PrefillIndexerConfig
 
 
 def _check_prefill_indexer_inputs(q, weights, keys, start) -> None:
-    _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
-             f"{tuple(q.shape)} and {tuple(keys.shape)}")
+    require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
+            f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, h, d = q.shape
     t = keys.shape[0]
-    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
-    _require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
-    _require(keys.shape[1] == d and keys.dtype == q.dtype,
-             f"keys {keys.dtype} {tuple(keys.shape)}: expected {q.dtype} [T, D={d}]")
-    _require(weights.shape == (s, h) and weights.dtype.is_floating_point,
-             f"weights {weights.dtype} {tuple(weights.shape)}: expected a float dtype of shape {(s, h)}")
-    _require(isinstance(start, int) and 0 <= start and start + s <= t,
-             f"start={start!r}: queries at start .. start + {s} - 1 need start >= 0 and start + {s} <= T = {t}")
+    require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
+    require(keys.shape[1] == d and keys.dtype == q.dtype,
+            f"keys {keys.dtype} {tuple(keys.shape)}: expected {q.dtype} [T, D={d}]")
+    require(weights.shape == (s, h) and weights.dtype.is_floating_point,
+            f"weights {weights.dtype} {tuple(weights.shape)}: expected a float dtype of shape {(s, h)}")
+    require(isinstance(start, int) and 0 <= start and start + s <= t,
+            f"start={start!r}: queries at start .. start + {s} - 1 need start >= 0 and start + {s} <= T = {t}")
     for name, x in (("weights", weights), ("keys", keys)):
-        _require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
-    _require(q.stride(-1) == 1 and keys.stride(-1) == 1,
-             f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
+        require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
+    require(q.stride(-1) == 1 and keys.stride(-1) == 1,
+            f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
 
 
 def prefill_indexer_splits(query_blocks: int, tiles: int, device: torch.device) -> int:
@@ -334,7 +337,7 @@ def prefill_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.T
         q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), out.stride(0),
         s, t, start, tiles_per_split,
         H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=cfg.block_t, QUERIES=cfg.queries,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -354,11 +357,11 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     of `prefill_indexer_scores` (the decode indexer's within float32 rounding: a near-tie at the k-th
     place may pick another token), made for as many queries at a time as fit `max_elements`. The host
     never waits on the GPU here (a prefill piece beside decode steps must not stall their launches)."""
-    _require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
-             f"{tuple(q.shape)} and {tuple(keys.shape)}")
+    require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
+            f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, t = q.shape[0], keys.shape[0]
-    _require(isinstance(start, int) and 0 <= start and start + s == t,
-             f"start={start!r}: a chunk of {s} queries over {t} keys starts at {t - s}")
+    require(isinstance(start, int) and 0 <= start and start + s == t,
+            f"start={start!r}: a chunk of {s} queries over {t} keys starts at {t - s}")
     lengths = torch.arange(start + 1, t + 1, device=q.device)
     out = torch.empty((s, k), dtype=torch.int32, device=q.device)
     blocks = triton.cdiv(s, max(1, max_elements // max(1, t)))
@@ -385,10 +388,10 @@ class DecodeConfig:
     def __post_init__(self):
         for name in ("block_h", "block_k"):
             value = getattr(self, name)
-            _require(value >= 16 and value == triton.next_power_of_2(value),
-                     f"{name}={value}: expected a power of 2 >= 16")
-        _require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
-        _require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
+            require(value >= 16 and value == triton.next_power_of_2(value),
+                    f"{name}={value}: expected a power of 2 >= 16")
+        require(self.num_warps in (1, 2, 4, 8, 16), f"num_warps={self.num_warps}: expected 1, 2, 4, 8 or 16")
+        require(self.num_stages >= 1, f"num_stages={self.num_stages}: expected >= 1")
 
 
 def default_decode_config(num_heads: int, d_qk: int, dtype: torch.dtype) -> DecodeConfig:
@@ -427,23 +430,23 @@ def split_plan(batch: int, heads: int, k: int, config: DecodeConfig, device: tor
         programs = batch * triton.cdiv(heads, config.block_h)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         num_splits = max(1, min(sms // max(1, programs), k // (4 * config.block_k)))
-    _require(isinstance(num_splits, int) and num_splits >= 1,
-             f"num_splits={num_splits!r}: expected an int >= 1")
+    require(isinstance(num_splits, int) and num_splits >= 1,
+            f"num_splits={num_splits!r}: expected an int >= 1")
     chunk = triton.cdiv(triton.cdiv(k, num_splits), config.block_k) * config.block_k
     return chunk, triton.cdiv(k, chunk)
 
 
 def _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base=None) -> None:
-    _require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
+    require(q.dim() == 3, f"q must be [N, H, D], got shape {tuple(q.shape)}")
     n, h, d = q.shape
-    _require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
-    _require(0 < d_v < d, f"d_v={d_v}: expected 0 < d_v < D={d}")
+    require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    require(0 < d_v < d, f"d_v={d_v}: expected 0 < d_v < D={d}")
     for name, size in (("d_v", d_v), ("D - d_v", d - d_v)):
-        _require(size >= 16 and size == triton.next_power_of_2(size),
-                 f"{name}={size}: expected a power of 2 >= 16")
-    _require(kv.dim() == 2 and kv.shape[1] == d, f"kv shape {tuple(kv.shape)}: expected [R, D={d}]")
-    _require(kv.dtype == q.dtype, f"kv dtype {kv.dtype}: expected {q.dtype} (as q)")
-    _require(kv.stride(-1) == 1, f"kv needs a contiguous last dim, strides {kv.stride()}")
+        require(size >= 16 and size == triton.next_power_of_2(size),
+                f"{name}={size}: expected a power of 2 >= 16")
+    require(kv.dim() == 2 and kv.shape[1] == d, f"kv shape {tuple(kv.shape)}: expected [R, D={d}]")
+    require(kv.dtype == q.dtype, f"kv dtype {kv.dtype}: expected {q.dtype} (as q)")
+    require(kv.stride(-1) == 1, f"kv needs a contiguous last dim, strides {kv.stride()}")
     check_selection_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
 
 
@@ -452,26 +455,26 @@ def check_selection_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base) -> No
     [N, k >= 1], contiguous last dims, a positive finite scale, row_base int64 [N], one device, and
     out [N, H, d_v] / lse [N, H] if given (`hisparse.dsa.fp8` checks its FP8 rows, then these)."""
     n, h, _ = q.shape
-    _require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
-             f"rows must be int32 [N={n}, k], got {rows.dtype} {tuple(rows.shape)}")
-    _require(rows.shape[1] >= 1, "rows must select at least one entry per request (k >= 1)")
-    _require(q.stride(-1) == 1 and rows.stride(-1) == 1,
-             f"q and rows need a contiguous last dim, strides {q.stride()} and {rows.stride()}")
-    _require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
-             f"sm_scale={sm_scale!r}: expected a positive finite float")
+    require(rows.dim() == 2 and rows.shape[0] == n and rows.dtype == torch.int32,
+            f"rows must be int32 [N={n}, k], got {rows.dtype} {tuple(rows.shape)}")
+    require(rows.shape[1] >= 1, "rows must select at least one entry per request (k >= 1)")
+    require(q.stride(-1) == 1 and rows.stride(-1) == 1,
+            f"q and rows need a contiguous last dim, strides {q.stride()} and {rows.stride()}")
+    require(isinstance(sm_scale, float) and sm_scale > 0 and sm_scale != float("inf"),
+            f"sm_scale={sm_scale!r}: expected a positive finite float")
     if row_base is not None:
-        _require(row_base.shape == (n,) and row_base.dtype == torch.int64 and row_base.stride(0) == 1,
-                 f"row_base must be a contiguous int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)} "
-                 f"stride {row_base.stride()}")
+        require(row_base.shape == (n,) and row_base.dtype == torch.int64 and row_base.stride(0) == 1,
+                f"row_base must be a contiguous int64 [N={n}], got {row_base.dtype} {tuple(row_base.shape)} "
+                f"stride {row_base.stride()}")
     for name, t in (("kv", kv), ("rows", rows), ("out", out), ("lse", lse), ("row_base", row_base)):
         if t is not None:
-            _require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+            require(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
     if out is not None:
-        _require(out.shape == (n, h, d_v) and out.dtype == q.dtype and out.stride(-1) == 1,
-                 f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, d_v)}, contiguous last dim")
+        require(out.shape == (n, h, d_v) and out.dtype == q.dtype and out.stride(-1) == 1,
+                f"out {out.dtype} {tuple(out.shape)}: expected {q.dtype} {(n, h, d_v)}, contiguous last dim")
     if lse is not None:
-        _require(lse.shape == (n, h) and lse.dtype == torch.float32,
-                 f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")
+        require(lse.shape == (n, h) and lse.dtype == torch.float32,
+                f"lse {lse.dtype} {tuple(lse.shape)}: expected float32 {(n, h)}")
 
 
 _FITTED_CONFIGS: dict[tuple, DecodeConfig] = {}  # default configs that had to shrink to launch
@@ -519,13 +522,13 @@ def gluon_decode_unsupported(q: torch.Tensor, d_v: int) -> str | None:
 def decode_backend(q: torch.Tensor, d_v: int, backend: str = "auto", config: DecodeConfig | None = None) -> str:
     """The kernel `sparse_mla_decode` runs for these arguments: "gluon" or "triton" (resolving
     "auto"). Raises when "gluon" is asked for and cannot run."""
-    _require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
+    require(backend in DECODE_BACKENDS, f"backend={backend!r}: expected one of {DECODE_BACKENDS}")
     if backend == "triton" or (backend == "auto" and config is not None):
         return "triton"
     reason = gluon_decode_unsupported(q, d_v)
     if backend == "gluon":
-        _require(config is None, f"config={config} is the Triton kernel's: the Gluon one takes none")
-        _require(reason is None, f"backend='gluon': the Gluon decode kernel cannot run this: {reason}")
+        require(config is None, f"config={config} is the Triton kernel's: the Gluon one takes none")
+        require(reason is None, f"backend='gluon': the Gluon decode kernel cannot run this: {reason}")
     return "gluon" if reason is None else "triton"
 
 
@@ -595,7 +598,7 @@ def _launch_decode(q, kv, rows, row_base, out, lse, sm_scale: float, cfg: Decode
         split_strides[0], part_lse.stride(0), part_lse.stride(1), split_strides[1],
         h, k, chunk, sm_scale * 1.4426950408889634,
         D_V=d_v, D_ROPE=d - d_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=_dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
+        DOT_PRECISION=dot_precision(q.dtype), HAS_ROW_BASE=row_base is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -638,10 +641,10 @@ def sparse_mla_decode_gluon(q, kv, rows, sm_scale: float, row_base=None, d_v: in
     (`sparse_mla_decode` runs only that one) and for tests."""
     _check_decode_inputs(q, kv, rows, sm_scale, d_v, out, lse, row_base)
     reason = gluon_decode_unsupported(q, d_v)
-    _require(reason is None, f"the Gluon decode kernel cannot run this: {reason}")
-    _require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
-    _require(block_k in (32, 64, 128) and num_stages >= 2,
-             f"block_k={block_k}, num_stages={num_stages}: expected block_k 32, 64 or 128 and num_stages >= 2")
+    require(reason is None, f"the Gluon decode kernel cannot run this: {reason}")
+    require(isinstance(num_splits, int) and num_splits >= 1, f"num_splits={num_splits!r}: expected an int >= 1")
+    require(block_k in (32, 64, 128) and num_stages >= 2,
+            f"block_k={block_k}, num_stages={num_stages}: expected block_k 32, 64 or 128 and num_stages >= 2")
     n, h, _ = q.shape
     out = out if out is not None else torch.empty((n, h, d_v), dtype=q.dtype, device=q.device)
     lse = lse if lse is not None else torch.empty((n, h), dtype=torch.float32, device=q.device)

@@ -1,4 +1,4 @@
-"""DSA in plain torch: the references of the kernels in ops.py, and the decode step the DSA model swaps.
+"""DSA in plain torch: the references of the kernels in ops.py and fp8.py, and the decode step the DSA model swaps.
 
 `DsaModel` calls `select` on anchor layers (indexer top-k) and `attend` on every layer (absorbed MLA
 over the selected tokens). Replace the object in `DsaModel.sparse_attention` to run the same two steps
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-# the module, not its names: fp8.py imports this one too (its reference decode)
 from hisparse.dsa import fp8
 
 
@@ -120,3 +119,17 @@ def sparse_mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
     probs = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("nhk,nkv->nhv", probs, picked[..., :d_v])
     return out.to(q.dtype), lse
+
+
+def sparse_mla_decode_fp8_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
+                              row_base: torch.Tensor | None = None):
+    """`fp8.sparse_mla_decode_fp8` in plain torch: dequantise the selected rows of kv uint8 [R, 656]
+    (`fp8.dequantize_rows`), then `sparse_mla_decode_ref` (float32 absorbed MLA): (out [N, H, 512] in
+    q's dtype, lse [N, H] float32)."""
+    n, k = rows.shape
+    valid = rows >= 0
+    base = 0 if row_base is None else row_base[:, None]
+    latent, rope = fp8.dequantize_rows(kv[torch.where(valid, base + rows.long(), 0)])  # [N, k, 512], [N, k, 64]
+    picked = torch.cat([latent, rope.float()], dim=-1).view(n * k, fp8.D_LATENT + fp8.D_ROPE)
+    local = torch.where(valid, torch.arange(n * k, device=rows.device).view(n, k), -1)
+    return sparse_mla_decode_ref(q, picked, local, sm_scale, d_v=fp8.D_LATENT)

@@ -101,9 +101,6 @@ def nsa_window_ring(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, win
     return wk, wv
 
 
-# ----------------------------------------------------------------------------- references
-
-
 # ----------------------------------------------------------------------------- launcher checks
 
 def _fail(what, got, expected):

@@ -23,11 +23,11 @@ can be captured in a CUDA graph. The engine records on the host which streams ga
 (`NsaRuntime.advance_streams`).
 
 Serving (`hisparse.serving`) prefills a request into its lane in place (`NsaLanePrefill`, with the
-unit helpers of hisparse/quest/runtime.py): each chunk's blocks, window tokens and compressed
-blocks reach the lane or the host pool as the chunk is done; an empty lane's decode write keeps
-what the lane holds (`NsaBlocksKV.lanes`). Hybrid serving keeps a lane's selection blocks resident in
-runs of the cache's streams as Quest keeps its pages (hisparse/quest/runtime.py): block b of KV head
-h at row `row_base[n, h] + b`; the window and compressed blocks are the lane's in every mode.
+unit helpers of hisparse/unit_lanes.py, which Quest's uses too): each chunk's blocks, window tokens
+and compressed blocks reach the lane or the host pool as the chunk is done; an empty lane's decode
+write keeps what the lane holds (`NsaBlocksKV.lanes`). Hybrid serving keeps a lane's selection blocks
+resident in runs of the cache's streams as Quest keeps its pages (hisparse/quest/runtime.py): block b
+of KV head h at row `row_base[n, h] + b`; the window and compressed blocks are the lane's in every mode.
 """
 from __future__ import annotations
 
@@ -48,19 +48,6 @@ from hisparse.nsa.ops import (
     nsa_window_ring,
 )
 from hisparse.nsa.reference import NsaKV, compressed_blocks
-from hisparse.quest.runtime import (
-    close_lane_streams,
-    demote_unit_runs,
-    join_lane_runs,
-    join_lane_streams,
-    kept_in_empty_lanes,
-    lane_runs,
-    open_lane_streams,
-    run_page_rows,
-    store_lane_units,
-    write_resident_unit_kept,
-    zero_lane,
-)
 from hisparse.runtime import (
     LaneStates,
     Rows,
@@ -75,6 +62,19 @@ from hisparse.runtime import (
     stream_counts,
     write_newest_unit,
     write_run_token,
+)
+from hisparse.unit_lanes import (
+    close_lane_streams,
+    demote_unit_runs,
+    join_lane_runs,
+    join_lane_streams,
+    kept_in_empty_lanes,
+    lane_runs,
+    open_lane_streams,
+    run_unit_rows,
+    store_lane_units,
+    write_resident_unit_kept,
+    zero_lane,
 )
 
 
@@ -182,9 +182,9 @@ class KernelNsaAttention(UnitResolver):
                 if kv.resident is None:
                     return self.unit_rows(layer_idx, kv, chosen)
                 if kv.resident_step:    # no hierarchical lane: nothing to resolve (empty lanes' are -1)
-                    return run_page_rows(kv.row_base, chosen)
+                    return run_unit_rows(kv.row_base, chosen)
                 keep = kv.resident[:, None, None]      # resolve the hierarchical lanes only
-                return torch.where(keep, run_page_rows(kv.row_base, chosen),
+                return torch.where(keep, run_unit_rows(kv.row_base, chosen),
                                    self.unit_rows(layer_idx, kv, torch.where(keep, -1, chosen))).contiguous()
         elif self.lanes is not None:         # empty serving lanes read nothing, as their -1 streams do
 
@@ -216,7 +216,9 @@ def selection_size(config) -> int:
 
 
 class NsaRuntime:
-    """NSA models (model_type nsa) in the engine: k = num_selected_blocks blocks per KV head and step."""
+    """NSA models (model_type nsa) in the engine: k = num_selected_blocks blocks per KV head and step.
+    token_budget (Quest's), decode_backend and kv_dtype (DSA's) are other families' options (every
+    runtime takes the same arguments): only their defaults are accepted."""
 
     family = "NSA"
     selection_name = "num_selected_blocks"
@@ -224,7 +226,14 @@ class NsaRuntime:
     prefill_beside_decode, hybrid_trash_row = False, False
     unit_size, dense_layers = SEL_BLOCK, 0
 
-    def __init__(self, model, token_budget: int | None = None):
+    def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
+                 kv_dtype: str = "bf16"):
+        if decode_backend != "auto":
+            raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
+                             f"{self.family} model ({type(model).__name__}) has none")
+        if kv_dtype != "bf16":
+            raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {self.family} model "
+                             f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
         if token_budget is not None:
             raise ValueError("token_budget applies to Quest models; an NSA model selects num_selected_blocks "
                              "blocks")

@@ -105,7 +105,7 @@ def quest_metadata_from_keys(keys: torch.Tensor, lengths: torch.Tensor, max_page
     return kmin.where(has_tokens, 0), kmax.where(has_tokens, 0)
 
 
-def _check_append(kmin, kmax, key, positions):
+def check_append(kmin, kmax, key, positions):
     _expect(kmin, "kmin", (None, None, None, None), FLOAT_DTYPES)
     n, hkv, max_pages, d = kmin.shape
     _expect(kmax, "kmax", tuple(kmin.shape), (kmin.dtype,), kmin.device)
@@ -122,7 +122,7 @@ def quest_metadata_append(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Ten
     """Fold the new token's key `key [N, HKV, D]` at `positions [N]` (int32, -1 = skip) into the metadata,
     in place. A position opening a page (position % PAGE == 0) resets that page's min and max.
     Positions past the metadata's P_MAX pages are skipped (checking them would need a host sync)."""
-    _check_append(kmin, kmax, key, positions)
+    check_append(kmin, kmax, key, positions)
     n, hkv, _, d = kmin.shape
     _quest_metadata_append_kernel[(n, hkv)](
         kmin, kmax, key, positions,
@@ -134,7 +134,7 @@ def quest_metadata_append(kmin: torch.Tensor, kmax: torch.Tensor, key: torch.Ten
 
 # ---------------------------------------------------------------- page scores
 
-def _check_scores(q, kmin, kmax, lengths):
+def check_scores(q, kmin, kmax, lengths):
     _expect(q, "q", (None, None, None), FLOAT_DTYPES)
     n, hq, d = q.shape
     _expect(kmin, "kmin", (n, None, None, d), (q.dtype,), q.device)
@@ -150,7 +150,7 @@ def _check_scores(q, kmin, kmax, lengths):
 def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                       lengths: torch.Tensor) -> torch.Tensor:
     """Page scores `[N, HKV, P_MAX]` float32 for queries `q [N, HQ, D]`; -inf past each request's pages."""
-    group = _check_scores(q, kmin, kmax, lengths)
+    group = check_scores(q, kmin, kmax, lengths)
     n, hkv, max_pages, d = kmin.shape
     out = torch.empty(n, hkv, max_pages, device=q.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(d)
@@ -168,7 +168,7 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
 
 # ---------------------------------------------------------------- selection
 
-def _check_select(scores, lengths, budget_tokens):
+def check_select(scores, lengths, budget_tokens):
     _expect(scores, "scores", (None, None, None), (torch.float32,))
     _expect(lengths, "lengths", (scores.shape[0],), (torch.int32,), scores.device)
     _expect_inner_contiguous(scores, "scores")
@@ -180,7 +180,7 @@ def _check_select(scores, lengths, budget_tokens):
 def quest_select_pages(scores: torch.Tensor, lengths: torch.Tensor, budget_tokens: int) -> torch.Tensor:
     """Selected pages `[N, HKV, budget_tokens // PAGE]` int32 from `scores [N, HKV, P_MAX]` (see module
     doc; scores must not be NaN)."""
-    k = _check_select(scores, lengths, budget_tokens)
+    k = check_select(scores, lengths, budget_tokens)
     n, hkv, max_pages = scores.shape
     if max_pages > MAX_SELECT_PAGES:
         raise ValueError(f"scores has {max_pages} pages, the selection kernel holds at most {MAX_SELECT_PAGES}")
@@ -227,7 +227,7 @@ def pages_from_tokens(k: torch.Tensor, v: torch.Tensor, max_pages: int) -> torch
 
 # ---------------------------------------------------------------- attention over pages
 
-def _check_attention(q, kv, rows, pages, lengths):
+def check_attention(q, kv, rows, pages, lengths):
     _expect(q, "q", (None, None, None), FLOAT_DTYPES)
     n, hq, d = q.shape
     if kv.dim() == 2:
@@ -275,7 +275,7 @@ def quest_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, pages
     pages are read per loop step by `num_warps` warps (tuning knobs: `bench_attention_quest --tune`;
     at D = 128 two pages per step need 138 registers on sm_90, four need 228, which halves occupancy).
     """
-    kv, group = _check_attention(q, kv, rows, pages, lengths)
+    kv, group = check_attention(q, kv, rows, pages, lengths)
     n, hq, d = q.shape
     hkv, k = rows.shape[1], rows.shape[2]
     splits, pages_per_split = split_plan(n * hkv, k, q.device, pages_per_iter, splits)

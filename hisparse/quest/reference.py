@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hisparse.models.layers import softmax_attention
-from hisparse.quest.ops import PAGE, _check_append, _check_attention, _check_scores, _check_select
+from hisparse.quest.ops import PAGE, check_append, check_attention, check_scores, check_select
 
 
 @dataclass
@@ -98,7 +98,7 @@ class TorchQuestAttention:
 
 def quest_metadata_append_ref(kmin, kmax, key, positions) -> None:
     """Reference of `quest_metadata_append` (in place)."""
-    _check_append(kmin, kmax, key, positions)
+    check_append(kmin, kmax, key, positions)
     for n, pos in enumerate(positions.tolist()):
         if not 0 <= pos < kmin.shape[2] * PAGE:
             continue
@@ -113,7 +113,7 @@ def quest_metadata_append_ref(kmin, kmax, key, positions) -> None:
 
 def quest_page_scores_ref(q, kmin, kmax, lengths) -> torch.Tensor:
     """Reference of `quest_page_scores`, in float32."""
-    group = _check_scores(q, kmin, kmax, lengths)
+    group = check_scores(q, kmin, kmax, lengths)
     n, hkv, max_pages, d = kmin.shape
     qg = q.float().view(n, hkv, group, 1, d)
     lo, hi = kmin.float().unsqueeze(2), kmax.float().unsqueeze(2)  # [N, HKV, 1, P, D]
@@ -125,7 +125,7 @@ def quest_page_scores_ref(q, kmin, kmax, lengths) -> torch.Tensor:
 
 def quest_select_pages_ref(scores, lengths, budget_tokens) -> torch.Tensor:
     """Reference of `quest_select_pages`: stable sorts by (current page first, score desc, page asc)."""
-    k = _check_select(scores, lengths, budget_tokens)
+    k = check_select(scores, lengths, budget_tokens)
     n, hkv, max_pages = scores.shape
     cur = ((lengths.long() + PAGE - 1) // PAGE - 1).view(n, 1, 1)
     idx = torch.arange(max_pages, device=scores.device).expand(n, hkv, max_pages)
@@ -141,7 +141,7 @@ def quest_select_pages_ref(scores, lengths, budget_tokens) -> torch.Tensor:
 
 def quest_attention_ref(q, kv, rows, pages, lengths, scale: float | None = None) -> torch.Tensor:
     """Reference of `quest_attention`: gather the rows, then plain softmax attention in float32."""
-    kv, group = _check_attention(q, kv, rows, pages, lengths)
+    kv, group = check_attention(q, kv, rows, pages, lengths)
     n, hq, d = q.shape
     hkv, k = rows.shape[1], rows.shape[2]
     scale = d ** -0.5 if scale is None else scale

@@ -28,7 +28,7 @@ import torch
 
 from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import family_runtime
-from hisparse.generate import DTYPES, _device, _load, _positive
+from hisparse.generate import DTYPES, load_checkpoint, parse_device, positive_int
 from hisparse.serve.app import Service, closing_line, describe, log, serve
 from hisparse.serve.worker import ReplayWorkload, ServerThread
 from hisparse.serving import PREFILL_LAYERS, SERVING_MODES, Server
@@ -66,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "per stream, exact), noio (hisparse without the copies: wrong tokens, the time's upper "
                          "bound) or hybrid (sized as hisparse; a request is resident in the GPU memory its "
                          "lanes leave while it fits, hierarchical otherwise, exact) (default resident)")
-    ap.add_argument("--cache-slots", type=_positive, default=None, metavar="B",
+    ap.add_argument("--cache-slots", type=positive_int, default=None, metavar="B",
                     help="GPU slots per stream, at least the model's selection size k; required for hisparse, hybrid and "
                          "noio, ignored in resident mode")
-    ap.add_argument("--token-budget", type=_positive, default=None, metavar="T",
+    ap.add_argument("--token-budget", type=positive_int, default=None, metavar="T",
                     help="Quest checkpoints (llama, qwen3) only: tokens each KV head reads per step (default the "
                          "model's)")
     ap.add_argument("--kv-budget-gib", type=_positive_float, default=1.0, metavar="X",
@@ -77,20 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "requests decode at once (default 1)")
     ap.add_argument("--host-budget-gib", type=_positive_float, default=None, metavar="Y",
                     help="the host pool in GiB (hierarchical modes; default: every lane at --max-context)")
-    ap.add_argument("--max-context", type=_positive, default=4096, metavar="N",
+    ap.add_argument("--max-context", type=positive_int, default=4096, metavar="N",
                     help="the most tokens a request may hold, prompt plus max_tokens (default 4096)")
-    ap.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+    ap.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
                     help="the most lanes (requests decoding at once), whatever the budget fits (default 16)")
-    ap.add_argument("--prefill-chunk", type=_positive, default=8192, metavar="N",
+    ap.add_argument("--prefill-chunk", type=positive_int, default=8192, metavar="N",
                     help="prompt tokens prefilled per iteration, between two decode steps: larger cuts TTFT a little, "
                          "smaller makes each stall of the running requests shorter (their mean TPOT stays) "
                          "(default 8192)")
     ap.add_argument("--prefill-overlap", action="store_true",
                     help="DSA checkpoints: run each prefill chunk in pieces of --prefill-layers layers on a side CUDA "
                          "stream beside the decode steps, instead of alone between them (one piece in flight)")
-    ap.add_argument("--prefill-layers", type=_positive, default=None, metavar="N",
+    ap.add_argument("--prefill-layers", type=positive_int, default=None, metavar="N",
                     help=f"with --prefill-overlap: layers of a prefill piece (default {PREFILL_LAYERS})")
-    ap.add_argument("--prefill-sms", type=_positive, default=None, metavar="N",
+    ap.add_argument("--prefill-sms", type=positive_int, default=None, metavar="N",
                     help="with --prefill-overlap, on a GPU: run the pieces in a CUDA green context of N SMs, the "
                          "decode steps keeping the rest (default: every SM shared)")
     ap.add_argument("--prefill", choices=("model", "reference"), default="model",
@@ -114,11 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(e.g. dsa_100k, the calibrated locality) instead of the model's indexer, as the sweep's "
                          "serving studies do; requests must then have --workload-input-len prompt tokens and at "
                          "most --workload-output-len max_tokens (default: the model's own selections)")
-    ap.add_argument("--workload-input-len", type=_positive, default=None, metavar="N",
+    ap.add_argument("--workload-input-len", type=positive_int, default=None, metavar="N",
                     help="with --workload: the prompt length the draws are made for (required)")
-    ap.add_argument("--workload-output-len", type=_positive, default=None, metavar="N",
+    ap.add_argument("--workload-output-len", type=positive_int, default=None, metavar="N",
                     help="with --workload: the most tokens out a draw covers (required)")
-    ap.add_argument("--workload-draws", type=_positive, default=16, metavar="N",
+    ap.add_argument("--workload-draws", type=positive_int, default=16, metavar="N",
                     help="with --workload: draws made at start-up, request n replaying draw n mod N (the sweep's "
                          "request n gets the same one); tens of seconds each at 61 layers (default 16)")
     ap.add_argument("--draw-cache", default=None, metavar="DIR",
@@ -137,7 +137,7 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace, model=No
         return _server(ap, args, model, name or type(model).__name__)
     if args.model is None:
         ap.error("the following arguments are required: --model")
-    device = _device(ap, args.device)
+    device = parse_device(ap, args.device)
     if args.graph and device.type != "cuda":
         ap.error("argument --graph: CUDA graphs need a CUDA GPU and none is in use")
     if device.type == "cpu" and torch.cuda.is_available():
@@ -146,7 +146,7 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace, model=No
     if not (Path(args.model) / "config.json").is_file():
         ap.error(f"argument --model: no config.json in checkpoint directory {args.model!r}")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    return _server(ap, args, _load(ap, args.model, dtype, device), Path(args.model).resolve().name)
+    return _server(ap, args, load_checkpoint(ap, args.model, dtype, device), Path(args.model).resolve().name)
 
 
 def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: str):

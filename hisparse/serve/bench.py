@@ -26,7 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
-from hisparse.generate import _positive
+from hisparse.generate import positive_int
 from hisparse.serving import PREFILL_LAYERS, TokenTimeline, timing_summary
 from hisparse.serving.workload import REQUESTS_PER_CLIENT, serving_requests
 
@@ -204,16 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="closed loop: this many clients (a list: one run per level)")
     load.add_argument("--rate", type=_positive_list(float), metavar="R[,R...]",
                       help="open loop: Poisson arrivals at R requests/s (a list: one run per rate)")
-    ap.add_argument("--requests-per-client", type=_positive, default=2, metavar="N",
+    ap.add_argument("--requests-per-client", type=positive_int, default=2, metavar="N",
                     help="closed loop: requests each client sends (default 2, as the sweep's: the rows then "
                          "pair with its in-process ones)")
-    ap.add_argument("--requests", type=_positive, default=16, metavar="N",
+    ap.add_argument("--requests", type=positive_int, default=16, metavar="N",
                     help="open loop: requests per rate (default 16)")
-    ap.add_argument("--input-len", type=_positive, default=1024, metavar="L",
+    ap.add_argument("--input-len", type=positive_int, default=1024, metavar="L",
                     help="prompt tokens of every request (default 1024)")
-    ap.add_argument("--output-len", type=_positive, default=64, metavar="M",
+    ap.add_argument("--output-len", type=positive_int, default=64, metavar="M",
                     help="tokens each request generates, its first from the prefill (default 64)")
-    ap.add_argument("--vocab", type=_positive, default=None, metavar="V",
+    ap.add_argument("--vocab", type=positive_int, default=None, metavar="V",
                     help="draw prompt ids below V (default: the server's vocabulary)")
     ap.add_argument("--timeout", type=_positive_list(float), default=[600.0], metavar="S",
                     help="seconds a stream may stay silent before the request counts as failed (default 600)")
