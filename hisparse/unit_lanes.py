@@ -8,7 +8,45 @@ from __future__ import annotations
 import torch
 
 from hisparse.cache import HierarchicalKVCache
-from hisparse.runtime import run_rows, write_resident_unit
+from hisparse.models.base import DecodeState
+from hisparse.runtime import LaneStates, run_rows, write_resident_unit
+
+
+class UnitRowsRuntime:
+    """What the two families' runtimes share for serving: host-pool rows of one unit's keys and values
+    of one KV head in the model's dtype, and the lanes of a batch (`lane_kv`: the layer states that keep
+    an empty lane's decode write; `hier_kv`: those whose rows are in the cache)."""
+
+    lane_kv: type
+    hier_kv: type
+
+    def refuse_dsa_options(self, model, decode_backend: str, kv_dtype: str) -> None:
+        """ValueError for DSA's options (its decode kernels, its FP8 rows), which these families lack."""
+        if decode_backend != "auto":
+            raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
+                             f"{self.family} model ({type(model).__name__}) has none")
+        if kv_dtype != "bf16":
+            raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {self.family} model "
+                             f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one host-pool row: a unit's keys and values of one KV head."""
+        return 2 * self.unit_size * self.model.config.head_dim * self.row_dtype.itemsize
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    def new_state(self, batch: int, capacity: int) -> DecodeState:
+        return self.model.new_state(batch, capacity)
+
+    def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
+        """The lanes of a serving batch's layers; each `lane_kv` keeps an empty lane's decode write."""
+        for kv in layers if mask is not None else []:
+            if isinstance(kv, self.lane_kv):
+                kv.lanes = mask
+        return LaneStates([kv for kv in layers if isinstance(kv, self.hier_kv) and kv.streams is not None])
 
 
 def kept_in_empty_lanes(lanes: torch.Tensor | None, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

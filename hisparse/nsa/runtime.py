@@ -49,7 +49,6 @@ from hisparse.nsa.ops import (
 )
 from hisparse.nsa.reference import NsaKV, compressed_blocks
 from hisparse.runtime import (
-    LaneStates,
     Rows,
     UnitResolver,
     advance_unit_streams,
@@ -64,6 +63,7 @@ from hisparse.runtime import (
     write_run_token,
 )
 from hisparse.unit_lanes import (
+    UnitRowsRuntime,
     close_lane_streams,
     demote_unit_runs,
     join_lane_runs,
@@ -215,7 +215,7 @@ def selection_size(config) -> int:
     return config.num_selected_blocks
 
 
-class NsaRuntime:
+class NsaRuntime(UnitRowsRuntime):
     """NSA models (model_type nsa) in the engine: k = num_selected_blocks blocks per KV head and step.
     token_budget (Quest's), decode_backend and kv_dtype (DSA's) are other families' options (every
     runtime takes the same arguments): only their defaults are accepted."""
@@ -224,16 +224,12 @@ class NsaRuntime:
     selection_name = "num_selected_blocks"
     # serving: an empty lane's decode write still lands in the lane a prefill fills (NSA's window ring)
     prefill_beside_decode, hybrid_trash_row = False, False
+    lane_kv, hier_kv = NsaBlocksKV, HierNsaKV
     unit_size, dense_layers = SEL_BLOCK, 0
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16"):
-        if decode_backend != "auto":
-            raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
-                             f"{self.family} model ({type(model).__name__}) has none")
-        if kv_dtype != "bf16":
-            raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {self.family} model "
-                             f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
+        self.refuse_dsa_options(model, decode_backend, kv_dtype)
         if token_budget is not None:
             raise ValueError("token_budget applies to Quest models; an NSA model selects num_selected_blocks "
                              "blocks")
@@ -353,25 +349,6 @@ class NsaRuntime:
         dtype = self.model.model.embed_tokens.weight.dtype
         return sum(nbytes(*vars(layer.self_attn.new_kv(1, tokens, "meta", dtype)).values())
                    for layer in self.model.model.layers)
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one host-pool row: a unit's keys and values of one KV head."""
-        return 2 * self.unit_size * self.model.config.head_dim * self.row_dtype.itemsize
-
-    @property
-    def row_dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
-
-    def new_state(self, batch: int, capacity: int) -> DecodeState:
-        return self.model.new_state(batch, capacity)
-
-    def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
-        """The lanes of a serving batch's layers; each NsaBlocksKV keeps an empty lane's decode write."""
-        for kv in layers if mask is not None else []:
-            if isinstance(kv, NsaBlocksKV):
-                kv.lanes = mask
-        return LaneStates([kv for kv in layers if isinstance(kv, HierNsaKV) and kv.streams is not None])
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelNsaAttention:

@@ -55,7 +55,6 @@ from hisparse.quest.ops import (
 )
 from hisparse.quest.reference import PagedKV
 from hisparse.runtime import (
-    LaneStates,
     Rows,
     UnitResolver,
     advance_unit_streams,
@@ -70,6 +69,7 @@ from hisparse.runtime import (
     write_run_token,
 )
 from hisparse.unit_lanes import (
+    UnitRowsRuntime,
     close_lane_streams,
     demote_unit_runs,
     join_lane_runs,
@@ -270,7 +270,7 @@ def gather_layer(model, mode: str, cache: HierarchicalKVCache | None, layer: int
                        row_base=torch.zeros(batch, hkv, dtype=torch.int64, device=device))
 
 
-class QuestRuntime:
+class QuestRuntime(UnitRowsRuntime):
     """Quest models (llama, qwen3) in the engine: `token_budget` tokens per KV head and step
     (default the model's), k = token_budget // 16 pages; the first `quest_dense_layers` stay dense
     and resident in every mode. decode_backend and kv_dtype are DSA's options (every runtime takes
@@ -280,18 +280,14 @@ class QuestRuntime:
     selection_name = "token_budget // 16 pages"
     # serving: an empty lane's decode write still lands in the lane a prefill fills (Quest's dense lanes write at token 0)
     prefill_beside_decode, hybrid_trash_row = False, False
+    lane_kv, hier_kv = QuestKV, HierQuestKV
     unit_size = PAGE
     # hybrid serving: a prefill's workspace is the model's PagedKV in every mode, beside the cache
     workspace_in_runs = False
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16"):
-        if decode_backend != "auto":
-            raise ValueError(f"decode_backend={decode_backend!r} picks DSA's sparse MLA decode kernel; this "
-                             f"{self.family} model ({type(model).__name__}) has none")
-        if kv_dtype != "bf16":
-            raise ValueError(f"kv_dtype={kv_dtype!r} is DSA's FP8 MLA row; this {self.family} model "
-                             f"({type(model).__name__}) stores its KV in the model's dtype (kv_dtype 'bf16')")
+        self.refuse_dsa_options(model, decode_backend, kv_dtype)
         self.model = model
         self.token_budget = model.sparse_attention.token_budget if token_budget is None else token_budget
         self.selection_size = selection_size(model, self.token_budget)
@@ -368,25 +364,6 @@ class QuestRuntime:
         layers' keys, values and page bounds of the whole prompt (the model's PagedKV)."""
         return sum(nbytes(*paged_tensors(quest_workspace(self.model, i, tokens, "meta")))
                    for i in quest_layers(self.model))
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one host-pool row: a unit's keys and values of one KV head."""
-        return 2 * self.unit_size * self.model.config.head_dim * self.row_dtype.itemsize
-
-    @property
-    def row_dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
-
-    def new_state(self, batch: int, capacity: int) -> DecodeState:
-        return self.model.new_state(batch, capacity)
-
-    def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
-        """The lanes of a serving batch's layers; each QuestKV keeps an empty lane's decode write."""
-        for kv in layers if mask is not None else []:
-            if isinstance(kv, QuestKV):
-                kv.lanes = mask
-        return LaneStates([kv for kv in layers if isinstance(kv, HierQuestKV) and kv.streams is not None])
 
     def attention(self, mode: str, layers: list, check_values: bool, prefetch: bool,
                   prefetch_programs: int | None = None) -> KernelQuestAttention:
