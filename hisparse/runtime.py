@@ -153,6 +153,10 @@ class LanePrefill(Protocol):
     def chunk_done(self, start: int, end: int) -> None:
         """Prompt tokens start .. end - 1 are prefilled: their units to the lane, the host pool or the runs."""
 
+    def adopt(self, rows: Rows, prompt: int) -> None:
+        """The whole prompt prefilled elsewhere (`prefilled_rows` of its state, on the host): placed
+        as `chunk_done(0, prompt)` would place the same prefill's output (a handoff)."""
+
     def join(self) -> None:
         """The prompt is done: the lane reads what was written (a workspace in runs goes back)."""
 

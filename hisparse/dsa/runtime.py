@@ -510,6 +510,19 @@ class LanePrefill:
             if self.mode != "resident":
                 self.cache.append(stream, kv.latent[0, start:end])
 
+    def adopt(self, rows: Rows, prompt: int) -> None:
+        """The prompt's rows as a prefill elsewhere made them (`prefilled_rows`, on the host): the
+        indexer keys into the lane, the latents into the request's streams straight from the host
+        (hierarchical) or into the lane or its runs (resident), as the chunks' `chunk_done` would."""
+        for i, view in enumerate(self.state.layers):
+            latent, keys = rows(0, i)
+            if view.index_keys is not None:
+                view.index_keys[0, :prompt].copy_(keys[0, :prompt])
+            if self.mode == "resident":
+                view.latent[0, :prompt].copy_(latent[:prompt])
+            else:
+                self.cache.append(self.streams[i], latent[:prompt])
+
     def join(self) -> None:
         """The request's streams into its lane (hierarchical modes; resident lanes already hold it)."""
         if self.runs is not None:                       # hybrid, resident: the lane reads its runs

@@ -411,6 +411,18 @@ class NsaLanePrefill:
             return 0
         return sum(nbytes(*vars(kv).values()) for kv in self.state.layers)
 
+    def adopt(self, rows: Rows, prompt: int) -> None:
+        """The prompt's keys, values and compressed blocks as a prefill elsewhere made them
+        (`prefilled_rows`): written into the workspace as the model writes them, then placed as one chunk."""
+        device = self.state.lengths.device
+        positions = torch.arange(prompt, device=device)[None]
+        for i, kv in enumerate(self.state.layers):
+            keys, values, cmp_keys, cmp_values = (t[None].to(device) for t in rows(0, i))
+            kv.write(positions, keys[:, :, :prompt], values[:, :, :prompt])
+            if cmp_keys.shape[2]:
+                kv.write_compressed(torch.arange(cmp_keys.shape[2], device=device)[None], cmp_keys, cmp_values)
+        self.chunk_done(0, prompt)
+
     def chunk_done(self, start: int, end: int) -> None:
         """What prompt tokens start .. end - 1 made, from the workspace into the lane or the host pool."""
         first, last = start // SEL_BLOCK, -(-end // SEL_BLOCK)

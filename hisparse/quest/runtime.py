@@ -477,6 +477,16 @@ class QuestLanePrefill:
             return 0
         return sum(nbytes(*paged_tensors(self.state.layers[i])) for i in self.quest)
 
+    def adopt(self, rows: Rows, prompt: int) -> None:
+        """The prompt's keys and values as a prefill elsewhere made them (`prefilled_rows`): written
+        into the workspace as the model writes them, then placed as one chunk."""
+        device = self.state.lengths.device
+        positions = torch.arange(prompt, device=device)[None]
+        for i, kv in enumerate(self.state.layers):
+            keys, values = (t[None, :, :prompt].to(device) for t in rows(0, i))
+            kv.write(positions, keys, values, PAGE)
+        self.chunk_done(0, prompt)
+
     def chunk_done(self, start: int, end: int) -> None:
         """The pages prompt tokens start .. end - 1 touched, from the workspace into the lane or the
         host pool, with their bounds."""

@@ -6,6 +6,7 @@
     runner.py     the device: the lanes' buffers, the decode step and its graph, prefill pieces
     server.py     the loop and the public API: open, submit, step, cancel, close, serve
     workload.py   the serving study's requests (in-process and over HTTP alike)
+    handoff.py    prompts prefilled elsewhere (a prefill worker, in process or its own), adopted to decode
 """
 from hisparse.serving.memory import GIB, LaneMemory
 from hisparse.serving.request import (Iteration, Request, Schedule, ServingRun, TokenTimeline, percentile,

@@ -54,6 +54,7 @@ class Request(TokenTimeline):
     cancelled: bool = False
     selections: torch.Tensor | None = None   # int32 [steps, layers, ..., k]: replayed instead of the indexer's
     on_token: object | None = None      # called as on_token(request, token) for each new token (streaming)
+    handoff: object | None = None       # a `handoff.Handoff`: its prompt prefilled elsewhere, adopted at admission
 
     @property
     def start(self) -> float:

@@ -215,6 +215,13 @@ class Runner:
             raise
         return PrefillJob(request, lane_prefill)
 
+    def adopt(self, job: PrefillJob) -> None:
+        """The request's handoff placed as its own prefill would have placed it: the prompt is done."""
+        handoff = job.request.handoff
+        job.lane_prefill.adopt(handoff.layer_rows, handoff.prompt_len)
+        job.done, job.complete = handoff.prompt_len, True
+        job.last_logits = handoff.logits.to(self.device)
+
     def piece_in_flight(self, job: PrefillJob, lanes_decode: bool) -> bool:
         """Whether the previous piece still runs on the side stream (and lanes decode beside it;
         with none decoding, wait for it rather than spin)."""

@@ -102,13 +102,8 @@ class Server:
         """Budgeted GPU bytes in use now: the lanes' state, the cache, the workspace in use (`extra`)."""
         return self.memory.gpu_bytes(self.runner.layers, extra)
 
-    @property
-    def graphs_captured(self) -> int:
-        """CUDA graphs this server captured (one; hybrid two; results/notes/graphs.md on a 4th)."""
-        return len(self.runner.steps) if self.graph else 0
-
-    def warm_up(self) -> None:
-        self.runner.warm_up()
+    # CUDA graphs this server captured (one; hybrid two): results/notes/graphs.md on a process's 4th
+    graphs_captured = property(lambda self: len(self.runner.steps) if self.graph else 0)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -127,6 +122,8 @@ class Server:
             raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
                              f"tokens, over the server's max_context={self.max_context}")
         self.memory.check(len(prompt), need)
+        if request.handoff is not None:                      # its prompt prefilled elsewhere
+            request.handoff.check(len(prompt), self.model.config.num_hidden_layers)
 
     def _admissible(self, request: Request) -> bool:
         return free_lane(self.lane_request, self._reserved) is not None and \
@@ -234,6 +231,9 @@ class Server:
                 self._prefilling = self._start_prefill(request, t)
                 step.admitted = request.rid
         job = self._prefilling
+        if job is not None and job.request.handoff is not None and (plan.joined if plan is not None else True):
+            self._join_prefill(job, step, finished)          # a handoff, adopted as it was admitted
+            job = None
         piece = self._next_piece(job, plan)
         # without overlap (or where the schedule joins the request after this very piece) the piece
         # runs before the decode step, as one chunk of every layer does; an overlapping server runs
@@ -333,7 +333,10 @@ class Server:
             if self.hybrid:
                 placement, demoted = self.memory.place(request, self.lane_request, self.layers)
                 self.demotions += demoted
-            return self.runner.start_prefill(request, placement)
+            job = self.runner.start_prefill(request, placement)
+            if request.handoff is not None:
+                self.runner.adopt(job)
+            return job
         except BaseException:             # (out of memory, say) the lane goes back
             self._reserved = request.lane = None
             raise

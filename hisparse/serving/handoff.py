@@ -1,0 +1,134 @@
+"""A prompt prefilled elsewhere, handed to a decode server: the disaggregated setting.
+
+A prefill worker runs the model's prefill of a prompt on its own state and hands off what the
+decode server needs: the prompt's KV rows per layer as the family's prefill state holds them
+(`FamilyRuntime.prefilled_rows`: DSA's latents and indexer keys, Quest's keys and values, NSA's
+keys, values and compressed blocks), on the host, and the last prompt token's logits (the first
+token). The decode server admits the request as any other and places the rows where its own
+prefill would have put them (`LanePrefill.adopt`: the host pool, the lane, hybrid's runs), then it
+decodes; TTFT counts from its arrival there, the prefill's own time is `Handoff.prefill_s`.
+
+The transfer is the `Handoff` object: in process it is passed as is; `PrefillProcess` runs the worker
+in a process of its own and its tensors cross in shared memory (torch.multiprocessing). A cross-host
+transfer library (NIXL, Mooncake) would replace that queue: it moves `rows` into pinned host memory
+of the decode server (ideally the request's host pool region) and signals the handoff's arrival.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from hisparse.engine import check_prompts, family_runtime
+from hisparse.serving.request import Iteration, Schedule
+
+
+@dataclass
+class Handoff:
+    prompt_len: int
+    rows: list[tuple]          # per layer: the family's prefilled rows of the prompt (host tensors)
+    logits: torch.Tensor       # [V]: the last prompt token's (its argmax is the first token)
+    prefill_s: float = 0.0     # the prefill's own time on its worker
+
+    def check(self, prompt: int, layers: int) -> None:
+        """ValueError unless this is a handoff of a `prompt`-token prompt over `layers` layers."""
+        if self.prompt_len != prompt or len(self.rows) != layers:
+            raise ValueError(f"the handoff holds a prompt of {self.prompt_len} tokens over {len(self.rows)} layers; "
+                             f"the request's prompt has {prompt} tokens, the model {layers} layers")
+
+    def layer_rows(self, request: int, layer: int) -> tuple:
+        """`FamilyRuntime.prefilled_rows`'s form, for `LanePrefill.adopt`."""
+        return self.rows[layer]
+
+
+def handed_off_schedule(schedule: Schedule) -> Schedule:
+    """The schedule a decode server replays so that handed-off requests meet, at every decode step,
+    the batches they met prefilled in place: each is admitted where it joined, no piece runs."""
+    admitted = {}
+    iterations = []
+    for it in schedule.iterations:
+        if it.admitted >= 0:
+            admitted[len(iterations)] = it.admitted
+        iterations.append(Iteration(-1, 0, it.decoded, None, False))
+        if it.joined:                     # the prefill admitted last is the one joining
+            iterations[-1].admitted, iterations[-1].joined = admitted.pop(max(admitted)), True
+    return Schedule(schedule.lanes, iterations)
+
+
+class PrefillWorker:
+    """Prefills prompts on `model` into handoffs, with the decode server's chunking and kernels so the
+    rows are bitwise what its own prefill would make (prefill_chunk, prefill "model" or "reference",
+    decode_backend, kv_dtype, token_budget as `Server`'s)."""
+
+    def __init__(self, model, prefill_chunk: int = 8192, prefill: str = "model", decode_backend: str = "auto",
+                 kv_dtype: str = "bf16", token_budget: int | None = None):
+        if prefill not in ("model", "reference"):
+            raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
+        self.model, self.prefill_chunk, self.fast, self.backend = model, prefill_chunk, prefill == "model", decode_backend
+        self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.device = model.model.embed_tokens.weight.device
+
+    def prefill(self, prompt: torch.Tensor) -> Handoff:
+        prompt = check_prompts([prompt])[0]
+        start = time.perf_counter()
+        state = self.runtime.new_state(1, len(prompt))
+        logits = self.model.prefill(prompt[None].to(self.device), state, chunk_size=self.prefill_chunk,
+                                    fast=self.fast, last_logits=True, backend=self.backend)
+        rows = self.runtime.prefilled_rows([state])
+        host = [tuple(None if t is None else _to_host(t) for t in rows(0, i))
+                for i in range(self.model.config.num_hidden_layers)]
+        return Handoff(len(prompt), host, _to_host(logits[0, -1]), time.perf_counter() - start)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy (pinned where a GPU may read it)."""
+    out = t.detach().to("cpu", copy=True)
+    return out.pin_memory() if torch.cuda.is_available() else out
+
+
+class PrefillProcess:
+    """A `PrefillWorker` in a process of its own (spawned): `build_model()` (picklable, e.g. a
+    module-level function or functools.partial of `load_model`) makes its model there; prompts go in
+    with `submit(key, prompt)`, `get()` returns (key, Handoff) or raises the worker's error."""
+
+    def __init__(self, build_model: Callable, **worker_kw):
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(target=_serve, args=(build_model, worker_kw, self.inbox, self.outbox),
+                                   name="hisparse-prefill", daemon=True)
+        self.process.start()
+
+    def submit(self, key, prompt: torch.Tensor) -> None:
+        self.inbox.put((key, prompt))
+
+    def get(self, timeout: float | None = None) -> tuple[object, Handoff]:
+        key, result = self.outbox.get(timeout=timeout)
+        if isinstance(result, str):
+            raise RuntimeError(f"the prefill worker failed on {key!r}: {result}")
+        return key, result
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.inbox.put(None)
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+
+
+def _serve(build_model: Callable, worker_kw: dict, inbox, outbox) -> None:
+    try:
+        worker = PrefillWorker(build_model(), **worker_kw)
+    except BaseException:
+        outbox.put((None, traceback.format_exc(limit=3)))
+        return
+    while (item := inbox.get()) is not None:
+        key, prompt = item
+        try:
+            outbox.put((key, worker.prefill(prompt)))
+        except Exception:
+            outbox.put((key, traceback.format_exc(limit=3)))

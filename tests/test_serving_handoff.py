@@ -1,0 +1,143 @@
+"""Disaggregated decode: a request handed off with its prompt prefilled elsewhere (`Handoff`) decodes
+bitwise as the same request prefilled in place, in resident, hisparse and hybrid modes, every family;
+its TTFT counts from its arrival at the decode server; a prefill worker in a process of its own
+makes the same handoff; a handoff that does not fit the request is refused before anything is
+placed (tiny models, interpreter)."""
+import pytest
+import torch
+from test_serving import MAX_CONTEXT, QUICK, SETTINGS, fresh, requests, tiny
+from test_serving_hybrid import HYBRID, hybrid_server, model_of
+
+from hisparse.serving import Request, Server
+from hisparse.serving.handoff import PrefillProcess, PrefillWorker, handed_off_schedule
+
+FAMILIES = ["deepseek_v32", "glm_moe_dsa", "llama", "nsa"]
+
+
+def workload(family: str) -> list[Request]:
+    reqs = requests(seed=11, n=5)
+    return [Request(r.prompt, min(r.max_new_tokens, 3)) for r in reqs] if family == "nsa" else reqs
+
+
+def server(family: str, mode: str, **extra) -> Server:
+    kw = dict(SETTINGS[family], prefill_chunk=24, keep_logits=True, **QUICK, **extra)
+    if mode == "hybrid":
+        settings, extra_runs, max_context = HYBRID["llama-shared" if family == "llama" else family]
+        kw.update(settings)
+        return hybrid_server(model_of("llama-shared" if family == "llama" else family), extra_runs=extra_runs,
+                             max_context=max_context, **kw)
+    if mode == "resident":
+        kw.pop("cache_slots")
+    return Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=3, **kw)
+
+
+def handed_off(srv: Server, reqs: list[Request]) -> list[Request]:
+    budget = srv.runtime.token_budget if srv.runtime.family == "Quest" else None
+    worker = PrefillWorker(srv.model, prefill_chunk=srv.prefill_chunk, prefill="reference", token_budget=budget)
+    out = fresh(reqs)
+    for r in out:
+        r.handoff = worker.prefill(r.prompt)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "hybrid"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_handed_off_request_decodes_bitwise_as_one_prefilled_in_place(family, mode):
+    reqs = workload(family)
+    local = server(family, mode)
+    run = local.serve(reqs, clients=3)
+    decode = server(family, mode)      # the same batches at every decode step: the same logits
+    again = decode.serve(handed_off(decode, reqs), clients=3, replay=handed_off_schedule(run.schedule))
+    assert not any(it.prefilled for it in again.schedule.iterations), "the decode server prefilled"
+    for a, b in zip(run.requests, again.requests, strict=True):
+        assert a.tokens == b.tokens and len(a.tokens) == a.max_new_tokens, f"request {a.rid}"
+        for step, (x, y) in enumerate(zip(a.logits, b.logits, strict=True)):
+            assert torch.equal(x, y), f"{family} {mode}: request {a.rid}, token {step}: logits differ"
+    if decode.cache is not None:                        # everything given back
+        assert decode.cache.free_streams() == decode.cache.max_streams
+        assert decode.cache.host.free_rows == decode.cache.host.capacity
+    if mode == "hybrid":
+        summary = again.summary()
+        assert summary["resident_admissions"] >= 1, summary
+
+
+def test_ttft_counts_from_arrival_at_the_decode_server_and_the_prefill_is_reported_apart():
+    srv = server("deepseek_v32", "hisparse")
+    reqs = handed_off(srv, workload("deepseek_v32")[:2])
+    run = srv.serve(reqs, clients=1)
+    for r in run.requests:
+        assert r.handoff.prefill_s > 0 and r.ttft >= 0
+        assert r.token_times[0] >= r.arrival and r.prefill_start >= r.arrival
+    # the decode server admits and joins it in one iteration: its first token before any decode step
+    first = run.schedule.iterations[0]
+    assert first.admitted == 0 and first.joined and first.prefilled == 0
+
+
+def test_a_handoff_that_does_not_fit_its_request_is_refused_at_submit():
+    srv = server("llama", "hisparse")
+    req = handed_off(srv, workload("llama")[:1])[0]
+    srv.open()
+    wrong = Request(req.prompt[:-1].clone(), 2, arrival=float("nan"))
+    wrong.handoff = req.handoff
+    with pytest.raises(ValueError, match=r"the handoff holds a prompt of 37 tokens over 3 layers; the "
+                                         r"request's prompt has 36 tokens"):
+        srv.submit(wrong)
+    assert not srv.busy and srv.cache.host.free_rows == srv.cache.host.capacity
+    srv.close()
+
+
+def test_a_cancelled_handed_off_request_gives_everything_back():
+    srv = server("nsa", "hisparse")
+    reqs = handed_off(srv, workload("nsa")[:2])
+    srv.open()
+    for r in reqs:
+        r.arrival = float("nan")
+        srv.submit(r)
+    srv.step()
+    assert reqs[0].lane is not None and reqs[0].tokens
+    srv.cancel(reqs[0])
+    while srv.busy:
+        srv.step()
+    srv.close()
+    assert len(reqs[1].tokens) == reqs[1].max_new_tokens
+    assert srv.cache.free_streams() == srv.cache.max_streams
+    assert srv.cache.host.free_rows == srv.cache.host.capacity
+
+
+def build_tiny_llama():
+    """The tests' tiny llama, built in the worker process (spawned: it imports this module)."""
+    return tiny("llama")
+
+
+def test_a_prefill_worker_process_hands_off_the_same_rows():
+    """The worker in a process of its own: its handoff's rows and logits equal the in-process
+    worker's, and the request decodes as the in-place one."""
+    model = tiny("llama")
+    budget = SETTINGS["llama"]["token_budget"]
+    prompt = workload("llama")[0].prompt
+    local = PrefillWorker(model, prefill_chunk=24, prefill="reference", token_budget=budget).prefill(prompt)
+    process = PrefillProcess(build_tiny_llama, prefill_chunk=24, prefill="reference", token_budget=budget)
+    try:
+        process.submit("first", prompt)
+        key, remote = process.get(timeout=300)
+    finally:
+        process.close()
+    assert key == "first" and not process.process.is_alive()
+    assert torch.equal(remote.logits, local.logits)
+    for mine, theirs in zip(local.rows, remote.rows, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["deepseek_v32", "llama"])
+def test_graphed_handoffs_decode_bitwise_as_in_place(family):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reqs = workload(family)
+    run = server(family, "hisparse", graph=True).serve(reqs, clients=3)
+    decode = server(family, "hisparse", graph=True)
+    again = decode.serve(handed_off(decode, reqs), clients=3, replay=handed_off_schedule(run.schedule))
+    for a, b in zip(run.requests, again.requests, strict=True):
+        assert a.tokens == b.tokens
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True)), f"request {a.rid}"
+
