@@ -167,7 +167,7 @@ def test_impossible_requests_are_refused_before_anything_runs():
         Server(model, "resident", max_context=64, kv_budget_gib=1e-6)
     with pytest.raises(ValueError, match="needs cache_slots"):
         Server(model, "hisparse", max_context=64, kv_budget_gib=0.05)
-    with pytest.raises(ValueError, match="kv_budget_gib must be a positive number"):
+    with pytest.raises(ValueError, match="kv_budget_gib must be a positive, finite number"):
         Server(model, "resident", max_context=64, kv_budget_gib="1")
 
 

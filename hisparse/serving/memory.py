@@ -14,6 +14,8 @@ planned on a copy of the stream map with the cache's own rule, so the check and 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hisparse.cache import HierarchicalKVCache, lowest_runs
@@ -44,8 +46,8 @@ def empty_layers(runtime: FamilyRuntime, kv_mode: str, lanes: int, cache, max_co
 
 
 def _positive_gib(value, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of GiB, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive, finite number of GiB, got {value!r}")
     return value
 
 
@@ -105,7 +107,11 @@ class LaneMemory:
             return 0
         if host_budget_gib is None:
             return lanes * sum(self.runtime.stream_regions(self.max_context))
-        return int(_positive_gib(host_budget_gib, "host_budget_gib") * GIB // self.runtime.row_bytes)
+        rows = int(_positive_gib(host_budget_gib, "host_budget_gib") * GIB // self.runtime.row_bytes)
+        if rows < 1:
+            raise ValueError(f"host_budget_gib={host_budget_gib} holds no host pool row (one is "
+                             f"{self.runtime.row_bytes} bytes)")
+        return rows
 
     def _cache(self, streams: int, host_rows: int, **kw) -> HierarchicalKVCache:
         rt = self.runtime

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hisparse.engine import check_prompts
+from hisparse.host_pool import as_int
+
 
 class TokenTimeline:
     """ttft, tpot and latency of something with a `start` and `token_times` (seconds)."""
@@ -74,6 +77,26 @@ class Request(TokenTimeline):
         return self.prefill_start - self.arrival
 
 
+def check_request(request: Request, vocab: int, max_context: int) -> None:
+    """ValueError naming the field, before anything is allocated: the prompt (integer ids in the
+    vocabulary), max_new_tokens, the arrival (seconds since the run's open, finite, or nan: now),
+    their total within max_context. The prompt ends on the host, as int64."""
+    prompt = check_prompts([request.prompt])[0]
+    request.prompt = prompt.cpu()
+    request.max_new_tokens = as_int(request.max_new_tokens, "max_new_tokens must be an int >= 1", 1)
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+        bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
+        raise ValueError(f"token id {bad} out of range: the vocabulary has {vocab} ids")
+    arrival = request.arrival
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or math.isinf(arrival):
+        raise ValueError(f"arrival={arrival!r}: expected a finite number of seconds after open(), or math.nan "
+                         f"for now")
+    need = len(prompt) + request.max_new_tokens
+    if need > max_context:
+        raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
+                         f"tokens, over the server's max_context={max_context}")
+
+
 @dataclass
 class Iteration:
     """What one iteration did (a schedule's entry): the request admitted (its rid) or -1, the prompt
@@ -131,6 +154,7 @@ class ServingRun:
     peak_host_rows: int               # the most host pool rows in use
     hybrid: dict[str, int] | None = None   # mode hybrid: requests admitted resident, demotions, and
                                            # decode steps whose lanes were all resident
+    cancelled: list[Request] = field(default_factory=list)   # cancelled, by a client or by close("cancel")
 
     def summary(self) -> dict[str, float]:
         """`timing_summary` of the requests, their queueing percentiles (ms), the running batch's

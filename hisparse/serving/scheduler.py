@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from hisparse.host_pool import as_int
 from hisparse.serving.request import Iteration, Request
 
 
@@ -75,10 +76,34 @@ def free_lane(lane_request: list[Request | None], reserved: int | None) -> int |
     return next((i for i, r in enumerate(lane_request) if r is None and i != reserved), None)
 
 
-def drive(server, requests: list[Request], clients: int | None, progress: bool) -> None:
-    """Submit and step an open server until every request finished: a closed loop of `clients`
-    (request i sent by client i % clients once its previous one finished), or each at its arrival
-    (clients None), sleeping while nothing runs until the next one. progress: a line every 10 s."""
+def drive(server, requests: list[Request], clients: int | None, replay, progress: bool):
+    """`Server.serve`: every request checked, a run opened (following `replay`, a schedule, if given),
+    requests submitted and the server stepped until each finished: a closed loop of `clients` (request
+    i sent by client i % clients once its previous one finished), or each at its arrival (clients
+    None), sleeping while nothing runs until the next one; the run closed (on an error, its requests
+    cancelled). progress: a line every 10 s. Returns the run, its requests in the caller's order."""
+    seen = {}
+    for i, r in enumerate(requests):          # every request checked before anything runs
+        if seen.setdefault(id(r), i) != i:
+            raise ValueError(f"serve() got one Request object twice (at {seen[id(r)]} and {i}): each needs its own")
+        server.check_request(r)
+    if clients is not None:
+        clients = as_int(clients, "clients must be an int >= 1", 1)
+        for i, r in enumerate(requests):
+            r.client = i % clients
+    server.open(replay)
+    try:
+        _loop(server, requests, clients, progress)
+        run = server.close()
+    except BaseException:
+        if server.is_open:
+            server.close("cancel")
+        raise
+    run.requests = list(requests)
+    return run
+
+
+def _loop(server, requests: list[Request], clients: int | None, progress: bool) -> None:
     for r in requests if clients is None else requests[:clients]:
         server.submit(r)
     place = {id(r): i for i, r in enumerate(requests)}

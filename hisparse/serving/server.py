@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from hisparse.engine import check_prompts, family_runtime
+from hisparse.engine import family_runtime
 from hisparse.host_pool import as_int
 from hisparse.runtime import KV_MODES, prefetch_width
 from hisparse.serving.memory import LaneMemory
-from hisparse.serving.request import Iteration, Request, Schedule, ServingRun
+from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, check_request
 from hisparse.serving.runner import PrefillJob, Runner, check_overlap
 from hisparse.serving.scheduler import Scheduler, drive, free_lane
 
@@ -85,6 +85,7 @@ class Server:
         self._prefilling: PrefillJob | None = None
         self._planned = None                     # a replayed schedule's iterations
         self.requests: list[Request] = []
+        self._open = False
         self.resident_admissions = self.demotions = self.resident_steps = 0      # hybrid's counts (reset by open)
 
     # what the memory holds, as a server's caller reads it
@@ -109,21 +110,11 @@ class Server:
 
     def check_request(self, request: Request) -> None:
         """ValueError if the request could never be served: bad ids, or more than the server holds."""
-        prompt = check_prompts([request.prompt])[0]
-        request.prompt = prompt.cpu()
-        request.max_new_tokens = as_int(request.max_new_tokens, "max_new_tokens must be an int >= 1", 1)
-        vocab = self.model.config.vocab_size
-        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
-            bad = int(prompt[(prompt < 0) | (prompt >= vocab)][0])
-            raise ValueError(f"token id {bad} out of range: the vocabulary has {vocab} ids")
-        need = len(prompt) + request.max_new_tokens
+        check_request(request, self.model.config.vocab_size, self.max_context)
         self.runner.check_trace(request)
-        if need > self.max_context:
-            raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
-                             f"tokens, over the server's max_context={self.max_context}")
-        self.memory.check(len(prompt), need)
+        self.memory.check(len(request.prompt), len(request.prompt) + request.max_new_tokens)
         if request.handoff is not None:                      # its prompt prefilled elsewhere
-            request.handoff.check(len(prompt), self.model.config.num_hidden_layers)
+            request.handoff.check(len(request.prompt), self.model.config.num_hidden_layers)
 
     def _admissible(self, request: Request) -> bool:
         return free_lane(self.lane_request, self._reserved) is not None and \
@@ -137,8 +128,8 @@ class Server:
         if replay is not None and replay.lanes != self.lanes:
             raise ValueError(f"the schedule ran {replay.lanes} lanes, this server has {self.lanes}: build it with "
                              f"lanes={replay.lanes}")
-        if any(r is not None for r in self.lane_request):
-            raise RuntimeError("the server still holds requests of an earlier run")
+        if self._open:
+            raise RuntimeError(f"open() while a run is open ({self._unfinished()}): close() it first")
         self.runner.warm_up()
         self._previous_attention = self.model.sparse_attention
         self.model.sparse_attention = self.runner.attention
@@ -150,7 +141,7 @@ class Server:
         self.running_batch: list[int] = []
         self.peak_gpu, self.peak_host = self.gpu_bytes(), 0
         self.resident_admissions = self.demotions = self.resident_steps = 0
-        self._start = time.perf_counter()
+        self._start, self._open = time.perf_counter(), True
 
     def now(self) -> float:
         """Seconds since `open`."""
@@ -158,7 +149,11 @@ class Server:
 
     def submit(self, request: Request) -> Request:
         """Queue a request (ValueError, and nothing queued, if it could never be served). Its
-        arrival: as set, relative to `open`; math.nan (the default for a new Request is 0.0) means now."""
+        arrival: as set, relative to `open`; math.nan (the default for a new Request is 0.0) means now.
+        A Request object is submitted once a run (its state is the run's)."""
+        self._require_open("submit")
+        if any(r is request for r in self.requests):
+            raise ValueError(f"this Request was already submitted in this run (rid {request.rid}): submit a new one")
         self.check_request(request)
         request.rid, request.tokens, request.token_times, request.logits = len(self.requests), [], [], []
         request.prefill_start, request.lane, request.cancelled = None, None, False
@@ -168,6 +163,7 @@ class Server:
         self.scheduler.add(request)
         return request
 
+    is_open = property(lambda self: self._open)                   # a run is open (open() .. close())
     waiting = property(lambda self: self.scheduler.waiting)       # arrived, not admitted (first come first served)
 
     @property
@@ -188,6 +184,7 @@ class Server:
     def cancel(self, request: Request) -> None:
         """Stop a request wherever it is (a client that went away): its lane, streams and host regions
         are freed at once. Not while replaying a schedule."""
+        self._require_open("cancel")
         if self._planned is not None:
             raise RuntimeError("a replayed schedule cannot lose a request")
         request.cancelled = True
@@ -204,6 +201,7 @@ class Server:
     def step(self) -> list[Request]:
         """One iteration (see the module docstring); returns the requests that finished in it. On
         their way each request's `on_token(request, token)`, if set, is called for every new token."""
+        self._require_open("step")
         t = self.now()
         self.scheduler.arrive(t)
         finished = []
@@ -277,15 +275,35 @@ class Server:
             self.schedule.iterations.append(step)
         return finished
 
-    def close(self) -> ServingRun:
-        """End the run (every request finished or cancelled): the model's own attention back."""
-        if self._prefilling is not None or self.running:
-            raise RuntimeError("close() with requests still running: cancel them first")
-        self.model.sparse_attention = self._previous_attention
+    def close(self, unfinished: str = "refuse") -> ServingRun:
+        """End the run: the model's own attention back. Requests still queued or running: "refuse"
+        (a RuntimeError, the run still open), "cancel" them (the run lists them in `cancelled`) or
+        "finish" them (served to the end first)."""
+        self._require_open("close")
+        if unfinished not in ("refuse", "cancel", "finish"):
+            raise ValueError(f"unfinished={unfinished!r}: expected 'refuse', 'cancel' or 'finish'")
+        if self.busy and unfinished == "refuse":
+            raise RuntimeError(f"close() with requests unfinished ({self._unfinished()}): close('cancel') cancels "
+                               f"them, close('finish') serves them to the end")
+        while self.busy and unfinished == "finish":
+            self.step()
+        self._planned = None
+        for r in [r for r in self.requests if r.lane is not None or self.scheduler.queued(r)]:
+            self.cancel(r)
+        self.model.sparse_attention, self._open = self._previous_attention, False
         return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
                           self.running_batch, self.peak_gpu, self.peak_host,
                           {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
-                           "resident_steps": self.resident_steps} if self.hybrid else None)
+                           "resident_steps": self.resident_steps} if self.hybrid else None,
+                          [r for r in self.requests if r.cancelled])
+
+    def _require_open(self, call: str) -> None:
+        if not self._open:
+            raise RuntimeError(f"{call}() on a server with no open run: call open() first (serve() opens and closes one)")
+
+    def _unfinished(self) -> str:
+        queued = len(self.scheduler.waiting) + len(self.scheduler.pending)
+        return f"{queued} queued, {int(self._prefilling is not None)} prefilling, {len(self.running)} running"
 
     def serve(self, requests: list[Request], clients: int | None = None, replay: Schedule | None = None,
               progress: bool = False) -> ServingRun:
@@ -293,25 +311,7 @@ class Server:
         clients: a closed loop of that many clients, request i sent by client i % clients as soon as
         its previous one finished; None: each request arrives at its `arrival`. replay: run that
         schedule (the same lanes) instead of choosing. progress: a line on stderr every 10 s."""
-        for r in requests:                   # every request checked before anything runs
-            self.check_request(r)
-        if clients is not None:
-            clients = as_int(clients, "clients must be an int >= 1", 1)
-            for i, r in enumerate(requests):
-                r.client = i % clients
-        self.open(replay)
-        try:
-            drive(self, requests, clients, progress)
-            run = self.close()
-            run.requests = list(requests)           # in the caller's order
-            return run
-        except BaseException:
-            for r in list(self.requests):
-                if r.lane is not None or self.scheduler.queued(r):
-                    self._planned = None
-                    self.cancel(r)
-            self.model.sparse_attention = self._previous_attention
-            raise
+        return drive(self, requests, clients, replay, progress)
 
     # -- inside an iteration -----------------------------------------------------------------------
 
