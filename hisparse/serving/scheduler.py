@@ -75,21 +75,30 @@ def free_lane(lane_request: list[Request | None], reserved: int | None) -> int |
     return next((i for i, r in enumerate(lane_request) if r is None and i != reserved), None)
 
 
-def drive(server, requests: list[Request], clients: int | None, progress: bool) -> None:
+def drive(server, requests: list[Request], clients: int | None, progress: bool,
+          max_concurrency: int | None = None) -> None:
     """Submit and step an open server until every request finished: a closed loop of `clients`
     (request i sent by client i % clients once its previous one finished), or each at its arrival
-    (clients None), sleeping while nothing runs until the next one. progress: a line every 10 s."""
-    for r in requests if clients is None else requests[:clients]:
+    (clients None), sleeping while nothing runs until the next one. max_concurrency (with clients
+    None): at most that many requests out at once, request i sent at the later of its arrival and
+    the moment one of them finished (bench_serving's semaphore). progress: a line every 10 s."""
+    cap = clients if clients is not None else max_concurrency
+    for r in requests if cap is None else requests[:cap]:
         server.submit(r)
     place = {id(r): i for i, r in enumerate(requests)}
+    sent = len(requests) if cap is None else min(cap, len(requests))
     done, last_progress = 0, time.perf_counter()
     while done < len(requests):
         for r in server.step():
             done += 1
-            nxt = place[id(r)] + clients if clients is not None else len(requests)
-            if nxt < len(requests):                          # the client's next request, now
-                requests[nxt].arrival = r.token_times[-1]
-                server.submit(requests[nxt])
+            if clients is not None and place[id(r)] + clients < len(requests):   # the client's next, now
+                nxt = requests[place[id(r)] + clients]
+                nxt.arrival = r.token_times[-1]
+                server.submit(nxt)
+            elif clients is None and sent < len(requests):     # (capped) the next in line, once it arrives
+                requests[sent].arrival = max(requests[sent].arrival, r.token_times[-1])
+                server.submit(requests[sent])
+                sent += 1
         arrival = server.next_arrival()
         if not (server.prefilling or server.running or server.waiting) and arrival is not None:
             time.sleep(max(0.0, min(arrival - server.now(), 0.05)))   # idle until then

@@ -288,11 +288,18 @@ class Server:
                            "resident_steps": self.resident_steps} if self.hybrid else None)
 
     def serve(self, requests: list[Request], clients: int | None = None, replay: Schedule | None = None,
-              progress: bool = False) -> ServingRun:
+              progress: bool = False, max_concurrency: int | None = None) -> ServingRun:
         """Serve `requests` to the end; the run lists them in their order (rids: order of submission).
         clients: a closed loop of that many clients, request i sent by client i % clients as soon as
-        its previous one finished; None: each request arrives at its `arrival`. replay: run that
-        schedule (the same lanes) instead of choosing. progress: a line on stderr every 10 s."""
+        its previous one finished; None: each request arrives at its `arrival`. max_concurrency
+        (without clients): at most that many requests out at once, request i sent at the later of its
+        arrival and the end of one of them (its arrival moved there). replay: run that schedule (the
+        same lanes) instead of choosing. progress: a line on stderr every 10 s."""
+        if max_concurrency is not None:
+            if clients is not None:
+                raise ValueError(f"max_concurrency = {max_concurrency!r} caps an open loop; a closed loop of "
+                                 f"clients = {clients!r} has at most that many out already: give one of them")
+            max_concurrency = as_int(max_concurrency, "max_concurrency must be an int >= 1", 1)
         for r in requests:                   # every request checked before anything runs
             self.check_request(r)
         if clients is not None:
@@ -301,7 +308,7 @@ class Server:
                 r.client = i % clients
         self.open(replay)
         try:
-            drive(self, requests, clients, progress)
+            drive(self, requests, clients, progress, max_concurrency)
             run = self.close()
             run.requests = list(requests)           # in the caller's order
             return run
