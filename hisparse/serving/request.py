@@ -122,6 +122,11 @@ def timing_summary(done: list[TokenTimeline], first_start: float, itl: bool = Tr
     return out
 
 
+# the figures of `benchmark_summary` that a request_rate point's rows add to `timing_summary`'s
+DIALECT_METRICS = ("request_throughput", "input_throughput", "ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean",
+                   "latency_ms_mean")
+
+
 def benchmark_summary(done: list[TokenTimeline], first_start: float, input_tokens: int | None = None) -> dict[str, float]:
     """What the serving benchmarks' dialect (`sglang.bench_serving`, `vllm bench serve`) reports:
     completed requests, the duration (`first_start` to the last token, as `timing_summary`'s span),
