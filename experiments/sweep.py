@@ -1,8 +1,12 @@
-"""Run every point of a sweep config and append long-format rows to results/ (DESIGN section 9).
+"""Run every point of a sweep config and append long-format rows to out/ (DESIGN section 9).
 
-    python -m experiments.sweep                                  # experiments/configs/default.toml
-    python -m experiments.sweep --config experiments/configs/h200.toml --out results/
+    python -m experiments.sweep                                  # experiments/configs/default.toml -> out/
+    python -m experiments.sweep --config experiments/configs/h200.toml --out results   # the committed rows
     python -m experiments.sweep --dry-run                        # list the points, run nothing
+
+Rows go to --out, by default out/, which git ignores; `--out results` appends to the committed
+results that the README cites, which take GPU rows only (a run without a GPU is refused there,
+the policy study excepted: it runs on the host wherever).
 
 A config is a list of `[[study]]` tables; each `kind` has its own keys (listed after the options,
 and in the shipped configs). Every point is validated before anything runs; points whose rows are already in
@@ -68,7 +72,16 @@ from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model, check_checkpoint, load_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
-from hisparse.results import append_rows, environment, read_stored_rows
+from hisparse.results import (
+    DEFAULT_OUT,
+    HOST_BENCHES,
+    OUT_HELP,
+    append_rows,
+    cpu_rows_refused,
+    environment,
+    out_note,
+    read_stored_rows,
+)
 from hisparse.runtime import nbytes
 from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server, benchmark_summary
 from hisparse.serving.request import DIALECT_METRICS
@@ -922,7 +935,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, epilog=keys_help(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep config (TOML); default: %(default)s")
-    ap.add_argument("--out", default="results", help="folder for the result CSVs (default: results)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     ap.add_argument("--force", action="store_true", help="rerun points already in the results")
     ap.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
     ap.add_argument("--kind", choices=sorted(KEYS), action="append",
@@ -996,6 +1009,11 @@ def main(argv=None) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         print(f"error: --out {out_dir} is a file, not a folder for the result CSVs", file=sys.stderr)
         return 2
+    timed = sorted({points(s)[0]["bench"] for s in studies} - set(HOST_BENCHES))
+    why = cpu_rows_refused(out_dir, gpu, timed[0]) if timed else None
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     todo, rerun = [], 0                 # rerun: points stored, but run another way than the config asks
     on_gpu = device.type == "cuda"
     try:
@@ -1029,7 +1047,8 @@ def main(argv=None) -> int:
               "for --runs-per-process", file=sys.stderr)
         return 2
     total = sum(len(points(s)) for s in studies)
-    print(f"{args.config}: {total} points, {total - pending} already in {out_dir}/, {pending} to run on {gpu}"
+    where = out_note(out_dir)
+    print(f"{args.config}: {total} points, {total - pending} already in {out_dir}/{where}, {pending} to run on {gpu}"
           + (f" ({rerun} of them stored from runs made another way, in new_tokens, warmup_steps, graph, prefetch "
              f"or decode_backend: they run again, and the figures read a point's newest rows)" if rerun else "")
           + (f"; --only {' '.join(k + '=' + ','.join(v) for k, v in only)}: {len(todo)} of them" if only else ""))
@@ -1073,7 +1092,8 @@ def main(argv=None) -> int:
             print(f"{decode_runs} decode runs in this process: going on in a fresh one", flush=True)
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, "-m", "experiments.sweep", *sys.argv[1:]])
-    print(f"done: rows appended under {out_dir}/; draw figures with python -m experiments.figures")
+    print(f"done: rows appended under {out_dir}/{where}; draw figures with python -m experiments.figures "
+          f"--results {out_dir}")
     return 0
 
 

@@ -957,3 +957,29 @@ def test_the_sweep_starts_a_fresh_process_before_a_graphed_hybrid_run_would_be_t
     assert "graph" not in point
     assert sweep.over_limit(2, study[0], point, True, 3) and not sweep.over_limit(1, study[0], point, True, 3)
     assert not sweep.over_limit(2, study[0], point, False, 3)       # no graphs on the CPU: one run
+
+
+def test_the_default_sweep_writes_to_out_and_leaves_the_committed_results_alone(tmp_path, monkeypatch, capsys):
+    """Without --out the rows go to out/ (the README's first command: git ignores it, and says so);
+    --out results is refused on a machine without a GPU before any point runs (the committed
+    results hold GPU rows only); every file under results/ keeps its bytes and mtime throughout."""
+    import hashlib
+
+    from hisparse.results import COMMITTED_RESULTS, PACKAGE_ROOT
+
+    def snapshot():
+        return {p: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+                for p in sorted(COMMITTED_RESULTS.rglob("*")) if p.is_file()}
+    before = snapshot()
+    monkeypatch.chdir(PACKAGE_ROOT)                    # where the README's command runs
+    assert sweep.main(["--dry-run"]) == 0
+    assert "already in out/ (git ignores it)" in capsys.readouterr().out
+    config = write(tmp_path, TINY)
+    if not torch.cuda.is_available():
+        assert sweep.main(["--config", config, "--out", "results"]) == 2
+        assert "--out results is the committed results, which hold GPU rows only" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert sweep.main(["--config", config]) == 0
+    assert "done: rows appended under out/" in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"decode.csv", "throughput.csv"}
+    assert snapshot() == before

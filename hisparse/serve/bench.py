@@ -40,6 +40,7 @@ from pathlib import Path
 import aiohttp
 
 from hisparse.generate import positive_int
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 from hisparse.serving import PREFILL_LAYERS, TokenTimeline, benchmark_summary, format_summary, timing_summary
 from hisparse.serving.request import DIALECT_METRICS
 from hisparse.serving.workload import MAX_SEED, REQUESTS_PER_CLIENT, RandomWorkload, serving_requests
@@ -319,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draw prompt ids below V (default: the server's vocabulary)")
     ap.add_argument("--timeout", type=_positive_list(float), default=[600.0], metavar="S",
                     help="seconds a stream may stay silent before the request counts as failed (default 600)")
-    ap.add_argument("--out", default="results", help="folder of serving.csv (default results)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     return ap
 
 
@@ -346,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     args.timeout = args.timeout[0]
-    from hisparse.results import append_rows, check_out_folder
     check_out_folder(ap, args.out)
     url = args.url.rstrip("/")
     if args.dataset == "random":
