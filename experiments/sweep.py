@@ -777,8 +777,9 @@ def validate_serving(study: dict, where: str) -> None:
         _positive_int(study, key, where)
     loads = [key for key in ("concurrency", "rates", "request_rate") if key in study]
     if len(loads) != 1:
-        raise ConfigError(f"{where}: give concurrency (closed loop), rates (open loop) or request_rate (bench_serving's "
-                          f"random dataset), one of them" + (f"; this study gives {loads}" if loads else ""))
+        raise ConfigError(f"{where}: give concurrency (closed loop), rates (open loop) or request_rate "
+                          f"(bench_serving's random dataset), one of them"
+                          + (f"; this study gives {loads}" if loads else ""))
     stray = [key for key in DIALECT_KEYS if key in study and "request_rate" not in study]
     if stray:
         raise ConfigError(f"{where}: {stray[0]} = {study[stray[0]]!r} belongs to a request_rate study (bench_serving's "

@@ -800,7 +800,8 @@ def test_a_request_rate_study_runs_the_random_dataset_and_its_points_carry_it(tm
 
 
 @pytest.mark.parametrize("edit,message", [
-    (("request_rate = [inf, 20.0]", "request_rate = [0, inf]"), r"request_rate = \[0, inf\]: expected a positive number"),
+    (("request_rate = [inf, 20.0]", "request_rate = [0, inf]"),
+     r"request_rate = \[0, inf\]: expected a positive number"),
     (("request_rate = [inf, 20.0]", "request_rate = [inf, inf]"), r"request_rate = \[inf, inf\] lists inf twice"),
     (("range_ratio = 0.5", "range_ratio = 0"), r"range_ratio = 0: expected a number in \(0, 1\]"),
     (("num_prompts = 3", "num_prompts = 0"), r"num_prompts = 0: expected a positive integer"),

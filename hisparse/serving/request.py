@@ -127,7 +127,8 @@ DIALECT_METRICS = ("request_throughput", "input_throughput", "ttft_ms_mean", "tp
                    "latency_ms_mean")
 
 
-def benchmark_summary(done: list[TokenTimeline], first_start: float, input_tokens: int | None = None) -> dict[str, float]:
+def benchmark_summary(done: list[TokenTimeline], first_start: float,
+                      input_tokens: int | None = None) -> dict[str, float]:
     """What the serving benchmarks' dialect (`sglang.bench_serving`, `vllm bench serve`) reports:
     completed requests, the duration (`first_start` to the last token, as `timing_summary`'s span),
     input and output tokens and their throughputs (input: nan where `input_tokens` is not given),
