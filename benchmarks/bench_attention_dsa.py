@@ -48,7 +48,7 @@ from benchmarks.common import (
 from hisparse.dsa import fp8
 from hisparse.dsa import ops as dsa
 from hisparse.dsa import reference as dsa_ref
-from hisparse.results import append_rows, check_out_folder
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 
 D_QK, D_V = 576, 512
 SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3.2: qk head dim 192, YaRN factor 40
@@ -395,7 +395,7 @@ def sweep_indexer(cfg: dict, device: torch.device, out_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("results"), help="directory of the result CSVs")
+    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=OUT_HELP)
     parser.add_argument("--quick", action="store_true", help="a tiny configuration (CPU interpreter too)")
     parser.add_argument("--tune", action="store_true", help="time decode configurations instead of the sweep")
     parser.add_argument("--tune-batch", type=int, default=None,

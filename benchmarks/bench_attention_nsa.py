@@ -39,7 +39,7 @@ from benchmarks.common import (
 )
 from hisparse.nsa import ops as nsa
 from hisparse.nsa import reference as nsa_ref
-from hisparse.results import append_rows, check_out_folder
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=32, kv_heads=8, d=128, n_select=nsa.N_SELECT, window=nsa.WINDOW)
@@ -249,7 +249,7 @@ def tune(cfg: dict, device: torch.device, batch: int, context: int, cudagraph: b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("results"), help="directory of attention.csv")
+    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=OUT_HELP)
     parser.add_argument("--quick", action="store_true", help="a tiny configuration (CPU interpreter too)")
     parser.add_argument("--cudagraph", action="store_true", help="time CUDA graph replays (GPU only)")
     parser.add_argument("--breakdown", action="store_true", help="also time each launch group at batch 1, 32, 128")

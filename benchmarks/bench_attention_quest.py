@@ -29,7 +29,7 @@ from benchmarks.common import metric_rows as common_metric_rows
 from benchmarks.common import time_us, timer_name
 from hisparse.quest import ops as quest
 from hisparse.quest.ops import PAGE
-from hisparse.results import append_rows, check_out_folder
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 
 FULL = dict(batches=(1, 2, 4, 8, 16, 32, 64, 128), contexts=(8192, 16384, 32768, 65536, 131072),
             heads=32, kv_heads=8, head_dim=128, budget=2048)
@@ -244,7 +244,7 @@ def tune(cfg: dict, device, dtype) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("results"), help="folder of attention.csv")
+    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=OUT_HELP)
     parser.add_argument("--quick", action="store_true", help="tiny configuration (works on the CPU interpreter)")
     parser.add_argument("--tune", action="store_true", help="time attention configurations, write nothing")
     parser.add_argument("--cudagraph", action="store_true",

@@ -60,7 +60,7 @@ from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import randomize_
 from hisparse.resolve import copy_tile
-from hisparse.results import append_rows, check_out_folder
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 from hisparse.synthetic import (
     batch_workload,
     per_kv_head_config,
@@ -125,7 +125,7 @@ def build_family(args, gpu: bool):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results", help="folder for prefetch.csv (default: results)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (no graphs): smoke test")
     ap.add_argument("--batches", type=int, nargs="+", default=None,
                     help="default 8 32 64 128 (dsa), 8 32 64 (quest, nsa: their resident KV is 8x / 4x larger "

@@ -28,7 +28,7 @@ from benchmarks.common import MMA_FLOPS_PER_S
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import randomize_
-from hisparse.results import append_rows, check_out_folder
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 from hisparse.runtime import nbytes
 
 DSA = dict(model_type="deepseek_v32", vocab_size=1024, num_hidden_layers=61, first_k_dense_replace=61,
@@ -123,7 +123,7 @@ def run_prefill(model, context: int, chunk: int, fast: bool, device: torch.devic
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results", help="folder of the results CSVs (default results)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     ap.add_argument("--family", nargs="+", choices=("dsa", "quest", "nsa"), default=["dsa", "quest", "nsa"])
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help="prompt tokens (default 4096 32768 131072; --quick: 40 100)")

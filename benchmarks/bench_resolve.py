@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch
 from hisparse.resolve import CacheState, resolve, write_rows
-from hisparse.results import append_rows, check_out_folder
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 
 PINNED_GBPS = PINNED_BYTES_PER_S / 1e9
 RANDOM_ROWS_MPS = 39.0      # random rows over a large pinned pool, millions per second
@@ -269,7 +269,7 @@ def fill_random(flat: torch.Tensor, device) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="results", help="folder for resolve.csv (default: results)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     ap.add_argument("--quick", action="store_true", help="a tiny sweep, also runs on the CPU interpreter")
     ap.add_argument("--reps", type=int, default=None,
                     help="graph replays per point (default 20, --decode-like 10, --quick 2)")

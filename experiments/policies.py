@@ -31,7 +31,7 @@ from hisparse.policies import (
     reuse_gaps,
     simulate,
 )
-from hisparse.results import append_rows, check_out_folder
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 from hisparse.synthetic import PRESETS, SyntheticConfig, generate, layer_weights, preset
 
 # (policy, B / k) -> miss rate measured on GLM-5.1's DSA trace (DESIGN section 7)
@@ -232,10 +232,10 @@ def fitted_values(cfg: SyntheticConfig) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results", help="directory for policies.csv (default results/)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     parser.add_argument("--quick", action="store_true", help="tiny preset, no calibration (seconds)")
     args = parser.parse_args(argv)
-    check_out_folder(parser, args.out)
+    check_out_folder(parser, args.out, host_only=True)    # a simulation on the host: its rows say cpu anywhere
     start = time.perf_counter()
     if args.quick:
         workload, cfg = "tiny", preset("tiny")

@@ -1,8 +1,12 @@
-"""Run every point of a sweep config and append long-format rows to results/ (DESIGN section 9).
+"""Run every point of a sweep config and append long-format rows to out/ (DESIGN section 9).
 
-    python -m experiments.sweep                                  # experiments/configs/default.toml
-    python -m experiments.sweep --config experiments/configs/h200.toml --out results/
+    python -m experiments.sweep                                  # experiments/configs/default.toml -> out/
+    python -m experiments.sweep --config experiments/configs/h200.toml --out results   # the committed rows
     python -m experiments.sweep --dry-run                        # list the points, run nothing
+
+Rows go to --out, by default out/, which git ignores; `--out results` appends to the committed
+results that the README cites, which take GPU rows only (a run without a GPU is refused there,
+the policy study excepted: it runs on the host wherever).
 
 A config is a list of `[[study]]` tables; each `kind` has its own keys (listed after the options,
 and in the shipped configs). Every point is validated before anything runs; points whose rows are already in
@@ -17,8 +21,9 @@ kinds:
               mode, and decode tokens/s at that batch (the paper's peak generation throughput; DSA's
               hybrid: `hybrid_batch`) -> throughput.csv
 - serving:    requests joining and leaving one batch (hisparse.serving) under the GPU and host budgets,
-              a closed loop of C clients per concurrency level (or Poisson arrivals per rate), each mode:
-              output tokens/s, TTFT, TPOT, running batch -> serving.csv
+              a closed loop of C clients per concurrency level (or Poisson arrivals per rate, or
+              bench_serving's random dataset per request_rate), each mode: output tokens/s, TTFT,
+              TPOT, running batch -> serving.csv
 
 Models: "tiny:<family>" (a small random model of a hisparse.models.tiny family: deepseek_v32,
 glm_moe_dsa, llama, qwen3), "dsa" (DSA's real KV geometry: 128 heads, 512 + 64 latents, k = 2048, a
@@ -67,10 +72,20 @@ from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model, check_checkpoint, load_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_
 from hisparse.resolve import MAX_SLOTS, CacheState
-from hisparse.results import append_rows, environment, read_stored_rows
+from hisparse.results import (
+    DEFAULT_OUT,
+    HOST_BENCHES,
+    OUT_HELP,
+    append_rows,
+    cpu_rows_refused,
+    environment,
+    out_note,
+    read_stored_rows,
+)
 from hisparse.runtime import nbytes
-from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server
-from hisparse.serving.workload import REQUESTS_PER_CLIENT, serving_request_count, serving_requests
+from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server, benchmark_summary
+from hisparse.serving.request import DIALECT_METRICS
+from hisparse.serving.workload import REQUESTS_PER_CLIENT, RandomWorkload, serving_request_count, serving_requests
 from hisparse.synthetic import (
     PRESETS,
     batch_workload,
@@ -93,13 +108,16 @@ KEYS = {
     "serving": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "input_len", "output_len", "concurrency",
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
                 "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "graph", "token_budget",
-                "decode_backend", "workload", "kv_dtype"},
+                "decode_backend", "workload", "kv_dtype", "request_rate", "num_prompts", "range_ratio",
+                "max_concurrency", "seed"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
             "serving": {"model", "modes", "input_len", "output_len", "kv_budget_gib"}}
 DEFAULTS = {"new_tokens": 8, "warmup_steps": 1, "max_batch": 256,     # optional keys validate fills in
-            "requests_per_client": REQUESTS_PER_CLIENT, "requests": 8, "prefill_chunk": 8192}
+            "requests_per_client": REQUESTS_PER_CLIENT, "requests": 8, "prefill_chunk": 8192,
+            "num_prompts": 8, "range_ratio": 1.0, "seed": 0}
+DIALECT_KEYS = ("num_prompts", "range_ratio", "max_concurrency", "seed")   # a request_rate study's own
 TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
 TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 # what each key means and, for an optional one, its default (`--help` lists them per kind)
@@ -126,8 +144,17 @@ KEY_HELP = {
     "max_batch": f"largest batch tried; serving: the most lanes ({DEFAULTS['max_batch']})",
     "input_len": "serving: prompt tokens of every request",
     "output_len": "serving: tokens each request generates (its first from the prefill)",
-    "concurrency": "serving: closed-loop client counts, one or a list (or rates)",
-    "rates": "serving: open-loop Poisson arrival rates, requests/s, one or a list (or concurrency)",
+    "concurrency": "serving: closed-loop client counts, one or a list (or rates, or request_rate)",
+    "rates": "serving: open-loop Poisson arrival rates, requests/s, one or a list (or concurrency, or request_rate)",
+    "request_rate": "serving: bench_serving's random dataset at these Poisson rates, requests/s (inf: every "
+                    "request at once), one or a list (or concurrency, or rates); its points carry request_rate, "
+                    "num_prompts, range_ratio, max_concurrency and seed",
+    "num_prompts": f"serving, with request_rate: requests per rate ({DEFAULTS['num_prompts']})",
+    "range_ratio": f"serving, with request_rate: prompt and output lengths uniform over [len * range_ratio, len], "
+                   f"in (0, 1] ({DEFAULTS['range_ratio']}: input_len in, output_len out; a preset workload takes 1)",
+    "max_concurrency": "serving, with request_rate: at most this many requests out at once, a request due while "
+                       "they are waits for one to end (no cap)",
+    "seed": f"serving, with request_rate: the seed of lengths, prompts and arrivals ({DEFAULTS['seed']})",
     "requests_per_client": f"serving, closed loop: requests each client sends ({DEFAULTS['requests_per_client']}; "
                            "another value is carried in the rows' requests_per_client column, the default's "
                            "leave it empty)",
@@ -460,7 +487,8 @@ def done_points(path: Path) -> pd.DataFrame | None:
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
 OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "prefill_layers", "prefill_sms", "requests_per_client",
-                       "transport"}   # transport: HTTP rows (hisparse.serve.bench)
+                       "transport",   # transport: HTTP rows (hisparse.serve.bench)
+                       "request_rate", "num_prompts", "range_ratio", "max_concurrency", "seed"}   # request_rate points
 
 
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
@@ -747,9 +775,18 @@ def validate_serving(study: dict, where: str) -> None:
     """A serving study's own keys: lengths, load (concurrency or rates), counts."""
     for key in ("input_len", "output_len"):
         _positive_int(study, key, where)
-    if ("concurrency" in study) == ("rates" in study):
-        raise ConfigError(f"{where}: give concurrency (closed loop) or rates (open loop), one of them")
-    if "concurrency" in study:
+    loads = [key for key in ("concurrency", "rates", "request_rate") if key in study]
+    if len(loads) != 1:
+        raise ConfigError(f"{where}: give concurrency (closed loop), rates (open loop) or request_rate "
+                          f"(bench_serving's random dataset), one of them"
+                          + (f"; this study gives {loads}" if loads else ""))
+    stray = [key for key in DIALECT_KEYS if key in study and "request_rate" not in study]
+    if stray:
+        raise ConfigError(f"{where}: {stray[0]} = {study[stray[0]]!r} belongs to a request_rate study (bench_serving's "
+                          f"random dataset); this one gives {loads[0]}")
+    if "request_rate" in study:
+        validate_request_rate(study, where)
+    elif "concurrency" in study:
         study["concurrency"] = _positive_ints(study, "concurrency", where)
         study.setdefault("requests_per_client", DEFAULTS["requests_per_client"])
         _positive_int(study, "requests_per_client", where)
@@ -788,16 +825,43 @@ def validate_serving(study: dict, where: str) -> None:
         raise ConfigError(f"{where}: cache_slots = {slots!r}: a serving study takes one B")
 
 
+def validate_request_rate(study: dict, where: str) -> None:
+    """A request_rate study's keys, as RandomWorkload checks them (its errors name the key)."""
+    rates = study["request_rate"] if isinstance(study["request_rate"], list) else [study["request_rate"]]
+    if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and not math.isnan(r) and r > 0
+                            for r in rates):
+        raise ConfigError(f"{where}: request_rate = {study['request_rate']!r}: expected a positive number of "
+                          f"requests/s (or inf: every request at once), or a list of them")
+    _listed_once(rates, "request_rate", where)
+    study["request_rate"] = rates
+    for key in ("num_prompts", "range_ratio", "seed"):
+        study.setdefault(key, DEFAULTS[key])
+    try:
+        for rate in rates:
+            RandomWorkload(study["input_len"], study["output_len"], study["num_prompts"], study["range_ratio"], rate,
+                           study.get("max_concurrency"), study["seed"])
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if study.get("workload", "model") != "model" and study["range_ratio"] != 1:
+        raise ConfigError(f"{where}: range_ratio = {study['range_ratio']!r} with workload = {study['workload']!r}: a "
+                          f"preset's draws are made for input_len prompt and output_len output tokens; take "
+                          f"range_ratio = 1 or workload = 'model'")
+
+
 def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     """One point per load level (concurrency or rate), prefill chunk, prefill overlap and mode, the
     modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True;
     the others leave it out (their rows, as before the key existed, leave the column empty), and
     prefill_layers where it is not the Server's default, prefill_sms where set. A closed-loop point
-    carries requests_per_client where it is not the default 2 (e.g. a longer run of the same level)."""
+    carries requests_per_client where it is not the default 2 (e.g. a longer run of the same level).
+    A request_rate point leaves concurrency and rate empty and carries request_rate, num_prompts,
+    range_ratio, max_concurrency and seed (the other points leave them out)."""
     layers = study.get("prefill_layers", PREFILL_LAYERS)
     overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {}),
                   **({"prefill_sms": study["prefill_sms"]} if "prefill_sms" in study else {})}
-    loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])]
+    loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])] \
+        + [("request_rate", r) for r in study.get("request_rate", [])]
+    dialect = {key: study.get(key) for key in DIALECT_KEYS}
     per_client = study.get("requests_per_client", DEFAULTS["requests_per_client"])
     not_two = {} if per_client == DEFAULTS["requests_per_client"] else {"requests_per_client": per_client}
     out = []
@@ -808,7 +872,8 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
                         kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
                         prefill_chunk=chunk, **(overlapped if overlap else {}),
-                        **(not_two if key == "concurrency" else {})))
+                        **(not_two if key == "concurrency" else {}),
+                        **(dict(request_rate=level, **dialect) if key == "request_rate" else {})))
     return out
 
 
@@ -825,7 +890,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
         for r, draw in zip(reqs, draws, strict=True):
             r.selections = draw
         selections = draws[0]                    # sizes the server's replay buffer
-    max_batch = min(study["max_batch"], clients) if clients else study["max_batch"]
+    cap = clients or point.get("max_concurrency")        # never more requests out than this: no more lanes
+    max_batch = min(study["max_batch"], cap) if cap else study["max_batch"]
     quest = {} if point.get("token_budget") is None else {"token_budget": point["token_budget"]}
     server = Server(model, point["mode"], cache_slots=point["cache_slots"],
                     max_context=point["input_len"] + point["output_len"], kv_budget_gib=point["kv_budget_gib"],
@@ -843,12 +909,17 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                        selections=reqs[0].selections)
         server.serve([warm])
         serving_warmed.add(warm_key)
-    run = server.serve(reqs, clients=clients, progress=True)
+    run = server.serve(reqs, clients=clients, progress=True, max_concurrency=point.get("max_concurrency"))
     summary = run.summary()
+    if point.get("request_rate") is not None:            # the dialect's figures beside the percentiles
+        dialect = benchmark_summary(run.requests, min(r.arrival for r in run.requests),
+                                    sum(len(r.prompt) for r in run.requests))
+        summary.update({m: dialect[m] for m in DIALECT_METRICS})
     hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)
     units = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens",
              "running_batch_mean": "requests", "running_batch_max": "requests",
-             "resident_admissions": "requests", "demotions": "requests", "resident_steps": "steps"}
+             "resident_admissions": "requests", "demotions": "requests", "resident_steps": "steps",
+             "request_throughput": "requests/s", "input_throughput": "tokens/s"}
     rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
     rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
              dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),
@@ -865,7 +936,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, epilog=keys_help(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="sweep config (TOML); default: %(default)s")
-    ap.add_argument("--out", default="results", help="folder for the result CSVs (default: results)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
     ap.add_argument("--force", action="store_true", help="rerun points already in the results")
     ap.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
     ap.add_argument("--kind", choices=sorted(KEYS), action="append",
@@ -939,6 +1010,11 @@ def main(argv=None) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         print(f"error: --out {out_dir} is a file, not a folder for the result CSVs", file=sys.stderr)
         return 2
+    timed = sorted({points(s)[0]["bench"] for s in studies} - set(HOST_BENCHES))
+    why = cpu_rows_refused(out_dir, gpu, timed[0]) if timed else None
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     todo, rerun = [], 0                 # rerun: points stored, but run another way than the config asks
     on_gpu = device.type == "cuda"
     try:
@@ -972,7 +1048,8 @@ def main(argv=None) -> int:
               "for --runs-per-process", file=sys.stderr)
         return 2
     total = sum(len(points(s)) for s in studies)
-    print(f"{args.config}: {total} points, {total - pending} already in {out_dir}/, {pending} to run on {gpu}"
+    where = out_note(out_dir)
+    print(f"{args.config}: {total} points, {total - pending} already in {out_dir}/{where}, {pending} to run on {gpu}"
           + (f" ({rerun} of them stored from runs made another way, in new_tokens, warmup_steps, graph, prefetch "
              f"or decode_backend: they run again, and the figures read a point's newest rows)" if rerun else "")
           + (f"; --only {' '.join(k + '=' + ','.join(v) for k, v in only)}: {len(todo)} of them" if only else ""))
@@ -1016,7 +1093,8 @@ def main(argv=None) -> int:
             print(f"{decode_runs} decode runs in this process: going on in a fresh one", flush=True)
             sys.stderr.flush()
             os.execv(sys.executable, [sys.executable, "-m", "experiments.sweep", *sys.argv[1:]])
-    print(f"done: rows appended under {out_dir}/; draw figures with python -m experiments.figures")
+    print(f"done: rows appended under {out_dir}/{where}; draw figures with python -m experiments.figures "
+          f"--results {out_dir}")
     return 0
 
 

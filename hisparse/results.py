@@ -1,7 +1,15 @@
 """Long-format result rows (DESIGN section 9): one row per (configuration, metric).
 
 Every row carries the GPU, software versions, commit and timestamp, so a number can be traced to
-what made it. Appends never rewrite rows already stored: a failed run leaves the file as it was.
+what made it. Appends never rewrite rows already stored: a failed run leaves the file as it was,
+and rows that bring new columns rewrite the file under the widened header, the old rows' values
+as they were (empty in the new columns).
+
+Where rows go: every command that writes them (the sweep, the benchmarks, the HTTP load client)
+writes to `DEFAULT_OUT` (out/, which git ignores) unless told `--out results`, the committed
+results the README's tables cite; those hold GPU rows only (and the policy study's simulation,
+which runs on the host), so CPU rows of a timed bench are refused there (`check_out_folder`,
+before the run, and `append_rows`).
 """
 from __future__ import annotations
 
@@ -35,6 +43,11 @@ STAMPS = ("gpu", "torch", "triton", "commit", "timestamp")  # where and with wha
 
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent     # the checkout holding hisparse/
+COMMITTED_RESULTS = PACKAGE_ROOT / "results"               # the rows the README cites: GPU rows only
+DEFAULT_OUT = "out"                                        # where runs write unless told: git ignores /out/
+HOST_BENCHES = ("policies",)        # simulations that run on the host wherever: their committed rows say cpu
+OUT_HELP = (f"folder for the result CSVs (default: {DEFAULT_OUT}/, which git ignores; --out results appends to the "
+            f"committed results, GPU rows only)")
 
 
 def current_commit(root: Path = PACKAGE_ROOT) -> str:
@@ -74,11 +87,42 @@ def environment() -> dict:
     }
 
 
-def check_out_folder(parser, out: str | os.PathLike) -> None:
+def is_committed_results(out: str | os.PathLike) -> bool:
+    """Whether `out` is this checkout's results/ folder (the committed rows)."""
+    return Path(out).resolve() == COMMITTED_RESULTS.resolve()
+
+
+def out_note(out: str | os.PathLike) -> str:
+    """What a run prints beside its --out: the committed results, or a folder git ignores (out/ of
+    this checkout, or anything in it), or nothing."""
+    folder = Path(out).resolve()
+    if is_committed_results(folder):
+        return " (the committed results)"
+    ignored = (PACKAGE_ROOT / DEFAULT_OUT).resolve()
+    return " (git ignores it)" if folder == ignored or ignored in folder.parents else ""
+
+
+def cpu_rows_refused(out: str | os.PathLike, gpu: str, bench: str = "") -> str | None:
+    """Why rows measured on `gpu` ("cpu": none) of `bench` may not go to `out`, or None: CPU rows
+    of a timed bench never mix into the committed GPU results."""
+    if gpu != "cpu" or bench in HOST_BENCHES or not is_committed_results(out):
+        return None
+    return (f"--out {out} is the committed results, which hold GPU rows only (the README's tables cite them), and "
+            f"these {bench + ' ' if bench else ''}rows come from a machine without a GPU: write them to another "
+            f"--out (default {DEFAULT_OUT}/, which git ignores)")
+
+
+def check_out_folder(parser, out: str | os.PathLike, host_only: bool = False) -> None:
     """Before any work: an --out that exists as a file (not a folder for result CSVs) is the
-    parser's error, not a failure at the first write after the run."""
+    parser's error, not a failure at the first write after the run; so is the committed results
+    folder on a machine without a GPU (`cpu_rows_refused`), unless the run is a host-only study.
+    Then it says where the rows go (a run that writes none, a --tune, says it all the same)."""
     if Path(out).exists() and not Path(out).is_dir():
         parser.error(f"--out {out} is a file, not a folder for the result CSVs")
+    why = None if host_only else cpu_rows_refused(out, "cuda" if torch.cuda.is_available() else "cpu")
+    if why:
+        parser.error(why)
+    print(f"result rows go to {Path(out)}/{out_note(out)}", flush=True)
 
 
 class NotResultsCSV(ValueError):
@@ -154,7 +198,8 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     Missing standard columns are left empty and the environment columns are filled in, unless a row
     brings all of its own (rows measured elsewhere, copied here: gpu, torch, triton, commit and
     timestamp, none empty); extra parameter columns are kept, new ones after the file's own. The
-    file is rewritten through a temporary file and a rename, under a lock on its folder, so an
+    file is rewritten through a temporary file and a rename (rows bringing new columns: under the
+    union header, every old row's fields as they were and empty in the new columns), under a lock on its folder, so an
     interrupted write never truncates the rows already there and concurrent appends lose none; the
     file keeps its mode (and a byte-order mark), and a symlink's target is written, the link kept.
     (A file with other hard links is replaced under this name only; its owner becomes the writer.)
@@ -178,6 +223,10 @@ def append_rows(path: str | os.PathLike, rows: list[dict]) -> pd.DataFrame:
     env = environment()
     new = pd.DataFrame([{**env, **row} for row in rows])
     path = Path(path)
+    for row in rows:
+        why = cpu_rows_refused(path.parent, row.get("gpu", env["gpu"]), str(row["bench"]))
+        if why:
+            raise ValueError(f"{why}; nothing was written to {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     target = Path(os.path.realpath(path))        # through a symlink to its target: the link stays a link
     if target.is_symlink():

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
-from hisparse.results import COLUMNS, append_rows, current_commit, read_stored_rows
+from hisparse.results import COLUMNS, append_rows, current_commit, read_stored_rows, stored_table
 
 
 def test_append_keeps_old_rows_verbatim(tmp_path):
@@ -215,3 +216,64 @@ def test_a_loop_of_symlinks_is_refused_and_left_a_link(tmp_path):
     with pytest.raises(OSError, match="a loop of symlinks"):
         append_rows(a, [dict(bench="b", metric="us", value=1.0, unit="us")])
     assert a.is_symlink() and b.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "b.csv"]
+
+
+def test_rows_with_new_columns_rewrite_the_file_under_the_union_header_old_rows_intact(tmp_path):
+    """New columns widen the header (the file's own order first, the new ones after); every old
+    row keeps each field as it was, text and quoting included, and gets one empty field per new
+    column (the only change to its line); every line has the header's field count."""
+    path = tmp_path / "decode.csv"
+    append_rows(path, [dict(bench="decode", mode="m", cache_slots=4096, metric="tpot_ms", value="1.50", unit="ms",
+                            note="a, b \"quoted\"")])
+    append_rows(path, [dict(bench="decode", metric="tpot_ms", value=2.0, unit="ms")])
+    before = path.read_text().splitlines()
+    append_rows(path, [dict(bench="decode", mode="m", metric="tpot_ms", value=3.0, unit="ms", prefetch=True,
+                            graph=False)])
+    after = path.read_text().splitlines()
+    header, body, _ = stored_table(path)
+    assert header == before[0].split(",") + ["prefetch", "graph"] and after[0] == before[0] + ",prefetch,graph"
+    assert [after[i] for i in (1, 2)] == [before[i] + ",," for i in (1, 2)]
+    assert all(len(row) == len(header) for row in body.values())
+    old = read_stored_rows(path)
+    assert old.loc[2, "value"] == "1.50" and old.loc[2, "cache_slots"] == "4096"
+    assert old.loc[2, "note"] == 'a, b "quoted"' and old.loc[2, "prefetch"] == ""
+    assert old.loc[4, "prefetch"] == "True" and old.loc[4, "graph"] == "False" and old.loc[4, "note"] == ""
+    append_rows(path, [dict(bench="decode", metric="tpot_ms", value=4.0, unit="ms")])   # fewer columns: kept
+    assert path.read_text().splitlines()[:4] == after
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU: its rows belong in results/")
+def test_cpu_rows_of_a_timed_bench_never_go_into_the_committed_results(tmp_path, monkeypatch, capsys):
+    """append_rows refuses them (nothing written), the policy study's host rows and rows measured on
+    a GPU elsewhere pass; check_out_folder refuses such an --out before the run, and says where rows go."""
+    import argparse
+
+    import hisparse.results as results
+    committed = tmp_path / "results"
+    monkeypatch.setattr(results, "COMMITTED_RESULTS", committed)
+    with pytest.raises(ValueError, match=r"--out .*results is the committed results, which hold GPU rows only .* "
+                                         r"these decode rows come from a machine without a GPU"):
+        append_rows(committed / "decode.csv", [dict(bench="decode", metric="tpot_ms", value=1.0, unit="ms")])
+    assert not (committed / "decode.csv").exists()
+    append_rows(committed / "policies.csv", [dict(bench="policies", metric="miss_rate", value=0.1, unit="fraction")])
+    append_rows(committed / "decode.csv", [dict(bench="decode", metric="tpot_ms", value=1.0, unit="ms",
+                                                gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc",
+                                                timestamp="2026-01-01T00:00:00+00:00")])
+    parser = argparse.ArgumentParser()
+    with pytest.raises(SystemExit):
+        results.check_out_folder(parser, committed)
+    assert "which hold GPU rows only" in capsys.readouterr().err
+    results.check_out_folder(parser, committed, host_only=True)
+    results.check_out_folder(parser, tmp_path / "mine")
+    printed = capsys.readouterr().out
+    assert f"result rows go to {committed}/ (the committed results)" in printed
+    assert f"result rows go to {tmp_path / 'mine'}/\n" in printed
+
+
+def test_the_default_out_is_a_folder_git_ignores():
+    """Every command's default --out is out/, which the checkout's .gitignore covers."""
+    from hisparse.results import DEFAULT_OUT, PACKAGE_ROOT, out_note
+    assert DEFAULT_OUT == "out" and out_note(PACKAGE_ROOT / "out" / "sweep") == " (git ignores it)"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "out/decode.csv"], cwd=PACKAGE_ROOT)
+    if (PACKAGE_ROOT / ".git").exists():
+        assert ignored.returncode == 0, "out/ is not git-ignored"

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import aiohttp
@@ -393,6 +394,68 @@ def test_load_client_writes_http_rows(resident, tmp_path):
     assert rows.concurrency.unique().tolist() == [2] and rows.input_len.unique().tolist() == [12]
     for column in ("family", "k", "unit_bytes", "layers", "hidden", "kv_budget_gib", "prefill_chunk", "gpu", "commit"):
         assert column in rows and rows[column].notna().all(), column
+
+
+def test_load_client_speaks_the_random_dataset(resident, tmp_path, capsys):
+    """--dataset random: num_prompts requests of the drawn lengths (RandomWorkload's), every one
+    served; the rows carry the workload's columns and the dialect's figures; the summary block is
+    printed for each rate."""
+    from hisparse.serving.workload import RandomWorkload
+    argv = ["--url", resident.url, "--dataset", "random", "--random-input-len", "12", "--random-output-len", "4",
+            "--random-range-ratio", "0.5", "--num-prompts", "5", "--request-rate", "inf,50", "--max-concurrency",
+            "2", "--seed", "3", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rows = pd.read_csv(tmp_path / "serving.csv")
+    assert sorted(rows.request_rate.unique()) == [50.0, float("inf")]
+    for column, value in (("num_prompts", 5), ("range_ratio", 0.5), ("max_concurrency", 2), ("seed", 3),
+                          ("input_len", 12), ("output_len", 4)):
+        assert rows[column].unique().tolist() == [value], column
+    assert rows.concurrency.isna().all() and rows.rate.isna().all() and set(rows.transport) == {"http"}
+    drawn = RandomWorkload(12, 4, 5, 0.5, 50.0, 2, 3).requests(VOCAB)
+    for _, one in rows.groupby("request_rate"):
+        value = dict(zip(one.metric, one.value))
+        assert value["requests"] == 5 and value["failed_requests"] == 0
+        assert value["output_tokens"] == sum(r.max_new_tokens for r in drawn)
+        assert value["input_throughput"] > value["request_throughput"] > 0 and value["ttft_ms_mean"] > 0
+    printed = capsys.readouterr().out
+    assert printed.count("Serving benchmark result") == 2 and "Max concurrency:" in printed
+    assert re.search(r"^Request rate \(req/s\): +inf$", printed, re.M)
+    assert re.search(r"^Completed requests: +5$", printed, re.M)
+
+
+def test_the_load_client_holds_max_concurrency_and_sends_at_the_arrivals(monkeypatch):
+    """open_loop with a cap: never more than that many streams out at once, none sent before its
+    arrival, each with its own output length; without one, all at once."""
+    out, most, sent = 0, [0], {}
+
+    async def fake(session, url, prompt, max_tokens):
+        nonlocal out
+        out += 1
+        most[0] = max(most[0], out)
+        sent[prompt[0]] = (time.perf_counter(), max_tokens)
+        await asyncio.sleep(0.02)
+        out -= 1
+        return bench.Timing(sent[prompt[0]][0], [time.perf_counter()])
+    monkeypatch.setattr(bench, "stream_completion", fake)
+    arrivals = [0.0, 0.0, 0.0, 0.01, 0.05, 0.05]
+    start = time.perf_counter()
+    asyncio.run(bench.open_loop(None, "", [[i] for i in range(6)], [1, 2, 3, 4, 5, 6], arrivals, 2))
+    assert most[0] == 2 and all(sent[i][0] - start >= arrivals[i] for i in range(6))
+    assert [sent[i][1] for i in range(6)] == [1, 2, 3, 4, 5, 6]
+    most[0] = 0
+    asyncio.run(bench.open_loop(None, "", [[i] for i in range(6)], 3, [0.0] * 6))
+    assert most[0] == 6
+
+
+def test_the_load_client_refuses_another_datasets_options(capsys):
+    for argv, message in ((["--dataset", "random", "--rate", "1"], "--rate belongs to --dataset study"),
+                          (["--request-rate", "inf", "--concurrency", "2"], "--request-rate belongs to --dataset random"),
+                          ([], "give one of --concurrency (closed loop) and --rate (open loop)"),
+                          (["--dataset", "random", "--random-range-ratio", "0"], "expected a number in (0, 1]"),
+                          (["--dataset", "random", "--request-rate", "0,inf"], "expected a positive float (or inf)"),
+                          (["--dataset", "random", "--seed", "-2"], "--seed: expected an integer in [0, ")):
+        assert bench.main(argv) == 2
+        assert message in capsys.readouterr().err, argv
 
 
 def test_a_replayed_workload_gives_each_request_its_draw_and_refuses_other_shapes():

@@ -747,7 +747,9 @@ def test_a_shared_indexer_layer_replays_its_anchors_draw(tmp_path):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (("concurrency = [2]", "concurrency = [2]\nrates = [1.0]"), "give concurrency .* or rates .*, one of them"),
+    (("concurrency = [2]", "concurrency = [2]\nrates = [1.0]"),
+     r"give concurrency \(closed loop\), rates \(open loop\) or request_rate .*, one of them; this study gives "
+     r"\['concurrency', 'rates'\]"),
     (("concurrency = [2]", "rates = [0.0]"), r"rates = \[0.0\]: expected a positive number"),
     (("cache_slots = 16", "cache_slots = [16, 32]"), r"cache_slots = \[16, 32\]: a serving study takes one B"),
     (("output_len = 3", "output_len = 0"), "output_len = 0: expected one positive integer"),
@@ -758,6 +760,60 @@ def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message
     old, new = edit
     assert old in SERVING
     assert sweep.main(["--config", write(tmp_path, SERVING.replace(old, new, 1)), "--out", str(tmp_path / "o")]) == 2
+    assert not list(tmp_path.glob("o/*.csv"))
+    assert re.search(message, capsys.readouterr().err)
+
+
+DIALECT = SERVING.replace("concurrency = [2]\nrequests_per_client = 1", """request_rate = [inf, 20.0]
+num_prompts = 3
+range_ratio = 0.5
+max_concurrency = 2
+seed = 1""").replace('modes = ["resident", "hisparse"]', 'modes = ["hisparse"]').replace('workload = "tiny"',
+                                                                                          'workload = "model"')
+
+
+def test_a_request_rate_study_runs_the_random_dataset_and_its_points_carry_it(tmp_path, capsys):
+    """bench_serving's random dataset in process: per rate, num_prompts requests of the drawn lengths
+    served (the output tokens are the drawn ones), the workload's keys as columns, the dialect's
+    figures as rows; a rerun finds every point done, and a rates point is not done by these rows."""
+    from hisparse.serving.workload import RandomWorkload
+    config, out = write(tmp_path, DIALECT), tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "serving.csv")
+    assert sorted(rows.request_rate.unique()) == [20.0, float("inf")]
+    for column, value in (("num_prompts", 3), ("range_ratio", 0.5), ("max_concurrency", 2), ("seed", 1),
+                          ("input_len", 60), ("output_len", 3)):
+        assert rows[column].unique().tolist() == [value], column
+    assert rows.concurrency.isna().all() and rows.rate.isna().all()
+    drawn = RandomWorkload(60, 3, 3, 0.5, 20.0, 2, 1).requests(97)
+    for _, one in rows.groupby("request_rate"):
+        value = dict(zip(one.metric, one.value))
+        assert value["requests"] == 3 and value["output_tokens"] == sum(r.max_new_tokens for r in drawn)
+        assert value["lanes"] <= 2 and value["running_batch_max"] <= 2
+        for metric in ("request_throughput", "input_throughput", "ttft_ms_mean", "latency_ms_mean", "tokens_per_s"):
+            assert value[metric] > 0, metric
+    assert sweep.main(["--config", config, "--out", str(out), "--dry-run"]) == 0
+    assert "2 points, 2 already in" in capsys.readouterr().out
+    done = sweep.done_points(out / "serving.csv")
+    open_loop = {"bench": "serving", "mode": "hisparse", "concurrency": None, "rate": 20.0, "input_len": 60}
+    assert not sweep.already_done(done, open_loop, "cpu")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("request_rate = [inf, 20.0]", "request_rate = [0, inf]"),
+     r"request_rate = \[0, inf\]: expected a positive number"),
+    (("request_rate = [inf, 20.0]", "request_rate = [inf, inf]"), r"request_rate = \[inf, inf\] lists inf twice"),
+    (("range_ratio = 0.5", "range_ratio = 0"), r"range_ratio = 0: expected a number in \(0, 1\]"),
+    (("num_prompts = 3", "num_prompts = 0"), r"num_prompts = 0: expected a positive integer"),
+    (("max_concurrency = 2", "max_concurrency = 0"), r"max_concurrency = 0: expected a positive integer"),
+    (("seed = 1", "seed = -1"), r"seed = -1: expected an integer in \[0, "),
+    (("request_rate = [inf, 20.0]", "concurrency = [2]"), r"num_prompts = 3 belongs to a request_rate study"),
+    (('workload = "model"', 'workload = "tiny"'), r"range_ratio = 0.5 with workload = 'tiny': a preset's draws"),
+], ids=["rate-0", "rate-twice", "ratio-0", "prompts-0", "cap-0", "seed-neg", "with-concurrency", "ratio-preset"])
+def test_bad_request_rate_studies_fail_before_running(tmp_path, capsys, edit, message):
+    old, new = edit
+    assert old in DIALECT
+    assert sweep.main(["--config", write(tmp_path, DIALECT.replace(old, new, 1)), "--out", str(tmp_path / "o")]) == 2
     assert not list(tmp_path.glob("o/*.csv"))
     assert re.search(message, capsys.readouterr().err)
 
@@ -902,3 +958,29 @@ def test_the_sweep_starts_a_fresh_process_before_a_graphed_hybrid_run_would_be_t
     assert "graph" not in point
     assert sweep.over_limit(2, study[0], point, True, 3) and not sweep.over_limit(1, study[0], point, True, 3)
     assert not sweep.over_limit(2, study[0], point, False, 3)       # no graphs on the CPU: one run
+
+
+def test_the_default_sweep_writes_to_out_and_leaves_the_committed_results_alone(tmp_path, monkeypatch, capsys):
+    """Without --out the rows go to out/ (the README's first command: git ignores it, and says so);
+    --out results is refused on a machine without a GPU before any point runs (the committed
+    results hold GPU rows only); every file under results/ keeps its bytes and mtime throughout."""
+    import hashlib
+
+    from hisparse.results import COMMITTED_RESULTS, PACKAGE_ROOT
+
+    def snapshot():
+        return {p: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+                for p in sorted(COMMITTED_RESULTS.rglob("*")) if p.is_file()}
+    before = snapshot()
+    monkeypatch.chdir(PACKAGE_ROOT)                    # where the README's command runs
+    assert sweep.main(["--dry-run"]) == 0
+    assert "already in out/ (git ignores it)" in capsys.readouterr().out
+    config = write(tmp_path, TINY)
+    if not torch.cuda.is_available():
+        assert sweep.main(["--config", config, "--out", "results"]) == 2
+        assert "--out results is the committed results, which hold GPU rows only" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert sweep.main(["--config", config]) == 0
+    assert "done: rows appended under out/" in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"decode.csv", "throughput.csv"}
+    assert snapshot() == before

@@ -12,5 +12,5 @@ so a new request waits at most one iteration to be admitted.
 Files: `protocol.py` (the completions format: request checks, response bodies), `worker.py`
 (the thread), `metrics.py` (GET /metrics: prometheus_client, a registry per server thread), `app.py`
 (handlers, shutdown), `__main__.py` (the command), `bench.py` (the load client: closed and open
-loops over HTTP, rows into results/serving.csv).
+loops over HTTP and bench_serving's random dataset, rows into serving.csv under --out).
 """

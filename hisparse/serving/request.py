@@ -1,4 +1,6 @@
-"""A request, what a run records of it, and the run's summary (TTFT, TPOT, ITL, latency percentiles).
+"""A request, what a run records of it, and the run's summaries: TTFT, TPOT, ITL and latency
+percentiles (`timing_summary`, the rows' metrics), and the serving benchmarks' figures
+(`benchmark_summary`, printed by `format_summary`).
 
 The timings are host times in seconds after the run's start: a request's `arrival`, and one entry
 of `token_times` per token, taken after the decode step's tokens were read on the host. The HTTP
@@ -142,6 +144,67 @@ def timing_summary(done: list[TokenTimeline], first_start: float, itl: bool = Tr
         for q in (50, 90, 99):
             out[f"{name}_ms_p{q}"] = percentile(values, q) * 1e3
     return out
+
+
+# the figures of `benchmark_summary` that a request_rate point's rows add to `timing_summary`'s
+DIALECT_METRICS = ("request_throughput", "input_throughput", "ttft_ms_mean", "tpot_ms_mean", "itl_ms_mean",
+                   "latency_ms_mean")
+
+
+def benchmark_summary(done: list[TokenTimeline], first_start: float,
+                      input_tokens: int | None = None) -> dict[str, float]:
+    """What the serving benchmarks' dialect (`sglang.bench_serving`, `vllm bench serve`) reports:
+    completed requests, the duration (`first_start` to the last token, as `timing_summary`'s span),
+    input and output tokens and their throughputs (input: nan where `input_tokens` is not given),
+    requests/s, and the mean, median and 99th percentile (ms) of TTFT, TPOT, ITL and end-to-end
+    latency (`latency`, as `timing_summary` names it)."""
+    duration = max((r.token_times[-1] for r in done), default=0.0) - first_start
+    per_s = (lambda n: n / duration) if done and duration > 0 else (lambda n: math.nan)
+    output_tokens = sum(len(r.token_times) for r in done)
+    out = {"requests": len(done), "duration_s": duration if done else math.nan,
+           "input_tokens": math.nan if input_tokens is None else input_tokens, "output_tokens": output_tokens,
+           "request_throughput": per_s(len(done)),
+           "input_throughput": math.nan if input_tokens is None else per_s(input_tokens),
+           "output_throughput": per_s(output_tokens)}
+    series = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None],
+              "itl": [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])],
+              "latency": [r.latency for r in done]}
+    for name, values in series.items():
+        out[f"{name}_ms_mean"] = sum(values) / len(values) * 1e3 if values else math.nan
+        out[f"{name}_ms_median"] = percentile(values, 50) * 1e3
+        out[f"{name}_ms_p99"] = percentile(values, 99) * 1e3
+    return out
+
+
+def format_summary(summary: dict[str, float], request_rate: float | None = None,
+                   max_concurrency: int | None = None, failed: int | None = None) -> str:
+    """`benchmark_summary`'s figures as the block bench_serving prints at the end of a run."""
+    def line(label: str, value) -> str:
+        text = value if isinstance(value, str) else f"{value:.2f}" if isinstance(value, float) else str(value)
+        return f"{label + ':':<42}{text:>10}"
+
+    def rule(title: str = "", fill: str = "-") -> str:
+        return f" {title} ".center(52, fill) if title else fill * 52
+    lines = [rule("Serving benchmark result", "="),
+             line("Request rate (req/s)", "not set" if request_rate is None else f"{request_rate:g}"),
+             line("Max concurrency", "not set" if max_concurrency is None else str(max_concurrency)),
+             line("Completed requests", summary["requests"])]
+    if failed is not None:
+        lines.append(line("Failed requests", failed))
+    lines += [line("Duration (s)", summary["duration_s"]),
+              line("Input tokens", "n/a" if math.isnan(summary["input_tokens"]) else int(summary["input_tokens"])),
+              line("Output tokens", summary["output_tokens"]),
+              line("Request throughput (req/s)", summary["request_throughput"]),
+              line("Input token throughput (tok/s)", summary["input_throughput"]),
+              line("Output token throughput (tok/s)", summary["output_throughput"])]
+    for name, title in (("ttft", "Time to first token"), ("tpot", "Time per output token (after the first)"),
+                        ("itl", "Inter-token latency"), ("latency", "End-to-end latency")):
+        short = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "latency": "E2E latency"}[name]
+        lines.append(rule(title))
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            lines.append(line(f"{label} {short} (ms)", summary[f"{name}_ms_{stat}"]))
+    lines.append(rule(fill="="))
+    return "\n".join(lines)
 
 
 @dataclass

@@ -76,12 +76,20 @@ def free_lane(lane_request: list[Request | None], reserved: int | None) -> int |
     return next((i for i, r in enumerate(lane_request) if r is None and i != reserved), None)
 
 
-def drive(server, requests: list[Request], clients: int | None, replay, progress: bool):
+def drive(server, requests: list[Request], clients: int | None, replay, progress: bool,
+          max_concurrency: int | None = None):
     """`Server.serve`: every request checked, a run opened (following `replay`, a schedule, if given),
     requests submitted and the server stepped until each finished: a closed loop of `clients` (request
     i sent by client i % clients once its previous one finished), or each at its arrival (clients
-    None), sleeping while nothing runs until the next one; the run closed (on an error, its requests
-    cancelled). progress: a line every 10 s. Returns the run, its requests in the caller's order."""
+    None), capped at `max_concurrency` out at once if given (request i sent at the later of its arrival
+    and the end of one of them: bench_serving's semaphore), sleeping while nothing runs until the next
+    one; the run closed (on an error, its requests cancelled). progress: a line every 10 s. Returns the
+    run, its requests in the caller's order."""
+    if max_concurrency is not None:
+        if clients is not None:
+            raise ValueError(f"max_concurrency = {max_concurrency!r} caps an open loop; a closed loop of "
+                             f"clients = {clients!r} has at most that many out already: give one of them")
+        max_concurrency = as_int(max_concurrency, "max_concurrency must be an int >= 1", 1)
     seen = {}
     for i, r in enumerate(requests):          # every request checked before anything runs
         if seen.setdefault(id(r), i) != i:
@@ -93,7 +101,7 @@ def drive(server, requests: list[Request], clients: int | None, replay, progress
             r.client = i % clients
     server.open(replay)
     try:
-        _loop(server, requests, clients, progress)
+        _loop(server, requests, clients, progress, max_concurrency)
         run = server.close()
     except BaseException:
         if server.is_open:
@@ -103,18 +111,24 @@ def drive(server, requests: list[Request], clients: int | None, replay, progress
     return run
 
 
-def _loop(server, requests: list[Request], clients: int | None, progress: bool) -> None:
-    for r in requests if clients is None else requests[:clients]:
+def _loop(server, requests: list[Request], clients: int | None, progress: bool, max_concurrency: int | None) -> None:
+    cap = clients if clients is not None else max_concurrency
+    for r in requests if cap is None else requests[:cap]:
         server.submit(r)
     place = {id(r): i for i, r in enumerate(requests)}
+    sent = len(requests) if cap is None else min(cap, len(requests))
     done, last_progress = 0, time.perf_counter()
     while done < len(requests):
         for r in server.step():
             done += 1
-            nxt = place[id(r)] + clients if clients is not None else len(requests)
-            if nxt < len(requests):                          # the client's next request, now
-                requests[nxt].arrival = r.token_times[-1]
-                server.submit(requests[nxt])
+            if clients is not None and place[id(r)] + clients < len(requests):   # the client's next, now
+                nxt = requests[place[id(r)] + clients]
+                nxt.arrival = r.token_times[-1]
+                server.submit(nxt)
+            elif clients is None and sent < len(requests):     # (capped) the next in line, once it arrives
+                requests[sent].arrival = max(requests[sent].arrival, r.token_times[-1])
+                server.submit(requests[sent])
+                sent += 1
         arrival = server.next_arrival()
         if not (server.prefilling or server.running or server.waiting) and arrival is not None:
             time.sleep(max(0.0, min(arrival - server.now(), 0.05)))   # idle until then

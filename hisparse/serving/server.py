@@ -306,12 +306,12 @@ class Server:
         return f"{queued} queued, {int(self._prefilling is not None)} prefilling, {len(self.running)} running"
 
     def serve(self, requests: list[Request], clients: int | None = None, replay: Schedule | None = None,
-              progress: bool = False) -> ServingRun:
+              progress: bool = False, max_concurrency: int | None = None) -> ServingRun:
         """Serve `requests` to the end; the run lists them in their order (rids: order of submission).
         clients: a closed loop of that many clients, request i sent by client i % clients as soon as
-        its previous one finished; None: each request arrives at its `arrival`. replay: run that
-        schedule (the same lanes) instead of choosing. progress: a line on stderr every 10 s."""
-        return drive(self, requests, clients, replay, progress)
+        its previous one finished; None: each at its `arrival`, at most max_concurrency out at once
+        (`drive`). replay: run that schedule (the same lanes). progress: a line on stderr every 10 s."""
+        return drive(self, requests, clients, replay, progress, max_concurrency)
 
     # -- inside an iteration -----------------------------------------------------------------------
 

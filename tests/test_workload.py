@@ -1,0 +1,149 @@
+"""bench_serving's random dataset (hisparse.serving.workload.RandomWorkload): the counts it promises
+(prompts, lengths within the range ratio, arrivals at the rate), one seed one workload, bad values
+refused by name; the study's own loads unchanged; max_concurrency held in an in-process run."""
+import math
+import re
+
+import pytest
+import torch
+
+from hisparse.serving import Server, benchmark_summary, format_summary, timing_summary
+from hisparse.serving.workload import RandomWorkload, serving_requests
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.01], ids=["ratio1", "ratio0.5", "ratio0.01"])
+def test_counts_and_lengths_within_the_range_ratio(ratio):
+    w = RandomWorkload(input_len=113, output_len=27, num_prompts=61, range_ratio=ratio, request_rate=3.0, seed=5)
+    reqs = w.requests(vocab=97)
+    assert len(reqs) == 61
+    for r in reqs:
+        assert max(1, int(113 * ratio)) <= len(r.prompt) <= 113 and r.prompt.dtype == torch.int64
+        assert max(1, int(27 * ratio)) <= r.max_new_tokens <= 27
+        assert 0 <= int(r.prompt.min()) and int(r.prompt.max()) < 97
+    lengths = {len(r.prompt) for r in reqs}
+    assert lengths == {113} if ratio == 1.0 else len(lengths) > 10     # drawn, not one value
+
+
+def test_lengths_are_uniform_over_the_range():
+    """Uniform over [len * ratio, len]: both ends reached, the mean near the middle."""
+    inputs, outputs = RandomWorkload(100, 10, 4000, range_ratio=0.5, seed=1).lengths()
+    assert min(inputs) == 50 and max(inputs) == 100 and abs(sum(inputs) / 4000 - 75) < 1.0
+    assert min(outputs) == 5 and max(outputs) == 10 and abs(sum(outputs) / 4000 - 7.5) < 0.15
+
+
+@pytest.mark.parametrize("rate", [0.5, 4.0, 250.0])
+def test_arrivals_are_poisson_at_the_rate(rate):
+    """Exponential gaps of mean 1 / rate: over 20 seeds of 200 arrivals (4000 gaps, standard error
+    1 / (rate * sqrt(4000)) of the mean), the mean gap within 5 standard errors of 1 / rate; the
+    gaps' coefficient of variation near 1 (an exponential's); arrivals increasing from after 0."""
+    gaps = []
+    for seed in range(20):
+        arrivals = RandomWorkload(8, 2, 200, request_rate=rate, seed=seed).arrivals()
+        assert arrivals[0] > 0 and all(b > a for a, b in zip(arrivals, arrivals[1:]))
+        gaps += [b - a for a, b in zip([0.0, *arrivals], arrivals)]
+    mean = sum(gaps) / len(gaps)
+    assert abs(mean - 1 / rate) < 5 / (rate * math.sqrt(len(gaps)))
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1))
+    assert 0.9 < sd / mean < 1.1
+
+
+def test_an_infinite_rate_sends_every_request_at_once():
+    w = RandomWorkload(8, 2, 17)
+    assert w.request_rate == math.inf and w.arrivals() == [0.0] * 17
+    assert [r.arrival for r in w.requests(50)] == [0.0] * 17
+
+
+def test_one_seed_one_workload_another_seed_another():
+    def drawn(seed):
+        reqs = RandomWorkload(40, 6, 12, range_ratio=0.3, request_rate=2.0, seed=seed).requests(1000)
+        return [(r.prompt.tolist(), r.max_new_tokens, r.arrival) for r in reqs]
+    assert drawn(3) == drawn(3)
+    other = drawn(4)
+    assert other != drawn(3)
+    assert [a for *_, a in other] != [a for *_, a in drawn(3)]
+    assert [p for p, *_ in other] != [p for p, *_ in drawn(3)]
+
+
+def test_the_study_loads_are_its_special_cases():
+    """serving_requests (the sweep's concurrency and rates loads) is RandomWorkload at seed 0 with
+    fixed lengths: the same prompts as before it existed (seeded per request 1000 + i), Poisson
+    arrivals from generator seed 0; a closed loop's arrivals all 0."""
+    point = {"concurrency": None, "rate": 0.7, "input_len": 9, "output_len": 5}
+    reqs, clients = serving_requests({"requests": 6}, point, 100)
+    assert clients is None and len(reqs) == 6
+    gaps = torch.empty(6).exponential_(generator=torch.Generator().manual_seed(0))
+    assert [r.arrival for r in reqs] == (gaps.cumsum(0) / 0.7).tolist()
+    for i, r in enumerate(reqs):
+        assert torch.equal(r.prompt, torch.randint(0, 100, (9,), generator=torch.Generator().manual_seed(1000 + i)))
+        assert r.max_new_tokens == 5
+    reqs, clients = serving_requests({"requests_per_client": 2}, dict(point, concurrency=3, rate=None), 100)
+    assert clients == 3 and len(reqs) == 6 and {r.arrival for r in reqs} == {0.0}
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("input_len", 0, r"input_len = 0: expected a positive integer"),
+    ("output_len", 2.5, r"output_len = 2.5: expected a positive integer"),
+    ("num_prompts", True, r"num_prompts = True: expected a positive integer"),
+    ("range_ratio", 0.0, r"range_ratio = 0.0: expected a number in \(0, 1\]"),
+    ("range_ratio", 1.5, r"range_ratio = 1.5: expected a number in \(0, 1\]"),
+    ("request_rate", 0, r"request_rate = 0: expected a positive number of requests/s, or inf"),
+    ("request_rate", math.nan, r"request_rate = nan: expected a positive number"),
+    ("max_concurrency", 0, r"max_concurrency = 0: expected a positive integer, or None"),
+    ("seed", -1, r"seed = -1: expected an integer in \[0, 2147483647\]"),
+])
+def test_bad_values_are_refused_naming_the_field(field, value, message):
+    kw = dict(input_len=8, output_len=2, num_prompts=3)
+    with pytest.raises(ValueError, match=message):
+        RandomWorkload(**{**kw, field: value})
+
+
+def test_the_benchmark_summary_counts_and_prints_its_figures():
+    """Throughputs over the span from the first start to the last token; mean, median, p99 in ms;
+    the same span and output tokens as timing_summary's; every figure in the printed block."""
+    class Timed:
+        def __init__(self, start, times):
+            self.start, self.token_times = start, times
+        ttft, tpot, latency = (property(lambda s: s.token_times[0] - s.start),
+                               property(lambda s: (s.token_times[-1] - s.token_times[0]) / (len(s.token_times) - 1)
+                                        if len(s.token_times) > 1 else None),
+                               property(lambda s: s.token_times[-1] - s.start))
+    done = [Timed(0.0, [0.1, 0.2, 0.4]), Timed(0.1, [0.3, 0.5])]
+    s = benchmark_summary(done, 0.0, input_tokens=30)
+    assert s["requests"] == 2 and s["output_tokens"] == 5 and s["duration_s"] == pytest.approx(0.5)
+    assert s["request_throughput"] == pytest.approx(4.0) and s["input_throughput"] == pytest.approx(60.0)
+    assert s["output_throughput"] == pytest.approx(timing_summary(done, 0.0)["tokens_per_s"])
+    assert s["ttft_ms_mean"] == pytest.approx(150.0) and s["ttft_ms_median"] == pytest.approx(150.0)
+    assert s["itl_ms_mean"] == pytest.approx(500 / 3) and s["latency_ms_p99"] == pytest.approx(400.0)
+    block = format_summary(s, request_rate=math.inf, max_concurrency=4)
+    assert block.splitlines()[0].startswith("=") and "Serving benchmark result" in block.splitlines()[0]
+    for label, value in [("Request rate (req/s)", "inf"), ("Max concurrency", "4"), ("Completed requests", "2"),
+                         ("Request throughput (req/s)", "4.00"), ("Output token throughput (tok/s)", "10.00"),
+                         ("Mean TTFT (ms)", "150.00"), ("P99 E2E latency (ms)", "400.00")]:
+        assert re.search(rf"^{re.escape(label)}: +{re.escape(value)}$", block, re.M), label
+
+
+def test_max_concurrency_is_never_exceeded_in_process():
+    """A tiny model served 7 requests arriving at once with max_concurrency 2 (and 3 lanes free for
+    more): after every iteration at most 2 are out (waiting, prefilling or running), every request
+    finishes with its drawn output length, and each is sent no earlier than its arrival."""
+    from test_serving import MAX_CONTEXT, QUICK, tiny
+    model = tiny("deepseek_v32")
+    w = RandomWorkload(input_len=30, output_len=4, num_prompts=7, range_ratio=0.5, max_concurrency=2, seed=2)
+    reqs = w.requests(model.config.vocab_size)
+    server = Server(model, "hisparse", cache_slots=16, max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=3,
+                    prefill_chunk=24, **QUICK)
+    out, step = [], server.step
+
+    def counted():
+        finished = step()
+        out.append(len(server.running) + (server.prefilling is not None) + len(server.waiting))
+        return finished
+    server.step = counted
+    run = server.serve(reqs, max_concurrency=w.max_concurrency)
+    assert max(out) == 2 and len(out) > 7
+    assert [len(r.tokens) for r in run.requests] == [r.max_new_tokens for r in reqs]
+    assert all(r.prefill_start >= r.arrival for r in run.requests)
+    with pytest.raises(ValueError, match=r"max_concurrency = 2 caps an open loop.*clients = 2"):
+        server.serve(reqs, clients=2, max_concurrency=2)
+    with pytest.raises(ValueError, match=r"max_concurrency must be an int >= 1, got 0"):
+        server.serve(reqs, max_concurrency=0)
