@@ -308,8 +308,10 @@ def _edit_config(path, edits, drop=()):
     ("llama", {"quest_dense_layers": -1}, (), "quest_dense_layers must be an int from 0 to num_hidden_layers 3"),
     ("llama", {"quest_dense_layers": 4}, (), "quest_dense_layers must be an int from 0 to num_hidden_layers 3"),
     ("llama", {"model_type": ["llama"]}, (), "model_type ['llama']"),
+    ("deepseek_v32", {"num_experts_per_tok": 5}, (), "config num_experts_per_tok 5 must be at most n_routed_experts 4"),
+    ("deepseek_v32", {"topk_group": 3}, (), "config topk_group 3 must be at most n_group 2"),
 ], ids=["str-eps", "str-scaling", "str-theta", "yarn-no-factor", "llama3-no-factor", "negative-dense-layers",
-        "dense-layers>layers", "list-model-type"])
+        "dense-layers>layers", "list-model-type", "top-k>experts", "topk-group>groups"])
 def test_bad_config_values_fail_as_a_bad_model(family, edits, drop, message, tmp_path, capsys):
     """These used to load and then raise a TypeError or KeyError inside the first forward (a traceback), or
     run with a negative quest_dense_layers read two ways."""

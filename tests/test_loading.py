@@ -235,6 +235,27 @@ def test_bad_dsa_config_is_named(edit, message):
         config_from_dict(dict(TINY_CONFIGS["glm_moe_dsa"], **edit))
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok 5 must be at most n_routed_experts 4, and at most the 2 "),
+    ({"num_experts_per_tok": 3}, r"num_experts_per_tok 3 must be at most .* the 2 experts of the topk_group 1 groups"),
+    ({"topk_group": 3}, r"config topk_group 3 must be at most n_group 2"),
+    ({"n_group": 4, "topk_group": 2}, r"n_routed_experts 4 over n_group 4 leaves 1 expert per group"),
+    ({"routed_scaling_factor": 1e30}, r"config routed_scaling_factor 1e\+30 must be at most 100"),
+    ({"routed_scaling_factor": float("inf")}, r"config routed_scaling_factor must be a positive number, found inf"),
+], ids=["top-k>experts", "top-k>routed-groups", "topk-group>groups", "one-expert-groups", "scaling-1e30", "scaling-inf"])
+def test_moe_routing_fields_are_checked_against_each_other(edit, message, tmp_path):
+    """A top-k past its pool used to load and then fail inside the first forward ("selected index k out of
+    range"), and a scaling factor of 1e30 overflowed to logits of zero without a word."""
+    edit_config(write_tiny_checkpoint("deepseek_v32", tmp_path), edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path)
+
+
+def test_routing_fields_of_a_model_without_moe_layers_are_not_read():
+    config = config_from_dict(dict(TINY_CONFIGS["deepseek_v32"], first_k_dense_replace=3, num_experts_per_tok=9))
+    assert config.mlp_layer_types == ["dense"] * 3
+
+
 @pytest.mark.parametrize("keys,expected", [
     ({"index_topk_freq": 2, "index_skip_topk_offset": 1, "num_hidden_layers": 5},
      ["full", "shared", "full", "shared", "full"]),
