@@ -196,6 +196,24 @@ def test_unreadable_files_are_named(tmp_path):
         load_model(tmp_path / "index")
 
 
+@pytest.mark.parametrize("value,dtype,message", [
+    (float("nan"), torch.float32, r"tensor model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight in "
+                                  r"model\.safetensors holds 1 non-finite values \(nan at \[5, 7\]\)"),
+    (float("-inf"), torch.float32, r"holds 1 non-finite values \(-inf at \[5, 7\]\): expected finite weights"),
+    (1e38, torch.float16, r"experts\.3\.down_proj\.weight in model\.safetensors holds values up to 1e\+38, past "
+                          r"the range of float16"),
+], ids=["nan", "inf", "past-float16"])
+def test_non_finite_weights_are_named_at_load(value, dtype, message, tmp_path):
+    """A NaN or infinite weight (stored so, or overflowing the dtype it is loaded in) used to load and run
+    to NaN logits and greedy token 0 without a word."""
+    write_tiny_checkpoint("deepseek_v32", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.3.down_proj.weight"][5, 7] = value
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path, dtype=dtype)
+
+
 def test_pickled_weights_are_refused(tmp_path, monkeypatch):
     write_tiny_checkpoint("llama", tmp_path)
     (tmp_path / "model.safetensors").unlink()

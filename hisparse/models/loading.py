@@ -134,6 +134,22 @@ def _check_names_and_shapes(where: dict, shapes: dict, dtypes: dict, layout: dic
                              f"expected a floating point dtype (F32, F16, BF16, ...)")
 
 
+def _check_finite(name: str, path: Path, stored: torch.Tensor, loaded: torch.Tensor) -> None:
+    """ValueError where a weight, as loaded, is NaN or infinite (it would run to NaN logits, greedy token 0):
+    stored so, or past the range of the dtype it was loaded in."""
+    if torch.isfinite(loaded).all():
+        return
+    bad = ~torch.isfinite(stored)
+    if not bad.any():
+        largest = stored.abs().max().item()
+        raise ValueError(f"tensor {name} in {path.name} holds values up to {largest:.3g}, past the range of "
+                         f"{str(loaded.dtype).removeprefix('torch.')}: expected a dtype that holds them (float32, "
+                         f"bfloat16)")
+    at = tuple(int(i) for i in torch.nonzero(bad)[0])
+    raise ValueError(f"tensor {name} in {path.name} holds {int(bad.sum())} non-finite values ({stored[at].item()} "
+                     f"at {list(at)}): expected finite weights")
+
+
 def check_checkpoint(checkpoint_dir: str | Path) -> tuple[ModelConfig, CausalLM, dict, dict]:
     """A checkpoint's config.json and tensor headers checked against each other without reading a
     weight (names, shapes, dtypes; ValueError naming what is wrong): (config, the model on the meta
@@ -153,7 +169,8 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     """The model of `checkpoint_dir` with its weights, in `dtype` (routing and indexer head weights
     stay float32, as in transformers), on `device`, in eval mode. config.json is checked first
     (`read_config`): a bad value raises ValueError naming the key, a key HiSparse does not read is
-    reported with a `ConfigWarning` (hisparse.models.config)."""
+    reported with a `ConfigWarning` (hisparse.models.config); so is each weight as it is read, a NaN or
+    infinite one (stored so, or past `dtype`'s range) raising ValueError naming the tensor."""
     config, model, where, layout = check_checkpoint(checkpoint_dir)
     targets = {}
     for name, tensor in model.state_dict().items():
@@ -166,7 +183,9 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
         with safe_open(path, framework="pt") as f:
             for name in names:
                 param, index, _ = layout[name]
-                targets[param][index] = f.get_tensor(name).to(device)
+                stored = f.get_tensor(name)
+                targets[param][index] = stored.to(device)
+                _check_finite(name, path, stored, targets[param][index])
     if config.tie_word_embeddings:
         targets["lm_head.weight"] = targets["model.embed_tokens.weight"]
     model.load_state_dict(targets, assign=True)
