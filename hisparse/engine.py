@@ -27,6 +27,7 @@ for the last two: `hisparse.synthetic.split_kv_heads` shapes a synthetic trace f
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -128,6 +129,11 @@ def check_prompts(prompts) -> list[torch.Tensor]:
         raise ValueError("generate needs at least one prompt, each of at least one token")
     out = []
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (list, tuple)):      # name an element torch would refuse or read as a number
+            bad = next(((j, x) for j, x in enumerate(prompt) if isinstance(x, bool) or not isinstance(
+                x, (numbers.Integral, list, tuple, torch.Tensor, np.ndarray))), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} holds {bad[1]!r} at position {bad[0]}: token ids must be integers")
         t = torch.as_tensor(prompt)
         if t.dim() != 1 or len(t) == 0:
             raise ValueError(f"prompt {i} must be a 1-D sequence of at least one token id, got shape {tuple(t.shape)}")
