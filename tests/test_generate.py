@@ -63,6 +63,18 @@ def test_resident_tokens_equal_the_engine_with_explicit_prompt_ids(tiny, tiny_mo
     assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
 
 
+def test_progress_lines_go_to_stderr_and_the_kv_line_names_the_device_used(tiny, capsys, monkeypatch):
+    """A run in the interpreter takes 18 to 99 s; it used to print nothing until the end, and "KV on GPU"
+    on a CPU."""
+    monkeypatch.setattr("hisparse.engine.PROGRESS_EVERY_S", 0.0)     # every decode step's line
+    rc, out, err = cli(capsys, "--model", tiny, "--prompt-lens", "9,5", "--new-tokens", "3")
+    assert rc == 0, err
+    stages = [re.fullmatch(r"\[ *\d+\.\d s\] (.*)", line).group(1) for line in err.splitlines()]
+    assert stages == [f"loading {tiny} (float32, {DEVICE})", "prefill of 2 prompts (14 tokens)",
+                      "prefilled; 2 decode steps", "decode step 1 of 2", "decode step 2 of 2", "done"]
+    assert f"KV on {'GPU' if HAS_GPU else 'CPU'}   " in out and ("KV on GPU" in out) == HAS_GPU
+
+
 def test_the_reference_prefill_is_the_engines_and_gives_the_same_tokens(tiny, tiny_model, capsys, monkeypatch):
     """--prefill reference runs the eager torch prefill (the model's prefill is called with fast=False,
     fast=True by default): the engine's tokens with prefill="reference", and (on this tiny model in

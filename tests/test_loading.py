@@ -1,7 +1,9 @@
 """Checkpoint loading: round trips of every family, sharding, fused experts, dtypes, and clear errors
 (naming the tensor, the key or the model_type) raised before any tensor data is read."""
+import io
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ from hisparse.make_tiny import main as make_tiny
 from hisparse.models.config import ConfigWarning, config_from_dict, read_config
 from hisparse.models.loading import build_model, load_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_, save_checkpoint, write_tiny_checkpoint
+from hisparse.progress import Progress
 
 FAMILIES = sorted(TINY_CONFIGS)
 
@@ -214,6 +217,17 @@ def test_non_finite_weights_are_named_at_load(value, dtype, message, tmp_path):
         load_model(tmp_path, dtype=dtype)
 
 
+def test_load_model_tells_a_progress_of_each_file_it_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr(loading, "PROGRESS_EVERY_S", 0.0)        # a line per file, however fast
+    save_checkpoint(random_model("llama"), tmp_path, shards=3)
+    lines = io.StringIO()
+    load_model(tmp_path, progress=Progress(lines))
+    read = [re.fullmatch(r"\[ *\d+\.\d s\] reading (\S+) \((\d) of 3 files\)", line).groups()
+            for line in lines.getvalue().splitlines()]
+    assert sorted(name for name, _ in read) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert [i for _, i in read] == ["1", "2", "3"]
+
+
 def test_pickled_weights_are_refused(tmp_path, monkeypatch):
     write_tiny_checkpoint("llama", tmp_path)
     (tmp_path / "model.safetensors").unlink()
@@ -303,7 +317,9 @@ def test_legacy_rope_keys_are_read(tmp_path):
 
 def test_make_tiny_cli(tmp_path, capsys):
     make_tiny(["--family", "nsa", "--out", str(tmp_path / "nsa"), "--shards", "2"])
-    assert "wrote a tiny nsa checkpoint" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "wrote a tiny nsa checkpoint" in out
+    assert re.fullmatch(r"\[ *\d+\.\d s\] building a random nsa model \(seed 0\), writing 2 safetensors files\n", err)
     assert load_model(tmp_path / "nsa").config.model_type == "nsa"
     with pytest.raises(SystemExit):
         make_tiny(["--family", "mistral", "--out", str(tmp_path / "x")])

@@ -16,6 +16,7 @@ from hisparse.models.base import CausalLM
 from hisparse.models.config import DsaConfig, ModelConfig, read_config
 from hisparse.models.layers import Rotary
 from hisparse.nsa.model import NsaModel
+from hisparse.progress import PROGRESS_EVERY_S, Progress
 from hisparse.quest.model import QuestModel
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -165,12 +166,13 @@ def check_checkpoint(checkpoint_dir: str | Path) -> tuple[ModelConfig, CausalLM,
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> CausalLM:
+               device: str | torch.device = "cpu", progress: Progress | None = None) -> CausalLM:
     """The model of `checkpoint_dir` with its weights, in `dtype` (routing and indexer head weights
     stay float32, as in transformers), on `device`, in eval mode. config.json is checked first
     (`read_config`): a bad value raises ValueError naming the key, a key HiSparse does not read is
     reported with a `ConfigWarning` (hisparse.models.config); so is each weight as it is read, a NaN or
-    infinite one (stored so, or past `dtype`'s range) raising ValueError naming the tensor."""
+    infinite one (stored so, or past `dtype`'s range) raising ValueError naming the tensor.
+    progress: a `hisparse.progress.Progress` told of each file read (a line every few seconds)."""
     config, model, where, layout = check_checkpoint(checkpoint_dir)
     targets = {}
     for name, tensor in model.state_dict().items():
@@ -179,7 +181,9 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     by_file: dict[Path, list[str]] = {}
     for name in layout:
         by_file.setdefault(where[name], []).append(name)
-    for path, names in by_file.items():
+    for i, (path, names) in enumerate(by_file.items()):
+        if progress is not None:
+            progress(f"reading {path.name} ({i + 1} of {len(by_file)} files)", every=PROGRESS_EVERY_S)
         with safe_open(path, framework="pt") as f:
             for name in names:
                 param, index, _ = layout[name]
