@@ -334,6 +334,19 @@ def test_bad_config_values_fail_as_a_bad_model(family, edits, drop, message, tmp
     assert "request 0" not in out and "Traceback" not in err
 
 
+def test_a_nan_weight_fails_as_a_bad_model_naming_the_tensor(tmp_path, capsys):
+    """It used to run to NaN logits and print token 0 for every new token."""
+    from safetensors.torch import load_file, save_file
+    path = write_tiny_checkpoint("deepseek_v32", tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"][3, 2] = float("nan")
+    save_file(tensors, path / "model.safetensors")
+    rc, out, err = cli(capsys, "--model", str(path), "--prompt-len", "4", "--new-tokens", "2")
+    assert rc == 2 and "request 0" not in out and "Traceback" not in err
+    assert (f"error: argument --model: cannot load checkpoint {str(path)!r}: tensor lm_head.weight in "
+            f"model.safetensors holds 1 non-finite values (nan at [3, 2]): expected finite weights") in err
+
+
 def test_unknown_config_keys_are_printed_as_warnings(tmp_path, capsys):
     path = _edit_config(write_tiny_checkpoint("llama", tmp_path), {"rope_thetaa": 5e5, "quest_dense_layers": -1})
     rc, _, err = cli(capsys, "--model", path)
