@@ -45,6 +45,9 @@ DECODE_MODES = ("resident", "hisparse", "sync", "prefetch", "noio")
 DECODE_KEYS = ("family", "mode", "cache_slots", "kv_dtype")   # what tells decode lines apart
 PREFETCH_MODEL_KEYS = ("random_layers", "hidden", "intermediate")   # bench_prefetch's model options
 ATTENTION_MODES = ("triton", "torch_gather", "dense")
+# columns the figures compute with or place on an axis: a cell that is not a number refuses its file
+NUMERIC_COLUMNS = ("batch", "context", "k", "cache_slots", "concurrency", "layers", "hidden", "intermediate",
+                   "random_layers", "step", "target_miss", "kv_budget_gib", "run")
 
 
 class MissingData(Exception):
@@ -153,9 +156,11 @@ def on_device(frames: dict[str, pd.DataFrame], device: str | None) -> dict[str, 
 def read_csv(path: Path) -> pd.DataFrame:
     """The rows of the results CSV at `path`, as pandas reads them. NotResultsCSV where it is not one:
     what the appends refuse (hisparse.results.stored_table: not UTF-8 text, a header without bench,
-    metric, value and unit, a row wider or narrower than it), a value that is not a number, a
-    timestamp that is not ISO 8601 (or none). MissingData where it has no rows or lacks a column the
-    figures read."""
+    metric, value and unit, a row wider or narrower than it; a folder), a value or a NUMERIC_COLUMNS cell
+    that is not a number, a timestamp that is not ISO 8601 (or none). MissingData where it has no rows or
+    lacks a column the figures read."""
+    if not path.is_file():        # read_results asks only whether it exists
+        raise NotResultsCSV(path, "it is a folder, not a file" if path.is_dir() else "it is not a regular file")
     header, body, _ = stored_table(path)
     if not header:
         raise MissingData(f"{path} is empty")
@@ -175,6 +180,10 @@ def read_csv(path: Path) -> pd.DataFrame:
     value = pd.to_numeric(frame["value"], errors="coerce")
     refuse_where(value.isna() & frame["value"].notna(),
                  lambda line, row: f"line {line}: value {row['value']!r} is not a number")
+    for column in (c for c in NUMERIC_COLUMNS if c in frame):
+        number = pd.to_numeric(frame[column], errors="coerce")
+        refuse_where(number.isna() & frame[column].notna(),
+                     lambda line, row: f"line {line}: {column} {row[column]!r} is not a number")
     if "timestamp" in frame:
         stamp = pd.to_datetime(frame["timestamp"], utc=True, format="ISO8601", errors="coerce")
         refuse_where(frame["timestamp"].isna(), lambda line, row: f"line {line} has no timestamp")

@@ -213,6 +213,17 @@ class ConfigError(ValueError):
     pass
 
 
+def utf8_text(path: Path, what: str) -> str:
+    """The text of `path`, which TOML and JSON files hold as UTF-8; ConfigError naming the first byte that
+    is not (the caller names the file)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}): {what} is "
+                          f"UTF-8") from None
+
+
 # -- config ----------------------------------------------------------------------------------
 
 def model_config(study: dict) -> dict:
@@ -233,9 +244,11 @@ def model_config(study: dict) -> dict:
         raw = dict(QUEST_GEOMETRY, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden)
     elif (Path(spec) / "config.json").exists():
         try:
-            raw = json.loads((Path(spec) / "config.json").read_text())
+            raw = json.loads(utf8_text(Path(spec) / "config.json", "a JSON file"))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}: model {spec!r}: config.json is not valid JSON ({exc})") from None
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: model {spec!r}: config.json: {exc}") from None
         if raw.get("model_type") not in ("deepseek_v32", "glm_moe_dsa"):
             raise ConfigError(f"{where}: model {spec!r} has model_type {raw.get('model_type')!r}: the sweep runs "
                               f"DSA models (deepseek_v32, glm_moe_dsa); other families run through "
@@ -980,7 +993,7 @@ def main(argv=None) -> int:
         if argv is not None:
             ap.error("--runs-per-process replaces the running process: use it from the command line")
     try:
-        config = tomllib.loads(Path(args.config).read_text())
+        config = tomllib.loads(utf8_text(Path(args.config), "a TOML file"))
         if set(config) - {"study"}:
             raise ConfigError(f"unknown top-level key {sorted(set(config) - {'study'})[0]!r}: a config holds "
                               f"only [[study]] tables")

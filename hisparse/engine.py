@@ -27,6 +27,7 @@ for the last two: `hisparse.synthetic.split_kv_heads` shapes a synthetic trace f
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
 from hisparse.nsa.model import NsaModel
 from hisparse.nsa.runtime import NsaRuntime
+from hisparse.progress import PROGRESS_EVERY_S, Progress
 from hisparse.quest.model import QuestModel
 from hisparse.quest.runtime import QuestRuntime
 from hisparse.resolve import MAX_K, MAX_SLOTS
@@ -128,6 +130,11 @@ def check_prompts(prompts) -> list[torch.Tensor]:
         raise ValueError("generate needs at least one prompt, each of at least one token")
     out = []
     for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (list, tuple)):      # name an element torch would refuse or read as a number
+            bad = next(((j, x) for j, x in enumerate(prompt) if isinstance(x, bool) or not isinstance(
+                x, (numbers.Integral, list, tuple, torch.Tensor, np.ndarray))), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i} holds {bad[1]!r} at position {bad[0]}: token ids must be integers")
         t = torch.as_tensor(prompt)
         if t.dim() != 1 or len(t) == 0:
             raise ValueError(f"prompt {i} must be a 1-D sequence of at least one token id, got shape {tuple(t.shape)}")
@@ -254,7 +261,7 @@ class Engine:
 
     def generate(self, prompts, new_tokens: int, graph: bool = False, keep_logits: bool = True,
                  record: TraceWriter | None = None, replay: Trace | None = None,
-                 warmup_steps: int = 1) -> Generation:
+                 warmup_steps: int = 1, progress: Progress | None = None) -> Generation:
         """Greedy-decode `new_tokens` tokens for each prompt (token-id sequences of any lengths).
 
         The first `warmup_steps` decode steps are not timed: the first compiles the kernels and
@@ -267,7 +274,8 @@ class Engine:
         record: a TraceWriter that receives every decode step's selections [layers, batch, (kv_heads,) k]
         (`trace_writer` makes one with this run's metadata). replay: a trace whose selections
         replace the indexer's (recorded from the same prompts, or synthetic); with it,
-        `misses_per_step` holds each step's misses (hisparse modes; eager only)."""
+        `misses_per_step` holds each step's misses (hisparse modes; eager only). progress: a
+        `hisparse.progress.Progress` told of the prefill and of the decode steps (a line every few seconds)."""
         prompts = check_prompts(prompts)
         new_tokens = as_int(new_tokens, "new_tokens must be an int >= 1", 1)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
@@ -299,7 +307,11 @@ class Engine:
                                                            capacity, self.cache_slots)
             elif self.mode != "resident":
                 self.cache = self.runtime.new_cache(batch, capacity, self.cache_slots)
+            if progress is not None:
+                progress(f"prefill of {batch} prompts ({sum(len(p) for p in prompts)} tokens)")
             state, first = self._prefill(prompts, capacity)
+            if progress is not None:
+                progress(f"prefilled; {new_tokens - 1} decode steps")
             kv_mode = "hisparse" if self.mode == "hybrid" else self.mode     # the attention's: resolves, copies
             attention = self.runtime.attention(kv_mode, state.layers, check_values=not graph, prefetch=self.prefetch,
                                                prefetch_programs=self.prefetch_programs)
@@ -352,6 +364,8 @@ class Engine:
                 generated.append(tokens)
                 if keep_logits:
                     out.logits.append(logits.float().cpu())
+                if progress is not None:
+                    progress(f"decode step {t} of {new_tokens - 1}", every=PROGRESS_EVERY_S)
             if new_tokens > timed_from:
                 clock.mark()
             self._sync()

@@ -12,7 +12,8 @@
 
 Prints the configuration, each request's prompt and generated token ids, tokens/s (batch x timed decode
 steps / decode time), the time per output token, the miss rate (hisparse and noio modes) and the
-GPU bytes of KV state per request. Without a GPU the Triton kernels run through Triton's
+bytes of KV state per request on the device that holds it (the GPU, or the CPU without one); progress
+lines with the seconds elapsed go to stderr. Without a GPU the Triton kernels run through Triton's
 interpreter (slow: use tiny checkpoints and short prompts).
 
 Every family runs: DSA (model_type deepseek_v32, glm_moe_dsa: k = index_topk tokens per (request,
@@ -37,6 +38,7 @@ import torch
 from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import Engine, family_runtime
 from hisparse.models.loading import load_model
+from hisparse.progress import Progress
 from hisparse.quest.ops import PAGE
 from hisparse.runtime import KV_MODES
 
@@ -210,13 +212,14 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3f} MiB ({nbytes:,.0f} bytes)"
 
 
-def load_checkpoint(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, device: torch.device):
+def load_checkpoint(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, device: torch.device,
+                    progress: Progress | None = None):
     """The checkpoint's model; its warnings (config.json keys HiSparse does not read) printed as such first,
-    a bad checkpoint (a bad config value included) an argparse error."""
+    a bad checkpoint (a bad config value or weight included) an argparse error."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            model, error = load_model(path, dtype=dtype, device=device), None
+            model, error = load_model(path, dtype=dtype, device=device, progress=progress), None
         except (ValueError, OSError) as e:
             model, error = None, e
     for w in caught:
@@ -227,6 +230,7 @@ def load_checkpoint(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, 
 
 
 def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    progress = Progress()
     device = parse_device(ap, args.device)
     if args.graph:
         if not torch.cuda.is_available():
@@ -261,7 +265,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         ap.error(f"argument --kv-dtype: {args.kv_dtype} rows are DSA's (deepseek_v32, glm_moe_dsa), not model_type "
                  f"{model_type!r}'s ({family} keeps its KV in --dtype: --kv-dtype bf16)")
 
-    model = load_checkpoint(ap, args.model, dtype, device)
+    progress(f"loading {args.model} ({str(dtype).removeprefix('torch.')}, {device})")
+    model = load_checkpoint(ap, args.model, dtype, device, progress)
     cfg = model.config
     try:
         runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)
@@ -301,8 +306,9 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
           f"seed {args.seed}")
 
     start = time.perf_counter()
-    out = engine.generate(prompts, args.new_tokens, graph=args.graph, keep_logits=False)
+    out = engine.generate(prompts, args.new_tokens, graph=args.graph, keep_logits=False, progress=progress)
     wall = time.perf_counter() - start
+    progress("done")
 
     for b, (prompt, row) in enumerate(zip(prompts, out.tokens.tolist())):
         print(f"request {b}: prompt [{_fmt_tokens(prompt.tolist(), args.show_tokens)}] -> "
@@ -319,7 +325,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.mode != "resident":
         print(f"miss rate   {out.miss_rate:.4f} ({out.misses} misses, {out.hits} hits over "
               f"{args.new_tokens - 1} decode steps)")
-    print(f"KV on GPU   {_mib(out.kv_bytes_per_request)} per request")
+    print(f"KV on {'GPU' if device.type == 'cuda' else 'CPU'}   {_mib(out.kv_bytes_per_request)} per request")
     if device.type == "cuda":
         print(f"GPU memory  {_mib(torch.cuda.max_memory_allocated(device))} peak allocated (all, weights included)")
     print(f"wall time   {wall:.3f} s (prefill + decode)")

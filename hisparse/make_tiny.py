@@ -3,9 +3,11 @@ import argparse
 from pathlib import Path
 
 from hisparse.models.tiny import TINY_CONFIGS, tensor_count, write_tiny_checkpoint
+from hisparse.progress import Progress
 
 
 def main(argv: list[str] | None = None) -> None:
+    progress = Progress()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--family", required=True, choices=sorted(TINY_CONFIGS))
     parser.add_argument("--out", required=True,
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.force and out.is_dir():      # no stale shards or index of an earlier checkpoint
         for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
             stale.unlink()
+    progress(f"building a random {args.family} model (seed {args.seed}), writing {args.shards} safetensors "
+             f"file{'s' if args.shards > 1 else ''}")
     out = write_tiny_checkpoint(args.family, args.out, seed=args.seed, shards=args.shards)
     print(f"wrote a tiny {args.family} checkpoint to {out}")
 

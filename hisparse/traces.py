@@ -195,6 +195,8 @@ def load_trace(path: str | os.PathLike) -> Trace:
                      f"{tuple(sel.shape)}")
     if int(meta["k"]) != sel.shape[-1]:
         _fail(where, f"metadata says k={meta['k']} but selections end in {sel.shape[-1]}")
+    if meta["per_head"] not in ("true", "false"):          # 'yes' read as false, silently
+        _fail(where, f"metadata per_head {meta['per_head']!r}: expected 'true' or 'false'")
     per_head = meta["per_head"] == "true"
     if per_head != (sel.ndim == 5):
         _fail(where, f"metadata per_head={meta['per_head']} but selections have {sel.ndim} dims "

@@ -9,13 +9,14 @@ prefill is checked against the reference, and with hisparse decoding after it, i
 import functools
 import re
 
+import numpy as np
 import pytest
 import torch
 from engine_checks import assert_bitwise, tiny_loader
 
 from hisparse import runtime
 from hisparse.dsa.reference import TorchDsaAttention
-from hisparse.engine import Engine
+from hisparse.engine import Engine, check_prompts
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import randomize_
@@ -144,7 +145,8 @@ def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
          r"decode_backend='cuda': expected one of \('auto', 'triton', 'gluon'\)"),
         (lambda: engine.generate(torch.arange(5), 2), r"a Tensor of shape \(5,\) \(one prompt: wrap it in a list\)"),
         (lambda: engine.generate([torch.ones(2, 5, dtype=torch.int64)], 2), r"prompt 0 must be a 1-D .* \(2, 5\)"),
-        (lambda: engine.generate([[1.0, 2.5]], 2), "prompt 0 holds torch.float32 values"),
+        (lambda: engine.generate([[1.0, 2.5]], 2), "prompt 0 holds 1.0 at position 0: token ids must be integers"),
+        (lambda: engine.generate([torch.tensor([1.0, 2.5])], 2), "prompt 0 holds torch.float32 values"),
         (lambda: engine.generate(prompts(), 2.0), "new_tokens must be an int >= 1, got 2.0"),
     ]
     for call, message in refused:
@@ -158,6 +160,19 @@ def test_bad_inputs_are_refused_before_any_state(model, monkeypatch):
         patch.setattr(model.config, "index_topk", MAX_K + 1)
         with pytest.raises(ValueError, match=rf"k={MAX_K + 1} .* exceeds the {MAX_K} the resolve kernel supports"):
             Engine(model, "hisparse", cache_slots=MAX_K + 1)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ([5, None, 7], "prompt 1 holds None at position 1: token ids must be integers"),
+    ([5, "7"], "prompt 1 holds '7' at position 1: token ids must be integers"),
+    ([5, True], "prompt 1 holds True at position 1: token ids must be integers"),
+    ((5, 2.0), "prompt 1 holds 2.0 at position 1: token ids must be integers"),
+], ids=["none", "str", "bool", "float"])
+def test_prompts_name_an_id_that_is_not_an_integer(prompt, message):
+    """None used to be a RuntimeError about dtype inference, True read as token 1."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_prompts([[1, 2], prompt])
+    assert [t.tolist() for t in check_prompts([[1, np.int64(2)], (3, torch.tensor(4))])] == [[1, 2], [3, 4]]
 
 
 def test_cache_slots_must_be_an_int_in_every_mode(tiny_model):

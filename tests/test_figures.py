@@ -478,6 +478,7 @@ DAMAGES = {
                       "line 4: timestamp 'yesterday' is not an ISO 8601 time"),
     "empty-timestamp": (lambda text: damaged(damaged(text, 5, "timestamp", ""), 6, "timestamp", "").encode(),
                         "line 5 has no timestamp (2 such lines)"),
+    "text-context": (lambda text: damaged(text, 3, "context", "long").encode(), "line 3: context 'long' is not a number"),
 }
 
 
@@ -505,6 +506,30 @@ def test_a_file_that_is_not_a_results_csv_is_named_on_stderr_and_the_other_figur
     assert refused.value.problems == {str(results / "throughput.csv"): problem}
     assert {p.name for p in refused.value.written} == {"policy_miss_rates.png", "policy_miss_rates.pdf",
                                                        "miss_rate_vs_step.png", "miss_rate_vs_step.pdf"}
+
+
+@pytest.mark.parametrize("damage", ["folder", "text-concurrency"])
+def test_a_folder_named_as_a_csv_or_a_text_concurrency_is_named_and_the_other_figures_drawn(tmp_path, capsys, damage):
+    """Each used to stop the command with a traceback (IsADirectoryError; a TypeError comparing the text
+    with numbers) before the other figures were drawn."""
+    results = tmp_path / "results"
+    results.mkdir()
+    policies_frame().to_csv(results / "policies.csv", index=False)
+    records = [{"family": "dsa", "mode": mode, "concurrency": c, "metric": m, "value": 10 * c}
+               for mode in ("resident", "hisparse") for c in (2, 8)
+               for m in ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50")]
+    if damage == "folder":
+        (results / "serving.csv").mkdir()
+        problem = "it is a folder, not a file"
+    else:
+        records[5]["concurrency"] = "eight"
+        frame("serving", records).to_csv(results / "serving.csv", index=False)
+        problem = "line 7: concurrency 'eight' is not a number"
+    assert figures.main(["--results", str(results)]) == 1
+    out, err = capsys.readouterr()
+    assert f"refused serving_vs_concurrency: {results / 'serving.csv'} is not a results CSV: {problem}" in err
+    assert sorted(p.name for p in (results / "figures").iterdir()) == [
+        "miss_rate_vs_step.pdf", "miss_rate_vs_step.png", "policy_miss_rates.pdf", "policy_miss_rates.png"]
 
 
 def test_good_files_exit_zero_and_a_byte_order_mark_is_read(tmp_path, capsys):

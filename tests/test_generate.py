@@ -63,6 +63,18 @@ def test_resident_tokens_equal_the_engine_with_explicit_prompt_ids(tiny, tiny_mo
     assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
 
 
+def test_progress_lines_go_to_stderr_and_the_kv_line_names_the_device_used(tiny, capsys, monkeypatch):
+    """A run in the interpreter takes 18 to 99 s; it used to print nothing until the end, and "KV on GPU"
+    on a CPU."""
+    monkeypatch.setattr("hisparse.engine.PROGRESS_EVERY_S", 0.0)     # every decode step's line
+    rc, out, err = cli(capsys, "--model", tiny, "--prompt-lens", "9,5", "--new-tokens", "3")
+    assert rc == 0, err
+    stages = [re.fullmatch(r"\[ *\d+\.\d s\] (.*)", line).group(1) for line in err.splitlines()]
+    assert stages == [f"loading {tiny} (float32, {DEVICE})", "prefill of 2 prompts (14 tokens)",
+                      "prefilled; 2 decode steps", "decode step 1 of 2", "decode step 2 of 2", "done"]
+    assert f"KV on {'GPU' if HAS_GPU else 'CPU'}   " in out and ("KV on GPU" in out) == HAS_GPU
+
+
 def test_the_reference_prefill_is_the_engines_and_gives_the_same_tokens(tiny, tiny_model, capsys, monkeypatch):
     """--prefill reference runs the eager torch prefill (the model's prefill is called with fast=False,
     fast=True by default): the engine's tokens with prefill="reference", and (on this tiny model in
@@ -308,8 +320,10 @@ def _edit_config(path, edits, drop=()):
     ("llama", {"quest_dense_layers": -1}, (), "quest_dense_layers must be an int from 0 to num_hidden_layers 3"),
     ("llama", {"quest_dense_layers": 4}, (), "quest_dense_layers must be an int from 0 to num_hidden_layers 3"),
     ("llama", {"model_type": ["llama"]}, (), "model_type ['llama']"),
+    ("deepseek_v32", {"num_experts_per_tok": 5}, (), "config num_experts_per_tok 5 must be at most n_routed_experts 4"),
+    ("deepseek_v32", {"topk_group": 3}, (), "config topk_group 3 must be at most n_group 2"),
 ], ids=["str-eps", "str-scaling", "str-theta", "yarn-no-factor", "llama3-no-factor", "negative-dense-layers",
-        "dense-layers>layers", "list-model-type"])
+        "dense-layers>layers", "list-model-type", "top-k>experts", "topk-group>groups"])
 def test_bad_config_values_fail_as_a_bad_model(family, edits, drop, message, tmp_path, capsys):
     """These used to load and then raise a TypeError or KeyError inside the first forward (a traceback), or
     run with a negative quest_dense_layers read two ways."""
@@ -318,6 +332,19 @@ def test_bad_config_values_fail_as_a_bad_model(family, edits, drop, message, tmp
     assert rc == 2, err
     assert "argument --model: " in err and message in err and "usage: python -m hisparse.generate" in err
     assert "request 0" not in out and "Traceback" not in err
+
+
+def test_a_nan_weight_fails_as_a_bad_model_naming_the_tensor(tmp_path, capsys):
+    """It used to run to NaN logits and print token 0 for every new token."""
+    from safetensors.torch import load_file, save_file
+    path = write_tiny_checkpoint("deepseek_v32", tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"][3, 2] = float("nan")
+    save_file(tensors, path / "model.safetensors")
+    rc, out, err = cli(capsys, "--model", str(path), "--prompt-len", "4", "--new-tokens", "2")
+    assert rc == 2 and "request 0" not in out and "Traceback" not in err
+    assert (f"error: argument --model: cannot load checkpoint {str(path)!r}: tensor lm_head.weight in "
+            f"model.safetensors holds 1 non-finite values (nan at [3, 2]): expected finite weights") in err
 
 
 def test_unknown_config_keys_are_printed_as_warnings(tmp_path, capsys):

@@ -6,11 +6,14 @@ an import behind it broken, even one kept lazy because it only runs on a GPU.
 And the arrows point down: kernels_triton < hisparse < benchmarks < experiments, each importing only
 from its own layer and those below (every import in every file, at any depth)."""
 import ast
+import os
+import subprocess
 import importlib
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = ("kernels_triton", "hisparse", "benchmarks", "experiments")     # lowest first
@@ -72,3 +75,54 @@ def test_no_layer_imports_from_a_layer_above(layer):
     upward = [f"{path.relative_to(REPO)}:{line}: {module}" for path in sorted((REPO / layer).rglob("*.py"))
               for line, module, _ in project_imports(path) if module.split(".")[0] in above]
     assert not upward, f"{layer} imports from {', '.join(above)}: {upward}"
+
+
+# as setuptools' editable install (pip install -e .) finds the project's modules: after the path, by name
+EDITABLE_FINDER = """
+import sys
+from importlib.machinery import PathFinder
+sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__name__", type(f).__name__).lower()]
+sys.path = [p for p in sys.path if "__editable__" not in p]
+sys.path_importer_cache.clear()
+class Editable:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] not in ("hisparse", "kernels_triton"):
+            return None
+        parent = name.rpartition(".")[0]
+        return PathFinder.find_spec(name, [str(REPO / parent.replace(".", "/")) if parent else str(REPO)])
+sys.meta_path.append(Editable)
+"""
+
+
+def run_python(code: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    script = f"from pathlib import Path\nREPO = Path({str(REPO)!r})\n{code}"
+    return subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {}))
+
+
+def test_the_folder_above_a_clone_named_hisparse_is_named_on_import(tmp_path):
+    """From there `hisparse` is the clone folder, a namespace package: its __init__ (which chooses Triton's
+    interpreter first) never ran, and the first kernel failed with a Triton InterpreterError."""
+    (tmp_path / "hisparse").symlink_to(REPO, target_is_directory=True)
+    run = run_python(EDITABLE_FINDER + "import hisparse.engine\n", tmp_path)
+    assert run.returncode == 1
+    assert run.stderr.rstrip().splitlines()[-1] == (
+        f"ImportError: `import hisparse` finds {tmp_path / 'hisparse'}, a folder without __init__.py, not the package "
+        f"(Python started in the folder above a clone named hisparse?): run from the repository root "
+        f"{tmp_path / 'hisparse'}, or from any other folder after `pip install -e .` there")
+    run = run_python(EDITABLE_FINDER + "import hisparse.engine\nprint('imported')\n", tmp_path / "hisparse")
+    assert run.returncode == 0 and run.stdout == "imported\n", run.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only where no GPU is visible")
+def test_triton_imported_before_the_interpreter_choice_is_named(tmp_path):
+    """Its kernels used to fail in the interpreter with "Cannot call @triton.jit'd outside of the scope of a
+    kernel"."""
+    run = run_python("import triton\nimport hisparse\n", REPO)
+    assert run.returncode == 1
+    assert run.stderr.rstrip().splitlines()[-1] == (
+        "ImportError: triton was imported before kernels_triton, which chooses Triton's interpreter where no CUDA "
+        "GPU is visible (as here): the kernels would fail in it. Import hisparse (or kernels_triton) before "
+        "triton, or set TRITON_INTERPRET=1")
+    assert run_python("import triton\nimport hisparse\n", REPO, {"TRITON_INTERPRET": "1"}).returncode == 0

@@ -1,7 +1,9 @@
 """Checkpoint loading: round trips of every family, sharding, fused experts, dtypes, and clear errors
 (naming the tensor, the key or the model_type) raised before any tensor data is read."""
+import io
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ from hisparse.make_tiny import main as make_tiny
 from hisparse.models.config import ConfigWarning, config_from_dict, read_config
 from hisparse.models.loading import build_model, load_model
 from hisparse.models.tiny import TINY_CONFIGS, randomize_, save_checkpoint, write_tiny_checkpoint
+from hisparse.progress import Progress
 
 FAMILIES = sorted(TINY_CONFIGS)
 
@@ -196,6 +199,35 @@ def test_unreadable_files_are_named(tmp_path):
         load_model(tmp_path / "index")
 
 
+@pytest.mark.parametrize("value,dtype,message", [
+    (float("nan"), torch.float32, r"tensor model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight in "
+                                  r"model\.safetensors holds 1 non-finite values \(nan at \[5, 7\]\)"),
+    (float("-inf"), torch.float32, r"holds 1 non-finite values \(-inf at \[5, 7\]\): expected finite weights"),
+    (1e38, torch.float16, r"experts\.3\.down_proj\.weight in model\.safetensors holds values up to 1e\+38, past "
+                          r"the range of float16"),
+], ids=["nan", "inf", "past-float16"])
+def test_non_finite_weights_are_named_at_load(value, dtype, message, tmp_path):
+    """A NaN or infinite weight (stored so, or overflowing the dtype it is loaded in) used to load and run
+    to NaN logits and greedy token 0 without a word."""
+    write_tiny_checkpoint("deepseek_v32", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.3.down_proj.weight"][5, 7] = value
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path, dtype=dtype)
+
+
+def test_load_model_tells_a_progress_of_each_file_it_reads(tmp_path, monkeypatch):
+    monkeypatch.setattr(loading, "PROGRESS_EVERY_S", 0.0)        # a line per file, however fast
+    save_checkpoint(random_model("llama"), tmp_path, shards=3)
+    lines = io.StringIO()
+    load_model(tmp_path, progress=Progress(lines))
+    read = [re.fullmatch(r"\[ *\d+\.\d s\] reading (\S+) \((\d) of 3 files\)", line).groups()
+            for line in lines.getvalue().splitlines()]
+    assert sorted(name for name, _ in read) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert [i for _, i in read] == ["1", "2", "3"]
+
+
 def test_pickled_weights_are_refused(tmp_path, monkeypatch):
     write_tiny_checkpoint("llama", tmp_path)
     (tmp_path / "model.safetensors").unlink()
@@ -235,6 +267,27 @@ def test_bad_dsa_config_is_named(edit, message):
         config_from_dict(dict(TINY_CONFIGS["glm_moe_dsa"], **edit))
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok 5 must be at most n_routed_experts 4, and at most the 2 "),
+    ({"num_experts_per_tok": 3}, r"num_experts_per_tok 3 must be at most .* the 2 experts of the topk_group 1 groups"),
+    ({"topk_group": 3}, r"config topk_group 3 must be at most n_group 2"),
+    ({"n_group": 4, "topk_group": 2}, r"n_routed_experts 4 over n_group 4 leaves 1 expert per group"),
+    ({"routed_scaling_factor": 1e30}, r"config routed_scaling_factor 1e\+30 must be at most 100"),
+    ({"routed_scaling_factor": float("inf")}, r"config routed_scaling_factor must be a positive number, found inf"),
+], ids=["top-k>experts", "top-k>routed-groups", "topk-group>groups", "one-expert-groups", "scaling-1e30", "scaling-inf"])
+def test_moe_routing_fields_are_checked_against_each_other(edit, message, tmp_path):
+    """A top-k past its pool used to load and then fail inside the first forward ("selected index k out of
+    range"), and a scaling factor of 1e30 overflowed to logits of zero without a word."""
+    edit_config(write_tiny_checkpoint("deepseek_v32", tmp_path), edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path)
+
+
+def test_routing_fields_of_a_model_without_moe_layers_are_not_read():
+    config = config_from_dict(dict(TINY_CONFIGS["deepseek_v32"], first_k_dense_replace=3, num_experts_per_tok=9))
+    assert config.mlp_layer_types == ["dense"] * 3
+
+
 @pytest.mark.parametrize("keys,expected", [
     ({"index_topk_freq": 2, "index_skip_topk_offset": 1, "num_hidden_layers": 5},
      ["full", "shared", "full", "shared", "full"]),
@@ -264,7 +317,9 @@ def test_legacy_rope_keys_are_read(tmp_path):
 
 def test_make_tiny_cli(tmp_path, capsys):
     make_tiny(["--family", "nsa", "--out", str(tmp_path / "nsa"), "--shards", "2"])
-    assert "wrote a tiny nsa checkpoint" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "wrote a tiny nsa checkpoint" in out
+    assert re.fullmatch(r"\[ *\d+\.\d s\] building a random nsa model \(seed 0\), writing 2 safetensors files\n", err)
     assert load_model(tmp_path / "nsa").config.model_type == "nsa"
     with pytest.raises(SystemExit):
         make_tiny(["--family", "mistral", "--out", str(tmp_path / "x")])

@@ -173,6 +173,21 @@ def test_a_checkpoint_without_weights_and_a_damaged_results_file_are_refused(tmp
         assert not (out / "throughput.csv").exists(), "nothing may run"
 
 
+def test_a_config_that_is_not_utf8_is_named_not_a_traceback(tmp_path, capsys):
+    """A Latin-1 TOML config (or checkpoint config.json) used to raise UnicodeDecodeError."""
+    config = tmp_path / "latin1.toml"
+    config.write_bytes(TINY.replace('kind = "decode"', '# caf\xe9\nkind = "decode"', 1).encode("latin-1"))
+    assert sweep.main(["--config", str(config), "--dry-run"]) == 2
+    at = TINY.index('kind = "decode"') + 5
+    assert f"error: {config}: not UTF-8 text (byte 0xe9 at offset {at}): a TOML file is UTF-8" in capsys.readouterr().err
+    from hisparse.models.tiny import write_tiny_checkpoint
+    ckpt = write_tiny_checkpoint("deepseek_v32", str(tmp_path / "dsa"))
+    (tmp_path / "dsa" / "config.json").write_bytes(b'{"model_type": "deepseek_v32", "x": "caf\xe9"}')
+    config = write(tmp_path, TINY.replace('model = "tiny:deepseek_v32"', f'model = "{ckpt}"', 1))
+    assert sweep.main(["--config", config, "--dry-run"]) == 2
+    assert "config.json: not UTF-8 text (byte 0xe9 at offset 40): a JSON file is UTF-8" in capsys.readouterr().err
+
+
 def test_one_context_or_batch_may_be_written_without_a_list(tmp_path, capsys):
     config = write(tmp_path, TINY.replace("contexts = [24]\nbatches = [2]", "contexts = 24\nbatches = 2", 1))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "r"), "--dry-run"]) == 0

@@ -58,6 +58,10 @@ FAMILY_IGNORED_KEYS = {
 # keys read besides the fields (the older rope keys, GLM-5's shared-indexer keys)
 READ_KEYS = frozenset({"rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings"})
 GLM_INDEXER_KEYS = frozenset({"index_topk_pattern", "index_topk_freq", "index_skip_topk_offset"})
+# The most routed_scaling_factor may be. Real checkpoints use 1 to 2.83 (DeepSeek-V3 and GLM-5 2.5, Kimi-K2
+# 2.827); it multiplies the routed experts' output added to the residual stream, so 100 is already far past
+# any trained model, and one like 1e30 overflows without an error (logits of 0, inf or NaN; token 0).
+ROUTED_SCALING_MAX = 100.0
 
 
 class ConfigWarning(UserWarning):
@@ -220,8 +224,28 @@ class DsaConfig:
         if self.qk_rope_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and at most "
                              f"index_head_dim {self.index_head_dim}")
-        if "sparse" in self.mlp_layer_types and self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_routed_experts {self.n_routed_experts} must be a multiple of n_group {self.n_group}")
+        if "sparse" in self.mlp_layer_types:
+            self._check_routing()
+
+    def _check_routing(self) -> None:
+        """The router's fields against each other (moe.TopkRouter): each a top-k over what the one before
+        leaves, so a k past its pool would fail inside the first forward ("selected index k out of range")."""
+        experts, groups = self.n_routed_experts, self.n_group
+        if experts % groups:
+            raise ValueError(f"n_routed_experts {experts} must be a multiple of n_group {groups}")
+        if experts // groups < 2:
+            raise ValueError(f"n_routed_experts {experts} over n_group {groups} leaves {experts // groups} expert per "
+                             f"group: expected at least 2 (a group scores by its two best experts)")
+        if self.topk_group > groups:
+            raise ValueError(f"config topk_group {self.topk_group} must be at most n_group {groups}")
+        reachable = self.topk_group * (experts // groups)
+        if self.num_experts_per_tok > reachable:
+            raise ValueError(f"config num_experts_per_tok {self.num_experts_per_tok} must be at most n_routed_experts "
+                             f"{experts}, and at most the {reachable} experts of the topk_group {self.topk_group} "
+                             f"groups a token is routed to")
+        if not self.routed_scaling_factor <= ROUTED_SCALING_MAX:
+            raise ValueError(f"config routed_scaling_factor {self.routed_scaling_factor!r} must be at most "
+                             f"{ROUTED_SCALING_MAX:g} (real checkpoints use 1 to 3)")
 
     @property
     def qk_head_dim(self) -> int:

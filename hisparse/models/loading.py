@@ -16,6 +16,7 @@ from hisparse.models.base import CausalLM
 from hisparse.models.config import DsaConfig, ModelConfig, read_config
 from hisparse.models.layers import Rotary
 from hisparse.nsa.model import NsaModel
+from hisparse.progress import PROGRESS_EVERY_S, Progress
 from hisparse.quest.model import QuestModel
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -134,6 +135,22 @@ def _check_names_and_shapes(where: dict, shapes: dict, dtypes: dict, layout: dic
                              f"expected a floating point dtype (F32, F16, BF16, ...)")
 
 
+def _check_finite(name: str, path: Path, stored: torch.Tensor, loaded: torch.Tensor) -> None:
+    """ValueError where a weight, as loaded, is NaN or infinite (it would run to NaN logits, greedy token 0):
+    stored so, or past the range of the dtype it was loaded in."""
+    if torch.isfinite(loaded).all():
+        return
+    bad = ~torch.isfinite(stored)
+    if not bad.any():
+        largest = stored.abs().max().item()
+        raise ValueError(f"tensor {name} in {path.name} holds values up to {largest:.3g}, past the range of "
+                         f"{str(loaded.dtype).removeprefix('torch.')}: expected a dtype that holds them (float32, "
+                         f"bfloat16)")
+    at = tuple(int(i) for i in torch.nonzero(bad)[0])
+    raise ValueError(f"tensor {name} in {path.name} holds {int(bad.sum())} non-finite values ({stored[at].item()} "
+                     f"at {list(at)}): expected finite weights")
+
+
 def check_checkpoint(checkpoint_dir: str | Path) -> tuple[ModelConfig, CausalLM, dict, dict]:
     """A checkpoint's config.json and tensor headers checked against each other without reading a
     weight (names, shapes, dtypes; ValueError naming what is wrong): (config, the model on the meta
@@ -149,11 +166,13 @@ def check_checkpoint(checkpoint_dir: str | Path) -> tuple[ModelConfig, CausalLM,
 
 
 def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> CausalLM:
+               device: str | torch.device = "cpu", progress: Progress | None = None) -> CausalLM:
     """The model of `checkpoint_dir` with its weights, in `dtype` (routing and indexer head weights
     stay float32, as in transformers), on `device`, in eval mode. config.json is checked first
     (`read_config`): a bad value raises ValueError naming the key, a key HiSparse does not read is
-    reported with a `ConfigWarning` (hisparse.models.config)."""
+    reported with a `ConfigWarning` (hisparse.models.config); so is each weight as it is read, a NaN or
+    infinite one (stored so, or past `dtype`'s range) raising ValueError naming the tensor.
+    progress: a `hisparse.progress.Progress` told of each file read (a line every few seconds)."""
     config, model, where, layout = check_checkpoint(checkpoint_dir)
     targets = {}
     for name, tensor in model.state_dict().items():
@@ -162,11 +181,15 @@ def load_model(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     by_file: dict[Path, list[str]] = {}
     for name in layout:
         by_file.setdefault(where[name], []).append(name)
-    for path, names in by_file.items():
+    for i, (path, names) in enumerate(by_file.items()):
+        if progress is not None:
+            progress(f"reading {path.name} ({i + 1} of {len(by_file)} files)", every=PROGRESS_EVERY_S)
         with safe_open(path, framework="pt") as f:
             for name in names:
                 param, index, _ = layout[name]
-                targets[param][index] = f.get_tensor(name).to(device)
+                stored = f.get_tensor(name)
+                targets[param][index] = stored.to(device)
+                _check_finite(name, path, stored, targets[param][index])
     if config.tie_word_embeddings:
         targets["lm_head.weight"] = targets["model.embed_tokens.weight"]
     model.load_state_dict(targets, assign=True)
