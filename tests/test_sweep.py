@@ -292,7 +292,8 @@ def test_runs_per_process_goes_on_in_fresh_processes(tmp_path, capsys, monkeypat
     run = subprocess.run([sys.executable, "-m", "experiments.sweep", "--config", config, "--out", out,
                           "--runs-per-process", "1"], cwd=repo, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.count("going on in a fresh one") == 2 and run.stdout.rstrip().endswith("experiments.figures")
+    assert run.stdout.count("going on in a fresh one") == 2
+    assert run.stdout.rstrip().endswith(f"draw figures with python -m experiments.figures --results {out}")
     decode = pd.read_csv(tmp_path / "results" / "decode.csv")
     tput = pd.read_csv(tmp_path / "results" / "throughput.csv")
     assert sorted(decode.drop_duplicates("mode")["mode"]) == ["hisparse", "resident"]
