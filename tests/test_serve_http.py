@@ -524,3 +524,83 @@ def test_the_command_serves_and_exits_cleanly_on_sigterm(tmp_path, capsys):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+# -- issue #63 item 7: no request gets a 500, nulls are absent, JSON errors everywhere, startup refusals
+
+async def answer(session, method: str, url: str, **kw) -> tuple[int, str, dict | None]:
+    """(status, Content-Type, the JSON body or None)."""
+    async with session.request(method, url, **kw) as response:
+        text = await response.text()
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        return response.status, response.content_type, body
+
+
+def assert_error(got, status: int, param, words: str, code=None) -> None:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    got_status, content_type, body = got
+    assert got_status == status and content_type == "application/json", got
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["param"] == param and error["code"] == code, error
+    assert words in error["message"], error
+
+
+def test_null_is_absent_for_every_optional_field(resident):
+    """What OpenAI clients send for "not given" (null), and the neutral values, are served."""
+    optional = ["model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n", "best_of",
+                "presence_penalty", "frequency_penalty", "logprobs", "echo", "stop", "suffix", "logit_bias",
+                "ignore_eos", "seed", "user"]
+    neutral = {"model": "tiny", "temperature": 0, "top_p": 1, "n": 1, "best_of": 1, "presence_penalty": 0,
+               "frequency_penalty": 0.0, "echo": False, "stop": [], "seed": 7, "user": "me", "stream": False}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            nulls = await post(s, resident.url, {"prompt": B, "max_tokens": None, **dict.fromkeys(optional)})
+            neutrals = await post(s, resident.url, {"prompt": B, "max_tokens": 1, **neutral})
+            return nulls, neutrals
+    (status, nulls), (neutral_status, neutrals) = run(go())
+    assert status == 200, nulls
+    assert nulls["choices"][0]["token_ids"] == alone(tuple(B), 16)          # max_tokens null: the default, 16
+    assert neutral_status == 200 and neutrals["choices"][0]["token_ids"] == alone(tuple(B), 1), neutrals
+
+
+def test_model_seed_and_user_of_the_wrong_type_get_a_400(resident):
+    bad = [({"model": 5}, "model", "string"), ({"seed": "x"}, "seed", "integer"), ({"seed": 1.5}, "seed", "integer"),
+           ({"user": {}}, "user", "string"), ({"temperature": 1}, "temperature", "greedy")]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await answer(s, "POST", f"{resident.url}/v1/completions", json={"prompt": [1], **body})
+                    for body, _, _ in bad]
+    for got, (body, param, words) in zip(run(go()), bad):
+        assert_error(got, 400, param, words)
+
+
+def test_a_wrong_model_name_gets_a_404_model_not_found(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await answer(s, "POST", f"{resident.url}/v1/completions",
+                                json={"model": "gpt-3.5-turbo-instruct", "prompt": [1]})
+    assert_error(run(go()), 404, "model", "'gpt-3.5-turbo-instruct'", code="model_not_found")
+
+
+def test_the_official_openai_client_is_served(resident):
+    """openai.OpenAI against the server: token-id prompts, a stream, and NotFoundError for a wrong model."""
+    import openai
+    client = openai.OpenAI(base_url=f"{resident.url}/v1", api_key="x", max_retries=0, timeout=30)
+    done = client.completions.create(model="tiny", prompt=[A, B], max_tokens=2)
+    assert [c.token_ids for c in done.choices] == [alone(tuple(A), 2), alone(tuple(B), 2)]   # extra fields kept
+    assert done.usage.completion_tokens == 4 and done.model == "tiny"
+    streamed = [chunk.choices[0].text for chunk in client.completions.create(model="tiny", prompt=B, max_tokens=2,
+                                                                             stream=True, temperature=None)]
+    assert streamed == [str(t) for t in alone(tuple(B), 2)]
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as wrong:
+        client.completions.create(model="davinci", prompt=[[1, 2, 3]], max_tokens=2)
+    assert wrong.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, temperature=0.7)
+    assert bad.value.param == "temperature"

@@ -121,8 +121,9 @@ def make_app(service: Service) -> web.Application:
 
 # -- handlers ----------------------------------------------------------------------------------
 
-def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(error_body(message, param, kind), status=status)
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error",
+           code: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, param, kind, code), status=status)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -150,10 +151,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if service.draining:
         return _error(503, "the server is shutting down and takes no new requests", None, "server_unavailable")
     try:
-        completion = parse_completion(await _json_body(request), service.vocab_size)
+        completion = parse_completion(await _json_body(request), service.vocab_size, service.name)
     except BadRequest as exc:
         service.worker.metrics.refused.inc()
-        return _error(exc.status, exc.message, exc.param)
+        return _error(exc.status, exc.message, exc.param, code=exc.code)
     sink = _Sink(asyncio.get_running_loop())
     try:
         submitted = service.worker.submit(completion.prompts, completion.max_tokens, sink)
