@@ -604,3 +604,45 @@ def test_the_official_openai_client_is_served(resident):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, temperature=0.7)
     assert bad.value.param == "temperature"
+
+
+def test_a_body_nested_too_deep_gets_a_400(resident):
+    """A body nested 100,000 deep, or a prompt 5,000 deep, is malformed: a 400, not a 500."""
+    deep_prompt = b'{"prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}"
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await answer(s, "POST", f"{resident.url}/v1/completions", data=body)
+                    for body in (b"[" * 100_000 + b"]" * 100_000, deep_prompt)]
+    for got in run(go()):
+        assert_error(got, 400, None, "nested")
+
+
+def test_a_body_that_is_not_the_gzip_it_claims_gets_a_400(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            bad = await answer(s, "POST", f"{resident.url}/v1/completions", data=b'{"prompt": [1]}',
+                               headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+            import gzip
+            good = await answer(s, "POST", f"{resident.url}/v1/completions",
+                                data=gzip.compress(json.dumps({"prompt": B, "max_tokens": 1}).encode()),
+                                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+            return bad, good
+    bad, good = run(go())
+    assert_error(bad, 400, None, "Content-Encoding")
+    assert good[0] == 200 and good[2]["choices"][0]["token_ids"] == alone(tuple(B), 1)
+
+
+def test_unknown_paths_and_methods_get_json_errors(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await answer(s, "POST", f"{resident.url}/v1/chat/completions",
+                                 json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+                    await answer(s, "GET", f"{resident.url}/v1/nowhere"),
+                    await answer(s, "GET", f"{resident.url}/v1/completions"),
+                    await answer(s, "DELETE", f"{resident.url}/health")]
+    chat, nowhere, get, delete = run(go())
+    assert_error(chat, 404, None, "chat")
+    assert_error(nowhere, 404, None, "/v1/nowhere")
+    assert_error(get, 405, None, "POST")
+    assert_error(delete, 405, None, "GET")

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST
 from hisparse.serve.protocol import (
@@ -29,6 +31,7 @@ from hisparse.serve.worker import PromptRefused, ServerStopped, ServerThread
 from hisparse.serving import Server
 
 MAX_BODY_BYTES = 64 * 2 ** 20     # a 128K-token prompt is under 1 MiB of JSON; aiohttp's default is 1 MiB
+ROUTES = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
 
 
 @dataclass
@@ -110,7 +113,7 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
 
 
 def make_app(service: Service) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[SERVICE] = service
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -124,6 +127,37 @@ def make_app(service: Service) -> web.Application:
 def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error",
            code: str | None = None) -> web.Response:
     return web.json_response(error_body(message, param, kind, code), status=status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (an unknown path, a method a route does not take, a body over the size
+    limit) in OpenAI's error shape, as every other answer; a bug's a JSON 500 (and a traceback)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        where = f"{request.method} {request.path}"
+        if exc.status == 404 and request.path.rstrip("/") == "/v1/chat/completions":
+            message = ("chat completions are not served yet: the checkpoints here carry no tokenizer or chat "
+                       "template; send token ids to POST /v1/completions")
+        elif exc.status == 404:
+            message = f"Invalid URL ({where}): this server answers {ROUTES}"
+        elif exc.status == 405:
+            allowed = sorted(exc.allowed_methods - {"HEAD"}) or sorted(exc.allowed_methods)
+            message = f"method {request.method} is not allowed on {request.path}: use {' or '.join(allowed)}"
+        elif exc.status == 413:
+            message = f"the request body is over the {MAX_BODY_BYTES // 2 ** 20} MiB this server reads"
+        else:
+            message = f"{exc.reason} ({where})"
+        response = _error(exc.status, message, None)
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception as exc:  # noqa: BLE001 - a bug: the client still gets JSON, the log the traceback
+        traceback.print_exc()
+        return _error(500, f"the server failed on this request: {exc!r}", None, "server_error")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -154,7 +188,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         completion = parse_completion(await _json_body(request), service.vocab_size, service.name)
     except BadRequest as exc:
         service.worker.metrics.refused.inc()
-        return _error(exc.status, exc.message, exc.param, code=exc.code)
+        response = _error(exc.status, exc.message, exc.param, code=exc.code)
+        if isinstance(exc, UnreadableBody):
+            response.force_close()             # the connection's next bytes cannot be trusted to start a request
+        return response
     sink = _Sink(asyncio.get_running_loop())
     try:
         submitted = service.worker.submit(completion.prompts, completion.max_tokens, sink)
@@ -194,10 +231,24 @@ class _Progress:
     error: str | None = None
 
 
+class UnreadableBody(BadRequest):
+    """A body that cannot be read (not the encoding its header names): answered, then the connection closed."""
+
+
 async def _json_body(request: web.Request):
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except RequestPayloadError as exc:         # e.g. "Content-Encoding: gzip" on a body that is not gzip
+        request.content.feed_eof()             # what is left is unreadable: aiohttp then does not read it again
+        encoding = request.headers.get("Content-Encoding", "none")
+        raise UnreadableBody(f"the request body cannot be read as its Content-Encoding header ({encoding!r}) says: "
+                         f"{str(exc).splitlines()[-1].strip()}", None) from None
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"the request body is nested too deeply to read (Python's limit: about "
+                         f"{sys.getrecursionlimit()} levels): expected an object such as "
+                         f'{{"prompt": [1, 2, 3], "max_tokens": 16}}', None) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadRequest(f"the request body is not valid JSON ({exc}): expected an object such as "
                          f'{{"prompt": [1, 2, 3], "max_tokens": 16}}', None) from None
