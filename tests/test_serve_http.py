@@ -22,7 +22,7 @@ from test_serving import SETTINGS, tiny
 
 from hisparse.engine import Engine
 from hisparse.models.tiny import write_tiny_checkpoint
-from hisparse.serve import bench, worker
+from hisparse.serve import bench, protocol, worker
 from hisparse.serve.__main__ import main as serve_main
 from hisparse.serve.app import Service, describe, serve
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST, LATENCY_BUCKETS
@@ -646,3 +646,48 @@ def test_unknown_paths_and_methods_get_json_errors(resident):
     assert_error(nowhere, 404, None, "/v1/nowhere")
     assert_error(get, 405, None, "POST")
     assert_error(delete, 405, None, "GET")
+
+
+def test_too_many_prompts_are_refused_and_metrics_stays_responsive(resident):
+    """A request of 20,000 prompts gets a 400 stating the cap, and /metrics and /health answer
+    meanwhile (it once held /metrics for 36 s)."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            big = asyncio.ensure_future(answer(s, "POST", f"{resident.url}/v1/completions",
+                                               json={"prompt": [[1]] * 20_000, "max_tokens": 1}))
+            await asyncio.sleep(0.3)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await asyncio.wait_for(metrics(s, resident.url), 5)
+            await asyncio.wait_for(answer(s, "GET", f"{resident.url}/health"), 5)
+            return loop.time() - start, await big
+    waited, big = run(go())
+    assert waited < 3, f"/metrics and /health took {waited:.1f} s beside a big request"
+    assert_error(big, 400, "prompt", "at most 256 prompts")
+
+
+def test_a_big_body_is_checked_off_the_event_loop(resident, monkeypatch):
+    """A body's checks run in a worker thread, not on the event loop (there they held /metrics and
+    /health for about 0.1 s per 1M tokens); a prompt over max_context is refused before its ids
+    are read one by one."""
+    from hisparse.serve import app
+    threads, checked = [], []
+    parse, is_int = app.parse_completion, protocol._is_int
+
+    def recording(*args, **kw):
+        threads.append(threading.current_thread())
+        return parse(*args, **kw)
+
+    def counting(value):
+        checked.append(value)
+        return is_int(value)
+    monkeypatch.setattr(app, "parse_completion", recording)
+    monkeypatch.setattr(protocol, "_is_int", counting)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await answer(s, "POST", f"{resident.url}/v1/completions",
+                                json={"prompt": [7] * 1_000_000, "max_tokens": 1})
+    assert_error(run(go()), 400, "prompt", "max_context=96")
+    assert threads and resident.thread not in threads, "checked on the event loop's thread"
+    assert len(checked) < 1000, f"{len(checked)} ids read one by one for a prompt refused by its length"

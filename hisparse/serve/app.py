@@ -185,7 +185,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if service.draining:
         return _error(503, "the server is shutting down and takes no new requests", None, "server_unavailable")
     try:
-        completion = parse_completion(await _json_body(request), service.vocab_size, service.name)
+        raw = await _read_body(request)
+        # in a worker thread: the Python-level checks of a big body would hold the loop (/metrics, /health)
+        completion = await asyncio.get_running_loop().run_in_executor(None, _parse, raw, service)
     except BadRequest as exc:
         service.worker.metrics.refused.inc()
         response = _error(exc.status, exc.message, exc.param, code=exc.code)
@@ -235,23 +237,31 @@ class UnreadableBody(BadRequest):
     """A body that cannot be read (not the encoding its header names): answered, then the connection closed."""
 
 
-async def _json_body(request: web.Request):
+async def _read_body(request: web.Request) -> bytes:
     try:
-        raw = await request.read()
+        return await request.read()
     except RequestPayloadError as exc:         # e.g. "Content-Encoding: gzip" on a body that is not gzip
         request.content.feed_eof()             # what is left is unreadable: aiohttp then does not read it again
         encoding = request.headers.get("Content-Encoding", "none")
         raise UnreadableBody(f"the request body cannot be read as its Content-Encoding header ({encoding!r}) says: "
-                         f"{str(exc).splitlines()[-1].strip()}", None) from None
+                             f"{str(exc).splitlines()[-1].strip()}", None) from None
+
+
+def _parse(raw: bytes, service: Service):
+    """The checked completion request (`parse_completion`) of a raw body; BadRequest if it is not one."""
+    example = '{"prompt": [1, 2, 3], "max_tokens": 16}'
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except RecursionError:
         raise BadRequest(f"the request body is nested too deeply to read (Python's limit: about "
-                         f"{sys.getrecursionlimit()} levels): expected an object such as "
-                         f'{{"prompt": [1, 2, 3], "max_tokens": 16}}', None) from None
+                         f"{sys.getrecursionlimit()} levels): expected an object such as {example}", None) from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"the request body is not valid JSON ({exc}): expected an object such as "
-                         f'{{"prompt": [1, 2, 3], "max_tokens": 16}}', None) from None
+        raise BadRequest(f"the request body is not valid JSON ({exc}): expected an object such as {example}",
+                         None) from None
+    try:
+        return parse_completion(body, service.vocab_size, service.name, service.info["max_model_len"])
+    except RecursionError:                       # a repr of a field nested near the limit
+        raise BadRequest("a field of the request body is nested too deeply to read", None) from None
 
 
 def _cancel_quietly(service: Service, submitted) -> None:

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 DEFAULT_MAX_TOKENS = 16
+MAX_PROMPTS = 256     # prompts a request may carry: 20,000 once held the server thread (and /metrics) for 36 s
 
 # settings a greedy server honours only at these values (what it does anyway), or null or absent
 NEUTRAL = {
@@ -54,9 +55,10 @@ class Completion:
     include_usage: bool              # stream_options.include_usage: a last chunk with the counts
 
 
-def parse_completion(body, vocab_size: int, model: str) -> Completion:
+def parse_completion(body, vocab_size: int, model: str, max_context: int | None = None) -> Completion:
     """The checked request for the model named `model`; BadRequest naming the first bad field (a
-    404 model_not_found for another model's name, as OpenAI's API answers)."""
+    404 model_not_found for another model's name, as OpenAI's API answers). max_context: a prompt
+    that cannot fit it with max_tokens is refused before its ids are read."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     known = {"prompt", "model", "max_tokens", "stream", "stream_options"} | set(NEUTRAL) | set(UNUSED)
@@ -88,11 +90,13 @@ def parse_completion(body, vocab_size: int, model: str) -> Completion:
             raise BadRequest(f"stream_options must be an object with at most include_usage, got {_short(options)}",
                              "stream_options")
         include_usage = _boolean(options, "include_usage", "stream_options.include_usage")
-    return Completion(parse_prompts(body, vocab_size), _max_tokens(body), stream, include_usage)
+    max_tokens = _max_tokens(body)
+    return Completion(parse_prompts(body, vocab_size, max_tokens, max_context), max_tokens, stream, include_usage)
 
 
-def parse_prompts(body: dict, vocab_size: int) -> list[list[int]]:
-    """`prompt` as a list of prompts, each a non-empty list of ids in [0, vocab_size)."""
+def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context: int | None = None) -> list[list[int]]:
+    """`prompt` as a list of at most MAX_PROMPTS prompts, each a non-empty list of ids in
+    [0, vocab_size) that fits max_context with max_tokens (unless max_context is None)."""
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("missing prompt: expected a list of token ids, or a list of such lists", "prompt")
     prompt = body["prompt"]
@@ -103,10 +107,17 @@ def parse_prompts(body: dict, vocab_size: int) -> list[list[int]]:
         raise BadRequest(f"prompt must be a non-empty list of token ids, or a list of such lists, got "
                          f"{_short(prompt)}", "prompt")
     prompts = prompt if isinstance(prompt[0], list) else [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"prompt holds {len(prompts)} prompts: at most {MAX_PROMPTS} prompts a request (send "
+                         f"the rest in other requests)", "prompt")
     for i, ids in enumerate(prompts):
         where = f"prompt {i}" if len(prompts) > 1 else "prompt"
         if not isinstance(ids, list) or not ids:
             raise BadRequest(f"{where} must be a non-empty list of token ids, got {_short(ids)}", "prompt")
+        if max_context is not None and len(ids) + max_tokens > max_context:
+            raise BadRequest(f"{where} cannot be served: a prompt of {len(ids)} tokens plus {max_tokens} new ones "
+                             f"needs {len(ids) + max_tokens} tokens, over the server's max_context={max_context}",
+                             "prompt")
         for j, token in enumerate(ids):
             if not _is_int(token):
                 raise BadRequest(f"{where}: element {j} is {_short(token)}, expected an integer token id", "prompt")
