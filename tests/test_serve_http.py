@@ -520,6 +520,7 @@ def test_the_command_serves_and_exits_cleanly_on_sigterm(tmp_path, capsys):
         assert proc.wait(30) == 0
         tail = proc.stderr.read()
         assert "1 requests served" in tail and re.search(r"host rows in use 0 of \d+", tail), tail
+        assert re.search(r"hisparse\.serve\.access: 127\.0\.0\.1 POST /v1/completions 200 5\+2 tokens", tail), tail
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -691,3 +692,19 @@ def test_a_big_body_is_checked_off_the_event_loop(resident, monkeypatch):
     assert_error(run(go()), 400, "prompt", "max_context=96")
     assert threads and resident.thread not in threads, "checked on the event loop's thread"
     assert len(checked) < 1000, f"{len(checked)} ids read one by one for a prompt refused by its length"
+
+
+def test_each_request_gets_an_access_log_line(resident, caplog):
+    """One line per request at INFO on hisparse.serve.access: method, path, status, tokens, time."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            await post(s, resident.url, {"prompt": B, "max_tokens": 2})
+            await post(s, resident.url, {"prompt": [1], "max_tokens": 0})
+            await answer(s, "GET", f"{resident.url}/health")
+    with caplog.at_level("INFO", logger="hisparse.serve.access"):
+        run(go())
+    lines = [r.getMessage() for r in caplog.records if r.name == "hisparse.serve.access"]
+    assert len(lines) == 3, lines
+    assert re.fullmatch(rf"127\.0\.0\.1 POST /v1/completions 200 {len(B)}\+2 tokens \d+\.\d{{3}} s", lines[0]), lines
+    assert re.fullmatch(r"127\.0\.0\.1 POST /v1/completions 400 - \d+\.\d{3} s", lines[1]), lines
+    assert re.fullmatch(r"127\.0\.0\.1 GET /health 200 - \d+\.\d{3} s", lines[2]), lines

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, load_checkpoint, parse_device, positive_int
-from hisparse.serve.app import Service, closing_line, describe, log, serve
+from hisparse.serve.app import ACCESS_LOG, Service, closing_line, describe, log, serve
 from hisparse.serve.worker import ReplayWorkload, ServerThread
 from hisparse.serving import PREFILL_LAYERS, SERVING_MODES, Server
 from hisparse.synthetic import PRESETS, request_draws
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None, model=None, name: str | None = None) -> 
     info = describe(server, name, args.kv_budget_gib, args.host_budget_gib,     # before its thread owns it
                     "model" if workload is None else workload.name)
     worker = ServerThread(server, workload)
+    _log_access()
     log(f"hisparse.serve: warming up on {server.device} ...")
     worker.start()
     service = Service(worker, info)
@@ -249,6 +251,15 @@ def main(argv: list[str] | None = None, model=None, name: str | None = None) -> 
         return 1
     log(closing_line(final))
     return 0
+
+
+def _log_access() -> None:
+    """The access log (a line per request, `app.AccessLog`) on stderr."""
+    if not ACCESS_LOG.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        ACCESS_LOG.addHandler(handler)
+    ACCESS_LOG.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import traceback
 from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_protocol import RequestPayloadError
 
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST
@@ -32,6 +34,7 @@ from hisparse.serving import Server
 
 MAX_BODY_BYTES = 64 * 2 ** 20     # a 128K-token prompt is under 1 MiB of JSON; aiohttp's default is 1 MiB
 ROUTES = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
+ACCESS_LOG = logging.getLogger("hisparse.serve.access")
 
 
 @dataclass
@@ -77,6 +80,22 @@ class Service:
 
 
 SERVICE = web.AppKey("service", Service)
+TOKENS = web.RequestKey("tokens", tuple)   # a completion's (prompt, completion) token counts, for its access line
+
+
+class AccessLog(AbstractAccessLogger):
+    """One line per request at INFO: client, method, path, status, tokens in + out ("-" where none
+    were served), seconds until the answer's last byte."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        tokens = request.get(TOKENS)
+        counted = "-" if tokens is None else f"{tokens[0]}+{tokens[1]} tokens"
+        self.logger.info("%s %s %s %d %s %.3f s", request.remote, request.method, request.path, response.status,
+                         counted, time)
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)
 
 
 def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget_gib: float | None,
@@ -218,6 +237,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, service, completion, sink, progress)
         return await _collect(service, completion, sink, progress)
     finally:
+        request[TOKENS] = (sum(map(len, completion.prompts)), progress.tokens)
         service.pending.discard(task)
         if progress.ended < len(requests):   # the client went away (or a write failed): free its memory
             try:
@@ -231,6 +251,7 @@ class _Progress:
     prompts: int
     ended: int = 0
     error: str | None = None
+    tokens: int = 0              # received so far, every prompt's
 
 
 class UnreadableBody(BadRequest):
@@ -280,6 +301,7 @@ async def _next(sink: _Sink, progress: _Progress):
         progress.ended += 1
         progress.error = progress.error or item.error
         return index, None
+    progress.tokens += 1
     return index, item
 
 
@@ -349,7 +371,8 @@ async def serve(service: Service, host: str, port: int, stop: asyncio.Event, tim
                 on_ready=None) -> dict:
     """Serve HTTP on host:port until `stop` is set, then drain (see `drain`): the final snapshot.
     on_ready(port) once listening (port 0 picks a free one)."""
-    runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=ACCESS_LOG,
+                           access_log_class=AccessLog)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
