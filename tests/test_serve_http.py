@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import aiohttp
@@ -703,7 +704,11 @@ def test_each_request_gets_an_access_log_line(resident, caplog):
             await answer(s, "GET", f"{resident.url}/health")
     with caplog.at_level("INFO", logger="hisparse.serve.access"):
         run(go())
-    lines = [r.getMessage() for r in caplog.records if r.name == "hisparse.serve.access"]
+        for _ in range(100):                 # a line is written once its answer has gone: maybe after the client has it
+            lines = [r.getMessage() for r in caplog.records if r.name == "hisparse.serve.access"]
+            if len(lines) >= 3:
+                break
+            time.sleep(0.02)
     assert len(lines) == 3, lines
     assert re.fullmatch(rf"127\.0\.0\.1 POST /v1/completions 200 {len(B)}\+2 tokens \d+\.\d{{3}} s", lines[0]), lines
     assert re.fullmatch(r"127\.0\.0\.1 POST /v1/completions 400 - \d+\.\d{3} s", lines[1]), lines
