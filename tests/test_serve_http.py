@@ -713,3 +713,20 @@ def test_each_request_gets_an_access_log_line(resident, caplog):
     assert re.fullmatch(rf"127\.0\.0\.1 POST /v1/completions 200 {len(B)}\+2 tokens \d+\.\d{{3}} s", lines[0]), lines
     assert re.fullmatch(r"127\.0\.0\.1 POST /v1/completions 400 - \d+\.\d{3} s", lines[1]), lines
     assert re.fullmatch(r"127\.0\.0\.1 GET /health 200 - \d+\.\d{3} s", lines[2]), lines
+
+
+def test_the_command_refuses_sizes_the_machine_cannot_hold(tmp_path, capsys):
+    """Refused at start-up, naming the option and both numbers, before anything is allocated: a
+    --max-context whose one lane outgrows the device, a host pool larger than the host, and a
+    --host-budget-gib that holds no request."""
+    checkpoint = str(write_tiny_checkpoint(FAMILY, tmp_path / "tiny", num_hidden_layers=2))
+    base = ["--model", checkpoint, "--prefill", "reference", "--port", "0"]
+    for argv, words in ((["--max-context", "10000000000", "--kv-budget-gib", "100000"], "--max-context"),
+                        (["--mode", "hisparse", "--cache-slots", "16", "--host-budget-gib", "100000"],
+                         "--host-budget-gib"),
+                        (["--mode", "hisparse", "--cache-slots", "16", "--host-budget-gib", "1e-12"],
+                         "--host-budget-gib")):
+        assert serve_main(base + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"argument {words}" in err and "Traceback" not in err and "host_rows" not in err, err
+        assert len(re.findall(r"\d+(\.\d+)? ?[KMGT]?i?B", err)) >= 2, err       # what it needs, what there is
