@@ -8,8 +8,11 @@
 Endpoints: POST /v1/completions (token-id prompts, greedy, `stream` for server-sent events),
 GET /v1/models (the model and how it is served), GET /health, GET /metrics (prometheus_client's
 text: request and token counters, sizes, TTFT/TPOT/ITL histograms in seconds; `metrics.py`).
-SIGINT or SIGTERM: new requests get 503, those in flight finish (for up to --shutdown-timeout s,
-then they are cancelled), the server closes with every stream and host row freed, exit 0.
+Refusals are OpenAI's JSON errors (a 4xx naming the field); each request gets an access-log line on
+stderr. Sizes the machine cannot hold (--max-context, --kv-budget-gib, --host-budget-gib) are
+refused at start-up, before anything large is allocated. SIGINT or SIGTERM: new requests get 503,
+those in flight finish (for up to --shutdown-timeout s, then they are cancelled), the server closes
+with every stream and host row freed, exit 0.
 Without a GPU the kernels run in Triton's interpreter (slow: tiny checkpoints, short prompts).
 With --workload (DSA), each request replays its own draw of a synthetic preset's selections, as the
 sweep's serving studies do, so a load over HTTP sits beside the in-process study's point:
