@@ -23,7 +23,7 @@ from test_serving import SETTINGS, tiny
 
 from hisparse.engine import Engine
 from hisparse.models.tiny import write_tiny_checkpoint
-from hisparse.serve import bench, worker
+from hisparse.serve import bench, protocol, worker
 from hisparse.serve.__main__ import main as serve_main
 from hisparse.serve.app import Service, describe, serve
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST, LATENCY_BUCKETS
@@ -583,7 +583,212 @@ def test_the_command_serves_and_exits_cleanly_on_sigterm(tmp_path, capsys):
         assert proc.wait(30) == 0
         tail = proc.stderr.read()
         assert "1 requests served" in tail and re.search(r"host rows in use 0 of \d+", tail), tail
+        assert re.search(r"hisparse\.serve\.access: 127\.0\.0\.1 POST /v1/completions 200 5\+2 tokens", tail), tail
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+# -- issue #63 item 7: no request gets a 500, nulls are absent, JSON errors everywhere, startup refusals
+
+async def answer(session, method: str, url: str, **kw) -> tuple[int, str, dict | None]:
+    """(status, Content-Type, the JSON body or None)."""
+    async with session.request(method, url, **kw) as response:
+        text = await response.text()
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        return response.status, response.content_type, body
+
+
+def assert_error(got, status: int, param, words: str, code=None) -> None:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    got_status, content_type, body = got
+    assert got_status == status and content_type == "application/json", got
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["param"] == param and error["code"] == code, error
+    assert words in error["message"], error
+
+
+def test_null_is_absent_for_every_optional_field(resident):
+    """What OpenAI clients send for "not given" (null), and the neutral values, are served."""
+    optional = ["model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "n", "best_of",
+                "presence_penalty", "frequency_penalty", "logprobs", "echo", "stop", "suffix", "logit_bias",
+                "ignore_eos", "seed", "user"]
+    neutral = {"model": "tiny", "temperature": 0, "top_p": 1, "n": 1, "best_of": 1, "presence_penalty": 0,
+               "frequency_penalty": 0.0, "echo": False, "stop": [], "seed": 7, "user": "me", "stream": False}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            nulls = await post(s, resident.url, {"prompt": B, "max_tokens": None, **dict.fromkeys(optional)})
+            neutrals = await post(s, resident.url, {"prompt": B, "max_tokens": 1, **neutral})
+            return nulls, neutrals
+    (status, nulls), (neutral_status, neutrals) = run(go())
+    assert status == 200, nulls
+    assert nulls["choices"][0]["token_ids"] == alone(tuple(B), 16)          # max_tokens null: the default, 16
+    assert neutral_status == 200 and neutrals["choices"][0]["token_ids"] == alone(tuple(B), 1), neutrals
+
+
+def test_model_seed_and_user_of_the_wrong_type_get_a_400(resident):
+    bad = [({"model": 5}, "model", "string"), ({"seed": "x"}, "seed", "integer"), ({"seed": 1.5}, "seed", "integer"),
+           ({"user": {}}, "user", "string"), ({"temperature": 1}, "temperature", "greedy")]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await answer(s, "POST", f"{resident.url}/v1/completions", json={"prompt": [1], **body})
+                    for body, _, _ in bad]
+    for got, (body, param, words) in zip(run(go()), bad):
+        assert_error(got, 400, param, words)
+
+
+def test_a_wrong_model_name_gets_a_404_model_not_found(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await answer(s, "POST", f"{resident.url}/v1/completions",
+                                json={"model": "gpt-3.5-turbo-instruct", "prompt": [1]})
+    assert_error(run(go()), 404, "model", "'gpt-3.5-turbo-instruct'", code="model_not_found")
+
+
+def test_the_official_openai_client_is_served(resident):
+    """openai.OpenAI against the server: token-id prompts, a stream, and NotFoundError for a wrong model."""
+    import openai
+    client = openai.OpenAI(base_url=f"{resident.url}/v1", api_key="x", max_retries=0, timeout=30)
+    done = client.completions.create(model="tiny", prompt=[A, B], max_tokens=2)
+    assert [c.token_ids for c in done.choices] == [alone(tuple(A), 2), alone(tuple(B), 2)]   # extra fields kept
+    assert done.usage.completion_tokens == 4 and done.model == "tiny"
+    streamed = [chunk.choices[0].text for chunk in client.completions.create(model="tiny", prompt=B, max_tokens=2,
+                                                                             stream=True, temperature=None)]
+    assert streamed == [str(t) for t in alone(tuple(B), 2)]
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as wrong:
+        client.completions.create(model="davinci", prompt=[[1, 2, 3]], max_tokens=2)
+    assert wrong.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, temperature=0.7)
+    assert bad.value.param == "temperature"
+
+
+def test_a_body_nested_too_deep_gets_a_400(resident):
+    """A body nested 100,000 deep, or a prompt 5,000 deep, is malformed: a 400, not a 500."""
+    deep_prompt = b'{"prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}"
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await answer(s, "POST", f"{resident.url}/v1/completions", data=body)
+                    for body in (b"[" * 100_000 + b"]" * 100_000, deep_prompt)]
+    for got in run(go()):
+        assert_error(got, 400, None, "nested")
+
+
+def test_a_body_that_is_not_the_gzip_it_claims_gets_a_400(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            bad = await answer(s, "POST", f"{resident.url}/v1/completions", data=b'{"prompt": [1]}',
+                               headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+            import gzip
+            good = await answer(s, "POST", f"{resident.url}/v1/completions",
+                                data=gzip.compress(json.dumps({"prompt": B, "max_tokens": 1}).encode()),
+                                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+            return bad, good
+    bad, good = run(go())
+    assert_error(bad, 400, None, "Content-Encoding")
+    assert good[0] == 200 and good[2]["choices"][0]["token_ids"] == alone(tuple(B), 1)
+
+
+def test_unknown_paths_and_methods_get_json_errors(resident):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await answer(s, "POST", f"{resident.url}/v1/chat/completions",
+                                 json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+                    await answer(s, "GET", f"{resident.url}/v1/nowhere"),
+                    await answer(s, "GET", f"{resident.url}/v1/completions"),
+                    await answer(s, "DELETE", f"{resident.url}/health")]
+    chat, nowhere, get, delete = run(go())
+    assert_error(chat, 404, None, "chat")
+    assert_error(nowhere, 404, None, "/v1/nowhere")
+    assert_error(get, 405, None, "POST")
+    assert_error(delete, 405, None, "GET")
+
+
+def test_too_many_prompts_are_refused_and_metrics_stays_responsive(resident):
+    """A request of 20,000 prompts gets a 400 stating the cap, and /metrics and /health answer
+    meanwhile (it once held /metrics for 36 s)."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            big = asyncio.ensure_future(answer(s, "POST", f"{resident.url}/v1/completions",
+                                               json={"prompt": [[1]] * 20_000, "max_tokens": 1}))
+            await asyncio.sleep(0.3)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            await asyncio.wait_for(metrics(s, resident.url), 5)
+            await asyncio.wait_for(answer(s, "GET", f"{resident.url}/health"), 5)
+            return loop.time() - start, await big
+    waited, big = run(go())
+    assert waited < 3, f"/metrics and /health took {waited:.1f} s beside a big request"
+    assert_error(big, 400, "prompt", "at most 256 prompts")
+
+
+def test_a_big_body_is_checked_off_the_event_loop(resident, monkeypatch):
+    """A body's checks run in a worker thread, not on the event loop (there they held /metrics and
+    /health for about 0.1 s per 1M tokens); a prompt over max_context is refused before its ids
+    are read one by one."""
+    from hisparse.serve import app
+    threads, checked = [], []
+    parse, is_int = app.parse_completion, protocol._is_int
+
+    def recording(*args, **kw):
+        threads.append(threading.current_thread())
+        return parse(*args, **kw)
+
+    def counting(value):
+        checked.append(value)
+        return is_int(value)
+    monkeypatch.setattr(app, "parse_completion", recording)
+    monkeypatch.setattr(protocol, "_is_int", counting)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await answer(s, "POST", f"{resident.url}/v1/completions",
+                                json={"prompt": [7] * 1_000_000, "max_tokens": 1})
+    assert_error(run(go()), 400, "prompt", "max_context=96")
+    assert threads and resident.thread not in threads, "checked on the event loop's thread"
+    assert len(checked) < 1000, f"{len(checked)} ids read one by one for a prompt refused by its length"
+
+
+def test_each_request_gets_an_access_log_line(resident, caplog):
+    """One line per request at INFO on hisparse.serve.access: method, path, status, tokens, time."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            await post(s, resident.url, {"prompt": B, "max_tokens": 2})
+            await post(s, resident.url, {"prompt": [1], "max_tokens": 0})
+            await answer(s, "GET", f"{resident.url}/health")
+    with caplog.at_level("INFO", logger="hisparse.serve.access"):
+        run(go())
+        for _ in range(100):                 # a line is written once its answer has gone: maybe after the client has it
+            lines = [r.getMessage() for r in caplog.records if r.name == "hisparse.serve.access"]
+            if len(lines) >= 3:
+                break
+            time.sleep(0.02)
+    assert len(lines) == 3, lines
+    assert re.fullmatch(rf"127\.0\.0\.1 POST /v1/completions 200 {len(B)}\+2 tokens \d+\.\d{{3}} s", lines[0]), lines
+    assert re.fullmatch(r"127\.0\.0\.1 POST /v1/completions 400 - \d+\.\d{3} s", lines[1]), lines
+    assert re.fullmatch(r"127\.0\.0\.1 GET /health 200 - \d+\.\d{3} s", lines[2]), lines
+
+
+def test_the_command_refuses_sizes_the_machine_cannot_hold(tmp_path, capsys):
+    """Refused at start-up, naming the option and both numbers, before anything is allocated: a
+    --max-context whose one lane outgrows the device, a host pool larger than the host, and a
+    --host-budget-gib that holds no request."""
+    checkpoint = str(write_tiny_checkpoint(FAMILY, tmp_path / "tiny", num_hidden_layers=2))
+    base = ["--model", checkpoint, "--prefill", "reference", "--port", "0"]
+    for argv, words in ((["--max-context", "10000000000", "--kv-budget-gib", "100000"], "--max-context"),
+                        (["--mode", "hisparse", "--cache-slots", "16", "--host-budget-gib", "100000"],
+                         "--host-budget-gib"),
+                        (["--mode", "hisparse", "--cache-slots", "16", "--host-budget-gib", "1e-12"],
+                         "--host-budget-gib")):
+        assert serve_main(base + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"argument {words}" in err and "Traceback" not in err and "host_rows" not in err, err
+        assert len(re.findall(r"\d+(\.\d+)? ?[KMGT]?i?B", err)) >= 2, err       # what it needs, what there is

@@ -11,6 +11,7 @@ so a new request waits at most one iteration to be admitted.
 
 Files: `protocol.py` (the completions format: request checks, response bodies), `worker.py`
 (the thread), `metrics.py` (GET /metrics: prometheus_client, a registry per server thread), `app.py`
-(handlers, shutdown), `__main__.py` (the command), `bench.py` (the load client: closed and open
-loops over HTTP and bench_serving's random dataset, rows into serving.csv under --out).
+(handlers, JSON errors, the access log, shutdown), `sizes.py` (what the options allocate against
+what the machine has, before the server is built), `__main__.py` (the command), `bench.py` (the
+load client: closed and open loops over HTTP and bench_serving's random dataset, rows under --out).
 """

@@ -8,8 +8,11 @@
 Endpoints: POST /v1/completions (token-id prompts, greedy, `stream` for server-sent events),
 GET /v1/models (the model and how it is served), GET /health, GET /metrics (prometheus_client's
 text: request and token counters, sizes, TTFT/TPOT/ITL histograms in seconds; `metrics.py`).
-SIGINT or SIGTERM: new requests get 503, those in flight finish (for up to --shutdown-timeout s,
-then they are cancelled), the server closes with every stream and host row freed, exit 0.
+Refusals are OpenAI's JSON errors (a 4xx naming the field); each request gets an access-log line on
+stderr. Sizes the machine cannot hold (--max-context, --kv-budget-gib, --host-budget-gib) are
+refused at start-up, before anything large is allocated. SIGINT or SIGTERM: new requests get 503,
+those in flight finish (for up to --shutdown-timeout s, then they are cancelled), the server closes
+with every stream and host row freed, exit 0.
 Without a GPU the kernels run in Triton's interpreter (slow: tiny checkpoints, short prompts).
 With --workload (DSA), each request replays its own draw of a synthetic preset's selections, as the
 sweep's serving studies do, so a load over HTTP sits beside the in-process study's point:
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -29,7 +33,8 @@ import torch
 from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, load_checkpoint, parse_device, positive_int
-from hisparse.serve.app import Service, closing_line, describe, log, serve
+from hisparse.serve.app import ACCESS_LOG, Service, closing_line, describe, log, serve
+from hisparse.serve.sizes import refusal
 from hisparse.serve.worker import ReplayWorkload, ServerThread
 from hisparse.serving import PREFILL_LAYERS, SERVING_MODES, Server
 from hisparse.synthetic import PRESETS, request_draws
@@ -154,7 +159,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
         ap.error(f"argument --kv-dtype: {args.kv_dtype} rows are DSA's (deepseek_v32, glm_moe_dsa); {name!r} is a "
                  f"{model.config.model_type} model")
     try:
-        family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)
+        runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)
     except ValueError as exc:
         option = "--kv-dtype" if args.kv_dtype != "bf16" and "kv_dtype" in str(exc) else "--model"
         ap.error(f"argument {option}: model {name!r} does not fit the kernels: {exc}")
@@ -163,6 +168,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
         ap.error("argument --prefill-layers: only with --prefill-overlap (the layers of a piece run beside a step)")
     if args.prefill_sms is not None and not args.prefill_overlap:
         ap.error("argument --prefill-sms: only with --prefill-overlap (it confines the pieces run beside a step)")
+    check_sizes(ap, args, runtime, model.model.embed_tokens.weight.device)
     workload = replay_workload(ap, args, model.config, name)
     try:
         server = Server(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
@@ -173,8 +179,30 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
                         prefill_sms=args.prefill_sms,
                         selections=None if workload is None else workload.draws[0], **quest)
     except ValueError as exc:
-        ap.error(f"cannot build the server: {exc}")
+        ap.error(f"{_option(str(exc))}cannot build the server: {exc}")
     return server, name, workload
+
+
+# the Server's keywords its ValueErrors name, and the options that set them
+OPTIONS = ("kv_budget_gib", "host_budget_gib", "max_context", "cache_slots", "max_batch", "prefill_chunk",
+           "token_budget", "prefill_layers", "prefill_sms", "prefill_overlap")
+
+
+def _option(message: str) -> str:
+    """"argument --option: " for the first Server keyword a message names, else ""."""
+    named = [(message.find(key), key) for key in OPTIONS if key in message]
+    return f"argument --{min(named)[1].replace('_', '-')}: " if named else ""
+
+
+def check_sizes(ap: argparse.ArgumentParser, args: argparse.Namespace, runtime, device) -> None:
+    """Sizes the machine cannot hold are refused now, naming the option (`sizes.refusal`)."""
+    try:
+        refused = refusal(runtime, device, args.mode, args.cache_slots, args.max_context, args.kv_budget_gib,
+                          args.host_budget_gib, args.max_batch)
+    except ValueError:
+        return                                   # the Server's own checks say what is wrong
+    if refused is not None:
+        ap.error(f"argument {refused[0]}: {refused[1]}")
 
 
 def check_workload_options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -238,6 +266,7 @@ def main(argv: list[str] | None = None, model=None, name: str | None = None) -> 
     info = describe(server, name, args.kv_budget_gib, args.host_budget_gib,     # before its thread owns it
                     "model" if workload is None else workload.name)
     worker = ServerThread(server, workload)
+    _log_access()
     log(f"hisparse.serve: warming up on {server.device} ...")
     worker.start()
     service = Service(worker, info)
@@ -249,6 +278,15 @@ def main(argv: list[str] | None = None, model=None, name: str | None = None) -> 
         return 1
     log(closing_line(final))
     return 0
+
+
+def _log_access() -> None:
+    """The access log (a line per request, `app.AccessLog`) on stderr."""
+    if not ACCESS_LOG.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        ACCESS_LOG.addHandler(handler)
+    ACCESS_LOG.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web_protocol import RequestPayloadError
 
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST
 from hisparse.serve.protocol import (
@@ -29,6 +33,8 @@ from hisparse.serve.worker import PromptRefused, ServerStopped, ServerThread
 from hisparse.serving import Server
 
 MAX_BODY_BYTES = 64 * 2 ** 20     # a 128K-token prompt is under 1 MiB of JSON; aiohttp's default is 1 MiB
+ROUTES = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
+ACCESS_LOG = logging.getLogger("hisparse.serve.access")
 
 
 @dataclass
@@ -74,6 +80,22 @@ class Service:
 
 
 SERVICE = web.AppKey("service", Service)
+TOKENS = web.RequestKey("tokens", tuple)   # a completion's (prompt, completion) token counts, for its access line
+
+
+class AccessLog(AbstractAccessLogger):
+    """One line per request at INFO: client, method, path, status, tokens in + out ("-" where none
+    were served), seconds until the answer's last byte."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        tokens = request.get(TOKENS)
+        counted = "-" if tokens is None else f"{tokens[0]}+{tokens[1]} tokens"
+        self.logger.info("%s %s %s %d %s %.3f s", request.remote, request.method, request.path, response.status,
+                         counted, time)
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)
 
 
 def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget_gib: float | None,
@@ -110,7 +132,7 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
 
 
 def make_app(service: Service) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[SERVICE] = service
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -121,8 +143,40 @@ def make_app(service: Service) -> web.Application:
 
 # -- handlers ----------------------------------------------------------------------------------
 
-def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(error_body(message, param, kind), status=status)
+def _error(status: int, message: str, param: str | None, kind: str = "invalid_request_error",
+           code: str | None = None) -> web.Response:
+    return web.json_response(error_body(message, param, kind, code), status=status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (an unknown path, a method a route does not take, a body over the size
+    limit) in OpenAI's error shape, as every other answer; a bug's a JSON 500 (and a traceback)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        where = f"{request.method} {request.path}"
+        if exc.status == 404 and request.path.rstrip("/") == "/v1/chat/completions":
+            message = ("chat completions are not served yet: the checkpoints here carry no tokenizer or chat "
+                       "template; send token ids to POST /v1/completions")
+        elif exc.status == 404:
+            message = f"Invalid URL ({where}): this server answers {ROUTES}"
+        elif exc.status == 405:
+            allowed = sorted(exc.allowed_methods - {"HEAD"}) or sorted(exc.allowed_methods)
+            message = f"method {request.method} is not allowed on {request.path}: use {' or '.join(allowed)}"
+        elif exc.status == 413:
+            message = f"the request body is over the {MAX_BODY_BYTES // 2 ** 20} MiB this server reads"
+        else:
+            message = f"{exc.reason} ({where})"
+        response = _error(exc.status, message, None)
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception as exc:  # noqa: BLE001 - a bug: the client still gets JSON, the log the traceback
+        traceback.print_exc()
+        return _error(500, f"the server failed on this request: {exc!r}", None, "server_error")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -150,10 +204,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if service.draining:
         return _error(503, "the server is shutting down and takes no new requests", None, "server_unavailable")
     try:
-        completion = parse_completion(await _json_body(request), service.vocab_size)
+        raw = await _read_body(request)
+        # in a worker thread: the Python-level checks of a big body would hold the loop (/metrics, /health)
+        completion = await asyncio.get_running_loop().run_in_executor(None, _parse, raw, service)
     except BadRequest as exc:
         service.worker.metrics.refused.inc()
-        return _error(exc.status, exc.message, exc.param)
+        response = _error(exc.status, exc.message, exc.param, code=exc.code)
+        if isinstance(exc, UnreadableBody):
+            response.force_close()             # the connection's next bytes cannot be trusted to start a request
+        return response
     sink = _Sink(asyncio.get_running_loop())
     try:
         submitted = service.worker.submit(completion.prompts, completion.max_tokens, sink)
@@ -178,6 +237,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, service, completion, sink, progress)
         return await _collect(service, completion, sink, progress)
     finally:
+        request[TOKENS] = (sum(map(len, completion.prompts)), progress.tokens)
         service.pending.discard(task)
         if progress.ended < len(requests):   # the client went away (or a write failed): free its memory
             try:
@@ -191,15 +251,38 @@ class _Progress:
     prompts: int
     ended: int = 0
     error: str | None = None
+    tokens: int = 0              # received so far, every prompt's
 
 
-async def _json_body(request: web.Request):
-    raw = await request.read()
+class UnreadableBody(BadRequest):
+    """A body that cannot be read (not the encoding its header names): answered, then the connection closed."""
+
+
+async def _read_body(request: web.Request) -> bytes:
     try:
-        return json.loads(raw)
+        return await request.read()
+    except RequestPayloadError as exc:         # e.g. "Content-Encoding: gzip" on a body that is not gzip
+        request.content.feed_eof()             # what is left is unreadable: aiohttp then does not read it again
+        encoding = request.headers.get("Content-Encoding", "none")
+        raise UnreadableBody(f"the request body cannot be read as its Content-Encoding header ({encoding!r}) says: "
+                             f"{str(exc).splitlines()[-1].strip()}", None) from None
+
+
+def _parse(raw: bytes, service: Service):
+    """The checked completion request (`parse_completion`) of a raw body; BadRequest if it is not one."""
+    example = '{"prompt": [1, 2, 3], "max_tokens": 16}'
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"the request body is nested too deeply to read (Python's limit: about "
+                         f"{sys.getrecursionlimit()} levels): expected an object such as {example}", None) from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"the request body is not valid JSON ({exc}): expected an object such as "
-                         f'{{"prompt": [1, 2, 3], "max_tokens": 16}}', None) from None
+        raise BadRequest(f"the request body is not valid JSON ({exc}): expected an object such as {example}",
+                         None) from None
+    try:
+        return parse_completion(body, service.vocab_size, service.name, service.info["max_model_len"])
+    except RecursionError:                       # a repr of a field nested near the limit
+        raise BadRequest("a field of the request body is nested too deeply to read", None) from None
 
 
 def _cancel_quietly(service: Service, submitted) -> None:
@@ -218,6 +301,7 @@ async def _next(sink: _Sink, progress: _Progress):
         progress.ended += 1
         progress.error = progress.error or item.error
         return index, None
+    progress.tokens += 1
     return index, item
 
 
@@ -287,7 +371,8 @@ async def serve(service: Service, host: str, port: int, stop: asyncio.Event, tim
                 on_ready=None) -> dict:
     """Serve HTTP on host:port until `stop` is set, then drain (see `drain`): the final snapshot.
     on_ready(port) once listening (port 0 picks a free one)."""
-    runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=ACCESS_LOG,
+                           access_log_class=AccessLog)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
