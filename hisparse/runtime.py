@@ -196,9 +196,6 @@ class LaneStates:
         for kv in self.hierarchical:
             kv.resident_step = resident_step
 
-    def any_resident(self) -> bool:
-        return any(bool(kv.resident.any()) for kv in self.hierarchical if kv.resident is not None)
-
 
 def _ids(streams) -> list[int]:
     """A lane's host streams (DSA: one id; Quest, NSA: one per KV head) without an empty lane's -1."""

@@ -1,7 +1,8 @@
 """Fixed serving schedules whose outcome is pinned in tests/golden/serving.json: every family, modes
 resident, hisparse and hybrid (and DSA's prefill beside decode), tiny models in the interpreter. Each
-run chooses its own schedule; the file keeps, per request, its tokens and a hash of its logits'
-bytes, and the schedule the server chose. tests/test_serving_golden.py reproduces them bitwise.
+run chooses its own schedule; the file keeps, per request, its tokens, hits, misses and a hash of
+its logits' bytes, and the schedule, sizes and peaks the server chose (the same as the single-module
+Server's before the serving package: checked for every case but hybrid's when the fields were added). tests/test_serving_golden.py reproduces them bitwise.
 
     python tests/serving_golden.py        # rewrite the file (only on purpose: it pins behaviour)
 """
@@ -46,10 +47,11 @@ def run_case(family: str, mode: str, extra: dict) -> dict:
             kw.pop("cache_slots")
         server = Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=3, **kw)
     run = server.serve(reqs, clients=3)
-    return {"lanes": server.lanes,
+    return {"lanes": server.lanes, "lane_bytes": server.lane_bytes, "workspace_bytes": server.workspace_bytes,
+            "peak_gpu_bytes": run.peak_gpu_bytes, "peak_host_rows": run.peak_host_rows, "hybrid": run.hybrid,
             "schedule": [[it.admitted, it.prefilled, int(it.decoded), list(it.layers) if it.layers else None,
                           int(it.joined)] for it in run.schedule.iterations],
-            "requests": [{"tokens": r.tokens,
+            "requests": [{"tokens": r.tokens, "hits": r.hits, "misses": r.misses,
                           "logits_sha256": hashlib.sha256(b"".join(x.numpy().tobytes() for x in r.logits)).hexdigest()}
                          for r in run.requests]}
 

@@ -12,7 +12,7 @@ from hisparse.engine import family_runtime
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import TINY_CONFIGS
-from hisparse.runtime import FamilyRuntime, LanePrefill, LaneStates
+from hisparse.runtime import FamilyRuntime, LanePrefill, LaneStates, UnitResolver
 
 SERVING = pathlib.Path(__file__).parents[1] / "hisparse" / "serving"
 
@@ -61,16 +61,33 @@ def test_each_runtime_and_its_lane_prefill_conform(family):
     job.cancel()
 
 
-def test_serving_uses_only_declared_runtime_members():
-    """Every `runtime.X` (and `self.runtime.X`) in hisparse/serving/ names a member of FamilyRuntime."""
-    names = declared(FamilyRuntime)
+def instance_attributes(cls) -> set[str]:
+    """The attributes a class's __init__ assigns on self."""
+    tree = ast.parse(inspect.getsource(cls.__init__).strip())
+    return {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+# what serving calls a family's objects, and the declaration each must keep to
+RECEIVERS = {"runtime": FamilyRuntime, "lane_prefill": LanePrefill, "lane_states": LaneStates,
+             "attention": UnitResolver}
+
+
+def test_serving_uses_only_declared_family_members():
+    """Every `runtime.X`, `lane_prefill.X`, `lane_states.X` and `attention.X` (also as `self.runtime.X`,
+    `job.lane_prefill.X`, ...) in hisparse/serving/ names a member its declaration has."""
+    names = {key: set(declared(proto)) | (instance_attributes(proto) if proto is UnitResolver else set())
+             for key, proto in RECEIVERS.items()}
     used = set()
     for path in SERVING.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and (
-                    isinstance(node.value, ast.Name) and node.value.id in ("runtime", "rt")
-                    or isinstance(node.value, ast.Attribute) and node.value.attr == "runtime"):
-                used.add((path.name, node.attr))
-    assert used, "found no runtime use in hisparse/serving/: the check reads nothing"
-    undeclared = sorted((f, a) for f, a in used if a not in names)
-    assert not undeclared, f"serving uses runtime members FamilyRuntime does not declare: {undeclared}"
+            if not isinstance(node, ast.Attribute):
+                continue
+            base = node.value
+            key = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
+            if key in RECEIVERS:
+                used.add((path.name, key, node.attr))
+    assert {key for _, key, _ in used} == set(RECEIVERS), "a receiver is never used: the check reads nothing of it"
+    undeclared = sorted((f, k, a) for f, k, a in used if a not in names[k])
+    assert not undeclared, f"serving uses family members their declarations lack: {undeclared}"

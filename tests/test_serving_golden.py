@@ -19,8 +19,9 @@ def test_serving_reproduces_its_golden_run(case):
         got = run_case(*case)
     finally:
         torch.set_num_threads(threads)
-    assert got["lanes"] == expected["lanes"]
+    for key in ("lanes", "lane_bytes", "workspace_bytes", "peak_gpu_bytes", "peak_host_rows", "hybrid"):
+        assert got[key] == expected[key], key
     assert got["schedule"] == expected["schedule"], "the server chose another schedule"
     for n, (a, b) in enumerate(zip(got["requests"], expected["requests"], strict=True)):
-        assert a["tokens"] == b["tokens"], f"request {n}: tokens differ"
+        assert (a["tokens"], a["hits"], a["misses"]) == (b["tokens"], b["hits"], b["misses"]), f"request {n}"
         assert a["logits_sha256"] == b["logits_sha256"], f"request {n}: logits differ"

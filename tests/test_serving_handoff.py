@@ -61,6 +61,46 @@ def test_a_handed_off_request_decodes_bitwise_as_one_prefilled_in_place(family, 
         assert summary["resident_admissions"] >= 1, summary
 
 
+def test_handoffs_meet_an_overlapping_servers_batches():
+    """In place with prefill beside decode (a join and the next admission in one iteration): the
+    handoff schedule admits each request where it joined, and every logit is the same."""
+    reqs = workload("deepseek_v32")
+    run = server("deepseek_v32", "hisparse", prefill_overlap=True, prefill_layers=1).serve(reqs, clients=3)
+    assert any(it.joined and it.admitted >= 0 for it in run.schedule.iterations), "no join beside an admission"
+    decode = server("deepseek_v32", "hisparse")
+    again = decode.serve(handed_off(decode, reqs), clients=3, replay=handed_off_schedule(run.schedule))
+    for a, b in zip(run.requests, again.requests, strict=True):
+        assert a.tokens == b.tokens
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True)), f"request {a.rid}"
+
+
+def test_a_handoff_that_fails_to_place_gives_everything_back_and_stays_queued(monkeypatch):
+    import hisparse.dsa.runtime as dsa_runtime
+    srv = server("deepseek_v32", "hisparse")
+    req = handed_off(srv, workload("deepseek_v32")[:1])[0]
+
+    def broken(self, rows, prompt):
+        raise RuntimeError("the transfer broke")
+    monkeypatch.setattr(dsa_runtime.LanePrefill, "adopt", broken)
+    srv.open()
+    req.arrival = float("nan")
+    srv.submit(req)
+    with pytest.raises(RuntimeError, match="the transfer broke"):
+        srv.step()
+    assert srv.waiting == [req] and req.lane is None and srv.prefilling is None
+    assert srv.cache.free_streams() == srv.cache.max_streams
+    assert srv.cache.host.free_rows == srv.cache.host.capacity
+    assert srv.close("cancel").cancelled == [req]
+
+
+def test_a_handoff_made_alike_is_required():
+    srv = server("deepseek_v32", "hisparse")
+    req = handed_off(srv, workload("deepseek_v32")[:1])[0]
+    req.handoff.rows = [tuple(t.double() for t in layer) for layer in req.handoff.rows]
+    with pytest.raises(ValueError, match=r"the handoff's rows are torch.float64 .*this server stores torch.float32"):
+        srv.serve([req])
+
+
 def test_ttft_counts_from_arrival_at_the_decode_server_and_the_prefill_is_reported_apart():
     srv = server("deepseek_v32", "hisparse")
     reqs = handed_off(srv, workload("deepseek_v32")[:2])

@@ -114,3 +114,31 @@ def test_budgets_must_be_positive_and_finite(name, bad):
 def test_a_host_budget_under_one_row_names_the_option():
     with pytest.raises(ValueError, match=r"host_budget_gib=1e-12 holds no host pool row \(one is \d+ bytes\)"):
         server(host_budget_gib=1e-12)
+
+
+def test_the_models_attention_comes_back_after_close_and_after_a_failed_serve():
+    srv = server()
+    own = srv.model.sparse_attention
+    srv.serve(requests(seed=4, n=2))
+    assert srv.model.sparse_attention is own
+
+    def broken(request, token):
+        raise RuntimeError("the client's callback broke")
+    reqs = requests(seed=4, n=2)
+    reqs[0].on_token = broken
+    with pytest.raises(RuntimeError, match="callback broke"):
+        srv.serve(reqs)
+    assert srv.model.sparse_attention is own and not srv.is_open
+    assert_nothing_held(srv)
+
+
+def test_cancel_leaves_a_finished_request_and_another_runs_alone():
+    srv = server()
+    srv.open()
+    done = srv.submit(Request(torch.arange(12) % 97, 1, arrival=math.nan))
+    while srv.busy:
+        srv.step()
+    srv.cancel(done)                                    # a client that leaves after its last token
+    srv.cancel(Request(torch.arange(5), 2))             # never submitted here
+    run = srv.close()
+    assert run.requests == [done] and not done.cancelled and not run.cancelled

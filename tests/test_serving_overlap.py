@@ -286,6 +286,10 @@ def _one_decoding_one_arriving(first_out: int, second_prompt: int):
     return server, first, server.submit(Request(torch.arange(second_prompt) % 89, 3, arrival=float("nan")))
 
 
+def next_piece(server, job, plan):
+    return server.runner.next_piece(job, plan, server.scheduler, bool(server.running))
+
+
 def test_an_iteration_launches_no_piece_while_the_previous_one_runs():
     """One piece in flight (a GPU's side stream): while the latest piece's event is not done, the
     iteration's piece is None, the decode step runs, the schedule records an iteration without a
@@ -300,17 +304,17 @@ def test_an_iteration_launches_no_piece_while_the_previous_one_runs():
     server.step()
     assert job.layer == 1 and len(first.tokens) == tokens + 1     # no piece, the step ran
     assert not server.schedule.iterations[-1].prefilled and server.schedule.iterations[-1].decoded
-    assert server._next_piece(job, None) is None
+    assert next_piece(server, job, None) is None
     job.piece_done = _Event(True)
-    assert server._next_piece(job, None) == (24, 1, 2)
+    assert next_piece(server, job, None) == (24, 1, 2)
     job.piece_done = _Event(False)
     plan = dataclasses.replace(server.schedule.iterations[-1], prefilled=24, layers=(1, 2))
-    assert server._next_piece(job, plan) == (24, 1, 2)            # a replay follows its schedule
+    assert next_piece(server, job, plan) == (24, 1, 2)            # a replay follows its schedule
     while first.lane is not None:                      # the first request leaves
         job.piece_done = None
         server.step()
     job.piece_done = _Event(False)
-    assert not server.running and server._next_piece(job, None) is not None   # nothing decodes: it waits
+    assert not server.running and next_piece(server, job, None) is not None   # nothing decodes: it waits
     assert job.piece_done.done
     job.piece_done = None
     while server.busy:

@@ -34,14 +34,18 @@ class Handoff:
     logits: torch.Tensor       # [V]: the last prompt token's (its argmax is the first token)
     prefill_s: float = 0.0     # the prefill's own time on its worker
 
-    def check(self, prompt: int, layers: int) -> None:
-        """ValueError unless this is a handoff of a `prompt`-token prompt over `layers` layers."""
+    def check(self, prompt: int, layers: int, row_dtype: torch.dtype, vocab: int) -> None:
+        """ValueError unless this hands off a `prompt`-token prompt over `layers` layers, its rows
+        stored as `row_dtype` (a decode server's: DSA's kv_dtype) and logits over `vocab` ids."""
         if self.prompt_len != prompt or len(self.rows) != layers:
             raise ValueError(f"the handoff holds a prompt of {self.prompt_len} tokens over {len(self.rows)} layers; "
                              f"the request's prompt has {prompt} tokens, the model {layers} layers")
+        if self.rows[0][0].dtype != row_dtype or self.logits.numel() != vocab:
+            raise ValueError(f"the handoff's rows are {self.rows[0][0].dtype} with logits over {self.logits.numel()} "
+                             f"ids; this server stores {row_dtype} rows over {vocab} ids (a worker built alike?)")
 
     def layer_rows(self, request: int, layer: int) -> tuple:
-        """`FamilyRuntime.prefilled_rows`'s form, for `LanePrefill.adopt`."""
+        """`FamilyRuntime.prefilled_rows`'s form, for `LanePrefill.adopt` (one request: `request` is 0)."""
         return self.rows[layer]
 
 
@@ -54,8 +58,8 @@ def handed_off_schedule(schedule: Schedule) -> Schedule:
         if it.admitted >= 0:
             admitted[len(iterations)] = it.admitted
         iterations.append(Iteration(-1, 0, it.decoded, None, False))
-        if it.joined:                     # the prefill admitted last is the one joining
-            iterations[-1].admitted, iterations[-1].joined = admitted.pop(max(admitted)), True
+        if it.joined:                     # one prefill at a time: the one joining is the earliest admitted
+            iterations[-1].admitted, iterations[-1].joined = admitted.pop(min(admitted)), True
     return Schedule(schedule.lanes, iterations)
 
 

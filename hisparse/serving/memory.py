@@ -37,11 +37,11 @@ def empty_layers(runtime: FamilyRuntime, kv_mode: str, lanes: int, cache, max_co
 
     lengths = torch.ones(lanes, dtype=torch.int64, device=device)
     layers = runtime.gather_layers(kv_mode, cache, zero_rows, lengths, max_context, prefetch, host_tokens=1)
-    view = runtime.serving_lanes(layers, torch.zeros(lanes, dtype=torch.bool, device=device))
+    lane_states = runtime.serving_lanes(layers, torch.zeros(lanes, dtype=torch.bool, device=device))
     for lane in range(lanes):
-        for s in view.streams(lane):
+        for s in lane_states.streams(lane):
             cache.close_stream(s)
-        view.clear(lane)
+        lane_states.clear(lane)
     return layers
 
 
@@ -252,7 +252,8 @@ class LaneMemory:
         for lane in demoted:
             r = lane_request[lane]
             self.runtime.demote(self.cache, layers, lane, r.length, len(r.prompt) + r.max_new_tokens,
-                                self.lane_runs.pop(lane))
+                                self.lane_runs[lane])
+            del self.lane_runs[lane]
         self.lanes_changed += 1
         if not self.runtime.workspace_in_runs:
             return {}, len(demoted)

@@ -218,9 +218,24 @@ class Runner:
     def adopt(self, job: PrefillJob) -> None:
         """The request's handoff placed as its own prefill would have placed it: the prompt is done."""
         handoff = job.request.handoff
-        job.lane_prefill.adopt(handoff.layer_rows, handoff.prompt_len)
-        job.done, job.complete = handoff.prompt_len, True
+        try:
+            job.lane_prefill.adopt(handoff.layer_rows, handoff.prompt_len)
+        except BaseException:
+            job.lane_prefill.cancel()            # its streams, regions and runs go back
+            raise
+        job.done, job.complete, job.held = handoff.prompt_len, True, job.lane_prefill.workspace_bytes
         job.last_logits = handoff.logits.to(self.device)
+
+    def next_piece(self, job: PrefillJob | None, plan, scheduler, lanes_decode: bool) -> tuple[int, int, int] | None:
+        """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: a replayed
+        schedule's `plan`, or the scheduler's next one; None while the previous piece still runs on the
+        side stream beside decoding lanes (one piece in flight)."""
+        if plan is not None:
+            under_way = job is not None and not job.complete
+            return scheduler.planned_piece(plan, job.chunk if job else 0, job.layer if job else 0, under_way)
+        if job is None or job.complete or self.piece_in_flight(job, lanes_decode):
+            return None
+        return scheduler.next_piece(len(job.request.prompt), job.done, job.chunk, job.layer)
 
     def piece_in_flight(self, job: PrefillJob, lanes_decode: bool) -> bool:
         """Whether the previous piece still runs on the side stream (and lanes decode beside it;

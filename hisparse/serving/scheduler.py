@@ -5,7 +5,8 @@ and `waiting`, arrived and not admitted (first come, first served). The head of 
 admitted when nothing is being prefilled, a lane is free and the memory says it fits
 (`LaneMemory.admissible`). A prefill advances one piece an iteration: a chunk of at most
 `prefill_chunk` prompt tokens through every layer, or, with prefill beside decode, `piece_layers`
-layers of it at a time. Nothing here touches the device.
+layers of it at a time. `drive` runs a list of requests through a server (`Server.serve`); the rest
+is plain Python over sizes.
 """
 from __future__ import annotations
 
@@ -103,9 +104,12 @@ def drive(server, requests: list[Request], clients: int | None, replay, progress
     try:
         _loop(server, requests, clients, progress, max_concurrency)
         run = server.close()
-    except BaseException:
+    except BaseException as error:
         if server.is_open:
-            server.close("cancel")
+            try:
+                server.close("cancel")
+            except Exception as cleanup:        # the first error is the one to see
+                error.add_note(f"closing the run then failed too: {cleanup!r}")
         raise
     run.requests = list(requests)
     return run

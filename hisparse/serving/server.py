@@ -103,6 +103,9 @@ class Server:
         """Budgeted GPU bytes in use now: the lanes' state, the cache, the workspace in use (`extra`)."""
         return self.memory.gpu_bytes(self.runner.layers, extra)
 
+    def _note_peak(self, extra: int = 0) -> None:
+        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(extra))
+
     # CUDA graphs this server captured (one; hybrid two): results/notes/graphs.md on a process's 4th
     graphs_captured = property(lambda self: len(self.runner.steps) if self.graph else 0)
 
@@ -114,7 +117,8 @@ class Server:
         self.runner.check_trace(request)
         self.memory.check(len(request.prompt), len(request.prompt) + request.max_new_tokens)
         if request.handoff is not None:                      # its prompt prefilled elsewhere
-            request.handoff.check(len(request.prompt), self.model.config.num_hidden_layers)
+            request.handoff.check(len(request.prompt), self.model.config.num_hidden_layers, self.runtime.row_dtype,
+                                  self.model.config.vocab_size)
 
     def _admissible(self, request: Request) -> bool:
         return free_lane(self.lane_request, self._reserved) is not None and \
@@ -187,6 +191,8 @@ class Server:
         self._require_open("cancel")
         if self._planned is not None:
             raise RuntimeError("a replayed schedule cannot lose a request")
+        if request.done or not any(r is request for r in self.requests):
+            return                                        # finished, or not this run's: nothing to stop
         request.cancelled = True
         if self.scheduler.remove(request):
             return
@@ -232,7 +238,7 @@ class Server:
         if job is not None and job.request.handoff is not None and (plan.joined if plan is not None else True):
             self._join_prefill(job, step, finished)          # a handoff, adopted as it was admitted
             job = None
-        piece = self._next_piece(job, plan)
+        piece = self.runner.next_piece(job, plan, self.scheduler, bool(self.running))
         # without overlap (or where the schedule joins the request after this very piece) the piece
         # runs before the decode step, as one chunk of every layer does; an overlapping server runs
         # every piece on its side stream even so (the join then waits on it), so no tensor of a chunk
@@ -242,7 +248,8 @@ class Server:
         if piece is not None:
             step.prefilled, step.layers = piece[0], piece[1:]
         if piece is not None and not overlapped:
-            self._run_piece(job, piece, after=self.runner.main_event() if self.prefill_overlap else None)
+            self.runner.run_piece(job, *piece, after=self.runner.main_event() if self.prefill_overlap else None)
+            self._note_peak(job.held)
             if job.complete and (plan.joined if plan is not None else True):
                 self._join_prefill(job, step, finished)
             elif plan is not None and plan.joined and not step.joined:
@@ -256,7 +263,8 @@ class Server:
         if decoding:
             logits = self._decode_step()
         if overlapped:
-            self._run_piece(job, piece, after=before)
+            self.runner.run_piece(job, *piece, after=before)
+            self._note_peak(job.held)
         if decoding:
             tokens = logits.argmax(-1).cpu()              # the step's one host sync
             t = self.now()
@@ -270,7 +278,7 @@ class Server:
                     self._leave(r)
                     finished.append(r)
         self.peak_host = max(self.peak_host, self.memory.host_rows_in_use())
-        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes())
+        self._note_peak()
         if step.admitted >= 0 or step.prefilled or step.decoded or step.joined:
             self.schedule.iterations.append(step)
         return finished
@@ -287,10 +295,14 @@ class Server:
                                f"them, close('finish') serves them to the end")
         while self.busy and unfinished == "finish":
             self.step()
+            if not (self._prefilling or self.running or self.waiting) and self.next_arrival() is not None:
+                time.sleep(max(0.0, min(self.next_arrival() - self.now(), 0.05)))   # idle until then
         self._planned = None
-        for r in [r for r in self.requests if r.lane is not None or self.scheduler.queued(r)]:
-            self.cancel(r)
-        self.model.sparse_attention, self._open = self._previous_attention, False
+        try:
+            for r in [r for r in self.requests if r.lane is not None or self.scheduler.queued(r)]:
+                self.cancel(r)
+        finally:
+            self.model.sparse_attention, self._open = self._previous_attention, False
         return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
                           self.running_batch, self.peak_gpu, self.peak_host,
                           {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
@@ -337,24 +349,10 @@ class Server:
             if request.handoff is not None:
                 self.runner.adopt(job)
             return job
-        except BaseException:             # (out of memory, say) the lane goes back
+        except BaseException:             # (out of memory, say) the lane goes back, the request to the queue's head
             self._reserved = request.lane = None
+            self.scheduler.waiting.insert(0, request)
             raise
-
-    def _next_piece(self, job: PrefillJob | None, plan: Iteration | None) -> tuple[int, int, int] | None:
-        """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: the
-        schedule's, or the scheduler's next one; None while the previous piece still runs on the side
-        stream beside decoding lanes (one piece in flight)."""
-        if plan is not None:
-            under_way = job is not None and not job.complete
-            return self.scheduler.planned_piece(plan, job.chunk if job else 0, job.layer if job else 0, under_way)
-        if job is None or job.complete or self.runner.piece_in_flight(job, bool(self.running)):
-            return None
-        return self.scheduler.next_piece(len(job.request.prompt), job.done, job.chunk, job.layer)
-
-    def _run_piece(self, job: PrefillJob, piece: tuple[int, int, int], after) -> None:
-        self.runner.run_piece(job, *piece, after=after)
-        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(job.held))
 
     def _join_prefill(self, job: PrefillJob, step: Iteration, finished: list[Request]) -> None:
         """The prompt is done: its first token out, and the request in its lane unless that was its
@@ -373,7 +371,7 @@ class Server:
             job.lane_prefill.join()            # (a workspace in runs goes back)
             self.lane_request[request.lane] = request
         self.memory.lanes_changed += 1
-        self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(job.held))
+        self._note_peak(job.held)
         self._prefilling, self._reserved = None, None
         step.joined = True
 
