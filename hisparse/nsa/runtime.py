@@ -62,20 +62,8 @@ from hisparse.runtime import (
     write_newest_unit,
     write_run_token,
 )
-from hisparse.unit_lanes import (
-    UnitRowsRuntime,
-    close_lane_streams,
-    demote_unit_runs,
-    join_lane_runs,
-    join_lane_streams,
-    kept_in_empty_lanes,
-    lane_runs,
-    open_lane_streams,
-    run_unit_rows,
-    store_lane_units,
-    write_resident_unit_kept,
-    zero_lane,
-)
+from hisparse import unit_lanes
+from hisparse.unit_lanes import UnitRowsRuntime
 
 
 @dataclass
@@ -107,8 +95,8 @@ class NsaBlocksKV:
         reqs = torch.arange(n, device=pos.device)[:, None]
         heads = torch.arange(hkv, device=pos.device)[None, :]
         ring = (pos % self.window_keys.shape[2])[:, None]
-        self.window_keys[reqs, heads, ring] = kept_in_empty_lanes(self.lanes, key, self.window_keys[reqs, heads, ring])
-        self.window_values[reqs, heads, ring] = kept_in_empty_lanes(self.lanes, value,
+        self.window_keys[reqs, heads, ring] = unit_lanes.kept_in_empty_lanes(self.lanes, key, self.window_keys[reqs, heads, ring])
+        self.window_values[reqs, heads, ring] = unit_lanes.kept_in_empty_lanes(self.lanes, value,
                                                                     self.window_values[reqs, heads, ring])
         self._write_row(pos, key, value)
         lengths = pos + 1 if self.lanes is None else torch.where(self.lanes, pos + 1, 0)   # 0: no block completes
@@ -116,7 +104,7 @@ class NsaBlocksKV:
                             self.compressed_values, self.weight_k, self.weight_v)
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        write_resident_unit_kept(self.pool, pos, key, value, SEL_BLOCK, self.n_units, self.lanes)
+        unit_lanes.write_resident_unit_kept(self.pool, pos, key, value, SEL_BLOCK, self.n_units, self.lanes)
 
 
 @dataclass
@@ -182,9 +170,9 @@ class KernelNsaAttention(UnitResolver):
                 if kv.resident is None:
                     return self.unit_rows(layer_idx, kv, chosen)
                 if kv.resident_step:    # no hierarchical lane: nothing to resolve (empty lanes' are -1)
-                    return run_unit_rows(kv.row_base, chosen)
+                    return unit_lanes.run_unit_rows(kv.row_base, chosen)
                 keep = kv.resident[:, None, None]      # resolve the hierarchical lanes only
-                return torch.where(keep, run_unit_rows(kv.row_base, chosen),
+                return torch.where(keep, unit_lanes.run_unit_rows(kv.row_base, chosen),
                                    self.unit_rows(layer_idx, kv, torch.where(keep, -1, chosen))).contiguous()
         elif self.lanes is not None:         # empty serving lanes read nothing, as their -1 streams do
 
@@ -340,7 +328,7 @@ class NsaRuntime(UnitRowsRuntime):
                runs: list[int]) -> None:
         """A resident hybrid lane becomes hierarchical between steps (as `QuestRuntime.demote`, blocks
         for pages): its window and compressed blocks stay where they are."""
-        demote_unit_runs(cache, layers, lane, int(block_count(length)), int(block_count(host_tokens)), runs,
+        unit_lanes.demote_unit_runs(cache, layers, lane, int(block_count(length)), int(block_count(host_tokens)), runs,
                          self.kv_heads)
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
@@ -392,16 +380,16 @@ class NsaLanePrefill:
         self.heads = runtime.kv_heads
         self.lanes = layers[0].window_keys.shape[0]
         self.runs = runs
-        self.run_of = lane_runs(cache, list(range(len(layers))), self.heads, runs)   # hybrid, resident
+        self.run_of = unit_lanes.lane_runs(cache, list(range(len(layers))), self.heads, runs)   # hybrid, resident
         for kv in layers:
-            zero_lane([kv.pool, kv.window_keys, kv.window_values, kv.compressed_keys, kv.compressed_values], lane,
+            unit_lanes.zero_lane([kv.pool, kv.window_keys, kv.window_values, kv.compressed_keys, kv.compressed_values], lane,
                       self.lanes)
         weight = runtime.model.model.embed_tokens.weight
         workspace = [layer.self_attn.new_kv(1, prompt, weight.device, weight.dtype)
                      for layer in runtime.model.model.layers]
         self.streams: dict[int, list[int]] = {}        # layer -> the request's stream per KV head
         if mode != "resident" and runs is None:
-            self.streams = open_lane_streams(cache, list(range(len(layers))), self.heads,
+            self.streams = unit_lanes.open_lane_streams(cache, list(range(len(layers))), self.heads,
                                              int(block_count(host_tokens)))
         self.state = DecodeState(workspace, prompt, torch.zeros(1, dtype=torch.int64, device=weight.device))
 
@@ -438,7 +426,7 @@ class NsaLanePrefill:
                 for first_stream, head_rows in zip(self.run_of[layer], rows):
                     run_rows(self.cache, first_stream)[first:last] = head_rows.reshape(last - first, -1)
                 continue
-            store_lane_units(kv, self.lane, self.lanes, first, rows, kv.n_units, self.streams.get(layer))
+            unit_lanes.store_lane_units(kv, self.lane, self.lanes, first, rows, kv.n_units, self.streams.get(layer))
 
     def _window(self, work: NsaKV, kv: NsaBlocksKV, start: int, end: int) -> None:
         """The chunk's last (at most W) tokens into the lane's ring (token t at t % W), as
@@ -450,13 +438,13 @@ class NsaLanePrefill:
 
     def join(self) -> None:
         """The request's streams into its lane (hierarchical modes; the lane holds the rest already)."""
-        join_lane_streams(self.layers, self.lane, self.streams)
-        join_lane_runs(self.cache, self.layers, self.lane, self.run_of)
+        unit_lanes.join_lane_streams(self.layers, self.lane, self.streams)
+        unit_lanes.join_lane_runs(self.cache, self.layers, self.lane, self.run_of)
         self.state = None
 
     def cancel(self) -> None:
         """Give back the streams (or runs) of a prefill that will not join."""
-        close_lane_streams(self.cache, self.streams)
+        unit_lanes.close_lane_streams(self.cache, self.streams)
         for first in self.runs or []:
             self.cache.release_run(first)
         self.streams, self.runs, self.run_of, self.state = {}, None, {}, None

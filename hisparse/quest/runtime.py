@@ -68,19 +68,8 @@ from hisparse.runtime import (
     write_newest_unit,
     write_run_token,
 )
-from hisparse.unit_lanes import (
-    UnitRowsRuntime,
-    close_lane_streams,
-    demote_unit_runs,
-    join_lane_runs,
-    join_lane_streams,
-    lane_runs,
-    open_lane_streams,
-    run_unit_rows,
-    store_lane_units,
-    write_resident_unit_kept,
-    zero_lane,
-)
+from hisparse import unit_lanes
+from hisparse.unit_lanes import UnitRowsRuntime
 
 
 @dataclass
@@ -114,7 +103,7 @@ class QuestKV:
             quest_metadata_append(self.kmin, self.kmax, key, page_pos)
 
     def _write_row(self, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        write_resident_unit_kept(self.pool, pos, key, value, PAGE, self.max_pages, self.lanes)
+        unit_lanes.write_resident_unit_kept(self.pool, pos, key, value, PAGE, self.max_pages, self.lanes)
 
 
 @dataclass
@@ -190,10 +179,10 @@ class KernelQuestAttention(UnitResolver):
             if kv.resident is None:
                 rows = self.unit_rows(layer_idx, kv, selection)
             elif kv.resident_step:      # no hierarchical lane: nothing to resolve (empty lanes' are -1)
-                rows = run_unit_rows(kv.row_base, selection)
+                rows = unit_lanes.run_unit_rows(kv.row_base, selection)
             else:           # resolve the hierarchical lanes only; a resident lane reads its runs' rows
                 keep = kv.resident[:, None, None]
-                rows = torch.where(keep, run_unit_rows(kv.row_base, selection),
+                rows = torch.where(keep, unit_lanes.run_unit_rows(kv.row_base, selection),
                                    self.unit_rows(layer_idx, kv, torch.where(keep, -1, selection)))
             pool = kv.cache.gpu_rows
         else:
@@ -356,7 +345,7 @@ class QuestRuntime(UnitRowsRuntime):
         the run's own streams, whose rows are read before anything is written there); the lane reads
         through its streams from the next step, their caches empty. ValueError, before anything
         changes, for runs that are not the lane's count or a host pool that cannot hold the regions."""
-        demote_unit_runs(cache, layers, lane, triton.cdiv(length, PAGE), triton.cdiv(host_tokens, PAGE), runs,
+        unit_lanes.demote_unit_runs(cache, layers, lane, triton.cdiv(length, PAGE), triton.cdiv(host_tokens, PAGE), runs,
                          self.kv_heads)
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
@@ -444,16 +433,16 @@ class QuestLanePrefill:
         self.quest = [i for i, kv in enumerate(layers) if isinstance(kv, QuestKV)]
         self.lanes = self._lane_count(layers[0])
         self.runs = runs
-        self.run_of = lane_runs(cache, self.quest, self.heads, runs)   # hybrid, resident: layer -> its runs
+        self.run_of = unit_lanes.lane_runs(cache, self.quest, self.heads, runs)   # hybrid, resident: layer -> its runs
         for kv in layers:
-            zero_lane(self._lane_parts(kv), lane, self.lanes)
+            unit_lanes.zero_lane(self._lane_parts(kv), lane, self.lanes)
         device = runtime.model.model.embed_tokens.weight.device
         prefilled = [quest_workspace(runtime.model, i, prompt, device) if i in self.quest   # Quest: workspace
                      else DenseLaneView(*(t[lane:lane + 1] for t in paged_tensors(kv)))   # dense: the lane
                      for i, kv in enumerate(layers)]
         self.streams: dict[int, list[int]] = {}        # Quest layer -> the request's stream per KV head
         if mode != "resident" and runs is None:
-            self.streams = open_lane_streams(cache, self.quest, self.heads, triton.cdiv(host_tokens, PAGE))
+            self.streams = unit_lanes.open_lane_streams(cache, self.quest, self.heads, triton.cdiv(host_tokens, PAGE))
         self.cache = cache
         self.state = DecodeState(prefilled, prompt, torch.zeros(1, dtype=torch.int64, device=device))
 
@@ -506,7 +495,7 @@ class QuestLanePrefill:
                 for first_stream, head_rows in zip(self.run_of[i], rows):
                     run_rows(self.cache, first_stream)[first:last] = head_rows.reshape(last - first, -1)
                 continue
-            store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i))
+            unit_lanes.store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i))
 
     def join(self) -> None:
         """The dense layers' first page bounds remade (see `DenseLaneView`), and the request's streams
@@ -517,13 +506,13 @@ class QuestLanePrefill:
             if isinstance(view, DenseLaneView):
                 low, high = quest_metadata_from_keys(view.keys[:, :, :first_page], span, 1)
                 kv.page_min[self.lane, :, :1], kv.page_max[self.lane, :, :1] = low[0], high[0]
-        join_lane_streams(self.layers, self.lane, self.streams)
-        join_lane_runs(self.cache, self.layers, self.lane, self.run_of)
+        unit_lanes.join_lane_streams(self.layers, self.lane, self.streams)
+        unit_lanes.join_lane_runs(self.cache, self.layers, self.lane, self.run_of)
         self.state = None
 
     def cancel(self) -> None:
         """Give back the streams (or runs) of a prefill that will not join."""
-        close_lane_streams(self.cache, self.streams)
+        unit_lanes.close_lane_streams(self.cache, self.streams)
         for first in self.runs or []:
             self.cache.release_run(first)
         self.streams, self.runs, self.run_of, self.state = {}, None, {}, None
