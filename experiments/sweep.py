@@ -741,6 +741,12 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
                                                                point.get("kv_dtype"))[1] / max(batch, 1)
     else:
         batch, fits_gpu, host_bytes = largest_batch(model, study, point, point["mode"], capacity)
+    caps = {"GPU budget": fits_gpu, "max lanes": study["max_batch"]}
+    if point["mode"] != "resident" and "host_budget_gib" in study:    # hybrid: its hierarchical requests
+        per_request = kv_bytes_per_request(model, "hisparse", capacity, point["cache_slots"], point.get("kv_dtype"))[1]
+        caps["host RAM"] = int(study["host_budget_gib"] * 2**30 // per_request)
+    print(f"  throughput: batch {batch} at {point['context']} tokens, {cap_text(caps, batch)}"
+          f"{ratio_text(point, batch)}", flush=True)
     row = dict(point, batch=batch)
     sizes = [dict(row, metric="max_batch", value=batch, unit="requests"),
              dict(row, metric="max_batch_gpu_budget", value=fits_gpu, unit="requests"),
@@ -755,6 +761,27 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
         raise RuntimeError(f"the engine placed {out.resident_requests} of {batch} requests resident, "
                            f"hybrid_batch {resident}: the two must apply one rule")
     return sizes + decode_rows(row, out, batch)
+
+
+admitted: dict[tuple, dict[str, int]] = {}     # each point's batch by mode, for the ratio to resident's
+
+
+def cap_text(caps: dict[str, int], batch: int) -> str:
+    """What caps an admitted batch, e.g. 'capped by the GPU budget (GPU budget 6, max lanes 256)': the
+    caps that equal it (none for a hybrid batch that the two budgets bound together)."""
+    binding = [f"the {name}" for name, n in caps.items() if n == batch] or ["the GPU and host budgets together"]
+    return f"capped by {' and '.join(binding)} ({', '.join(f'{name} {n}' for name, n in caps.items())})"
+
+
+def ratio_text(point: dict, batch: int) -> str:
+    """'; 3.17x resident's 6' where the point's resident twin (same parameters, mode resident) ran in
+    this process; empty for resident and where it did not."""
+    key = tuple(sorted((k, str(v)) for k, v in point.items() if k not in ("mode", "cache_slots")))
+    seen = admitted.setdefault(key, {})
+    seen[point["mode"]] = batch
+    if point["mode"] == "resident" or not seen.get("resident"):
+        return ""
+    return f"; {batch / seen['resident']:.2f}x resident's {seen['resident']}"
 
 
 def largest_batch(model, study: dict, point: dict, mode: str, capacity: int) -> tuple[int, int, int]:
@@ -931,8 +958,11 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     prefill_overlap=point.get("prefill_overlap", False),
                     prefill_layers=point.get("prefill_layers", PREFILL_LAYERS), prefill_sms=point.get("prefill_sms"),
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
+    caps = server.lane_caps
+    batch = min(caps.values())
     print(f"  serving: {server.lanes} lanes of {server.lane_bytes / GIB:.3f} GiB, a prefill workspace of "
-          f"{server.workspace_bytes / GIB:.3f} GiB, under {point['kv_budget_gib']} GiB", flush=True)
+          f"{server.workspace_bytes / GIB:.3f} GiB, under {point['kv_budget_gib']} GiB; admits {batch}, "
+          f"{cap_text(caps, batch)}{ratio_text(point, batch)}", flush=True)
     warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
     if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K
         warm = Request(reqs[0].prompt.clone(), min(2, point["output_len"]),    # on the H200): one untimed
