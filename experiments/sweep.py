@@ -774,9 +774,9 @@ def cap_text(caps: dict[str, int], batch: int) -> str:
 
 
 def ratio_text(point: dict, batch: int) -> str:
-    """'; 3.17x resident's 6' where the point's resident twin (same parameters, mode resident) ran in
-    this process; empty for resident and where it did not."""
-    key = tuple(sorted((k, str(v)) for k, v in point.items() if k not in ("mode", "cache_slots")))
+    """'; 3.17x resident's 6' where the point's resident twin (the same but for mode, B and prefetch,
+    which only hisparse takes) ran in this process; empty for resident and where it did not."""
+    key = tuple(sorted((k, str(v)) for k, v in point.items() if k not in ("mode", "cache_slots", "prefetch")))
     seen = admitted.setdefault(key, {})
     seen[point["mode"]] = batch
     if point["mode"] == "resident" or not seen.get("resident"):
