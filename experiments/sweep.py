@@ -27,7 +27,10 @@ kinds:
 
 Models: "tiny:<family>" (a small random model of a hisparse.models.tiny family: deepseek_v32,
 glm_moe_dsa, llama, qwen3), "dsa" (DSA's real KV geometry: 128 heads, 512 + 64 latents, k = 2048, a
-64 x 128 indexer), "quest" (Llama-3-8B's KV geometry under Quest: 32 query and 8 KV heads of 128, the
+64 x 128 indexer), "dsa_v32_ep8" (the same geometry at DeepSeek-V3.2's hidden size and vocabulary, with MoE
+layers whose decode step reads the weight bytes one GPU of an 8-GPU expert-parallel DeepSeek-V3.2
+reads, its GPU KV budget by default what an H200 has left beside them: experiments/study_model.py),
+"quest" (Llama-3-8B's KV geometry under Quest: 32 query and 8 KV heads of 128, the
 first 2 of 32 layers dense, k = token_budget // 16 pages; `token_budget`, default 2048), with
 `layers` and `hidden` setting the rest, which is smaller than the real models (a tiny model takes
 `layers` too; both are part of each point); or a DSA checkpoint directory (its tensors' names and shapes
@@ -58,6 +61,7 @@ import pandas as pd
 import torch
 
 from experiments.policies import study as policy_study
+from experiments.study_model import KV_BUDGET_GIB, STUDY_MODEL, study_config
 from hisparse.dsa.fp8 import (
     KV_DTYPES,
     ROW_BYTES,
@@ -124,9 +128,9 @@ TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 KEY_HELP = {
     "kind": "policies, decode, throughput or serving",
     "workload": "a synthetic preset, or (decode, throughput) 'model': the model's own selections, the default",
-    "model": "tiny:<family>, dsa, quest, or a DSA checkpoint directory",
-    "layers": "layers of the dsa (61) / quest (32) / tiny model",
-    "hidden": "hidden size of the dsa / quest model (1024)",
+    "model": f"tiny:<family>, dsa, {STUDY_MODEL}, quest, or a DSA checkpoint directory",
+    "layers": f"layers of the dsa and {STUDY_MODEL} (61) / quest (32) / tiny model",
+    "hidden": f"hidden size of the dsa / quest model (1024), of {STUDY_MODEL} (7168)",
     "modes": "list of resident, hisparse, noio (and hybrid: serving, every family; throughput, DSA)",
     "cache_slots": "B, one or a list (needed by hisparse, noio and hybrid)",
     "contexts": "prompt tokens, one or a list (decode, throughput)",
@@ -139,7 +143,8 @@ KEY_HELP = {
     "decode_backend": "DSA: the sparse MLA decode kernel, auto, triton or gluon (auto)",
     "kv_dtype": "DSA: a latent row as stored, bf16 (the model's dtype: 1152 bytes in bf16) or fp8 (656: FlashMLA's "
                 "FP8 rows); rows of fp8 points say so, bf16 ones leave the column empty (bf16)",
-    "kv_budget_gib": "GPU memory for KV per point (GiB)",
+    "kv_budget_gib": f"GPU memory for KV per point (GiB; {STUDY_MODEL}: {KV_BUDGET_GIB}, what an H200 has left beside "
+                     f"its weights, results/notes/study_model.md)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
     "max_batch": f"largest batch tried; serving: the most lanes ({DEFAULTS['max_batch']})",
     "input_len": "serving: prompt tokens of every request",
@@ -213,6 +218,9 @@ class ConfigError(ValueError):
     pass
 
 
+SIZED_MODELS = {"dsa": (61, 1024), STUDY_MODEL: (61, 7168), "quest": (32, 1024)}   # default (layers, hidden)
+
+
 def utf8_text(path: Path, what: str) -> str:
     """The text of `path`, which TOML and JSON files hold as UTF-8; ConfigError naming the first byte that
     is not (the caller names the file)."""
@@ -239,6 +247,11 @@ def model_config(study: dict) -> dict:
         layers, hidden = study.get("layers", 61), study.get("hidden", 1024)
         raw = dict(DSA_GEOMETRY, num_hidden_layers=layers, first_k_dense_replace=layers, hidden_size=hidden,
                    intermediate_size=2 * hidden)
+    elif spec == STUDY_MODEL:
+        try:
+            raw = study_config(study.get("layers", 61), study.get("hidden", 7168))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     elif spec == "quest":
         layers, hidden = study.get("layers", 32), study.get("hidden", 1024)
         raw = dict(QUEST_GEOMETRY, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden)
@@ -256,15 +269,16 @@ def model_config(study: dict) -> dict:
         if not any(Path(spec).glob("*.safetensors")):
             raise ConfigError(f"{where}: model {spec!r} has a config.json but no *.safetensors weights")
     else:
-        raise ConfigError(f"{where}: model {spec!r} is neither tiny:<family>, dsa, quest, nor a checkpoint directory")
+        raise ConfigError(f"{where}: model {spec!r} is neither tiny:<family>, dsa, {STUDY_MODEL}, quest, nor a "
+                          f"checkpoint directory")
     if "layers" in study and spec.startswith("tiny:"):
         raw["num_hidden_layers"] = study["layers"]
     return raw
 
 
 def is_checkpoint(spec: str) -> bool:
-    """Whether a study's model is a checkpoint directory (not tiny:<family>, dsa or quest)."""
-    return not spec.startswith("tiny:") and spec not in ("dsa", "quest")
+    """Whether a study's model is a checkpoint directory (not tiny:<family>, dsa, dsa_v32_ep8 or quest)."""
+    return not spec.startswith("tiny:") and spec not in SIZED_MODELS
 
 
 def check_study_checkpoint(spec: str, where: str) -> None:
@@ -319,6 +333,8 @@ def validate(studies: list[dict]) -> None:
         unknown = set(study) - KEYS[kind] - {"_index"}
         if unknown:
             raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; allowed: {sorted(KEYS[kind])}")
+        if study.get("model") == STUDY_MODEL and kind in ("throughput", "serving"):
+            study.setdefault("kv_budget_gib", KV_BUDGET_GIB)      # what an H200 has left beside the weights
         missing = REQUIRED[kind] - set(study)
         if missing:
             raise ConfigError(f"{where}: missing key {sorted(missing)[0]!r}")
@@ -342,9 +358,10 @@ def validate(studies: list[dict]) -> None:
         for key in ("graph", "prefetch"):
             if key in study and not isinstance(study[key], bool):
                 raise ConfigError(f"{where}: {key} = {study[key]!r}: expected true or false")
-        sizes = {"layers": "the 'dsa', 'quest' and tiny: models", "hidden": "the 'dsa' and 'quest' models"}
+        sizes = {"layers": f"the 'dsa', '{STUDY_MODEL}', 'quest' and tiny: models",
+                 "hidden": f"the 'dsa', '{STUDY_MODEL}' and 'quest' models"}
         for key, models in sizes.items():
-            sized = study["model"] in ("dsa", "quest") or (key == "layers" and study["model"].startswith("tiny:"))
+            sized = study["model"] in SIZED_MODELS or (key == "layers" and study["model"].startswith("tiny:"))
             if key in study and not sized:
                 raise ConfigError(f"{where}: {key} = {study[key]!r} sizes {models}; model {study['model']!r} has "
                                   f"its own: drop {key}")
@@ -443,9 +460,9 @@ def points(study: dict) -> list[dict]:
         return [{"bench": "policies", "workload": study["workload"]}]
     raw, budget = model_config(study), token_budget(study)
     base = {"family": family(raw), "workload": study.get("workload", "model"), "model": study["model"]}
-    if study["model"] in ("dsa", "quest"):     # its size is part of the point: two sizes' rows are not one point
-        base.update(layers=study.get("layers", {"dsa": 61, "quest": 32}[study["model"]]),
-                    hidden=study.get("hidden", 1024))
+    if study["model"] in SIZED_MODELS:      # its size is part of the point: two sizes' rows are not one point
+        layers, hidden = SIZED_MODELS[study["model"]]
+        base.update(layers=study.get("layers", layers), hidden=study.get("hidden", hidden))
     elif "layers" in study:                    # a tiny model of other than its own layer count
         base.update(layers=study["layers"])
     if budget is not None:
@@ -724,6 +741,12 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
                                                                point.get("kv_dtype"))[1] / max(batch, 1)
     else:
         batch, fits_gpu, host_bytes = largest_batch(model, study, point, point["mode"], capacity)
+    caps = {"GPU budget": fits_gpu, "max lanes": study["max_batch"]}
+    if point["mode"] != "resident" and "host_budget_gib" in study:    # hybrid: its hierarchical requests
+        per_request = kv_bytes_per_request(model, "hisparse", capacity, point["cache_slots"], point.get("kv_dtype"))[1]
+        caps["host RAM"] = int(study["host_budget_gib"] * 2**30 // per_request)
+    print(f"  throughput: batch {batch} at {point['context']} tokens, {cap_text(caps, batch)}"
+          f"{ratio_text(point, batch)}", flush=True)
     row = dict(point, batch=batch)
     sizes = [dict(row, metric="max_batch", value=batch, unit="requests"),
              dict(row, metric="max_batch_gpu_budget", value=fits_gpu, unit="requests"),
@@ -738,6 +761,27 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
         raise RuntimeError(f"the engine placed {out.resident_requests} of {batch} requests resident, "
                            f"hybrid_batch {resident}: the two must apply one rule")
     return sizes + decode_rows(row, out, batch)
+
+
+admitted: dict[tuple, dict[str, int]] = {}     # each point's batch by mode, for the ratio to resident's
+
+
+def cap_text(caps: dict[str, int], batch: int) -> str:
+    """What caps an admitted batch, e.g. 'capped by the GPU budget (GPU budget 6, max lanes 256)': the
+    caps that equal it (none for a hybrid batch that the two budgets bound together)."""
+    binding = [f"the {name}" for name, n in caps.items() if n == batch] or ["the GPU and host budgets together"]
+    return f"capped by {' and '.join(binding)} ({', '.join(f'{name} {n}' for name, n in caps.items())})"
+
+
+def ratio_text(point: dict, batch: int) -> str:
+    """'; 3.17x resident's 6' where the point's resident twin (the same but for mode, B and prefetch,
+    which only hisparse takes) ran in this process; empty for resident and where it did not."""
+    key = tuple(sorted((k, str(v)) for k, v in point.items() if k not in ("mode", "cache_slots", "prefetch")))
+    seen = admitted.setdefault(key, {})
+    seen[point["mode"]] = batch
+    if point["mode"] == "resident" or not seen.get("resident"):
+        return ""
+    return f"; {batch / seen['resident']:.2f}x resident's {seen['resident']}"
 
 
 def largest_batch(model, study: dict, point: dict, mode: str, capacity: int) -> tuple[int, int, int]:
@@ -914,8 +958,11 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     prefill_overlap=point.get("prefill_overlap", False),
                     prefill_layers=point.get("prefill_layers", PREFILL_LAYERS), prefill_sms=point.get("prefill_sms"),
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
+    caps = server.lane_caps
+    batch = min(caps.values())
     print(f"  serving: {server.lanes} lanes of {server.lane_bytes / GIB:.3f} GiB, a prefill workspace of "
-          f"{server.workspace_bytes / GIB:.3f} GiB, under {point['kv_budget_gib']} GiB", flush=True)
+          f"{server.workspace_bytes / GIB:.3f} GiB, under {point['kv_budget_gib']} GiB; admits {batch}, "
+          f"{cap_text(caps, batch)}{ratio_text(point, batch)}", flush=True)
     warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
     if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K
         warm = Request(reqs[0].prompt.clone(), min(2, point["output_len"]),    # on the H200): one untimed

@@ -100,7 +100,7 @@ def test_runs_appends_and_resumes(tmp_path, capsys):
      r"decode_backend = 'cuda': expected one of \('auto', 'triton', 'gluon'\)"),
     (("warmup_steps = 2", "warmup_steps = 2\nearly_resolve = true"), "unknown key 'early_resolve'"),
     (("warmup_steps = 2", "warmup_steps = 2\nhidden = 64"),
-     "hidden = 64 sizes the 'dsa' and 'quest' models; model 'tiny:deepseek_v32' has its own: drop hidden"),
+     "hidden = 64 sizes the 'dsa', 'dsa_v32_ep8' and 'quest' models; model 'tiny:deepseek_v32' has its own: drop hidden"),
     (("max_batch = 3", "max_batch = [3]"), "max_batch = \\[3\\]: expected one positive integer"),
     (("max_batch = 3", "max_batch = 0"), "max_batch = 0: expected one positive integer$"),
     (("kind = \"decode\"", "kind = [\"decode\"]"), "study 0: kind = \\['decode'\\]: expected one of"),
@@ -1000,3 +1000,52 @@ def test_the_default_sweep_writes_to_out_and_leaves_the_committed_results_alone(
     assert "done: rows appended under out/" in capsys.readouterr().out
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"decode.csv", "throughput.csv"}
     assert snapshot() == before
+
+
+CAPS = """
+[[study]]
+kind = "serving"
+model = "tiny:deepseek_v32"
+modes = ["resident", "hisparse"]
+cache_slots = 8
+input_len = 60
+output_len = 3
+concurrency = [2]
+kv_budget_gib = 0.0001
+host_budget_gib = 0.00005
+workload = "tiny"
+
+[[study]]
+kind = "throughput"
+model = "tiny:deepseek_v32"
+modes = ["resident", "hisparse"]
+cache_slots = 8
+contexts = [24]
+kv_budget_gib = 0.0001
+host_budget_gib = 0.00004
+max_batch = 3
+new_tokens = 2
+workload = "tiny"
+"""
+
+
+def test_each_point_prints_its_admitted_batch_what_caps_it_and_its_ratio_to_residents(tmp_path, capsys):
+    """Serving at max_context 63: resident's lane (60480 bytes) fits once in 0.0001 GiB; hisparse's
+    (29748) twice beside its workspace and slot map, but the host pool holds one request's 189 rows;
+    2 clients, 2 lanes at most. Throughput at 24 tokens (+ 4 decoded): resident 3 by the GPU budget and
+    max_batch, hisparse 2 by the host pool."""
+    assert sweep.main(["--config", write(tmp_path, CAPS), "--out", str(tmp_path / "o")]) == 0
+    printed = capsys.readouterr().out
+    assert "serving: 1 lanes of 0.000 GiB, a prefill workspace of 0.000 GiB, under 0.0001 GiB; admits 1, capped by " \
+           "the GPU budget (GPU budget 1, max lanes 2)\n" in printed
+    assert "serving: 2 lanes of 0.000 GiB, a prefill workspace of 0.000 GiB, under 0.0001 GiB; admits 1, capped by " \
+           "the host RAM (GPU budget 2, max lanes 2, host RAM 1); 1.00x resident's 1\n" in printed
+    assert "throughput: batch 3 at 24 tokens, capped by the GPU budget and the max lanes (GPU budget 3, max " \
+           "lanes 3)\n" in printed
+    assert "throughput: batch 2 at 24 tokens, capped by the host RAM (GPU budget 6, max lanes 3, host RAM 2); " \
+           "0.67x resident's 3\n" in printed
+
+
+def test_a_hybrid_batch_the_two_budgets_bound_together_says_so():
+    assert sweep.cap_text({"GPU budget": 9, "max lanes": 256, "host RAM": 5}, 7) == \
+        "capped by the GPU and host budgets together (GPU budget 9, max lanes 256, host RAM 5)"

@@ -88,18 +88,34 @@ class LaneMemory:
                                  f"prefill workspace's {self.workspace_bytes / GIB:.3f} GiB and the cache's slot map "
                                  f"{4 * host_rows / GIB:.3f} GiB")
             self.lanes = int(min(fits, max_batch))
+            self.gpu_lanes, self.max_batch = int(fits), max_batch
             if host_budget_gib is None and mode != "resident":
                 host_rows = self._host_rows(None, self.lanes)
         else:
             self.lanes = as_int(lanes, "lanes must be an int >= 1", 1)
-            self.kv_budget = None
+            self.kv_budget = self.gpu_lanes = self.max_batch = None
             host_rows = self._host_rows(host_budget_gib, self.lanes)
+        # requests of max_context the host pool holds at once, where a host budget sizes it
+        self.host_requests = None if mode == "resident" or host_budget_gib is None else \
+            host_rows // sum(self.runtime.stream_regions(max_context))
         self.cache = None if mode == "resident" else self._make_cache(host_rows)
         # hybrid: lane -> its runs while resident; a count of lane changes; the last request no plan placed
         self.lane_runs: dict[int, list[int]] = {}
         self.lanes_changed, self._no_plan = 0, None
 
     # -- sizes ---------------------------------------------------------------------------------
+
+    def caps(self) -> dict[str, int]:
+        """What bounds the running batch, by name: the lanes the GPU budget holds ("GPU budget"), the most
+        lanes asked for ("max lanes": max_batch, which a sweep lowers to its clients or max_concurrency),
+        and where a host budget sizes the pool, the requests of max_context it holds at once ("host RAM";
+        hybrid's resident requests hold none of it). Empty for a server of given lanes."""
+        if self.gpu_lanes is None:
+            return {}
+        caps = {"GPU budget": self.gpu_lanes, "max lanes": self.max_batch}
+        if self.host_requests is not None:
+            caps["host RAM"] = self.host_requests
+        return caps
 
     def _host_rows(self, host_budget_gib: float | None, lanes: int) -> int:
         """Rows of the host pool: the host budget's, or every lane at max_context."""

@@ -96,6 +96,7 @@ class Server:
     kv_budget = property(lambda self: self.memory.kv_budget)
     lane_bytes = property(lambda self: self.memory.lane_bytes)
     workspace_bytes = property(lambda self: self.memory.workspace_bytes)
+    lane_caps = property(lambda self: self.memory.caps())
     streams_per_request = property(lambda self: self.memory.streams_per_request)
     layers = property(lambda self: self.runner.layers)
 
