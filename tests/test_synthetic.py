@@ -40,7 +40,7 @@ def _direct_heavy_hitters(z, root, cfg, n, threshold, g_noise):
     {"layer_similarity": 0.0, "unit_size": 4, "context": 12_000},
     {"layer_similarity": 1.0, "drift": 1.0},
     {"noise": 5.0, "context": 300, "k": 200},                        # the candidate filter reruns over all units
-    {"hot": 40, "hot_lifetime": 3.0},                                # hot units pinned above and below the rest
+    {"hot": 0.2, "hot_lifetime": 3.0},                                # hot units pinned above and below the rest
 ])
 def test_heavy_hitters_match_the_direct_formulation(monkeypatch, overrides):
     fast, steps = synthetic._heavy_hitters, []
@@ -78,9 +78,9 @@ def test_hot_set_off_by_default_leaves_traces_unchanged():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("hot", -1, r"hot=-1 must be >= 0 and below the k - sinks - window = 26 heavy hitters"),
-    ("hot", 26, r"hot=26 must be >= 0 and below the k - sinks - window = 26 heavy hitters"),
-    ("hot", 2.0, "hot must be an integer, got 2.0"),
+    ("hot", -0.1, r"hot \(the hot set's share of the heavy hitters\) must be in \[0, 1\), got -0.1"),
+    ("hot", 1.0, r"hot \(the hot set's share of the heavy hitters\) must be in \[0, 1\), got 1.0"),
+    ("hot", "0.2", "hot must be a finite number, got '0.2'"),
     ("hot_rate", 0.0, r"hot_rate must be in \(0, 1\], got 0.0"),
     ("hot_rate", 1.5, r"hot_rate must be in \(0, 1\], got 1.5"),
     ("hot_rate", float("nan"), "hot_rate must be a finite number, got nan"),
@@ -92,19 +92,21 @@ def test_hot_set_fields_are_validated(field, value, message):
         preset("tiny", **{field: value})
 
 
-def test_hot_set_needs_a_regular_layer():
-    with pytest.raises(ValueError, match="hot=3 needs a regular layer to keep hot, but all 2 layers are random_layers"):
-        preset("tiny", layers=2, random_layers=2, model_layers=None, hot=3)
+def test_hot_set_is_a_share_of_the_heavy_hitters_and_random_layers_have_none():
+    assert preset("dsa_100k").hot_units() == 567                            # of 2048 - 4 - 64
+    assert preset("dsa_100k", k=512).hot_units() == round(0.28636 * 444)   # a caller's k keeps the share
+    random_only = preset("tiny", layers=2, random_layers=2, model_layers=None, hot=0.3)
+    assert generate(random_only).selections.shape == (30, 2, 1, 32)
 
 
 def test_hot_units_are_selected_at_their_rate_and_tied_layers_share_them():
     cfg = SyntheticConfig(context=5000, steps=400, k=64, layers=2, random_layers=0, sinks=2, window=6,
-                          noise=5.0, drift=1.0, layer_similarity=1.0, hot=10, hot_rate=0.3, hot_lifetime=1e6)
+                          noise=5.0, drift=1.0, layer_similarity=1.0, hot=10 / 56, hot_rate=0.3, hot_lifetime=1e6)
     sel = generate(cfg).selections[:, :, 0]                                 # [steps, layers, k]
     assert np.array_equal(sel[:, 0], sel[:, 1])                             # layer 1 is tied to layer 0 on every unit
     counts = np.bincount(sel[:, 0, cfg.sinks + cfg.window:].ravel(), minlength=cfg.context + cfg.steps)
-    hot = np.argsort(counts)[-cfg.hot:]             # scores redrawn with noise 5 every step: nothing else recurs
-    assert counts[np.argsort(counts)[-cfg.hot - 1]] < 20
+    hot = np.argsort(counts)[-10:]             # scores redrawn with noise 5 every step: nothing else recurs
+    assert cfg.hot_units() == 10 and counts[np.argsort(counts)[-11]] < 20
     np.testing.assert_allclose(counts[hot].mean() / cfg.steps, cfg.hot_rate, atol=0.03)  # 4000 flips: sd 0.007
 
 
@@ -118,8 +120,8 @@ def test_hot_set_widens_fifo_over_lru_by_one_eviction_per_turn():
     base = SyntheticConfig(context=20_000, steps=200, k=64, layers=2, random_layers=0, sinks=2, window=6,
                            noise=5.0, drift=1.0)
     slots, gaps = 4 * base.k, {}
-    for hot in (0, 24):
-        sel, _ = generate(replace(base, hot=hot)).streams()
+    for hot in (0, 24):                                                     # units of h = 56
+        sel, _ = generate(replace(base, hot=hot / 56)).streams()
         lru, fifo = simulate(sel, "lru", slots), simulate(sel, "fifo", slots)
         gaps[hot] = fifo.miss_rate() - lru.miss_rate()
         misses_per_step = fifo.misses.mean()
