@@ -1,17 +1,20 @@
 """Replacement policies on a calibrated synthetic workload.
 
-    python -m experiments.policies [--out DIR] [--quick]
+    python -m experiments.policies [--out DIR] [--calibrate | --quick]
 
-1. Calibrate the "dsa_100k" preset's three free parameters (noise, drift, persistence) on the three
-   published miss rates (PUBLISHED: k = 2048, 100K-token prompt, 1000 steps, averaged over the
-   model's layers): 30% when only the last selection is kept, 13.4% with LRU at B = 4096 and 6.7%
-   at B = 8192. Nothing else is fit.
+1. The "dsa_100k" preset's four free parameters (noise, drift, persistence and the hot set's share)
+   are `calibrate`'s fit to the four published miss rates (PUBLISHED: k = 2048, 100K-token prompt,
+   1000 steps, averaged over the model's layers): 30% when only the last selection is kept, 13.4%
+   with LRU at B = 4096 and 6.7% at B = 8192, 17.2% with FIFO at B = 4096. Nothing else is fit.
+   The study runs the stored preset, the workload the other studies replay; `--calibrate` fits
+   again from its values first (a minute on one core) and runs the fit.
 2. Generate the trace and simulate every policy at B in {k, 1.5k, 2k, 3k, 4k}; what the other numbers
-   come out as (FIFO, random, Belady, LRU between the fitted points, overlaps) are predictions, not tuned.
+   come out as (random, Belady, LRU and FIFO between the fitted points, overlaps) are predictions.
 3. Append long-format rows to DIR/policies.csv: miss rates overall and per layer, per-step curves
    (`step` column), consecutive-step and adjacent-layer overlap, reuse-gap quantiles. Rows of a
-   calibrated workload say `calibration`: "fit" for the three fitted miss rates (with `published`),
-   "prediction" for every other row.
+   calibrated workload say `calibration`: "fit" for the four fitted miss rates (with `published`),
+   "prediction" for every other row. A table closes the run: the fitted points beside the published
+   ones, and the predictions at B = 2k beside them.
 
 `--quick` runs the "tiny" preset without calibration (seconds; for tests).
 """
@@ -35,11 +38,12 @@ from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folde
 from hisparse.synthetic import PRESETS, SyntheticConfig, generate, layer_weights, preset
 
 # (policy, B / k) -> miss rate measured on GLM-5.1's DSA trace (DESIGN section 7)
-PUBLISHED = {("last", 1.0): 0.30, ("lru", 2.0): 0.134, ("lru", 4.0): 0.067}
+PUBLISHED = {("last", 1.0): 0.30, ("lru", 2.0): 0.134, ("lru", 4.0): 0.067, ("fifo", 2.0): 0.172}
 CALIBRATED = ("dsa_100k",)                 # presets whose stored parameters are `calibrate`'s fit
-FITTED = ("noise", "drift", "persistence")
-BOUNDS = ((0.0, 1.0), (0.0, 0.5), (0.0, 0.98))   # of each FITTED parameter
-DIFF_STEPS = (0.01, 0.01, 0.02)            # finite differences of the first Jacobian
+FITTED = ("noise", "drift", "persistence", "hot")
+BOUNDS = ((0.0, 1.0), (0.0, 0.5), (0.0, 0.98), (0.0, 0.75))   # of each FITTED parameter
+DIFF_STEPS = (0.01, 0.01, 0.02, 0.05)      # finite differences of the first Jacobian
+SUMMARY = (("last", 1.0), ("lru", 2.0), ("lru", 4.0), ("fifo", 2.0), ("random", 2.0), ("belady", 2.0))
 SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0, 4.0)
 SLOT_POLICIES = ("lru", "fifo", "random", "belady")
 CURVES = (("last", 1.0), ("lru", 1.5), ("lru", 2.0), ("lru", 4.0), ("belady", 2.0))
@@ -78,8 +82,13 @@ def solve_broyden(f, x0, goal, diff_steps, bounds, tol: float, max_evals: int = 
     return best
 
 
+def fitted_config(base: SyntheticConfig, x) -> SyntheticConfig:
+    """`base` with the FITTED parameters set to x."""
+    return replace(base, **dict(zip(FITTED, map(float, x))))
+
+
 def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
-    """`base` with FITTED (noise, drift, persistence) fit so its layer-weighted miss rates at the
+    """`base` with FITTED (noise, drift, persistence, hot) fit so its layer-weighted miss rates at the
     PUBLISHED points equal theirs, starting from base's own values. The random layers depend on none
     of the three: they are measured once and their share taken off the targets; the parameters are
     then fit on one regular layer. Raises ValueError when the model cannot reach the targets."""
@@ -94,7 +103,7 @@ def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
     one = replace(base, layers=1, random_layers=0, model_layers=None)
 
     def regular_rates(x) -> np.ndarray:
-        rates = published_point_rates(replace(one, **dict(zip(FITTED, map(float, x)))))
+        rates = published_point_rates(fitted_config(one, x))
         print(f"  {dict(zip(FITTED, np.round(x, 5).tolist()))} -> {np.round(rates, 4).tolist()}", flush=True)
         return rates
 
@@ -107,8 +116,7 @@ def calibrate(base: SyntheticConfig, tol: float = 5e-4) -> SyntheticConfig:
         raise ValueError(f"{base} cannot reach the regular-layer goals {np.round(goals, 4).tolist()}: the "
                          f"closest fit {dict(zip(FITTED, np.round(x, 5).tolist()))} gives "
                          f"{np.round(rates, 4).tolist()}")
-    return replace(base, noise=round(float(x[0]), 5), drift=round(float(x[1]), 5),
-                   persistence=round(float(x[2]), 5))
+    return fitted_config(base, [round(float(v), 5) for v in x])
 
 
 def is_calibrated(cfg: SyntheticConfig, workload: str) -> bool:
@@ -127,13 +135,28 @@ def study(cfg: SyntheticConfig, workload: str, calibrated: bool = False) -> list
     common = {"bench": "policies", "family": "synthetic", "workload": workload, "batch": cfg.batch,
               "context": cfg.context, "k": cfg.k, "steps": cfg.steps, "layers": cfg.layers,
               "model_layers": cfg.model_layers or cfg.layers, "noise": cfg.noise, "drift": cfg.drift,
-              "persistence": cfg.persistence}
+              "persistence": cfg.persistence, "hot": cfg.hot, "hot_rate": cfg.hot_rate,
+              "hot_lifetime": cfg.hot_lifetime}
     rows = (miss_rows(trace, cfg, common, calibrated) + overlap_rows(trace, cfg, common)
             + reuse_rows(trace, common) + newest_rows(trace, cfg, common))
     if calibrated:
         for row in rows:
             row["calibration"] = "fit" if row.get("published") is not None else "prediction"
+    print_summary(rows, cfg)
     return rows
+
+
+def print_summary(rows: list[dict], cfg: SyntheticConfig) -> None:
+    """The miss rates at the SUMMARY points beside the published ones (fit) or marked predictions."""
+    overall = {(r["mode"], r["cache_slots"]): r for r in rows if r["metric"] == "miss_rate"
+               and r["bench"] == "policies" and "layer" not in r and "step" not in r}
+    print(f"{'policy':>8} {'B':>6} {'measured':>9} {'published':>9}  calibration")
+    for policy, factor in SUMMARY:
+        row = overall[(policy, int(factor * cfg.k))]
+        published = row.get("published")
+        shown = "-" if published is None else f"{published:.1%}"
+        print(f"{policy:>8} {row['cache_slots']:>6} {row['value']:>9.2%} {shown:>9}  "
+              f"{row.get('calibration', '-')}")
 
 
 def miss_rows(trace, cfg: SyntheticConfig, common: dict, calibrated: bool) -> list[dict]:
@@ -233,18 +256,21 @@ def fitted_values(cfg: SyntheticConfig) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP)
-    parser.add_argument("--quick", action="store_true", help="tiny preset, no calibration (seconds)")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument("--calibrate", action="store_true", help="fit dsa_100k again from its stored values, "
+                      "then run the fit (the stored preset otherwise)")
+    runs.add_argument("--quick", action="store_true", help="tiny preset, no calibration (seconds)")
     args = parser.parse_args(argv)
     check_out_folder(parser, args.out, host_only=True)    # a simulation on the host: its rows say cpu anywhere
     start = time.perf_counter()
     if args.quick:
         workload, cfg = "tiny", preset("tiny")
     else:
-        workload = "dsa_100k"
-        cfg = calibrate(preset(workload))
-        stored = preset(workload)
-        print(f"calibrated: {fitted_values(cfg)} (the preset stores {fitted_values(stored)}) "
-              f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        workload, cfg = "dsa_100k", preset("dsa_100k")
+        if args.calibrate:
+            cfg = calibrate(cfg)
+            print(f"calibrated: {fitted_values(cfg)} (the preset stores {fitted_values(preset(workload))}) "
+                  f"[{time.perf_counter() - start:.0f} s]", flush=True)
     rows = study(cfg, workload, calibrated=not args.quick)
     path = Path(args.out) / "policies.csv"
     append_rows(path, rows)

@@ -45,7 +45,8 @@ STAMPS = ("gpu", "torch", "triton", "commit", "timestamp")  # where and with wha
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent     # the checkout holding hisparse/
 COMMITTED_RESULTS = PACKAGE_ROOT / "results"               # the rows the README cites: GPU rows only
 DEFAULT_OUT = "out"                                        # where runs write unless told: git ignores /out/
-HOST_BENCHES = ("policies",)        # simulations that run on the host wherever: their committed rows say cpu
+HOST_BENCHES = ("policies", "newest_token")  # the policy study's simulations, run on the host wherever:
+                                                # their committed rows say cpu
 OUT_HELP = (f"folder for the result CSVs (default: {DEFAULT_OUT}/, which git ignores; --out results appends to the "
             f"committed results, GPU rows only)")
 

@@ -255,7 +255,9 @@ def test_cpu_rows_of_a_timed_bench_never_go_into_the_committed_results(tmp_path,
                                          r"these decode rows come from a machine without a GPU"):
         append_rows(committed / "decode.csv", [dict(bench="decode", metric="tpot_ms", value=1.0, unit="ms")])
     assert not (committed / "decode.csv").exists()
-    append_rows(committed / "policies.csv", [dict(bench="policies", metric="miss_rate", value=0.1, unit="fraction")])
+    append_rows(committed / "policies.csv", [dict(bench="policies", metric="miss_rate", value=0.1, unit="fraction"),
+                                             dict(bench="newest_token", metric="newest_miss_share", value=0.01,
+                                                  unit="fraction")])
     append_rows(committed / "decode.csv", [dict(bench="decode", metric="tpot_ms", value=1.0, unit="ms",
                                                 gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc",
                                                 timestamp="2026-01-01T00:00:00+00:00")])
