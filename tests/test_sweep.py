@@ -1002,6 +1002,7 @@ def test_the_default_sweep_writes_to_out_and_leaves_the_committed_results_alone(
     assert snapshot() == before
 
 
+# a serving study, and TINY's throughput study with a host pool that holds two of its requests
 CAPS = """
 [[study]]
 kind = "serving"
@@ -1014,19 +1015,7 @@ concurrency = [2]
 kv_budget_gib = 0.0001
 host_budget_gib = 0.00005
 workload = "tiny"
-
-[[study]]
-kind = "throughput"
-model = "tiny:deepseek_v32"
-modes = ["resident", "hisparse"]
-cache_slots = 8
-contexts = [24]
-kv_budget_gib = 0.0001
-host_budget_gib = 0.00004
-max_batch = 3
-new_tokens = 2
-workload = "tiny"
-"""
+""" + TINY[TINY.index("[[study]]\nkind = \"throughput\""):].replace("max_batch = 3", "host_budget_gib = 0.00004\nmax_batch = 3")
 
 
 def test_each_point_prints_its_admitted_batch_what_caps_it_and_its_ratio_to_residents(tmp_path, capsys):
