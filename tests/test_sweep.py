@@ -773,9 +773,14 @@ def test_a_shared_indexer_layer_replays_its_anchors_draw(tmp_path):
      "workload = 'tiny': a serving study replays a preset on DSA models"),
 ], ids=["both-loads", "rate-0", "two-slots", "output-0", "quest-preset"])
 def test_bad_serving_studies_fail_before_running(tmp_path, capsys, edit, message):
+    assert_refused(tmp_path, capsys, SERVING, edit, message)
+
+
+def assert_refused(tmp_path, capsys, config: str, edit: tuple[str, str], message: str) -> None:
+    """The config with one edit fails before running: exit 2, no rows, `message` on stderr."""
     old, new = edit
-    assert old in SERVING
-    assert sweep.main(["--config", write(tmp_path, SERVING.replace(old, new, 1)), "--out", str(tmp_path / "o")]) == 2
+    assert old in config
+    assert sweep.main(["--config", write(tmp_path, config.replace(old, new, 1)), "--out", str(tmp_path / "o")]) == 2
     assert not list(tmp_path.glob("o/*.csv"))
     assert re.search(message, capsys.readouterr().err)
 
@@ -827,11 +832,7 @@ def test_a_request_rate_study_runs_the_random_dataset_and_its_points_carry_it(tm
     (('workload = "model"', 'workload = "tiny"'), r"range_ratio = 0.5 with workload = 'tiny': a preset's draws"),
 ], ids=["rate-0", "rate-twice", "ratio-0", "prompts-0", "cap-0", "seed-neg", "with-concurrency", "ratio-preset"])
 def test_bad_request_rate_studies_fail_before_running(tmp_path, capsys, edit, message):
-    old, new = edit
-    assert old in DIALECT
-    assert sweep.main(["--config", write(tmp_path, DIALECT.replace(old, new, 1)), "--out", str(tmp_path / "o")]) == 2
-    assert not list(tmp_path.glob("o/*.csv"))
-    assert re.search(message, capsys.readouterr().err)
+    assert_refused(tmp_path, capsys, DIALECT, edit, message)
 
 
 def test_a_serving_study_admits_by_memory_writes_its_rows_and_runs_prefill_overlap_both_ways(tmp_path, capsys):
