@@ -16,6 +16,7 @@ import torch
 
 from hisparse.engine import check_prompts
 from hisparse.host_pool import as_int
+from hisparse.sampling import SamplingParams
 
 
 class TokenTimeline:
@@ -60,6 +61,9 @@ class Request(TokenTimeline):
     selections: torch.Tensor | None = None   # int32 [steps, layers, ..., k]: replayed instead of the indexer's
     on_token: object | None = None      # called as on_token(request, token) for each new token (streaming)
     handoff: object | None = None       # a `handoff.Handoff`: its prompt prefilled elsewhere, adopted at admission
+    sampling: SamplingParams = field(default_factory=SamplingParams)   # greedy to max_new_tokens by default
+    finish_reason: str | None = None    # "stop" (eos, a stop id or string) or "length"; set when it ends
+    token_logprobs: list = field(default_factory=list)   # per token with sampling.logprobs: (logprob, [(id, logprob)] top N)
 
     @property
     def start(self) -> float:
@@ -67,7 +71,7 @@ class Request(TokenTimeline):
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.max_new_tokens
+        return self.finish_reason is not None or len(self.tokens) >= self.max_new_tokens
 
     @property
     def length(self) -> int:
