@@ -113,7 +113,7 @@ KEYS = {
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
                 "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "graph", "token_budget",
                 "decode_backend", "workload", "kv_dtype", "request_rate", "num_prompts", "range_ratio",
-                "max_concurrency", "seed"},
+                "max_concurrency", "seed", "disaggregated"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
@@ -169,6 +169,9 @@ KEY_HELP = {
     "prefill_overlap": "serving, DSA: prefill chunks in pieces of prefill_layers layers beside the decode steps (Server's "
                        "prefill_overlap) instead of alone between them; true, false or [false, true] (false); "
                        "rows of true points say so, false ones leave the column empty",
+    "disaggregated": "serving: the decode instance of a prefill/decode-disaggregated deployment, emulated on one "
+                     "GPU (Server's disaggregated: each prompt prefilled at admission with the clock stopped, "
+                     "its time the prefill_elsewhere metric); true, false or [false, true] (false)",
     "prefill_layers": "serving, with prefill_overlap = true: layers of a prefill piece (4); rows of the overlapped "
                       "points say it where it is not 4",
     "prefill_sms": "serving, with prefill_overlap = true, on a GPU: the pieces run in a CUDA green context of this "
@@ -516,7 +519,7 @@ def done_points(path: Path) -> pd.DataFrame | None:
 
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
-OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "prefill_layers", "prefill_sms", "requests_per_client",
+OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "disaggregated", "prefill_layers", "prefill_sms", "requests_per_client",
                        "transport",   # transport: HTTP rows (hisparse.serve.bench)
                        "request_rate", "num_prompts", "range_ratio", "max_concurrency", "seed"}   # request_rate points
 
@@ -871,6 +874,15 @@ def validate_serving(study: dict, where: str) -> None:
         raise ConfigError(f"{where}: prefill_overlap = true is built for DSA models; model {study['model']!r} "
                           f"is {family(model_config(study))}")
     study["prefill_overlap"] = overlap
+    disaggregated = study.get("disaggregated", False)
+    disaggregated = disaggregated if isinstance(disaggregated, list) else [disaggregated]
+    if not disaggregated or not all(isinstance(d, bool) for d in disaggregated):
+        raise ConfigError(f"{where}: disaggregated = {study['disaggregated']!r}: expected true, false or a list of them")
+    _listed_once(disaggregated, "disaggregated", where)
+    if True in disaggregated and True in overlap:
+        raise ConfigError(f"{where}: disaggregated = true prefills off the decode GPU's clock; prefill_overlap = true "
+                          f"(beside the decode steps) does not apply to it: run them as two studies")
+    study["disaggregated"] = disaggregated
     for key, what in (("prefill_layers", "sizes the pieces"), ("prefill_sms", "confines the pieces")):
         if key in study:
             _positive_int(study, key, where)
@@ -907,7 +919,8 @@ def validate_request_rate(study: dict, where: str) -> None:
 
 def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     """One point per load level (concurrency or rate), prefill chunk, prefill overlap and mode, the
-    modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True;
+    modes of a level, chunk and overlap back to back. An overlapped point carries prefill_overlap=True,
+    a disaggregated one disaggregated=True;
     the others leave it out (their rows, as before the key existed, leave the column empty), and
     prefill_layers where it is not the Server's default, prefill_sms where set. A closed-loop point
     carries requests_per_client where it is not the default 2 (e.g. a longer run of the same level).
@@ -922,13 +935,14 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     per_client = study.get("requests_per_client", DEFAULTS["requests_per_client"])
     not_two = {} if per_client == DEFAULTS["requests_per_client"] else {"requests_per_client": per_client}
     out = []
-    for (key, level), chunk, overlap, mode in itertools.product(loads, study["prefill_chunk"],
-                                                                study["prefill_overlap"], study["modes"]):
+    for (key, level), chunk, overlap, apart, mode in itertools.product(
+            loads, study["prefill_chunk"], study["prefill_overlap"], study["disaggregated"], study["modes"]):
         out.append(dict(base, bench="serving", mode=mode, context=study["input_len"], input_len=study["input_len"],
                         output_len=study["output_len"], concurrency=level if key == "concurrency" else None,
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
                         kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
                         prefill_chunk=chunk, **(overlapped if overlap else {}),
+                        **({"disaggregated": True} if apart else {}),
                         **(not_two if key == "concurrency" else {}),
                         **(dict(request_rate=level, **dialect) if key == "request_rate" else {})))
     return out
@@ -957,6 +971,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
                     prefill_overlap=point.get("prefill_overlap", False),
                     prefill_layers=point.get("prefill_layers", PREFILL_LAYERS), prefill_sms=point.get("prefill_sms"),
+                    disaggregated=point.get("disaggregated", False),
                     **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
     caps = server.lane_caps
     batch = min(caps.values())

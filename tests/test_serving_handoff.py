@@ -181,3 +181,30 @@ def test_graphed_handoffs_decode_bitwise_as_in_place(family):
         assert a.tokens == b.tokens
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True)), f"request {a.rid}"
 
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_a_disaggregated_server_prefills_off_its_clock_and_decodes_bitwise_as_in_place(mode):
+    """disaggregated=True (a decode instance emulated on one device): each prompt is prefilled at its
+    admission, whole, with the clock stopped; the same batches give the same logits as in place."""
+    import time
+    reqs = workload("deepseek_v32")
+    run = server("deepseek_v32", mode).serve(reqs, clients=3)
+    decode = server("deepseek_v32", mode, disaggregated=True)
+    again = decode.serve(fresh(reqs), clients=3, replay=handed_off_schedule(run.schedule))
+    for a, b in zip(run.requests, again.requests, strict=True):
+        assert a.tokens == b.tokens
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True)), f"request {a.rid}"
+    start = time.perf_counter()
+    free = decode.serve(fresh(reqs), clients=3)                 # its own schedule
+    wall = time.perf_counter() - start
+    assert not any(it.prefilled for it in free.schedule.iterations), "a prefill piece ran on the clock"
+    assert all(r.prefill_s > 0 for r in free.requests)
+    assert free.wall_s < wall - 0.9 * sum(r.prefill_s for r in free.requests), "the prefills were on the clock"
+    assert free.summary()["prefill_elsewhere_ms_p50"] > 0
+    assert [r.tokens for r in free.requests] == [r.tokens for r in run.requests]
+
+
+def test_disaggregated_refuses_prefill_overlap():
+    with pytest.raises(ValueError, match="disaggregated=True prefills elsewhere"):
+        server("deepseek_v32", "hisparse", disaggregated=True, prefill_overlap=True)

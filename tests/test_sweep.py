@@ -871,6 +871,26 @@ def test_a_serving_study_admits_by_memory_writes_its_rows_and_runs_prefill_overl
     assert not any(sweep.already_done(overlapped, p, "cpu") for p in points if "prefill_overlap" not in p)
 
 
+def test_a_disaggregated_serving_study_marks_its_rows_and_reports_the_prefill_apart(tmp_path):
+    """disaggregated = [false, true]: each mode runs both ways; the disaggregated points' rows say so
+    and carry the prefill's own time (prefill_elsewhere_ms_p50), the others leave both empty."""
+    config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + "\ndisaggregated = [false, true]"))
+    out = tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "serving.csv")
+    apart = rows[rows.disaggregated.notna()]
+    assert set(apart["mode"]) == {"resident", "hisparse"} and apart.disaggregated.astype(bool).all()
+    assert (apart.query("metric == 'prefill_elsewhere_ms_p50'").value > 0).sum() == 2
+    assert rows[rows.disaggregated.isna()].query("metric == 'prefill_elsewhere_ms_p50'").empty
+    assert (rows.query("metric == 'output_tokens'").value == 6).all()
+
+
+def test_disaggregated_with_prefill_overlap_fails_before_running(tmp_path, capsys):
+    config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + "\ndisaggregated = true\nprefill_overlap = true"))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
+    assert "disaggregated = true prefills off the decode GPU's clock" in capsys.readouterr().err
+
+
 def test_prefill_layers_sizes_the_overlapped_pieces_and_marks_their_rows(tmp_path):
     """prefill_layers = 1 and prefill_sms = 8 with prefill_overlap = [false, true]: the overlapped point
     runs in pieces of one layer (the same tokens out; no green context without a GPU) and its rows say

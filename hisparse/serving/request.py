@@ -54,6 +54,7 @@ class Request(TokenTimeline):
     token_times: list[float] = field(default_factory=list)    # seconds after the run's start
     logits: list[torch.Tensor] = field(default_factory=list)  # [V] float32 per token, with keep_logits
     prefill_start: float | None = None
+    prefill_s: float | None = None      # a prompt prefilled elsewhere (handoff, disaggregated): that prefill's time
     hits: int = 0
     misses: int = 0
     lane: int | None = None
@@ -230,6 +231,9 @@ class ServingRun:
         out = timing_summary(reqs, min((r.arrival for r in reqs), default=0.0))
         for q in (50, 90, 99):
             out[f"queue_ms_p{q}"] = percentile([r.queued for r in reqs], q) * 1e3
+        elsewhere = [r.prefill_s for r in reqs if r.prefill_s is not None]
+        if elsewhere:                     # prefilled off this server's clock: their own time, apart
+            out["prefill_elsewhere_ms_p50"] = percentile(elsewhere, 50) * 1e3
         out["running_batch_mean"] = sum(self.running_batch) / max(1, len(self.running_batch))
         out["running_batch_max"] = max(self.running_batch, default=0)
         if self.hybrid is not None:

@@ -15,6 +15,7 @@ piece is done.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -296,6 +297,17 @@ class Runner:
                 job.piece_done = torch.cuda.Event()
                 job.piece_done.record(side)
 
+    def prefill_whole(self, job: PrefillJob, scheduler) -> float:
+        """The rest of the prompt at once, chunk after chunk on the current stream; the seconds it took
+        (synchronised), also in `Request.prefill_s`: a disaggregated server's prefill, off its clock."""
+        start = time.perf_counter()
+        while not job.complete:
+            self.run_piece(job, *scheduler.next_piece(len(job.request.prompt), job.done, job.chunk, job.layer))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        job.request.prefill_s = time.perf_counter() - start
+        return job.request.prefill_s
+
     def may_join(self, job: PrefillJob, lanes_decode: bool) -> bool:
         """Whether a complete prompt joins now (not replaying): at once without overlap on a GPU, or
         once its last piece is done on the side stream (a non-blocking query), or when no lane
@@ -313,6 +325,21 @@ class Runner:
         """A prefill is cancelled: its pieces in flight finish before its rows go back."""
         if self.side is not None:
             self.side.synchronize()
+
+
+def check_options(mode: str, modes: tuple, prefill: str, prefetch: bool, disaggregated: bool,
+                  prefill_overlap: bool) -> None:
+    """A server's mode and prefill options checked: ValueError naming the bad one."""
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    if prefill not in ("model", "reference"):
+        raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
+    if not isinstance(disaggregated, bool):
+        raise ValueError(f"disaggregated must be True or False, got {disaggregated!r}")
+    if disaggregated and prefill_overlap:
+        raise ValueError("disaggregated=True prefills elsewhere: prefill_overlap (beside the decode steps) does not apply")
+    if prefetch and mode != "hisparse":
+        raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
 
 
 def check_overlap(runtime: FamilyRuntime, prefill_overlap: bool, prefill_layers: int,

@@ -22,7 +22,7 @@ from hisparse.host_pool import as_int
 from hisparse.runtime import KV_MODES, prefetch_width
 from hisparse.serving.memory import LaneMemory
 from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, check_request
-from hisparse.serving.runner import PrefillJob, Runner, check_overlap
+from hisparse.serving.runner import PrefillJob, Runner, check_options, check_overlap
 from hisparse.serving.scheduler import Scheduler, drive, free_lane
 
 # hybrid (every family): a request resident while its rows fit beside the others in runs of the cache's
@@ -45,7 +45,10 @@ class Server:
     prefetch_programs: as `Engine`'s. prefill_overlap (families whose runtime has
     `prefill_beside_decode`: DSA): each iteration launches the decode step, then `prefill_layers`
     layers of the current chunk on a side CUDA stream (inline after the step without a GPU).
-    prefill_sms: that side stream in a CUDA green context of this many SMs (None: every SM)."""
+    prefill_sms: that side stream in a CUDA green context of this many SMs (None: every SM).
+    disaggregated: the decode instance of a prefill/decode-disaggregated deployment, emulated on this
+    GPU: an admitted prompt is prefilled at once with the clock stopped (a prefill instance's work,
+    `Request.prefill_s`), so a run times decoding alone, as if its KV had landed in the host pool."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
@@ -53,13 +56,8 @@ class Server:
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
                  selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
-                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None):
-        if mode not in SERVING_MODES:
-            raise ValueError(f"mode must be one of {SERVING_MODES}, got {mode!r}")
-        if prefill not in ("model", "reference"):
-            raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
-        if prefetch and mode != "hisparse":
-            raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
+                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None, disaggregated: bool = False):
+        check_options(mode, SERVING_MODES, prefill, prefetch, disaggregated, prefill_overlap)
         max_context = as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2)
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk must be an int >= 1 (prompt tokens an iteration)", 1)
         max_batch = as_int(max_batch, "max_batch must be an int >= 1 (lanes at most)", 1)
@@ -70,7 +68,7 @@ class Server:
         self.device = weight.device
         self.runtime = runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
         self.prefill_layers, prefill_sms = check_overlap(runtime, prefill_overlap, prefill_layers, prefill_sms)
-        self.prefill_overlap, self.prefill_sms = prefill_overlap, prefill_sms
+        self.prefill_overlap, self.prefill_sms, self.disaggregated = prefill_overlap, prefill_sms, disaggregated
         self.hybrid = mode == "hybrid"
         self.decode_backend, self.prefetch, self.kv_dtype = decode_backend, prefetch, kv_dtype
         self.prefetch_programs = prefetch_width(runtime.family, prefetch_programs)
@@ -84,8 +82,7 @@ class Server:
         self._reserved: int | None = None        # the lane of the request being prefilled
         self._prefilling: PrefillJob | None = None
         self._planned = None                     # a replayed schedule's iterations
-        self.requests: list[Request] = []
-        self._open = False
+        self.requests: list[Request] = []; self._open = False
         self.resident_admissions = self.demotions = self.resident_steps = 0      # hybrid's counts (reset by open)
 
     # what the memory holds, as a server's caller reads it
@@ -161,7 +158,7 @@ class Server:
             raise ValueError(f"this Request was already submitted in this run (rid {request.rid}): submit a new one")
         self.check_request(request)
         request.rid, request.tokens, request.token_times, request.logits = len(self.requests), [], [], []
-        request.prefill_start, request.lane, request.cancelled = None, None, False
+        request.prefill_start, request.prefill_s, request.lane, request.cancelled = None, None, None, False
         if math.isnan(request.arrival):
             request.arrival = self.now()
         self.requests.append(request)
@@ -236,8 +233,11 @@ class Server:
                 self._prefilling = self._start_prefill(request, t)
                 step.admitted = request.rid
         job = self._prefilling
-        if job is not None and job.request.handoff is not None and (plan.joined if plan is not None else True):
-            self._join_prefill(job, step, finished)          # a handoff, adopted as it was admitted
+        if job is not None and (job.request.handoff is not None or self.disaggregated) and \
+                (plan.joined if plan is not None else True):   # a handoff, adopted as it was admitted,
+            if job.request.handoff is None:                  # or the prompt at once, off the clock
+                self._start += self.runner.prefill_whole(job, self.scheduler)
+            self._join_prefill(job, step, finished)
             job = None
         piece = self.runner.next_piece(job, plan, self.scheduler, bool(self.running))
         # without overlap (or where the schedule joins the request after this very piece) the piece
@@ -349,6 +349,7 @@ class Server:
             job = self.runner.start_prefill(request, placement)
             if request.handoff is not None:
                 self.runner.adopt(job)
+                request.prefill_s = request.handoff.prefill_s
             return job
         except BaseException:             # (out of memory, say) the lane goes back, the request to the queue's head
             self._reserved = request.lane = None
