@@ -208,3 +208,36 @@ def test_a_disaggregated_server_prefills_off_its_clock_and_decodes_bitwise_as_in
 def test_disaggregated_refuses_prefill_overlap():
     with pytest.raises(ValueError, match="disaggregated=True prefills elsewhere"):
         server("deepseek_v32", "hisparse", disaggregated=True, prefill_overlap=True)
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "hybrid"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_prefix_handed_off_is_prefilled_on_from_its_length_bitwise_as_in_place(family, mode):
+    """A handoff of the prompt's first 48 tokens (two chunks of 24, as the server chunks them): the
+    server prefills the rest from token 48 and decodes bitwise as the same request prefilled whole in
+    place (alone, so the batches are the same)."""
+    req = next(r for r in workload(family) if len(r.prompt) > 48)
+    local = server(family, mode).serve(fresh([req]))
+    decode = server(family, mode)
+    budget = decode.runtime.token_budget if decode.runtime.family == "Quest" else None
+    worker = PrefillWorker(decode.model, prefill_chunk=24, prefill="reference", token_budget=budget)
+    again = fresh([req])
+    again[0].handoff = worker.prefill(req.prompt[:48])
+    run = decode.serve(again)
+    assert [it.prefilled for it in run.schedule.iterations if it.prefilled] == \
+        [it.prefilled for it in local.schedule.iterations if it.prefilled][2:], "not prefilled on from token 48"
+    a, b = local.requests[0], run.requests[0]
+    assert a.tokens == b.tokens
+    for step, (x, y) in enumerate(zip(a.logits, b.logits, strict=True)):
+        assert torch.equal(x, y), f"{family} {mode}: token {step}: logits differ"
+    if decode.cache is not None:
+        assert decode.cache.host.free_rows == decode.cache.host.capacity
+
+
+def test_a_handoff_of_other_tokens_is_refused():
+    srv = server("deepseek_v32", "hisparse")
+    req = fresh(workload("deepseek_v32")[:1])[0]
+    worker = PrefillWorker(srv.model, prefill_chunk=24, prefill="reference")
+    req.handoff = worker.prefill((req.prompt[:24] + 1) % 97)
+    with pytest.raises(ValueError, match="are not the first 24 of the request's prompt"):
+        srv.serve([req])

@@ -513,14 +513,16 @@ class LanePrefill:
     def adopt(self, rows: Rows, prompt: int) -> None:
         """The prompt's rows as a prefill elsewhere made them (`prefilled_rows`, on the host): the
         indexer keys into the lane, the latents into the request's streams straight from the host
-        (hierarchical) or into the lane or its runs (resident), as the chunks' `chunk_done` would."""
+        (hierarchical) or into the lane or its runs (resident), as the chunks' `chunk_done` would.
+        A prefix of the prompt (`prompt` tokens of more): its latents go to the workspace too, where
+        the prefill of the rest attends to them."""
         for i, view in enumerate(self.state.layers):
             latent, keys = rows(0, i)
             if view.index_keys is not None:
                 view.index_keys[0, :prompt].copy_(keys[0, :prompt])
-            if self.mode == "resident":
+            if self.mode == "resident" or prompt < view.latent.shape[1]:
                 view.latent[0, :prompt].copy_(latent[:prompt])
-            else:
+            if self.mode != "resident":
                 self.cache.append(self.streams[i], latent[:prompt])
 
     def join(self) -> None:

@@ -33,13 +33,18 @@ class Handoff:
     rows: list[tuple]          # per layer: the family's prefilled rows of the prompt (host tensors)
     logits: torch.Tensor       # [V]: the last prompt token's (its argmax is the first token)
     prefill_s: float = 0.0     # the prefill's own time on its worker
+    tokens: torch.Tensor | None = None   # [prompt_len] the ids it prefilled (a prefix of the request's prompt)
 
-    def check(self, prompt: int, layers: int, row_dtype: torch.dtype, vocab: int) -> None:
-        """ValueError unless this hands off a `prompt`-token prompt over `layers` layers, its rows
-        stored as `row_dtype` (a decode server's: DSA's kv_dtype) and logits over `vocab` ids."""
-        if self.prompt_len != prompt or len(self.rows) != layers:
+    def check(self, prompt: torch.Tensor, layers: int, row_dtype: torch.dtype, vocab: int) -> None:
+        """ValueError unless this hands off `prompt` (int64 ids) or a prefix of it (`tokens`, where
+        kept) over `layers` layers, its rows stored as `row_dtype` (a decode server's: DSA's kv_dtype)
+        and logits over `vocab` ids."""
+        if not 0 < self.prompt_len <= len(prompt) or len(self.rows) != layers:
             raise ValueError(f"the handoff holds a prompt of {self.prompt_len} tokens over {len(self.rows)} layers; "
-                             f"the request's prompt has {prompt} tokens, the model {layers} layers")
+                             f"the request's prompt has {len(prompt)} tokens, the model {layers} layers")
+        if self.tokens is not None and not torch.equal(self.tokens.cpu(), prompt[:self.prompt_len]):
+            raise ValueError(f"the handoff's {self.prompt_len} tokens are not the first {self.prompt_len} of the "
+                             f"request's prompt")
         if self.rows[0][0].dtype != row_dtype or self.logits.numel() != vocab:
             raise ValueError(f"the handoff's rows are {self.rows[0][0].dtype} with logits over {self.logits.numel()} "
                              f"ids; this server stores {row_dtype} rows over {vocab} ids (a worker built alike?)")
@@ -85,7 +90,7 @@ class PrefillWorker:
         rows = self.runtime.prefilled_rows([state])
         host = [tuple(None if t is None else _to_host(t) for t in rows(0, i))
                 for i in range(self.model.config.num_hidden_layers)]
-        return Handoff(len(prompt), host, _to_host(logits[0, -1]), time.perf_counter() - start)
+        return Handoff(len(prompt), host, _to_host(logits[0, -1]), time.perf_counter() - start, prompt.cpu())
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -217,15 +217,17 @@ class Runner:
         return PrefillJob(request, lane_prefill)
 
     def adopt(self, job: PrefillJob) -> None:
-        """The request's handoff placed as its own prefill would have placed it: the prompt is done."""
+        """The request's handoff placed as its own prefill would have placed it: the prompt is done, or
+        (a prefix's handoff) its first `prompt_len` tokens, the prefill going on from there."""
         handoff = job.request.handoff
         try:
             job.lane_prefill.adopt(handoff.layer_rows, handoff.prompt_len)
         except BaseException:
             job.lane_prefill.cancel()            # its streams, regions and runs go back
             raise
-        job.done, job.complete, job.held = handoff.prompt_len, True, job.lane_prefill.workspace_bytes
-        job.last_logits = handoff.logits.to(self.device)
+        job.done, job.held = handoff.prompt_len, job.lane_prefill.workspace_bytes
+        job.complete = handoff.prompt_len == len(job.request.prompt)
+        job.last_logits = handoff.logits.to(self.device) if job.complete else None
 
     def next_piece(self, job: PrefillJob | None, plan, scheduler, lanes_decode: bool) -> tuple[int, int, int] | None:
         """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: a replayed

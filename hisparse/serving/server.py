@@ -115,7 +115,7 @@ class Server:
         self.runner.check_trace(request)
         self.memory.check(len(request.prompt), len(request.prompt) + request.max_new_tokens)
         if request.handoff is not None:                      # its prompt prefilled elsewhere
-            request.handoff.check(len(request.prompt), self.model.config.num_hidden_layers, self.runtime.row_dtype,
+            request.handoff.check(request.prompt, self.model.config.num_hidden_layers, self.runtime.row_dtype,
                                   self.model.config.vocab_size)
 
     def _admissible(self, request: Request) -> bool:
@@ -233,9 +233,9 @@ class Server:
                 self._prefilling = self._start_prefill(request, t)
                 step.admitted = request.rid
         job = self._prefilling
-        if job is not None and (job.request.handoff is not None or self.disaggregated) and \
-                (plan.joined if plan is not None else True):   # a handoff, adopted as it was admitted,
-            if job.request.handoff is None:                  # or the prompt at once, off the clock
+        if job is not None and ((job.request.handoff is not None and job.complete) or self.disaggregated) and \
+                (plan.joined if plan is not None else True):   # a whole handoff, adopted as it was admitted,
+            if not job.complete:                             # or the prompt at once, off the clock
                 self._start += self.runner.prefill_whole(job, self.scheduler)
             self._join_prefill(job, step, finished)
             job = None
