@@ -170,6 +170,10 @@ class MultiTurnWorkload:
         """The closed loop's clients (one per conversation), or None: each request at its arrival."""
         return self.conversations if self.request_rate is None else None
 
+    def length_groups(self) -> dict[tuple[int, int], int]:
+        """Requests per (prompt, output) length: `attach_selections`' draws."""
+        return {(self.prompt_len(t), self.answer_len): self.conversations for t in range(self.turns)}
+
     def requests(self, vocab: int) -> list[Request]:
         _check_vocab(vocab)
         n = self.conversations
@@ -213,6 +217,9 @@ class SharedDocumentWorkload:
     def clients(self) -> None:
         return None
 
+    def length_groups(self) -> dict[tuple[int, int], int]:
+        return {(self.document_len + self.question_len, self.answer_len): self.questions}
+
     def requests(self, vocab: int) -> list[Request]:
         _check_vocab(vocab)
         document = torch.randint(0, vocab, (self.document_len,), generator=_generator(self.seed, DOCUMENT_STREAM))
@@ -236,18 +243,33 @@ def attach_selections(requests: list[Request], workload: str, model_config, cach
             r.selections = draw
 
 
+DATASETS = ("random", "multiturn", "shared_document")
+
+
 def serving_request_count(study: dict, point: dict) -> int:
     """Requests of a serving point: requests_per_client per client, `requests` (open loop), or
-    num_prompts (a request_rate point)."""
+    num_prompts (a request_rate point); a multiturn point's conversations x turns."""
+    if point.get("dataset") == "multiturn":
+        return point["conversations"] * point["turns"]
     if point.get("request_rate") is not None:
         return point["num_prompts"]
     closed = point["concurrency"] is not None
     return point["concurrency"] * study["requests_per_client"] if closed else study["requests"]
 
 
-def point_workload(study: dict, point: dict) -> RandomWorkload:
-    """The point's workload: a request_rate point's own, or the study's loads as one (fixed lengths,
-    seed 0; a closed loop's arrivals all 0, set by its clients as they go)."""
+def point_workload(study: dict, point: dict):
+    """The point's workload: a multiturn or shared_document point's (its conversations, closed loop,
+    seed 0; its questions are num_prompts at request_rate), a request_rate point's own, or the
+    study's loads as one (fixed lengths, seed 0; a closed loop's arrivals all 0, set by its clients as
+    they go)."""
+    dataset = point.get("dataset", "random")
+    if dataset == "multiturn":
+        return MultiTurnWorkload(point["conversations"], point["turns"], point["first_len"], point["user_len"],
+                                 point["output_len"])
+    if dataset == "shared_document":
+        return SharedDocumentWorkload(point["document_len"], point["num_prompts"], point["question_len"],
+                                      point["output_len"], point["request_rate"], point["max_concurrency"],
+                                      point["seed"])
     if point.get("request_rate") is not None:
         return RandomWorkload(point["input_len"], point["output_len"], point["num_prompts"], point["range_ratio"],
                               point["request_rate"], point["max_concurrency"], point["seed"])
@@ -258,4 +280,6 @@ def point_workload(study: dict, point: dict) -> RandomWorkload:
 
 def serving_requests(study: dict, point: dict, vocab: int) -> tuple[list[Request], int | None]:
     """The point's requests (`point_workload`) and its client count (None: each at its arrival)."""
-    return point_workload(study, point).requests(vocab), point["concurrency"]
+    workload = point_workload(study, point)
+    clients = point["concurrency"] if isinstance(workload, RandomWorkload) else workload.clients()
+    return workload.requests(vocab), clients
