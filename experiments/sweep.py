@@ -89,7 +89,15 @@ from hisparse.results import (
 from hisparse.runtime import nbytes
 from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server, benchmark_summary
 from hisparse.serving.request import DIALECT_METRICS
-from hisparse.serving.workload import REQUESTS_PER_CLIENT, RandomWorkload, serving_request_count, serving_requests
+from hisparse.serving.workload import (
+    DATASETS,
+    REQUESTS_PER_CLIENT,
+    RandomWorkload,
+    attach_selections,
+    point_workload,
+    serving_request_count,
+    serving_requests,
+)
 from hisparse.synthetic import (
     PRESETS,
     batch_workload,
@@ -113,15 +121,18 @@ KEYS = {
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
                 "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "graph", "token_budget",
                 "decode_backend", "workload", "kv_dtype", "request_rate", "num_prompts", "range_ratio",
-                "max_concurrency", "seed", "disaggregated"},
+                "max_concurrency", "seed", "disaggregated", "dataset", "conversations", "turns", "first_len",
+                "user_len", "document_len", "question_len"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
             "throughput": {"model", "modes", "contexts", "kv_budget_gib"},
-            "serving": {"model", "modes", "input_len", "output_len", "kv_budget_gib"}}
+            "serving": {"model", "modes", "output_len", "kv_budget_gib"}}     # input_len: dataset random
 DEFAULTS = {"new_tokens": 8, "warmup_steps": 1, "max_batch": 256,     # optional keys validate fills in
             "requests_per_client": REQUESTS_PER_CLIENT, "requests": 8, "prefill_chunk": 8192,
             "num_prompts": 8, "range_ratio": 1.0, "seed": 0}
 DIALECT_KEYS = ("num_prompts", "range_ratio", "max_concurrency", "seed")   # a request_rate study's own
+DATASET_KEYS = {"multiturn": ("conversations", "turns", "first_len", "user_len"),    # a dataset's own keys
+                "shared_document": ("document_len", "question_len")}
 TOKEN_BUDGET = {"quest": 2048}            # Quest's tokens per KV head and step, where a study sets none
 TINY_TOKEN_BUDGET = 48                    # the tiny Quest models: k = 3 pages
 # what each key means and, for an optional one, its default (`--help` lists them per kind)
@@ -147,7 +158,18 @@ KEY_HELP = {
                      f"its weights, results/notes/study_model.md)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
     "max_batch": f"largest batch tried; serving: the most lanes ({DEFAULTS['max_batch']})",
-    "input_len": "serving: prompt tokens of every request",
+    "input_len": "serving, dataset random: prompt tokens of every request (required there; the other datasets "
+                 "derive it: their longest prompt)",
+    "dataset": "serving: random (the default: input_len prompts), multiturn (conversations of turns, each prompt "
+               "extending the last) or shared_document (one document, num_prompts questions at request_rate)",
+    "conversations": "serving, multiturn: conversations at once, one or a list (the load: a closed loop of one "
+                     "client per conversation, its turns in order)",
+    "turns": "serving, multiturn: turns per conversation",
+    "first_len": "serving, multiturn: the first turn's prompt tokens (a system prompt and the first message)",
+    "user_len": "serving, multiturn: tokens of each later user message (a turn's prompt: the previous prompt, its "
+                "answer of output_len random tokens fixed in advance, the message)",
+    "document_len": "serving, shared_document: the document's tokens, the start of every prompt",
+    "question_len": "serving, shared_document: each question's tokens, after the document",
     "output_len": "serving: tokens each request generates (its first from the prefill)",
     "concurrency": "serving: closed-loop client counts, one or a list (or rates, or request_rate)",
     "rates": "serving: open-loop Poisson arrival rates, requests/s, one or a list (or concurrency, or request_rate)",
@@ -338,6 +360,8 @@ def validate(studies: list[dict]) -> None:
             raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}; allowed: {sorted(KEYS[kind])}")
         if study.get("model") == STUDY_MODEL and kind in ("throughput", "serving"):
             study.setdefault("kv_budget_gib", KV_BUDGET_GIB)      # what an H200 has left beside the weights
+        if kind == "serving":
+            expand_dataset(study, where)
         missing = REQUIRED[kind] - set(study)
         if missing:
             raise ConfigError(f"{where}: missing key {sorted(missing)[0]!r}")
@@ -427,7 +451,7 @@ def validate(studies: list[dict]) -> None:
             raise ConfigError(f"{where}: workload = {workload!r}: a serving study replays a preset on DSA models; "
                               f"a Quest model's selections come from the model (workload = 'model')")
         if workload != "model":         # the synthetic selections need room for k units at every context
-            for context in study.get("contexts", [study.get("input_len")]):
+            for context in study.get("contexts", [study.get("first_len", study.get("input_len"))]):
                 try:
                     if family(raw) == "quest":
                         per_kv_head_config(workload, 16, context, 1, selection_size(study, raw),
@@ -521,7 +545,8 @@ def done_points(path: Path) -> pd.DataFrame | None:
 # empty otherwise, as rows from before the key existed do)
 OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "disaggregated", "prefill_layers", "prefill_sms", "requests_per_client",
                        "transport",   # transport: HTTP rows (hisparse.serve.bench)
-                       "request_rate", "num_prompts", "range_ratio", "max_concurrency", "seed"}   # request_rate points
+                       "request_rate", "num_prompts", "range_ratio", "max_concurrency", "seed",   # request_rate points
+                       *DATASET_KEYS["multiturn"], *DATASET_KEYS["shared_document"], "dataset"}
 
 
 def already_done(done: pd.DataFrame | None, point: dict, gpu: str, settings: dict | None = None) -> bool:
@@ -835,8 +860,10 @@ def validate_serving(study: dict, where: str) -> None:
     """A serving study's own keys: lengths, load (concurrency or rates), counts."""
     for key in ("input_len", "output_len"):
         _positive_int(study, key, where)
-    loads = [key for key in ("concurrency", "rates", "request_rate") if key in study]
-    if len(loads) != 1:
+    loads = [key for key in ("concurrency", "rates", "request_rate", "conversations") if key in study]
+    if study.get("dataset", "random") != "random":
+        pass                                    # expand_dataset checked its load
+    elif len(loads) != 1:
         raise ConfigError(f"{where}: give concurrency (closed loop), rates (open loop) or request_rate "
                           f"(bench_serving's random dataset), one of them"
                           + (f"; this study gives {loads}" if loads else ""))
@@ -846,6 +873,8 @@ def validate_serving(study: dict, where: str) -> None:
                           f"random dataset); this one gives {loads[0]}")
     if "request_rate" in study:
         validate_request_rate(study, where)
+    elif "conversations" in study:
+        study["conversations"] = _positive_ints(study, "conversations", where)
     elif "concurrency" in study:
         study["concurrency"] = _positive_ints(study, "concurrency", where)
         study.setdefault("requests_per_client", DEFAULTS["requests_per_client"])
@@ -894,6 +923,48 @@ def validate_serving(study: dict, where: str) -> None:
         raise ConfigError(f"{where}: cache_slots = {slots!r}: a serving study takes one B")
 
 
+def expand_dataset(study: dict, where: str) -> None:
+    """A serving study's dataset (`DATASETS`): its own keys present and no other dataset's; a multiturn
+    or shared_document study's input_len derived, its longest prompt (a given one must equal it)."""
+    dataset = study.get("dataset", "random")
+    if dataset not in DATASETS:
+        raise ConfigError(f"{where}: dataset = {dataset!r}: expected one of {DATASETS}")
+    own = DATASET_KEYS.get(dataset, ())
+    for other, keys in DATASET_KEYS.items():
+        for key in keys:
+            if key in study and key not in own:
+                raise ConfigError(f"{where}: {key} = {study[key]!r} belongs to a dataset = {other!r} study; this "
+                                  f"one is {dataset!r}")
+    needed = ("input_len",) if dataset == "random" else (*own, "output_len")
+    missing = [key for key in needed if key not in study]
+    if missing:
+        raise ConfigError(f"{where}: missing key {missing[0]!r} (dataset = {dataset!r})")
+    if dataset == "random":
+        return
+    load = {"multiturn": "conversations", "shared_document": "request_rate"}[dataset]
+    for key in ("concurrency", "rates", "request_rate", "requests_per_client", "requests"):
+        if key in study and key != load:
+            raise ConfigError(f"{where}: {key} = {study[key]!r}: a dataset = {dataset!r} study's load is {load} "
+                              + ("(one closed-loop client per conversation, its turns in order)"
+                                 if dataset == "multiturn" else "(Poisson arrivals of its num_prompts questions)"))
+    if load not in study:
+        raise ConfigError(f"{where}: missing key {load!r} (dataset = {dataset!r}: its load)")
+    for key in (*own, "output_len"):
+        if key != "conversations":
+            _positive_int(study, key, where)
+    if dataset == "multiturn":
+        longest = study["first_len"] + (study["turns"] - 1) * (study["output_len"] + study["user_len"])
+    else:
+        if study.get("range_ratio", 1) != 1:
+            raise ConfigError(f"{where}: range_ratio = {study['range_ratio']!r}: a shared_document study's lengths "
+                              f"are fixed (document_len, question_len, output_len)")
+        longest = study["document_len"] + study["question_len"]
+    if study.get("input_len", longest) != longest:
+        raise ConfigError(f"{where}: input_len = {study['input_len']!r}: a dataset = {dataset!r} study's input_len is "
+                          f"its longest prompt, {longest}: drop it")
+    study["input_len"] = longest
+
+
 def validate_request_rate(study: dict, where: str) -> None:
     """A request_rate study's keys, as RandomWorkload checks them (its errors name the key)."""
     rates = study["request_rate"] if isinstance(study["request_rate"], list) else [study["request_rate"]]
@@ -925,12 +996,18 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     prefill_layers where it is not the Server's default, prefill_sms where set. A closed-loop point
     carries requests_per_client where it is not the default 2 (e.g. a longer run of the same level).
     A request_rate point leaves concurrency and rate empty and carries request_rate, num_prompts,
-    range_ratio, max_concurrency and seed (the other points leave them out)."""
+    range_ratio, max_concurrency and seed (the other points leave them out). A multiturn or
+    shared_document point carries dataset and its keys (a multiturn one its conversations, concurrency
+    and rate empty); a random one leaves them out."""
     layers = study.get("prefill_layers", PREFILL_LAYERS)
     overlapped = {"prefill_overlap": True, **({"prefill_layers": layers} if layers != PREFILL_LAYERS else {}),
                   **({"prefill_sms": study["prefill_sms"]} if "prefill_sms" in study else {})}
     loads = [("concurrency", c) for c in study.get("concurrency", [])] + [("rate", r) for r in study.get("rates", [])] \
-        + [("request_rate", r) for r in study.get("request_rate", [])]
+        + [("request_rate", r) for r in study.get("request_rate", [])] \
+        + [("conversations", c) for c in study.get("conversations", [])]
+    dataset = study.get("dataset", "random")
+    shared = {} if dataset == "random" else \
+        {"dataset": dataset, **{key: study[key] for key in DATASET_KEYS[dataset] if key != "conversations"}}
     dialect = {key: study.get(key) for key in DIALECT_KEYS}
     per_client = study.get("requests_per_client", DEFAULTS["requests_per_client"])
     not_two = {} if per_client == DEFAULTS["requests_per_client"] else {"requests_per_client": per_client}
@@ -944,7 +1021,8 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
                         prefill_chunk=chunk, **(overlapped if overlap else {}),
                         **({"disaggregated": True} if apart else {}),
                         **(not_two if key == "concurrency" else {}),
-                        **(dict(request_rate=level, **dialect) if key == "request_rate" else {})))
+                        **(dict(request_rate=level, **dialect) if key == "request_rate" else {}),
+                        **shared, **({"conversations": level} if key == "conversations" else {})))
     return out
 
 
@@ -955,7 +1033,10 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     decode_runs += 1                 # one decode graph captured (results/notes/graphs.md)
     reqs, clients = serving_requests(study, point, model.config.vocab_size)
     selections = None
-    if point["workload"] != "model":             # every request replays its own draw
+    if point["workload"] != "model" and point.get("dataset") is not None:   # a draw per request at its length
+        attach_selections(reqs, point["workload"], model.config, cache=draw_cache)
+        selections = reqs[0].selections
+    elif point["workload"] != "model":             # every request replays its own draw
         draws = request_draws(point["workload"], model.config, point["input_len"], point["output_len"], len(reqs),
                               cache=draw_cache)
         for r, draw in zip(reqs, draws, strict=True):
@@ -1136,10 +1217,12 @@ def main(argv=None) -> int:
         needs = {}
         for study, point in todo:
             if point["bench"] == "serving" and point["workload"] != "model":
-                count = serving_request_count(study, point)
-                shape = (point["workload"], study["model"], study.get("layers"), study.get("hidden"),
-                         point["input_len"], point["output_len"])
-                needs[shape] = (study, max(count, needs.get(shape, (None, 0))[1]))
+                groups = {(point["input_len"], point["output_len"]): serving_request_count(study, point)} \
+                    if point.get("dataset") is None else point_workload(study, point).length_groups()
+                for (input_len, output_len), count in groups.items():
+                    shape = (point["workload"], study["model"], study.get("layers"), study.get("hidden"),
+                             input_len, output_len)
+                    needs[shape] = (study, max(count, needs.get(shape, (None, 0))[1]))
         for (workload, *_, input_len, output_len), (study, count) in needs.items():
             config = config_from_dict(model_config(study))
             fill_draw_cache(workload, config, input_len, output_len, count, draw_cache)

@@ -1059,3 +1059,75 @@ def test_each_point_prints_its_admitted_batch_what_caps_it_and_its_ratio_to_resi
 def test_a_hybrid_batch_the_two_budgets_bound_together_says_so():
     assert sweep.cap_text({"GPU budget": 9, "max lanes": 256, "host RAM": 5}, 7) == \
         "capped by the GPU and host budgets together (GPU budget 9, max lanes 256, host RAM 5)"
+
+
+MULTITURN = SERVING.replace("input_len = 60\n", "").replace("concurrency = [2]\nrequests_per_client = 1", """dataset = "multiturn"
+conversations = [2]
+turns = 2
+first_len = 60
+user_len = 4""").replace('modes = ["resident", "hisparse"]', 'modes = ["hisparse"]')
+SHARED_DOCUMENT = SERVING.replace("input_len = 60\n", "").replace("concurrency = [2]\nrequests_per_client = 1", """dataset = "shared_document"
+document_len = 56
+question_len = 4
+request_rate = [inf]
+num_prompts = 3
+max_concurrency = 2""").replace('modes = ["resident", "hisparse"]', 'modes = ["hisparse"]')
+
+
+def test_a_multiturn_study_serves_its_conversations_and_its_points_carry_them(tmp_path, capsys):
+    """conversations x turns requests served (each answer output_len tokens), a closed loop of one
+    client per conversation; the rows carry dataset, its keys and input_len, the longest prompt; a
+    rerun finds the point done, and a random point of those lengths is not done by these rows."""
+    config, out = write(tmp_path, MULTITURN), tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "serving.csv")
+    for column, value in (("dataset", "multiturn"), ("conversations", 2), ("turns", 2), ("first_len", 60),
+                          ("user_len", 4), ("input_len", 60 + 3 + 4), ("output_len", 3)):
+        assert rows[column].unique().tolist() == [value], column
+    assert rows.concurrency.isna().all() and rows.rate.isna().all() and "request_rate" not in rows
+    value = dict(zip(rows.metric, rows.value))
+    assert value["requests"] == 4 and value["output_tokens"] == 12 and value["lanes"] <= 2
+    assert sweep.main(["--config", config, "--out", str(out), "--dry-run"]) == 0
+    assert "1 points, 1 already in" in capsys.readouterr().out
+    done = sweep.done_points(out / "serving.csv")
+    random_point = {"bench": "serving", "mode": "hisparse", "concurrency": 2, "rate": None, "input_len": 67}
+    assert not sweep.already_done(done, random_point, "cpu")
+
+
+def test_a_shared_document_study_serves_its_questions(tmp_path):
+    config, out = write(tmp_path, SHARED_DOCUMENT), tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "serving.csv")
+    for column, value in (("dataset", "shared_document"), ("document_len", 56), ("question_len", 4),
+                          ("input_len", 60), ("num_prompts", 3)):
+        assert rows[column].unique().tolist() == [value], column
+    value = dict(zip(rows.metric, rows.value))
+    assert value["requests"] == 3 and value["output_tokens"] == 9
+
+
+def test_shared_prefix_points_draw_each_request_at_its_length(tmp_path, capsys):
+    """With --draw-cache --draw-only, a multiturn study draws every turn's length: one file per
+    (conversation, turn) here."""
+    config = write(tmp_path, MULTITURN)
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "o"), "--draw-cache", str(tmp_path / "d"),
+                       "--draw-only"]) == 0
+    assert len(list((tmp_path / "d").glob("*.npy"))) == 4 and "draws of 4 requests" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config,edit,message", [
+    (MULTITURN, ('dataset = "multiturn"', 'dataset = "chat"'), r"dataset = 'chat': expected one of"),
+    (MULTITURN, ("turns = 2\n", ""), r"missing key 'turns' \(dataset = 'multiturn'\)"),
+    (MULTITURN, ("turns = 2", "turns = 0"), r"turns = 0: expected one positive integer"),
+    (MULTITURN, ("conversations = [2]", "conversations = [2]\nconcurrency = [2]"),
+     r"concurrency = \[2\]: a dataset = 'multiturn' study's load is conversations"),
+    (MULTITURN, ("turns = 2", "turns = 2\ninput_len = 60"), r"input_len = 60: .* its longest prompt, 67: drop it"),
+    (MULTITURN, ("turns = 2", "turns = 2\ndocument_len = 9"), r"document_len = 9 belongs to a dataset = "
+                                                               r"'shared_document' study; this one is 'multiturn'"),
+    (SERVING, ("concurrency = [2]", "concurrency = [2]\nturns = 3"), r"turns = 3 belongs to a dataset = 'multiturn'"),
+    (SHARED_DOCUMENT, ("request_rate = [inf]\n", ""), r"missing key 'request_rate' \(dataset = 'shared_document'"),
+    (SHARED_DOCUMENT, ("num_prompts = 3", "num_prompts = 3\nrange_ratio = 0.5"),
+     r"range_ratio = 0.5: a shared_document study's lengths are fixed"),
+], ids=["dataset", "no-turns", "turns-0", "concurrency", "input_len", "other-key", "random-turns", "no-rate",
+        "ratio"])
+def test_bad_shared_prefix_studies_fail_before_running(tmp_path, capsys, config, edit, message):
+    assert_refused(tmp_path, capsys, config, edit, message)

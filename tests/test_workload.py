@@ -1,6 +1,8 @@
 """bench_serving's random dataset (hisparse.serving.workload.RandomWorkload): the counts it promises
 (prompts, lengths within the range ratio, arrivals at the rate), one seed one workload, bad values
-refused by name; the study's own loads unchanged; max_concurrency held in an in-process run."""
+refused by name; the study's own loads unchanged; max_concurrency held in an in-process run. The
+shared-prefix loads: multi-turn conversations (each turn's prompt extends the last) and a shared
+document (one document, many questions), and their selections drawn per request."""
 import math
 import re
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from hisparse.serving import Server, benchmark_summary, format_summary, timing_summary
-from hisparse.serving.workload import RandomWorkload, serving_requests
+from hisparse.serving.workload import (MultiTurnWorkload, RandomWorkload, SharedDocumentWorkload, attach_selections,
+                                     serving_requests)
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 0.01], ids=["ratio1", "ratio0.5", "ratio0.01"])
@@ -147,3 +150,77 @@ def test_max_concurrency_is_never_exceeded_in_process():
         server.serve(reqs, clients=2, max_concurrency=2)
     with pytest.raises(ValueError, match=r"max_concurrency must be an int >= 1, got 0"):
         server.serve(reqs, max_concurrency=0)
+
+
+def test_multi_turn_counts_lengths_and_each_turn_extends_the_last():
+    """3 conversations of 4 turns, turn-major: each prompt is the previous turn's prompt plus
+    answer_len + user_len new tokens; conversations differ; one client per conversation."""
+    w = MultiTurnWorkload(conversations=3, turns=4, first_len=27, user_len=5, answer_len=7, seed=3)
+    reqs = w.requests(vocab=61)
+    assert len(reqs) == 12 and w.clients() == 3 and {r.arrival for r in reqs} == {0.0}
+    assert w.max_context() == 27 + 3 * 12 + 7
+    for t in range(4):
+        for c in range(3):
+            r = reqs[t * 3 + c]
+            assert len(r.prompt) == w.prompt_len(t) == 27 + 12 * t and r.max_new_tokens == 7
+            assert r.prompt.dtype == torch.int64 and 0 <= int(r.prompt.min()) and int(r.prompt.max()) < 61
+            if t:
+                prev = reqs[(t - 1) * 3 + c].prompt
+                assert torch.equal(r.prompt[:len(prev)], prev)
+    firsts = [reqs[c].prompt for c in range(3)]
+    assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
+    again = MultiTurnWorkload(conversations=3, turns=4, first_len=27, user_len=5, answer_len=7, seed=3).requests(61)
+    assert all(torch.equal(a.prompt, b.prompt) for a, b in zip(reqs, again))
+    other = MultiTurnWorkload(conversations=3, turns=4, first_len=27, user_len=5, answer_len=7, seed=4).requests(61)
+    assert not torch.equal(other[0].prompt, reqs[0].prompt)
+
+
+def test_multi_turn_at_a_rate_arrives_poisson_in_turn_order():
+    w = MultiTurnWorkload(conversations=2, turns=3, first_len=8, user_len=2, answer_len=3, request_rate=5.0, seed=1)
+    reqs = w.requests(50)
+    assert w.clients() is None
+    assert [r.arrival for r in reqs] == RandomWorkload(8, 3, 6, request_rate=5.0, seed=1).arrivals()
+
+
+def test_shared_document_counts_lengths_and_one_document():
+    w = SharedDocumentWorkload(document_len=113, questions=9, question_len=6, answer_len=4, request_rate=2.0, seed=7)
+    reqs = w.requests(vocab=97)
+    assert len(reqs) == 9 and w.max_context() == 113 + 6 + 4 and w.clients() is None
+    document = reqs[0].prompt[:113]
+    for r in reqs:
+        assert len(r.prompt) == 119 and r.max_new_tokens == 4 and torch.equal(r.prompt[:113], document)
+    assert len({tuple(r.prompt[113:].tolist()) for r in reqs}) == 9          # the questions differ
+    assert [r.arrival for r in reqs] == RandomWorkload(8, 3, 9, request_rate=2.0, seed=7).arrivals()
+    assert {r.arrival for r in SharedDocumentWorkload(10, 3, 2, 2).requests(10)} == {0.0}
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: MultiTurnWorkload(0, 2, 8, 2, 2), r"conversations = 0: expected a positive integer"),
+    (lambda: MultiTurnWorkload(2, 2, 8, 2, 2.5), r"answer_len = 2.5: expected a positive integer"),
+    (lambda: MultiTurnWorkload(2, 2, 8, 2, 2, think_time=-1.0), r"think_time = -1.0: expected seconds >= 0"),
+    (lambda: MultiTurnWorkload(2, 2, 8, 2, 2, request_rate=0), r"request_rate = 0: expected a positive number"),
+    (lambda: SharedDocumentWorkload(8, 0, 2, 2), r"questions = 0: expected a positive integer"),
+    (lambda: SharedDocumentWorkload(8, 2, 2, 2, max_concurrency=0), r"max_concurrency = 0: expected a positive"),
+    (lambda: SharedDocumentWorkload(8, 2, 2, 2, seed=-2), r"seed = -2: expected an integer in"),
+], ids=["conversations", "answer_len", "think_time", "rate", "questions", "max_concurrency", "seed"])
+def test_shared_prefix_workloads_refuse_bad_values_naming_the_field(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_attached_selections_are_drawn_per_request_at_its_own_length():
+    """Each request gets its own draw for its prompt length: the j-th request of a length is drawn
+    as request_draws' j-th at that length (a conversation's turns: the same seed at each context)."""
+    from hisparse.models.tiny import TINY_CONFIGS
+    from hisparse.models.config import config_from_dict
+    from hisparse.synthetic import request_draws
+    config = config_from_dict(dict(TINY_CONFIGS["deepseek_v32"]))
+    w = MultiTurnWorkload(conversations=2, turns=2, first_len=100, user_len=4, answer_len=3)
+    reqs = w.requests(config.vocab_size)
+    attach_selections(reqs, "tiny", config)
+    for t, length in enumerate((100, 107)):
+        draws = request_draws("tiny", config, length, 3, 2)
+        for c in range(2):
+            sel = reqs[t * 2 + c].selections
+            assert sel.shape == (2, config.num_hidden_layers, config.index_topk) and torch.equal(sel, draws[c])
+    assert not torch.equal(reqs[0].selections, reqs[1].selections)
