@@ -262,7 +262,12 @@ def eos_token_ids(config) -> frozenset[int]:
 def stop_reason(params: SamplingParams, tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> str | None:
     """"stop" if the last of `tokens` ends the request (an eos id unless ignore_eos, or a stop id, from
     the min_tokens-th token on), "length" at max_new_tokens, else None."""
-    last = tokens[-1]
-    if len(tokens) >= params.min_tokens and ((last in eos and not params.ignore_eos) or last in params.stop_token_ids):
+    if stops_at(params, tokens[-1], len(tokens), eos):
         return "stop"
     return "length" if len(tokens) >= max_new_tokens else None
+
+
+def stops_at(params: SamplingParams, token: int, count: int, eos: frozenset[int]) -> bool:
+    """Whether `token`, a request's count-th, is a stop: an eos id (unless ignore_eos) or a stop id,
+    and count >= min_tokens."""
+    return count >= params.min_tokens and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids)
