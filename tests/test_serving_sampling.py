@@ -150,3 +150,13 @@ def test_bad_settings_are_refused_at_submit_with_nothing_held(settings):
     assert not srv.busy
     srv.close()
     assert_nothing_held(srv)
+
+
+@pytest.mark.gpu
+def test_the_graphed_sampler_gives_the_eager_tokens():
+    """On a GPU: graph=True (the step's graph, then the sampler's) samples what the eager server samples."""
+    reqs = lambda: [Request(prompt(9, 30), 6, sampling=SAMPLED), Request(prompt(10, 20), 5),  # noqa: E731
+                    Request(prompt(11, 12), 4, sampling=SamplingParams(temperature=0.7, min_p=0.1, seed=4))]
+    eager = server().serve(reqs(), clients=3)
+    graphed = server(graph=True, lanes=eager.schedule.lanes).serve(reqs(), clients=3, replay=eager.schedule)
+    assert [r.tokens for r in graphed.requests] == [r.tokens for r in eager.requests]
