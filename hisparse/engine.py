@@ -26,8 +26,10 @@ for the last two: `hisparse.synthetic.split_kv_heads` shapes a synthetic trace f
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +54,7 @@ from hisparse.runtime import (
     count_graph_capture,
     prefetch_width,
 )
+from hisparse.sampling import LaneSampling, SamplingParams, eos_token_ids, stops_at, token_logprobs
 from hisparse.traces import Trace, TraceWriter, validate
 
 RUNTIMES = {DsaModel: DsaRuntime, QuestModel: QuestRuntime, NsaModel: NsaRuntime}
@@ -75,7 +78,7 @@ def family_runtime(model, token_budget: int | None = None, decode_backend: str =
 
 @dataclass
 class Generation:
-    tokens: torch.Tensor                      # [B, new_tokens] int64, greedy
+    tokens: torch.Tensor                      # [B, new_tokens] int64; -1 after a request's stop
     logits: list[torch.Tensor] = field(default_factory=list)   # per step [B, V] (prefill's last first)
     hits: int = 0                             # resolve counters over the decode steps (hisparse modes)
     misses: int = 0
@@ -89,6 +92,9 @@ class Generation:
     prefetched_layers: int = 0                # shared layers whose copies ran on the side stream
     resident_requests: int = 0                # hybrid: requests placed resident (the first ones)
     resident_steps: int = 0                   # hybrid: decode steps of the all-resident kind (no resolve)
+    finish_reasons: list[str] = field(default_factory=list)    # per request: "stop" or "length"
+    sampling: list[SamplingParams] = field(default_factory=list)   # per request, its seed drawn if it had none
+    token_logprobs: list[list] = field(default_factory=list)   # per request with logprobs: as Request.token_logprobs
 
     @property
     def miss_rate(self) -> float:
@@ -142,6 +148,34 @@ def check_prompts(prompts) -> list[torch.Tensor]:
             raise ValueError(f"prompt {i} holds {t.dtype} values: token ids must be integers")
         out.append(t.to(torch.int64))
     return out
+
+
+def check_sampling(sampling, batch: int, vocab: int) -> list[SamplingParams]:
+    """One checked SamplingParams per request (a seed drawn for a sampling one without), or ValueError."""
+    if sampling is None:
+        sampling = SamplingParams()
+    params = [sampling] * batch if isinstance(sampling, SamplingParams) else sampling
+    if not isinstance(params, (list, tuple)) or len(params) != batch or \
+            not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling must be a SamplingParams or a list of {batch} (one per prompt), got {sampling!r}")
+    out = []
+    for p in params:
+        p.check(vocab)
+        if p.seed is None and not p.greedy:
+            p = dataclasses.replace(p, seed=secrets.randbits(63))
+        out.append(p)
+    return out
+
+
+def apply_stops(tokens: torch.Tensor, params: list[SamplingParams], eos: frozenset[int]) -> list[str]:
+    """Each request's finish reason from its tokens [B, n] (host); the tokens after a stop set to -1."""
+    reasons = []
+    for b, p in enumerate(params):
+        end = next((n for n, token in enumerate(tokens[b].tolist(), 1) if stops_at(p, token, n, eos)), None)
+        reasons.append("length" if end is None else "stop")
+        if end is not None:
+            tokens[b, end:] = -1
+    return reasons
 
 
 class Engine:
@@ -261,8 +295,12 @@ class Engine:
 
     def generate(self, prompts, new_tokens: int, graph: bool = False, keep_logits: bool = True,
                  record: TraceWriter | None = None, replay: Trace | None = None,
-                 warmup_steps: int = 1, progress: Progress | None = None) -> Generation:
-        """Greedy-decode `new_tokens` tokens for each prompt (token-id sequences of any lengths).
+                 warmup_steps: int = 1, progress: Progress | None = None,
+                 sampling: SamplingParams | list[SamplingParams] | None = None) -> Generation:
+        """Decode `new_tokens` tokens for each prompt (token-id sequences of any lengths), greedy or as
+        `sampling` says (one SamplingParams for all, or one per prompt; `hisparse.sampling`). Every
+        request runs every step (the batch is fixed): one that stops (eos, stop ids) has -1 after its
+        stop token in `tokens`, and `finish_reasons` says why each ended.
 
         The first `warmup_steps` decode steps are not timed: the first compiles the kernels and
         runs eagerly (with graph=True the step is captured after it); more let the GPU's clocks
@@ -292,6 +330,7 @@ class Engine:
         if replay is not None:
             self._check_replay(replay, prompts, new_tokens)
         vocab = self.model.config.vocab_size
+        params = check_sampling(sampling, len(prompts), vocab)
         bad = [int(t) for p in prompts for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} out of range: the vocabulary has {vocab} ids")
@@ -321,11 +360,21 @@ class Engine:
                 attention.replay_sel = torch.empty_like(replay_steps[0], memory_format=torch.contiguous_format)
             self.model.sparse_attention = attention
             out = Generation(tokens=torch.empty(0))
+            sampler = LaneSampling(batch, vocab, first.device)
+            for lane, p in enumerate(params):
+                sampler.set_lane(lane, p)
+            out.sampling, out.token_logprobs = params, [[] for _ in params]
+            tops = [p.logprobs for p in params]
             if first.dim() == 2:                       # the model's prefill: its last logits
                 if keep_logits:
                     out.logits.append(first.float().cpu())
-                first = first.argmax(-1)
+                logits, first = first, first.argmax(-1)
+                if sampler.needed:
+                    first = torch.tensor([sampler.sample_lane(b, row) if sampler.uses[b] else int(first[b])
+                                          for b, row in enumerate(logits)], device=first.device)
+                self._logprobs(out, logits, first, tops)
             tokens = first
+            every_lane = torch.ones(batch, dtype=torch.bool, device=first.device)
             generated = [tokens]
             out.kv_bytes_per_request = self.runtime.kv_bytes(state.layers, self.cache) / batch
             out.prefetched_layers = sum(getattr(kv, "prefetched", None) is not None for kv in state.layers)
@@ -360,7 +409,12 @@ class Engine:
                 if replay is not None and self.cache is not None and not graph:
                     misses = self.runtime.counts(self.cache, state.layers)[1]
                     out.misses_per_step.append(misses - sum(out.misses_per_step))
-                tokens = logits.argmax(-1)
+                if sampler.needed:
+                    tokens = sampler.sample(logits)
+                    sampler.advance(tokens, every_lane)
+                else:
+                    tokens = logits.argmax(-1)
+                self._logprobs(out, logits, tokens, tops)
                 generated.append(tokens)
                 if keep_logits:
                     out.logits.append(logits.float().cpu())
@@ -374,6 +428,7 @@ class Engine:
                 out.timed_steps = new_tokens - timed_from
                 out.step_ms = clock.intervals_ms()
             out.tokens = torch.stack(generated, dim=1).cpu()
+            out.finish_reasons = apply_stops(out.tokens, params, eos_token_ids(self.model.config))
             if self.cache is not None:
                 out.hits, out.misses = self.runtime.counts(self.cache, state.layers)
             return out
@@ -423,6 +478,13 @@ class Engine:
                              f"{[len(p) for p in prompts]}")
         if trace.steps < new_tokens - 1:
             raise ValueError(f"trace has {trace.steps} steps, {new_tokens} new tokens need {new_tokens - 1}")
+
+    @staticmethod
+    def _logprobs(out: Generation, logits: torch.Tensor, tokens: torch.Tensor, tops: list[int | None]) -> None:
+        if any(n is not None for n in tops):
+            for b, entry in enumerate(token_logprobs(logits, tokens, tops)):
+                if entry is not None:
+                    out.token_logprobs[b].append(entry)
 
     def _sync(self) -> None:
         if self.model.model.embed_tokens.weight.is_cuda:

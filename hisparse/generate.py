@@ -1,4 +1,4 @@
-"""Greedy generation from a checkpoint through the decode engine, with timing, miss rate and KV memory.
+"""Generation (greedy, or sampled with --temperature and the options beside it) from a checkpoint through the decode engine, with timing, miss rate and KV memory.
 
     python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny
     python -m hisparse.generate --model /tmp/tiny --prompt-len 24 --new-tokens 8 --batch 2 \\
@@ -41,6 +41,7 @@ from hisparse.models.loading import load_model
 from hisparse.progress import Progress
 from hisparse.quest.ops import PAGE
 from hisparse.runtime import KV_MODES
+from hisparse.sampling import MAX_LOGPROBS, SamplingParams
 
 FAMILIES = {"deepseek_v32": "DSA", "glm_moe_dsa": "DSA", "llama": "Quest", "qwen3": "Quest", "nsa": "NSA"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -156,7 +157,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                     help="KV capacity per request in tokens (default: longest prompt + new tokens)")
     ap.add_argument("--seed", type=_seed, default=0,
-                    help="seed of the random prompts, from 0 to 2**64 - 1 (default 0)")
+                    help="seed of the random prompts and of sampling (request b samples with seed + b, mod 2**63), "
+                         "from 0 to 2**64 - 1 (default 0)")
+    sample = ap.add_argument_group("sampling and stops (OpenAI's meanings; every request the same)")
+    sample.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, the logits' argmax (default); T > 0: sample from softmax(logits / T)")
+    sample.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="keep the most likely tokens whose probabilities reach P, in (0, 1] (default 1: all)")
+    sample.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0: all)")
+    sample.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                        help="keep tokens at least P times as likely as the most likely one, in [0, 1] (default 0)")
+    sample.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                        help="subtract X in [-2, 2] from the logit of each token generated before (default 0)")
+    sample.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                        help="subtract X in [-2, 2] per time a token was generated before (default 0)")
+    sample.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help=f"print each generated token's log-probability (the raw logits' log-softmax) and the "
+                             f"N most likely tokens', N in 0..{MAX_LOGPROBS}")
+    sample.add_argument("--stop-token-ids", type=lambda text: tuple(_int_list(text, "token id")), default=(),
+                        metavar="A,B,...", help="end a request at any of these token ids (kept as its last token)")
+    sample.add_argument("--ignore-eos", action="store_true",
+                        help="do not end a request at the checkpoint's eos_token_id (config.json)")
+    sample.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                        help="no stop (eos or --stop-token-ids) before a request's N-th token (default 0)")
     ap.add_argument("--show-tokens", type=positive_int, default=32, metavar="N",
                     help="print at most N prompt ids and N generated ids per request (default 32)")
     return ap
@@ -305,14 +328,27 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
           f"capacity {capacity} tokens{f', prefill chunks of {args.chunk_size}' if args.chunk_size else ''}, "
           f"seed {args.seed}")
 
+    try:
+        sampling = [SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, (args.seed + b) % 2**63,
+                                   args.presence_penalty, args.frequency_penalty, {}, args.logprobs,
+                                   args.stop_token_ids, args.ignore_eos, args.min_tokens).check(cfg.vocab_size)
+                    for b in range(len(prompts))]
+    except ValueError as e:
+        ap.error(f"argument --{str(e).split('=', 1)[0].replace('_', '-')}: {e}")
+    if not sampling[0].greedy:
+        print(f"sampling    {sampling[0]}")
     start = time.perf_counter()
-    out = engine.generate(prompts, args.new_tokens, graph=args.graph, keep_logits=False, progress=progress)
+    out = engine.generate(prompts, args.new_tokens, graph=args.graph, keep_logits=False, progress=progress,
+                          sampling=sampling)
     wall = time.perf_counter() - start
     progress("done")
 
     for b, (prompt, row) in enumerate(zip(prompts, out.tokens.tolist())):
+        row = [t for t in row if t >= 0]          # -1 after a stop
         print(f"request {b}: prompt [{_fmt_tokens(prompt.tolist(), args.show_tokens)}] -> "
-              f"[{_fmt_tokens(row, args.show_tokens)}]")
+              f"[{_fmt_tokens(row, args.show_tokens)}] ({out.finish_reasons[b]})")
+        for n, (chosen, top) in enumerate(out.token_logprobs[b][:min(len(row), args.show_tokens)]):
+            print(f"  token {n}: {row[n]} logprob {chosen:.4f}; top " + ", ".join(f"{i} {lp:.4f}" for i, lp in top))
     batch = len(prompts)
     if out.timed_steps > 0 and out.decode_s > 0:
         print(f"tokens/s    {batch * out.timed_steps / out.decode_s:.2f} "

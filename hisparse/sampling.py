@@ -1,12 +1,29 @@
-"""How a request picks its tokens and when it stops: the settings OpenAI-style clients send.
+"""How a request picks its tokens and when it stops: the settings OpenAI-style clients send, and the
+sampler that applies them to a decode step's logits.
 
 `SamplingParams()` is greedy decoding to `max_new_tokens`, bit-for-bit what the engine did before
 sampling existed. Every field is checked by `check`, which names the field and what it expects.
+
+The sampler (`sample_tokens`, over `LaneSampling`'s static per-lane buffers) is torch ops a CUDA
+graph captures: no host sync, no data-dependent shape. Per row: the logits plus logit_bias, less
+presence * (count > 0) + frequency * count over the tokens the request generated (not its prompt);
+greedy rows (temperature 0) take the argmax of those (the raw logits' argmax when no bias or penalty
+is set); the others divide by the temperature, keep top_k, top_p and min_p's tokens (a prefix of the
+sorted row) and take the Gumbel-max of what is kept. The Gumbel noise of vocabulary id v at the
+request's token index t comes from `uniform(seed, t, v)`, a counter-based integer hash (the same
+numbers on CPU and GPU): a request's draws never depend on the other rows of its batch.
+
+Log-probabilities (`token_logprobs`) are the log-softmax of the raw logits, before bias, penalties,
+temperature and filtering (as vLLM and OpenAI report them). Stops (`stop_reason`): the checkpoint's
+eos ids (unless ignore_eos) and stop_token_ids end a request from its min_tokens-th token on; the
+eos logit is not masked before then (the token is emitted as any other), unlike vLLM's min_tokens.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import torch
 
 MAX_LOGPROBS = 20      # top log-probabilities a token may carry (OpenAI's cap)
 
@@ -29,6 +46,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_sampler(self) -> bool:
+        """Whether its tokens differ from the raw logits' argmax: temperature, bias or a penalty set."""
+        return not self.greedy or bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def check(self, vocab: int) -> "SamplingParams":
         """ValueError naming the field unless every setting is in range for a `vocab`-id model."""
@@ -69,3 +91,183 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r}: expected true or false")
         return self
+
+
+GREEDY = SamplingParams()
+
+
+# -- the counter-based random numbers: integer ops in int64, every value below 2**32 ----------------
+
+MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 0 <= x < 2**32, in int64 without overflow (x split in 16-bit halves)."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit hash (Wellons' lowbias32): every input bit flips each output bit about half the time."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, index: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [R, N] in (0, 1): the request's (seed [R] int64, token index [R] int64) as the key, each
+    vocabulary id (ids [R, N] int64) as the counter; 24 bits a number, the same on every device."""
+    row = _mix32(_mix32(_mix32(seed & MASK32) ^ (seed >> 32)) ^ (index & MASK32))     # [R]
+    other = _mix32(row ^ 0x9E3779B9)[:, None]                                           # a second key word
+    h = _mix32((_mix32(ids ^ row[:, None]) + other) & MASK32)
+    return ((h >> 8).float() + 0.5) * 2.0**-24
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                  min_p: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None = None,
+                  counts: torch.Tensor | None = None, presence: torch.Tensor | None = None,
+                  frequency: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [R]: each row's token (see the module docstring). logits [R, V]; per row [R]: temperature,
+    top_p, min_p (float32), top_k (int64, 0: all), seed, index (int64); bias, counts [R, V] float32 and
+    presence, frequency [R] float32, or None for none."""
+    x = logits.float()
+    if bias is not None:
+        x = x + bias - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+    greedy = temperature == 0
+    best = x.argmax(-1)
+    z = x / torch.where(greedy, 1.0, temperature)[:, None]
+    values, ids = z.sort(-1, descending=True)                  # [R, V]: what top_k, top_p, min_p keep is a prefix
+    probs = torch.softmax(values, -1)
+    ahead = probs.cumsum(-1) - probs                           # the mass of the tokens before each
+    position = torch.arange(z.shape[-1], device=z.device)
+    k = torch.where(top_k > 0, top_k, z.shape[-1])
+    keep = ((ahead < top_p[:, None]) | (top_p[:, None] >= 1)) & (position < k[:, None]) & \
+        (probs >= min_p[:, None] * probs[:, :1])
+    noise = -torch.log(-torch.log(uniform(seed, index, ids)))
+    pick = torch.where(keep, values + noise, -math.inf).argmax(-1, keepdim=True)
+    return torch.where(greedy, best, ids.gather(-1, pick)[:, 0])
+
+
+class LaneSampling:
+    """Each lane's settings as static device buffers, rewritten between steps (`set_lane`, `clear_lane`),
+    so the step that samples (`sample`) keeps one shape: [lanes] temperature, top_p, top_k, min_p,
+    penalties, seed and token index, [lanes, V] logit bias and generated-token counts. The buffers
+    are allocated when a lane first needs the sampler (`SamplingParams.needs_sampler`); while no lane
+    does, `needed` is False and the caller takes the argmax. graph: `sample` replays a CUDA graph
+    of itself, captured at its first call over that call's logits (a graphed step's static output;
+    logits elsewhere are copied there first)."""
+
+    def __init__(self, lanes: int, vocab: int, device: torch.device, graph: bool = False):
+        self.lanes, self.vocab, self.device, self.graph = lanes, vocab, torch.device(device), graph
+        self.uses = [False] * lanes              # the lane needs the sampler (host)
+        self.buffers: dict[str, torch.Tensor] | None = None
+        self._graph = None                       # (graph, its logits input, its tokens output)
+
+    needed = property(lambda self: any(self.uses))
+
+    def _allocate(self) -> dict[str, torch.Tensor]:
+        lanes, vocab, dev = self.lanes, self.vocab, self.device
+        zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        return {"temperature": zeros(lanes), "top_p": torch.ones(lanes, device=dev),
+                "top_k": zeros(lanes, dtype=torch.int64), "min_p": zeros(lanes), "seed": zeros(lanes, dtype=torch.int64),
+                "index": zeros(lanes, dtype=torch.int64), "bias": zeros(lanes, vocab), "counts": zeros(lanes, vocab),
+                "presence": zeros(lanes), "frequency": zeros(lanes)}
+
+    def set_lane(self, lane: int, params: SamplingParams) -> None:
+        """The lane samples by `params` from its token index 0, nothing generated yet."""
+        self.uses[lane] = params.needs_sampler
+        if self.buffers is None:
+            if not params.needs_sampler:
+                return
+            self.buffers = self._allocate()
+        b = self.buffers
+        for name, value in (("temperature", params.temperature), ("top_p", params.top_p), ("top_k", params.top_k),
+                            ("min_p", params.min_p), ("seed", params.seed or 0), ("index", 0),
+                            ("presence", params.presence_penalty), ("frequency", params.frequency_penalty)):
+            b[name][lane] = value
+        b["counts"][lane].zero_()
+        b["bias"][lane].zero_()
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.int64)
+            b["bias"][lane, ids.to(self.device)] = torch.tensor(list(params.logit_bias.values()),
+                                                                dtype=torch.float32, device=self.device)
+
+    def clear_lane(self, lane: int) -> None:
+        self.set_lane(lane, GREEDY)
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        b = self.buffers
+        return sample_tokens(logits, b["temperature"], b["top_p"], b["top_k"], b["min_p"], b["seed"], b["index"],
+                             b["bias"], b["counts"], b["presence"], b["frequency"])
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [lanes]: every lane's token from logits [lanes, V] (greedy lanes: the argmax)."""
+        if not self.graph or not logits.is_cuda:
+            return self._sample(logits)
+        if self._graph is None:
+            from hisparse.runtime import count_graph_capture
+            self._sample(logits)                  # eager first: anything lazy is set up outside the capture
+            count_graph_capture()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                tokens = self._sample(logits)
+            self._graph = (graph, logits, tokens)
+        graph, captured, tokens = self._graph
+        if captured is not logits:                # another graph's output (hybrid's second step): one copy
+            captured.copy_(logits)
+        graph.replay()
+        return tokens
+
+    def sample_lane(self, lane: int, logits: torch.Tensor) -> int:
+        """The lane's next token from one row of logits [V] (a prefill's last: its first token), counted."""
+        b = self.buffers
+        row = slice(lane, lane + 1)
+        token = sample_tokens(logits[None], b["temperature"][row], b["top_p"][row], b["top_k"][row], b["min_p"][row],
+                              b["seed"][row], b["index"][row], b["bias"][row], b["counts"][row], b["presence"][row],
+                              b["frequency"][row])
+        b["counts"][row].scatter_add_(1, token[:, None], torch.ones(1, 1, device=self.device))
+        b["index"][row] += 1
+        return int(token[0])
+
+    def advance(self, tokens: torch.Tensor, lanes: torch.Tensor) -> None:
+        """The lanes (bool [lanes]) emitted `tokens` [lanes]: their counts and token indices move on."""
+        if self.buffers is None:
+            return
+        b = self.buffers
+        b["counts"].scatter_add_(1, tokens[:, None], lanes[:, None].float())
+        b["index"] += lanes
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int | None]) -> list:
+    """Per row of logits [R, V] (raw: see the module docstring) and its token [R], None where tops[r]
+    is None, else (the token's log-probability, [(id, log-probability)] of the tops[r] most likely)."""
+    want = [n for n in tops if n is not None]
+    if not want:
+        return [None] * len(tops)
+    logp = torch.log_softmax(logits.float(), -1)
+    chosen = logp.gather(-1, tokens.to(logp.device).view(-1, 1))[:, 0].tolist()
+    top_values, top_ids = logp.topk(max(want), -1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [None if n is None else (chosen[r], list(zip(top_ids[r][:n], top_values[r][:n])))
+            for r, n in enumerate(tops)]
+
+
+def eos_token_ids(config) -> frozenset[int]:
+    """The checkpoint's end-of-sequence ids (config.json's eos_token_id: an id, a list or none)."""
+    eos = getattr(config, "eos_token_id", None)
+    return frozenset(eos if isinstance(eos, list) else () if eos is None else (eos,))
+
+
+def stop_reason(params: SamplingParams, tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> str | None:
+    """"stop" if the last of `tokens` ends the request (an eos id unless ignore_eos, or a stop id, from
+    the min_tokens-th token on), "length" at max_new_tokens, else None."""
+    if stops_at(params, tokens[-1], len(tokens), eos):
+        return "stop"
+    return "length" if len(tokens) >= max_new_tokens else None
+
+
+def stops_at(params: SamplingParams, token: int, count: int, eos: frozenset[int]) -> bool:
+    """Whether `token`, a request's count-th, is a stop: an eos id (unless ignore_eos) or a stop id,
+    and count >= min_tokens."""
+    return count >= params.min_tokens and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids)

@@ -15,7 +15,7 @@ from hisparse.models.tiny import write_tiny_checkpoint
 HAS_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_GPU else "cpu"
 K = 8                                   # index_topk of the tiny DSA checkpoints
-REQUEST = re.compile(r"^request (\d+): prompt \[([\d ]*)\] -> \[([\d ]*)\]$", re.MULTILINE)
+REQUEST = re.compile(r"^request (\d+): prompt \[([\d ]*)\] -> \[([\d ]*)\] \((?:stop|length)\)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,20 @@ def test_resident_tokens_equal_the_engine_with_explicit_prompt_ids(tiny, tiny_mo
     assert "2 requests x 1 timed decode steps" in out          # the first decode step warms up
     assert "miss rate" not in out
     assert f"({want.kv_bytes_per_request:,.0f} bytes) per request" in out
+
+
+def test_sampling_flags_give_the_engines_sampled_tokens_and_logprobs(tiny, tiny_model, capsys):
+    from hisparse.sampling import SamplingParams
+    rc, out, err = cli(capsys, "--model", tiny, "--prompt-ids", "5,17,3,9;7,7,1", "--new-tokens", "4", "--seed", "3",
+                       "--temperature", "1.2", "--top-p", "0.9", "--top-k", "50", "--logprobs", "2")
+    assert rc == 0, err
+    want = Engine(tiny_model, "resident").generate(
+        [[5, 17, 3, 9], [7, 7, 1]], 4, keep_logits=False,
+        sampling=[SamplingParams(1.2, 0.9, 50, seed=3 + b, logprobs=2) for b in range(2)])
+    assert [g for _, g in requests(out)] == want.tokens.tolist()
+    assert len(re.findall(r"^  token \d: \d+ logprob -?\d", out, re.MULTILINE)) == 8
+    rc, _, err = cli(capsys, "--model", tiny, "--top-p", "1.5")
+    assert rc == 2 and "argument --top-p: top_p=1.5: expected a finite number in (0, 1]" in err
 
 
 def test_progress_lines_go_to_stderr_and_the_kv_line_names_the_device_used(tiny, capsys, monkeypatch):

@@ -37,8 +37,8 @@ ROPE_REQUIRED = {"default": (), "llama3": ROPE_KEYS["llama3"][1:],
 IGNORED_KEYS = frozenset({
     # metadata
     "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
-    # special token ids: the tokenizer's and the generation loop's business
-    "bos_token_id", "eos_token_id", "pad_token_id",
+    # special token ids: the tokenizer's business (eos_token_id is a field: generation stops there)
+    "bos_token_id", "pad_token_id",
     # training and caching settings, no effect on an inference forward
     "use_cache", "initializer_range", "attention_dropout", "output_router_logits", "router_aux_loss_coef",
     "aux_loss_alpha", "seq_aux", "ep_size",
@@ -145,6 +145,17 @@ def _rope_parameters(raw: dict) -> dict:
     return params
 
 
+def _check_eos(config) -> None:
+    """eos_token_id: null, an id or a list of ids, each in the vocabulary."""
+    eos, vocab = config.eos_token_id, config.vocab_size
+    if isinstance(vocab, bool) or not isinstance(vocab, int):
+        return                                          # _check_positive names the bad vocab_size
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+        raise ValueError(f"config eos_token_id must be null, a token id or a list of token ids in [0, "
+                         f"{vocab}), found {eos!r}")
+
+
 def _check_positive(config, names, zero_allowed=False):
     for name in names:
         value = getattr(config, name)
@@ -189,8 +200,10 @@ class DsaConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    eos_token_id: int | list[int] | None = None     # where generation stops (hisparse.sampling.eos_token_ids)
 
     def __post_init__(self):
+        _check_eos(self)
         if self.model_type not in ("deepseek_v32", "glm_moe_dsa"):
             raise ValueError(f"DsaConfig got model_type {self.model_type!r}")
         _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -270,6 +283,7 @@ class LlamaConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    eos_token_id: int | list[int] | None = None     # where generation stops (hisparse.sampling.eos_token_ids)
     quest_page_size: int = 16
     # the first layers decode densely; None (the key absent): 2, or every layer of a model of fewer
     quest_dense_layers: int | None = None
@@ -279,6 +293,7 @@ class LlamaConfig:
     quest_selection_group: int = 1
 
     def __post_init__(self):
+        _check_eos(self)
         if self.model_type not in ("llama", "qwen3"):
             raise ValueError(f"LlamaConfig got model_type {self.model_type!r}")
         _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -334,12 +349,14 @@ class NsaConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    eos_token_id: int | list[int] | None = None     # where generation stops (hisparse.sampling.eos_token_ids)
     # layers in groups of this many consecutive layers share one block selection, the group's first
     # layer's (its anchor), as glm_moe_dsa's shared indexer layers do; 1 (the default, as in NSA) gives
     # every layer its own. Each layer keeps its own compressed and window branches.
     selection_group: int = 1
 
     def __post_init__(self):
+        _check_eos(self)
         if self.model_type != "nsa":
             raise ValueError(f"NsaConfig got model_type {self.model_type!r}")
         _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -9,14 +9,16 @@ load client (`hisparse.serve.bench`) times its requests the same way and summari
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import secrets
 from dataclasses import dataclass, field
 
 import torch
 
 from hisparse.engine import check_prompts
 from hisparse.host_pool import as_int
-from hisparse.sampling import SamplingParams
+from hisparse.sampling import SamplingParams, stop_reason
 
 
 class TokenTimeline:
@@ -87,7 +89,12 @@ class Request(TokenTimeline):
 def check_request(request: Request, vocab: int, max_context: int) -> None:
     """ValueError naming the field, before anything is allocated: the prompt (integer ids in the
     vocabulary), max_new_tokens, the arrival (seconds since the run's open, finite, or nan: now),
-    their total within max_context. The prompt ends on the host, as int64."""
+    their total within max_context, the sampling settings (`SamplingParams.check`). The prompt ends on
+    the host, as int64; a sampling request without a seed gets one drawn here (recorded in its
+    `sampling`, so the run can be replayed)."""
+    if not isinstance(request.sampling, SamplingParams):
+        raise ValueError(f"sampling={request.sampling!r}: expected a hisparse.sampling.SamplingParams")
+    request.sampling.check(vocab)
     prompt = check_prompts([request.prompt])[0]
     request.prompt = prompt.cpu()
     request.max_new_tokens = as_int(request.max_new_tokens, "max_new_tokens must be an int >= 1", 1)
@@ -102,6 +109,25 @@ def check_request(request: Request, vocab: int, max_context: int) -> None:
     if need > max_context:
         raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "
                          f"tokens, over the server's max_context={max_context}")
+    if request.sampling.seed is None and not request.sampling.greedy:
+        request.sampling = dataclasses.replace(request.sampling, seed=secrets.randbits(63))
+
+
+def emit(request: Request, token: int, t: float, logits: torch.Tensor | None, logprob,
+         eos: frozenset[int]) -> None:
+    """A new token of the request at host time t: kept with its logits [V] (unless None) and logprobs
+    entry (unless None); its finish_reason set if the token ends it (`stop_reason`: eos ids, stop
+    ids, max_new_tokens); then its on_token(request, token), which may set finish_reason "stop" too
+    (a stop string). A request whose finish_reason is set is done: the server frees it at once."""
+    request.tokens.append(token)
+    request.token_times.append(t)
+    if logprob is not None:
+        request.token_logprobs.append(logprob)
+    if logits is not None:
+        request.logits.append(logits.float().cpu())
+    request.finish_reason = stop_reason(request.sampling, request.tokens, request.max_new_tokens, eos)
+    if request.on_token is not None:
+        request.on_token(request, token)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 from hisparse.host_pool import as_int
 from hisparse.models.base import DecodeState
 from hisparse.runtime import FamilyRuntime, LanePrefill, count_graph_capture
+from hisparse.sampling import LaneSampling, token_logprobs
 from hisparse.serving.memory import LaneMemory, empty_layers
 from hisparse.serving.request import Request
 
@@ -72,6 +73,7 @@ class Runner:
         if memory.hybrid:                         # every lane hierarchical until one is admitted resident
             self.lane_states.track_residency(self.device)
         self.tokens = torch.zeros(lanes, dtype=torch.int64, device=self.device)
+        self.sampler = LaneSampling(lanes, model.config.vocab_size, self.device, graph)
         self.selections = None
         if selections is not None:
             count = model.config.num_hidden_layers
@@ -156,6 +158,31 @@ class Runner:
                 lambda: self.model.decode(self.tokens, self.state))
             return logits
         return step()
+
+    def next_tokens(self, logits: torch.Tensor, lane_request: list[Request | None]) -> tuple[torch.Tensor, list]:
+        """(tokens [lanes] on the host, each lane's logprobs entry or None) of a decode step's logits:
+        the argmax while no lane needs the sampler, else `LaneSampling.sample` (its own graph)."""
+        if not self.sampler.needed:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self.sampler.sample(logits)
+            self.sampler.advance(tokens, self.attention.lanes)
+        tops = [None if r is None else r.sampling.logprobs for r in lane_request]
+        return tokens.cpu(), token_logprobs(logits, tokens, tops)      # the step's one host sync
+
+    def first_token(self, request: Request, logits: torch.Tensor) -> tuple[int, object]:
+        """(token, logprobs entry or None) from a prefill's last logits [V]; the lane's sampler set up."""
+        self.sampler.set_lane(request.lane, request.sampling)
+        if self.sampler.uses[request.lane]:
+            token = self.sampler.sample_lane(request.lane, logits)
+        else:
+            token = int(logits.argmax())
+        return token, token_logprobs(logits[None], torch.tensor([token]), [request.sampling.logprobs])[0]
+
+    def clear_lane(self, lane: int) -> None:
+        """A request left the lane: its streams' state and its sampling settings go."""
+        self.lane_states.clear(lane)
+        self.sampler.clear_lane(lane)
 
     def _fill_replay(self, lane_request: list[Request | None]) -> None:
         """replay_sel [layers, lanes, ..., k] from each lane's trace at the lane's next decode step."""

@@ -21,7 +21,8 @@ from hisparse.engine import family_runtime
 from hisparse.host_pool import as_int
 from hisparse.runtime import KV_MODES, prefetch_width
 from hisparse.serving.memory import LaneMemory
-from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, check_request
+from hisparse.sampling import eos_token_ids
+from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, check_request, emit
 from hisparse.serving.runner import PrefillJob, Runner, check_options, check_overlap
 from hisparse.serving.scheduler import Scheduler, drive, free_lane
 
@@ -65,6 +66,7 @@ class Server:
         if graph and not weight.is_cuda:
             raise ValueError("graph=True needs the model on a CUDA GPU")
         self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
+        self.eos = eos_token_ids(model.config)      # a request stops at these unless its sampling ignores eos
         self.device = weight.device
         self.runtime = runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
         self.prefill_layers, prefill_sms = check_overlap(runtime, prefill_overlap, prefill_layers, prefill_sms)
@@ -159,6 +161,7 @@ class Server:
         self.check_request(request)
         request.rid, request.tokens, request.token_times, request.logits = len(self.requests), [], [], []
         request.prefill_start, request.prefill_s, request.lane, request.cancelled = None, None, None, False
+        request.finish_reason, request.token_logprobs = None, []
         if math.isnan(request.arrival):
             request.arrival = self.now()
         self.requests.append(request)
@@ -267,14 +270,14 @@ class Server:
             self.runner.run_piece(job, *piece, after=before)
             self._note_peak(job.held)
         if decoding:
-            tokens = logits.argmax(-1).cpu()              # the step's one host sync
+            tokens, logprobs = self.runner.next_tokens(logits, self.lane_request)   # the step's one host sync
             t = self.now()
             self.running_batch.append(len(active))
             step.decoded = True
             for lane, r in enumerate(self.lane_request):
                 if r is None:
                     continue
-                self._emit(r, int(tokens[lane]), t, logits[lane])
+                self._emit(r, int(tokens[lane]), logprobs[lane], t, logits[lane])
                 if r.done:
                     self._leave(r)
                     finished.append(r)
@@ -361,9 +364,10 @@ class Server:
         only token."""
         self.runner.wait_prefill(job)
         request = job.request
-        self._emit(request, int(job.last_logits.argmax()), self.now(), job.last_logits)
-        if request.done:                       # that was its only token
+        self._emit(request, *self.runner.first_token(request, job.last_logits), t=self.now(), logits=job.last_logits)
+        if request.done:                       # that was its only token (or it stopped there)
             job.lane_prefill.cancel()
+            self.runner.sampler.clear_lane(request.lane)
             request.lane = None
             finished.append(request)
         else:
@@ -387,14 +391,9 @@ class Server:
             self.memory.release(lane, self.runner.lane_states.streams(lane))
         else:
             self.memory.lanes_changed += 1
-        self.runner.lane_states.clear(lane)
+        self.runner.clear_lane(lane)
         self.lane_request[lane] = None
         request.lane = None
 
-    def _emit(self, request: Request, token: int, t: float, logits: torch.Tensor) -> None:
-        request.tokens.append(token)
-        request.token_times.append(t)
-        if self.keep_logits:
-            request.logits.append(logits.float().cpu())
-        if request.on_token is not None:
-            request.on_token(request, token)
+    def _emit(self, request: Request, token: int, logprob, t: float, logits: torch.Tensor) -> None:
+        emit(request, token, t, logits if self.keep_logits else None, logprob, self.eos)
