@@ -41,7 +41,7 @@ class Server:
     "model" (the family's kernels) or "reference" (eager). keep_logits: every token's logits on each
     request. selections: int32 [steps, layers, ..., k], a trace each request replays from its first
     decode step instead of the indexer's, unless it brings its own (`Request.selections`).
-    token_budget (Quest), decode_backend (DSA), kv_dtype (DSA's "fp8" rows), prefetch,
+    token_budget (Quest), decode_backend, kv_dtype, index_dtype (DSA; "fp8" rows, keys), prefetch,
     prefetch_programs: as `Engine`'s. prefill_overlap (families whose runtime has
     `prefill_beside_decode`: DSA): each iteration launches the decode step, then `prefill_layers`
     layers of the current chunk on a side CUDA stream (inline after the step without a GPU).
@@ -53,7 +53,7 @@ class Server:
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
                  selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
-                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None):
+                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None, index_dtype: str = "bf16"):
         if mode not in SERVING_MODES:
             raise ValueError(f"mode must be one of {SERVING_MODES}, got {mode!r}")
         if prefill not in ("model", "reference"):
@@ -68,7 +68,7 @@ class Server:
             raise ValueError("graph=True needs the model on a CUDA GPU")
         self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
         self.device = weight.device
-        self.runtime = runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.runtime = runtime = family_runtime(model, token_budget, decode_backend, kv_dtype, index_dtype)
         self.prefill_layers, prefill_sms = check_overlap(runtime, prefill_overlap, prefill_layers, prefill_sms)
         self.prefill_overlap, self.prefill_sms = prefill_overlap, prefill_sms
         self.hybrid = mode == "hybrid"
