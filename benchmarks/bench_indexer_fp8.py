@@ -1,7 +1,7 @@
 """DSA's FP8 indexer keys (hisparse/dsa/fp8_index.py) against the bf16 ones: accuracy and speed.
 
     python -m benchmarks.bench_indexer_fp8 --model tiny           # CPU (interpreter): the tiny checkpoint
-    python -m benchmarks.bench_indexer_fp8 --model dsa_v32_ep8    # GPU: the study model, then the speed
+    python -m benchmarks.bench_indexer_fp8 --model dsa           # GPU: the study model's indexer, then the speed
 
 Accuracy, measured on one run's own states (teacher-forced: the bf16-indexer run decodes, and at
 every anchor layer and step both indexers score the same query over the same keys, the FP8 side over
@@ -126,8 +126,18 @@ def build_model(name: str, device: torch.device, layers: int):
         from hisparse.models.tiny import write_tiny_checkpoint
         path = write_tiny_checkpoint("deepseek_v32", tempfile.mkdtemp(), seed=3)
         return load_model(path, dtype=torch.float32, device=device)
-    from experiments import sweep
-    return sweep.build({"model": name, "layers": layers}, device)
+    # the study model's attention and indexer (DeepSeek-V3.2's: 128 heads, 64 indexer heads of 128, k = 2048)
+    # at its hidden size 7168, small MLPs (they do not take part in the indexer), random weights as the sweep's
+    from benchmarks.bench_prefill import DSA
+    from hisparse.models.config import config_from_dict
+    from hisparse.models.loading import build_model as build
+    from hisparse.models.tiny import randomize_
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    raw = dict(DSA, num_hidden_layers=layers, first_k_dense_replace=layers, hidden_size=7168)
+    with torch.device(device):
+        model = build(config_from_dict(raw)).to(dtype)
+    randomize_(model, seed=0, on_device=device.type == "cuda")
+    return model
 
 
 def report(agree: dict, ref: dict) -> float:
@@ -141,8 +151,9 @@ def report(agree: dict, ref: dict) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny", help="tiny (CPU or GPU) or dsa_v32_ep8 (the study model, GPU)")
-    ap.add_argument("--layers", type=int, default=4, help="layers of the study model (default 4)")
+    ap.add_argument("--model", choices=("tiny", "dsa"), default="tiny",
+                    help="tiny (CPU or GPU) or dsa (the study model's attention and indexer at hidden 7168, GPU)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the dsa model (default 4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 40 tiny, 8192 study)")
     ap.add_argument("--batch", type=int, default=2, help="prompts (default 2)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps (default 4 tiny, 16 study)")
