@@ -68,6 +68,7 @@ from hisparse.dsa.fp8 import (
     check_fp8_geometry,
     stored_decode_kernel,
 )
+from hisparse.dsa.fp8_index import INDEX_DTYPES, stored_index_bytes
 from hisparse.dsa.ops import DECODE_BACKENDS
 from hisparse.dsa.runtime import KV_MODES, DsaRuntime
 from hisparse.engine import Engine
@@ -113,14 +114,15 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
 KEYS = {
     "policies": {"kind", "workload"},
     "decode": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "batches", "new_tokens",
-               "warmup_steps", "workload", "graph", "prefetch", "token_budget", "decode_backend", "kv_dtype"},
+               "warmup_steps", "workload", "graph", "prefetch", "token_budget", "decode_backend", "kv_dtype",
+               "index_dtype"},
     "throughput": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "contexts", "kv_budget_gib",
                    "host_budget_gib", "max_batch", "new_tokens", "warmup_steps", "workload", "graph", "token_budget",
-                   "kv_dtype"},
+                   "kv_dtype", "index_dtype"},
     "serving": {"kind", "model", "layers", "hidden", "modes", "cache_slots", "input_len", "output_len", "concurrency",
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
                 "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "graph", "token_budget",
-                "decode_backend", "workload", "kv_dtype", "request_rate", "num_prompts", "range_ratio",
+                "decode_backend", "workload", "kv_dtype", "index_dtype", "request_rate", "num_prompts", "range_ratio",
                 "max_concurrency", "seed", "disaggregated", "dataset", "conversations", "turns", "first_len",
                 "user_len", "document_len", "question_len"},
 }
@@ -154,6 +156,8 @@ KEY_HELP = {
     "decode_backend": "DSA: the sparse MLA decode kernel, auto, triton or gluon (auto)",
     "kv_dtype": "DSA: a latent row as stored, bf16 (the model's dtype: 1152 bytes in bf16) or fp8 (656: FlashMLA's "
                 "FP8 rows); rows of fp8 points say so, bf16 ones leave the column empty (bf16)",
+    "index_dtype": "DSA: an indexer key as stored, bf16 (the model's dtype: 256 bytes at head dim 128 in bf16) or "
+                   "fp8 (132: DeepSeek-V3.2's e4m3 key and float32 scale); as kv_dtype, bf16 rows leave it empty (bf16)",
     "kv_budget_gib": f"GPU memory for KV per point (GiB; {STUDY_MODEL}: {KV_BUDGET_GIB}, what an H200 has left beside "
                      f"its weights, results/notes/study_model.md)",
     "host_budget_gib": "pinned host memory for the host pool (GiB; no limit)",
@@ -434,6 +438,12 @@ def validate(studies: list[dict]) -> None:
                     check_fp8_geometry(built)
                 except ValueError as exc:
                     raise ConfigError(f"{where}: kv_dtype = \"fp8\": {exc}") from None
+        if "index_dtype" in study:
+            if family(raw) != "dsa":
+                raise ConfigError(f"{where}: index_dtype applies to DSA models (how an indexer key is stored); "
+                                  f"model {study['model']!r} is {family(raw)}")
+            if study["index_dtype"] not in INDEX_DTYPES:
+                raise ConfigError(f"{where}: index_dtype = {study['index_dtype']!r}: expected one of {INDEX_DTYPES}")
         if study.get("prefetch") and not shares:
             raise ConfigError(f"{where}: prefetch = true needs layers that share a selection (a glm_moe_dsa model "
                               f"with 'shared' indexer_types); model {study['model']!r} has none")
@@ -496,6 +506,8 @@ def points(study: dict) -> list[dict]:
         base.update(token_budget=budget)
     if study.get("kv_dtype", "bf16") != "bf16":   # a bf16 point's rows leave kv_dtype empty, as before it existed
         base.update(kv_dtype=study["kv_dtype"])
+    if study.get("index_dtype", "bf16") != "bf16":
+        base.update(index_dtype=study["index_dtype"])
     slots = study.get("cache_slots", [None])
     slots = slots if isinstance(slots, list) else [slots]
     out = []
@@ -543,7 +555,8 @@ def done_points(path: Path) -> pd.DataFrame | None:
 
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
-OPTIONAL_POINT_KEYS = {"kv_dtype", "prefill_overlap", "disaggregated", "prefill_layers", "prefill_sms", "requests_per_client",
+OPTIONAL_POINT_KEYS = {"kv_dtype", "index_dtype", "prefill_overlap", "disaggregated", "prefill_layers", "prefill_sms",
+                       "requests_per_client",
                        "transport",   # transport: HTTP rows (hisparse.serve.bench)
                        "request_rate", "num_prompts", "range_ratio", "max_concurrency", "seed",   # request_rate points
                        *DATASET_KEYS["multiturn"], *DATASET_KEYS["shared_document"], "dataset"}
@@ -644,7 +657,7 @@ def over_limit(runs: int, study: dict, point: dict, on_gpu: bool, limit: int) ->
 
 
 draw_cache: Path | None = None       # --draw-cache: where serving requests' draws are kept
-serving_warmed: set = set()          # (input_len, prefill_chunk, mode, kv_dtype) prefilled in this process
+serving_warmed: set = set()          # (input_len, prefill_chunk, mode, kv_dtype, index_dtype) prefilled here
 
 
 def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, prefetch: bool = False,
@@ -665,7 +678,7 @@ def run_decode(model, point: dict, batch: int, new_tokens: int, graph: bool, pre
         replay = batch_workload(preset(workload, **over), batch)         # request b: its own draw (seed)
     prompts = [torch.zeros(context, dtype=torch.int64)] * batch
     quest = {} if budget is None else {"token_budget": budget}
-    dsa = {} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}
+    dsa = dsa_formats(point)
     if point["mode"] == "hybrid":        # places the batch as `hybrid_batch` did, from the same budget
         dsa["kv_budget_gib"] = point["kv_budget_gib"]
     engine = Engine(model, point["mode"], cache_slots=point["cache_slots"], prefill="random",
@@ -694,13 +707,18 @@ def generated_tokens(new_tokens: int, warmup_steps: int) -> int:
     return 1 + warmup_steps + new_tokens
 
 
+def dsa_formats(point: dict) -> dict:
+    """The DSA storage formats a point sets (kv_dtype, index_dtype), as keyword arguments."""
+    return {key: point[key] for key in ("kv_dtype", "index_dtype") if point.get(key) is not None}
+
+
 def row_bytes(cfg, elem: int, kv_dtype: str | None) -> int:
     """Bytes of one DSA latent row as stored: 512 + 64 values of `elem` bytes, or the fp8 row."""
     return ROW_BYTES if kv_dtype == "fp8" else (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
 
 
 def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | None,
-                         kv_dtype: str | None = None) -> tuple[int, int]:
+                         kv_dtype: str | None = None, index_dtype: str | None = None) -> tuple[int, int]:
     """(GPU, host) bytes of one request's KV as the engine allocates it for `capacity` tokens (its
     prompt, the steps it decodes and one more: `run_decode`'s). DSA: latents resident, or B + 1 slots
     per layer with every latent on the host; plus the resident indexer keys of the layers that select.
@@ -727,7 +745,8 @@ def kv_bytes_per_request(model, mode: str, capacity: int, cache_slots: int | Non
             return gpu + len(quest) * hkv * pages * page_row, 0
         return gpu + len(quest) * hkv * per_stream(pages, page_row), len(quest) * hkv * pages * page_row
     row = row_bytes(cfg, elem, kv_dtype)
-    index = sum(1 for t in cfg.indexer_types if t == "full") * capacity * cfg.index_head_dim * elem
+    key = stored_index_bytes(cfg.index_head_dim, elem, index_dtype or "bf16")     # one token's indexer key
+    index = sum(1 for t in cfg.indexer_types if t == "full") * capacity * key
     if mode == "resident":
         return cfg.num_hidden_layers * capacity * row + index, 0
     return cfg.num_hidden_layers * per_stream(capacity, row) + index, cfg.num_hidden_layers * capacity * row
@@ -765,13 +784,15 @@ def run_point(model, study: dict, point: dict, on_gpu: bool) -> list[dict]:
     if point["mode"] == "hybrid":
         (batch, resident), (fits_gpu, _) = (hybrid_batch(model, study, point, capacity, gpu_only)
                                             for gpu_only in (False, True))
-        host_bytes = (batch - resident) * kv_bytes_per_request(model, "hisparse", capacity, point["cache_slots"],
-                                                               point.get("kv_dtype"))[1] / max(batch, 1)
+        per_request = kv_bytes_per_request(model, "hisparse", capacity, point["cache_slots"], point.get("kv_dtype"),
+                                           point.get("index_dtype"))[1]
+        host_bytes = (batch - resident) * per_request / max(batch, 1)
     else:
         batch, fits_gpu, host_bytes = largest_batch(model, study, point, point["mode"], capacity)
     caps = {"GPU budget": fits_gpu, "max lanes": study["max_batch"]}
     if point["mode"] != "resident" and "host_budget_gib" in study:    # hybrid: its hierarchical requests
-        per_request = kv_bytes_per_request(model, "hisparse", capacity, point["cache_slots"], point.get("kv_dtype"))[1]
+        per_request = kv_bytes_per_request(model, "hisparse", capacity, point["cache_slots"], point.get("kv_dtype"),
+                                           point.get("index_dtype"))[1]
         caps["host RAM"] = int(study["host_budget_gib"] * 2**30 // per_request)
     print(f"  throughput: batch {batch} at {point['context']} tokens, {cap_text(caps, batch)}"
           f"{ratio_text(point, batch)}", flush=True)
@@ -816,7 +837,8 @@ def largest_batch(model, study: dict, point: dict, mode: str, capacity: int) -> 
     """(batch, batch by the GPU budget alone, host bytes per request) of resident, hisparse or noio: the
     most requests of `capacity` tokens whose KV (`kv_bytes_per_request`) fits the GPU budget, and the
     host budget where given, at most max_batch."""
-    gpu_bytes, host_bytes = kv_bytes_per_request(model, mode, capacity, point["cache_slots"], point.get("kv_dtype"))
+    gpu_bytes, host_bytes = kv_bytes_per_request(model, mode, capacity, point["cache_slots"], point.get("kv_dtype"),
+                                                 point.get("index_dtype"))
     fits_gpu = int(study["kv_budget_gib"] * 2**30 // gpu_bytes)
     fits = fits_gpu
     if host_bytes and "host_budget_gib" in study:
@@ -836,7 +858,7 @@ def hybrid_batch(model, study: dict, point: dict, capacity: int, gpu_only: bool 
     So at a short context, where resident's batch is the larger, it is resident's batch with every
     request resident (one fewer where that rounding, < B + 1 rows, does not fit beside it); at a long
     context hisparse's batch, the GPU budget hisparse leaves spare holding resident requests."""
-    runtime = DsaRuntime(model, kv_dtype=point.get("kv_dtype") or "bf16")
+    runtime = DsaRuntime(model, **dsa_formats(point))
     limits = study
     if gpu_only:
         limits = {key: value for key, value in study.items() if key != "host_budget_gib"}
@@ -1052,14 +1074,14 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
                     prefill_overlap=point.get("prefill_overlap", False),
                     prefill_layers=point.get("prefill_layers", PREFILL_LAYERS), prefill_sms=point.get("prefill_sms"),
-                    disaggregated=point.get("disaggregated", False),
-                    **({} if point.get("kv_dtype") is None else {"kv_dtype": point["kv_dtype"]}))
+                    disaggregated=point.get("disaggregated", False), **dsa_formats(point))
     caps = server.lane_caps
     batch = min(caps.values())
     print(f"  serving: {server.lanes} lanes of {server.lane_bytes / GIB:.3f} GiB, a prefill workspace of "
           f"{server.workspace_bytes / GIB:.3f} GiB, under {point['kv_budget_gib']} GiB; admits {batch}, "
           f"{cap_text(caps, batch)}{ratio_text(point, batch)}", flush=True)
-    warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"))
+    warm_key = (point["input_len"], point["prefill_chunk"], point["mode"], point.get("kv_dtype"),
+                point.get("index_dtype"))
     if warm_key not in serving_warmed:    # a process's first prompt of a shape compiles kernels (7 s at 16K
         warm = Request(reqs[0].prompt.clone(), min(2, point["output_len"]),    # on the H200): one untimed
                        selections=reqs[0].selections)

@@ -38,6 +38,7 @@ import torch
 
 from hisparse.cache import HierarchicalKVCache
 from hisparse.dsa.fp8 import check_kv_dtype
+from hisparse.dsa.fp8_index import check_index_dtype
 from hisparse.dsa.model import DsaModel
 from hisparse.dsa.runtime import DsaRuntime
 from hisparse.host_pool import as_int
@@ -64,16 +65,23 @@ GIB = 2**30
 
 
 def family_runtime(model, token_budget: int | None = None, decode_backend: str = "auto",
-                   kv_dtype: str = "bf16") -> FamilyRuntime:
+                   kv_dtype: str = "bf16", index_dtype: str = "bf16") -> FamilyRuntime:
     """The runtime of the model's family; checks the model fits its kernels. token_budget: Quest only;
     decode_backend: DSA only (`hisparse.dsa.ops.DECODE_BACKENDS`); kv_dtype: "bf16" (rows in the
-    model's dtype, every family) or "fp8" (DSA only: `hisparse.dsa.fp8`'s 656-byte rows)."""
+    model's dtype, every family) or "fp8" (DSA only: `hisparse.dsa.fp8`'s 656-byte rows); index_dtype:
+    "bf16" (indexer keys in the model's dtype) or "fp8" (DSA only: `hisparse.dsa.fp8_index`'s keys)."""
     check_kv_dtype(kv_dtype)
+    check_index_dtype(index_dtype)
     runtime = RUNTIMES.get(type(model))
     if runtime is None:
         raise ValueError(f"the engine runs DSA models (deepseek_v32, glm_moe_dsa), Quest models (llama, qwen3) "
                          f"and NSA models (nsa), got {type(model).__name__}")
-    return runtime(model, token_budget, decode_backend, kv_dtype)
+    if index_dtype == "bf16":
+        return runtime(model, token_budget, decode_backend, kv_dtype)
+    if runtime is not DsaRuntime:
+        raise ValueError(f"index_dtype={index_dtype!r} is DSA's FP8 indexer keys; this {type(model).__name__} "
+                         f"has no lightning indexer (index_dtype 'bf16')")
+    return runtime(model, token_budget, decode_backend, kv_dtype, index_dtype)
 
 
 @dataclass
@@ -191,6 +199,8 @@ class Engine:
     runs, else Triton), "triton" or "gluon". kv_dtype (DSA models only for "fp8"): "bf16", latent rows
     in the model's dtype, or "fp8", 656-byte rows (hisparse.dsa.fp8) written quantised in prefill and
     decode, moved as bytes by the cache, read by an FP8 kernel (Gluon or Triton, as decode_backend picks).
+    index_dtype (DSA models only for "fp8"): "bf16", indexer keys in the model's dtype, or "fp8",
+    DeepSeek-V3.2's e4m3 keys with a scale a token (hisparse.dsa.fp8_index), scored with an e4m3 query.
 
     mode "hybrid" (DSA models): each `generate` places its batch from `kv_budget_gib` (GPU bytes of KV,
     `DsaRuntime.hybrid_bytes`): the first requests resident, as many as fit beside the others'
@@ -203,7 +213,7 @@ class Engine:
                  cache_slots: int | None = None, max_context: int | None = None, chunk_size: int | None = None,
                  prefetch: bool = False, prefill: str = "model", token_budget: int | None = None,
                  prefetch_programs: int | None = None, decode_backend: str = "auto", kv_dtype: str = "bf16",
-                 kv_budget_gib: float | None = None):
+                 kv_budget_gib: float | None = None, index_dtype: str = "bf16"):
         if mode not in ENGINE_MODES:
             raise ValueError(f"mode must be one of {ENGINE_MODES}, got {mode!r}")
         if mode == "hybrid":
@@ -226,12 +236,12 @@ class Engine:
             max_context = as_int(max_context, "max_context must be an int >= 1 (tokens a request may reach)", 1)
         if chunk_size is not None:
             chunk_size = as_int(chunk_size, "chunk_size must be an int >= 1 (prompt tokens per prefill chunk)", 1)
-        self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype, index_dtype)
         if mode == "hybrid" and not hasattr(self.runtime, "gather_hybrid"):
             raise ValueError(f"mode 'hybrid' is built for DSA models (deepseek_v32, glm_moe_dsa) so far; this "
                              f"{self.runtime.family} model ({type(model).__name__}) runs resident, hisparse or noio")
         self.kv_budget = None if kv_budget_gib is None else int(kv_budget_gib * GIB)
-        self.decode_backend, self.kv_dtype = decode_backend, kv_dtype
+        self.decode_backend, self.kv_dtype, self.index_dtype = decode_backend, kv_dtype, index_dtype
         self.prefetch_programs = prefetch_width(self.runtime.family, prefetch_programs)
         if prefetch and not self.runtime.shared_layers:
             raise ValueError(f"prefetch replays an anchor's miss plan in shared layers; "

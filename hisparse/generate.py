@@ -22,7 +22,8 @@ layer)), Quest (llama, qwen3: k = token_budget // 16 pages per (request, layer, 
 B >= k units per stream. --kv-dtype fp8 (DSA) stores the MLA rows as DeepSeek-V3.2's 656-byte FP8
 rows; it needs MLA's 512 + 64 latent geometry (a checkpoint from
 `hisparse.models.tiny.write_tiny_checkpoint("deepseek_v32", DIR, kv_lora_rank=512,
-qk_rope_head_dim=64, index_head_dim=64)` on a CPU).
+qk_rope_head_dim=64, index_head_dim=64)` on a CPU). --index-dtype fp8 (DSA) stores the indexer keys
+as DeepSeek-V3.2's FP8 keys (e4m3 and a float32 scale a token: 132 bytes at head dim 128).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 from hisparse.dsa.fp8 import KV_DTYPES
+from hisparse.dsa.fp8_index import INDEX_DTYPES
 from hisparse.engine import Engine, family_runtime
 from hisparse.models.loading import load_model
 from hisparse.progress import Progress
@@ -144,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "fp8 (DeepSeek-V3.2's 656-byte rows: 512 e4m3, 4 scales, 64 bf16 RoPE; needs kv_lora_rank "
                          "512 and qk_rope_head_dim 64; decoded by the Gluon FP8 kernel on Hopper, Triton's "
                          "elsewhere) (default bf16)")
+    ap.add_argument("--index-dtype", choices=INDEX_DTYPES, default="bf16",
+                    help="DSA checkpoints: how each indexer key is stored: bf16 (in --dtype) or fp8 (DeepSeek-V3.2's "
+                         "e4m3 key and float32 scale a token, 132 bytes at head dim 128, scored with an e4m3 query; "
+                         "FP8 tensor-core products on sm_89+) (default bf16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
@@ -287,12 +293,15 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.kv_dtype != "bf16" and family != "DSA":
         ap.error(f"argument --kv-dtype: {args.kv_dtype} rows are DSA's (deepseek_v32, glm_moe_dsa), not model_type "
                  f"{model_type!r}'s ({family} keeps its KV in --dtype: --kv-dtype bf16)")
+    if args.index_dtype != "bf16" and family != "DSA":
+        ap.error(f"argument --index-dtype: {args.index_dtype} keys are DSA's indexer's (deepseek_v32, glm_moe_dsa), "
+                 f"not model_type {model_type!r}'s")
 
     progress(f"loading {args.model} ({str(dtype).removeprefix('torch.')}, {device})")
     model = load_checkpoint(ap, args.model, dtype, device, progress)
     cfg = model.config
     try:
-        runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)
+        runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype)
     except ValueError as e:
         option = "--kv-dtype" if args.kv_dtype != "bf16" and "kv_dtype" in str(e) else "--model"
         ap.error(f"argument {option}: checkpoint {args.model!r} does not fit the {family} kernels: {e}")
@@ -311,7 +320,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         engine = Engine(model, args.mode, cache_slots=args.cache_slots if args.mode != "resident" else None,
                         max_context=args.max_context, chunk_size=args.chunk_size, prefetch=args.prefetch,
-                        token_budget=args.token_budget, prefill=args.prefill, kv_dtype=args.kv_dtype)
+                        token_budget=args.token_budget, prefill=args.prefill, kv_dtype=args.kv_dtype,
+                        index_dtype=args.index_dtype)
     except ValueError as e:
         ap.error(f"argument --cache-slots: {e}")
 
@@ -319,7 +329,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     capacity = args.max_context or longest + args.new_tokens
     print(f"model       {args.model} ({model_type}, {family}, {cfg.num_hidden_layers} layers, "
           f"k={k} ({runtime.selection_name}), vocab {cfg.vocab_size})")
-    kv_rows = f", KV rows {args.kv_dtype} ({runtime.row_bytes} B)" if family == "DSA" else ""
+    kv_rows = f", KV rows {args.kv_dtype} ({runtime.row_bytes} B), indexer keys {args.index_dtype} " \
+              f"({runtime.index_row_bytes} B)" if family == "DSA" else ""
     print(f"device      {device}{interp}, {str(dtype).removeprefix('torch.')}{kv_rows}")
     slots = (f", cache slots B={args.cache_slots} ({args.cache_slots / k:g}k)" if args.mode != "resident" else "")
     print(f"mode        {args.mode}{slots}{', prefetch' if args.prefetch else ''}, "

@@ -14,12 +14,14 @@ def _indexer_scores_kernel(
     stride_qn, stride_qh, stride_wn, stride_wh, stride_kn, stride_kt, stride_sn, stride_st, stride_on,
     T,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_Q: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
     """scores[n, t] = scale(n, t) * sum_h w[n, h] * ReLU(q[n, h] . k[n, t]) for t < lengths[n], else -inf.
 
     One program per (request, block of BLOCK_T tokens); blocks past the request's length store -inf
-    without reading keys.
+    without reading keys. FP8_Q: q and keys e4m3 (DeepSeek-V3.2's FP8 indexer; w carries q's
+    scales); FP8_DOT multiplies them as e4m3 on the tensor cores (sm_89+), else both are upcast to
+    float16 first (exact: every e4m3 value is a float16) for a float16 product with float32 sums.
     """
     i_t = tl.program_id(0)  # token blocks on axis 0: it allows 2**31 - 1 programs, axis 1 only 65535
     i_n = tl.program_id(1).to(tl.int64)
@@ -34,8 +36,14 @@ def _indexer_scores_kernel(
         p_q = q_ptr + i_n * stride_qn + o_h[:, None] * stride_qh + o_d[None, :]
         b_q = tl.load(p_q, mask=m_h[:, None], other=0.0)  # [BLOCK_H, D]
         p_k = k_ptr + i_n * stride_kn + o_t[:, None].to(tl.int64) * stride_kt + o_d[None, :]
-        b_k = tl.load(p_k, mask=m_t[:, None], other=0.0).to(b_q.dtype)  # [BLOCK_T, D]
-        b_dot = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_T]
+        b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BLOCK_T, D]
+        if FP8_Q:
+            if FP8_DOT:
+                b_dot = tl.dot(b_q, tl.trans(b_k))  # [BLOCK_H, BLOCK_T], e4m3 products
+            else:
+                b_dot = tl.dot(b_q.to(tl.float16), tl.trans(b_k.to(tl.float16)))
+        else:
+            b_dot = tl.dot(b_q, tl.trans(b_k.to(b_q.dtype)), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_T]
         b_w = tl.load(w_ptr + i_n * stride_wn + o_h * stride_wh, mask=m_h, other=0.0).to(tl.float32)
         b_sum = tl.sum(tl.maximum(b_dot, 0.0) * b_w[:, None], axis=0)  # [BLOCK_T]
         if HAS_SCALE:

@@ -12,14 +12,17 @@ import triton.language as tl
 # by 16), so that a prefill compiles its kernels once, not again in the middle of a prompt
 @triton.jit(do_not_specialize=["S", "START", "TILES_PER_SPLIT"])
 def _prefill_indexer_kernel(
-    q_ptr, w_ptr, k_ptr, out_ptr,
-    stride_qs, stride_qh, stride_ws, stride_wh, stride_kt, stride_os,
+    q_ptr, w_ptr, k_ptr, ks_ptr, out_ptr,
+    stride_qs, stride_qh, stride_ws, stride_wh, stride_kt, stride_ks, stride_os,
     S, T, START, TILES_PER_SPLIT,
     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr,
-    QUERIES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUERIES: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr, FP8_Q: tl.constexpr,
+    FP8_DOT: tl.constexpr,
 ):
-    """scores[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t]) for t < START + s + 1 (query s's causal
-    length), else -inf; q [S, H, D], w [S, H], k [T, D], scores [S, T] float32.
+    """scores[s, t] = scale(t) * sum_h w[s, h] * ReLU(q[s, h] . k[t]) for t < START + s + 1 (query
+    s's causal length), else -inf; q [S, H, D], w [S, H], k [T, D], scale [T] float32 (HAS_SCALE,
+    else 1), scores [S, T] float32. FP8_Q and FP8_DOT as in `_indexer_scores_kernel`: e4m3 q and
+    keys, multiplied as e4m3 on the tensor cores or upcast to float16 first.
 
     Program (query block, split) keeps QUERIES consecutive queries resident and loops over the key
     tiles of its split, TILES_PER_SPLIT * BLOCK_T keys from split * that; tiles at or past the
@@ -51,14 +54,21 @@ def _prefill_indexer_kernel(
     m_n = (o_nh < H) & (s_n < S)                                          # [QUERIES * BLOCK_H]
     p_q = q_ptr + s_n[:, None].to(tl.int64) * stride_qs + o_nh[:, None] * stride_qh + o_d[None, :]
     b_qt = tl.trans(tl.load(p_q, mask=m_n[:, None], other=0.0))          # [D, QUERIES * BLOCK_H]
+    if FP8_Q and not FP8_DOT:
+        b_qt = b_qt.to(tl.float16)                                        # exact: e4m3 values are float16s
     b_wn = tl.load(w_ptr + s_n.to(tl.int64) * stride_ws + o_nh * stride_wh, mask=m_n, other=0.0).to(tl.float32)
     for t0 in range(t_begin, t_causal, BLOCK_T):
         o_t = t0 + o_k
         b_k = tl.load(k_ptr + o_t[:, None].to(tl.int64) * stride_kt + o_d[None, :],
                       mask=(o_t < t_causal)[:, None], other=0.0).to(b_qt.dtype)      # [BLOCK_T, D]
-        b_dot = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)                   # [BLOCK_T, QUERIES * BLOCK_H]
+        if FP8_Q:
+            b_dot = tl.dot(b_k, b_qt)                                              # [BLOCK_T, QUERIES * BLOCK_H]
+        else:
+            b_dot = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
         b_dot = tl.maximum(b_dot, 0.0) * b_wn[None, :]
         b_score = tl.sum(tl.reshape(b_dot, [BLOCK_T, QUERIES, BLOCK_H]), axis=2)   # [BLOCK_T, QUERIES]
+        if HAS_SCALE:
+            b_score *= tl.load(ks_ptr + o_t.to(tl.int64) * stride_ks, mask=o_t < t_causal, other=0.0)[:, None]
         b_score = tl.where(o_t[:, None] < START + s0 + o_j[None, :] + 1, b_score, float("-inf"))
         tl.store(p_rows[None, :] + o_t[:, None], b_score, mask=(o_t < T)[:, None] & m_rows[None, :])
 

@@ -7,12 +7,13 @@ indexer weights; the indexer's RoPE is half-split for deepseek_v32 and interleav
 Decode runs the indexer and absorbed MLA through `DsaModel.sparse_attention` (see reference.py).
 A state made with kv_dtype "fp8" (`new_state`) stores every latent row as hisparse.dsa.fp8's
 656-byte row; prefill then attends over those stored rows (the kernel dequantises them, as decode does).
+With index_dtype "fp8" it stores the indexer keys as hisparse.dsa.fp8_index's e4m3 keys, and every
+indexer (prefill and decode, kernels and torch) scores them with an e4m3 query, as DeepSeek-V3.2 does.
 """
 import torch
 from torch import nn
 
-from hisparse.dsa import fp8
-from hisparse.dsa.ops import dsa_prefill_select
+from hisparse.dsa import fp8, fp8_index
 from hisparse.dsa.reference import MlaKV, TorchDsaAttention, stable_topk
 from hisparse.models.base import CausalLM, DecoderLayer, DecodeState, Step
 from hisparse.models.config import DsaConfig
@@ -64,9 +65,13 @@ class Indexer(nn.Module):
         return q, k, weights
 
     def prefill_topk(self, q, keys, weights, causal):
-        """Top-k token ids [B, S, min(topk, T)] per query; causal [S, T] True where allowed."""
-        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.softmax_scale)
-        index_scores = torch.matmul(weights[:, :, None, :], scores).squeeze(-2)  # [B, S, T]
+        """Top-k token ids [B, S, min(topk, T)] per query; causal [S, T] True where allowed. FP8 keys
+        (uint8 [B, T, Di + 4]): `fp8_index.fp8_scores_ref`, the queries quantised."""
+        if keys.dtype == torch.uint8:
+            index_scores = fp8_index.fp8_scores_ref(q, weights * self.softmax_scale, keys)       # [B, S, T]
+        else:
+            scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.softmax_scale)
+            index_scores = torch.matmul(weights[:, :, None, :], scores).squeeze(-2)  # [B, S, T]
         index_scores = index_scores.masked_fill(~causal, float("-inf"))
         return stable_topk(index_scores, min(self.topk, keys.shape[1]))
 
@@ -91,14 +96,19 @@ class MlaAttention(nn.Module):
         self._rotary = (rotary,)  # a tuple: shared by every layer, not a submodule
         self._owner = (owner,)
 
-    def new_kv(self, batch: int, capacity: int, device, dtype, kv_dtype: str = "bf16") -> MlaKV:
-        """Zero state; latents in `dtype`, or with kv_dtype "fp8" as uint8 656-byte rows (index keys in `dtype`)."""
+    def new_kv(self, batch: int, capacity: int, device, dtype, kv_dtype: str = "bf16",
+               index_dtype: str = "bf16") -> MlaKV:
+        """Zero state; latents in `dtype`, or with kv_dtype "fp8" as uint8 656-byte rows; index keys in
+        `dtype`, or with index_dtype "fp8" as uint8 rows of Di + 4 bytes (`fp8_index`)."""
         if fp8.check_kv_dtype(kv_dtype) == "fp8":
             latent = torch.zeros(batch, capacity, fp8.ROW_BYTES, device=device, dtype=torch.uint8)
         else:
             latent = torch.zeros(batch, capacity, self.dc + self.dr, device=device, dtype=dtype)
         keys = None
-        if self.indexer is not None:
+        if self.indexer is not None and fp8_index.check_index_dtype(index_dtype) == "fp8":
+            keys = torch.zeros(batch, capacity, fp8_index.key_row_bytes(self.indexer.head_dim), device=device,
+                               dtype=torch.uint8)
+        elif self.indexer is not None:
             keys = torch.zeros(batch, capacity, self.indexer.head_dim, device=device, dtype=dtype)
         return MlaKV(latent=latent, index_keys=keys)
 
@@ -125,8 +135,8 @@ class MlaAttention(nn.Module):
             if self.indexer is not None:            # relu(scale * q.k) = scale * relu(q.k): the scale in the weights
                 weights = index_w * self.indexer.softmax_scale
                 step.shared["selection"] = torch.stack([                                 # [B, S, k] int32
-                    dsa_prefill_select(index_q[row], weights[row], kv.index_keys[row, :end], step.start,
-                                       self.indexer.topk) for row in range(b)])
+                    fp8_index.prefill_select_stored(index_q[row], weights[row], kv.index_keys[row, :end],
+                                                    step.start, self.indexer.topk) for row in range(b)])
             out = self._prefill_absorbed(q_nope, q_rot, kv.latent[:, :end], step.shared["selection"], step.backend)
         else:
             end = step.start + s
@@ -198,12 +208,14 @@ class DsaModel(CausalLM):
         self.rotary = rotary
         self.sparse_attention = TorchDsaAttention()
 
-    def new_state(self, batch: int, capacity: int, kv_dtype: str = "bf16") -> DecodeState:
-        """An empty state; kv_dtype "fp8" stores the latents as FP8 rows (`MlaAttention.new_kv`)."""
+    def new_state(self, batch: int, capacity: int, kv_dtype: str = "bf16", index_dtype: str = "bf16") -> DecodeState:
+        """An empty state; kv_dtype "fp8" stores the latents as FP8 rows, index_dtype "fp8" the indexer
+        keys as FP8 keys (`MlaAttention.new_kv`)."""
+        fp8_index.check_index_dtype(index_dtype)
         if fp8.check_kv_dtype(kv_dtype) == "fp8":
             fp8.check_fp8_geometry(self.config)
         weight = self.model.embed_tokens.weight
-        kvs = [layer.self_attn.new_kv(batch, capacity, weight.device, weight.dtype, kv_dtype)
+        kvs = [layer.self_attn.new_kv(batch, capacity, weight.device, weight.dtype, kv_dtype, index_dtype)
                for layer in self.model.layers]
         return DecodeState(layers=kvs, capacity=capacity,
                            lengths=torch.zeros(batch, dtype=torch.int64, device=weight.device))

@@ -5,7 +5,8 @@ decode query per request:
 - indexer score of past token s: scale(s) * sum_h w(h) * ReLU(q(h) . k(s)), over the tokens
   s < lengths[n] (the current token's key is written before scoring, so lengths counts it);
   `w` already carries the model's scaling; scale(s) is the per-token fp8 dequantisation scale (1 for
-  bf16/fp16/fp32 keys).
+  bf16/fp16/fp32 keys). With an e4m3 query too (DeepSeek-V3.2's FP8 indexer, `hisparse.dsa.fp8_index`:
+  the format, the query's quantisation, w carrying its scales) the products are e4m3's (`fp8_dot`).
 - top-k: the k best scores, best first; equal scores (+0.0 == -0.0) rank the lower token index first;
   fewer than k valid tokens pad with -1.
 - attention: absorbed MLA over the selected rows of a row buffer `kv [R, D]` (D = 576: 512 latent
@@ -69,22 +70,17 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _check_indexer_inputs(q, weights, keys, lengths, key_scale) -> None:
     require(q.dim() == 3, f"q must be [N, H_index, D], got shape {tuple(q.shape)}")
     n, h, d = q.shape
-    require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    require(q.dtype in (*FLOAT_DTYPES, FP8), f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES} or {FP8}")
     require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
     require(weights.shape == (n, h), f"weights shape {tuple(weights.shape)}: expected {(n, h)}")
     require(weights.dtype.is_floating_point, f"weights dtype {weights.dtype}: expected a float dtype")
     require(keys.dim() == 3 and keys.shape[0] == n and keys.shape[2] == d,
             f"keys shape {tuple(keys.shape)}: expected [N={n}, T, D={d}]")
     require(keys.dtype in (q.dtype, FP8), f"keys dtype {keys.dtype}: expected {q.dtype} (as q) or {FP8}")
+    require(q.dtype != FP8 or keys.dtype == FP8, f"q is {FP8}: keys must be too, got {keys.dtype}")
     require(lengths.shape == (n,) and lengths.dtype in (torch.int32, torch.int64),
             f"lengths must be int32/int64 of shape {(n,)}, got {lengths.dtype} {tuple(lengths.shape)}")
-    if keys.dtype == FP8:
-        require(key_scale is not None, "fp8 keys need key_scale [N, T] float32")
-        require(key_scale.shape == keys.shape[:2] and key_scale.dtype == torch.float32,
-                f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: "
-                f"expected float32 {tuple(keys.shape[:2])}")
-    else:
-        require(key_scale is None, f"key_scale is only for fp8 keys, keys are {keys.dtype}")
+    _check_key_scale(keys, keys.shape[:2], key_scale)
     tensors = {"q": q, "weights": weights, "keys": keys, "lengths": lengths, "key_scale": key_scale}
     for name, t in tensors.items():
         if t is not None:
@@ -93,16 +89,43 @@ def _check_indexer_inputs(q, weights, keys, lengths, key_scale) -> None:
             f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
 
 
+def _check_key_scale(keys, shape, key_scale) -> None:
+    if keys.dtype == FP8:
+        require(key_scale is not None, f"fp8 keys need key_scale {list(shape)} float32")
+        require(key_scale.shape == shape and key_scale.dtype == torch.float32,
+                f"key_scale {key_scale.dtype} {tuple(key_scale.shape)}: expected float32 {tuple(shape)}")
+    else:
+        require(key_scale is None, f"key_scale is only for fp8 keys, keys are {keys.dtype}")
+
+
+def fp8_dot_default(device: torch.device) -> bool:
+    """Whether e4m3 x e4m3 products run as such (tensor cores of sm_89 and later) by default: on those
+    GPUs; elsewhere and in the interpreter both operands are upcast to float16 first."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _fp8_dot(q: torch.Tensor, fp8_dot: bool | None) -> bool:
+    require(fp8_dot is None or isinstance(fp8_dot, bool), f"fp8_dot={fp8_dot!r}: expected None, True or False")
+    require(not fp8_dot or q.dtype == FP8, f"fp8_dot=True multiplies e4m3 operands; q is {q.dtype}")
+    if q.dtype != FP8:
+        return False
+    return fp8_dot_default(q.device) if fp8_dot is None else fp8_dot
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
-                   key_scale: torch.Tensor | None = None, block_t: int | None = None) -> torch.Tensor:
+                   key_scale: torch.Tensor | None = None, block_t: int | None = None,
+                   fp8_dot: bool | None = None) -> torch.Tensor:
     """Lightning-indexer scores [N, T] float32 of each request's decode query; -inf at t >= lengths[n].
 
     q [N, H_index, D] (D a power of 2, 128 in the model), weights [N, H_index], keys [N, T, D] in q's
-    dtype or float8_e4m3fn with key_scale [N, T] float32, lengths [N] (clamped to T). block_t: keys a
-    program scores (a power of 2 >= 16; default 128 on a GPU, 32 elsewhere): another tile, or the
-    prefill indexer (`prefill_indexer_scores`), gives the same within float32 rounding.
+    dtype or float8_e4m3fn with key_scale [N, T] float32, lengths [N] (clamped to T). q may be e4m3
+    too (keys then e4m3): fp8_dot (default `fp8_dot_default`) multiplies them as e4m3 on the tensor
+    cores, False upcasts both to float16 first (exact products; the sums' order is the MMA's).
+    block_t: keys a program scores (a power of 2 >= 16; default 128 on a GPU, 32 elsewhere): another
+    tile, or the prefill indexer (`prefill_indexer_scores`), gives the same within float32 rounding.
     """
     _check_indexer_inputs(q, weights, keys, lengths, key_scale)
+    fp8_dot = _fp8_dot(q, fp8_dot)
     if block_t is not None:
         require(isinstance(block_t, int) and block_t >= 16 and block_t & (block_t - 1) == 0,
                 f"block_t={block_t!r}: expected a power of 2 of at least 16")
@@ -119,8 +142,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, l
         scale.stride(0), scale.stride(1), out.stride(0),
         t,
         H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=block_t,
-        HAS_SCALE=key_scale is not None, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        HAS_SCALE=key_scale is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_Q=q.dtype == FP8,
+        FP8_DOT=fp8_dot, num_warps=4,
     )
     return out
 
@@ -249,7 +272,8 @@ def order_picks_ref(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tens
 
 
 def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tensor:
-    """Indexer scores then top-k: the selection [N, k] int32 of token ids, -1 padding."""
+    """Indexer scores then top-k: the selection [N, k] int32 of token ids, -1 padding (e4m3 q and
+    keys: `indexer_scores`'s default fp8_dot)."""
     return topk_select(indexer_scores(q, weights, keys, lengths, key_scale), lengths, k)
 
 
@@ -287,21 +311,23 @@ def default_prefill_indexer_config(device: torch.device) -> PrefillIndexerConfig
     return PrefillIndexerConfig(block_t=32, queries=4, num_warps=4, num_stages=1)
 
 
-def _check_prefill_indexer_inputs(q, weights, keys, start) -> None:
+def _check_prefill_indexer_inputs(q, weights, keys, start, key_scale) -> None:
     require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
             f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, h, d = q.shape
     t = keys.shape[0]
-    require(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES}")
+    require(q.dtype in (*FLOAT_DTYPES, FP8), f"q dtype {q.dtype}: expected one of {FLOAT_DTYPES} or {FP8}")
     require(d >= 16 and d == triton.next_power_of_2(d), f"indexer head dim {d}: expected a power of 2 >= 16")
     require(keys.shape[1] == d and keys.dtype == q.dtype,
             f"keys {keys.dtype} {tuple(keys.shape)}: expected {q.dtype} [T, D={d}]")
+    _check_key_scale(keys, keys.shape[:1], key_scale)
     require(weights.shape == (s, h) and weights.dtype.is_floating_point,
             f"weights {weights.dtype} {tuple(weights.shape)}: expected a float dtype of shape {(s, h)}")
     require(isinstance(start, int) and 0 <= start and start + s <= t,
             f"start={start!r}: queries at start .. start + {s} - 1 need start >= 0 and start + {s} <= T = {t}")
-    for name, x in (("weights", weights), ("keys", keys)):
-        require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
+    for name, x in (("weights", weights), ("keys", keys), ("key_scale", key_scale)):
+        if x is not None:
+            require(x.device == q.device, f"{name} is on {x.device}, q on {q.device}")
     require(q.stride(-1) == 1 and keys.stride(-1) == 1,
             f"q and keys need a contiguous last dim, strides {q.stride()} and {keys.stride()}")
 
@@ -315,14 +341,16 @@ def prefill_indexer_splits(query_blocks: int, tiles: int, device: torch.device) 
 
 
 def prefill_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int,
-                           config: PrefillIndexerConfig | None = None) -> torch.Tensor:
+                           config: PrefillIndexerConfig | None = None, key_scale: torch.Tensor | None = None,
+                           fp8_dot: bool | None = None) -> torch.Tensor:
     """Lightning-indexer scores [S, T] float32 of S consecutive queries at positions start .. start +
     S - 1 over one request's keys [T, D]: query s scores tokens t < start + s + 1 (its causal
     length), -inf from there: `indexer_scores(q, weights, keys.expand(S, T, D), start + 1 +
     arange(S))` (the decode kernel) and `reference.indexer_scores_ref` within float32 rounding, the
     heads summed in another order (tests/test_dsa.py). q [S, H_index, D], weights [S, H_index], keys
-    in q's dtype."""
-    _check_prefill_indexer_inputs(q, weights, keys, start)
+    in q's dtype; e4m3 q and keys with key_scale [T] float32 and fp8_dot as `indexer_scores`'s."""
+    _check_prefill_indexer_inputs(q, weights, keys, start, key_scale)
+    fp8_dot = _fp8_dot(q, fp8_dot)
     cfg = config or default_prefill_indexer_config(q.device)
     s, h, d = q.shape
     t = keys.shape[0]
@@ -332,12 +360,14 @@ def prefill_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.T
     query_blocks, tiles = triton.cdiv(s, cfg.queries), triton.cdiv(t, cfg.block_t)
     splits = min(tiles, cfg.splits or prefill_indexer_splits(query_blocks, tiles, q.device))
     tiles_per_split = triton.cdiv(tiles, splits)
+    scale = key_scale if key_scale is not None else out  # never read without HAS_SCALE
     _prefill_indexer_kernel[(query_blocks, triton.cdiv(tiles, tiles_per_split))](
-        q, weights, keys, out,
-        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), out.stride(0),
-        s, t, start, tiles_per_split,
+        q, weights, keys, scale, out,
+        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), keys.stride(0), scale.stride(0),
+        out.stride(0), s, t, start, tiles_per_split,
         H=h, D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_T=cfg.block_t, QUERIES=cfg.queries,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), HAS_SCALE=key_scale is not None, FP8_Q=q.dtype == FP8,
+        FP8_DOT=fp8_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -349,14 +379,16 @@ PREFILL_SELECT_ELEMENTS = 1 << 26
 
 
 def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int, k: int,
-                       max_elements: int = PREFILL_SELECT_ELEMENTS) -> torch.Tensor:
+                       max_elements: int = PREFILL_SELECT_ELEMENTS, key_scale: torch.Tensor | None = None,
+                       fp8_dot: bool | None = None) -> torch.Tensor:
     """The selections [S, k] int32 (-1 padding) of one request's prefill chunk: q [S, H_index, D] and
     weights [S, H_index] of the tokens at positions start .. start + S - 1, keys [T, D] of its first
     T = start + S tokens. Query s selects among tokens 0 .. start + s as `dsa_select` does for a
     decode query of that length (causality is the lengths, no [S, T] mask is made), from the scores
     of `prefill_indexer_scores` (the decode indexer's within float32 rounding: a near-tie at the k-th
     place may pick another token), made for as many queries at a time as fit `max_elements`. The host
-    never waits on the GPU here (a prefill piece beside decode steps must not stall their launches)."""
+    never waits on the GPU here (a prefill piece beside decode steps must not stall their launches).
+    e4m3 q and keys: key_scale [T] and fp8_dot as `prefill_indexer_scores`'s."""
     require(q.dim() == 3 and keys.dim() == 2, f"q must be [S, H_index, D] and keys [T, D], got shapes "
             f"{tuple(q.shape)} and {tuple(keys.shape)}")
     s, t = q.shape[0], keys.shape[0]
@@ -368,7 +400,8 @@ def dsa_prefill_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     rows = triton.cdiv(s, max(1, blocks))    # equal blocks: no short one left at the end of a chunk
     for r in range(0, s, rows):
         part = slice(r, min(s, r + rows))
-        scores = prefill_indexer_scores(q[part], weights[part], keys, start + r)
+        scores = prefill_indexer_scores(q[part], weights[part], keys, start + r, key_scale=key_scale,
+                                        fp8_dot=fp8_dot)
         out[part] = topk_of_indexer_scores(scores, lengths[part], k)
     return out
 

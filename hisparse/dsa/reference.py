@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hisparse.dsa import fp8
+from hisparse.dsa import fp8, fp8_index
 
 
 @dataclass
@@ -16,8 +16,9 @@ class MlaKV:
     """One layer's KV state: `latent` [B, capacity, kv_lora_rank + qk_rope_head_dim] (normalised
     latent then roped key, V = the first kv_lora_rank values), or uint8 [B, capacity, 656] FP8 rows
     (kv_dtype "fp8": hisparse.dsa.fp8, written quantised, read dequantised); `index_keys` [B,
-    capacity, index_head_dim] on anchor layers, None on shared layers. Positions >= a row's length
-    are unused."""
+    capacity, index_head_dim] on anchor layers, or uint8 [B, capacity, index_head_dim + 4] FP8 keys
+    (index_dtype "fp8": hisparse.dsa.fp8_index, written quantised), None on shared layers.
+    Positions >= a row's length are unused."""
 
     latent: torch.Tensor
     index_keys: torch.Tensor | None
@@ -29,13 +30,19 @@ class MlaKV:
     def write(self, positions: torch.Tensor, latent: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Store the rows of the tokens at positions [B, S]: latent [B, S, Dc + Dr], index_keys
         [B, S, Di] or None (a hierarchical state overrides this to write its host pool too); FP8
-        rows store the latents quantised (`fp8.to_rows`)."""
+        rows store the latents quantised (`fp8.to_rows`), FP8 keys the keys (`fp8_index.quantize_keys`)."""
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         if self.latent.dtype == torch.uint8:
             latent = fp8.to_rows(latent)
         self.latent[rows, self.lane_positions(positions, self.latent)] = latent
         if index_keys is not None:
-            self.index_keys[rows, self.lane_positions(positions, self.index_keys)] = index_keys
+            self.write_index_keys(rows, positions, index_keys)
+
+    def write_index_keys(self, rows: torch.Tensor, positions: torch.Tensor, index_keys: torch.Tensor) -> None:
+        """index_keys [B, S, Di] at positions [B, S] of rows [B, 1], quantised where stored as FP8 keys."""
+        if self.index_keys.dtype == torch.uint8:
+            index_keys = fp8_index.quantize_keys(index_keys)
+        self.index_keys[rows, self.lane_positions(positions, self.index_keys)] = index_keys
 
     def lane_positions(self, positions: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
         """positions [B, S] with an empty lane's moved to the last position of pool [B, capacity, D].
@@ -61,10 +68,14 @@ class TorchDsaAttention:
         index_q [B, Hi, Di] (roped), index_weights [B, Hi] (float32, already times Hi^-0.5):
         score(s) = sum_h w_h * relu(scale * q_h . k_s) over the first lengths[b] keys of row b. Returns
         [B, topk] int64 token ids in descending score order (ties to the lower id), -1 where a row has
-        fewer than topk tokens.
+        fewer than topk tokens. FP8 keys (uint8): `fp8_index.fp8_scores_ref`, the query quantised.
         """
-        scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), kv.index_keys.float()) * scale)
-        index_scores = torch.einsum("bh,bht->bt", index_weights, scores)
+        if kv.index_keys.dtype == torch.uint8:
+            index_scores = fp8_index.fp8_scores_ref(index_q[:, None], index_weights[:, None] * scale,
+                                                    kv.index_keys)[:, 0]
+        else:
+            scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), kv.index_keys.float()) * scale)
+            index_scores = torch.einsum("bh,bht->bt", index_weights, scores)
         valid = torch.arange(index_scores.shape[1], device=lengths.device)[None, :] < lengths[:, None]
         chosen = stable_topk(index_scores.masked_fill(~valid, float("-inf")), topk)
         chosen = torch.where(valid.gather(1, chosen), chosen, -1)

@@ -10,6 +10,9 @@
 The indexer keys stay resident in every mode (DESIGN section 5). With kv_dtype "fp8" every stored
 latent row (resident pool, host pool, hot slots) is hisparse.dsa.fp8's 656-byte uint8 row, quantised
 where it is written; the cache moves them as bytes, and decode reads them through the FP8 kernel.
+With index_dtype "fp8" every stored indexer key (lanes, prefill states, hybrid batches) is
+hisparse.dsa.fp8_index's uint8 key of Di + 4 bytes, quantised where it is written, scored by the
+FP8 indexer kernels in every mode.
 
 Selections can be recorded (`recorded`, filled by every layer's `attend`) and replayed from a
 trace instead of the indexer (`replay_sel`): the system does not depend on where selections come
@@ -22,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hisparse.cache import HierarchicalKVCache
-from hisparse.dsa import fp8
-from hisparse.dsa.ops import DECODE_BACKENDS, dsa_select
+from hisparse.dsa import fp8, fp8_index
+from hisparse.dsa.ops import DECODE_BACKENDS
 from hisparse.dsa.reference import MlaKV
 from hisparse.models.base import DecodeState
 from hisparse.resolve import CacheState
@@ -80,7 +83,7 @@ class HierMlaKV(MlaKV):
             raise ValueError("a hierarchical state takes one token per row; prefill runs on a resident state")
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         if index_keys is not None:
-            self.index_keys[rows, self.lane_positions(positions, self.index_keys)] = index_keys
+            self.write_index_keys(rows, positions, index_keys)
         if self.cache.slots.dtype == torch.uint8:
             latent = fp8.to_rows(latent)
         if self.resident is not None:           # resident lanes: at their rows
@@ -132,7 +135,7 @@ class KernelDsaAttention(UnitResolver):
             selection = self.replay_sel[layer_idx]
         else:
             # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
-            selection = dsa_select(index_q, index_weights * scale, kv.index_keys, lengths, topk)
+            selection = fp8_index.select_stored(index_q, index_weights * scale, kv.index_keys, lengths, topk)
         return selection
 
     def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV,
@@ -176,7 +179,9 @@ class DsaRuntime:
     the anchor's (no resolve of their own) and replay its miss plan, in line or, with prefetch, on
     a side stream. kv_dtype: how a latent row is stored (`fp8.KV_DTYPES`): "bf16", the 576 values in
     the model's dtype, or "fp8", a 656-byte uint8 row (`row_elems`, `row_dtype`), in the prefill's
-    state, the resident pool, the host pool and the hot slots alike."""
+    state, the resident pool, the host pool and the hot slots alike. index_dtype: how an indexer key is
+    stored (`fp8_index.INDEX_DTYPES`): "bf16", in the model's dtype, or "fp8", DeepSeek-V3.2's e4m3
+    key and float32 scale, uint8 [.., Di + 4] (`index_row_bytes`), wherever keys are held."""
 
     family = "DSA"
     selection_name = "index_topk"
@@ -188,7 +193,7 @@ class DsaRuntime:
     prefill_beside_decode, hybrid_trash_row = True, True
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
-                 kv_dtype: str = "bf16"):
+                 kv_dtype: str = "bf16", index_dtype: str = "bf16"):
         if token_budget is not None:
             raise ValueError("token_budget applies to Quest models; a DSA model selects index_topk tokens")
         if decode_backend not in DECODE_BACKENDS:
@@ -202,6 +207,9 @@ class DsaRuntime:
             self.row_elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim
             self.row_dtype = model.model.embed_tokens.weight.dtype
         self.model, self.decode_backend, self.kv_dtype = model, decode_backend, kv_dtype
+        self.index_dtype = fp8_index.check_index_dtype(index_dtype)
+        self.index_row_bytes = fp8_index.stored_index_bytes(cfg.index_head_dim, model.model.embed_tokens.weight
+                                                            .element_size(), index_dtype)
         self.selection_size = model.config.index_topk
         self.shared_layers = "shared" in model.config.indexer_types     # prefetch has layers to serve
         self.anchors, last_full = [], 0
@@ -216,11 +224,11 @@ class DsaRuntime:
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         """The model's empty state for a prefill, its latents stored as this runtime's rows."""
-        return self.model.new_state(batch, capacity, kv_dtype=self.kv_dtype)
+        return self.model.new_state(batch, capacity, kv_dtype=self.kv_dtype, index_dtype=self.index_dtype)
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """rows(b, layer) -> random (latents [len, D] as stored (FP8 rows quantised), index keys
-        [1, len, Di] on anchor layers, else None)."""
+        [1, len, Di] as stored (FP8 keys quantised) on anchor layers, else None)."""
         cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
@@ -229,6 +237,7 @@ class DsaRuntime:
             keys = None
             if cfg.indexer_types[layer] == "full":
                 keys = torch.randn(1, n, cfg.index_head_dim, device=device, dtype=dtype)
+                keys = fp8_index.quantize_keys(keys) if self.index_dtype == "fp8" else keys
             latent = torch.randn(n, width, device=device, dtype=dtype)
             return (fp8.to_rows(latent) if self.kv_dtype == "fp8" else latent), keys
 
@@ -296,9 +305,9 @@ class DsaRuntime:
         request one stream a layer (B + 1 slots and their LRU state) and a 4-byte slot map entry per host
         row; the resident requests' latents in one run of streams without cache state (`capacity` rows
         per request and layer, less than B + 1 rows more than resident mode's in all)."""
-        cfg, elem = self.model.config, self.model.model.embed_tokens.weight.element_size()
+        cfg = self.model.config
         anchors = sum(1 for t in cfg.indexer_types if t == "full")
-        index = (resident + hierarchical) * anchors * capacity * cfg.index_head_dim * elem
+        index = (resident + hierarchical) * anchors * capacity * self.index_row_bytes
         streams = hierarchical * cfg.num_hidden_layers
         host_rows = max(1, streams * capacity)
         state = CacheState.empty(streams, cache_slots, host_rows, "meta")

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from hisparse.dsa.fp8 import KV_DTYPES
+from hisparse.dsa.fp8_index import INDEX_DTYPES
 from hisparse.engine import family_runtime
 from hisparse.generate import DTYPES, load_checkpoint, parse_device, positive_int
 from hisparse.serve.app import ACCESS_LOG, Service, closing_line, describe, log, serve
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="DSA checkpoints: how each MLA latent row is stored: bf16 (its 576 values in --dtype) or fp8 "
                          "(DeepSeek-V3.2's 656-byte rows; needs 512 + 64 latents; an FP8 kernel decodes "
                          "them) (default bf16)")
+    ap.add_argument("--index-dtype", choices=INDEX_DTYPES, default="bf16",
+                    help="DSA checkpoints: how each indexer key is stored: bf16 (in --dtype) or fp8 (DeepSeek-V3.2's "
+                         "e4m3 key and float32 scale a token, 132 bytes at head dim 128) (default bf16)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="weight and KV dtype (default bfloat16 on a GPU, float32 on a CPU)")
     ap.add_argument("--device", default=None,
@@ -158,8 +162,11 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
     if args.kv_dtype != "bf16" and model.config.model_type not in ("deepseek_v32", "glm_moe_dsa"):
         ap.error(f"argument --kv-dtype: {args.kv_dtype} rows are DSA's (deepseek_v32, glm_moe_dsa); {name!r} is a "
                  f"{model.config.model_type} model")
+    if args.index_dtype != "bf16" and model.config.model_type not in ("deepseek_v32", "glm_moe_dsa"):
+        ap.error(f"argument --index-dtype: {args.index_dtype} keys are DSA's indexer's (deepseek_v32, glm_moe_dsa); "
+                 f"{name!r} is a {model.config.model_type} model")
     try:
-        runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype)
+        runtime = family_runtime(model, args.token_budget, kv_dtype=args.kv_dtype, index_dtype=args.index_dtype)
     except ValueError as exc:
         option = "--kv-dtype" if args.kv_dtype != "bf16" and "kv_dtype" in str(exc) else "--model"
         ap.error(f"argument {option}: model {name!r} does not fit the kernels: {exc}")
@@ -176,7 +183,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
                         host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
                         prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, kv_dtype=args.kv_dtype,
                         prefill_overlap=args.prefill_overlap, prefill_layers=args.prefill_layers or PREFILL_LAYERS,
-                        prefill_sms=args.prefill_sms,
+                        prefill_sms=args.prefill_sms, index_dtype=args.index_dtype,
                         selections=None if workload is None else workload.draws[0], **quest)
     except ValueError as exc:
         ap.error(f"{_option(str(exc))}cannot build the server: {exc}")

@@ -42,7 +42,7 @@ class Server:
     "model" (the family's kernels) or "reference" (eager). keep_logits: every token's logits on each
     request. selections: int32 [steps, layers, ..., k], a trace each request replays from its first
     decode step instead of the indexer's, unless it brings its own (`Request.selections`).
-    token_budget (Quest), decode_backend (DSA), kv_dtype (DSA's "fp8" rows), prefetch,
+    token_budget (Quest), decode_backend, kv_dtype, index_dtype (DSA; "fp8" rows, keys), prefetch,
     prefetch_programs: as `Engine`'s. prefill_overlap (families whose runtime has
     `prefill_beside_decode`: DSA): each iteration launches the decode step, then `prefill_layers`
     layers of the current chunk on a side CUDA stream (inline after the step without a GPU).
@@ -57,7 +57,8 @@ class Server:
                  keep_logits: bool = False, token_budget: int | None = None, decode_backend: str = "auto",
                  prefetch: bool = False, prefetch_programs: int | None = None,
                  selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
-                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None, disaggregated: bool = False):
+                 prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None, index_dtype: str = "bf16",
+                 disaggregated: bool = False):
         check_options(mode, SERVING_MODES, prefill, prefetch, disaggregated, prefill_overlap)
         max_context = as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2)
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk must be an int >= 1 (prompt tokens an iteration)", 1)
@@ -68,7 +69,7 @@ class Server:
         self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
         self.eos = eos_token_ids(model.config)      # a request stops at these unless its sampling ignores eos
         self.device = weight.device
-        self.runtime = runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.runtime = runtime = family_runtime(model, token_budget, decode_backend, kv_dtype, index_dtype)
         self.prefill_layers, prefill_sms = check_overlap(runtime, prefill_overlap, prefill_layers, prefill_sms)
         self.prefill_overlap, self.prefill_sms, self.disaggregated = prefill_overlap, prefill_sms, disaggregated
         self.hybrid = mode == "hybrid"

@@ -1,0 +1,194 @@
+"""DSA's FP8 indexer keys: DeepSeek-V3.2's per-token e4m3 keys and query (written and read in torch),
+and the indexer scores and selections over keys as stored (through the indexer kernels of
+kernels_triton/dsa.py and dsa_prefill.py with e4m3 operands; torch reference `fp8_scores_ref`).
+
+One key per token and layer, D + 4 bytes (132 at DeepSeek's D = 128), little-endian:
+
+    bytes [0, D)      D float8_e4m3fn: rotated key value c is fp8[c] * scale
+    bytes [D, D + 4)  the float32 scale, a power of two
+
+Quantisation, of a key [D] and of each query head [D] alike (DeepSeek-V3.2-Exp's inference
+`act_quant`, block D, scale_fmt "ue8m0"): rotate by the orthonormal Hadamard matrix (`rotate`:
+their `rotate_activation`; q.k is unchanged, outliers spread before rounding), a = max(absmax, 1e-4),
+scale = 2 ** ceil(log2(a * (1 / 448))) (exactly, from the float32's exponent), values = the
+rotated ones / scale clamped to +-448, rounded to nearest even. The score of token t is theirs
+(`fp8_index`): scale_k(t) * sum_h w(h) * scale_q(h) * ReLU(q8(h) . k8(t)), w carrying the model's
+weights and softmax scale; the kernels take w * scale_q (`quantize_query`).
+
+Where we differ: DeepSeek's reference code keeps the keys and their scales in two buffers (k_cache
+fp8 [B, S, D], k_scale_cache float32 [B, S, 1]); vLLM, SGLang and DeepGEMM's paged
+`fp8_paged_mqa_logits` pack a page of 64 tokens as 64 * D e4m3 bytes, then 64 scales (the values
+16-byte aligned for TMA). We pack each token's D + 4 bytes together, one row a token, so every
+place that holds keys by token (the lanes, the prefill's state, hybrid runs, a handoff) moves them
+as bytes like any other row, at the price of 4-byte-aligned key loads. We rotate in float32 (they
+rotate bf16 activations to bf16); head dims other than 128 (the tiny checkpoints' 32 or 64) take
+one scale for the whole head as they would for one block.
+
+In the system (index_dtype "fp8" of `DsaRuntime`, `Engine`, `Server`: DESIGN section 5.1) every
+stored indexer key is such a row: `MlaKV.index_keys` is uint8 [B, capacity, D + 4], written
+quantised (`quantize_keys`) and read by `select_stored` / `prefill_select_stored`.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hisparse.dsa.ops import FP8, dsa_prefill_select, indexer_scores, require, topk_select
+
+FP8_MAX = 448.0
+FP8_MAX_INV = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()   # as float32, the multiplier act_quant uses
+AMAX_FLOOR = 1e-4
+SCALE_BYTES = 4
+# How the DSA family stores an indexer key (`index_dtype` of DsaRuntime, Engine, Server, generate
+# --index-dtype): "bf16", D values in the model's dtype; "fp8", this module's D + 4-byte rows
+INDEX_DTYPES = ("bf16", "fp8")
+
+
+def check_index_dtype(index_dtype) -> str:
+    """index_dtype itself if it is one of INDEX_DTYPES, else ValueError naming it and the choices."""
+    if not isinstance(index_dtype, str) or index_dtype not in INDEX_DTYPES:
+        raise ValueError(f"index_dtype={index_dtype!r}: expected one of {INDEX_DTYPES} (DSA's indexer keys: "
+                         f"'bf16', in the model's dtype; 'fp8', DeepSeek-V3.2's e4m3 keys with a float32 scale "
+                         f"a token, 132 bytes at head dim 128)")
+    return index_dtype
+
+
+def key_row_bytes(head_dim: int) -> int:
+    """Bytes of one stored FP8 key: head_dim e4m3 values and a float32 scale (132 at 128)."""
+    return head_dim + SCALE_BYTES
+
+
+@functools.cache
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix [d, d] float32 (d a power of 2): symmetric, H @ H = I."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * d ** -0.5).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a power of 2) times the orthonormal Hadamard matrix, float32: dot products kept."""
+    d = x.shape[-1]
+    require(d >= 1 and d & (d - 1) == 0, f"head dim {d}: the Hadamard rotation needs a power of 2")
+    return x.float() @ _hadamard(d, x.device)
+
+
+def pow2_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """act_quant's ue8m0 scale of blocks with this absmax (float32): 2 ** ceil(log2(max(absmax, 1e-4) / 448))."""
+    x = absmax.float().clamp_min(AMAX_FLOOR) * FP8_MAX_INV
+    mantissa, exponent = torch.frexp(x)                   # x = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)   # x a power of two: log2 exact
+    return torch.ldexp(torch.ones_like(x), exponent)
+
+
+def quantize_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values e4m3 [..., D], scales float32 [...]) of rotated vectors x [..., D], one scale a vector."""
+    scale = pow2_scale(x.abs().amax(dim=-1))
+    values = (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)   # exact division: a power of 2
+    return values, scale
+
+
+def quantize_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Stored keys uint8 [..., D + 4] of indexer keys [..., D] (float16/bf16/float32, roped, finite)."""
+    require(keys.dtype in (torch.float16, torch.bfloat16, torch.float32),
+            f"keys dtype {keys.dtype}: expected float16, bfloat16 or float32")
+    require(keys.dim() >= 1 and keys.shape[-1] >= 16, f"keys shape {tuple(keys.shape)}: expected [..., D >= 16]")
+    values, scale = quantize_rotated(rotate(keys))
+    d = keys.shape[-1]
+    out = torch.empty((*keys.shape[:-1], key_row_bytes(d)), dtype=torch.uint8, device=keys.device)
+    out[..., :d] = values.view(torch.uint8)
+    out[..., d:] = scale[..., None].view(torch.uint8)
+    return out
+
+
+def _check_stored(stored: torch.Tensor) -> None:
+    require(stored.dtype == torch.uint8 and stored.dim() >= 1 and stored.shape[-1] > SCALE_BYTES,
+            f"stored keys {stored.dtype} {tuple(stored.shape)}: expected uint8 [..., D + {SCALE_BYTES}]")
+
+
+def key_views(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values e4m3 [..., D], scales float32 [...]) as views of stored keys uint8 [..., D + 4] whose
+    rows are 4-byte aligned (any slice of a stored buffer along the leading dims): no copy."""
+    _check_stored(stored)
+    d = stored.shape[-1] - SCALE_BYTES
+    require(stored.stride(-1) == 1 and all(s % SCALE_BYTES == 0 for s in stored.stride()[:-1])
+            and (stored.data_ptr() + d) % SCALE_BYTES == 0,
+            f"stored keys strides {stored.stride()}: expected contiguous rows at 4-byte-aligned addresses")
+    return stored[..., :d].view(FP8), stored[..., d:].view(torch.float32)[..., 0]
+
+
+def dequantize_keys(stored: torch.Tensor) -> torch.Tensor:
+    """The rotated keys float32 [..., D] of stored keys uint8 [..., D + 4] (exact: e4m3 times 2 ** e)."""
+    _check_stored(stored)
+    d = stored.shape[-1] - SCALE_BYTES
+    scale = stored[..., d:].contiguous().view(torch.float32)
+    return stored[..., :d].view(FP8).float() * scale
+
+
+def quantize_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q8 e4m3 [..., H, D], weights * scale_q float32 [..., H]) of queries q [..., H, D] and their head
+    weights [..., H] (float32, the softmax scale already in): each head quantised as a key is."""
+    require(q.dim() >= 2 and weights.shape == q.shape[:-1],
+            f"q {tuple(q.shape)} and weights {tuple(weights.shape)}: expected [..., H, D] and [..., H]")
+    values, scale = quantize_rotated(rotate(q))
+    return values, weights.float() * scale
+
+
+def fp8_scores_ref(q: torch.Tensor, weights: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """Plain-torch FP8 indexer scores [B, S, T] float32 of queries q [B, S, H, D] (roped, unquantised)
+    with head weights [B, S, H] over stored keys uint8 [B, T, D + 4], every pair (no mask): the query
+    quantised (`quantize_query`), e4m3 products summed in float32, then ReLU, weights, the key's scale."""
+    q8, w = quantize_query(q, weights)
+    keys = stored[..., :-SCALE_BYTES].view(FP8).float()                                  # [B, T, D]
+    scale = stored[..., -SCALE_BYTES:].contiguous().view(torch.float32)[..., 0]            # [B, T]
+    logits = torch.einsum("bshd,btd->bsht", q8.float(), keys).relu()
+    return torch.einsum("bsh,bsht->bst", w, logits) * scale[:, None, :]
+
+
+def indexer_scores_fp8_ref(q, weights, stored, lengths) -> torch.Tensor:
+    """`indexer_scores_fp8` in plain torch: [N, T] float32, -inf at t >= lengths[n]."""
+    scores = fp8_scores_ref(q[:, None], weights[:, None], stored)[:, 0]
+    valid = torch.arange(stored.shape[1], device=q.device)[None, :] < lengths[:, None]
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def indexer_scores_fp8(q: torch.Tensor, weights: torch.Tensor, stored: torch.Tensor, lengths: torch.Tensor,
+                       block_t: int | None = None, fp8_dot: bool | None = None) -> torch.Tensor:
+    """Decode indexer scores [N, T] float32 (-inf at t >= lengths[n]) of queries q [N, H, D] (roped,
+    in the model's dtype) with weights [N, H] over stored keys uint8 [N, T, D + 4]: the query
+    quantised here, then `ops.indexer_scores` over the e4m3 views (fp8_dot, block_t: its own)."""
+    _check_stored(stored)
+    require(stored.dim() == 3 and q.dim() == 3 and stored.shape[-1] == key_row_bytes(q.shape[-1]),
+            f"stored keys {tuple(stored.shape)} for q {tuple(q.shape)}: expected [N, T, D + {SCALE_BYTES}]")
+    q8, w = quantize_query(q, weights)
+    keys, scale = key_views(stored)
+    return indexer_scores(q8, w, keys, lengths, key_scale=scale, block_t=block_t, fp8_dot=fp8_dot)
+
+
+def select_stored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
+                  k: int) -> torch.Tensor:
+    """The decode selection [N, k] int32 (-1 padding) over indexer keys as stored: uint8 FP8 keys
+    through `indexer_scores_fp8`, others through `ops.indexer_scores`; then the exact top-k."""
+    if keys.dtype == torch.uint8:
+        return topk_select(indexer_scores_fp8(q, weights, keys, lengths), lengths, k)
+    return topk_select(indexer_scores(q, weights, keys, lengths), lengths, k)
+
+
+def prefill_select_stored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int,
+                          k: int) -> torch.Tensor:
+    """`ops.dsa_prefill_select` over one request's keys [T, D] or stored FP8 keys uint8 [T, D + 4]
+    (the chunk's queries quantised once, their scales in the weights)."""
+    if keys.dtype != torch.uint8:
+        return dsa_prefill_select(q, weights, keys, start, k)
+    require(keys.dim() == 2 and q.dim() == 3 and keys.shape[-1] == key_row_bytes(q.shape[-1]),
+            f"stored keys {tuple(keys.shape)} for q {tuple(q.shape)}: expected [T, D + {SCALE_BYTES}]")
+    q8, w = quantize_query(q, weights)
+    values, scale = key_views(keys)
+    return dsa_prefill_select(q8, w, values, start, k, key_scale=scale)
+
+
+def stored_index_bytes(head_dim: int, elem_bytes: int, index_dtype: str) -> int:
+    """Bytes of one token's indexer key as stored: head_dim values of elem_bytes, or an FP8 key."""
+    return key_row_bytes(head_dim) if check_index_dtype(index_dtype) == "fp8" else head_dim * elem_bytes
