@@ -71,14 +71,14 @@ def handed_off_schedule(schedule: Schedule) -> Schedule:
 class PrefillWorker:
     """Prefills prompts on `model` into handoffs, with the decode server's chunking and kernels so the
     rows are bitwise what its own prefill would make (prefill_chunk, prefill "model" or "reference",
-    decode_backend, kv_dtype, token_budget as `Server`'s)."""
+    decode_backend, kv_dtype, index_dtype, token_budget as `Server`'s)."""
 
     def __init__(self, model, prefill_chunk: int = 8192, prefill: str = "model", decode_backend: str = "auto",
-                 kv_dtype: str = "bf16", token_budget: int | None = None):
+                 kv_dtype: str = "bf16", token_budget: int | None = None, index_dtype: str = "bf16"):
         if prefill not in ("model", "reference"):
             raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
         self.model, self.prefill_chunk, self.fast, self.backend = model, prefill_chunk, prefill == "model", decode_backend
-        self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype)
+        self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype, index_dtype)
         self.device = model.model.embed_tokens.weight.device
 
     def prefill(self, prompt: torch.Tensor) -> Handoff:
