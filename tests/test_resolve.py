@@ -422,7 +422,7 @@ def test_device_writes_check_their_values_and_change_nothing_when_refused(device
             call()
     assert torch.equal(host.view(torch.int32), cache.host.rows.view(torch.int32))
     assert torch.equal(slots.view(torch.int32), cache.slots.view(torch.int32))
-    assert all(torch.equal(a, b) for a, b in zip(state.__dict__.values(), cache.state.__dict__.values()))
+    assert state.equal(cache.state)
     with pytest.raises(ValueError, match=r"stream_len must be \[S\]=\[3\] \(one length a stream\), got shape \(1,\)"):
         resolve(cache.state, _i32([0], device), _i32([[1, 2]], device), cache.host.rows, cache.slots,
                 stream_len=torch.tensor([20]))

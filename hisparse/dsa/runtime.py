@@ -303,7 +303,7 @@ class DsaRuntime:
         host_rows = max(1, streams * capacity)
         state = CacheState.empty(streams, cache_slots, host_rows, "meta")
         rows = (streams + self.hybrid_run_streams(resident, capacity, cache_slots)) * (cache_slots + 1)
-        return index + rows * self.row_bytes + nbytes(*vars(state).values())
+        return index + rows * self.row_bytes + nbytes(*state.tensors())
 
     def hybrid_placement(self, batch: int, capacity: int, cache_slots: int, kv_budget: int,
                          host_rows: int | None = None) -> int | None:
