@@ -314,3 +314,17 @@ def test_streams_sharing_prefixes_under_churn_leak_nothing_and_never_change_a_sh
     cache.release_pages(sorted(index))
     assert int(cache.host.pages.count.sum()) == 0 and cache.host.free_rows == cache.host.capacity
     assert cache.host.pages.free_runs.runs == [(0, 16)] and cache.regions.map_runs.runs == [(0, 28)]
+
+
+def test_bench_resolve_pages_times_each_point_three_ways(tmp_path):
+    """`bench_resolve --pages`: every point through no table, an identity and a shuffled one, the same
+    selections (so the same miss rate) each way."""
+    import pandas as pd
+
+    from benchmarks.bench_resolve import PAGE_TABLES, main
+    main(["--quick", "--pages", "4", "--reps", "1", "--out", str(tmp_path)])
+    rows = pd.read_csv(tmp_path / "resolve_pages.csv")
+    assert set(rows.page_table) == set(PAGE_TABLES) and set(rows.page_rows) == {4}
+    misses = rows[rows.metric == "miss_rate"].groupby(["batch", "target_miss"]).value
+    assert (misses.nunique() == 1).all() and len(misses) == 2
+    assert (rows[rows.metric == "total_us"].value > 0).all()

@@ -401,7 +401,7 @@ class DsaRuntime:
         whose rows are read before anything is written there); the lane reads through its streams
         from the next step, their caches empty. ValueError, before anything changes, when the host
         pool cannot hold the regions."""
-        if not cache.host.fits([host_tokens] * len(layers)):
+        if not cache.fits([host_tokens] * len(layers)):
             raise ValueError(f"demoting lane {lane} needs {len(layers)} host regions of {host_tokens} rows; "
                              f"the host pool has {cache.host.free_rows} rows free")
         pool = cache.gpu_rows
