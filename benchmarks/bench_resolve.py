@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import PINNED_BYTES_PER_S, pass_graph_switch
-from hisparse.resolve import CacheState, PageTable, resolve, write_rows
+from hisparse.resolve import CacheState, resolve, write_rows
 from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 
 PINNED_GBPS = PINNED_BYTES_PER_S / 1e9

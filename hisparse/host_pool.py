@@ -158,8 +158,9 @@ class HostPool:
         if (counts > 1).any():
             page = first + int((counts > 1).argmax())
             raise ValueError(f"rows {first_row}..{first_row + n_rows - 1} reach page {page} (rows "
-                             f"{page * self.page_rows}..{(page + 1) * self.page_rows - 1}), held {int(counts.max())} "
-                             f"times: a shared page is read-only (a prefix's page is written once, before it is shared)")
+                             f"{page * self.page_rows}..{(page + 1) * self.page_rows - 1}), held "
+                             f"{int(counts[page - first])} times: a shared page is read-only (a prefix's page "
+                             f"is written once, before it is shared)")
 
     def write(self, first_row: int, values: torch.Tensor) -> None:
         """Write values [n, E] (any device, the pool's dtype) into rows first_row .. first_row + n - 1,

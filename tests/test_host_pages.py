@@ -47,8 +47,8 @@ def test_resolve_through_a_shuffled_page_table_matches_reference_and_fetches_map
     assert not torch.equal(state.pages.page_of.cpu(), torch.arange(state.pages.page_of.numel(), dtype=torch.int32))
     ref_state = CacheState(*(t.cpu().clone() for t in state.tensors()[:-1]), pages=PageTable(state.pages.page_of.cpu(),
                                                                                        page_rows))
-    host = torch.randn(num_streams * units, row_elems, generator=gen)
-    ref_host = host.clone()
+    host = torch.randn(num_streams * units, row_elems, generator=gen).to(device)   # on a GPU: device memory
+    ref_host = host.cpu().clone()
     cache = torch.full((num_streams, cache_slots + 1, row_elems), float("nan"), device=device)
     ref_cache = cache.cpu().clone()
     streams = _i32([2, -1, 0, 1], device)
@@ -69,12 +69,12 @@ def test_resolve_through_a_shuffled_page_table_matches_reference_and_fetches_map
         for name in ("lru", "lru_unit", "unit_slot", "stats"):
             assert torch.equal(getattr(state, name).cpu(), getattr(ref_state, name)), (step, name)
         assert torch.equal(cache.cpu().view(torch.int32), ref_cache.view(torch.int32)), step   # bitwise: NaN poison
-        assert torch.equal(host, ref_host), step
+        assert torch.equal(host.cpu(), ref_host), step
         for row, s in enumerate(streams.tolist()):
             if s < 0:
                 continue
             host_rows = state.pages.host_rows(state.host_base.cpu()[s] + sel[row].long())
-            assert torch.equal(cache[s, got.slots[row].long()].cpu(), host[host_rows]), (step, row)
+            assert torch.equal(cache[s, got.slots[row].long()].cpu(), ref_host[host_rows]), (step, row)
     if share_first:                       # the shared prefix's map rows name the same host rows
         prefix = torch.arange(share_first * page_rows)
         assert torch.equal(state.pages.host_rows(prefix), state.pages.host_rows(units + prefix))
@@ -87,29 +87,29 @@ def test_fetch_and_writes_follow_the_page_table(device):
     num_streams, cache_slots, units, p, t, d = 2, 4, 16, 4, 2, 3
     state = shuffled_state(num_streams, cache_slots, units, p, device, seed=5)
     pages = state.pages
-    host = torch.randn(num_streams * units, 2 * t * d, generator=gen)
+    host = torch.randn(num_streams * units, 2 * t * d, generator=gen).to(device)
     cache = torch.zeros(num_streams, cache_slots + 1, 2 * t * d, device=device)
     plan_unit, plan_slot = _i32([[5, 14, 0], [9, 0, 0]], device), _i32([[2, 0, 3], [1, 0, 0]], device)
     fetch_rows(plan_unit, plan_slot, _i32([[0, 3], [0, 1]], device), _i32([1, 0], device), state.host_base, host,
                cache, pages=pages)
     for stream, unit, slot in ((1, 5, 2), (1, 14, 0), (1, 0, 3), (0, 9, 1)):
-        assert torch.equal(cache[stream, slot].cpu(), host[pages.host_rows(torch.tensor(stream * units + unit))])
+        assert torch.equal(cache[stream, slot].cpu(), host.cpu()[pages.host_rows(torch.tensor(stream * units + unit))])
     rows = torch.randn(2, 2 * t * d, generator=gen)
     write_rows(_i32([0, 1], device), torch.tensor([6, 11], device=device), rows.to(device), state.host_base,
                state.unit_slot, host, cache, to_reserved=True, pages=pages)
     for i, (stream, unit) in enumerate(((0, 6), (1, 11))):
         assert int(pages.host_rows(torch.tensor(stream * units + unit))) != stream * units + unit
-        assert torch.equal(host[pages.host_rows(torch.tensor(stream * units + unit))], rows[i])
+        assert torch.equal(host.cpu()[pages.host_rows(torch.tensor(stream * units + unit))], rows[i])
     keys, values = torch.randn(1, 2, d, generator=gen), torch.randn(1, 2, d, generator=gen)
     pos = torch.tensor([7], dtype=torch.int64)                      # unit 3, offset 1
     state.unit_slot[int(state.host_base[1]) + 3] = 2                # stream 1 caches unit 3 in slot 2
-    want_host, want_cache = host.clone(), cache.cpu().clone()
+    want_host, want_cache = host.cpu().clone(), cache.cpu().clone()
     write_unit_token_ref(_i32([0, 1], "cpu"), pos, keys, values, state.host_base.cpu(), state.unit_slot.cpu(),
                          want_host, want_cache, t, pages=PageTable(pages.page_of.cpu(), p))
     write_unit_token(_i32([0, 1], device), pos.to(device), keys.to(device), values.to(device), state.host_base,
                      state.unit_slot, host, cache, t, pages=pages)
-    assert torch.equal(host, want_host) and torch.equal(cache.cpu(), want_cache)
-    row = host[pages.host_rows(torch.tensor(units + 3))].view(2, t, d)
+    assert torch.equal(host.cpu(), want_host) and torch.equal(cache.cpu(), want_cache)
+    row = host.cpu()[pages.host_rows(torch.tensor(units + 3))].view(2, t, d)
     assert torch.equal(row[0, 1], keys[0, 1]) and torch.equal(row[1, 1], values[0, 1])
     cached = cache[1, 2].cpu().view(2, t, d)                         # and write-through to its cached copy
     assert torch.equal(cached[0, 1], keys[0, 1]) and torch.equal(cached[1, 1], values[0, 1])
