@@ -19,6 +19,13 @@ are (before 62479fe1c4fb the sweep's first points ran before it).
     python -m benchmarks.bench_resolve                 # the full H200 sweep
     python -m benchmarks.bench_resolve --quick         # a tiny run (also on the CPU interpreter)
     python -m benchmarks.bench_resolve --decode-like   # probe-and-scan as a decode step meets it
+    python -m benchmarks.bench_resolve --pages 64      # the page table's cost (target: at most 3%)
+
+`--pages P` times the full call (with the copy) three ways per point, its host rows: as today (no page
+table), through an identity page table of P-row pages, and through a shuffled one (each stream's
+pages scattered over the pool), each beside the first: the page table's cost, against the target of
+at most 3% (rows in OUT/resolve_pages.csv). Points: batch 8 and 64, k = 2048, B = 4096, the three
+miss rates, 1152-byte rows.
 
 `--decode-like` times the no-IO call where the sweep is kind to it, against how the decode loop
 calls it (rows in OUT/resolve_layers.csv): there, L layers' streams take turns within a step, so
@@ -46,6 +53,8 @@ PINNED_GBPS = PINNED_BYTES_PER_S / 1e9
 RANDOM_ROWS_MPS = 39.0      # random rows over a large pinned pool, millions per second
 STEPS_PER_GRAPH = 8
 HOLD_CYCLES = 1 << 18       # GPU clock cycles the stream waits before a timed replay (130 us at 1.98 GHz)
+PAGE_TABLES = ("none", "identity", "shuffled")
+PAGE_TABLE_TARGET = 1.03    # the paged call's time over today's, at most
 
 
 @dataclass(frozen=True)
@@ -133,24 +142,31 @@ def miss_counts(outs: list) -> tuple[int, int]:
     return hits, misses
 
 
-def point_state(p: Point, num_streams: int, device) -> CacheState:
+def point_state(p: Point, num_streams: int, device, page_table: str = "none", page_rows: int = 1) -> CacheState:
     """An empty cache state of `num_streams` streams of p.cache_slots slots each, stream s holding
-    p.context units from host row s * p.context."""
-    state = CacheState.empty(num_streams, p.cache_slots, num_streams * p.context, device)
-    state.host_base.copy_(torch.arange(num_streams, device=device) * p.context)
+    p.context units from map row s * region (region: p.context in whole pages). page_table: "none"
+    (map rows are host rows), "identity" or "shuffled" (pages of `page_rows` rows in a random order)."""
+    region = -(-p.context // page_rows) * page_rows
+    state = CacheState.empty(num_streams, p.cache_slots, num_streams * region, device,
+                             page_rows=None if page_table == "none" else page_rows)
+    state.host_base.copy_(torch.arange(num_streams, device=device) * region)
+    if page_table == "shuffled":
+        gen = torch.Generator().manual_seed(0)
+        state.pages.page_of.copy_(torch.randperm(state.pages.page_of.numel(), generator=gen).to(torch.int32))
     return state
 
 
-def time_point(p: Point, host: torch.Tensor, device, reps: int, **opts) -> dict:
+def time_point(p: Point, host: torch.Tensor, device, reps: int, page_table: str = "none", page_rows: int = 1,
+               **opts) -> dict:
     """Median microseconds per resolve call, with and without the copy, and this point's misses.
 
-    host: the pool viewed as [p.batch * p.context, row elements]."""
+    host: the pool viewed as [p.batch * p.context (in whole pages), row elements]."""
     row_elems = host.shape[1]
     streams = torch.arange(p.batch, dtype=torch.int32, device=device)
     cache = torch.empty(p.batch, p.cache_slots + 1, row_elems, dtype=host.dtype, device=device)
     result = {}
     for fetch in (False, True):
-        state = point_state(p, p.batch, device)
+        state = point_state(p, p.batch, device, page_table, page_rows)
         work = Workload(p, device)
         sels = work.next(STEPS_PER_GRAPH)
 
@@ -241,6 +257,46 @@ def run_decode_like(args, device) -> None:
             torch.cuda.empty_cache()
 
 
+def page_points(quick: bool) -> list[Point]:
+    """The points of `--pages` (see the module docstring)."""
+    if quick:
+        return [Point(1, 16, 32, 0.25, 64), Point(4, 16, 32, 1.0, 64)]
+    return [Point(b, 2048, 4096, m, 1152) for b, m in itertools.product((8, 64), (0.001, 0.2, 1.0))]
+
+
+def run_pages(args, device) -> None:
+    """Each point's call through no page table, an identity one and a shuffled one (module docstring)."""
+    reps, page_rows = args.reps or (2 if args.quick else 20), args.pages
+    if device.type == "cuda":
+        pass_graph_switch()
+    points = page_points(args.quick)
+    regions = {p: -(-p.context // page_rows) * page_rows for p in points}
+    pool_bytes = max(p.batch * regions[p] * p.row_bytes for p in points)
+    flat = torch.empty(pool_bytes // 2, dtype=torch.float16, pin_memory=device.type == "cuda")
+    fill_random(flat, device)
+    print(f"# pages of {page_rows} rows; target: the paged call at most {PAGE_TABLE_TARGET:.2f}x today's", flush=True)
+    print(f"{'batch':>5} {'miss':>6} | " + " ".join(f"{t + ' us':>12}" for t in PAGE_TABLES) +
+          " | identity/none shuffled/none (target <= {:.2f})".format(PAGE_TABLE_TARGET), flush=True)
+    for i, p in enumerate(points):
+        host = flat[:p.batch * regions[p] * (p.row_bytes // 2)].view(p.batch * regions[p], p.row_bytes // 2)
+        results = {t: time_point(p, host, device, reps, page_table=t, page_rows=page_rows) for t in PAGE_TABLES}
+        rows = []
+        for table, r in results.items():
+            params = dict(bench="resolve_pages", family="", mode="hisparse", batch=p.batch, context=p.context, k=p.k,
+                          cache_slots=p.cache_slots, unit_bytes=p.row_bytes, target_miss=p.target_miss,
+                          page_table=table, page_rows=page_rows)
+            rows += [{**params, "metric": "total_us", "value": r["total_us"], "unit": "us"},
+                     {**params, "metric": "noio_us", "value": r["noio_us"], "unit": "us"},
+                     {**params, "metric": "miss_rate", "value": r["miss_rate"], "unit": "fraction"}]
+        append_rows(f"{args.out}/resolve_pages.csv", rows)
+        base = results["none"]["total_us"]
+        ratios = [results[t]["total_us"] / base for t in PAGE_TABLES[1:]]
+        verdict = "ok" if max(ratios) <= PAGE_TABLE_TARGET else "OVER TARGET"
+        print(f"{p.batch:5d} {results['none']['miss_rate']:6.3f} | " +
+              " ".join(f"{results[t]['total_us']:12.1f}" for t in PAGE_TABLES) +
+              f" | {ratios[0]:8.3f} {ratios[1]:13.3f}   {verdict}   [{i + 1}/{len(points)}]", flush=True)
+
+
 def rows_for(p: Point, r: dict) -> list[dict]:
     # the copy's share of the call; not measurable when it drowns in timing noise
     io_us = r["total_us"] - r["noio_us"]
@@ -275,6 +331,8 @@ def main(argv=None):
                     help="graph replays per point (default 20, --decode-like 10, --quick 2)")
     ap.add_argument("--decode-like", action="store_true",
                     help="time no-IO calls as the decode loop makes them instead (resolve_layers.csv)")
+    ap.add_argument("--pages", type=int, default=None, metavar="P",
+                    help="time the call through page tables of P-row pages beside today's (resolve_pages.csv)")
     args = ap.parse_args(argv)
     check_out_folder(ap, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -282,8 +340,13 @@ def main(argv=None):
         ap.error(f"--reps {args.reps}: expected a positive integer")
     if device.type == "cpu" and not args.quick:
         ap.error("the full sweep needs a CUDA GPU (it pins a host pool of several GiB); use --quick on the CPU")
+    if args.pages is not None and (args.pages < 1 or args.pages & (args.pages - 1)):
+        ap.error(f"--pages {args.pages}: expected a power of two (rows a page)")
     if args.decode_like:
         run_decode_like(args, device)
+        return
+    if args.pages is not None:
+        run_pages(args, device)
         return
     points = sweep(args.quick)
     if device.type == "cuda":

@@ -9,11 +9,18 @@ selection is per KV head. Callers map their requests onto streams; this class kn
     cache.append(sid, rows)                      # rows [n, 576]: the next n units of the stream
     res = cache.resolve(streams, sel)            # slots of the selected units, in selection order
     rows = cache.slot_rows(streams, res.slots)   # [N, k] rows of cache.slots.view(-1, E)
+
+With `page_rows=P` the host rows are pages of P rows reached through a page table, so streams that
+extend one prefix share its pages (counted, read-only while shared):
+
+    pages = cache.stream_pages(sid)[:2]          # the host pages of a stream's first 2 * P units
+    other = cache.open_stream(capacity=131072, shared_pages=pages)   # starts with those 2 * P units
 """
 from __future__ import annotations
 
 import torch
 
+from hisparse.host_pages import StreamRegions
 from hisparse.host_pool import HostPool, as_int
 from hisparse.resolve import (
     MAX_SLOTS,
@@ -22,6 +29,7 @@ from hisparse.resolve import (
     check_fetch_inputs,
     check_resolve_inputs,
     fetch_rows,
+    host_rows_of,
     resolve,
     write_rows,
     write_unit_token,
@@ -75,13 +83,19 @@ def lowest_runs(taken: set[int], max_streams: int, streams: int, count: int) -> 
 class HierarchicalKVCache:
     def __init__(self, max_streams: int, cache_slots: int, host_rows: int, row_elems: int,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-                 pin: bool | None = None, run_only_streams: int = 0, trash_row: bool = False):
+                 pin: bool | None = None, run_only_streams: int = 0, trash_row: bool = False,
+                 page_rows: int | None = None, map_rows: int | None = None):
         """max_streams streams with cache state (what `open_stream` opens), then `run_only_streams` more
         that hold rows only, with no cache state (the fixed-batch engine's hybrid mode keeps its
         resident requests' latents in a run of them, `take_runs`, and pays no LRU state for them);
         stream ids 0 .. max_streams + run_only_streams - 1 in all. trash_row: one more row of
         `gpu_rows` past every stream's (`self.trash_row`, in no stream or run), where a launch that
-        writes every lane sends the writes of the lanes that have nothing to write (hybrid serving)."""
+        writes every lane sends the writes of the lanes that have nothing to write (hybrid serving).
+        page_rows: P (a power of two dividing host_rows) for host rows in counted pages through a page
+        table, which `open_stream(shared_pages=)` shares; None: no table, each stream one contiguous
+        host region. map_rows: the slot map's rows (V, whole pages; default host_rows), what the
+        streams' capacities add up to (with shared prefixes, more than the host rows they store); it
+        costs 4 + 4 / P GPU bytes a row."""
         run_only_streams = as_int(run_only_streams, "run_only_streams must be an int >= 0 (streams without "
                                   "cache state, for runs)", minimum=0)
         max_streams = as_int(max_streams, "max_streams must be a positive int (streams)" if not run_only_streams
@@ -97,7 +111,16 @@ class HierarchicalKVCache:
             raise ValueError(f"a cache on {self.device} needs a CUDA GPU, and none is here: pass device='cpu' (the "
                              f"Triton kernels then run in the interpreter)")
         self.cache_slots = cache_slots
-        self.host = HostPool(host_rows, row_elems, dtype,
+        if page_rows is not None:
+            page_rows = as_int(page_rows, "page_rows must be a positive int (host rows a page) or None", minimum=1)
+        map_rows = host_rows if map_rows is None else \
+            as_int(map_rows, "map_rows must be a positive int (rows of the slot map)", minimum=1)
+        if page_rows is None and map_rows != host_rows:
+            raise ValueError(f"map_rows={map_rows} differs from host_rows={host_rows}: without a page table the "
+                             f"slot map's rows are the host rows (pass page_rows)")
+        if page_rows is not None and map_rows % page_rows:
+            raise ValueError(f"map_rows={map_rows}: expected whole pages of page_rows={page_rows}")
+        self.host = HostPool(host_rows, row_elems, dtype, page_rows=page_rows or 1,
                              pin=(self.device.type == "cuda") if pin is None else pin)
         # every stream's rows, [(S + run-only streams) * (B+1), E]; `slots`, its first S streams as
         # [S, B+1, E]: B LRU slots, then the reserved slot for the newest token
@@ -105,10 +128,11 @@ class HierarchicalKVCache:
         self.gpu_rows = torch.zeros(rows + int(bool(trash_row)), row_elems, dtype=dtype, device=self.device)
         self.trash_row: int | None = rows if trash_row else None
         self.slots = self.gpu_rows[:max_streams * (cache_slots + 1)].view(max_streams, cache_slots + 1, row_elems)
-        self.state = CacheState.empty(max_streams, cache_slots, host_rows, self.device)
+        self.state = CacheState.empty(max_streams, cache_slots, map_rows, self.device, page_rows=page_rows)
+        self.regions = StreamRegions(self.host, None if page_rows is None else self.state.pages.page_of, map_rows)
         self.stream_len = [0] * max_streams
         self.stream_capacity = [0] * max_streams
-        self.stream_base = [0] * max_streams     # each open stream's first host row, as state.host_base on the host
+        self.stream_base = [0] * max_streams     # each open stream's first map row, as state.host_base on the host
         self._open: set[int] = set()
         self._runs: dict[int, int] = {}         # first stream id -> streams, of each run (`take_runs`)
 
@@ -133,26 +157,64 @@ class HierarchicalKVCache:
         """[S, 2] int64 cumulative hits, misses per stream (on the device; reading it syncs)."""
         return self.state.stats
 
-    def open_stream(self, capacity: int) -> int:
-        """Take a free stream with a host region of `capacity` units. Nothing changes on failure."""
+    @property
+    def page_rows(self) -> int | None:
+        """Host rows (units) a page, or None without a page table."""
+        return None if self.state.pages is None else self.state.pages.page_rows
+
+    def open_stream(self, capacity: int, shared_pages: list[int] = ()) -> int:
+        """Take a free stream with room for `capacity` units. shared_pages (a page table's cache only):
+        host pages, held already (another stream's `stream_pages`, or an index's), that become its
+        first len(shared_pages) * P units, recorded (its length starts there; the next `append`
+        writes the reserved slot); each gains a holder and stays read-only while shared. The rest
+        are private pages. Nothing changes on failure."""
         capacity = as_int(capacity, "a stream's capacity must be a positive int (units)", minimum=1)
+        shared_pages = [as_int(p, "shared pages must be ints (host pages)") for p in shared_pages]
         taken = self._taken()
         free = [s for s in range(self.state_streams) if s not in taken]
         if not free:
             raise RuntimeError(f"all {self.state_streams} streams with cache state are open or in runs; close one "
                                f"or raise max_streams")
-        base = self.host.alloc(capacity)
+        base = self.regions.open(capacity, shared_pages)
         stream = free[0]
-        self.state.reset_stream(stream, base, capacity)
-        self.stream_len[stream], self.stream_capacity[stream], self.stream_base[stream] = 0, capacity, base
+        self.state.reset_stream(stream, base, self.host.pages_for(capacity) * self.host.page_rows)
+        prefix = len(shared_pages) * self.host.page_rows
+        self.stream_len[stream], self.stream_capacity[stream], self.stream_base[stream] = prefix, capacity, base
         self._open.add(stream)
         return stream
 
     def close_stream(self, stream: int) -> None:
+        """Free the stream and give back its host rows (a shared page: one holder fewer)."""
         stream = self._check_open(stream)
-        self.host.release(self.stream_base[stream])
+        self.regions.close(self.stream_base[stream])
         self._open.remove(stream)
         self.stream_len[stream] = self.stream_capacity[stream] = 0
+
+    def stream_pages(self, stream: int) -> list[int]:
+        """The host pages of an open stream, in unit order (page i holds units i * P .. i * P + P - 1)."""
+        stream = self._check_open(stream, "stream_pages")
+        if self.state.pages is None:
+            raise ValueError("stream_pages: this cache has no page table (make it with page_rows=P)")
+        return self.regions.pages(self.stream_base[stream])
+
+    def share_pages(self, pages: list[int]) -> None:
+        """One more holder of each page (e.g. a prefix index keeping a finished request's prefix)."""
+        self.host.share(pages)
+
+    def release_pages(self, pages: list[int]) -> list[int]:
+        """One holder fewer of each page; returns the pages now free."""
+        return self.host.release_pages(pages)
+
+    def fits(self, capacities: list[int], shared: list[int] | None = None) -> bool:
+        """Whether streams of these capacities (units), opened in this order with shared[i] shared
+        pages each (default none), would all fit the host pool and the slot map now."""
+        return self.regions.fits(capacities, shared)
+
+    def host_rows(self, streams: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        """Host rows (int64, on the host) of units [...] of streams [...] (broadcast), through the page
+        table: where `host.rows` holds them (for tests, notebooks and checks)."""
+        base = self.state.host_base.cpu()[streams.cpu().long()]
+        return host_rows_of(self.state.pages, base + units.cpu().long())
 
     def _taken(self) -> set[int]:
         """Stream ids open or inside a run."""
@@ -220,6 +282,12 @@ class HierarchicalKVCache:
                 raise ValueError(f"{what}: unit {u} of stream {s} is outside its recorded units 0.."
                                  f"{self.stream_len[s] - 1} (record it with `advance` first)")
         _check_listed_once(what, [s for s, _ in live], "each may take one row a call")
+        for s, u in live:                                         # a shared page is read-only
+            (_, row, _), = self.regions.host_rows(self.stream_base[s], u, 1)
+            try:
+                self.host.check_writable(row, 1)
+            except ValueError as exc:
+                raise ValueError(f"{what}: unit {u} of stream {s}: {exc}") from None
         if map_streams is not None:
             if tuple(map_streams.shape) != (len(streams),):
                 raise ValueError(f"{what}: map_streams must be [N]=[{len(streams)}], got "
@@ -248,7 +316,11 @@ class HierarchicalKVCache:
         if length + n > capacity:
             raise ValueError(f"stream {stream} holds {length} of {capacity} units; appending {n} "
                              f"would exceed its host region")
-        self.host.write(self.stream_base[stream] + length, rows)     # no device read: a prefill piece stages here
+        runs = self.regions.host_rows(self.stream_base[stream], length, n)
+        for _, row, count in runs:                               # none on a shared page, before any write
+            self.host.check_writable(row, count)
+        for unit, row, count in runs:      # no device read: a prefill piece stages here
+            self.host.write(row, rows[unit - length:unit - length + count])
         self.slots[stream, self.reserved_slot] = rows[-1]
         self.stream_len[stream] = length + n
 
@@ -263,7 +335,8 @@ class HierarchicalKVCache:
             raise ValueError(f"unit {unit} of stream {stream} does not exist (length "
                              f"{self.stream_len[stream]})")
         base = self.stream_base[stream]
-        self.host.write(base + unit, row[None])
+        (_, host_row, _), = self.regions.host_rows(base, unit, 1)
+        self.host.write(host_row, row[None])
         slot = int(self.state.unit_slot[base + unit])
         if slot >= 0:
             self.slots[stream, slot] = row
@@ -284,7 +357,7 @@ class HierarchicalKVCache:
         if _values_checked(check_values, streams):
             self._check_newest_units("write_newest", streams, units, map_streams)
         write_rows(streams, units.to(torch.int64), rows, self.state.host_base, self.state.unit_slot,
-                   self.host.rows, self.slots, to_reserved=True, map_streams=map_streams)
+                   self.host.rows, self.slots, to_reserved=True, map_streams=map_streams, pages=self.state.pages)
 
     def write_newest_token(self, streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            unit_tokens: int, map_streams: torch.Tensor | None = None,
@@ -308,7 +381,7 @@ class HierarchicalKVCache:
             self._check_newest_units("write_newest_token", streams.cpu(), units,
                                      None if map_streams is None else map_streams.cpu())
         write_unit_token(streams, pos, keys, values, self.state.host_base, self.state.unit_slot, self.host.rows,
-                         self.slots, unit_tokens, map_streams)
+                         self.slots, unit_tokens, map_streams, pages=self.state.pages)
 
     def replay_plan(self, plan: ResolveResult, streams: torch.Tensor, max_programs: int | None = None,
                     check_values: bool | None = None) -> None:
@@ -340,7 +413,7 @@ class HierarchicalKVCache:
                     raise ValueError(f"replay_plan: row {row} plans slot {int(bad)}, expected "
                                      f"0..{self.cache_slots - 1} (was the plan made by a cache of another size?)")
         fetch_rows(plan.plan_unit, plan.plan_slot, plan.counts, streams, self.state.host_base,
-                   self.host.rows, self.slots, max_programs)
+                   self.host.rows, self.slots, max_programs, pages=self.state.pages)
 
     def advance(self, streams: list[int], n: int = 1) -> None:
         """Record on the host that each stream gets `n` more units (written by `write_newest` or by
@@ -382,6 +455,8 @@ class HierarchicalKVCache:
             if closed:
                 raise ValueError(f"stream {closed[0]} is not open")
             kwargs["stream_len"] = torch.tensor(self.stream_len)     # the values, checked by `resolve`
+            if newest is not None and self.state.pages is not None:  # and none on a shared page
+                self._check_newest_units("resolve newest", streams.cpu(), newest[0].cpu())
         return resolve(self.state, streams, sel, self.host.rows, self.slots, fetch=(mode == "normal"),
                        newest=newest, **kwargs)
 

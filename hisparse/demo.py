@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         valid = sel >= 0
         stream_of = streams[:, None].expand_as(sel)[valid].long()
         got = cache.slots[stream_of.to(device), res.slots.cpu()[valid].long().to(device)].cpu()
-        want = cache.host.rows[cache.state.host_base.cpu()[stream_of] + sel[valid].long()]
+        want = cache.host.rows[cache.host_rows(stream_of, sel[valid])]
         assert torch.equal(got, want), f"step {t}: a slot does not hold its unit's row"
         hits, misses = res.counts.sum(0).tolist()
         print(f"step {t + 1:4d}/{steps}: miss rate {misses / max(1, hits + misses):6.1%}", flush=True)

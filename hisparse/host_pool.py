@@ -1,8 +1,11 @@
 """Host pool: every row of every stream, in host memory (pinned when a GPU is present).
 
-Each stream owns one contiguous region of rows: reading random rows spread over a large pool is
-limited by the number of rows per second, while rows kept close together stream at full PCIe speed
-(DESIGN section 7). Regions are handed out first-fit from a free list and merged back on release.
+Rows are handed out in pages of `page_rows` (P) rows with reference counts (`hisparse.host_pages`):
+a contiguous region (`alloc`, one stream's rows when no page table is used), or pages (`alloc_pages`,
+contiguous where they fit) that streams extending one prefix share (`share`) and give back
+(`release_pages`). Reading random rows spread over a large pool is limited by the number of rows per
+second, while rows kept close together stream at full PCIe speed (DESIGN section 7): hence first-fit
+runs. A page held more than once is shared and read-only: `write` refuses its rows.
 """
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ import operator
 import warnings
 import weakref
 
+import numpy as np
 import torch
+
+from hisparse.host_pages import PageRefs
 
 # cudaHostRegister flags: pinned for every context (portable), and mapped into the device's address
 # space, so kernels read it zero-copy through the host pointer
@@ -59,21 +65,27 @@ def as_int(value, expected: str, minimum: int | None = None) -> int:
 
 
 class HostPool:
-    """`rows` [R, E] of every stream, with first-fit regions. On a GPU the rows are pinned until the
-    pool goes: views of `rows` (and CUDA graphs that read it) must not outlive the pool."""
+    """`rows` [R, E] of every stream, in counted pages of `page_rows` rows (a power of two dividing R).
+    On a GPU the rows are pinned until the pool goes: views of `rows` (and CUDA graphs that read it)
+    must not outlive the pool."""
 
     def __init__(self, capacity_rows: int, row_elems: int, dtype: torch.dtype = torch.bfloat16,
-                 pin: bool | None = None):
+                 pin: bool | None = None, page_rows: int = 1):
         capacity_rows = as_int(capacity_rows, "capacity_rows must be a positive int (host pool rows)", minimum=1)
         row_elems = as_int(row_elems, "row_elems must be a positive int (elements per row)", minimum=1)
+        page_rows = as_int(page_rows, "page_rows must be a positive int (rows a page)", minimum=1)
+        if page_rows & (page_rows - 1) or capacity_rows % page_rows:
+            raise ValueError(f"page_rows={page_rows}: expected a power of two that divides the pool's "
+                             f"{capacity_rows} rows")
         pin = torch.cuda.is_available() if pin is None else pin
         if pin:
             self.rows = pinned_empty(capacity_rows, row_elems, dtype)                      # [R, E]
             self._unpin = weakref.finalize(self, unpin, self.rows)   # when the pool goes, then freed
         else:
             self.rows = torch.empty(capacity_rows, row_elems, dtype=dtype)
-        self._free: list[tuple[int, int]] = [(0, capacity_rows)]   # (start, length), sorted by start
-        self._regions: dict[int, int] = {}                          # start -> length
+        self.page_rows = page_rows
+        self.pages = PageRefs(capacity_rows // page_rows)
+        self._regions: dict[int, int] = {}          # first row -> pages, of each `alloc` region
 
     @property
     def capacity(self) -> int:
@@ -81,59 +93,78 @@ class HostPool:
 
     @property
     def free_rows(self) -> int:
-        return sum(length for _, length in self._free)
+        return self.pages.free * self.page_rows
+
+    def pages_for(self, n_rows: int) -> int:
+        """Pages that hold n_rows rows."""
+        return -(-n_rows // self.page_rows)
 
     @property
     def row_bytes(self) -> int:
         return self.rows.shape[1] * self.rows.element_size()
 
     def alloc(self, n_rows: int) -> int:
-        """Reserve `n_rows` contiguous rows; returns the first row. Nothing changes on failure."""
+        """Reserve `n_rows` contiguous rows (whole pages, first fit, private); returns the first row.
+        Nothing changes on failure."""
         n_rows = as_int(n_rows, "a host region's size must be an int")
         if n_rows <= 0:
             raise ValueError(f"a host region needs at least one row, got {n_rows}")
-        for i, (start, length) in enumerate(self._free):
-            if length >= n_rows:
-                if length == n_rows:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + n_rows, length - n_rows)
-                self._regions[start] = n_rows
-                return start
-        largest = max((length for _, length in self._free), default=0)
-        raise MemoryError(f"host pool cannot fit a region of {n_rows} rows: {self.free_rows} of "
-                          f"{self.capacity} rows are free, the largest free region has {largest}")
+        runs = self.pages.alloc(self.pages_for(n_rows), contiguous=True)
+        if runs is None:
+            raise MemoryError(f"host pool cannot fit a region of {n_rows} rows: {self.free_rows} of "
+                              f"{self.capacity} rows are free, the largest free region has "
+                              f"{self.pages.free_runs.largest * self.page_rows}")
+        (first, pages), = runs
+        self._regions[first * self.page_rows] = pages
+        return first * self.page_rows
 
     def fits(self, sizes: list[int]) -> bool:
-        """Whether regions of these sizes, allocated in this order, would all fit now (first-fit, as
-        `alloc`); nothing changes."""
-        free = list(self._free)
-        for n_rows in sizes:
-            for i, (start, length) in enumerate(free):
-                if length >= n_rows:
-                    free[i] = (start + n_rows, length - n_rows)
-                    break
-            else:
-                return False
-        return True
+        """Whether regions of these sizes (rows), allocated in this order, would all fit now (first
+        fit, as `alloc`); nothing changes."""
+        return self.pages.free_runs.fits_runs(self.pages_for(n) for n in sizes)
 
     def release(self, start: int) -> None:
+        """Give back the region `alloc` returned as `start` (its pages that nothing else holds)."""
         if start not in self._regions:
             raise ValueError(f"no host region starts at row {start}")
-        length = self._regions.pop(start)
-        self._free.append((start, length))
-        self._free.sort()
-        merged = [self._free[0]]
-        for s, n in self._free[1:]:
-            last_s, last_n = merged[-1]
-            if last_s + last_n == s:
-                merged[-1] = (last_s, last_n + n)
-            else:
-                merged.append((s, n))
-        self._free = merged
+        first = start // self.page_rows
+        self.pages.release(np.arange(first, first + self._regions.pop(start)))
+
+    def alloc_pages(self, n: int) -> list[int]:
+        """n private pages (count 1): one contiguous run where one fits, else the lowest free pages.
+        Page p is rows p * page_rows .. (p + 1) * page_rows - 1. Nothing changes on failure."""
+        n = as_int(n, "a number of pages must be an int >= 0", minimum=0)
+        runs = self.pages.alloc(n)
+        if runs is None:
+            raise MemoryError(f"host pool cannot fit {n} pages of {self.page_rows} rows: {self.pages.free} of "
+                              f"{self.pages.pages} pages are free")
+        return [p for first, length in runs for p in range(first, first + length)]
+
+    def share(self, pages: list[int]) -> None:
+        """One more holder of each page (held already): shared, the pages are read-only."""
+        self.pages.share(pages)
+
+    def release_pages(self, pages: list[int]) -> list[int]:
+        """One holder fewer of each page; returns those now free."""
+        return self.pages.release(pages)
+
+    def refcount(self, page: int) -> int:
+        return self.pages.refcount(as_int(page, "a page must be an int"))
+
+    def check_writable(self, first_row: int, n_rows: int) -> None:
+        """ValueError if any of rows first_row .. first_row + n_rows - 1 lies on a shared page."""
+        first, last = first_row // self.page_rows, (first_row + n_rows - 1) // self.page_rows
+        counts = self.pages.count[first:last + 1]
+        if (counts > 1).any():
+            page = first + int((counts > 1).argmax())
+            raise ValueError(f"rows {first_row}..{first_row + n_rows - 1} reach page {page} (rows "
+                             f"{page * self.page_rows}..{(page + 1) * self.page_rows - 1}), held "
+                             f"{int(counts[page - first])} times: a shared page is read-only (a prefix's page "
+                             f"is written once, before it is shared)")
 
     def write(self, first_row: int, values: torch.Tensor) -> None:
-        """Write values [n, E] (any device, the pool's dtype) into rows first_row .. first_row + n - 1."""
+        """Write values [n, E] (any device, the pool's dtype) into rows first_row .. first_row + n - 1,
+        none of them on a shared page."""
         first_row = as_int(first_row, "first_row must be an int (a host pool row)")
         if values.dim() != 2 or values.shape[1] != self.rows.shape[1]:
             raise ValueError(f"rows to write must be [n, {self.rows.shape[1]}], got {tuple(values.shape)}")
@@ -142,6 +173,8 @@ class HostPool:
         if not 0 <= first_row <= self.capacity - values.shape[0]:
             raise ValueError(f"rows {first_row}..{first_row + values.shape[0] - 1} are outside the host "
                              f"pool of {self.capacity} rows")
+        if values.shape[0]:
+            self.check_writable(first_row, values.shape[0])
         self.rows[first_row:first_row + values.shape[0]].copy_(values, non_blocking=values.is_cuda)
 
 

@@ -6,8 +6,13 @@ State of the cache, shared by the kernel and the reference (S streams, B slots, 
   holds without a special case.
 - `lru_unit [S, B]` int32: the unit held by the slot at each position of `lru`, -1 empty. Kept in
   LRU order rather than slot order, so the kernel reads and rewrites it contiguously, beside `lru`.
-- `unit_slot [R]` int32: for each host row, the slot holding its unit, -1 if not cached. Indexed by
-  host row (host_base[stream] + unit), so it is one dense map for all streams: 4 bytes per unit.
+- `unit_slot [V]` int32: for each map row, the slot holding its unit, -1 if not cached. Indexed by
+  map row (host_base[stream] + unit: each stream has a region of V map rows), so it is one dense map
+  for all streams: 4 bytes per unit.
+- `pages` (a `PageTable`, or None): where a map row's bytes are in the host pool. None: map row ==
+  host row (each stream one contiguous region of the pool). Else map row v is host row
+  page_of[v // P] * P + v % P (P rows a page, a power of two), so streams extending one prefix read
+  its pages, shared; only the copies that touch host rows (fetch, the writes) look it up.
 - `stats [S, 2]` int64: cumulative hits and misses per stream.
 - `slot_mark [S, B]`, `epoch [S]` int32: kernel bookkeeping. A slot hit in a call is marked with
   that call's epoch, so the marks never need clearing.
@@ -33,6 +38,51 @@ CAPPED_COPY_TILES = 32
 
 
 @dataclass
+class PageTable:
+    """Map rows -> host rows in pages of `page_rows` (P, a power of two): map row v is host row
+    page_of[v // P] * P + v % P. An identity table is the unpaged layout."""
+    page_of: torch.Tensor     # [V / P] int32 host page of each page of map rows
+    page_rows: int
+
+    def __post_init__(self):
+        _expect(isinstance(self.page_rows, int) and self.page_rows >= 1 and self.page_rows & (self.page_rows - 1) == 0,
+                f"page_rows={self.page_rows!r}: expected a power of two (rows a page)")
+        _expect(self.page_of.dim() == 1 and self.page_of.dtype == torch.int32 and self.page_of.is_contiguous(),
+                f"page_of must be a contiguous int32 [V / P], got {self.page_of.dtype} {tuple(self.page_of.shape)}")
+
+    @classmethod
+    def identity(cls, map_rows: int, page_rows: int, device) -> "PageTable":
+        _expect(map_rows % page_rows == 0, f"{map_rows} map rows are not whole pages of {page_rows} rows")
+        return cls(torch.arange(map_rows // page_rows, dtype=torch.int32, device=device), page_rows)
+
+    @property
+    def shift(self) -> int:
+        return self.page_rows.bit_length() - 1
+
+    def host_rows(self, map_rows: torch.Tensor) -> torch.Tensor:
+        """Host rows of map rows (int64, any shape; torch: for references, tests and notebooks)."""
+        map_rows = map_rows.long()
+        return self.page_of.to(map_rows.device)[map_rows // self.page_rows].long() * self.page_rows \
+            + map_rows % self.page_rows
+
+    def clone(self) -> "PageTable":
+        return PageTable(self.page_of.clone(), self.page_rows)
+
+
+def host_rows_of(pages: "PageTable | None", map_rows: torch.Tensor) -> torch.Tensor:
+    """Host rows of map rows: through `pages`, or the map rows themselves without a table."""
+    return map_rows.long() if pages is None else pages.host_rows(map_rows)
+
+
+def _page_args(pages: "PageTable | None", placeholder: torch.Tensor, device) -> tuple[torch.Tensor, dict]:
+    """The page table's pointer and constexprs for a launch (without a table: a pointer never read)."""
+    if pages is None:
+        return placeholder, dict(PAGED=False, PAGE_SHIFT=0)
+    _expect(pages.page_of.device == device, f"the page table is on {pages.page_of.device}, the cache on {device}")
+    return pages.page_of, dict(PAGED=True, PAGE_SHIFT=pages.shift)
+
+
+@dataclass
 class CacheState:
     """The device-side state one resolve reads and updates (see the module docstring)."""
     lru: torch.Tensor         # [S, B] int32
@@ -42,9 +92,12 @@ class CacheState:
     stats: torch.Tensor       # [S, 2] int64
     slot_mark: torch.Tensor   # [S, B] int32
     epoch: torch.Tensor       # [S] int32
+    pages: PageTable | None = None   # map rows -> host rows (None: the same)
 
     @classmethod
-    def empty(cls, num_streams: int, cache_slots: int, host_rows: int, device) -> "CacheState":
+    def empty(cls, num_streams: int, cache_slots: int, host_rows: int, device,
+              page_rows: int | None = None) -> "CacheState":
+        """`host_rows`: the map rows (V); with `page_rows`, an identity page table over them."""
         return cls(
             lru=torch.arange(cache_slots, dtype=torch.int32, device=device).repeat(num_streams, 1),
             lru_unit=torch.full((num_streams, cache_slots), -1, dtype=torch.int32, device=device),
@@ -53,13 +106,25 @@ class CacheState:
             stats=torch.zeros(num_streams, 2, dtype=torch.int64, device=device),
             slot_mark=torch.zeros(num_streams, cache_slots, dtype=torch.int32, device=device),
             epoch=torch.zeros(num_streams, dtype=torch.int32, device=device),
+            pages=None if page_rows is None else PageTable.identity(host_rows, page_rows, device),
         )
 
     def clone(self) -> "CacheState":
-        return CacheState(**{f.name: getattr(self, f.name).clone() for f in fields(self)})
+        return CacheState(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).clone()
+                             for f in fields(self)})
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the state (the page table's included): what it holds on the device."""
+        values = [getattr(self, f.name) for f in fields(self)]
+        return [v.page_of if isinstance(v, PageTable) else v for v in values if v is not None]
+
+    def equal(self, other: "CacheState") -> bool:
+        """Bit for bit the same state (on any devices)."""
+        mine, theirs = self.tensors(), other.tensors()
+        return len(mine) == len(theirs) and all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(mine, theirs))
 
     def reset_stream(self, stream: int, host_base: int, capacity: int) -> None:
-        """Empty one stream's slots and point it at a host region of `capacity` rows."""
+        """Empty one stream's slots and point it at a region of `capacity` map rows."""
         self.lru[stream] = torch.arange(self.lru.shape[1], dtype=torch.int32, device=self.lru.device)
         self.lru_unit[stream] = -1
         self.unit_slot[host_base:host_base + capacity] = -1
@@ -234,8 +299,13 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     _expect(cache.shape[:2] == (state.lru.shape[0], cache_slots + 1),
             f"cache must be [streams, B+1, E] = [{state.lru.shape[0]}, {cache_slots + 1}, E], "
             f"got {tuple(cache.shape)}")
-    _expect(state.unit_slot.numel() >= host.shape[0], f"the slot map has {state.unit_slot.numel()} entries "
-            f"for a host pool of {host.shape[0]} rows")
+    if state.pages is None:
+        _expect(state.unit_slot.numel() >= host.shape[0], f"the slot map has {state.unit_slot.numel()} entries "
+                f"for a host pool of {host.shape[0]} rows")
+    else:
+        _expect(state.pages.page_of.numel() * state.pages.page_rows == state.unit_slot.numel(),
+                f"the page table covers {state.pages.page_of.numel()} pages of {state.pages.page_rows} rows, the "
+                f"slot map {state.unit_slot.numel()} map rows")
     shapes = ResolveResult.shapes(n, k)
     if out is None:
         out = ResolveResult.empty(n, k, sel.device)
@@ -254,17 +324,20 @@ def resolve(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: t
     new_units, new_rows = newest if newest is not None else (state.host_base, cache_w)
     new_rows = as_words(new_rows.contiguous())
     row_words = host_w.shape[1] if newest is not None else 1     # no kernel per row size without rows
+    # the table only where a host row is written: a kernel per paging only with newest rows
+    page_ptr, paged = _page_args(state.pages if newest is not None else None, state.unit_slot, cache.device)
     _resolve_kernel[(n,)](
         sel, streams, state.host_base, state.lru_unit, state.lru, state.unit_slot, state.slot_mark,
         state.epoch, out.slots, out.plan_unit, out.plan_slot, out.counts, state.stats,
-        new_units.contiguous(), new_rows, host_w, cache_w,
+        new_units.contiguous(), new_rows, host_w, cache_w, page_ptr,
         k, cache_slots, K_PAD=k_pad, B_PAD=b_pad, EVEN=k == k_pad and cache_slots == b_pad,
         PACKED_SCAN=packed_scan, WRITE_NEWEST=newest is not None, ROW_WORDS=row_words,
         BLOCK_W=min(triton.next_power_of_2(row_words), 1024),
-        num_warps=num_warps or (8 if b_pad >= 2048 else 4),
+        num_warps=num_warps or (8 if b_pad >= 2048 else 4), **paged,
     )
     if fetch:
-        fetch_rows(out.plan_unit, out.plan_slot, out.counts, streams, state.host_base, host, cache)
+        fetch_rows(out.plan_unit, out.plan_slot, out.counts, streams, state.host_base, host, cache,
+                   pages=state.pages)
     return out
 
 
@@ -283,8 +356,9 @@ def check_fetch_inputs(plan_unit, plan_slot, counts, streams, host, cache) -> No
 
 
 def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
-               max_programs: int | None = None) -> None:
-    """Copy the planned rows host -> cache: row (host_base[streams[i]] + unit) to slot of streams[i].
+               max_programs: int | None = None, pages: PageTable | None = None) -> None:
+    """Copy the planned rows host -> cache: map row (host_base[streams[i]] + unit), the host row
+    `pages` maps it to (without a table: that row), to slot of streams[i].
 
     Also replays an anchor layer's plan into a shared layer: pass the shared layer's streams.
     max_programs caps the copy's programs (each then loops over several chunks, and below N rows
@@ -306,9 +380,10 @@ def fetch_rows(plan_unit, plan_slot, counts, streams, host_base, host, cache,
         rows_at_once = max(1, min(n, max_programs))
         per_row = max(1, min(per_row, max_programs // rows_at_once))
     grid = (rows_at_once, per_row)
+    page_ptr, paged = _page_args(pages, host_base, cache.device)
     _fetch_rows_kernel[grid](
-        plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, n, k, cache.shape[1],
-        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=num_warps,
+        plan_unit, plan_slot, counts, streams, host_base, host_w, cache_w, page_ptr, n, k, cache.shape[1],
+        ROW_WORDS=row_words, CHUNK=chunk, BLOCK_W=block_w, num_warps=num_warps, **paged,
     )
 
 
@@ -332,12 +407,13 @@ def copy_tile(row_words: int, max_programs: int | None = None) -> tuple[int, int
 
 def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, host_base: torch.Tensor,
                unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor, to_reserved: bool,
-               map_streams: torch.Tensor | None = None) -> None:
+               map_streams: torch.Tensor | None = None, pages: PageTable | None = None) -> None:
     """Store rows [M, E] (device) as unit units[m] of stream streams[m]: into the host pool, into the
     cached copy if the unit is cached, and with `to_reserved` into the stream's reserved slot (at
     most one row per stream then). streams [M] int32 (-1 skips), units [M] int64. No host sync.
     map_streams [M] int32: whose unit -> slot map says where the unit is cached (default: streams;
-    a shared layer, moving in lockstep with its anchor, passes the anchor's streams)."""
+    a shared layer, moving in lockstep with its anchor, passes the anchor's streams). pages: where the
+    map rows are in the host pool (None: map row == host row)."""
     _check_rows(host, cache)
     check_new_rows(streams, units, rows, host)
     map_streams = streams if map_streams is None else map_streams
@@ -345,11 +421,12 @@ def write_rows(streams: torch.Tensor, units: torch.Tensor, rows: torch.Tensor, h
             f"map_streams must be int32 {tuple(streams.shape)}, got {map_streams.dtype} {tuple(map_streams.shape)}")
     rows_w = as_words(rows.contiguous())
     row_words = rows_w.shape[1]
+    page_ptr, paged = _page_args(pages, host_base, cache.device)
     _write_rows_kernel[(rows.shape[0],)](
         rows_w, streams.contiguous(), map_streams.contiguous(), units.contiguous(), host_base, unit_slot,
         as_words(host),
-        as_words(cache), cache.shape[1], ROW_WORDS=row_words,
-        BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved,
+        as_words(cache), page_ptr, cache.shape[1], ROW_WORDS=row_words,
+        BLOCK_W=min(triton.next_power_of_2(row_words), 1024), TO_RESERVED=to_reserved, **paged,
     )
 
 
@@ -374,7 +451,8 @@ def check_unit_token(streams, pos, keys, values, host, cache, unit_tokens: int, 
 
 def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      host_base: torch.Tensor, unit_slot: torch.Tensor, host: torch.Tensor, cache: torch.Tensor,
-                     unit_tokens: int, map_streams: torch.Tensor | None = None) -> None:
+                     unit_tokens: int, map_streams: torch.Tensor | None = None,
+                     pages: PageTable | None = None) -> None:
     """The decode step's write for units of `unit_tokens` tokens (Quest pages, NSA blocks), one launch,
     no host sync: token pos[n]'s keys and values [N, HKV, D] join the newest unit of streams
     [N * HKV] (request-major, -1 skips), a row [2, T, D], in the host pool, the reserved slot and the
@@ -383,13 +461,15 @@ def write_unit_token(streams: torch.Tensor, pos: torch.Tensor, keys: torch.Tenso
     and values must already be in the rows' dtype (unit stride in D) and pos int64: nothing is
     converted on the way. map_streams [N * HKV] int32: whose unit -> slot map places the cached copy
     (default: streams; a shared layer in lockstep with its anchor passes the anchor's streams; -1: no
-    write-through). See `hisparse.resolve_ref.write_unit_token_ref`."""
+    write-through). pages: where the map rows are in the host pool (None: map row == host row). See
+    `hisparse.resolve_ref.write_unit_token_ref`."""
     check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
     map_streams = streams if map_streams is None else map_streams
     n, hkv, d = keys.shape
+    page_ptr, paged = _page_args(pages, host_base, cache.device)
     _write_unit_token_kernel[(n * hkv,)](
         keys, values, streams, map_streams.contiguous(), pos.contiguous(), host_base, unit_slot, host, cache,
-        keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), hkv, cache.shape[1],
+        page_ptr, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), hkv, cache.shape[1],
         D=d, T=unit_tokens, BLOCK=min(triton.next_power_of_2(2 * unit_tokens * d), 1024),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=triton.next_power_of_2(d), **paged,
     )

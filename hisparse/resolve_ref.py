@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.resolve import CacheState, ResolveResult, check_new_rows, check_unit_token
+from hisparse.resolve import CacheState, PageTable, ResolveResult, check_new_rows, check_unit_token, host_rows_of
 
 
 def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, host: torch.Tensor,
                 cache: torch.Tensor, *, fetch: bool = True,
                 newest: tuple[torch.Tensor, torch.Tensor] | None = None) -> ResolveResult:
     """The same resolve, one stream at a time in plain torch and Python, updating `state` in place;
-    `newest` rows are written first, as `write_rows` would (host row, reserved slot, cached copy)."""
+    `newest` rows are written first, as `write_rows` would (host row, reserved slot, cached copy).
+    Map rows (host_base + unit) index the slot map; `state.pages` says which host rows hold them."""
+
+    def host_row(map_row: int) -> int:
+        return int(host_rows_of(state.pages, torch.tensor(map_row)))
+
     if newest is not None:
         check_new_rows(streams, *newest, host)
         for stream, unit, row in zip(streams.tolist(), newest[0].tolist(), newest[1]):
             if stream >= 0:
-                host_row = int(state.host_base[stream]) + unit
-                host[host_row] = row.to(host.device)
-                slot = int(state.unit_slot[host_row])
+                map_row = int(state.host_base[stream]) + unit
+                host[host_row(map_row)] = row.to(host.device)
+                slot = int(state.unit_slot[map_row])
                 for place in [cache[stream, -1]] + ([cache[stream, slot]] if slot >= 0 else []):
                     place.copy_(row)
     n, k = sel.shape
@@ -47,7 +52,7 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
             state.unit_slot[base + unit] = slot
             unit_of[slot] = unit
             if fetch:
-                cache[stream, slot] = host[base + unit].to(cache.device)
+                cache[stream, slot] = host[host_row(base + unit)].to(cache.device)
         slot_of = {**cached, **dict(zip(miss_units, victims))}
         new_order = untouched + victims + [cached[u] for u in hit_units]
         state.lru[stream] = torch.tensor(new_order, dtype=torch.int32)
@@ -64,7 +69,7 @@ def resolve_ref(state: CacheState, streams: torch.Tensor, sel: torch.Tensor, hos
 
 
 def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host, cache, unit_tokens: int,
-                         map_streams=None) -> None:
+                         map_streams=None, pages: PageTable | None = None) -> None:
     """`write_unit_token` in torch, in place."""
     check_unit_token(streams, pos, keys, values, host, cache, unit_tokens, map_streams)
     map_streams = streams if map_streams is None else map_streams
@@ -73,7 +78,7 @@ def write_unit_token_ref(streams, pos, keys, values, host_base, unit_slot, host,
         if stream < 0:
             continue
         req, head, p = m // hkv, m % hkv, int(pos[m // hkv])
-        host_row = int(host_base[stream]) + p // unit_tokens
+        host_row = int(host_rows_of(pages, host_base[stream] + p // unit_tokens))
         map_stream = int(map_streams[m])
         slot = int(unit_slot[int(host_base[map_stream]) + p // unit_tokens]) if map_stream >= 0 else -1
         places = [host[host_row], cache[stream, -1]] + ([cache[stream, slot]] if slot >= 0 else [])

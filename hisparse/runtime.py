@@ -209,7 +209,7 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
 
 def cache_bytes(cache: HierarchicalKVCache | None) -> int:
     """GPU bytes of a cache: the hot slots (and run-only streams) plus the LRU state and unit -> slot maps."""
-    return 0 if cache is None else nbytes(cache.gpu_rows, *vars(cache.state).values())
+    return 0 if cache is None else nbytes(cache.gpu_rows, *cache.state.tensors())
 
 
 def open_unit_streams(cache: HierarchicalKVCache, units: torch.Tensor, capacity_units: int) -> list[int]:

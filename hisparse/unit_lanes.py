@@ -145,7 +145,7 @@ def demote_unit_runs(cache: HierarchicalKVCache, layers: list, lane: int, units:
     if len(runs) != len(hier) * heads:
         raise ValueError(f"demoting lane {lane}: {len(runs)} runs, expected one per hierarchical layer and KV "
                          f"head ({len(hier)} x {heads})")
-    if not cache.host.fits([region] * len(runs)):
+    if not cache.fits([region] * len(runs)):
         raise ValueError(f"demoting lane {lane} needs {len(runs)} host regions of {region} units; the host "
                          f"pool has {cache.host.free_rows} rows free")
     for j, kv in enumerate(hier):

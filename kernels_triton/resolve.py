@@ -45,6 +45,17 @@ def _free_slot_ranks(m_free, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _host_row(page_ptr, v, PAGED: tl.constexpr, PAGE_SHIFT: tl.constexpr):
+    """The host row of map row(s) `v` (int64, every one inside the page table: callers pass masked-off
+    lanes as a row of their stream): through the page table with PAGED, else `v` itself."""
+    if PAGED:
+        page = tl.load(page_ptr + (v >> PAGE_SHIFT)).to(tl.int64)
+        return (page << PAGE_SHIFT) | (v & ((1 << PAGE_SHIFT) - 1))
+    else:
+        return v
+
+
+@triton.jit
 def _put_row(src, p_host, p_cached, p_reserved, slot, ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr,
              TO_RESERVED: tl.constexpr):
     """Store the row at `src` (ROW_WORDS words, on the device) into the host pool row `p_host`, the
@@ -83,10 +94,12 @@ def _resolve_kernel(
     new_row_ptr,     # [N, ROW_WORDS] the newest rows, on the device (WRITE_NEWEST)
     host_ptr,        # [R, ROW_WORDS] host pool rows (WRITE_NEWEST)
     cache_ptr,       # [S, B + 1, ROW_WORDS] device cache rows, slot B the reserved one (WRITE_NEWEST)
+    page_ptr,        # [V / 2**PAGE_SHIFT] int32 host page of each page of map rows (PAGED)
     K, B,
     K_PAD: tl.constexpr, B_PAD: tl.constexpr, EVEN: tl.constexpr = False,
     PACKED_SCAN: tl.constexpr = False,
     WRITE_NEWEST: tl.constexpr = False, ROW_WORDS: tl.constexpr = 1, BLOCK_W: tl.constexpr = 1,
+    PAGED: tl.constexpr = False, PAGE_SHIFT: tl.constexpr = 0,
 ):
     # The time is the warps' instruction chains (one program per stream), and every vector element
     # costs instructions in each warp: so no per-element mask for padded rows (they branch off) nor,
@@ -194,7 +207,8 @@ def _resolve_kernel(
             # a slot this call took from the newest unit gets its row too, as it would have before the
             # call: a fetch then overwrites it (noio leaves it)
             first_slot = i_s * (B + 1)                                    # int64 offsets throughout
-            _put_row(new_row_ptr + i_n * ROW_WORDS, host_ptr + (host_base + new_unit) * ROW_WORDS,
+            new_host_row = _host_row(page_ptr, host_base + new_unit, PAGED, PAGE_SHIFT)
+            _put_row(new_row_ptr + i_n * ROW_WORDS, host_ptr + new_host_row * ROW_WORDS,
                      cache_ptr + (first_slot + tl.maximum(new_slot, 0)) * ROW_WORDS,
                      cache_ptr + (first_slot + B) * ROW_WORDS, new_slot, ROW_WORDS, BLOCK_W, True)
 
@@ -211,8 +225,10 @@ def _fetch_rows_kernel(
     host_base_ptr,   # [S] int64 host row of unit 0 of each stream
     host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows
+    page_ptr,        # [V / 2**PAGE_SHIFT] int32 host page of each page of map rows (PAGED)
     N, K, SLOTS,
     ROW_WORDS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE_SHIFT: tl.constexpr = 0,
 ):
     # grid (G, P): program (g, c) copies chunks c, c + P, c + 2P, ... of the plans of rows g, g + G,
     # g + 2G, ... (G = N but for a capped copy, whose programs then take several rows each)
@@ -229,7 +245,8 @@ def _fetch_rows_kernel(
             m_m = o_m < n_plan
             b_unit = tl.load(plan_unit_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
             b_slot = tl.load(plan_slot_ptr + i_n * K + o_m, mask=m_m, other=0).to(tl.int64)
-            src = (tl.load(host_base_ptr + i_s) + b_unit) * ROW_WORDS                  # [CHUNK]
+            b_map_row = tl.load(host_base_ptr + i_s) + b_unit                          # [CHUNK]
+            src = _host_row(page_ptr, b_map_row, PAGED, PAGE_SHIFT) * ROW_WORDS    # [CHUNK]
             dst = (i_s * SLOTS + b_slot) * ROW_WORDS                                   # [CHUNK]
             for w in tl.static_range(0, ROW_WORDS, BLOCK_W):
                 o_w = w + tl.arange(0, BLOCK_W)
@@ -248,15 +265,17 @@ def _write_rows_kernel(
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
     host_ptr,        # [R, ROW_WORDS] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, ROW_WORDS] device cache rows; slot SLOTS - 1 is the reserved one
+    page_ptr,        # [V / 2**PAGE_SHIFT] int32 host page of each page of map rows (PAGED)
     SLOTS,
     ROW_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, TO_RESERVED: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE_SHIFT: tl.constexpr = 0,
 ):
     i_m = tl.program_id(0).to(tl.int64)
     stream = tl.load(stream_ptr + i_m)
     if stream >= 0:
         i_s = stream.to(tl.int64)
         unit = tl.load(unit_ptr + i_m).to(tl.int64)
-        host_row = tl.load(host_base_ptr + i_s) + unit
+        host_row = _host_row(page_ptr, tl.load(host_base_ptr + i_s) + unit, PAGED, PAGE_SHIFT)
         map_stream = tl.load(map_stream_ptr + i_m)          # -1: no write-through
         map_base = tl.load(host_base_ptr + tl.maximum(map_stream, 0).to(tl.int64))
         slot = tl.load(unit_slot_ptr + map_base + unit, mask=map_stream >= 0, other=-1)
@@ -278,8 +297,10 @@ def _write_unit_token_kernel(
     unit_slot_ptr,   # [R] int32 slot of each host row's unit if cached, else -1
     host_ptr,        # [R, 2 * T * D] host pool rows (pinned host memory on a GPU machine)
     cache_ptr,       # [S, SLOTS, 2 * T * D] device cache rows; slot SLOTS - 1 is the reserved one
+    page_ptr,        # [V / 2**PAGE_SHIFT] int32 host page of each page of map rows (PAGED)
     stride_kn, stride_kh, stride_vn, stride_vh, HKV, SLOTS,
     D: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE_SHIFT: tl.constexpr = 0,
 ):
     """Add one token to the newest unit of T tokens of each stream, in its three places.
 
@@ -301,7 +322,7 @@ def _write_unit_token_kernel(
         i_n, i_h = i_m // HKV, i_m % HKV
         pos = tl.load(pos_ptr + i_n)
         offset = pos % T
-        host_row = tl.load(host_base_ptr + i_s) + pos // T
+        host_row = _host_row(page_ptr, tl.load(host_base_ptr + i_s) + pos // T, PAGED, PAGE_SHIFT)
         map_stream = tl.load(map_stream_ptr + i_m)
         map_base = tl.load(host_base_ptr + tl.maximum(map_stream, 0).to(tl.int64))
         slot = tl.load(unit_slot_ptr + map_base + pos // T, mask=map_stream >= 0, other=-1)

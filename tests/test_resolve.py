@@ -14,14 +14,21 @@ from hisparse.resolve import CacheState, ResolveResult, fetch_rows, resolve
 POISON = -7
 
 
-def make_pair(num_streams, cache_slots, row_elems, dtype, device, lengths, seed):
-    """Two caches with identical streams and host rows: one for the kernel, one for the reference."""
+def make_pair(num_streams, cache_slots, row_elems, dtype, device, lengths, seed, page_rows=None):
+    """Two caches with identical streams and host rows: one for the kernel, one for the reference.
+    With page_rows, host rows by pages: every other page held elsewhere, so each stream's pages are
+    scattered (its host rows are not its map rows)."""
     gen = torch.Generator().manual_seed(seed)
-    caches = [HierarchicalKVCache(num_streams, cache_slots, host_rows=sum(lengths) + 64,
-                                  row_elems=row_elems, dtype=dtype, device=device) for _ in range(2)]
+    p = page_rows or 1
+    host_rows = 2 * sum(-(-(n + 8) // p) * p for n in lengths) + 64 * p
+    caches = [HierarchicalKVCache(num_streams, cache_slots, host_rows=host_rows, row_elems=row_elems, dtype=dtype,
+                                  device=device, page_rows=page_rows) for _ in range(2)]
     data = [torch.randn(n, row_elems, generator=gen).to(dtype) for n in lengths]
     for cache in caches:
         cache.slots.fill_(float("nan") if dtype.is_floating_point else POISON)
+        if page_rows:
+            held = cache.host.alloc_pages(host_rows // p)
+            cache.host.release_pages(held[1::2])
         for rows in data:
             cache.append(cache.open_stream(capacity=len(rows) + 8), rows.to(device))
     return caches
@@ -75,25 +82,29 @@ def assert_slots_hold_units(cache: HierarchicalKVCache, streams, sel, slots):
             assert not valid.any() and (slots[row] == -1).all()
             continue
         assert torch.equal(slots[row][~valid].cpu(), torch.full_like(slots[row][~valid].cpu(), -1))
-        base = int(cache.state.host_base[s])
-        want = cache.host.rows[base + sel[row][valid].long().cpu()]
+        want = cache.host.rows[cache.host_rows(torch.tensor(s), sel[row][valid])]
         got = cache.slots[s, slots[row][valid].long()].cpu()
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 CASES = [
-    pytest.param(3, 8, 8, 5, torch.float16, 40, id="S3-k8-B8-E5fp16"),       # B == k, 10-byte rows
-    pytest.param(4, 8, 13, 27, torch.float32, 60, id="S4-k8-B13-E27fp32"),   # odd B and row size
-    pytest.param(5, 16, 32, 12, torch.float16, 40, id="S5-k16-B32-E12fp16"),
-    pytest.param(2, 5, 11, 3, torch.float32, 60, id="S2-k5-B11-E3fp32"),     # k, B not powers of 2
+    pytest.param(3, 8, 8, 5, torch.float16, 40, None, id="S3-k8-B8-E5fp16"),       # B == k, 10-byte rows
+    pytest.param(4, 8, 13, 27, torch.float32, 60, None, id="S4-k8-B13-E27fp32"),   # odd B and row size
+    pytest.param(5, 16, 32, 12, torch.float16, 40, None, id="S5-k16-B32-E12fp16"),
+    pytest.param(2, 5, 11, 3, torch.float32, 60, None, id="S2-k5-B11-E3fp32"),     # k, B not powers of 2
+    pytest.param(4, 8, 13, 27, torch.float32, 30, 4, id="S4-k8-B13-E27fp32-P4"),   # host rows by scattered pages
+    pytest.param(3, 8, 8, 5, torch.float16, 20, 1, id="S3-k8-B8-E5fp16-P1"),
 ]
 
 
-@pytest.mark.parametrize("num_streams,k,cache_slots,row_elems,dtype,steps", CASES)
-def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype, steps, device):
+@pytest.mark.parametrize("num_streams,k,cache_slots,row_elems,dtype,steps,page_rows", CASES)
+def test_kernel_matches_reference(num_streams, k, cache_slots, row_elems, dtype, steps, page_rows, device):
     gen = torch.Generator().manual_seed(1000 + k * cache_slots)
     lengths = [int(x) for x in torch.randint(k, 4 * cache_slots, (num_streams,), generator=gen)]
-    kern, ref = make_pair(num_streams, cache_slots, row_elems, dtype, device, lengths, seed=k)
+    kern, ref = make_pair(num_streams, cache_slots, row_elems, dtype, device, lengths, seed=k, page_rows=page_rows)
+    if page_rows:                      # the table is not the identity: the copies must read through it
+        assert not torch.equal(kern.host_rows(torch.tensor(0), torch.arange(lengths[0])), kern.stream_base[0] +
+                               torch.arange(lengths[0]))
     sel = None
     for step in range(steps):
         sel = next_selection(sel, lengths, k, gen)
@@ -422,7 +433,7 @@ def test_device_writes_check_their_values_and_change_nothing_when_refused(device
             call()
     assert torch.equal(host.view(torch.int32), cache.host.rows.view(torch.int32))
     assert torch.equal(slots.view(torch.int32), cache.slots.view(torch.int32))
-    assert all(torch.equal(a, b) for a, b in zip(state.__dict__.values(), cache.state.__dict__.values()))
+    assert state.equal(cache.state)
     with pytest.raises(ValueError, match=r"stream_len must be \[S\]=\[3\] \(one length a stream\), got shape \(1,\)"):
         resolve(cache.state, _i32([0], device), _i32([[1, 2]], device), cache.host.rows, cache.slots,
                 stream_len=torch.tensor([20]))

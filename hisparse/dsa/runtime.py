@@ -312,7 +312,7 @@ class DsaRuntime:
         host_rows = max(1, streams * capacity)
         state = CacheState.empty(streams, cache_slots, host_rows, "meta")
         rows = (streams + self.hybrid_run_streams(resident, capacity, cache_slots)) * (cache_slots + 1)
-        return index + rows * self.row_bytes + nbytes(*vars(state).values())
+        return index + rows * self.row_bytes + nbytes(*state.tensors())
 
     def hybrid_placement(self, batch: int, capacity: int, cache_slots: int, kv_budget: int,
                          host_rows: int | None = None) -> int | None:
@@ -410,7 +410,7 @@ class DsaRuntime:
         whose rows are read before anything is written there); the lane reads through its streams
         from the next step, their caches empty. ValueError, before anything changes, when the host
         pool cannot hold the regions."""
-        if not cache.host.fits([host_tokens] * len(layers)):
+        if not cache.fits([host_tokens] * len(layers)):
             raise ValueError(f"demoting lane {lane} needs {len(layers)} host regions of {host_tokens} rows; "
                              f"the host pool has {cache.host.free_rows} rows free")
         pool = cache.gpu_rows

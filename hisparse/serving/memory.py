@@ -198,7 +198,7 @@ class LaneMemory:
             return True
         if self.hybrid:
             return self.plan(request, lane_request) is not None
-        return self.cache.host.fits(self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens))
+        return self.cache.fits(self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens))
 
     def release(self, lane: int, streams: list[int]) -> None:
         """A lane's request left: its streams closed and (hybrid) its runs given back."""
@@ -244,7 +244,7 @@ class LaneMemory:
             trial = set(taken)
             if (work == 0 or lowest_runs(trial, cache.max_streams, work, count) is not None) \
                     and cache.max_streams - len(trial) >= self.streams_per_request:
-                if cache.host.fits(sizes + regions):
+                if cache.fits(sizes + regions):
                     return "hierarchical", demoted
                 break                           # more demotions would need more host rows still
         self._no_plan = key
