@@ -44,12 +44,14 @@ class Running:
     """A Service served on 127.0.0.1 (a free port) by an event loop in a thread of its own, as the
     command serves it."""
 
-    def __init__(self, server: Server, shutdown_timeout: float = 5.0, workload: ReplayWorkload | None = None):
+    def __init__(self, server: Server, shutdown_timeout: float = 5.0, workload: ReplayWorkload | None = None,
+                 tokenizer=None):
         self.server = server
         self.worker = ServerThread(server, workload)
         self.worker.start()
         self.service = Service(self.worker, describe(server, "tiny", 0.05, None,
-                                                        "model" if workload is None else workload.name))
+                                                        "model" if workload is None else workload.name, tokenizer),
+                               tokenizer)
         self.final = None
         ready = threading.Event()
 
@@ -182,7 +184,8 @@ BAD = [  # (body, param, words the message must hold)
     (b'{"prompt": [1, 2', None, "not valid JSON"),
     (b"[1, 2]", None, "JSON object"),
     ({"max_tokens": 2}, "prompt", "missing prompt"),
-    ({"prompt": "hello"}, "prompt", "token ids"),
+    ({"prompt": "hello"}, "prompt", "no tokenizer"),
+    ({"prompt": ["hello", "you"]}, "prompt", "text prompts cannot be read"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [1, 2.5]}, "prompt", "2.5"),
     ({"prompt": [1, True]}, "prompt", "True"),
@@ -429,7 +432,7 @@ def test_the_load_client_holds_max_concurrency_and_sends_at_the_arrivals(monkeyp
     arrival, each with its own output length; without one, all at once."""
     out, most, sent = 0, [0], {}
 
-    async def fake(session, url, prompt, max_tokens):
+    async def fake(session, url, prompt, max_tokens, chat=False):
         nonlocal out
         out += 1
         most[0] = max(most[0], out)
