@@ -337,3 +337,19 @@ def test_the_load_client_sends_text_and_chat(texty, tmp_path):
     assert list(rows.drop_duplicates("prompt_format").prompt_format) == ["text", "chat"]
     value = rows[rows.metric == "output_tokens"].value.tolist()
     assert value == [6, 6] and set(rows[rows.metric == "failed_requests"].value) == {0}
+
+
+def test_the_command_refuses_a_tokenizer_it_cannot_use(checkpoint, tmp_path, capsys):
+    """Before serving: --tokenizer at a folder without one, an unreadable tokenizer, and one whose
+    ids pass the model's vocabulary (the 512-id tokenizer beside a 97-id model)."""
+    from hisparse.serve.__main__ import main as serve_main
+    bare = str(write_tiny_checkpoint(FAMILY, tmp_path / "bare", num_hidden_layers=2))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{")
+    base = ["--model", bare, "--prefill", "reference", "--port", "0"]
+    for argv, words in ((["--tokenizer", bare], "--tokenizer: no tokenizer"),
+                        (["--tokenizer", str(tmp_path / "broken")], "cannot be read"),
+                        (["--tokenizer", str(checkpoint)], "has 512 ids, over the model's vocabulary of 97")):
+        assert serve_main(base + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
