@@ -156,6 +156,26 @@ def test_the_openai_client_chats_streamed_and_not_alike(texty, tokenizer):
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == n
 
 
+def test_the_settings_reach_the_request(texty):
+    """Every sampling setting of a body is the request's SamplingParams (the sampler's input)."""
+    body = {"temperature": 0.5, "top_p": 0.8, "top_k": 3, "min_p": 0.1, "seed": 9, "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "logit_bias": {"5": 1.5}, "logprobs": 2, "stop_token_ids": [7],
+            "ignore_eos": True, "min_tokens": 1}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            done = await answer(s, "POST", f"{texty.url}/v1/completions", json=dict(body, prompt="x", max_tokens=1))
+            chat = await answer(s, "POST", f"{texty.url}/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "top_k": -1,
+                                      "logprobs": True, "top_logprobs": 4, "seed": 1})
+            return done, chat
+    (status, _, _), (chat_status, _, _) = run(go())
+    assert status == chat_status == 200
+    completion, chat = texty.server.requests[-2:]
+    assert completion.sampling == SamplingParams(**dict(body, logit_bias={5: 1.5}, stop_token_ids=(7,)))
+    assert chat.sampling == SamplingParams(top_k=0, logprobs=4, seed=1)
+
+
 def test_a_chat_without_max_tokens_fills_the_context(texty, tokenizer):
     async def go():
         async with aiohttp.ClientSession() as s:
