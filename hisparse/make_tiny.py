@@ -1,5 +1,5 @@
 """Write a small random checkpoint of one family, with a tokenizer and chat template (a byte-level BPE
-learnt from the package's sources, its vocabulary the model's): `python -m hisparse.make_tiny
+learnt from a fixed text, its vocabulary the model's): `python -m hisparse.make_tiny
 --family F --out DIR` (--no-tokenizer: token ids only, the 97-id vocabulary)."""
 import argparse
 from pathlib import Path

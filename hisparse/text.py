@@ -9,8 +9,8 @@
   be; a stop counts only once the request has `min_tokens` tokens.
 - `TextStream`: both for one request: per token, the text a client may be sent now and whether a
   stop string ended the request; the pieces of a stream join into the text a non-streamed answer has.
-- `train_tiny_tokenizer(folder, vocab)`: the byte-level BPE and chat template `python -m
-  hisparse.make_tiny` writes beside a tiny checkpoint's weights.
+- `train_tiny_tokenizer(folder, vocab)`: the byte-level BPE (learnt from a fixed text) and chat
+  template `python -m hisparse.make_tiny` writes beside a tiny checkpoint's weights.
 
 Encoding and decoding go through the fast tokenizer's Rust core (`tokenizers.Tokenizer`), which never
 changes state on a call, so the HTTP worker threads encode while the server thread decodes.
@@ -191,10 +191,10 @@ class TextStream:
 # -- the tiny checkpoints' tokenizer -----------------------------------------------------------
 
 def training_text() -> list[str]:
-    """The text the tiny tokenizer learns from: the hisparse package's own sources, in path order
-    (present wherever the package is; the same at a given commit)."""
-    root = Path(__file__).parent
-    return [path.read_text(encoding="utf-8") for path in sorted(root.rglob("*.py"))]
+    """The text the tiny tokenizer learns from: a fixed copy of DESIGN.md's first sections
+    (`hisparse.models.tiny_corpus`), so it is the same tokenizer at every commit."""
+    from hisparse.models.tiny_corpus import CORPUS
+    return [CORPUS]
 
 
 def train_tiny_tokenizer(folder: str | Path, vocab: int) -> int:

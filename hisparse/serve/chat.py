@@ -13,12 +13,12 @@ from hisparse.serve.protocol import (
     BadRequest,
     Completions,
     Generation,
-    _boolean,
     _is_int,
-    _max_tokens,
-    _short,
+    boolean,
     check_fields,
     parse_common,
+    short,
+    token_count,
     token_text,
     usage,
 )
@@ -37,13 +37,13 @@ def parse_chat(body, vocab_size: int, model: str, max_context: int, tokenizer: T
         raise BadRequest(f"chat completions need a chat template: {why}; send prompts to POST /v1/completions",
                          "messages")
     messages = _messages(body)
-    max_tokens = _max_tokens(body, "max_completion_tokens", None)
-    max_tokens = max_tokens if max_tokens is not None else _max_tokens(body, "max_tokens", None)
+    max_tokens = token_count(body, "max_completion_tokens", None)
+    max_tokens = max_tokens if max_tokens is not None else token_count(body, "max_tokens", None)
     logprobs = None
-    if _boolean(body, "logprobs"):
+    if boolean(body, "logprobs"):
         logprobs = body.get("top_logprobs", 0)
         if not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
-            raise BadRequest(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {_short(logprobs)}",
+            raise BadRequest(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {short(logprobs)}",
                              "top_logprobs")
     elif body.get("top_logprobs") is not None:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -64,27 +64,27 @@ def _messages(body: dict) -> list[dict]:
     """`messages` as the chat template takes them: role, content as a string (text parts joined), name."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest(f"messages must be a non-empty list of messages, got {_short(messages)}", "messages")
+        raise BadRequest(f"messages must be a non-empty list of messages, got {short(messages)}", "messages")
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise BadRequest(f"{where} must be an object with role and content, got {_short(message)}", "messages")
+            raise BadRequest(f"{where} must be an object with role and content, got {short(message)}", "messages")
         extra = sorted(k for k, v in message.items() if k not in MESSAGE_KEYS and v is not None)
         if extra:
             raise BadRequest(f"{where}.{extra[0]} is not supported: a message has role, content and name only",
                              "messages")
         if not isinstance(message.get("role"), str):
-            raise BadRequest(f"{where}.role must be a string, got {_short(message.get('role'))}", "messages")
+            raise BadRequest(f"{where}.role must be a string, got {short(message.get('role'))}", "messages")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise BadRequest(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are read, "
-                                 f"got {_short(content)}", "messages")
+                                 f"got {short(content)}", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise BadRequest(f"{where}.content must be a string or a list of text parts, got {_short(content)}",
+            raise BadRequest(f"{where}.content must be a string or a list of text parts, got {short(content)}",
                              "messages")
         out.append({key: value for key, value in (("role", message["role"]), ("content", content),
                                                   ("name", message.get("name"))) if value is not None})

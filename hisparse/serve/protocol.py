@@ -59,19 +59,19 @@ def check_fields(body, known: set, endpoint: str, model: str) -> dict:
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     for key in body:
         if key not in known:
-            raise BadRequest(f"unsupported parameter {_short(key)}: {endpoint} takes {', '.join(sorted(known))}", key)
+            raise BadRequest(f"unsupported parameter {short(key)}: {endpoint} takes {', '.join(sorted(known))}", key)
     body = {key: value for key, value in body.items() if value is not None}
     if "model" in body:
         if not isinstance(body["model"], str):
             raise BadRequest(f"model must be a string (the id GET /v1/models gives, {model!r}), got "
-                             f"{_short(body['model'])}", "model")
+                             f"{short(body['model'])}", "model")
         if body["model"] != model:
-            raise BadRequest(f"the model {_short(body['model'])} does not exist: this server serves {model!r}",
+            raise BadRequest(f"the model {short(body['model'])} does not exist: this server serves {model!r}",
                              "model", 404, "model_not_found")
     if "user" in body and not isinstance(body["user"], str):
-        raise BadRequest(f"user must be a string, null or absent, got {_short(body['user'])}", "user")
+        raise BadRequest(f"user must be a string, null or absent, got {short(body['user'])}", "user")
     if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-        raise BadRequest(f"n={_short(body['n'])} is not supported: one choice per prompt (n 1, null or absent); send "
+        raise BadRequest(f"n={short(body['n'])} is not supported: one choice per prompt (n 1, null or absent); send "
                          f"the request again (another seed) for another", "n")
     return body
 
@@ -82,12 +82,12 @@ def parse_completion(body, vocab_size: int, model: str, max_context: int | None 
     max_context: a prompt that cannot fit it with max_tokens is refused before its ids are read."""
     body = check_fields(body, COMPLETION_FIELDS, "/v1/completions", model)
     if body.get("best_of", 1) != 1 or isinstance(body.get("best_of"), bool):
-        raise BadRequest(f"best_of={_short(body['best_of'])} is not supported: one choice per prompt (best_of 1, "
+        raise BadRequest(f"best_of={short(body['best_of'])} is not supported: one choice per prompt (best_of 1, "
                          f"null or absent)", "best_of")
     if body.get("suffix", "") != "":
         raise BadRequest("suffix is not supported (no insertion): an empty string, null or absent", "suffix")
-    max_tokens = _max_tokens(body, "max_tokens", DEFAULT_MAX_TOKENS)
-    echo = _boolean(body, "echo")
+    max_tokens = token_count(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    echo = boolean(body, "echo")
     if echo and tokenizer is None:
         raise BadRequest(f"echo needs the prompt as text: {NO_TOKENIZER}", "echo")
     if echo and body.get("logprobs") is not None:
@@ -104,23 +104,23 @@ def parse_completion(body, vocab_size: int, model: str, max_context: int | None 
 def parse_common(body: dict, vocab_size: int, tokenizer: Tokenizer | None, logprobs, max_tokens: int) -> Generation:
     """The fields both endpoints take: stream, stream_options, return_token_ids, stop and the
     sampling settings (SamplingParams.check's ValueError becomes a 400 naming its field)."""
-    stream = _boolean(body, "stream")
+    stream = boolean(body, "stream")
     include_usage = False
     if body.get("stream_options") is not None:
         options = body["stream_options"]
         if not stream:
             raise BadRequest("stream_options applies to stream: true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest(f"stream_options must be an object with at most include_usage, got {_short(options)}",
+            raise BadRequest(f"stream_options must be an object with at most include_usage, got {short(options)}",
                              "stream_options")
-        include_usage = _boolean(options, "include_usage", "stream_options.include_usage")
+        include_usage = boolean(options, "include_usage", "stream_options.include_usage")
     stop = _stop(body, tokenizer)
     settings = {key: body[key] for key in SAMPLING if key in body}
     if settings.get("top_k") == -1:
         settings["top_k"] = 0                      # vLLM's "every token"
     if "stop_token_ids" in body:
         if not isinstance(body["stop_token_ids"], list):
-            raise BadRequest(f"stop_token_ids must be a list of token ids, got {_short(body['stop_token_ids'])}",
+            raise BadRequest(f"stop_token_ids must be a list of token ids, got {short(body['stop_token_ids'])}",
                              "stop_token_ids")
         settings["stop_token_ids"] = tuple(body["stop_token_ids"])
     if "logit_bias" in body:
@@ -131,7 +131,7 @@ def parse_common(body: dict, vocab_size: int, tokenizer: Tokenizer | None, logpr
         field = re.match(r"[a-z_]+", str(exc))
         raise BadRequest(str(exc), field.group(0) if field else None) from None
     return Generation([], max_tokens, sampling, stop, stream, include_usage,
-                      tokenizer is None or _boolean(body, "return_token_ids"))
+                      tokenizer is None or boolean(body, "return_token_ids"))
 
 
 def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context: int | None = None,
@@ -149,7 +149,7 @@ def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context:
                          f"so text prompts cannot be read", "prompt")
     if not isinstance(prompt, (list, str)) or not prompt:
         raise BadRequest(f"prompt must be a non-empty string or list (of token ids, strings or lists of ids), got "
-                         f"{_short(prompt)}", "prompt")
+                         f"{short(prompt)}", "prompt")
     prompts = [prompt] if isinstance(prompt, str) or not isinstance(prompt[0], (list, str)) else prompt
     if len(prompts) > MAX_PROMPTS:
         raise BadRequest(f"prompt holds {len(prompts)} prompts: at most {MAX_PROMPTS} prompts a request (send "
@@ -159,14 +159,14 @@ def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context:
         where = f"prompt {i}" if len(prompts) > 1 else "prompt"
         if texts:
             if not isinstance(item, str):
-                raise BadRequest(f"{where} is {_short(item)}: a list of strings holds strings only", "prompt")
+                raise BadRequest(f"{where} is {short(item)}: a list of strings holds strings only", "prompt")
             ids = tokenizer.encode(item)
             if not ids:
                 raise BadRequest(f"{where} is empty: its text gives no tokens", "prompt")
         else:
             ids = item
             if not isinstance(ids, list) or not ids:
-                raise BadRequest(f"{where} must be a non-empty list of token ids, got {_short(ids)}", "prompt")
+                raise BadRequest(f"{where} must be a non-empty list of token ids, got {short(ids)}", "prompt")
         if max_context is not None and len(ids) + max_tokens > max_context:
             raise BadRequest(f"{where} cannot be served: a prompt of {len(ids)} tokens plus {max_tokens} new ones "
                              f"needs {len(ids) + max_tokens} tokens, over the server's max_context={max_context}",
@@ -181,7 +181,7 @@ def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context:
 def _check_ids(ids: list, where: str, vocab_size: int) -> None:
     for j, token in enumerate(ids):
         if not _is_int(token):
-            raise BadRequest(f"{where}: element {j} is {_short(token)}, expected an integer token id", "prompt")
+            raise BadRequest(f"{where}: element {j} is {short(token)}, expected an integer token id", "prompt")
         if not 0 <= token < vocab_size:
             raise BadRequest(f"{where}: token id {token} (element {j}) is outside the vocabulary: expected "
                              f"0 <= id < {vocab_size}", "prompt")
@@ -191,7 +191,7 @@ def _stop(body: dict, tokenizer: Tokenizer | None) -> tuple[str, ...]:
     stop = body.get("stop", [])
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise BadRequest(f"stop must be a string or a list of strings, got {_short(stop)}", "stop")
+        raise BadRequest(f"stop must be a string or a list of strings, got {short(stop)}", "stop")
     stops = [s for s in stops if s != ""] if isinstance(stop, str) else stops
     if len(stops) > MAX_STOPS or "" in stops:
         raise BadRequest(f"stop holds {len(stops)} strings{' (an empty one)' if '' in stops else ''}: expected at "
@@ -204,35 +204,37 @@ def _stop(body: dict, tokenizer: Tokenizer | None) -> tuple[str, ...]:
 
 def _logit_bias(value) -> dict[int, float]:
     if not isinstance(value, dict):
-        raise BadRequest(f"logit_bias must be an object of token id (a string) to a bias, got {_short(value)}",
+        raise BadRequest(f"logit_bias must be an object of token id (a string) to a bias, got {short(value)}",
                          "logit_bias")
     out = {}
     for key, bias in value.items():
         if not re.fullmatch(r"\d{1,18}", key):
-            raise BadRequest(f"logit_bias: key {_short(key)} is not a token id (digits)", "logit_bias")
+            raise BadRequest(f"logit_bias: key {short(key)} is not a token id (digits)", "logit_bias")
         out[int(key)] = bias
     return out
 
 
-def _max_tokens(body: dict, key: str, default: int | None) -> int | None:
+def token_count(body: dict, key: str, default: int | None) -> int | None:
+    """body[key], a number of tokens >= 1, or `default` where it is absent."""
     value = body.get(key)
     if value is None:
         return default
     if not _is_int(value) or value < 1:
-        raise BadRequest(f"{key} must be an integer >= 1, got {_short(value)}", key)
+        raise BadRequest(f"{key} must be an integer >= 1, got {short(value)}", key)
     return value
 
 
-def _boolean(body: dict, key: str, name: str | None = None) -> bool:
+def boolean(body: dict, key: str, name: str | None = None) -> bool:
+    """body[key], true or false (false where absent); `name` is the field's name in the 400."""
     value = body.get(key)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise BadRequest(f"{name or key} must be true or false, got {_short(value)}", name or key)
+        raise BadRequest(f"{name or key} must be true or false, got {short(value)}", name or key)
     return value
 
 
-def _short(value, limit: int = 80) -> str:
+def short(value, limit: int = 80) -> str:
     """repr(value), cut to `limit` characters (a bad field may be megabytes)."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 4] + " ..."
