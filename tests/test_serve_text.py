@@ -104,7 +104,7 @@ SETTINGS = [dict(), dict(temperature=0.8, top_p=0.9, seed=11), dict(temperature=
 @pytest.mark.parametrize("settings", SETTINGS, ids=["greedy", "top_p", "logprobs"])
 def test_the_openai_client_completes_text_streamed_and_not_alike_and_stops(texty, tokenizer, settings):
     client = client_of(texty)
-    ids = {"extra_body": {"return_token_ids": True}}
+    ids = {"extra_body": {"return_token_ids": True, "ignore_eos": True}}    # lengths as asked, with a sampler
     full = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, **settings, **ids)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, stream=True, **settings,
                                             **ids))
@@ -133,7 +133,8 @@ def test_the_openai_client_completes_text_streamed_and_not_alike_and_stops(texty
 def test_the_openai_client_chats_streamed_and_not_alike(texty, tokenizer):
     client = client_of(texty)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    settings = dict(temperature=0.7, top_p=0.95, seed=5, logprobs=True, top_logprobs=2, max_tokens=6)
+    settings = dict(temperature=0.7, top_p=0.95, seed=5, logprobs=True, top_logprobs=2, max_tokens=6,
+                    extra_body={"ignore_eos": True})
     full = client.chat.completions.create(model="tiny", messages=messages, **settings)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, stream=True,
                                                  stream_options={"include_usage": True}, **settings))
@@ -180,7 +181,8 @@ def test_a_chat_without_max_tokens_fills_the_context(texty, tokenizer):
     async def go():
         async with aiohttp.ClientSession() as s:
             return await answer(s, "POST", f"{texty.url}/v1/chat/completions",
-                                json={"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
+                                json={"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                                      "ignore_eos": True})
     status, _, body = run(go())
     prompt = len(tokenizer.chat([{"role": "user", "content": "Hi"}])[1])
     assert status == 200 and body["usage"] == {"prompt_tokens": prompt, "completion_tokens": MAX_CONTEXT - prompt,
@@ -188,7 +190,7 @@ def test_a_chat_without_max_tokens_fills_the_context(texty, tokenizer):
 
 
 async def stream_texts(session, url: str, body: dict) -> list[dict]:
-    async with session.post(f"{url}/v1/completions", json=dict(body, stream=True)) as response:
+    async with session.post(f"{url}/v1/completions", json=dict(body, stream=True, ignore_eos=True)) as response:
         assert response.status == 200
         return await events(response)
 
@@ -251,11 +253,12 @@ def test_logprobs_are_the_models(texty, tokenizer):
     async def go():
         async with aiohttp.ClientSession() as s:
             done = await answer(s, "POST", f"{texty.url}/v1/completions",
-                                json={"prompt": PROMPT, "max_tokens": 4, "logprobs": 3, "return_token_ids": True})
+                                json={"prompt": PROMPT, "max_tokens": 4, "logprobs": 3, "return_token_ids": True,
+                                      "ignore_eos": True})
             kept = texty.server.requests[-1]
             chat = await answer(s, "POST", f"{texty.url}/v1/chat/completions",
                                 json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-                                      "logprobs": True, "top_logprobs": 1})
+                                      "logprobs": True, "top_logprobs": 1, "ignore_eos": True})
             return done, kept, chat, texty.server.requests[-1]
     (status, _, body), kept, (chat_status, _, chat), chat_kept = run(go())
     assert status == 200 and chat_status == 200
