@@ -23,8 +23,9 @@ tokens counted are then the server's (its usage), and the rows say prompt_format
 
 Every request streams (ignore_eos: each runs to its length); per request, TTFT is send to the first
 token event, TPOT the mean gap between its token events, ITL each gap, latency send to the last;
-throughputs count over the span from the first send to the last token. Each run prints the dialect's summary block (requests/s,
-input and output tokens/s, mean, median and p99 of TTFT, TPOT, ITL and end-to-end latency). The
+throughputs count over the span from the first send to the last token. Each run prints the
+dialect's summary block (requests/s, input and output tokens/s, mean, median and p99 of TTFT, TPOT,
+ITL and end-to-end latency). The
 model, mode, cache slots and budgets come from the server's GET /v1/models, so the rows carry the
 columns of the in-process rows (and, for --dataset random, the workload's: request_rate,
 num_prompts, range_ratio, max_concurrency, seed).
