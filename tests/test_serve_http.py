@@ -44,12 +44,14 @@ class Running:
     """A Service served on 127.0.0.1 (a free port) by an event loop in a thread of its own, as the
     command serves it."""
 
-    def __init__(self, server: Server, shutdown_timeout: float = 5.0, workload: ReplayWorkload | None = None):
+    def __init__(self, server: Server, shutdown_timeout: float = 5.0, workload: ReplayWorkload | None = None,
+                 tokenizer=None):
         self.server = server
         self.worker = ServerThread(server, workload)
         self.worker.start()
         self.service = Service(self.worker, describe(server, "tiny", 0.05, None,
-                                                        "model" if workload is None else workload.name))
+                                                        "model" if workload is None else workload.name, tokenizer),
+                               tokenizer)
         self.final = None
         ready = threading.Event()
 
@@ -182,7 +184,8 @@ BAD = [  # (body, param, words the message must hold)
     (b'{"prompt": [1, 2', None, "not valid JSON"),
     (b"[1, 2]", None, "JSON object"),
     ({"max_tokens": 2}, "prompt", "missing prompt"),
-    ({"prompt": "hello"}, "prompt", "token ids"),
+    ({"prompt": "hello"}, "prompt", "no tokenizer"),
+    ({"prompt": ["hello", "you"]}, "prompt", "text prompts cannot be read"),
     ({"prompt": []}, "prompt", "non-empty"),
     ({"prompt": [1, 2.5]}, "prompt", "2.5"),
     ({"prompt": [1, True]}, "prompt", "True"),
@@ -193,12 +196,13 @@ BAD = [  # (body, param, words the message must hold)
     ({"prompt": [1], "max_tokens": 0}, "max_tokens", "integer >= 1"),
     ({"prompt": [1], "max_tokens": "3"}, "max_tokens", "'3'"),
     ({"prompt": [1], "stream": "yes"}, "stream", "true or false"),
-    ({"prompt": [1], "temperature": 0.7}, "temperature", "greedy"),
-    ({"prompt": [1], "top_p": 0.5}, "top_p", "greedy"),
+    ({"prompt": [1], "temperature": -1}, "temperature", "temperature=-1"),
+    ({"prompt": [1], "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": [1], "n": 2}, "n", "n 1"),
     ({"prompt": [1], "best_of": 2}, "best_of", "best_of"),
-    ({"prompt": [1], "logprobs": 5}, "logprobs", "log-probabilities"),
-    ({"prompt": [1], "stop": ["x"]}, "stop", "stop"),
+    ({"prompt": [1], "logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"prompt": [1], "stop": ["x"]}, "stop", "no tokenizer"),
+    ({"prompt": [1], "echo": True}, "echo", "no tokenizer"),
     ({"prompt": [1], "frobnicate": 1}, "frobnicate", "unsupported parameter"),
 ]
 
@@ -428,7 +432,7 @@ def test_the_load_client_holds_max_concurrency_and_sends_at_the_arrivals(monkeyp
     arrival, each with its own output length; without one, all at once."""
     out, most, sent = 0, [0], {}
 
-    async def fake(session, url, prompt, max_tokens):
+    async def fake(session, url, prompt, max_tokens, chat=False):
         nonlocal out
         out += 1
         most[0] = max(most[0], out)
@@ -632,8 +636,8 @@ def test_null_is_absent_for_every_optional_field(resident):
 
 
 def test_model_seed_and_user_of_the_wrong_type_get_a_400(resident):
-    bad = [({"model": 5}, "model", "string"), ({"seed": "x"}, "seed", "integer"), ({"seed": 1.5}, "seed", "integer"),
-           ({"user": {}}, "user", "string"), ({"temperature": 1}, "temperature", "greedy")]
+    bad = [({"model": 5}, "model", "string"), ({"seed": "x"}, "seed", "an int"), ({"seed": 1.5}, "seed", "an int"),
+           ({"user": {}}, "user", "string"), ({"temperature": "hot"}, "temperature", "finite number")]
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -666,7 +670,7 @@ def test_the_official_openai_client_is_served(resident):
         client.completions.create(model="davinci", prompt=[[1, 2, 3]], max_tokens=2)
     assert wrong.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, temperature=0.7)
+        client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, temperature=-0.7)
     assert bad.value.param == "temperature"
 
 
@@ -706,7 +710,7 @@ def test_unknown_paths_and_methods_get_json_errors(resident):
                     await answer(s, "GET", f"{resident.url}/v1/completions"),
                     await answer(s, "DELETE", f"{resident.url}/health")]
     chat, nowhere, get, delete = run(go())
-    assert_error(chat, 404, None, "chat")
+    assert_error(chat, 400, "messages", "no tokenizer")
     assert_error(nowhere, 404, None, "/v1/nowhere")
     assert_error(get, 405, None, "POST")
     assert_error(delete, 405, None, "GET")

@@ -1,5 +1,6 @@
 """Small random checkpoints of every family, in the Hugging Face layout `load_model` reads
-(`config.json`, safetensors, per-expert MoE names, an index file when sharded)."""
+(`config.json`, safetensors, per-expert MoE names, an index file when sharded), with a tokenizer
+and chat template on request (`hisparse.text.train_tiny_tokenizer`)."""
 import json
 import math
 from pathlib import Path
@@ -23,6 +24,7 @@ TINY_CONFIGS = {
     "qwen3": dict(_LLAMA, model_type="qwen3"),
     "nsa": dict(_LLAMA, model_type="nsa", num_hidden_layers=2),
 }
+TOKENIZER_VOCAB = 512     # a tiny checkpoint with a tokenizer: 256 bytes, 3 special tokens, 253 merges
 
 
 def randomize_(model: torch.nn.Module, seed: int, on_device: bool = False) -> None:
@@ -85,10 +87,22 @@ def save_checkpoint(model, out_dir: str | Path, shards: int = 1) -> Path:
     return out
 
 
-def write_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, shards: int = 1, **overrides) -> Path:
-    """A random checkpoint of `family` (a key of TINY_CONFIGS), config keys overridable."""
+def write_tiny_checkpoint(family: str, out_dir: str | Path, seed: int = 0, shards: int = 1, tokenizer: bool = False,
+                          **overrides) -> Path:
+    """A random checkpoint of `family` (a key of TINY_CONFIGS), config keys overridable. tokenizer:
+    a byte-level BPE and chat template beside the weights, the vocabulary TOKENIZER_VOCAB ids (unless
+    vocab_size is given), its end-of-sequence id in config.json and generation_config.json."""
     if family not in TINY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; expected one of {sorted(TINY_CONFIGS)}")
+    if tokenizer:
+        overrides.setdefault("vocab_size", TOKENIZER_VOCAB)
     model = build_model(config_from_dict(dict(TINY_CONFIGS[family], **overrides)))
     randomize_(model, seed)
-    return save_checkpoint(model, out_dir, shards)
+    out = save_checkpoint(model, out_dir, shards)
+    if tokenizer:
+        from hisparse.text import train_tiny_tokenizer
+        eos = train_tiny_tokenizer(out, overrides["vocab_size"])
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(dict(config, eos_token_id=eos), indent=2) + "\n")
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2) + "\n")
+    return out

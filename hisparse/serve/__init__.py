@@ -9,7 +9,9 @@ event loop and reach it only through a command queue (futures back) and per-requ
 hand tokens to the loop with `call_soon_threadsafe`. A step runs whenever anything is in flight,
 so a new request waits at most one iteration to be admitted.
 
-Files: `protocol.py` (the completions format: request checks, response bodies), `worker.py`
+Files: `protocol.py` (the completions format: request checks, response bodies; the fields chat shares),
+`chat.py` (chat completions: messages through the chat template, chat bodies and chunks),
+`outputs.py` (a request's tokens into text on the server thread, `hisparse.text`), `worker.py`
 (the thread), `metrics.py` (GET /metrics: prometheus_client, a registry per server thread), `app.py`
 (handlers, JSON errors, the access log, shutdown), `sizes.py` (what the options allocate against
 what the machine has, before the server is built), `__main__.py` (the command), `bench.py` (the

@@ -2,12 +2,17 @@
 
     python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny
     python -m hisparse.serve --model /tmp/tiny --mode hisparse --cache-slots 16 --port 8000
-    curl -s localhost:8000/v1/completions -d '{"prompt": [1, 2, 3], "max_tokens": 4}'
+    curl -s localhost:8000/v1/completions -d '{"prompt": "The cache", "max_tokens": 4, "stop": ["."]}'
+    curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}'
     python -m hisparse.serve.bench --url http://127.0.0.1:8000 --concurrency 2 --input-len 32 --output-len 8
 
-Endpoints: POST /v1/completions (token-id prompts, greedy, `stream` for server-sent events),
-GET /v1/models (the model and how it is served), GET /health, GET /metrics (prometheus_client's
+Endpoints: POST /v1/completions (prompts as text or token ids; sampling settings, stop strings,
+logprobs, echo; `stream` for server-sent events), POST /v1/chat/completions (the tokenizer's chat
+template), GET /v1/models (the model and how it is served), GET /health, GET /metrics (prometheus_client's
 text: request and token counters, sizes, TTFT/TPOT/ITL histograms in seconds; `metrics.py`).
+The checkpoint's tokenizer (tokenizer.json / tokenizer_config.json in its folder, or --tokenizer DIR)
+reads text prompts and writes the answers' text; without one, prompts are token ids and a text
+prompt or a chat request is refused, saying so.
 Refusals are OpenAI's JSON errors (a 4xx naming the field); each request gets an access-log line on
 stderr. Sizes the machine cannot hold (--max-context, --kv-budget-gib, --host-budget-gib) are
 refused at start-up, before anything large is allocated. SIGINT or SIGTERM: new requests get 503,
@@ -39,6 +44,7 @@ from hisparse.serve.sizes import refusal
 from hisparse.serve.worker import ReplayWorkload, ServerThread
 from hisparse.serving import PREFILL_LAYERS, SERVING_MODES, Server
 from hisparse.synthetic import PRESETS, request_draws
+from hisparse.text import Tokenizer, load_tokenizer
 
 
 def _positive_float(text: str) -> float:
@@ -67,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", metavar="DIR",
                     help="(required) checkpoint directory: config.json plus *.safetensors (Hugging Face layout), e.g. one "
                          "written by `python -m hisparse.make_tiny`")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json with its chat "
+                         "template) to read text prompts and write text with (default: the --model folder's, if it "
+                         "has one; else prompts are token ids)")
     ap.add_argument("--mode", choices=SERVING_MODES, default="resident",
                     help="resident (all KV on the GPU, the baseline), hisparse (host pool + --cache-slots GPU slots "
                          "per stream, exact), noio (hisparse without the copies: wrong tokens, the time's upper "
@@ -247,6 +257,29 @@ def replay_workload(ap: argparse.ArgumentParser, args: argparse.Namespace, confi
     return ReplayWorkload(args.workload, args.workload_input_len, args.workload_output_len, draws)
 
 
+def tokenizer_for(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Tokenizer | None:
+    """The tokenizer of --tokenizer, else of the --model folder (None if it has none), read before
+    the weights; refused if it cannot be read."""
+    option, folder = ("--tokenizer", args.tokenizer) if args.tokenizer is not None else ("--model", args.model)
+    if folder is None:
+        return None
+    try:
+        tokenizer = load_tokenizer(folder)
+    except ValueError as exc:
+        ap.error(f"argument {option}: {exc}")
+    if tokenizer is None and option == "--tokenizer":
+        ap.error(f"argument --tokenizer: no tokenizer (tokenizer.json, tokenizer_config.json) in {folder!r}")
+    return tokenizer
+
+
+def check_vocabulary(ap: argparse.ArgumentParser, args: argparse.Namespace, tokenizer: Tokenizer | None,
+                     vocab_size: int) -> None:
+    """A tokenizer that can write ids outside the model's vocabulary is refused."""
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+        ap.error(f"argument {'--tokenizer' if args.tokenizer else '--model'}: the tokenizer in {tokenizer.folder!r} "
+                 f"has {tokenizer.vocab_size} ids, over the model's vocabulary of {vocab_size}")
+
+
 async def _serve_until_signalled(service: Service, args: argparse.Namespace) -> dict:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -267,16 +300,18 @@ def main(argv: list[str] | None = None, model=None, name: str | None = None) -> 
     try:
         args = ap.parse_args(argv)
         check_workload_options(ap, args)
+        tokenizer = tokenizer_for(ap, args)
         server, name, workload = build_server(ap, args, model, name)
+        check_vocabulary(ap, args, tokenizer, server.model.config.vocab_size)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     info = describe(server, name, args.kv_budget_gib, args.host_budget_gib,     # before its thread owns it
-                    "model" if workload is None else workload.name)
+                    "model" if workload is None else workload.name, tokenizer)
     worker = ServerThread(server, workload)
     _log_access()
     log(f"hisparse.serve: warming up on {server.device} ...")
     worker.start()
-    service = Service(worker, info)
+    service = Service(worker, info, tokenizer)
     try:
         final = asyncio.run(_serve_until_signalled(service, args))
     except OSError as exc:                       # the port is taken, the address not ours

@@ -1,9 +1,9 @@
-"""The aiohttp application: OpenAI-style completions over a `ServerThread`, health, model info
-and Prometheus metrics (prometheus_client, the server thread's registry: `metrics.py`), and the
-graceful shutdown (see the package docstring).
+"""The aiohttp application: OpenAI-style completions and chat completions over a `ServerThread`,
+health, model info and Prometheus metrics (prometheus_client, the server thread's registry:
+`metrics.py`), and the graceful shutdown (see the package docstring).
 
-Handlers run on the event loop; the server thread reaches them only through `_Sink`, which
-moves each token onto the loop with `call_soon_threadsafe`.
+Handlers run on the event loop; the server thread reaches them only through `outputs.Sink`, which
+turns each token into text there and moves it onto the loop with `call_soon_threadsafe`.
 """
 from __future__ import annotations
 
@@ -19,54 +19,27 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_protocol import RequestPayloadError
 
+from hisparse.serve.chat import Chat, parse_chat
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST
-from hisparse.serve.protocol import (
-    BadRequest,
-    choice,
-    completion_body,
-    completion_id,
-    error_body,
-    parse_completion,
-    usage,
-)
+from hisparse.serve.outputs import End, Sink
+from hisparse.serve.protocol import BadRequest, Completions, error_body, parse_completion
 from hisparse.serve.worker import PromptRefused, ServerStopped, ServerThread
 from hisparse.serving import Server
+from hisparse.text import TextStream, Tokenizer
 
 MAX_BODY_BYTES = 64 * 2 ** 20     # a 128K-token prompt is under 1 MiB of JSON; aiohttp's default is 1 MiB
-ROUTES = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
 ACCESS_LOG = logging.getLogger("hisparse.serve.access")
 
 
 @dataclass
-class _End:
-    error: str | None            # None: the prompt got all its tokens
-
-
-class _Sink:
-    """One HTTP request's tokens, from the server thread into an asyncio queue of (index, token | _End)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def token(self, index: int, token: int) -> None:
-        self._put((index, token))
-
-    def end(self, index: int, error: str | None) -> None:
-        self._put((index, _End(error)))
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:          # the loop has closed: nobody is listening any more
-            pass
-
-
-@dataclass
 class Service:
-    """What the handlers share: the server thread, the model's description, whether it is draining."""
+    """What the handlers share: the server thread, the model's description, its tokenizer (None:
+    prompts are token ids), whether it is draining."""
 
     worker: ServerThread
     info: dict
+    tokenizer: Tokenizer | None = None
     draining: bool = False
     pending: set = field(default_factory=set)        # completion handlers running now
 
@@ -99,9 +72,10 @@ class AccessLog(AbstractAccessLogger):
 
 
 def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget_gib: float | None,
-             workload: str = "model") -> dict:
+             workload: str = "model", tokenizer: Tokenizer | None = None) -> dict:
     """The model and how it is served (GET /v1/models): what a load client stamps on its rows.
-    workload: the synthetic preset the requests replay, or "model" (the model's own selections)."""
+    workload: the synthetic preset the requests replay, or "model" (the model's own selections);
+    tokenizer: the one prompts are read with (its folder, and whether it has a chat template)."""
     cfg, runtime = server.model.config, server.runtime
     elem = server.model.model.embed_tokens.weight.element_size()
     if runtime.family == "DSA":
@@ -119,7 +93,9 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
                 "vocab_size": cfg.vocab_size, "max_context": server.max_context, "lanes": server.lanes,
                 "kv_budget_gib": kv_budget_gib, "host_budget_gib": host_budget_gib if hierarchical else None,
                 "prefill_chunk": server.prefill_chunk, "graph": server.graph, "decode_backend": server.decode_backend,
-                "attention_kernel": kernel, "workload": workload, "device": str(server.device)}
+                "attention_kernel": kernel, "workload": workload, "device": str(server.device),
+                "tokenizer": None if tokenizer is None else tokenizer.folder,
+                "chat": tokenizer is not None and tokenizer.chat_template is not None}
     if runtime.family == "DSA":
         settings["kv_dtype"] = server.kv_dtype
         settings["prefill_overlap"] = server.prefill_overlap
@@ -135,6 +111,7 @@ def make_app(service: Service) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
     app[SERVICE] = service
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -158,10 +135,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         where = f"{request.method} {request.path}"
-        if exc.status == 404 and request.path.rstrip("/") == "/v1/chat/completions":
-            message = ("chat completions are not served yet: the checkpoints here carry no tokenizer or chat "
-                       "template; send token ids to POST /v1/completions")
-        elif exc.status == 404:
+        if exc.status == 404:
             message = f"Invalid URL ({where}): this server answers {ROUTES}"
         elif exc.status == 405:
             allowed = sorted(exc.allowed_methods - {"HEAD"}) or sorted(exc.allowed_methods)
@@ -200,29 +174,42 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     service = request.app[SERVICE]
     if service.draining:
         return _error(503, "the server is shutting down and takes no new requests", None, "server_unavailable")
+    loop = asyncio.get_running_loop()
     try:
         raw = await _read_body(request)
-        # in a worker thread: the Python-level checks of a big body would hold the loop (/metrics, /health)
-        completion = await asyncio.get_running_loop().run_in_executor(None, _parse, raw, service)
+        # in a worker thread: the Python-level checks (and the tokenizer) of a big body would hold the loop
+        generation = await loop.run_in_executor(None, _parse, raw, service, chat)
     except BadRequest as exc:
         service.worker.metrics.refused.inc()
         response = _error(exc.status, exc.message, exc.param, code=exc.code)
         if isinstance(exc, UnreadableBody):
             response.force_close()             # the connection's next bytes cannot be trusted to start a request
         return response
-    sink = _Sink(asyncio.get_running_loop())
+    answer = (Chat if chat else Completions)(generation, service.tokenizer, service.name)
+    tokenizer = service.tokenizer
+    sink = Sink(loop, [None if tokenizer is None else
+                       TextStream(tokenizer, ids, generation.stop, generation.sampling.min_tokens)
+                       for ids in generation.prompts])
     try:
-        submitted = service.worker.submit(completion.prompts, completion.max_tokens, sink)
+        submitted = service.worker.submit(generation.prompts, generation.max_tokens, sink, generation.sampling)
     except ServerStopped as exc:
         return _error(503, str(exc), None, "server_unavailable")
     try:
         requests = await asyncio.wrap_future(submitted)
     except PromptRefused as exc:
         service.worker.metrics.refused.inc()
-        where = f"prompt {exc.index}" if len(completion.prompts) > 1 else "the prompt"
+        where = f"prompt {exc.index}" if len(generation.prompts) > 1 else "the prompt"
         return _error(400, f"{where} cannot be served: {exc}", exc.param)
     except ServerStopped as exc:
         return _error(503, str(exc), None, "server_unavailable")
@@ -233,11 +220,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     task = asyncio.current_task()
     service.pending.add(task)
     try:
-        if completion.stream:
-            return await _stream(request, service, completion, sink, progress)
-        return await _collect(service, completion, sink, progress)
+        if generation.stream:
+            return await _stream(request, answer, sink, progress)
+        return await _collect(answer, sink, progress)
     finally:
-        request[TOKENS] = (sum(map(len, completion.prompts)), progress.tokens)
+        request[TOKENS] = (sum(map(len, generation.prompts)), progress.tokens)
         service.pending.discard(task)
         if progress.ended < len(requests):   # the client went away (or a write failed): free its memory
             try:
@@ -268,9 +255,9 @@ async def _read_body(request: web.Request) -> bytes:
                              f"{str(exc).splitlines()[-1].strip()}", None) from None
 
 
-def _parse(raw: bytes, service: Service):
-    """The checked completion request (`parse_completion`) of a raw body; BadRequest if it is not one."""
-    example = '{"prompt": [1, 2, 3], "max_tokens": 16}'
+def _parse(raw: bytes, service: Service, chat: bool):
+    """The checked request (`parse_completion`, `parse_chat`) of a raw body; BadRequest if it is not one."""
+    example = '{"messages": [{"role": "user", "content": "Hi"}]}' if chat else '{"prompt": [1, 2, 3], "max_tokens": 16}'
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -280,7 +267,10 @@ def _parse(raw: bytes, service: Service):
         raise BadRequest(f"the request body is not valid JSON ({exc}): expected an object such as {example}",
                          None) from None
     try:
-        return parse_completion(body, service.vocab_size, service.name, service.info["max_model_len"])
+        if chat:
+            return parse_chat(body, service.vocab_size, service.name, service.info["max_model_len"], service.tokenizer)
+        return parse_completion(body, service.vocab_size, service.name, service.info["max_model_len"],
+                                service.tokenizer)
     except RecursionError:                       # a repr of a field nested near the limit
         raise BadRequest("a field of the request body is nested too deeply to read", None) from None
 
@@ -294,52 +284,49 @@ def _cancel_quietly(service: Service, submitted) -> None:
         pass
 
 
-async def _next(sink: _Sink, progress: _Progress):
-    """The next (index, token), or (index, None) when a prompt ended (an error kept in `progress`)."""
+async def _next(sink: Sink, progress: _Progress):
+    """The next (index, TokenOut | End) of a prompt (an End's error kept in `progress`)."""
     index, item = await sink.queue.get()
-    if isinstance(item, _End):
+    if isinstance(item, End):
         progress.ended += 1
         progress.error = progress.error or item.error
-        return index, None
-    progress.tokens += 1
+    else:
+        progress.tokens += 1
     return index, item
 
 
-async def _collect(service: Service, completion, sink: _Sink, progress: _Progress) -> web.Response:
-    tokens: list[list[int]] = [[] for _ in completion.prompts]
+async def _collect(answer: Completions, sink: Sink, progress: _Progress) -> web.Response:
+    choices = answer.choices()
     while progress.ended < progress.prompts:
-        index, token = await _next(sink, progress)
-        if token is not None:
-            tokens[index].append(token)
+        index, out = await _next(sink, progress)
+        choices[index].add(out)
     if progress.error is not None:
         return _error(503, progress.error, None, "server_error")
-    choices = [choice(i, t, "length") for i, t in enumerate(tokens)]
-    return web.json_response(completion_body(completion_id(), service.name, choices,
-                                             usage(completion.prompts, tokens)))
+    return web.json_response(answer.body(choices))
 
 
-async def _stream(request: web.Request, service: Service, completion, sink: _Sink,
-                  progress: _Progress) -> web.StreamResponse:
-    """Server-sent events: one chunk per token (the last of a prompt says finish_reason "length"),
-    then [DONE]; if the server stopped it, an error chunk and no [DONE]. A client gone away ends it
-    quietly."""
+async def _stream(request: web.Request, answer: Completions, sink: Sink, progress: _Progress) -> web.StreamResponse:
+    """Server-sent events: each prompt's opening chunks (chat's role, completions' echo), one chunk
+    per token (a prompt's last says its finish_reason, or a chunk after it with the text held back
+    till the end), the usage if asked for, then [DONE]; if the server stopped it, an error chunk and
+    no [DONE]. A client gone away ends it quietly."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    cid, counts = completion_id(), [0] * len(completion.prompts)
+    choices = answer.choices()
     try:
+        for index, choice in enumerate(choices):
+            for chunk in answer.opening(index, choice):
+                await _event(response, chunk)
         while progress.ended < progress.prompts:
-            index, token = await _next(sink, progress)
-            if token is None:
-                if progress.error is not None:
-                    await _event(response, error_body(progress.error, None, "server_error"))
-                    return response
-                continue
-            counts[index] += 1
-            finish = "length" if counts[index] == completion.max_tokens else None
-            await _event(response, completion_body(cid, service.name, [choice(index, [token], finish)], None))
-        if completion.include_usage:
-            tokens = [[0] * n for n in counts]
-            await _event(response, completion_body(cid, service.name, [], usage(completion.prompts, tokens)))
+            index, out = await _next(sink, progress)
+            if isinstance(out, End) and out.error is not None:
+                await _event(response, error_body(out.error, None, "server_error"))
+                return response
+            if not isinstance(out, End) or out.text or out.finish:
+                await _event(response, answer.chunk(index, choices[index], out))
+            choices[index].add(out)
+        if answer.generation.include_usage:
+            await _event(response, answer.usage_chunk(progress.tokens))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:         # aiohttp's ClientConnectionResetError: the client went away

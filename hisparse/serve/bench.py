@@ -17,10 +17,15 @@ sent at Poisson arrivals of --request-rate per second (inf: all at once), at mos
 of them out at a time (a request waits for a free one), all drawn from --seed
 (`RandomWorkload`, as the sweep's request_rate studies draw it); one run per rate.
 
-Every request streams; per request, TTFT is send to the first token event, TPOT the mean gap
-between its token events, ITL each gap, latency send to the last; throughputs count over the span
-from the first send to the last token. Each run prints the dialect's summary block (requests/s,
-input and output tokens/s, mean, median and p99 of TTFT, TPOT, ITL and end-to-end latency). The
+--prompt-format text sends each prompt as text (its random ids decoded by the server's tokenizer,
+or --tokenizer's) to /v1/completions, chat as one user message to /v1/chat/completions; the input
+tokens counted are then the server's (its usage), and the rows say prompt_format.
+
+Every request streams (ignore_eos: each runs to its length); per request, TTFT is send to the first
+token event, TPOT the mean gap between its token events, ITL each gap, latency send to the last;
+throughputs count over the span from the first send to the last token. Each run prints the
+dialect's summary block (requests/s, input and output tokens/s, mean, median and p99 of TTFT, TPOT,
+ITL and end-to-end latency). The
 model, mode, cache slots and budgets come from the server's GET /v1/models, so the rows carry the
 columns of the in-process rows (and, for --dataset random, the workload's: request_rate,
 num_prompts, range_ratio, max_concurrency, seed).
@@ -49,6 +54,7 @@ UNITS = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "t
          "failed_requests": "requests", "wall_s": "s", "request_throughput": "requests/s",
          "input_throughput": "tokens/s"}
 DATASETS = ("study", "random")
+PROMPT_FORMATS = ("ids", "text", "chat")
 
 
 @dataclass
@@ -59,18 +65,23 @@ class Timing(TokenTimeline):
     token_times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     error: str | None = None
+    prompt_tokens: int | None = None     # the server's count (its usage chunk)
 
     @property
     def start(self) -> float:
         return self.sent
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> Timing:
-    """POST one streaming completion; the time of every token event, or the error that ended it."""
+async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int,
+                            chat: bool = False) -> Timing:
+    """POST one streaming completion (token ids or text; chat: the text as one user message to
+    /v1/chat/completions); the time of every token event, or the error that ended it."""
     timing = Timing(time.perf_counter())
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    body = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        async with session.post(f"{url}/v1/{'chat/' if chat else ''}completions", json=body) as response:
             if response.status != 200:
                 timing.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return timing
@@ -86,8 +97,12 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
                 if "error" in event:
                     timing.error = event["error"]["message"]
                     return timing
-                timing.token_times.append(time.perf_counter())
-                timing.tokens += event["choices"][0]["token_ids"]
+                if event.get("usage"):
+                    timing.prompt_tokens = event["usage"]["prompt_tokens"]
+                ids = [t for c in event["choices"] for t in c.get("token_ids") or []]   # chat's role chunk: none
+                if ids:
+                    timing.token_times.append(time.perf_counter())
+                    timing.tokens += ids
             if not done:
                 timing.error = "the stream ended without [DONE]"
     except aiohttp.ClientError as exc:
@@ -95,19 +110,20 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: li
     return timing
 
 
-async def closed_loop(session, url: str, prompts: list[list[int]], max_tokens: int, clients: int) -> list[Timing]:
+async def closed_loop(session, url: str, prompts: list, max_tokens: int, clients: int, chat: bool = False
+                      ) -> list[Timing]:
     """Request i by client i % clients, each client's next as soon as its last one finished."""
     timings: list[Timing | None] = [None] * len(prompts)
 
     async def client(c: int) -> None:
         for i in range(c, len(prompts), clients):
-            timings[i] = await stream_completion(session, url, prompts[i], max_tokens)
+            timings[i] = await stream_completion(session, url, prompts[i], max_tokens, chat)
     await asyncio.gather(*(client(c) for c in range(clients)))
     return timings
 
 
-async def open_loop(session, url: str, prompts: list[list[int]], max_tokens: int | list[int], arrivals: list[float],
-                    max_concurrency: int | None = None) -> list[Timing]:
+async def open_loop(session, url: str, prompts: list, max_tokens: int | list[int], arrivals: list[float],
+                    max_concurrency: int | None = None, chat: bool = False) -> list[Timing]:
     """Request i (max_tokens[i] out, or max_tokens for each) sent at `arrivals[i]` seconds after the
     start, whatever is still running; with max_concurrency, once fewer than that many are out."""
     start = time.perf_counter()
@@ -117,7 +133,7 @@ async def open_loop(session, url: str, prompts: list[list[int]], max_tokens: int
     async def send(i: int) -> Timing:
         await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
         async with limit:
-            return await stream_completion(session, url, prompts[i], out[i])
+            return await stream_completion(session, url, prompts[i], out[i], chat)
     return list(await asyncio.gather(*(send(i) for i in range(len(prompts)))))
 
 
@@ -204,20 +220,24 @@ async def run_load(url: str, load: tuple[str, float], args: argparse.Namespace, 
         prompts, arrivals = workload(load, args.input_len, args.output_len, vocab, args.requests_per_client,
                                      args.requests)
         max_tokens = args.output_len
+    sent, chat = prompts, args.prompt_format == "chat"
+    if args.prompt_format != "ids":
+        sent = [args.tokenizer.decode(ids) for ids in prompts]
     connector = aiohttp.TCPConnector(limit=0)            # no pool limit: C clients are C connections
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.timeout)
     start = time.perf_counter()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if key == "concurrency":
-            timings = await closed_loop(session, url, prompts, max_tokens, int(level))
+            timings = await closed_loop(session, url, sent, max_tokens, int(level), chat)
         else:
-            timings = await open_loop(session, url, prompts, max_tokens, arrivals,
-                                      dialect.max_concurrency if dialect is not None else None)
+            timings = await open_loop(session, url, sent, max_tokens, arrivals,
+                                      dialect.max_concurrency if dialect is not None else None, chat)
     wall = time.perf_counter() - start
     for i, t in enumerate(timings):
         if t.error is not None:
             print(f"request {i} failed: {t.error}", file=sys.stderr)
-    ok_input = sum(len(p) for p, t in zip(prompts, timings) if t.error is None and t.token_times)
+    ok_input = sum(len(p) if t.prompt_tokens is None else t.prompt_tokens
+                   for p, t in zip(prompts, timings) if t.error is None and t.token_times)
     summary, dialect_summary = summarize(timings, ok_input)
     if dialect is not None:
         point = dict(point_columns(info, dialect.input_len, dialect.output_len, None, None), **dialect_columns(dialect))
@@ -225,6 +245,8 @@ async def run_load(url: str, load: tuple[str, float], args: argparse.Namespace, 
     else:
         point = point_columns(info, args.input_len, args.output_len, *(
             (int(level), None) if key == "concurrency" else (None, level)), args.requests_per_client)
+    if args.prompt_format != "ids":
+        point["prompt_format"] = args.prompt_format
     print(f"{point['mode']} {key}={level:g}: {summary['requests']} requests, "
           f"{summary['tokens_per_s']:.2f} tokens/s, TTFT p50 {summary['ttft_ms_p50']:.1f} ms, "
           f"TPOT p50 {summary['tpot_ms_p50']:.1f} ms, {summary['failed_requests']} failed", flush=True)
@@ -316,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="at most C requests out at once; a request due while C are out waits for one to end "
                              "(default: no cap)")
     random.add_argument("--seed", type=_seed, metavar="S", help="the seed of lengths, prompts and arrivals (default 0)")
+    ap.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="ids",
+                    help="ids (default): prompts as token ids; text: decoded into text; chat: that text as a user "
+                         "message to /v1/chat/completions (text and chat need the server's tokenizer)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="with --prompt-format text or chat: the tokenizer folder to decode prompts with (default: "
+                         "the one the server names in GET /v1/models)")
     ap.add_argument("--vocab", type=positive_int, default=None, metavar="V",
                     help="draw prompt ids below V (default: the server's vocabulary)")
     ap.add_argument("--timeout", type=_positive_list(float), default=[600.0], metavar="S",
@@ -364,6 +392,21 @@ async def _main(url: str, loads: list, args: argparse.Namespace, append_rows) ->
         print(f"error: --url {url}: no hisparse server answers GET /v1/models there ({type(exc).__name__}: {exc})",
               file=sys.stderr)
         return 2
+    if args.prompt_format != "ids":
+        folder = args.tokenizer or info["hisparse"].get("tokenizer")
+        if folder is None or (args.prompt_format == "chat" and not info["hisparse"].get("chat")):
+            print(f"error: --prompt-format {args.prompt_format}: the server at {url} has no "
+                  f"{'tokenizer' if folder is None else 'chat template'}", file=sys.stderr)
+            return 2
+        from hisparse.text import load_tokenizer
+        try:
+            args.tokenizer = load_tokenizer(folder)
+        except ValueError as exc:
+            print(f"error: --tokenizer: {exc}", file=sys.stderr)
+            return 2
+        if args.tokenizer is None:
+            print(f"error: --tokenizer: no tokenizer in {folder!r}", file=sys.stderr)
+            return 2
     lengths = (("--input-len", args.input_len), ("--output-len", args.output_len)) if args.dataset == "study" else \
         (("--random-input-len", args.random_input_len), ("--random-output-len", args.random_output_len))
     need, max_context = lengths[0][1] + lengths[1][1], info["hisparse"]["max_context"]

@@ -2,10 +2,11 @@
 the `Server` and does everything with it (submit, step, cancel, read its sizes); other threads
 send it commands through a queue and get `concurrent.futures.Future`s back.
 
-Each submitted prompt has a sink: `sink.token(index, token)` for every new token and
-`sink.end(index, error)` once (error None: it finished; else why it stopped), both called on the
-server thread, so a sink hands them on (the HTTP app: `loop.call_soon_threadsafe`). The same
-thread counts them into `metrics` (the server's Prometheus metrics, `metrics.Metrics`).
+Each submitted prompt has a sink: `sink.token(index, request, token)` for every new token (inside
+the request's `on_token`: setting `request.finish_reason` there ends it, as a stop string does) and
+`sink.end(index, request, error)` once (error None: it finished; else why it stopped), both called
+on the server thread, so a sink hands them on (the HTTP app: `outputs.Sink`). The same thread
+counts them into `metrics` (the server's Prometheus metrics, `metrics.Metrics`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from functools import partial
 
 import torch
 
+from hisparse.sampling import SamplingParams
 from hisparse.serve.metrics import Metrics
 from hisparse.serving import Request, Server
 
@@ -93,9 +95,11 @@ class ServerThread:
         self._thread.start()
         self._ready.result()
 
-    def submit(self, prompts: list[list[int]], max_new_tokens: int, sink) -> Future:
-        """Queue every prompt or none: the future's result is the list of Requests, or PromptRefused."""
-        return self._call(self._submit, prompts, max_new_tokens, sink)
+    def submit(self, prompts: list[list[int]], max_new_tokens: int, sink,
+               sampling: SamplingParams | None = None) -> Future:
+        """Queue every prompt or none (each with these sampling settings, greedy by default): the
+        future's result is the list of Requests, or PromptRefused."""
+        return self._call(self._submit, prompts, max_new_tokens, sink, sampling or SamplingParams())
 
     def cancel(self, requests: list[Request]) -> Future:
         """Cancel the requests still in flight (their memory freed at once)."""
@@ -199,11 +203,12 @@ class ServerThread:
             job = self._jobs.pop(id(request), None)
             if job is not None:
                 self._count(request, "served")
-                job.sink.end(job.index, None)
+                job.sink.end(job.index, request, None)
 
-    def _submit(self, prompts: list[list[int]], max_new_tokens: int, sink) -> list[Request]:
+    def _submit(self, prompts: list[list[int]], max_new_tokens: int, sink, sampling: SamplingParams) -> list[Request]:
         requests = [Request(torch.tensor(ids, dtype=torch.int64), max_new_tokens, arrival=math.nan,
-                            on_token=partial(self._on_token, sink, i)) for i, ids in enumerate(prompts)]
+                            on_token=partial(self._on_token, sink, i), sampling=sampling)
+                    for i, ids in enumerate(prompts)]
         for i, request in enumerate(requests):        # all checked before any is queued
             if self.workload is not None and (why := self.workload.refusal(len(request.prompt), max_new_tokens)):
                 raise PromptRefused(i, why[1], why[0])
@@ -228,11 +233,11 @@ class ServerThread:
                 continue                      # finished already
             if request.done:                  # it finished in a step that then failed: served
                 self._count(request, "served")
-                job.sink.end(job.index, None)
+                job.sink.end(job.index, request, None)
                 continue
             self.server.cancel(request)
             self._count(request, "cancelled" if why == "cancelled" else "failed")
-            job.sink.end(job.index, why)
+            job.sink.end(job.index, request, why)
             cancelled += 1
         return cancelled
 
@@ -247,7 +252,7 @@ class ServerThread:
 
     def _on_token(self, sink, index: int, request: Request, token: int) -> None:
         self.metrics.token(request)
-        sink.token(index, token)
+        sink.token(index, request, token)
 
     def _stop(self) -> dict:
         self._cancel([job.request for job in self._jobs.values()], "the server shut down before it finished")
