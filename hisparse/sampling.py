@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels_triton.sampling import _gumbel_pick_kernel
+
 MAX_LOGPROBS = 20      # top log-probabilities a token may carry (OpenAI's cap)
+PICK_BLOCK = 1024      # sorted positions a step of the pick kernel takes
 
 
 @dataclass(frozen=True)
@@ -115,12 +118,25 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _tempered(logits, temperature, bias, counts, presence, frequency):
+    """(each row's greedy token [R], the tempered rows z [R, V] float32): logits + bias - penalties."""
+    x = logits.float()
+    if bias is not None:
+        x = x + bias - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+    return x.argmax(-1), x / torch.where(temperature == 0, 1.0, temperature)[:, None]
+
+
+def _row_keys(seed: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit key words of each row's noise ([R] int64 each): its seed and token index."""
+    row = _mix32(_mix32(_mix32(seed & MASK32) ^ (seed >> 32)) ^ (index & MASK32))
+    return row, _mix32(row ^ 0x9E3779B9)
+
+
 def uniform(seed: torch.Tensor, index: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """float32 [R, N] in (0, 1): the request's (seed [R] int64, token index [R] int64) as the key, each
     vocabulary id (ids [R, N] int64) as the counter; 24 bits a number, the same on every device."""
-    row = _mix32(_mix32(_mix32(seed & MASK32) ^ (seed >> 32)) ^ (index & MASK32))     # [R]
-    other = _mix32(row ^ 0x9E3779B9)[:, None]                                           # a second key word
-    h = _mix32((_mix32(ids ^ row[:, None]) + other) & MASK32)
+    row, other = _row_keys(seed, index)
+    h = _mix32((_mix32(ids ^ row[:, None]) + other[:, None]) & MASK32)
     return ((h >> 8).float() + 0.5) * 2.0**-24
 
 
@@ -130,14 +146,22 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
                   frequency: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R]: each row's token (see the module docstring). logits [R, V]; per row [R]: temperature,
     top_p, min_p (float32), top_k (int64, 0: all), seed, index (int64); bias, counts [R, V] float32 and
-    presence, frequency [R] float32, or None for none."""
-    x = logits.float()
-    if bias is not None:
-        x = x + bias - presence[:, None] * (counts > 0) - frequency[:, None] * counts
-    greedy = temperature == 0
-    best = x.argmax(-1)
-    z = x / torch.where(greedy, 1.0, temperature)[:, None]
+    presence, frequency [R] float32, or None for none. The sort in torch, the pick over the kept prefix
+    in `_gumbel_pick_kernel` (kernels_triton/sampling.py); `sample_tokens_ref` is all torch."""
+    best, z = _tempered(logits, temperature, bias, counts, presence, frequency)
     values, ids = z.sort(-1, descending=True)                  # [R, V]: what top_k, top_p, min_p keep is a prefix
+    row, other = _row_keys(seed, index)
+    out = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
+    _gumbel_pick_kernel[(z.shape[0],)](values, ids, row, other, temperature, top_p, top_k, min_p, out, z.shape[1],
+                                       values.stride(0), ids.stride(0), BLOCK=PICK_BLOCK)
+    return torch.where(temperature == 0, best, out)
+
+
+def sample_tokens_ref(logits, temperature, top_p, top_k, min_p, seed, index, bias=None, counts=None, presence=None,
+                      frequency=None) -> torch.Tensor:
+    """`sample_tokens` in torch alone: the noise of every id of every row."""
+    best, z = _tempered(logits, temperature, bias, counts, presence, frequency)
+    values, ids = z.sort(-1, descending=True)
     probs = torch.softmax(values, -1)
     ahead = probs.cumsum(-1) - probs                           # the mass of the tokens before each
     position = torch.arange(z.shape[-1], device=z.device)
@@ -146,7 +170,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
         (probs >= min_p[:, None] * probs[:, :1])
     noise = -torch.log(-torch.log(uniform(seed, index, ids)))
     pick = torch.where(keep, values + noise, -math.inf).argmax(-1, keepdim=True)
-    return torch.where(greedy, best, ids.gather(-1, pick)[:, 0])
+    return torch.where(temperature == 0, best, ids.gather(-1, pick)[:, 0])
 
 
 class LaneSampling:

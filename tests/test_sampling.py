@@ -15,6 +15,7 @@ from hisparse.sampling import (
     _mul32,
     eos_token_ids,
     sample_tokens,
+    sample_tokens_ref,
     stop_reason,
     token_logprobs,
     uniform,
@@ -57,10 +58,11 @@ def test_uniform_numbers_are_a_function_of_seed_index_and_id_only():
 
 
 def draws(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = DRAWS) -> torch.Tensor:
-    """n tokens from one logit vector: a request's token indices 0 .. n-1 (one row each)."""
+    """n tokens from one logit vector: a request's token indices 0 .. n-1 (one row each), by the torch
+    reference (thousands of rows are minutes in the interpreter; the kernel is checked equal to it below)."""
     rows = n
     full = lambda v, dtype=torch.float32: torch.full((rows,), v, dtype=dtype)  # noqa: E731
-    return sample_tokens(logits.expand(rows, -1), full(params.temperature), full(params.top_p),
+    return sample_tokens_ref(logits.expand(rows, -1), full(params.temperature), full(params.top_p),
                          full(params.top_k, torch.int64), full(params.min_p), full(params.seed, torch.int64),
                          torch.arange(rows))
 
@@ -188,3 +190,21 @@ def test_stops_eos_stop_ids_min_tokens_and_length():
 def test_every_bad_setting_is_a_value_error_naming_its_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}"):
         SamplingParams(**{field: value}).check(97)
+
+
+def test_the_pick_kernel_is_its_torch_reference():
+    """sample_tokens (the pick over the kept prefix, a kernel) against sample_tokens_ref (torch's noise
+    over every id): the same tokens, rows of every kind, rows longer than a kernel block."""
+    from hisparse.sampling import PICK_BLOCK
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 12, 2 * PICK_BLOCK + 77
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 6.0, rows)[:, None]
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * 3)
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 1.0, 0.99, 1.0, 0.3, 1.0, 0.95, 1.0, 1.0])
+    top_k = torch.tensor([0, 0, 0, 0, 5, 0, PICK_BLOCK + 3, 0, 0, 40, 0, vocab])
+    min_p = torch.tensor([0.0] * 8 + [0.1, 0.0, 0.01, 0.0])
+    seed, index = torch.arange(rows) * 7919 + 2**40, torch.arange(rows) + 100
+    for step in range(3):
+        got = sample_tokens(logits, temperature, top_p, top_k, min_p, seed, index + step)
+        want = sample_tokens_ref(logits, temperature, top_p, top_k, min_p, seed, index + step)
+        assert torch.equal(got, want), (step, got, want)
