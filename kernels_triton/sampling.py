@@ -36,7 +36,7 @@ def _gumbel_pick_kernel(values, ids, row_key, other_key, temperature, top_p, top
     total_s = tl.sum(total, 0)
     p_cut, min_ratio = tl.load(top_p + r), tl.load(min_p + r)
     p_cut = tl.where(p_cut >= 1.0, float("inf"), p_cut)          # top_p 1: no cut (rounding could reach 1)
-    k = tl.load(top_k + r)
+    k = tl.load(top_k + r).to(tl.int32)
     limit = tl.where(k > 0, tl.minimum(k, V), V)
     key = tl.load(row_key + r).to(tl.uint64)
     other = tl.load(other_key + r).to(tl.uint64)
