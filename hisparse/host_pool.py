@@ -9,6 +9,7 @@ runs. A page held more than once is shared and read-only: `write` refuses its ro
 """
 from __future__ import annotations
 
+import gc
 import operator
 import warnings
 import weakref
@@ -184,6 +185,7 @@ def release_cached_memory() -> None:
     A host pool is registered memory, freed with its pool; other pinned tensors (staging copies)
     and the device blocks of a run stay cached by PyTorch, so call this between runs (after
     dropping the engine) before the next large allocation."""
+    gc.collect()                  # a pool in a reference cycle unpins (its finalizer) only when collected
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         getattr(torch._C, "_host_emptyCache", lambda: None)()
