@@ -6,7 +6,8 @@
     runner.py     the device: the lanes' buffers, the decode step and its graph, prefill pieces
     server.py     the loop and the public API: open, submit, step, cancel, close, serve
     workload.py   the serving study's requests (in-process and over HTTP alike), bench_serving's random dataset
-    handoff.py    prompts prefilled elsewhere (a prefill worker, in process or its own), adopted to decode
+    handoff.py    prompts (or their prefixes) prefilled elsewhere (a prefill worker, in process or its own), adopted
+    prefix.py     the prefix index: cached whole-page prefixes, LRU eviction (not yet wired into the server)
 """
 from hisparse.serving.memory import GIB, LaneMemory
 from hisparse.serving.request import (Iteration, Request, Schedule, ServingRun, TokenTimeline, benchmark_summary,

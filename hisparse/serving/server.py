@@ -47,9 +47,8 @@ class Server:
     `prefill_beside_decode`: DSA): each iteration launches the decode step, then `prefill_layers`
     layers of the current chunk on a side CUDA stream (inline after the step without a GPU).
     prefill_sms: that side stream in a CUDA green context of this many SMs (None: every SM).
-    disaggregated: the decode instance of a prefill/decode-disaggregated deployment, emulated on this
-    GPU: an admitted prompt is prefilled at once with the clock stopped (a prefill instance's work,
-    `Request.prefill_s`), so a run times decoding alone, as if its KV had landed in the host pool."""
+    disaggregated: a decode instance of a prefill/decode-disaggregated deployment, emulated: a prompt is
+    prefilled at its admission with the clock stopped (`Request.prefill_s`), as if its KV had landed."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
@@ -85,7 +84,8 @@ class Server:
         self._reserved: int | None = None        # the lane of the request being prefilled
         self._prefilling: PrefillJob | None = None
         self._planned = None                     # a replayed schedule's iterations
-        self.requests: list[Request] = []; self._open = False
+        self.requests: list[Request] = []
+        self._open = False
         self.resident_admissions = self.demotions = self.resident_steps = 0      # hybrid's counts (reset by open)
 
     # what the memory holds, as a server's caller reads it
