@@ -195,13 +195,13 @@ def test_every_bad_setting_is_a_value_error_naming_its_field(field, value):
 def test_the_pick_kernel_is_its_torch_reference():
     """sample_tokens (the pick over the kept prefix, a kernel) against sample_tokens_ref (torch's noise
     over every id): the same tokens, rows of every kind, rows longer than a kernel block."""
-    from hisparse.sampling import PICK_BLOCK
+    from hisparse.sampling import CHUNK
     gen = torch.Generator().manual_seed(3)
-    rows, vocab = 12, 2 * PICK_BLOCK + 77
+    rows, vocab = 12, 2 * CHUNK + 77
     logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 6.0, rows)[:, None]
     temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * 3)
     top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 1.0, 0.99, 1.0, 0.3, 1.0, 0.95, 1.0, 1.0])
-    top_k = torch.tensor([0, 0, 0, 0, 5, 0, PICK_BLOCK + 3, 0, 0, 40, 0, vocab])
+    top_k = torch.tensor([0, 0, 0, 0, 5, 0, CHUNK + 3, 0, 0, 40, 0, vocab])
     min_p = torch.tensor([0.0] * 8 + [0.1, 0.0, 0.01, 0.0])
     seed, index = torch.arange(rows) * 7919 + 2**40, torch.arange(rows) + 100
     for step in range(3):
