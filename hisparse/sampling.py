@@ -4,14 +4,18 @@ sampler that applies them to a decode step's logits.
 `SamplingParams()` is greedy decoding to `max_new_tokens`, bit-for-bit what the engine did before
 sampling existed. Every field is checked by `check`, which names the field and what it expects.
 
-The sampler (`sample_tokens`, over `LaneSampling`'s static per-lane buffers) is torch ops a CUDA
-graph captures: no host sync, no data-dependent shape. Per row: the logits plus logit_bias, less
-presence * (count > 0) + frequency * count over the tokens the request generated (not its prompt);
-greedy rows (temperature 0) take the argmax of those (the raw logits' argmax when no bias or penalty
-is set); the others divide by the temperature, keep top_k, top_p and min_p's tokens (a prefix of the
-sorted row) and take the Gumbel-max of what is kept. The Gumbel noise of vocabulary id v at the
-request's token index t comes from `uniform(seed, t, v)`, a counter-based integer hash (the same
-numbers on CPU and GPU): a request's draws never depend on the other rows of its batch.
+The sampler (`sample_tokens`, over `LaneSampling`'s static per-lane buffers) is four Triton kernels
+a CUDA graph captures (kernels_triton/sampling.py): no host sync, no data-dependent shape, no sort.
+Per row: the logits plus logit_bias, less presence * (count > 0) + frequency * count over the tokens
+the request generated (not its prompt); greedy rows (temperature 0) take the argmax of those (the
+raw logits' argmax when no bias or penalty is set); the others divide by the temperature (z) and
+keep {z >= t}, t = max(t_k, t_p, t_min): t_k the top_k-th largest z, t_p the largest z whose ids at
+or above it hold top_p of the softmax mass, t_min = max z + log(min_p). Ids tied with t are kept (a
+sorted prefix could cut inside a tie group). The token is the Gumbel-max of the kept ids, equal
+scores going to the lowest id. The Gumbel noise of vocabulary id v at the request's token index t
+comes from `uniform(seed, t, v)`, a counter-based integer hash (the same numbers on CPU and GPU): a
+request's draws never depend on the other rows of its batch. `sample_tokens_ref` is all torch: the
+thresholds from a sorted row, the noise of every id.
 
 Log-probabilities (`token_logprobs`) are the log-softmax of the raw logits, before bias, penalties,
 temperature and filtering (as vLLM and OpenAI report them). Stops (`stop_reason`): the checkpoint's
