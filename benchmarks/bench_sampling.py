@@ -8,8 +8,8 @@ The model is bench_prefill's DSA (61 layers, 128 heads, 512 + 64 latents, k = 20
 DeepSeek-V3.2's vocabulary (129280 ids: the sampler's cost grows with it). `step_ms`: the median
 graphed decode step of `Engine.generate` (resident, random prefill, `--batch` requests of
 `--context` tokens; its argmax included). `argmax_ms` and `sample_ms`: the greedy argmax and
-`LaneSampling.sample` (its own CUDA graph; temperature 0.8, top_p 0.95 on every lane) plus its
-count update, over logits [batch, vocab]. `overhead_frac` = (sample_ms - argmax_ms) / step_ms, printed
+`LaneSampling.sample` (its own CUDA graph; temperature 0.8, top_p 0.95 on every lane, no bias or
+penalty: the sampler's fused pass skips their loads) plus its count update, over logits [batch, vocab]. `overhead_frac` = (sample_ms - argmax_ms) / step_ms, printed
 beside the target: at most 0.02 on the H200 at batch 64.
 """
 import argparse

@@ -4,14 +4,18 @@ sampler that applies them to a decode step's logits.
 `SamplingParams()` is greedy decoding to `max_new_tokens`, bit-for-bit what the engine did before
 sampling existed. Every field is checked by `check`, which names the field and what it expects.
 
-The sampler (`sample_tokens`, over `LaneSampling`'s static per-lane buffers) is torch ops a CUDA
-graph captures: no host sync, no data-dependent shape. Per row: the logits plus logit_bias, less
-presence * (count > 0) + frequency * count over the tokens the request generated (not its prompt);
-greedy rows (temperature 0) take the argmax of those (the raw logits' argmax when no bias or penalty
-is set); the others divide by the temperature, keep top_k, top_p and min_p's tokens (a prefix of the
-sorted row) and take the Gumbel-max of what is kept. The Gumbel noise of vocabulary id v at the
-request's token index t comes from `uniform(seed, t, v)`, a counter-based integer hash (the same
-numbers on CPU and GPU): a request's draws never depend on the other rows of its batch.
+The sampler (`sample_tokens`, over `LaneSampling`'s static per-lane buffers) is four Triton kernels
+a CUDA graph captures (kernels_triton/sampling.py): no host sync, no data-dependent shape, no sort.
+Per row: the logits plus logit_bias, less presence * (count > 0) + frequency * count over the tokens
+the request generated (not its prompt); greedy rows (temperature 0) take the argmax of those (the
+raw logits' argmax when no bias or penalty is set); the others divide by the temperature (z) and
+keep {z >= t}, t = max(t_k, t_p, t_min): t_k the top_k-th largest z, t_p the largest z whose ids at
+or above it hold top_p of the softmax mass, t_min = max z + log(min_p). Ids tied with t are kept (a
+sorted prefix could cut inside a tie group). The token is the Gumbel-max of the kept ids, equal
+scores going to the lowest id. The Gumbel noise of vocabulary id v at the request's token index t
+comes from `uniform(seed, t, v)`, a counter-based integer hash (the same numbers on CPU and GPU): a
+request's draws never depend on the other rows of its batch. `sample_tokens_ref` is all torch: the
+thresholds from a sorted row, the noise of every id.
 
 Log-probabilities (`token_logprobs`) are the log-softmax of the raw logits, before bias, penalties,
 temperature and filtering (as vLLM and OpenAI report them). Stops (`stop_reason`): the checkpoint's
@@ -24,11 +28,13 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import triton
 
-from kernels_triton.sampling import _gumbel_pick_kernel
+from kernels_triton.sampling import _pick_kernel, _pick_reduce_kernel, _prepare_kernel, _threshold_kernel
 
 MAX_LOGPROBS = 20      # top log-probabilities a token may carry (OpenAI's cap)
-PICK_BLOCK = 1024      # sorted positions a step of the pick kernel takes
+CHUNK = 4096           # ids a program of the row-split passes (prepare, pick) takes
+SEARCH_BLOCK = 1024    # ids a step of the threshold search takes
 
 
 @dataclass(frozen=True)
@@ -140,43 +146,92 @@ def uniform(seed: torch.Tensor, index: torch.Tensor, ids: torch.Tensor) -> torch
     return ((h >> 8).float() + 0.5) * 2.0**-24
 
 
+def _check_inputs(logits, per_row: dict, bias, counts, presence, frequency) -> None:
+    """ValueError naming the argument unless the shapes, dtypes and devices are what the kernels read."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected a float [rows, vocab] tensor with unit stride along vocab, "
+                         f"got {tuple(logits.shape)} {logits.dtype} strides {logits.stride()}")
+    rows, vocab = logits.shape
+    for name, (t, dtype) in dict(per_row, presence=(presence, torch.float32),
+                                 frequency=(frequency, torch.float32)).items():
+        if t is None and name in ("presence", "frequency"):
+            continue
+        if t.shape != (rows,) or t.dtype != dtype or t.device != logits.device or t.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous [{rows}] {dtype} tensor on {logits.device}, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+    if (bias is None) != (counts is None) or (bias is not None and (presence is None or frequency is None)):
+        raise ValueError("bias, counts, presence and frequency: expected all four or none")
+    for name, t in (("bias", bias), ("counts", counts)):
+        if t is not None and (t.shape != (rows, vocab) or t.dtype != torch.float32 or t.stride(1) != 1
+                              or t.device != logits.device):
+            raise ValueError(f"{name}: expected a [{rows}, {vocab}] float32 tensor with unit stride along vocab "
+                             f"on {logits.device}, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                   min_p: torch.Tensor, seed: torch.Tensor, index: torch.Tensor, bias: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, presence: torch.Tensor | None = None,
-                  frequency: torch.Tensor | None = None) -> torch.Tensor:
+                  frequency: torch.Tensor | None = None, adjusted: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R]: each row's token (see the module docstring). logits [R, V]; per row [R]: temperature,
     top_p, min_p (float32), top_k (int64, 0: all), seed, index (int64); bias, counts [R, V] float32 and
-    presence, frequency [R] float32, or None for none. The sort in torch, the pick over the kept prefix
-    in `_gumbel_pick_kernel` (kernels_triton/sampling.py); `sample_tokens_ref` is all torch."""
-    best, z = _tempered(logits, temperature, bias, counts, presence, frequency)
-    values, ids = z.sort(-1, descending=True)                  # [R, V]: what top_k, top_p, min_p keep is a prefix
-    row, other = _row_keys(seed, index)
-    out = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
-    _gumbel_pick_kernel[(z.shape[0],)](values, ids, row, other, temperature, top_p, top_k, min_p, out, z.shape[1],
-                                       values.stride(0), ids.stride(0), BLOCK=PICK_BLOCK)
-    return torch.where(temperature == 0, best, out)
+    presence, frequency [R] float32, or None for none; adjusted int32 [R]: 0 where a row's bias and
+    penalties are all zero (their loads skipped), None: every row's applied. Four kernels, no sort
+    (kernels_triton/sampling.py); `sample_tokens_ref` is the same distribution in torch."""
+    _check_inputs(logits, dict(temperature=(temperature, torch.float32), top_p=(top_p, torch.float32),
+                               top_k=(top_k, torch.int64), min_p=(min_p, torch.float32), seed=(seed, torch.int64),
+                               index=(index, torch.int64)), bias, counts, presence, frequency)
+    rows, vocab = logits.shape
+    chunks, dev = triton.cdiv(vocab, CHUNK), logits.device
+    z = torch.empty(rows, vocab, dtype=torch.float32, device=dev)              # the tempered rows
+    part_max, part_min = (torch.empty(rows, chunks, dtype=torch.float32, device=dev) for _ in range(2))
+    part_arg = torch.empty(rows, chunks, dtype=torch.int32, device=dev)        # first id of each chunk's max
+    if bias is None:
+        bias, counts, presence, frequency = z, z, temperature, temperature     # never read: adjusted all 0
+        adjusted = torch.zeros(rows, dtype=torch.int32, device=dev)
+    elif adjusted is None:
+        adjusted = torch.ones(rows, dtype=torch.int32, device=dev)
+    _prepare_kernel[(rows, chunks)](logits, bias, counts, presence, frequency, adjusted, temperature, z, part_max,
+                                    part_arg, part_min, vocab, logits.stride(0), bias.stride(0), counts.stride(0),
+                                    z.stride(0), chunks, CHUNK=CHUNK, num_warps=8)
+    greedy = torch.empty(rows, dtype=torch.int32, device=dev)
+    threshold = torch.empty(rows, dtype=torch.float32, device=dev)
+    chunks_p2 = triton.next_power_of_2(chunks)
+    _threshold_kernel[(rows,)](z, part_max, part_arg, part_min, temperature, top_p, top_k, min_p, greedy, threshold,
+                               vocab, z.stride(0), chunks, CHUNKS_P2=chunks_p2, BLOCK=SEARCH_BLOCK, num_warps=8)
+    part_score = torch.empty(rows, chunks, dtype=torch.float32, device=dev)
+    part_id = torch.empty(rows, chunks, dtype=torch.int32, device=dev)
+    _pick_kernel[(rows, chunks)](z, threshold, seed, index, temperature, part_score, part_id, vocab, z.stride(0),
+                                 chunks, CHUNK=CHUNK, num_warps=8)
+    out = torch.empty(rows, dtype=torch.int64, device=dev)
+    _pick_reduce_kernel[(rows,)](part_score, part_id, greedy, temperature, out, chunks, CHUNKS_P2=chunks_p2)
+    return out
 
 
 def sample_tokens_ref(logits, temperature, top_p, top_k, min_p, seed, index, bias=None, counts=None, presence=None,
                       frequency=None) -> torch.Tensor:
-    """`sample_tokens` in torch alone: the noise of every id of every row."""
+    """`sample_tokens` in torch alone: the thresholds from a sort, the noise of every id of every row."""
     best, z = _tempered(logits, temperature, bias, counts, presence, frequency)
-    values, ids = z.sort(-1, descending=True)
-    probs = torch.softmax(values, -1)
-    ahead = probs.cumsum(-1) - probs                           # the mass of the tokens before each
-    position = torch.arange(z.shape[-1], device=z.device)
-    k = torch.where(top_k > 0, top_k, z.shape[-1])
-    keep = ((ahead < top_p[:, None]) | (top_p[:, None] >= 1)) & (position < k[:, None]) & \
-        (probs >= min_p[:, None] * probs[:, :1])
-    noise = -torch.log(-torch.log(uniform(seed, index, ids)))
-    pick = torch.where(keep, values + noise, -math.inf).argmax(-1, keepdim=True)
-    return torch.where(temperature == 0, best, ids.gather(-1, pick)[:, 0])
+    vocab = z.shape[-1]
+    values = z.sort(-1, descending=True).values
+    top = values[:, 0]
+    minus_inf = torch.full_like(top, -math.inf)
+    t_k = torch.where((top_k > 0) & (top_k < vocab), values.gather(-1, (top_k - 1).clamp(0, vocab - 1)[:, None])[:, 0],
+                      minus_inf)                                       # the k-th largest value
+    mass = torch.exp(values - top[:, None]).cumsum(-1)                 # the softmax mass at or above each value
+    reach = mass >= top_p[:, None] * mass[:, -1:]
+    first = reach.int().argmax(-1, keepdim=True)                       # the first value whose mass reaches top_p
+    t_p = torch.where((top_p < 1) & reach.any(-1), values.gather(-1, first)[:, 0], minus_inf)
+    t = torch.maximum(torch.maximum(t_k, t_p), top + torch.log(min_p))
+    noise = -torch.log(-torch.log(uniform(seed, index, torch.arange(vocab, device=z.device).expand_as(z))))
+    pick = torch.where(z >= t[:, None], z + noise, -math.inf).argmax(-1)   # equal scores: the lowest id
+    return torch.where(temperature == 0, best, pick)
 
 
 class LaneSampling:
     """Each lane's settings as static device buffers, rewritten between steps (`set_lane`, `clear_lane`),
     so the step that samples (`sample`) keeps one shape: [lanes] temperature, top_p, top_k, min_p,
-    penalties, seed and token index, [lanes, V] logit bias and generated-token counts. The buffers
+    penalties, seed, token index and whether bias or a penalty is set (`adjusted`: the sampler skips
+    the [V] loads where not), [lanes, V] logit bias and generated-token counts. The buffers
     are allocated when a lane first needs the sampler (`SamplingParams.needs_sampler`); while no lane
     does, `needed` is False and the caller takes the argmax. graph: `sample` replays a CUDA graph
     of itself, captured at its first call over that call's logits (a graphed step's static output;
@@ -196,7 +251,7 @@ class LaneSampling:
         return {"temperature": zeros(lanes), "top_p": torch.ones(lanes, device=dev),
                 "top_k": zeros(lanes, dtype=torch.int64), "min_p": zeros(lanes), "seed": zeros(lanes, dtype=torch.int64),
                 "index": zeros(lanes, dtype=torch.int64), "bias": zeros(lanes, vocab), "counts": zeros(lanes, vocab),
-                "presence": zeros(lanes), "frequency": zeros(lanes)}
+                "presence": zeros(lanes), "frequency": zeros(lanes), "adjusted": zeros(lanes, dtype=torch.int32)}
 
     def set_lane(self, lane: int, params: SamplingParams) -> None:
         """The lane samples by `params` from its token index 0, nothing generated yet."""
@@ -210,6 +265,8 @@ class LaneSampling:
                             ("min_p", params.min_p), ("seed", params.seed or 0), ("index", 0),
                             ("presence", params.presence_penalty), ("frequency", params.frequency_penalty)):
             b[name][lane] = value
+        b["adjusted"][lane] = int(bool(params.logit_bias) or params.presence_penalty != 0
+                                  or params.frequency_penalty != 0)
         b["counts"][lane].zero_()
         b["bias"][lane].zero_()
         if params.logit_bias:
@@ -223,7 +280,7 @@ class LaneSampling:
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         b = self.buffers
         return sample_tokens(logits, b["temperature"], b["top_p"], b["top_k"], b["min_p"], b["seed"], b["index"],
-                             b["bias"], b["counts"], b["presence"], b["frequency"])
+                             b["bias"], b["counts"], b["presence"], b["frequency"], b["adjusted"])
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [lanes]: every lane's token from logits [lanes, V] (greedy lanes: the argmax)."""
@@ -249,7 +306,7 @@ class LaneSampling:
         row = slice(lane, lane + 1)
         token = sample_tokens(logits[None], b["temperature"][row], b["top_p"][row], b["top_k"][row], b["min_p"][row],
                               b["seed"][row], b["index"][row], b["bias"][row], b["counts"][row], b["presence"][row],
-                              b["frequency"][row])
+                              b["frequency"][row], b["adjusted"][row])
         b["counts"][row].scatter_add_(1, token[:, None], torch.ones(1, 1, device=self.device))
         b["index"][row] += 1
         return int(token[0])
