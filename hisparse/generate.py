@@ -3,6 +3,7 @@
     python -m hisparse.make_tiny --family deepseek_v32 --out /tmp/tiny
     python -m hisparse.generate --model /tmp/tiny --prompt-len 24 --new-tokens 8 --batch 2 \\
         --mode hisparse --cache-slots 16
+    python -m hisparse.generate --model /tmp/tiny --prompt "The cache" --temperature 0.7 --stop "."
     python -m hisparse.make_tiny --family llama --out /tmp/tiny-llama
     python -m hisparse.generate --model /tmp/tiny-llama --prompt-lens 60,30 --new-tokens 8 \\
         --mode hisparse --token-budget 48 --cache-slots 6
@@ -10,7 +11,7 @@
     python -m hisparse.generate --model /tmp/tiny-nsa --prompt-len 1200 --new-tokens 4 \\
         --mode hisparse --cache-slots 16
 
-Prints the configuration, each request's prompt and generated token ids, tokens/s (batch x timed decode
+Prints the configuration, each request's prompt and generated token ids (and text, with a tokenizer), tokens/s (batch x timed decode
 steps / decode time), the time per output token, the miss rate (hisparse and noio modes) and the
 bytes of KV state per request on the device that holds it (the GPU, or the CPU without one); progress
 lines with the seconds elapsed go to stderr. Without a GPU the Triton kernels run through Triton's
@@ -44,6 +45,7 @@ from hisparse.progress import Progress
 from hisparse.quest.ops import PAGE
 from hisparse.runtime import KV_MODES
 from hisparse.sampling import MAX_LOGPROBS, SamplingParams
+from hisparse.text import TextStream, load_tokenizer
 
 FAMILIES = {"deepseek_v32": "DSA", "glm_moe_dsa": "DSA", "llama": "Quest", "qwen3": "Quest", "nsa": "NSA"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="explicit prompt token ids, comma-separated, e.g. '1,2,3'; one prompt is "
                              "repeated for every request of --batch; several prompts separated by ';' "
                              "('1,2,3;4,5') give one request each")
+    prompt.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a text prompt, one request each (repeatable; the checkpoint needs a tokenizer, as "
+                             "`python -m hisparse.make_tiny` writes); the generated tokens are printed as text too")
     ap.add_argument("--new-tokens", type=positive_int, default=16, metavar="N",
                     help="tokens generated per request, the first from the prefill's logits (default 16); "
                          "timing needs N >= 3 (the first decode step compiles and, with --graph, precedes the capture)")
@@ -182,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"N most likely tokens', N in 0..{MAX_LOGPROBS}")
     sample.add_argument("--stop-token-ids", type=lambda text: tuple(_int_list(text, "token id")), default=(),
                         metavar="A,B,...", help="end a request at any of these token ids (kept as its last token)")
+    sample.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end a request's text where this string begins (repeatable; needs a tokenizer; the "
+                             "stop is left out, as OpenAI's stop)")
     sample.add_argument("--ignore-eos", action="store_true",
                         help="do not end a request at the checkpoint's eos_token_id (config.json)")
     sample.add_argument("--min-tokens", type=int, default=0, metavar="N",
@@ -208,7 +216,14 @@ def parse_device(ap: argparse.ArgumentParser, text: str | None) -> torch.device:
     return device
 
 
-def _prompts(ap, args, vocab: int) -> list[torch.Tensor]:
+def _prompts(ap, args, vocab: int, tokenizer) -> list[torch.Tensor]:
+    if args.prompt is not None:
+        if args.batch not in (None, len(args.prompt)):
+            ap.error(f"argument --batch: {args.batch} differs from the {len(args.prompt)} prompts of --prompt")
+        ids = [tokenizer.encode(text) for text in args.prompt]
+        if any(not p for p in ids):
+            ap.error("argument --prompt: a prompt encodes to no tokens")
+        return [torch.tensor(p, dtype=torch.int64) for p in ids]
     if args.prompt_ids is not None:
         ids = args.prompt_ids
         if len(ids) > 1 and args.batch not in (None, len(ids)):
@@ -312,7 +327,11 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                  f"quest_selection_group / NSA's selection_group > 1, make them)")
     if args.mode != "resident" and args.cache_slots is None:
         ap.error(f"argument --mode: {args.mode} needs --cache-slots B with B >= k = {k} ({runtime.selection_name})")
-    prompts = _prompts(ap, args, cfg.vocab_size)
+    tokenizer = load_tokenizer(args.model) if args.prompt is not None or args.stop else None
+    if tokenizer is None and (args.prompt is not None or args.stop):
+        ap.error(f"argument --{'prompt' if args.prompt is not None else 'stop'}: checkpoint {args.model!r} has no "
+                 f"tokenizer (tokenizer.json): give token ids (--prompt-ids) and --stop-token-ids instead")
+    prompts = _prompts(ap, args, cfg.vocab_size, tokenizer)
     longest = max(len(p) for p in prompts)
     if args.max_context is not None and longest + args.new_tokens - 1 > args.max_context:
         ap.error(f"argument --max-context: {args.max_context} is too small for a prompt of {longest} tokens "
@@ -356,8 +375,24 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     for b, (prompt, row) in enumerate(zip(prompts, out.tokens.tolist())):
         row = [t for t in row if t >= 0]          # -1 after a stop
+        reason = out.finish_reasons[b]
+        if tokenizer is not None:                  # the text, cut where a stop string begins
+            stream = TextStream(tokenizer, prompt.tolist(), tuple(args.stop), args.min_tokens)
+            pieces = []
+            for n, token in enumerate(row, 1):
+                piece, stopped = stream.add(token, n)
+                pieces.append(piece)
+                if stopped:
+                    row, reason = row[:n], "stop"
+                    break
+            else:
+                piece, stopped = stream.finish(len(row))
+                pieces.append(piece)
+                reason = "stop" if stopped else reason
         print(f"request {b}: prompt [{_fmt_tokens(prompt.tolist(), args.show_tokens)}] -> "
-              f"[{_fmt_tokens(row, args.show_tokens)}] ({out.finish_reasons[b]})")
+              f"[{_fmt_tokens(row, args.show_tokens)}] ({reason})")
+        if tokenizer is not None:
+            print(f"  text: {tokenizer.decode(prompt.tolist())!r} -> {''.join(pieces)!r}")
         for n, (chosen, top) in enumerate(out.token_logprobs[b][:min(len(row), args.show_tokens)]):
             print(f"  token {n}: {row[n]} logprob {chosen:.4f}; top " + ", ".join(f"{i} {lp:.4f}" for i, lp in top))
     batch = len(prompts)

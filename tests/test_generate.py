@@ -378,3 +378,33 @@ def test_seeds_beyond_64_bits_are_argparse_errors(tiny, capsys, seed):
 
 def test_the_largest_seed_is_accepted():
     assert build_parser().parse_args(["--model", "x", "--seed", str(2**64 - 1)]).seed == 2**64 - 1
+
+
+@pytest.fixture(scope="module")
+def texty(tmp_path_factory):
+    return str(write_tiny_checkpoint("deepseek_v32", tmp_path_factory.mktemp("text"), seed=1, tokenizer=True,
+                                     num_hidden_layers=1))
+
+
+def test_a_text_prompt_prints_its_text_and_a_stop_string_cuts_it(texty, capsys):
+    """--prompt encodes with the checkpoint's tokenizer, the tokens come back as text; --stop ends the text
+    where the stop begins (left out), the ids cut at the token that completed it, finish reason stop."""
+    import ast
+
+    def text_of(out):
+        line = next(x for x in out.splitlines() if x.startswith("  text: "))
+        return ast.literal_eval(line.rsplit(" -> ", 1)[1])
+    args = ["--model", texty, "--prompt", "The cache keeps", "--new-tokens", "8", "--ignore-eos", "--seed", "3"]
+    rc, out, _ = cli(capsys, *args)
+    text = text_of(out)
+    assert rc == 0 and "(length)" in out and len(text.strip()) >= 3, out
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].strip() == text[i:i + 2])
+    rc, cut, _ = cli(capsys, *args, "--stop", stop)
+    assert rc == 0 and text_of(cut) == text[:text.find(stop)] and "(stop)" in cut, cut
+
+
+def test_text_options_need_a_tokenizer(tiny, capsys):
+    assert main(["--model", tiny, "--prompt", "hello"]) == 2
+    assert "argument --prompt: checkpoint" in capsys.readouterr().err
+    assert main(["--model", tiny, "--prompt-ids", "1,2", "--stop", "x"]) == 2
+    assert "argument --stop: checkpoint" in capsys.readouterr().err
