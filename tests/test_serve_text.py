@@ -141,6 +141,25 @@ def test_the_openai_client_chats_streamed_and_not_alike(texty, tokenizer):
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == n
 
 
+def test_a_seed_gives_the_same_text_twice_and_in_hisparse_mode(texty, checkpoint):
+    """temperature and top_p on, one seed: the same text from the resident server twice and from a
+    hisparse one (each request alone in its batch: bitwise the same logits, so the same draws)."""
+    hier = Running(Server(load_model(checkpoint), "hisparse", cache_slots=16, max_context=MAX_CONTEXT,
+                          kv_budget_gib=0.05, max_batch=3, prefill_chunk=32, prefill="reference"),
+                   tokenizer=load_tokenizer(checkpoint))
+    try:
+        texts = [client_of(running).completions.create(
+            model="tiny", prompt="The cache keeps", max_tokens=8, temperature=0.9, top_p=0.9, seed=11,
+            extra_body={"ignore_eos": True}).choices[0].text for running in (texty, texty, hier)]
+        other = client_of(hier).completions.create(model="tiny", prompt="The cache keeps", max_tokens=8,
+                                                   temperature=0.9, top_p=0.9, seed=12,
+                                                   extra_body={"ignore_eos": True}).choices[0].text
+    finally:
+        hier.shut_down()
+    assert texts[0] and texts[0] == texts[1] == texts[2], texts
+    assert hier.server.requests[-1].sampling.seed == 12 and other != texts[0], "the seed is not what samples"
+
+
 def test_the_settings_reach_the_request(texty):
     """Every sampling setting of a body is the request's SamplingParams (the sampler's input)."""
     body = {"temperature": 0.5, "top_p": 0.8, "top_k": 3, "min_p": 0.1, "seed": 9, "presence_penalty": 0.5,
