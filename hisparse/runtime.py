@@ -113,6 +113,7 @@ class FamilyRuntime(Protocol):
     prefill_beside_decode: bool   # a prefill may run beside decode steps (an empty lane's decode write
                                   # lands where no request reads); serving's prefill_overlap needs it
     hybrid_trash_row: bool     # hybrid serving: non-resident lanes' decode write goes to a trash row of the cache
+    shares_prefixes: bool      # lane_prefill takes shared_pages: streams opened on a cached prefix (serving.sharing)
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         """The empty state a prefill writes into (DSA's holds its kv_dtype's rows)."""
@@ -120,7 +121,8 @@ class FamilyRuntime(Protocol):
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
                      host_tokens: int, runs: list[int] | None = None, **placement) -> LanePrefill:
         """A prefill of `prompt` tokens straight into serving lane `lane` of `layers` (hybrid: `runs`
-        keeps it resident in those runs of the cache's streams; DSA also takes `workspace_runs`)."""
+        keeps it resident in those runs of the cache's streams; DSA also takes `workspace_runs` and
+        `shared_pages`)."""
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes."""

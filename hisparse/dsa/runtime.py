@@ -191,6 +191,7 @@ class DsaRuntime:
     # serving: an empty lane's decode write lands at its lane's last position (MlaKV.lanes), so a prefill
     # may fill a lane beside the steps; hybrid's non-resident lanes write the cache's trash row
     prefill_beside_decode, hybrid_trash_row = True, True
+    shares_prefixes = True          # its lane prefill opens streams on a cached prefix's pages (serving.sharing)
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16", index_dtype: str = "bf16"):
@@ -378,15 +379,16 @@ class DsaRuntime:
 
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
                      host_tokens: int, runs: list[int] | None = None,
-                     workspace_runs: list[int] | None = None) -> "LanePrefill":
+                     workspace_runs: list[int] | None = None, shared_pages: list[list[int]] | None = None) -> "LanePrefill":
         """A serving lane's prefill in place (`hisparse.serving`): the model's prefill writes the
         indexer keys (and, resident, the latents) straight into lane `lane` of the batch `layers`;
         hierarchical latents go to a workspace of the prompt's length and, chunk by chunk, to the
         request's streams (opened now with `host_tokens` units each). Nothing is copied at the join.
         runs: a hybrid lane kept resident, its latents written straight into these runs of the cache's
         streams (one per layer, `take_runs`) and read from there. workspace_runs: a hybrid lane's
-        hierarchical prefill, its workspace in these runs (given back at the join)."""
-        return LanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs, workspace_runs)
+        hierarchical prefill, its workspace in these runs (given back at the join). shared_pages: per
+        layer, host pages of a cached prefix its streams open on (`hisparse.serving.sharing`)."""
+        return LanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs, workspace_runs, shared_pages)
 
     # -- hybrid serving: a lane resident in a run of the cache's streams, or hierarchical ------------
 
@@ -476,7 +478,8 @@ class LanePrefill:
     model's prefill runs on; `chunk_done(start, end)` after each chunk; `join()` when the prompt is done."""
 
     def __init__(self, runtime: DsaRuntime, mode: str, cache, layers: list, lane: int, prompt: int,
-                 host_tokens: int, runs: list[int] | None = None, workspace_runs: list[int] | None = None):
+                 host_tokens: int, runs: list[int] | None = None, workspace_runs: list[int] | None = None,
+                 shared_pages: list[list[int]] | None = None):
         self.mode, self.cache, self.layers, self.lane, self.runs = mode, cache, layers, lane, runs
         self.workspace_runs = workspace_runs
         if runs is not None:            # a hybrid lane kept resident: its latents live in its runs
@@ -497,8 +500,8 @@ class LanePrefill:
         self.streams = []
         if mode != "resident":
             try:
-                for _ in layers:
-                    self.streams.append(cache.open_stream(host_tokens))
+                for i in range(len(layers)):
+                    self.streams.append(cache.open_stream(host_tokens, shared_pages[i] if shared_pages else ()))
             except BaseException:
                 for stream in self.streams:
                     cache.close_stream(stream)
@@ -524,15 +527,16 @@ class LanePrefill:
         indexer keys into the lane, the latents into the request's streams straight from the host
         (hierarchical) or into the lane or its runs (resident), as the chunks' `chunk_done` would.
         A prefix of the prompt (`prompt` tokens of more): its latents go to the workspace too, where
-        the prefill of the rest attends to them."""
+        the prefill of the rest attends to them; rows a stream holds already (shared pages) stay as they are."""
         for i, view in enumerate(self.state.layers):
             latent, keys = rows(0, i)
             if view.index_keys is not None:
                 view.index_keys[0, :prompt].copy_(keys[0, :prompt])
             if self.mode == "resident" or prompt < view.latent.shape[1]:
                 view.latent[0, :prompt].copy_(latent[:prompt])
-            if self.mode != "resident":
-                self.cache.append(self.streams[i], latent[:prompt])
+            held = self.cache.stream_len[self.streams[i]] if self.mode != "resident" else prompt
+            if held < prompt:
+                self.cache.append(self.streams[i], latent[held:prompt])
 
     def join(self) -> None:
         """The request's streams into its lane (hierarchical modes; resident lanes already hold it)."""

@@ -211,7 +211,7 @@ class NsaRuntime(UnitRowsRuntime):
     family = "NSA"
     selection_name = "num_selected_blocks"
     # serving: an empty lane's decode write still lands in the lane a prefill fills (NSA's window ring)
-    prefill_beside_decode, hybrid_trash_row = False, False
+    prefill_beside_decode, hybrid_trash_row, shares_prefixes = False, False, False
     lane_kv, hier_kv = NsaBlocksKV, HierNsaKV
     unit_size, dense_layers = SEL_BLOCK, 0
 

@@ -268,7 +268,7 @@ class QuestRuntime(UnitRowsRuntime):
     family = "Quest"
     selection_name = "token_budget // 16 pages"
     # serving: an empty lane's decode write still lands in the lane a prefill fills (Quest's dense lanes write at token 0)
-    prefill_beside_decode, hybrid_trash_row = False, False
+    prefill_beside_decode, hybrid_trash_row, shares_prefixes = False, False, False
     lane_kv, hier_kv = QuestKV, HierQuestKV
     unit_size = PAGE
     # hybrid serving: a prefill's workspace is the model's PagedKV in every mode, beside the cache

@@ -22,6 +22,7 @@ from hisparse.cache import HierarchicalKVCache, lowest_runs
 from hisparse.host_pool import as_int
 from hisparse.runtime import FamilyRuntime, cache_bytes, nbytes
 from hisparse.serving.request import Request
+from hisparse.serving.sharing import PAGE_TOKENS
 
 GIB = 2 ** 30
 
@@ -60,8 +61,13 @@ class LaneMemory:
 
     def __init__(self, runtime: FamilyRuntime, mode: str, cache_slots: int | None, max_context: int,
                  kv_budget_gib: float | None, host_budget_gib: float | None, max_batch: int, lanes: int | None,
-                 prefetch: bool, device: torch.device):
+                 prefetch: bool, device: torch.device, prefix_cache: bool = False):
         self.runtime, self.mode, self.max_context, self.device = runtime, mode, max_context, device
+        if prefix_cache and (mode != "hisparse" or not runtime.shares_prefixes):
+            raise ValueError(f"prefix_cache=True shares host pages of DSA models in mode 'hisparse' so far; this "
+                             f"server is {runtime.family} in mode {mode!r}")
+        self.page_rows = PAGE_TOKENS if prefix_cache else None
+        self.sharing = None              # a `sharing.PrefixSharing`, set by the server (it needs the lanes)
         self.hybrid = mode == "hybrid"
         self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are
         self.prefetch = prefetch
@@ -87,6 +93,10 @@ class LaneMemory:
                                  f"{self.lane_bytes / GIB:.3f} GiB at max_context={max_context}, beside the "
                                  f"prefill workspace's {self.workspace_bytes / GIB:.3f} GiB and the cache's slot map "
                                  f"{4 * host_rows / GIB:.3f} GiB")
+            if self.page_rows:         # the slot map covers every lane's streams whole, over shared pages too
+                while fits > 1 and fits * self.lane_bytes + self.workspace_bytes + 4 * self._map_rows(fits, host_rows) \
+                        > self.kv_budget:
+                    fits -= 1
             self.lanes = int(min(fits, max_batch))
             self.gpu_lanes, self.max_batch = int(fits), max_batch
             if host_budget_gib is None and mode != "resident":
@@ -122,12 +132,20 @@ class LaneMemory:
         if self.mode == "resident":
             return 0
         if host_budget_gib is None:
-            return lanes * sum(self.runtime.stream_regions(self.max_context))
+            regions = self.runtime.stream_regions(self.max_context)
+            page = self.page_rows or 1
+            return lanes * sum(-(-r // page) * page for r in regions)
         rows = int(_positive_gib(host_budget_gib, "host_budget_gib") * GIB // self.runtime.row_bytes)
         if rows < 1:
             raise ValueError(f"host_budget_gib={host_budget_gib} holds no host pool row (one is "
                              f"{self.runtime.row_bytes} bytes)")
         return rows
+
+    def _map_rows(self, lanes: int, host_rows: int) -> int:
+        """With a page table: the slot map's rows, every lane's streams at max_context in whole pages
+        (and at least the host rows)."""
+        pages = sum(-(-r // self.page_rows) for r in self.runtime.stream_regions(self.max_context))
+        return max(lanes * pages * self.page_rows, host_rows)
 
     def _cache(self, streams: int, host_rows: int, **kw) -> HierarchicalKVCache:
         rt = self.runtime
@@ -165,6 +183,13 @@ class LaneMemory:
             spare = self.workspace_bytes - kept if self.kv_budget is None else \
                 self.kv_budget - 4 * host_rows - self.lanes * self.lane_bytes - kept
             streams += max(0, (spare - trash * self.runtime.row_bytes) // self.stream_bytes())
+        if self.page_rows:
+            host_rows -= host_rows % self.page_rows
+            if host_rows < self.page_rows:
+                raise ValueError(f"the host pool holds {host_rows} rows, under one page of {self.page_rows}: raise "
+                                 f"host_budget_gib")
+            return self._cache(streams, host_rows, page_rows=self.page_rows,
+                               map_rows=self._map_rows(self.lanes, host_rows))
         return self._cache(streams, host_rows, trash_row=trash)
 
     def gpu_bytes(self, layers: list, extra: int = 0) -> int:
@@ -198,7 +223,10 @@ class LaneMemory:
             return True
         if self.hybrid:
             return self.plan(request, lane_request) is not None
-        return self.cache.fits(self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens))
+        regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
+        if self.sharing is not None:
+            return self.sharing.admissible(regions, request.prompt)
+        return self.cache.fits(regions)
 
     def release(self, lane: int, streams: list[int]) -> None:
         """A lane's request left: its streams closed and (hybrid) its runs given back."""

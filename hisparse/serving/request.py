@@ -249,10 +249,11 @@ class ServingRun:
     hybrid: dict[str, int] | None = None   # mode hybrid: requests admitted resident, demotions, and
                                            # decode steps whose lanes were all resident
     cancelled: list[Request] = field(default_factory=list)   # cancelled, by a client or by close("cancel")
+    prefix: dict[str, float] | None = None   # prefix sharing's counts (`PrefixSharing.run_stats`)
 
     def summary(self) -> dict[str, float]:
         """`timing_summary` of the requests, their queueing percentiles (ms), the running batch's
-        mean and max, and hybrid's counts."""
+        mean and max, hybrid's counts and prefix sharing's."""
         reqs = self.requests
         out = timing_summary(reqs, min((r.arrival for r in reqs), default=0.0))
         for q in (50, 90, 99):
@@ -264,4 +265,6 @@ class ServingRun:
         out["running_batch_max"] = max(self.running_batch, default=0)
         if self.hybrid is not None:
             out.update(self.hybrid)
+        if self.prefix is not None:
+            out.update(self.prefix)
         return out

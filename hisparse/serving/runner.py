@@ -231,22 +231,29 @@ class Runner:
     # -- a prefill, in pieces --------------------------------------------------------------------
 
     def start_prefill(self, request: Request, placement: dict) -> PrefillJob:
-        """A prefill into the request's lane (hybrid: `placement`'s runs, given back if it fails)."""
+        """A prefill into the request's lane (hybrid: `placement`'s runs, given back if it fails), on
+        from the cached prefix of its prompt where the server shares prefixes (`memory.sharing`)."""
         memory = self.memory
+        shared = memory.sharing.take(request.prompt) if memory.sharing is not None and request.handoff is None \
+            else None
         try:
             lane_prefill = self.runtime.lane_prefill(memory.kv_mode, memory.cache, self.layers, request.lane,
-                                                     len(request.prompt),
-                                                     len(request.prompt) + request.max_new_tokens, **placement)
+                                                     len(request.prompt), len(request.prompt) + request.max_new_tokens,
+                                                     **placement, **({} if shared is None else {"shared_pages": shared[0]}))
         except BaseException:
             for first in [first for held in placement.values() for first in held]:
                 memory.cache.release_run(first)
             raise
-        return PrefillJob(request, lane_prefill)
+        job = PrefillJob(request, lane_prefill)
+        if shared is not None:
+            self.adopt(job, shared[1])
+        return job
 
-    def adopt(self, job: PrefillJob) -> None:
-        """The request's handoff placed as its own prefill would have placed it: the prompt is done, or
-        (a prefix's handoff) its first `prompt_len` tokens, the prefill going on from there."""
-        handoff = job.request.handoff
+    def adopt(self, job: PrefillJob, handoff=None) -> None:
+        """The request's handoff (or `handoff`, a cached prefix's) placed as its own prefill would have
+        placed it: the prompt is done, or (a prefix's handoff) its first `prompt_len` tokens, the prefill
+        going on from there."""
+        handoff = handoff or job.request.handoff
         try:
             job.lane_prefill.adopt(handoff.layer_rows, handoff.prompt_len)
         except BaseException:
@@ -356,9 +363,12 @@ class Runner:
             self.side.synchronize()
 
 
-def check_options(mode: str, modes: tuple, prefill: str, prefetch: bool, disaggregated: bool,
-                  prefill_overlap: bool) -> None:
-    """A server's mode and prefill options checked: ValueError naming the bad one."""
+def check_options(mode: str, modes: tuple, prefill: str, prefetch: bool, disaggregated: bool, prefill_overlap: bool,
+                  graph_off_gpu: bool, max_context, prefill_chunk, max_batch) -> tuple[int, int, int]:
+    """A server's mode and prefill options checked, ValueError naming the bad one; its sizes as ints
+    (max_context, prefill_chunk, max_batch)."""
+    if graph_off_gpu:
+        raise ValueError("graph=True needs the model on a CUDA GPU")
     if mode not in modes:
         raise ValueError(f"mode must be one of {modes}, got {mode!r}")
     if prefill not in ("model", "reference"):
@@ -369,6 +379,9 @@ def check_options(mode: str, modes: tuple, prefill: str, prefetch: bool, disaggr
         raise ValueError("disaggregated=True prefills elsewhere: prefill_overlap (beside the decode steps) does not apply")
     if prefetch and mode != "hisparse":
         raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
+    return (as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2),
+            as_int(prefill_chunk, "prefill_chunk must be an int >= 1 (prompt tokens an iteration)", 1),
+            as_int(max_batch, "max_batch must be an int >= 1 (lanes at most)", 1))
 
 
 def check_overlap(runtime: FamilyRuntime, prefill_overlap: bool, prefill_layers: int,

@@ -18,13 +18,13 @@ import time
 import torch
 
 from hisparse.engine import family_runtime
-from hisparse.host_pool import as_int
 from hisparse.runtime import KV_MODES, prefetch_width
 from hisparse.serving.memory import LaneMemory
 from hisparse.sampling import eos_token_ids
 from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, check_request, emit
 from hisparse.serving.runner import PrefillJob, Runner, check_options, check_overlap
 from hisparse.serving.scheduler import Scheduler, drive, free_lane
+from hisparse.serving.sharing import PrefixSharing
 
 # hybrid (every family): a request resident while its rows fit beside the others in runs of the cache's
 # streams, hierarchical otherwise; a resident one is demoted when a hierarchical one needs the room
@@ -48,7 +48,8 @@ class Server:
     layers of the current chunk on a side CUDA stream (inline after the step without a GPU).
     prefill_sms: that side stream in a CUDA green context of this many SMs (None: every SM).
     disaggregated: a decode instance of a prefill/decode-disaggregated deployment, emulated: a prompt is
-    prefilled at its admission with the clock stopped (`Request.prefill_s`), as if its KV had landed."""
+    prefilled at its admission with the clock stopped (`Request.prefill_s`), as if its KV had landed.
+    prefix_cache: prompts' whole pages stored once and shared, prefilled once (`sharing.py`; DSA, hisparse)."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
@@ -57,14 +58,11 @@ class Server:
                  prefetch: bool = False, prefetch_programs: int | None = None,
                  selections: torch.Tensor | None = None, kv_dtype: str = "bf16", prefill_overlap: bool = False,
                  prefill_layers: int = PREFILL_LAYERS, prefill_sms: int | None = None, index_dtype: str = "bf16",
-                 disaggregated: bool = False):
-        check_options(mode, SERVING_MODES, prefill, prefetch, disaggregated, prefill_overlap)
-        max_context = as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2)
-        self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk must be an int >= 1 (prompt tokens an iteration)", 1)
-        max_batch = as_int(max_batch, "max_batch must be an int >= 1 (lanes at most)", 1)
+                 disaggregated: bool = False, prefix_cache: bool = False):
         weight = model.model.embed_tokens.weight
-        if graph and not weight.is_cuda:
-            raise ValueError("graph=True needs the model on a CUDA GPU")
+        max_context, self.prefill_chunk, max_batch = check_options(
+            mode, SERVING_MODES, prefill, prefetch, disaggregated, prefill_overlap, graph and not weight.is_cuda,
+            max_context, prefill_chunk, max_batch)
         self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
         self.eos = eos_token_ids(model.config)      # a request stops at these unless its sampling ignores eos
         self.device = weight.device
@@ -75,17 +73,17 @@ class Server:
         self.decode_backend, self.prefetch, self.kv_dtype = decode_backend, prefetch, kv_dtype
         self.prefetch_programs = prefetch_width(runtime.family, prefetch_programs)
         self.memory = LaneMemory(runtime, mode, cache_slots, max_context, kv_budget_gib, host_budget_gib, max_batch,
-                                 lanes, prefetch, self.device)
+                                 lanes, prefetch, self.device, prefix_cache)
         self.runner = Runner(model, runtime, self.memory, graph, prefill == "model", decode_backend, prefetch,
                              self.prefetch_programs, selections, prefill_overlap, prefill_sms)
+        self.sharing = self.memory.sharing = PrefixSharing(self.memory, self.runner.layers) if prefix_cache else None
         count = model.config.num_hidden_layers
         self.scheduler = Scheduler(self.prefill_chunk, self.prefill_layers if prefill_overlap else count, count)
         self.lane_request: list[Request | None] = [None] * self.lanes
         self._reserved: int | None = None        # the lane of the request being prefilled
         self._prefilling: PrefillJob | None = None
         self._planned = None                     # a replayed schedule's iterations
-        self.requests: list[Request] = []
-        self._open = False
+        self.requests, self._open = [], False       # the run's requests by rid; a run open (open .. close)
         self.resident_admissions = self.demotions = self.resident_steps = 0      # hybrid's counts (reset by open)
 
     # what the memory holds, as a server's caller reads it
@@ -312,7 +310,7 @@ class Server:
                           self.running_batch, self.peak_gpu, self.peak_host,
                           {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
                            "resident_steps": self.resident_steps} if self.hybrid else None,
-                          [r for r in self.requests if r.cancelled])
+                          [r for r in self.requests if r.cancelled], self.sharing and self.sharing.run_stats())
 
     def _require_open(self, call: str) -> None:
         if not self._open:
@@ -377,6 +375,8 @@ class Server:
                 self.resident_admissions += 1
             job.lane_prefill.join()            # (a workspace in runs goes back)
             self.lane_request[request.lane] = request
+            if self.sharing is not None:       # its prompt's whole pages, cached for the requests that extend it
+                self.sharing.insert(request.prompt, self.runner.lane_states.streams(request.lane), request.lane)
         self.memory.lanes_changed += 1
         self._note_peak(job.held)
         self._prefilling, self._reserved = None, None

@@ -1,0 +1,90 @@
+"""Prefix sharing (`Server(prefix_cache=True)`, hisparse.serving.sharing): a request whose prompt
+extends a cached one opens its streams on the cached pages, gets the prefix's indexer keys and
+latents from the host and prefills only the rest, bitwise as the same request prefilled whole in place
+with the same chunk boundaries; the pages are stored once and all come back once the index is
+cleared (tiny DSA model, interpreter)."""
+import pytest
+import torch
+from test_serving import QUICK, tiny
+
+from hisparse.serving import Request, Server
+from hisparse.serving.sharing import PAGE_TOKENS
+
+MAX_CONTEXT = 3 * PAGE_TOKENS
+
+
+def server(prefix_cache: bool, **kw) -> Server:
+    return Server(tiny("deepseek_v32"), "hisparse", cache_slots=16, max_context=MAX_CONTEXT, kv_budget_gib=0.05,
+                  max_batch=2, prefill_chunk=PAGE_TOKENS, keep_logits=True, prefix_cache=prefix_cache, **QUICK, **kw)
+
+
+def prompts(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt of two pages and a bit, and one that shares its two pages and goes on differently."""
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, 97, (2 * PAGE_TOKENS + 3,), generator=gen)
+    return first, torch.cat([first[:2 * PAGE_TOKENS], torch.randint(0, 97, (11,), generator=gen)])
+
+
+def test_a_request_extending_a_cached_prompt_prefills_only_the_rest_bitwise_as_in_place():
+    a, b = prompts()
+    shared = server(True)
+    shared.serve([Request(a, 3)])
+    run = shared.serve([Request(b, 4)])
+    alone = server(False).serve([Request(b, 4)])
+    assert [it.prefilled for it in run.schedule.iterations if it.prefilled] == [11], "prefilled more than the rest"
+    got, want = run.requests[0], alone.requests[0]
+    assert got.tokens == want.tokens
+    for step, (x, y) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.equal(x, y), f"token {step}: logits differ"
+    summary = run.summary()                              # the run's own counts
+    assert summary["prefix_hit_tokens"] == 2 * PAGE_TOKENS and summary["prefix_prompt_tokens"] == len(b)
+    assert summary["prefill_tokens"] == 11 and summary["prefix_cached_pages"] == 2 * shared.streams_per_request
+
+
+def test_shared_pages_are_stored_once_read_only_and_all_come_back():
+    a, b = prompts(7)
+    srv = server(True)
+    pool = srv.cache.host
+    srv.serve([Request(a, 2)])
+    layers = srv.streams_per_request
+    cached = srv.sharing.index.stats()["cached_pages"]
+    assert cached == 2 * layers and pool.capacity - pool.free_rows == cached * PAGE_TOKENS   # only the index's
+    pages = sorted({p for s in range(layers) for p in range(pool.capacity // PAGE_TOKENS) if pool.refcount(p)})
+    before = pool.rows.view(torch.int32)[torch.tensor(pages)[:, None] * PAGE_TOKENS
+                                         + torch.arange(PAGE_TOKENS)].clone()
+    srv.open()
+    req = srv.submit(Request(b, 3))
+    while not req.done:
+        srv.step()
+        if req.lane is not None and srv.lane_request[req.lane] is req:      # decoding: its streams hold the pages
+            assert all(pool.refcount(p) == 2 for p in pages)
+    srv.close()
+    after = pool.rows.view(torch.int32)[torch.tensor(pages)[:, None] * PAGE_TOKENS + torch.arange(PAGE_TOKENS)]
+    assert torch.equal(before, after), "a shared page changed"
+    assert all(pool.refcount(p) == 1 for p in pages)
+    srv.sharing.index.clear()
+    assert pool.free_rows == pool.capacity and srv.cache.free_streams() == srv.cache.max_streams
+
+
+def test_an_admission_that_does_not_fit_evicts_cached_prefixes_first():
+    """A host pool of one request's pages: the next request fits once the first's cached pages go."""
+    a, _ = prompts(9)
+    other = torch.randint(0, 97, (len(a),), generator=torch.Generator().manual_seed(1))
+    row_bytes, layers = server(True).runtime.row_bytes, server(True).streams_per_request
+    srv = server(True, host_budget_gib=layers * 3 * PAGE_TOKENS * row_bytes / 2**30)     # 3 pages a stream
+    assert srv.cache.host.capacity == layers * 3 * PAGE_TOKENS
+    srv.serve([Request(a, 2)])
+    assert srv.sharing.index.stats()["cached_pages"] == 2 * layers
+    run = srv.serve([Request(other, 2)])
+    assert len(run.requests[0].tokens) == 2
+    assert srv.sharing.index.match(a.tolist())[0] == 0, "the first prompt's pages were not evicted"
+    assert srv.sharing.index.match(other.tolist())[0] == 2 * PAGE_TOKENS
+
+
+@pytest.mark.parametrize("mode,family", [("resident", "deepseek_v32"), ("hisparse", "llama")])
+def test_prefix_cache_is_refused_where_it_is_not_built(mode, family):
+    kw = dict(cache_slots=16) if mode != "resident" else {}
+    if family == "llama":
+        kw["token_budget"] = 48
+    with pytest.raises(ValueError, match="prefix_cache=True shares host pages of DSA models in mode 'hisparse'"):
+        Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, prefix_cache=True, **kw)
