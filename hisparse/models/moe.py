@@ -61,13 +61,23 @@ class Experts(nn.Module):
     def every_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The same sum with every expert run on every token, weight 0 where it is not routed: no
         data-dependent shapes or host syncs, so a CUDA graph can hold it, at E times the expert
-        FLOPs (decode batches are small). Experts are added in the same ascending order."""
-        out = torch.zeros_like(x)
-        for expert in range(self.gate_up_proj.shape[0]):
-            routed = (weights * (ids == expert)).sum(dim=-1)                        # [N], 0 if not routed
-            gate, up = F.linear(x, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            out += (F.linear(F.silu(gate) * up, self.down_proj[expert]) * routed[:, None]).to(out.dtype)
-        return out
+        FLOPs (decode batches are small). Two matrix products read every expert's weights once, in
+        place: one GEMM over all experts' gate and up rows stacked, one batched GEMM over their down
+        projections. Each expert's output is weighted after its down projection, as in the sparse path,
+        and the experts are summed in float32 with one rounding to x's dtype (the sparse path adds them
+        in x's dtype, one after another: the last bits may differ)."""
+        e, two_i, h = self.gate_up_proj.shape
+        for name, w in (("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)):
+            if not w.is_contiguous():     # a copy would double the step's reads
+                raise ValueError(f"experts.{name} {tuple(w.shape)} has strides {w.stride()}: expected the "
+                                 f"contiguous stacked layout, which the graphed path reads without a copy")
+        n = x.shape[0]
+        routed = torch.zeros(n, e, dtype=weights.dtype, device=x.device).scatter_add_(1, ids, weights)  # [N, E]
+        gate_up = F.linear(x, self.gate_up_proj.view(e * two_i, h)).view(n, e, two_i)        # [N, E, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = (F.silu(gate) * up).transpose(0, 1)                                             # [E, N, I]
+        y = torch.bmm(act, self.down_proj.transpose(1, 2))                                    # [E, N, H]
+        return (y * routed.t()[..., None]).sum(dim=0).to(x.dtype)
 
 
 class MoE(nn.Module):
