@@ -25,6 +25,7 @@ CASES = {   # benchmark -> (CSV it writes, metrics it must hold)
                                   "vs_noio_ceiling"}),
     "prefill": ("prefill.csv", {"prefill_s", "tokens_per_s", "peak_gib", "kv_gib", "roofline_frac"}),
     "sampling": ("sampling.csv", {"step_ms", "argmax_ms", "sample_ms", "overhead_frac"}),
+    "moe": ("moe.csv", {"us", "GBps", "weight_GB", "roofline_frac"}),
 }
 # the quick runs' own options, to make them shorter still where a benchmark has them: the rows are the
 # same columns (prefill: one of the quick run's two contexts)
