@@ -123,7 +123,7 @@ KEYS = {
                 "rates", "requests_per_client", "requests", "kv_budget_gib", "host_budget_gib", "max_batch",
                 "prefill_chunk", "prefill_overlap", "prefill_layers", "prefill_sms", "graph", "token_budget",
                 "decode_backend", "workload", "kv_dtype", "index_dtype", "request_rate", "num_prompts", "range_ratio",
-                "max_concurrency", "seed", "disaggregated", "dataset", "conversations", "turns", "first_len",
+                "max_concurrency", "seed", "disaggregated", "prefix_cache", "dataset", "conversations", "turns", "first_len",
                 "user_len", "document_len", "question_len"},
 }
 REQUIRED = {"policies": {"workload"}, "decode": {"model", "modes", "contexts", "batches"},
@@ -195,6 +195,8 @@ KEY_HELP = {
     "prefill_overlap": "serving, DSA: prefill chunks in pieces of prefill_layers layers beside the decode steps (Server's "
                        "prefill_overlap) instead of alone between them; true, false or [false, true] (false); "
                        "rows of true points say so, false ones leave the column empty",
+    "prefix_cache": "serving, DSA, mode hisparse: prompts' whole pages stored once and shared, a cached prefix not "
+                    "prefilled again (Server's prefix_cache); true, false or [false, true] (false)",
     "disaggregated": "serving: the decode instance of a prefill/decode-disaggregated deployment, emulated on one "
                      "GPU (Server's disaggregated: each prompt prefilled at admission with the clock stopped, "
                      "its time the prefill_elsewhere metric); true, false or [false, true] (false)",
@@ -555,7 +557,7 @@ def done_points(path: Path) -> pd.DataFrame | None:
 
 # point keys a point carries only where they differ from their default (their rows leave the column
 # empty otherwise, as rows from before the key existed do)
-OPTIONAL_POINT_KEYS = {"kv_dtype", "index_dtype", "prefill_overlap", "disaggregated", "prefill_layers", "prefill_sms",
+OPTIONAL_POINT_KEYS = {"kv_dtype", "index_dtype", "prefill_overlap", "disaggregated", "prefix_cache", "prefill_layers", "prefill_sms",
                        "requests_per_client",
                        "transport",   # transport: HTTP rows (hisparse.serve.bench)
                        "request_rate", "num_prompts", "range_ratio", "max_concurrency", "seed",   # request_rate points
@@ -934,6 +936,15 @@ def validate_serving(study: dict, where: str) -> None:
         raise ConfigError(f"{where}: disaggregated = true prefills off the decode GPU's clock; prefill_overlap = true "
                           f"(beside the decode steps) does not apply to it: run them as two studies")
     study["disaggregated"] = disaggregated
+    sharing = study.get("prefix_cache", False)
+    sharing = sharing if isinstance(sharing, list) else [sharing]
+    if not sharing or not all(isinstance(x, bool) for x in sharing):
+        raise ConfigError(f"{where}: prefix_cache = {study['prefix_cache']!r}: expected true, false or a list of them")
+    _listed_once(sharing, "prefix_cache", where)
+    if True in sharing and (family(model_config(study)) != "dsa" or set(study["modes"]) - {"hisparse"}):
+        raise ConfigError(f"{where}: prefix_cache = true shares host pages of DSA models in mode hisparse so far; "
+                          f"this study runs {family(model_config(study))} in modes {study['modes']}")
+    study["prefix_cache"] = sharing
     for key, what in (("prefill_layers", "sizes the pieces"), ("prefill_sms", "confines the pieces")):
         if key in study:
             _positive_int(study, key, where)
@@ -1034,14 +1045,15 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     per_client = study.get("requests_per_client", DEFAULTS["requests_per_client"])
     not_two = {} if per_client == DEFAULTS["requests_per_client"] else {"requests_per_client": per_client}
     out = []
-    for (key, level), chunk, overlap, apart, mode in itertools.product(
-            loads, study["prefill_chunk"], study["prefill_overlap"], study["disaggregated"], study["modes"]):
+    for (key, level), chunk, overlap, apart, sharing, mode in itertools.product(
+            loads, study["prefill_chunk"], study["prefill_overlap"], study["disaggregated"], study["prefix_cache"],
+            study["modes"]):
         out.append(dict(base, bench="serving", mode=mode, context=study["input_len"], input_len=study["input_len"],
                         output_len=study["output_len"], concurrency=level if key == "concurrency" else None,
                         rate=level if key == "rate" else None, cache_slots=slots[0] if mode != "resident" else None,
                         kv_budget_gib=study["kv_budget_gib"], host_budget_gib=study.get("host_budget_gib"),
                         prefill_chunk=chunk, **(overlapped if overlap else {}),
-                        **({"disaggregated": True} if apart else {}),
+                        **({"disaggregated": True} if apart else {}), **({"prefix_cache": True} if sharing else {}),
                         **(not_two if key == "concurrency" else {}),
                         **(dict(request_rate=level, **dialect) if key == "request_rate" else {}),
                         **shared, **({"conversations": level} if key == "conversations" else {})))
@@ -1074,7 +1086,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                     decode_backend=point.get("decode_backend", "auto"), selections=selections, **quest,
                     prefill_overlap=point.get("prefill_overlap", False),
                     prefill_layers=point.get("prefill_layers", PREFILL_LAYERS), prefill_sms=point.get("prefill_sms"),
-                    disaggregated=point.get("disaggregated", False), **dsa_formats(point))
+                    disaggregated=point.get("disaggregated", False), prefix_cache=point.get("prefix_cache", False),
+                    **dsa_formats(point))
     caps = server.lane_caps
     batch = min(caps.values())
     print(f"  serving: {server.lanes} lanes of {server.lane_bytes / GIB:.3f} GiB, a prefill workspace of "
@@ -1097,7 +1110,9 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     units = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens",
              "running_batch_mean": "requests", "running_batch_max": "requests",
              "resident_admissions": "requests", "demotions": "requests", "resident_steps": "steps",
-             "request_throughput": "requests/s", "input_throughput": "tokens/s"}
+             "request_throughput": "requests/s", "input_throughput": "tokens/s", "prefix_prompt_tokens": "tokens",
+             "prefix_hit_tokens": "tokens", "prefill_tokens": "tokens", "prefix_hit_rate": "fraction",
+             "prefix_cached_pages": "pages"}
     rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
     rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
              dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),

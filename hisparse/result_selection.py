@@ -29,11 +29,11 @@ def serving_study(rows: pd.DataFrame) -> pd.DataFrame:
     """Of closed-loop serving rows, those of the study across concurrency levels: of the (input_len,
     output_len, prefill_chunk, kv_dtype, kv_budget_gib) run at two levels or more, the one with the newest row (a
     study resumed at a later commit keeps its earlier points); else the one with the most levels
-    (a chunk-size study beside it has one level). Points run with prefill_overlap or disaggregated, or with a number of
+    (a chunk-size study beside it has one level). Points run with prefill_overlap, disaggregated or prefix_cache, or with a number of
     requests per client other than the default 2, are left out: they are compared with their twins
     (benchmarks.summary), not drawn as the study."""
     rows = rows[rows.concurrency.notna()] if "concurrency" in rows else rows.iloc[0:0]
-    for twin_key in ("prefill_overlap", "disaggregated", "requests_per_client"):
+    for twin_key in ("prefill_overlap", "disaggregated", "prefix_cache", "requests_per_client"):
         if twin_key in rows:
             rows = rows[rows[twin_key].isna()]
     if rows.empty:

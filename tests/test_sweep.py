@@ -1131,3 +1131,22 @@ def test_shared_prefix_points_draw_each_request_at_its_length(tmp_path, capsys):
         "ratio"])
 def test_bad_shared_prefix_studies_fail_before_running(tmp_path, capsys, config, edit, message):
     assert_refused(tmp_path, capsys, config, edit, message)
+
+
+def test_a_multiturn_study_with_prefix_cache_reuses_each_conversations_pages(tmp_path):
+    """prefix_cache = [false, true]: with sharing, each conversation's second turn finds its first
+    turn's two whole pages cached (2 x 128 tokens hit, 2 x 9 prefilled); without, nothing is."""
+    text = MULTITURN.replace("first_len = 60", "first_len = 130").replace(SERVING_BUDGET, "kv_budget_gib = 0.002")
+    config, out = write(tmp_path, text + "\nprefix_cache = [false, true]\n"), tmp_path / "o"
+    assert sweep.main(["--config", config, "--out", str(out)]) == 0
+    rows = pd.read_csv(out / "serving.csv")
+    shared = dict(zip(*rows[rows.prefix_cache.notna()][["metric", "value"]].T.values))
+    assert shared["prefix_hit_tokens"] == 2 * 128 and shared["requests"] == 4
+    assert shared["prefill_tokens"] == 2 * 130 + 2 * (137 - 128)
+    assert "prefix_hit_tokens" not in set(rows[rows.prefix_cache.isna()].metric)
+
+
+def test_prefix_cache_in_a_resident_study_fails_before_running(tmp_path, capsys):
+    config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + "\nprefix_cache = true"))
+    assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
+    assert "prefix_cache = true shares host pages of DSA models in mode hisparse so far" in capsys.readouterr().err
