@@ -7,7 +7,8 @@
     server.py     the loop and the public API: open, submit, step, cancel, close, serve
     workload.py   the serving study's requests (in-process and over HTTP alike), bench_serving's random dataset
     handoff.py    prompts (or their prefixes) prefilled elsewhere (a prefill worker, in process or its own), adopted
-    prefix.py     the prefix index: cached whole-page prefixes, LRU eviction (not yet wired into the server)
+    prefix.py     the prefix index: cached whole-page prefixes, LRU eviction
+    sharing.py    prefix sharing: a server's index over its host pages, used at admission and the join
 """
 from hisparse.serving.memory import GIB, LaneMemory
 from hisparse.serving.request import (Iteration, Request, Schedule, ServingRun, TokenTimeline, benchmark_summary,
