@@ -88,3 +88,47 @@ def test_prefix_cache_is_refused_where_it_is_not_built(mode, family):
         kw["token_budget"] = 48
     with pytest.raises(ValueError, match="prefix_cache=True shares host pages of DSA models in mode 'hisparse'"):
         Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, prefix_cache=True, **kw)
+
+
+def test_a_churn_of_shared_prefixes_cancellations_and_evictions_leaks_nothing_and_keeps_shared_pages():
+    """24 requests over three cached prompts' pages (random tails), some cancelled on the way, in a
+    host pool that forces evictions: while a page is shared its bytes never change (checksummed every
+    step); afterwards every count is back to the index's, and to zero once the index is cleared."""
+    gen = torch.Generator().manual_seed(11)
+    row_bytes, layers = server(True).runtime.row_bytes, server(True).streams_per_request
+    srv = server(True, host_budget_gib=layers * 7 * PAGE_TOKENS * row_bytes / 2**30)
+    pool = srv.cache.host
+    bases = [torch.randint(0, 97, (2 * PAGE_TOKENS,), generator=gen) for _ in range(3)]
+    reqs = [Request(torch.cat([bases[int(torch.randint(3, (1,), generator=gen))],
+                               torch.randint(0, 97, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)]),
+                    int(torch.randint(1, 4, (1,), generator=gen))) for _ in range(24)]
+    cancel_at = {i for i in range(24) if torch.rand(1, generator=gen) < 0.25}
+    sums: dict[int, torch.Tensor] = {}
+
+    def check_shared() -> None:
+        counts = pool.pages.count
+        for page in range(len(counts)):
+            bits = pool.rows.view(torch.int32)[page * PAGE_TOKENS:(page + 1) * PAGE_TOKENS]
+            if counts[page] > 1:
+                assert torch.equal(sums.setdefault(page, bits.clone()), bits), f"shared page {page} changed"
+            else:
+                sums.pop(page, None)
+    srv.open()
+    for r in reqs:
+        srv.submit(r)
+    steps = 0
+    while srv.busy:
+        srv.step()
+        check_shared()
+        steps += 1
+        for i in cancel_at:
+            if steps == 3 + i and not reqs[i].done:
+                srv.cancel(reqs[i])
+    run = srv.close()
+    assert run.prefix["prefix_hit_tokens"] > 0 and len(run.cancelled) >= 1
+    assert all(r.done for r in reqs if not r.cancelled)
+    cached = srv.sharing.index.stats()["cached_pages"]
+    assert int((pool.pages.count > 0).sum()) == cached == int(pool.pages.count.sum())     # the index's alone
+    srv.sharing.index.clear()
+    assert pool.free_rows == pool.capacity and int(pool.pages.count.sum()) == 0
+    assert srv.cache.free_streams() == srv.cache.max_streams
