@@ -38,7 +38,7 @@ import torch
 from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.dsa.fp8_index import INDEX_DTYPES
 from hisparse.engine import family_runtime
-from hisparse.generate import DTYPES, load_checkpoint, parse_device, positive_int
+from hisparse.generate import DTYPES, checkpoint_error, load_checkpoint, parse_device, positive_int
 from hisparse.serve.app import ACCESS_LOG, Service, closing_line, describe, log, serve
 from hisparse.serve.sizes import refusal
 from hisparse.serve.worker import ReplayWorkload, ServerThread
@@ -163,7 +163,7 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace, model=No
         ap.error("argument --device: cpu runs the kernels in Triton's interpreter, which a process that sees a GPU "
                  "does not use: run with CUDA_VISIBLE_DEVICES= instead")
     if not (Path(args.model) / "config.json").is_file():
-        ap.error(f"argument --model: no config.json in checkpoint directory {args.model!r}")
+        checkpoint_error(ap, f"argument --model: no config.json in checkpoint directory {args.model!r}")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     return _server(ap, args, load_checkpoint(ap, args.model, dtype, device), Path(args.model).resolve().name)
 
