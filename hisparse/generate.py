@@ -302,8 +302,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, AttributeError) as e:
         checkpoint_error(ap, f"argument --model: cannot read {config_path}: {e}")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
-        checkpoint_error(ap, f"argument --model: checkpoint {args.model!r} has model_type {model_type!r}; the engine runs "
-                 f"{', '.join(FAMILIES)}")
+        checkpoint_error(ap, f"argument --model: checkpoint {args.model!r} has model_type {model_type!r}; the engine "
+                             f"runs {', '.join(FAMILIES)}")
     family = FAMILIES[model_type]
     if args.token_budget is not None:
         if family != "Quest":

@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 
 import aiohttp
+import pytest
 import torch
 from test_serve_http import CHUNK, FAMILY, A, B, C, alone, new_server
 from test_serving import tiny
@@ -62,13 +63,27 @@ def build_stalling_tiny(started: str):
 
 
 def test_the_command_prefills_in_workers_serves_the_same_tokens_and_leaves_nothing(tmp_path):
+    command_round_trip(tmp_path, ["--prefill-devices", "cpu,cpu"], "cpu")
+
+
+@pytest.mark.gpu
+def test_the_command_prefills_on_a_second_gpu_and_decodes_on_the_first(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    command_round_trip(tmp_path, ["--device", "cuda:0", "--dtype", "float32", "--prefill-devices", "cuda:1,cuda:1"],
+                       "cuda:0")
+
+
+def command_round_trip(tmp_path, devices: list[str], engine_device: str) -> None:
+    """The command on a free port: three prompts at once (one streamed) get the tokens each gets alone
+    in place; SIGTERM: exit 0, every host row free, no worker process or /dev/shm file left."""
     shm_before = torch_shm()
     checkpoint = write_tiny_checkpoint(FAMILY, tmp_path / "tiny", num_hidden_layers=2)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "hisparse.serve", "--model", str(checkpoint), "--port", "0",
                              "--mode", "hisparse", "--cache-slots", "16", "--max-context", "64", "--max-batch", "2",
-                             "--prefill", "reference", "--prefill-chunk", str(CHUNK), "--disaggregated",
-                             "--prefill-devices", "cpu,cpu"], stderr=subprocess.PIPE, text=True, env=env)
+                             "--prefill", "reference", "--prefill-chunk", str(CHUNK), "--disaggregated", *devices],
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         pids, port = [], None
         for line in proc.stderr:
@@ -94,9 +109,10 @@ def test_the_command_prefills_in_workers_serves_the_same_tokens_and_leaves_nothi
                         return response.status, ids
                 return await asyncio.gather(one(A), one(B), one(C, stream=True))
         got = asyncio.run(asyncio.wait_for(go(), 120))
-        engine = Engine(load_model(checkpoint), "resident", chunk_size=CHUNK, prefill="reference")
+        engine = Engine(load_model(checkpoint, device=engine_device), "resident", chunk_size=CHUNK, prefill="reference")
         for prompt, (status, ids) in zip((A, B, C), got, strict=True):    # each prompt alone, in place
-            assert status == 200 and ids == engine.generate([torch.tensor(prompt)], new_tokens=3).tokens[0].tolist()
+            expected = engine.generate([torch.tensor(prompt, device=engine_device)], new_tokens=3).tokens[0].tolist()
+            assert status == 200 and ids == expected, prompt
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         tail = proc.stderr.read()

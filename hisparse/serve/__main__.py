@@ -18,6 +18,8 @@ stderr. Sizes the machine cannot hold (--max-context, --kv-budget-gib, --host-bu
 refused at start-up, before anything large is allocated. SIGINT or SIGTERM: new requests get 503,
 those in flight finish (for up to --shutdown-timeout s, then they are cancelled), the server closes
 with every stream and host row freed, exit 0.
+With --disaggregated each prompt is prefilled by a worker process (one per --prefill-devices device,
+e.g. cuda:1,cuda:2) and decoded here from its handoff; the endpoint answers as co-located.
 Without a GPU the kernels run in Triton's interpreter (slow: tiny checkpoints, short prompts).
 With --workload (DSA), each request replays its own draw of a synthetic preset's selections, as the
 sweep's serving studies do, so a load over HTTP sits beside the in-process study's point:
