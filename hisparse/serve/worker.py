@@ -10,6 +10,7 @@ counts them into `metrics` (the server's Prometheus metrics, `metrics.Metrics`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -70,6 +71,7 @@ class _Job:
     request: Request
     sink: object
     index: int
+    prefill_key: int | None = None    # disaggregated: its prompt's key at the prefill pool (never reused)
 
 
 class ServerThread:
@@ -79,7 +81,8 @@ class ServerThread:
 
     def __init__(self, server: Server, workload: ReplayWorkload | None = None, prefill: PrefillPool | None = None):
         self.server, self.workload, self.prefill = server, workload, prefill
-        self._awaiting: dict[int, Request] = {}         # id(request) -> a request whose prompt a prefill worker holds
+        self._awaiting: dict[int, Request] = {}         # prefill key -> a request whose prompt a prefill worker holds
+        self._prefill_keys = itertools.count()          # a late answer for a cancelled prompt never meets another
         self._replays = 0                               # requests given a draw of the workload so far
         self.counters = {"served": 0, "cancelled": 0, "failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "hits": 0, "misses": 0}
@@ -203,7 +206,7 @@ class ServerThread:
             finished = self.server.step()
         except Exception as exc:  # noqa: BLE001 - a bug, no request's fault: fail those in flight, keep serving
             traceback.print_exc()
-            on_server = [job.request for key, job in self._jobs.items() if key not in self._awaiting]
+            on_server = [job.request for job in self._jobs.values() if job.prefill_key not in self._awaiting]
             self._cancel(on_server, f"the scheduler's step failed: {exc!r}")
             return
         for request in finished:
@@ -228,10 +231,11 @@ class ServerThread:
                 draws = self.workload.draws
                 request.selections = draws[self._replays % len(draws)]
                 self._replays += 1
-            self._jobs[id(request)] = _Job(request, sink, i)
+            job = self._jobs[id(request)] = _Job(request, sink, i)
             if self.prefill is not None:
-                self._awaiting[id(request)] = request
-                self.prefill.send(id(request), request.prompt)
+                job.prefill_key = next(self._prefill_keys)
+                self._awaiting[job.prefill_key] = request
+                self.prefill.send(job.prefill_key, request.prompt)
             else:
                 self.server.submit(request)
         return requests
@@ -267,8 +271,8 @@ class ServerThread:
                 self._count(request, "served")
                 job.sink.end(job.index, request, None)
                 continue
-            if self._awaiting.pop(id(request), None) is not None:
-                self.prefill.forget(id(request))          # not on the server yet
+            if self._awaiting.pop(job.prefill_key, None) is not None:
+                self.prefill.forget(job.prefill_key)      # not on the server yet
             else:
                 self.server.cancel(request)
             self._count(request, "cancelled" if why == "cancelled" else "failed")
