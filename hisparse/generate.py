@@ -256,10 +256,16 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.3f} MiB ({nbytes:,.0f} bytes)"
 
 
+def checkpoint_error(ap: argparse.ArgumentParser, message: str):
+    """Exit 2 with argparse's error line alone: the arguments parsed, the --model folder's content is at
+    fault, so the usage would not help."""
+    ap.exit(2, f"{ap.prog}: error: {message}\n")
+
+
 def load_checkpoint(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, device: torch.device,
                     progress: Progress | None = None):
     """The checkpoint's model; its warnings (config.json keys HiSparse does not read) printed as such first,
-    a bad checkpoint (a bad config value or weight included) an argparse error."""
+    a bad checkpoint (a bad config value or weight included) an error line (`checkpoint_error`)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -269,7 +275,7 @@ def load_checkpoint(ap: argparse.ArgumentParser, path: str, dtype: torch.dtype, 
     for w in caught:
         print(f"{ap.prog}: warning: {w.message}", file=sys.stderr)
     if error is not None:
-        ap.error(f"argument --model: cannot load checkpoint {path!r}: {error}")
+        checkpoint_error(ap, f"argument --model: cannot load checkpoint {path!r}: {error}")
     return model
 
 
@@ -290,14 +296,14 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     config_path = Path(args.model) / "config.json"
     if not config_path.is_file():
-        ap.error(f"argument --model: no config.json in checkpoint directory {args.model!r}")
+        checkpoint_error(ap, f"argument --model: no config.json in checkpoint directory {args.model!r}")
     try:
         model_type = json.loads(config_path.read_text()).get("model_type")
     except (ValueError, AttributeError) as e:
-        ap.error(f"argument --model: cannot read {config_path}: {e}")
+        checkpoint_error(ap, f"argument --model: cannot read {config_path}: {e}")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
-        ap.error(f"argument --model: checkpoint {args.model!r} has model_type {model_type!r}; the engine runs "
-                 f"{', '.join(FAMILIES)}")
+        checkpoint_error(ap, f"argument --model: checkpoint {args.model!r} has model_type {model_type!r}; the engine "
+                             f"runs {', '.join(FAMILIES)}")
     family = FAMILIES[model_type]
     if args.token_budget is not None:
         if family != "Quest":

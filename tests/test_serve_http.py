@@ -701,6 +701,40 @@ def test_a_body_that_is_not_the_gzip_it_claims_gets_a_400(resident):
     assert good[0] == 200 and good[2]["choices"][0]["token_ids"] == alone(tuple(B), 1)
 
 
+def test_a_body_in_a_coding_the_server_does_not_read_gets_a_json_415_naming_it(resident):
+    """br and zstd (aiohttp answered them with a plain-text 400 before any handler ran), and an
+    unknown one: OpenAI's error shape naming the coding; deflate, raw or zlib, is read; a gzip bomb
+    past the body limit is a 413; the connection serves the next request."""
+    import zlib
+
+    from hisparse.serve.body import MAX_BODY_BYTES
+    body = json.dumps({"prompt": B, "max_tokens": 1}).encode()
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    raw_deflate = raw_deflate.compress(body) + raw_deflate.flush()
+    bomb = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    bomb = bomb.compress(b" " * (MAX_BODY_BYTES + 1)) + bomb.flush()
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            url = f"{resident.url}/v1/completions"
+            refused = []
+            for coding in ("br", "zstd", "gzip, br", "x-foo"):
+                async with s.post(url, data=b'{"prompt": [1]}', headers={"Content-Encoding": coding}) as response:
+                    refused.append((coding, response.status, response.content_type, await response.json(),
+                                    response.headers.get("Accept-Encoding")))
+            read = [await answer(s, "POST", url, data=data, headers={"Content-Encoding": "deflate"})
+                    for data in (zlib.compress(body), raw_deflate)]
+            big = await answer(s, "POST", url, data=bomb, headers={"Content-Encoding": "gzip"})
+            return refused, read, big
+    refused, read, big = run(go())
+    for coding, status, content_type, got, accepted in refused:
+        assert_error((status, content_type, got), 415, None, repr(coding.split(", ")[-1]))
+        assert accepted == "gzip, deflate, identity"
+    for status, _, got in read:
+        assert status == 200 and got["choices"][0]["token_ids"] == alone(tuple(B), 1)
+    assert_error(big, 413, None, "decoded from gzip")
+
+
 def test_unknown_paths_and_methods_get_json_errors(resident):
     async def go():
         async with aiohttp.ClientSession() as s:

@@ -13,7 +13,8 @@ Files: `protocol.py` (the completions format: request checks, response bodies; t
 `chat.py` (chat completions: messages through the chat template, chat bodies and chunks),
 `outputs.py` (a request's tokens into text on the server thread, `hisparse.text`), `worker.py`
 (the thread), `metrics.py` (GET /metrics: prometheus_client, a registry per server thread), `app.py`
-(handlers, JSON errors, the access log, shutdown), `sizes.py` (what the options allocate against
-what the machine has, before the server is built), `__main__.py` (the command), `bench.py` (the
+(handlers, JSON errors, the access log, shutdown), `body.py` (a request body's Content-Encoding undone),
+`prefill.py` (--disaggregated: the prefill worker processes the thread hands prompts to), `sizes.py`
+(what the options allocate against what the machine has, before the server is built), `__main__.py` (the command), `bench.py` (the
 load client: closed and open loops over HTTP and bench_serving's random dataset, rows under --out).
 """

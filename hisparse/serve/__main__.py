@@ -18,6 +18,8 @@ stderr. Sizes the machine cannot hold (--max-context, --kv-budget-gib, --host-bu
 refused at start-up, before anything large is allocated. SIGINT or SIGTERM: new requests get 503,
 those in flight finish (for up to --shutdown-timeout s, then they are cancelled), the server closes
 with every stream and host row freed, exit 0.
+With --disaggregated each prompt is prefilled by a worker process (one per --prefill-devices device,
+e.g. cuda:1,cuda:2) and decoded here from its handoff; the endpoint answers as co-located.
 Without a GPU the kernels run in Triton's interpreter (slow: tiny checkpoints, short prompts).
 With --workload (DSA), each request replays its own draw of a synthetic preset's selections, as the
 sweep's serving studies do, so a load over HTTP sits beside the in-process study's point:
@@ -31,6 +33,7 @@ import asyncio
 import logging
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,8 +41,10 @@ import torch
 from hisparse.dsa.fp8 import KV_DTYPES
 from hisparse.dsa.fp8_index import INDEX_DTYPES
 from hisparse.engine import family_runtime
-from hisparse.generate import DTYPES, load_checkpoint, parse_device, positive_int
+from hisparse.models.loading import load_model
+from hisparse.generate import DTYPES, checkpoint_error, load_checkpoint, parse_device, positive_int
 from hisparse.serve.app import ACCESS_LOG, Service, closing_line, describe, log, serve
+from hisparse.serve.prefill import PrefillPool
 from hisparse.serve.sizes import refusal
 from hisparse.serve.worker import ReplayWorkload, ServerThread
 from hisparse.serving import PREFILL_LAYERS, SERVING_MODES, Server
@@ -143,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draw-cache", default=None, metavar="DIR",
                     help="with --workload: read the draws from (and write new ones to) this folder, shared with "
                          "`python -m experiments.sweep --draw-cache`")
+    ap.add_argument("--disaggregated", action="store_true",
+                    help="prefill every prompt in a worker process of its own (one per --prefill-devices device) and "
+                         "decode it here from its handoff, as a prefill/decode-disaggregated deployment does; a "
+                         "worker that dies fails the prompts it held (a 503 naming it) and is started again")
+    ap.add_argument("--prefill-devices", default=None, metavar="LIST",
+                    help="with --disaggregated: the prefill workers' devices, one worker each, e.g. cuda:1,cuda:2 or "
+                         "cpu,cpu (default: one worker on --device)")
     ap.add_argument("--shutdown-timeout", type=_positive_float, default=30.0, metavar="S",
                     help="on SIGINT / SIGTERM, seconds the requests in flight get to finish before they are "
                          "cancelled (default 30)")
@@ -163,7 +175,7 @@ def build_server(ap: argparse.ArgumentParser, args: argparse.Namespace, model=No
         ap.error("argument --device: cpu runs the kernels in Triton's interpreter, which a process that sees a GPU "
                  "does not use: run with CUDA_VISIBLE_DEVICES= instead")
     if not (Path(args.model) / "config.json").is_file():
-        ap.error(f"argument --model: no config.json in checkpoint directory {args.model!r}")
+        checkpoint_error(ap, f"argument --model: no config.json in checkpoint directory {args.model!r}")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     return _server(ap, args, load_checkpoint(ap, args.model, dtype, device), Path(args.model).resolve().name)
 
@@ -301,25 +313,90 @@ def main(argv: list[str] | None = None, model=None, name: str | None = None) -> 
         args = ap.parse_args(argv)
         check_workload_options(ap, args)
         tokenizer = tokenizer_for(ap, args)
+        check_disaggregated_options(ap, args, model)
         server, name, workload = build_server(ap, args, model, name)
         check_vocabulary(ap, args, tokenizer, server.model.config.vocab_size)
+        devices = prefill_devices(ap, args, server.device) if args.disaggregated else None
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     info = describe(server, name, args.kv_budget_gib, args.host_budget_gib,     # before its thread owns it
                     "model" if workload is None else workload.name, tokenizer)
-    worker = ServerThread(server, workload)
-    _log_access()
-    log(f"hisparse.serve: warming up on {server.device} ...")
-    worker.start()
-    service = Service(worker, info, tokenizer)
+    info["hisparse"]["prefill_devices"] = devices
+    pool = None if devices is None else start_prefill_pool(args, server, devices)
     try:
-        final = asyncio.run(_serve_until_signalled(service, args))
-    except OSError as exc:                       # the port is taken, the address not ours
-        log(f"hisparse.serve: cannot listen on {args.host}:{args.port}: {exc}")
-        worker.stop()
-        return 1
+        worker = ServerThread(server, workload, pool)
+        _log_access()
+        log(f"hisparse.serve: warming up on {server.device} ...")
+        worker.start()
+        if pool is not None:
+            try:
+                pool.wait_ready(WORKER_START_S)
+            except RuntimeError as exc:              # a prefill worker that could not start
+                log(f"hisparse.serve: {exc}")
+                worker.stop()
+                return 1
+            log(f"hisparse.serve: prefill workers ready: " +
+                ", ".join(pool.name(i) for i in range(len(pool.workers))))
+        service = Service(worker, info, tokenizer)
+        try:
+            final = asyncio.run(_serve_until_signalled(service, args))
+        except OSError as exc:                       # the port is taken, the address not ours
+            log(f"hisparse.serve: cannot listen on {args.host}:{args.port}: {exc}")
+            worker.stop()
+            return 1
+    finally:
+        if pool is not None:
+            pool.close()
+            log(f"hisparse.serve: {len(pool.workers)} prefill workers closed ({pool.restarts} restarted)")
     log(closing_line(final))
     return 0
+
+
+WORKER_START_S = 3600.0     # the longest a prefill worker may take to build its model (a large checkpoint)
+
+
+def check_disaggregated_options(ap: argparse.ArgumentParser, args: argparse.Namespace, model) -> None:
+    if not args.disaggregated:
+        if args.prefill_devices is not None:
+            ap.error("argument --prefill-devices: only with --disaggregated")
+        return
+    if model is not None:
+        ap.error("argument --disaggregated: the prefill workers load --model's checkpoint; an in-process model "
+                 "cannot be handed to them")
+    if args.prefill_overlap:
+        ap.error("argument --prefill-overlap: with --disaggregated the prompts are prefilled by the workers, not "
+                 "beside the decode steps")
+
+
+def prefill_devices(ap: argparse.ArgumentParser, args: argparse.Namespace, decode: torch.device) -> list[str]:
+    """The --prefill-devices, each checked, of the decode device's kind (their rows must be alike)."""
+    if args.prefill_devices is None:
+        return [str(decode)]
+    devices = []
+    for text in args.prefill_devices.split(","):
+        try:
+            device = torch.device(text.strip())
+        except (RuntimeError, ValueError):
+            ap.error(f"argument --prefill-devices: unknown device {text!r}; expected e.g. cuda:1,cuda:2 or cpu")
+        if device.type != decode.type:
+            ap.error(f"argument --prefill-devices: {text!r} is not a {decode.type} device as the decode server's "
+                     f"{decode} is (a worker's rows must be stored as the decode server's)")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            ap.error(f"argument --prefill-devices: {text!r} does not exist ({torch.cuda.device_count()} GPUs)")
+        devices.append(str(device))
+    return devices
+
+
+def start_prefill_pool(args: argparse.Namespace, server, devices: list[str]) -> PrefillPool:
+    """A worker per device, each loading the checkpoint there, with the decode server's prefill settings."""
+    dtype = server.model.model.embed_tokens.weight.dtype
+    builders = [(device, partial(load_model, args.model, dtype=dtype, device=device)) for device in devices]
+    pool = PrefillPool(builders, prefill_chunk=args.prefill_chunk, prefill=args.prefill,
+                       decode_backend=server.decode_backend, kv_dtype=args.kv_dtype, token_budget=args.token_budget,
+                       index_dtype=args.index_dtype)
+    for i in range(len(devices)):
+        log(f"hisparse.serve: {pool.name(i)} loading {args.model} ...")
+    return pool
 
 
 def _log_access() -> None:

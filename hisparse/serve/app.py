@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
-from aiohttp.web_protocol import RequestPayloadError
 
+from hisparse.serve.body import AUTO_DECOMPRESS, MAX_BODY_BYTES, UnreadableBody, read_body
 from hisparse.serve.chat import Chat, parse_chat
 from hisparse.serve.metrics import CONTENT_TYPE_LATEST
 from hisparse.serve.outputs import End, Sink
@@ -27,7 +27,6 @@ from hisparse.serve.worker import PromptRefused, ServerStopped, ServerThread
 from hisparse.serving import Server
 from hisparse.text import TextStream, Tokenizer
 
-MAX_BODY_BYTES = 64 * 2 ** 20     # a 128K-token prompt is under 1 MiB of JSON; aiohttp's default is 1 MiB
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
 ACCESS_LOG = logging.getLogger("hisparse.serve.access")
 
@@ -187,12 +186,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(503, "the server is shutting down and takes no new requests", None, "server_unavailable")
     loop = asyncio.get_running_loop()
     try:
-        raw = await _read_body(request)
+        raw = await read_body(request)
         # in a worker thread: the Python-level checks (and the tokenizer) of a big body would hold the loop
         generation = await loop.run_in_executor(None, _parse, raw, service, chat)
     except BadRequest as exc:
         service.worker.metrics.refused.inc()
         response = _error(exc.status, exc.message, exc.param, code=exc.code)
+        response.headers.update(getattr(exc, "headers", {}))     # a 415's Accept-Encoding
         if isinstance(exc, UnreadableBody):
             response.force_close()             # the connection's next bytes cannot be trusted to start a request
         return response
@@ -239,20 +239,6 @@ class _Progress:
     ended: int = 0
     error: str | None = None
     tokens: int = 0              # received so far, every prompt's
-
-
-class UnreadableBody(BadRequest):
-    """A body that cannot be read (not the encoding its header names): answered, then the connection closed."""
-
-
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except RequestPayloadError as exc:         # e.g. "Content-Encoding: gzip" on a body that is not gzip
-        request.content.feed_eof()             # what is left is unreadable: aiohttp then does not read it again
-        encoding = request.headers.get("Content-Encoding", "none")
-        raise UnreadableBody(f"the request body cannot be read as its Content-Encoding header ({encoding!r}) says: "
-                             f"{str(exc).splitlines()[-1].strip()}", None) from None
 
 
 def _parse(raw: bytes, service: Service, chat: bool):
@@ -359,7 +345,7 @@ async def serve(service: Service, host: str, port: int, stop: asyncio.Event, tim
     """Serve HTTP on host:port until `stop` is set, then drain (see `drain`): the final snapshot.
     on_ready(port) once listening (port 0 picks a free one)."""
     runner = web.AppRunner(make_app(service), handler_cancellation=True, access_log=ACCESS_LOG,
-                           access_log_class=AccessLog)
+                           access_log_class=AccessLog, auto_decompress=AUTO_DECOMPRESS)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -10,6 +10,7 @@ counts them into `metrics` (the server's Prometheus metrics, `metrics.Metrics`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import queue
 import threading
@@ -22,9 +23,11 @@ import torch
 
 from hisparse.sampling import SamplingParams
 from hisparse.serve.metrics import Metrics
+from hisparse.serve.prefill import PrefillPool
 from hisparse.serving import Request, Server
 
 RECYCLE_AFTER = 1024    # requests a run keeps (Server.requests) before an idle server starts a new run
+POLL_S = 0.005          # how often an idle server thread looks for handoffs while prompts are being prefilled
 
 
 class PromptRefused(ValueError):
@@ -68,14 +71,18 @@ class _Job:
     request: Request
     sink: object
     index: int
+    prefill_key: int | None = None    # disaggregated: its prompt's key at the prefill pool (never reused)
 
 
 class ServerThread:
     """Runs `server` step by step in one thread: `start()` opens it (warm-up included), `stop()`
-    cancels what is left and closes it."""
+    cancels what is left and closes it. With `prefill` (disaggregated) each prompt goes to a prefill
+    worker first and the request is submitted with its handoff (arrival: when that came)."""
 
-    def __init__(self, server: Server, workload: ReplayWorkload | None = None):
-        self.server, self.workload = server, workload
+    def __init__(self, server: Server, workload: ReplayWorkload | None = None, prefill: PrefillPool | None = None):
+        self.server, self.workload, self.prefill = server, workload, prefill
+        self._awaiting: dict[int, Request] = {}         # prefill key -> a request whose prompt a prefill worker holds
+        self._prefill_keys = itertools.count()          # a late answer for a cancelled prompt never meets another
         self._replays = 0                               # requests given a draw of the workload so far
         self.counters = {"served": 0, "cancelled": 0, "failed": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "hits": 0, "misses": 0}
@@ -150,7 +157,9 @@ class ServerThread:
             if not self.server.busy and len(self.server.requests) >= RECYCLE_AFTER:
                 self.server.close()          # idle: a new run, so finished requests are not kept forever
                 self.server.open()
-            self._run_commands(block=not self.server.busy)
+            self._run_commands(block=not self.server.busy, timeout=POLL_S if self._awaiting else None)
+            if self._awaiting and not self._done:
+                self._take_handoffs()
             if self.server.busy and not self._done:
                 self._step()
         self._refuse_late_commands()
@@ -175,10 +184,10 @@ class ServerThread:
             if future.set_running_or_notify_cancel():
                 future.set_exception(ServerStopped("the server is shutting down"))
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout: float | None = None) -> None:
         while True:
             try:
-                future, fn, args = self._commands.get(block=block)
+                future, fn, args = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return
             block = False
@@ -197,7 +206,8 @@ class ServerThread:
             finished = self.server.step()
         except Exception as exc:  # noqa: BLE001 - a bug, no request's fault: fail those in flight, keep serving
             traceback.print_exc()
-            self._cancel([job.request for job in self._jobs.values()], f"the scheduler's step failed: {exc!r}")
+            on_server = [job.request for job in self._jobs.values() if job.prefill_key not in self._awaiting]
+            self._cancel(on_server, f"the scheduler's step failed: {exc!r}")
             return
         for request in finished:
             job = self._jobs.pop(id(request), None)
@@ -221,9 +231,35 @@ class ServerThread:
                 draws = self.workload.draws
                 request.selections = draws[self._replays % len(draws)]
                 self._replays += 1
-            self.server.submit(request)
-            self._jobs[id(request)] = _Job(request, sink, i)
+            job = self._jobs[id(request)] = _Job(request, sink, i)
+            if self.prefill is not None:
+                job.prefill_key = next(self._prefill_keys)
+                self._awaiting[job.prefill_key] = request
+                self.prefill.send(job.prefill_key, request.prompt)
+            else:
+                self.server.submit(request)
         return requests
+
+    def _take_handoffs(self) -> None:
+        """Submit each request whose handoff came (arriving now); fail those whose worker failed."""
+        for key, result in self.prefill.poll():
+            request = self._awaiting.pop(key, None)
+            if request is None:
+                continue                      # cancelled while it was prefilled
+            if isinstance(result, str):
+                self._fail(request, result)
+                continue
+            request.handoff = result
+            try:
+                self.server.submit(request)
+            except ValueError as exc:         # a handoff unlike this server's (a worker built otherwise)
+                self._fail(request, f"the handoff of this prompt was refused: {exc}")
+
+    def _fail(self, request: Request, why: str) -> None:
+        job = self._jobs.pop(id(request))
+        request.handoff = None
+        self._count(request, "failed")
+        job.sink.end(job.index, request, why)
 
     def _cancel(self, requests: list[Request], why: str) -> int:
         cancelled = 0
@@ -235,13 +271,17 @@ class ServerThread:
                 self._count(request, "served")
                 job.sink.end(job.index, request, None)
                 continue
-            self.server.cancel(request)
+            if self._awaiting.pop(job.prefill_key, None) is not None:
+                self.prefill.forget(job.prefill_key)      # not on the server yet
+            else:
+                self.server.cancel(request)
             self._count(request, "cancelled" if why == "cancelled" else "failed")
             job.sink.end(job.index, request, why)
             cancelled += 1
         return cancelled
 
     def _count(self, request: Request, outcome: str) -> None:
+        request.handoff = None                # its rows (shared memory) go back; the lane holds them now
         c = self.counters
         c[outcome] += 1
         c["prompt_tokens"] += len(request.prompt)

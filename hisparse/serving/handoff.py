@@ -15,6 +15,9 @@ of the decode server (ideally the request's host pool region) and signals the ha
 """
 from __future__ import annotations
 
+import os
+import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -99,43 +102,116 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return out.pin_memory() if torch.cuda.is_available() else out
 
 
+READY = ("hisparse-prefill", "ready")     # a worker's first answer: its model is built
+
+
 class PrefillProcess:
     """A `PrefillWorker` in a process of its own (spawned): `build_model()` (picklable, e.g. a
-    module-level function or functools.partial of `load_model`) makes its model there; prompts go in
-    with `submit(key, prompt)`, `get()` returns (key, Handoff) or raises the worker's error."""
+    module-level function or functools.partial of `load_model`) makes its model there, on `device`
+    (made the process's current CUDA device); prompts go in with `submit(key, prompt)`, `get()`
+    returns (key, Handoff) or raises the worker's error, `poll()` takes what has come without waiting.
 
-    def __init__(self, build_model: Callable, **worker_kw):
+    Tensors cross in shared memory by torch.multiprocessing's sharing strategy, file_descriptor on
+    Linux (`SHARING`): each segment is unlinked as it is made and lives while a process holds a
+    tensor of it, so nothing is left in /dev/shm once the handoffs are dropped (file_system would
+    leave torch_* files there). The worker ignores SIGINT (a terminal's Ctrl-C reaches the whole
+    process group: the decode server closes it) and exits when its parent is gone."""
+
+    def __init__(self, build_model: Callable, device: str | None = None, **worker_kw):
+        if mp.get_sharing_strategy() != SHARING:
+            raise ValueError(f"torch.multiprocessing's sharing strategy is {mp.get_sharing_strategy()!r}; a prefill "
+                             f"process hands off through {SHARING!r}, which leaves no file in /dev/shm")
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=_serve, args=(build_model, worker_kw, self.inbox, self.outbox),
-                                   name="hisparse-prefill", daemon=True)
+        self.device, self.ready = device, False
+        self.process = ctx.Process(target=_serve, args=(build_model, device, worker_kw, self.inbox, self.outbox,
+                                                        os.getpid()), name="hisparse-prefill", daemon=True)
         self.process.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
 
     def submit(self, key, prompt: torch.Tensor) -> None:
         self.inbox.put((key, prompt))
 
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until its model is built; RuntimeError with the worker's error, or if it died or took too long."""
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            if not self.alive and self.outbox.empty():
+                raise RuntimeError(f"the prefill worker (pid {self.pid}) exited with code {self.process.exitcode} "
+                                   f"before its model was built")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the prefill worker (pid {self.pid}) did not build its model in {timeout:g} s")
+            try:
+                key, result = self._next(timeout=0.2)
+            except queue.Empty:
+                continue
+            raise RuntimeError(f"the prefill worker could not build its model: {result}" if key is None else
+                               f"the prefill worker answered {key!r} before it was ready")
+
     def get(self, timeout: float | None = None) -> tuple[object, Handoff]:
-        key, result = self.outbox.get(timeout=timeout)
+        key, result = self._next(timeout)
         if isinstance(result, str):
             raise RuntimeError(f"the prefill worker failed on {key!r}: {result}")
         return key, result
 
-    def close(self) -> None:
+    def poll(self) -> list[tuple[object, Handoff | str]]:
+        """Every (key, Handoff or the worker's error text) that has come, without waiting."""
+        answers = []
+        while True:
+            try:
+                answers.append(self._next(timeout=0))
+            except queue.Empty:
+                return answers
+
+    def _next(self, timeout: float | None) -> tuple[object, Handoff | str]:
+        while True:
+            key, result = self.outbox.get(timeout=timeout)
+            if key != READY:
+                return key, result
+            self.ready = True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask it to stop, wait up to `timeout` s, then kill it; it is reaped (no zombie) either way."""
         if self.process.is_alive():
             self.inbox.put(None)
-            self.process.join(timeout=30)
+            self.process.join(timeout=timeout)
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
+        for q in (self.inbox, self.outbox):
+            q.cancel_join_thread()          # a dead reader: what is left unsent must not hold this process's exit
+            q.close()
 
 
-def _serve(build_model: Callable, worker_kw: dict, inbox, outbox) -> None:
+SHARING = "file_descriptor"
+
+
+def _serve(build_model: Callable, device: str | None, worker_kw: dict, inbox, outbox, parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))     # Triton launches on the current device
         worker = PrefillWorker(build_model(), **worker_kw)
     except BaseException:
         outbox.put((None, traceback.format_exc(limit=3)))
         return
-    while (item := inbox.get()) is not None:
+    outbox.put((READY, None))
+    while True:
+        try:
+            item = inbox.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:      # the decode server died: no orphan left behind
+                return
+            continue
+        if item is None:
+            return
         key, prompt = item
         try:
             outbox.put((key, worker.prefill(prompt)))
