@@ -1116,6 +1116,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
     rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
              dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),
+             dict(point, metric="peak_host_gib", value=run.peak_host_rows * server.runtime.row_bytes / GIB, unit="GiB"),
              dict(point, metric="wall_s", value=run.wall_s, unit="s")]
     if point["mode"] != "resident":
         rows.append(dict(point, metric="miss_rate", value=misses / max(1, hits + misses), unit="fraction"))
