@@ -132,3 +132,32 @@ def test_a_churn_of_shared_prefixes_cancellations_and_evictions_leaks_nothing_an
     srv.sharing.index.clear()
     assert pool.free_rows == pool.capacity and int(pool.pages.count.sum()) == 0
     assert srv.cache.free_streams() == srv.cache.max_streams
+
+
+def test_over_http_a_second_prompt_extending_the_first_is_counted_on_metrics():
+    """The HTTP server with prefix sharing: the second completion extends the first's two pages;
+    /metrics (read with prometheus_client's parser) counts its hit and the tokens prefilled."""
+    import asyncio
+
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_serve_http import Running
+    a, b = prompts(13)
+    running = Running(server(True))
+
+    async def go() -> str:
+        async with aiohttp.ClientSession() as s:
+            for p in (a, b):
+                async with s.post(f"{running.url}/v1/completions", json={"prompt": p.tolist(), "max_tokens": 2}) as r:
+                    assert r.status == 200, await r.text()
+            async with s.get(f"{running.url}/metrics") as r:
+                return await r.text()
+    try:
+        text = asyncio.run(go())
+    finally:
+        running.shut_down()
+    value = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert value["hisparse_prefix_hit_tokens"] == 2 * PAGE_TOKENS
+    assert value["hisparse_prefill_tokens"] == len(a) + len(b) - 2 * PAGE_TOKENS
+    assert value["hisparse_prefix_cached_pages"] == 2 * running.server.streams_per_request
+    assert running.final["host_rows_in_use"] == 0, "the cached pages outlived the server"

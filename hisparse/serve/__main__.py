@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt tokens prefilled per iteration, between two decode steps: larger cuts TTFT a little, "
                          "smaller makes each stall of the running requests shorter (their mean TPOT stays) "
                          "(default 8192)")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="DSA checkpoints, --mode hisparse: store prompts' whole pages once and share them; a prompt "
+                         "that extends a cached one is prefilled from where the cache ends (counts on /metrics)")
     ap.add_argument("--prefill-overlap", action="store_true",
                     help="DSA checkpoints: run each prefill chunk in pieces of --prefill-layers layers on a side CUDA "
                          "stream beside the decode steps, instead of alone between them (one piece in flight)")
@@ -205,7 +208,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
                         host_budget_gib=args.host_budget_gib, max_batch=args.max_batch,
                         prefill_chunk=args.prefill_chunk, graph=args.graph, prefill=args.prefill, kv_dtype=args.kv_dtype,
                         prefill_overlap=args.prefill_overlap, prefill_layers=args.prefill_layers or PREFILL_LAYERS,
-                        prefill_sms=args.prefill_sms, index_dtype=args.index_dtype,
+                        prefill_sms=args.prefill_sms, index_dtype=args.index_dtype, prefix_cache=args.prefix_cache,
                         selections=None if workload is None else workload.draws[0], **quest)
     except ValueError as exc:
         ap.error(f"{_option(str(exc))}cannot build the server: {exc}")
@@ -214,7 +217,7 @@ def _server(ap: argparse.ArgumentParser, args: argparse.Namespace, model, name: 
 
 # the Server's keywords its ValueErrors name, and the options that set them
 OPTIONS = ("kv_budget_gib", "host_budget_gib", "max_context", "cache_slots", "max_batch", "prefill_chunk",
-           "token_budget", "prefill_layers", "prefill_sms", "prefill_overlap")
+           "token_budget", "prefill_layers", "prefill_sms", "prefill_overlap", "prefix_cache")
 
 
 def _option(message: str) -> str:

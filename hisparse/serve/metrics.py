@@ -36,6 +36,12 @@ GAUGES = {   # name: (help, its value in a server thread snapshot with "draining
                                    lambda s: s["host_rows_in_use"] * s["host_row_bytes"]),
     "hisparse_host_bytes_capacity": ("host pool bytes", lambda s: s["host_rows_capacity"] * s["host_row_bytes"]),
     "hisparse_draining": ("1 while shutting down (new requests refused)", lambda s: int(s["draining"])),
+    "hisparse_prefix_hit_tokens": ("prompt tokens found in the prefix cache, not prefilled (--prefix-cache)",
+                                   lambda s: s["prefix"].get("prefix_hit_tokens", 0)),
+    "hisparse_prefill_tokens": ("prompt tokens prefilled (admitted prompts less their cached prefixes; "
+                                "--prefix-cache)", lambda s: s["prefix"].get("prefill_tokens", 0)),
+    "hisparse_prefix_cached_pages": ("host pages the prefix cache holds, a page a layer (--prefix-cache)",
+                                     lambda s: s["prefix"].get("prefix_cached_pages", 0)),
 }
 
 

@@ -297,6 +297,8 @@ class ServerThread:
     def _stop(self) -> dict:
         self._cancel([job.request for job in self._jobs.values()], "the server shut down before it finished")
         self.server.close()
+        if self.server.sharing is not None:         # the cached prefixes' pages go back with the server
+            self.server.sharing.index.clear()
         self.final_snapshot = self._snapshot()
         self._done = True
         return self.final_snapshot
@@ -311,4 +313,5 @@ class ServerThread:
             host = s.cache.host
             snap.update(host_rows_capacity=host.capacity, host_rows_in_use=host.capacity - host.free_rows,
                         host_row_bytes=host.row_bytes)
+        snap["prefix"] = s.sharing.stats() if s.sharing is not None else {}
         return snap
