@@ -20,8 +20,10 @@ def _indexer_scores_kernel(
 
     One program per (request, block of BLOCK_T tokens); blocks past the request's length store -inf
     without reading keys. FP8_Q: q and keys e4m3 (DeepSeek-V3.2's FP8 indexer; w carries q's
-    scales); FP8_DOT multiplies them as e4m3 on the tensor cores (sm_89+), else both are upcast to
-    float16 first (exact: every e4m3 value is a float16) for a float16 product with float32 sums.
+    scales; keys [N, T, D] in rows of D bytes, 16-byte vectors when stride_kt is a multiple of 16,
+    HAS_SCALE's scales one float a key); FP8_DOT multiplies them as e4m3 on the tensor cores
+    (sm_89+), else both are upcast to float16 first (exact: every e4m3 value is a float16) for a
+    float16 product with float32 sums.
     """
     i_t = tl.program_id(0)  # token blocks on axis 0: it allows 2**31 - 1 programs, axis 1 only 65535
     i_n = tl.program_id(1).to(tl.int64)

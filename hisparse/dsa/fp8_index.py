@@ -2,10 +2,10 @@
 and the indexer scores and selections over keys as stored (through the indexer kernels of
 kernels_triton/dsa.py and dsa_prefill.py with e4m3 operands; torch reference `fp8_scores_ref`).
 
-One key per token and layer, D + 4 bytes (132 at DeepSeek's D = 128), little-endian:
-
-    bytes [0, D)      D float8_e4m3fn: rotated key value c is fp8[c] * scale
-    bytes [D, D + 4)  the float32 scale, a power of two
+A stored key is two arrays, as DeepSeek's own cache (k_cache, k_scale_cache), vLLM's and SGLang's
+keep them: the values float8_e4m3fn [..., T, D] (D bytes a token, rows 16-byte aligned at D = 128, so a
+kernel loads them as wide vectors) and the scales float32 [..., T] (4 bytes a token, contiguous), D + 4
+bytes a token in all (`key_row_bytes`, 132 at DeepSeek's D = 128): rotated key value c is value[c] * scale.
 
 Quantisation, of a key [D] and of each query head [D] alike (DeepSeek-V3.2-Exp's inference
 `act_quant`, block D, scale_fmt "ue8m0"): rotate by the orthonormal Hadamard matrix (`rotate`:
@@ -15,18 +15,16 @@ rotated ones / scale clamped to +-448, rounded to nearest even. The score of tok
 (`fp8_index`): scale_k(t) * sum_h w(h) * scale_q(h) * ReLU(q8(h) . k8(t)), w carrying the model's
 weights and softmax scale; the kernels take w * scale_q (`quantize_query`).
 
-Where we differ: DeepSeek's reference code keeps the keys and their scales in two buffers (k_cache
-fp8 [B, S, D], k_scale_cache float32 [B, S, 1]); vLLM, SGLang and DeepGEMM's paged
-`fp8_paged_mqa_logits` pack a page of 64 tokens as 64 * D e4m3 bytes, then 64 scales (the values
-16-byte aligned for TMA). We pack each token's D + 4 bytes together, one row a token, so every
-place that holds keys by token (the lanes, the prefill's state, hybrid runs, a handoff) moves them
-as bytes like any other row, at the price of 4-byte-aligned key loads. We rotate in float32 (they
-rotate bf16 activations to bf16); head dims other than 128 (the tiny checkpoints' 32 or 64) take
-one scale for the whole head as they would for one block.
+Where we differ: vLLM, SGLang and DeepGEMM's paged `fp8_paged_mqa_logits` keep a page's 64 scales
+after its 64 * D values in one buffer; we keep one values and one scales array per layer, each
+indexed by (request, token) like the bf16 keys, so every place that holds keys by token (the lanes,
+the prefill's state, hybrid runs, a handoff) slices and copies the two alike. We rotate in float32
+(they rotate bf16 activations to bf16); head dims other than 128 (the tiny checkpoints' 32 or 64)
+take one scale for the whole head as they would for one block.
 
-In the system (index_dtype "fp8" of `DsaRuntime`, `Engine`, `Server`: DESIGN section 5.1) every
-stored indexer key is such a row: `MlaKV.index_keys` is uint8 [B, capacity, D + 4], written
-quantised (`quantize_keys`) and read by `select_stored` / `prefill_select_stored`.
+In the system (index_dtype "fp8" of `DsaRuntime`, `Engine`, `Server`: DESIGN section 5.1)
+`MlaKV.index_keys` is float8_e4m3fn [B, capacity, D] and `MlaKV.index_scales` float32 [B, capacity],
+written quantised (`quantize_keys`) and read by `select_stored` / `prefill_select_stored`.
 """
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ FP8_MAX_INV = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()   # as float
 AMAX_FLOOR = 1e-4
 SCALE_BYTES = 4
 # How the DSA family stores an indexer key (`index_dtype` of DsaRuntime, Engine, Server, generate
-# --index-dtype): "bf16", D values in the model's dtype; "fp8", this module's D + 4-byte rows
+# --index-dtype): "bf16", D values in the model's dtype; "fp8", this module's e4m3 values and scale
 INDEX_DTYPES = ("bf16", "fp8")
 
 
@@ -55,7 +53,7 @@ def check_index_dtype(index_dtype) -> str:
 
 
 def key_row_bytes(head_dim: int) -> int:
-    """Bytes of one stored FP8 key: head_dim e4m3 values and a float32 scale (132 at 128)."""
+    """Bytes of one stored FP8 key: head_dim e4m3 values and its float32 scale (132 at 128)."""
     return head_dim + SCALE_BYTES
 
 
@@ -90,41 +88,28 @@ def quantize_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scale
 
 
-def quantize_keys(keys: torch.Tensor) -> torch.Tensor:
-    """Stored keys uint8 [..., D + 4] of indexer keys [..., D] (float16/bf16/float32, roped, finite)."""
+def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored keys (values float8_e4m3fn [..., D], scales float32 [...]) of indexer keys [..., D]
+    (float16/bf16/float32, roped, finite)."""
     require(keys.dtype in (torch.float16, torch.bfloat16, torch.float32),
             f"keys dtype {keys.dtype}: expected float16, bfloat16 or float32")
     require(keys.dim() >= 1 and keys.shape[-1] >= 16, f"keys shape {tuple(keys.shape)}: expected [..., D >= 16]")
-    values, scale = quantize_rotated(rotate(keys))
-    d = keys.shape[-1]
-    out = torch.empty((*keys.shape[:-1], key_row_bytes(d)), dtype=torch.uint8, device=keys.device)
-    out[..., :d] = values.view(torch.uint8)
-    out[..., d:] = scale[..., None].view(torch.uint8)
-    return out
+    return quantize_rotated(rotate(keys))
 
 
-def _check_stored(stored: torch.Tensor) -> None:
-    require(stored.dtype == torch.uint8 and stored.dim() >= 1 and stored.shape[-1] > SCALE_BYTES,
-            f"stored keys {stored.dtype} {tuple(stored.shape)}: expected uint8 [..., D + {SCALE_BYTES}]")
+def check_stored(values: torch.Tensor, scales: torch.Tensor) -> None:
+    """ValueError unless values float8_e4m3fn [..., D] and scales float32 [...] are one stored key array."""
+    require(values.dtype == FP8 and values.dim() >= 1 and scales is not None and scales.dtype == torch.float32
+            and scales.shape == values.shape[:-1],
+            f"stored keys {values.dtype} {tuple(values.shape)} with scales "
+            f"{None if scales is None else (scales.dtype, tuple(scales.shape))}: expected {FP8} [..., D] and "
+            f"float32 [...] of its leading shape")
 
 
-def key_views(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values e4m3 [..., D], scales float32 [...]) as views of stored keys uint8 [..., D + 4] whose
-    rows are 4-byte aligned (any slice of a stored buffer along the leading dims): no copy."""
-    _check_stored(stored)
-    d = stored.shape[-1] - SCALE_BYTES
-    require(stored.stride(-1) == 1 and all(s % SCALE_BYTES == 0 for s in stored.stride()[:-1])
-            and (stored.data_ptr() + d) % SCALE_BYTES == 0,
-            f"stored keys strides {stored.stride()}: expected contiguous rows at 4-byte-aligned addresses")
-    return stored[..., :d].view(FP8), stored[..., d:].view(torch.float32)[..., 0]
-
-
-def dequantize_keys(stored: torch.Tensor) -> torch.Tensor:
-    """The rotated keys float32 [..., D] of stored keys uint8 [..., D + 4] (exact: e4m3 times 2 ** e)."""
-    _check_stored(stored)
-    d = stored.shape[-1] - SCALE_BYTES
-    scale = stored[..., d:].contiguous().view(torch.float32)
-    return stored[..., :d].view(FP8).float() * scale
+def dequantize_keys(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The rotated keys float32 [..., D] of stored keys (values [..., D], scales [...]) (exact: e4m3 times 2 ** e)."""
+    check_stored(values, scales)
+    return values.float() * scales[..., None]
 
 
 def quantize_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,59 +121,57 @@ def quantize_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor
     return values, weights.float() * scale
 
 
-def fp8_scores_ref(q: torch.Tensor, weights: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+def fp8_scores_ref(q: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Plain-torch FP8 indexer scores [B, S, T] float32 of queries q [B, S, H, D] (roped, unquantised)
-    with head weights [B, S, H] over stored keys uint8 [B, T, D + 4], every pair (no mask): the query
-    quantised (`quantize_query`), e4m3 products summed in float32, then ReLU, weights, the key's scale."""
+    with head weights [B, S, H] over stored keys (values e4m3 [B, T, D], scales float32 [B, T]), every
+    pair (no mask): the query quantised (`quantize_query`), e4m3 products summed in float32, then
+    ReLU, weights, the key's scale."""
+    check_stored(values, scales)
     q8, w = quantize_query(q, weights)
-    keys = stored[..., :-SCALE_BYTES].view(FP8).float()                                  # [B, T, D]
-    scale = stored[..., -SCALE_BYTES:].contiguous().view(torch.float32)[..., 0]            # [B, T]
-    logits = torch.einsum("bshd,btd->bsht", q8.float(), keys).relu()
-    return torch.einsum("bsh,bsht->bst", w, logits) * scale[:, None, :]
+    logits = torch.einsum("bshd,btd->bsht", q8.float(), values.float()).relu()
+    return torch.einsum("bsh,bsht->bst", w, logits) * scales[:, None, :]
 
 
-def indexer_scores_fp8_ref(q, weights, stored, lengths) -> torch.Tensor:
+def indexer_scores_fp8_ref(q, weights, values, scales, lengths) -> torch.Tensor:
     """`indexer_scores_fp8` in plain torch: [N, T] float32, -inf at t >= lengths[n]."""
-    scores = fp8_scores_ref(q[:, None], weights[:, None], stored)[:, 0]
-    valid = torch.arange(stored.shape[1], device=q.device)[None, :] < lengths[:, None]
+    scores = fp8_scores_ref(q[:, None], weights[:, None], values, scales)[:, 0]
+    valid = torch.arange(values.shape[1], device=q.device)[None, :] < lengths[:, None]
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def indexer_scores_fp8(q: torch.Tensor, weights: torch.Tensor, stored: torch.Tensor, lengths: torch.Tensor,
-                       block_t: int | None = None, fp8_dot: bool | None = None) -> torch.Tensor:
+def indexer_scores_fp8(q: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                       lengths: torch.Tensor, block_t: int | None = None, fp8_dot: bool | None = None) -> torch.Tensor:
     """Decode indexer scores [N, T] float32 (-inf at t >= lengths[n]) of queries q [N, H, D] (roped,
-    in the model's dtype) with weights [N, H] over stored keys uint8 [N, T, D + 4]: the query
-    quantised here, then `ops.indexer_scores` over the e4m3 views (fp8_dot, block_t: its own)."""
-    _check_stored(stored)
-    require(stored.dim() == 3 and q.dim() == 3 and stored.shape[-1] == key_row_bytes(q.shape[-1]),
-            f"stored keys {tuple(stored.shape)} for q {tuple(q.shape)}: expected [N, T, D + {SCALE_BYTES}]")
+    in the model's dtype) with weights [N, H] over stored keys (values e4m3 [N, T, D], scales float32
+    [N, T]): the query quantised here, then `ops.indexer_scores` (fp8_dot, block_t: its own)."""
+    check_stored(values, scales)
     q8, w = quantize_query(q, weights)
-    keys, scale = key_views(stored)
-    return indexer_scores(q8, w, keys, lengths, key_scale=scale, block_t=block_t, fp8_dot=fp8_dot)
+    return indexer_scores(q8, w, values, lengths, key_scale=scales, block_t=block_t, fp8_dot=fp8_dot)
 
 
 def select_stored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, lengths: torch.Tensor,
-                  k: int) -> torch.Tensor:
-    """The decode selection [N, k] int32 (-1 padding) over indexer keys as stored: uint8 FP8 keys
-    through `indexer_scores_fp8`, others through `ops.indexer_scores`; then the exact top-k."""
-    if keys.dtype == torch.uint8:
-        return topk_select(indexer_scores_fp8(q, weights, keys, lengths), lengths, k)
+                  k: int, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode selection [N, k] int32 (-1 padding) over indexer keys as stored: e4m3 keys with
+    their scales [N, T] through `indexer_scores_fp8`, others through `ops.indexer_scores`; then the
+    exact top-k."""
+    if keys.dtype == FP8:
+        return topk_select(indexer_scores_fp8(q, weights, keys, scales, lengths), lengths, k)
+    require(scales is None, f"scales are for {FP8} keys, keys are {keys.dtype}")
     return topk_select(indexer_scores(q, weights, keys, lengths), lengths, k)
 
 
 def prefill_select_stored(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: int,
-                          k: int) -> torch.Tensor:
-    """`ops.dsa_prefill_select` over one request's keys [T, D] or stored FP8 keys uint8 [T, D + 4]
-    (the chunk's queries quantised once, their scales in the weights)."""
-    if keys.dtype != torch.uint8:
+                          k: int, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """`ops.dsa_prefill_select` over one request's keys [T, D] as stored: e4m3 keys with their scales
+    [T] (the chunk's queries quantised once, their scales in the weights), or keys in q's dtype."""
+    if keys.dtype != FP8:
+        require(scales is None, f"scales are for {FP8} keys, keys are {keys.dtype}")
         return dsa_prefill_select(q, weights, keys, start, k)
-    require(keys.dim() == 2 and q.dim() == 3 and keys.shape[-1] == key_row_bytes(q.shape[-1]),
-            f"stored keys {tuple(keys.shape)} for q {tuple(q.shape)}: expected [T, D + {SCALE_BYTES}]")
+    check_stored(keys, scales)
     q8, w = quantize_query(q, weights)
-    values, scale = key_views(keys)
-    return dsa_prefill_select(q8, w, values, start, k, key_scale=scale)
+    return dsa_prefill_select(q8, w, keys, start, k, key_scale=scales)
 
 
 def stored_index_bytes(head_dim: int, elem_bytes: int, index_dtype: str) -> int:
-    """Bytes of one token's indexer key as stored: head_dim values of elem_bytes, or an FP8 key."""
+    """Bytes of one token's indexer key as stored: head_dim values of elem_bytes, or an FP8 key's D + 4."""
     return key_row_bytes(head_dim) if check_index_dtype(index_dtype) == "fp8" else head_dim * elem_bytes

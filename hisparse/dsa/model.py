@@ -64,11 +64,11 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
         return q, k, weights
 
-    def prefill_topk(self, q, keys, weights, causal):
+    def prefill_topk(self, q, keys, weights, causal, scales=None):
         """Top-k token ids [B, S, min(topk, T)] per query; causal [S, T] True where allowed. FP8 keys
-        (uint8 [B, T, Di + 4]): `fp8_index.fp8_scores_ref`, the queries quantised."""
-        if keys.dtype == torch.uint8:
-            index_scores = fp8_index.fp8_scores_ref(q, weights * self.softmax_scale, keys)       # [B, S, T]
+        (e4m3 [B, T, Di] with scales [B, T]): `fp8_index.fp8_scores_ref`, the queries quantised."""
+        if scales is not None:
+            index_scores = fp8_index.fp8_scores_ref(q, weights * self.softmax_scale, keys, scales)   # [B, S, T]
         else:
             scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.softmax_scale)
             index_scores = torch.matmul(weights[:, :, None, :], scores).squeeze(-2)  # [B, S, T]
@@ -99,18 +99,18 @@ class MlaAttention(nn.Module):
     def new_kv(self, batch: int, capacity: int, device, dtype, kv_dtype: str = "bf16",
                index_dtype: str = "bf16") -> MlaKV:
         """Zero state; latents in `dtype`, or with kv_dtype "fp8" as uint8 656-byte rows; index keys in
-        `dtype`, or with index_dtype "fp8" as uint8 rows of Di + 4 bytes (`fp8_index`)."""
+        `dtype`, or with index_dtype "fp8" as e4m3 values and float32 scales (`fp8_index`)."""
         if fp8.check_kv_dtype(kv_dtype) == "fp8":
             latent = torch.zeros(batch, capacity, fp8.ROW_BYTES, device=device, dtype=torch.uint8)
         else:
             latent = torch.zeros(batch, capacity, self.dc + self.dr, device=device, dtype=dtype)
-        keys = None
+        keys = scales = None
         if self.indexer is not None and fp8_index.check_index_dtype(index_dtype) == "fp8":
-            keys = torch.zeros(batch, capacity, fp8_index.key_row_bytes(self.indexer.head_dim), device=device,
-                               dtype=torch.uint8)
+            keys = torch.zeros(batch, capacity, self.indexer.head_dim, device=device, dtype=fp8_index.FP8)
+            scales = torch.zeros(batch, capacity, device=device, dtype=torch.float32)
         elif self.indexer is not None:
             keys = torch.zeros(batch, capacity, self.indexer.head_dim, device=device, dtype=dtype)
-        return MlaKV(latent=latent, index_keys=keys)
+        return MlaKV(latent=latent, index_keys=keys, index_scales=scales)
 
     def forward(self, x: torch.Tensor, step: Step, kv: MlaKV) -> torch.Tensor:
         b, s, _ = x.shape
@@ -134,15 +134,20 @@ class MlaAttention(nn.Module):
             end = step.start + s
             if self.indexer is not None:            # relu(scale * q.k) = scale * relu(q.k): the scale in the weights
                 weights = index_w * self.indexer.softmax_scale
+                scales = kv.index_scales
                 step.shared["selection"] = torch.stack([                                 # [B, S, k] int32
                     fp8_index.prefill_select_stored(index_q[row], weights[row], kv.index_keys[row, :end],
-                                                    step.start, self.indexer.topk) for row in range(b)])
+                                                    step.start, self.indexer.topk,
+                                                    None if scales is None else scales[row, :end])
+                    for row in range(b)])
             out = self._prefill_absorbed(q_nope, q_rot, kv.latent[:, :end], step.shared["selection"], step.backend)
         else:
             end = step.start + s
             causal = step.positions[0, :, None] >= torch.arange(end, device=x.device)[None, :]  # [S, T]
             if self.indexer is not None:
-                step.shared["selection"] = self.indexer.prefill_topk(index_q, kv.index_keys[:, :end], index_w, causal)
+                scales = None if kv.index_scales is None else kv.index_scales[:, :end]
+                step.shared["selection"] = self.indexer.prefill_topk(index_q, kv.index_keys[:, :end], index_w, causal,
+                                                                     scales)
             out = self._prefill_attention(q_nope, q_rot, kv.latent[:, :end], causal, step.shared["selection"])
         return self.o_proj(out.reshape(b, s, self.n_heads * self.dv))
 

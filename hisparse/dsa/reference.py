@@ -16,12 +16,13 @@ class MlaKV:
     """One layer's KV state: `latent` [B, capacity, kv_lora_rank + qk_rope_head_dim] (normalised
     latent then roped key, V = the first kv_lora_rank values), or uint8 [B, capacity, 656] FP8 rows
     (kv_dtype "fp8": hisparse.dsa.fp8, written quantised, read dequantised); `index_keys` [B,
-    capacity, index_head_dim] on anchor layers, or uint8 [B, capacity, index_head_dim + 4] FP8 keys
-    (index_dtype "fp8": hisparse.dsa.fp8_index, written quantised), None on shared layers.
-    Positions >= a row's length are unused."""
+    capacity, index_head_dim] on anchor layers, or float8_e4m3fn values with `index_scales` [B,
+    capacity] float32 (index_dtype "fp8": hisparse.dsa.fp8_index's keys, written quantised), None on
+    shared layers (`index_scales` None but with FP8 keys). Positions >= a row's length are unused."""
 
     latent: torch.Tensor
     index_keys: torch.Tensor | None
+    index_scales: torch.Tensor | None = None
     # serving (hisparse.serving): [B] bool, the rows that hold a request; an empty row's decode write
     # goes to position capacity - 1, which no request ever holds (`lane_positions`), so a lane whose
     # request is being prefilled in place, even beside the step on another CUDA stream, is never written
@@ -40,9 +41,11 @@ class MlaKV:
 
     def write_index_keys(self, rows: torch.Tensor, positions: torch.Tensor, index_keys: torch.Tensor) -> None:
         """index_keys [B, S, Di] at positions [B, S] of rows [B, 1], quantised where stored as FP8 keys."""
-        if self.index_keys.dtype == torch.uint8:
-            index_keys = fp8_index.quantize_keys(index_keys)
-        self.index_keys[rows, self.lane_positions(positions, self.index_keys)] = index_keys
+        at = self.lane_positions(positions, self.index_keys)
+        if self.index_scales is not None:
+            index_keys, scales = fp8_index.quantize_keys(index_keys)
+            self.index_scales[rows, at] = scales
+        self.index_keys[rows, at] = index_keys
 
     def lane_positions(self, positions: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
         """positions [B, S] with an empty lane's moved to the last position of pool [B, capacity, D].
@@ -68,11 +71,11 @@ class TorchDsaAttention:
         index_q [B, Hi, Di] (roped), index_weights [B, Hi] (float32, already times Hi^-0.5):
         score(s) = sum_h w_h * relu(scale * q_h . k_s) over the first lengths[b] keys of row b. Returns
         [B, topk] int64 token ids in descending score order (ties to the lower id), -1 where a row has
-        fewer than topk tokens. FP8 keys (uint8): `fp8_index.fp8_scores_ref`, the query quantised.
+        fewer than topk tokens. FP8 keys (with scales): `fp8_index.fp8_scores_ref`, the query quantised.
         """
-        if kv.index_keys.dtype == torch.uint8:
+        if kv.index_scales is not None:
             index_scores = fp8_index.fp8_scores_ref(index_q[:, None], index_weights[:, None] * scale,
-                                                    kv.index_keys)[:, 0]
+                                                    kv.index_keys, kv.index_scales)[:, 0]
         else:
             scores = torch.relu(torch.einsum("bhd,btd->bht", index_q.float(), kv.index_keys.float()) * scale)
             index_scores = torch.einsum("bh,bht->bt", index_weights, scores)

@@ -49,7 +49,7 @@ class HierMlaKV(MlaKV):
     """A layer's KV with the latents in the hierarchical cache: `latent` is None; `streams [B]`
     int32 are the rows' streams in `cache` (`host_streams` the same ids on the host), and
     `row_base [B]` int64 the row of each stream's slot 0 in `cache.gpu_rows` (the slots viewed as rows);
-    `index_keys [B, capacity, Di]` stay resident.
+    `index_keys [B, capacity, Di]` (and FP8 keys' `index_scales [B, capacity]`) stay resident.
 
     A shared layer (one that reuses an anchor layer's selection) moves in lockstep with its anchor:
     `anchor_layer` and `anchor_streams` name the anchor, whose slot maps place its rows too, and
@@ -135,7 +135,8 @@ class KernelDsaAttention(UnitResolver):
             selection = self.replay_sel[layer_idx]
         else:
             # relu(scale * q.k) = scale * relu(q.k) for scale > 0: fold the scale into the head weights
-            selection = fp8_index.select_stored(index_q, index_weights * scale, kv.index_keys, lengths, topk)
+            selection = fp8_index.select_stored(index_q, index_weights * scale, kv.index_keys, lengths, topk,
+                                                kv.index_scales)
         return selection
 
     def attend(self, layer_idx: int, q_latent: torch.Tensor, q_rope: torch.Tensor, kv: MlaKV,
@@ -181,7 +182,9 @@ class DsaRuntime:
     the model's dtype, or "fp8", a 656-byte uint8 row (`row_elems`, `row_dtype`), in the prefill's
     state, the resident pool, the host pool and the hot slots alike. index_dtype: how an indexer key is
     stored (`fp8_index.INDEX_DTYPES`): "bf16", in the model's dtype, or "fp8", DeepSeek-V3.2's e4m3
-    key and float32 scale, uint8 [.., Di + 4] (`index_row_bytes`), wherever keys are held."""
+    key [.., Di] and its float32 scale [..] in two arrays, Di + 4 bytes a token (`index_row_bytes`),
+    wherever keys are held. A layer's rows (`Rows`) are (latents, index keys, their scales), the
+    keys and scales None on shared layers, the scales None unless FP8."""
 
     family = "DSA"
     selection_name = "index_topk"
@@ -229,23 +232,26 @@ class DsaRuntime:
 
     def random_rows(self, prompts: list[torch.Tensor], device: torch.device) -> Rows:
         """rows(b, layer) -> random (latents [len, D] as stored (FP8 rows quantised), index keys
-        [1, len, Di] as stored (FP8 keys quantised) on anchor layers, else None)."""
+        [1, len, Di] and scales [1, len] as stored (FP8 keys quantised, else scales None) on anchor
+        layers, else None, None)."""
         cfg, dtype = self.model.config, self.model.model.embed_tokens.weight.dtype
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
         def rows(b: int, layer: int):
             n = len(prompts[b])
-            keys = None
+            keys = scales = None
             if cfg.indexer_types[layer] == "full":
                 keys = torch.randn(1, n, cfg.index_head_dim, device=device, dtype=dtype)
-                keys = fp8_index.quantize_keys(keys) if self.index_dtype == "fp8" else keys
+                if self.index_dtype == "fp8":
+                    keys, scales = fp8_index.quantize_keys(keys)
             latent = torch.randn(n, width, device=device, dtype=dtype)
-            return (fp8.to_rows(latent) if self.kv_dtype == "fp8" else latent), keys
+            return (fp8.to_rows(latent) if self.kv_dtype == "fp8" else latent), keys, scales
 
         return rows
 
     def prefilled_rows(self, states: list[DecodeState]) -> Rows:
-        return lambda b, i: (states[b].layers[i].latent[0], states[b].layers[i].index_keys)
+        return lambda b, i: (states[b].layers[i].latent[0], states[b].layers[i].index_keys,
+                             states[b].layers[i].index_scales)
 
     def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
         layers, weight = self.model.config.num_hidden_layers, self.model.model.embed_tokens.weight
@@ -269,22 +275,24 @@ class DsaRuntime:
 
     def _gather_layer(self, mode, cache, layer: int, parts, lengths, capacity: int, anchor: MlaKV | None,
                       prefetch: bool, host_tokens: int) -> MlaKV:
-        """One layer's batch state from per-request (latents [len, D], index keys [1, len, Di] | None)."""
+        """One layer's batch state from per-request (latents [len, D], index keys [1, len, Di] | None,
+        their scales [1, len] | None)."""
         batch = len(lengths)
         latent = parts[0][0]
-        index_keys = _index_keys(parts, lengths, capacity)
+        index_keys, index_scales = _index_keys(parts, lengths, capacity)
         if mode == "resident":
             pool = latent.new_zeros(batch, capacity, latent.shape[-1])
-            for b, (lat, _) in enumerate(parts):
+            for b, (lat, *_) in enumerate(parts):
                 pool[b, :lengths[b]] = lat
-            return MlaKV(latent=pool, index_keys=index_keys)
+            return MlaKV(latent=pool, index_keys=index_keys, index_scales=index_scales)
         streams = []
-        for lat, _ in parts:
+        for lat, *_ in parts:
             stream = cache.open_stream(host_tokens)
             cache.append(stream, lat)
             streams.append(stream)
         ids = torch.tensor(streams, dtype=torch.int32, device=latent.device)
-        kv = HierMlaKV(latent=None, index_keys=index_keys, cache=cache, host_streams=streams, streams=ids,
+        kv = HierMlaKV(latent=None, index_keys=index_keys, index_scales=index_scales, cache=cache,
+                       host_streams=streams, streams=ids,
                        row_base=cache.row_base(ids))
         if anchor is not None:
             kv.anchor_layer, kv.anchor_streams = self.anchors[layer], anchor.streams
@@ -361,11 +369,12 @@ class DsaRuntime:
             bases = [base + (j * layers + i) * capacity for j in range(resident)]
             for j in range(resident):
                 cache.gpu_rows[bases[j]:bases[j] + int(lengths[j])] = parts[j][0]
-            for stream, (latent, _) in zip(host[i], parts[resident:]):
+            for stream, (latent, *_) in zip(host[i], parts[resident:]):
                 cache.append(stream, latent)
             device = cache.gpu_rows.device
             ids = [-1] * resident + host[i]
-            kv = HierMlaKV(latent=None, index_keys=_index_keys(parts, lengths, capacity), cache=cache,
+            index_keys, index_scales = _index_keys(parts, lengths, capacity)
+            kv = HierMlaKV(latent=None, index_keys=index_keys, index_scales=index_scales, cache=cache,
                            host_streams=ids, streams=torch.tensor(ids, dtype=torch.int32, device=device),
                            row_base=torch.tensor(bases + [s * (cache.cache_slots + 1) for s in host[i]],
                                                  dtype=torch.int64, device=device))
@@ -454,23 +463,27 @@ class DsaRuntime:
         return stream_counts(cache, [s[s >= 0] for s in streams])      # a resident lane's are -1
 
     def kv_bytes(self, layers: list, cache: HierarchicalKVCache | None) -> float:
-        """The resident indexer keys, plus the resident latents or the hot slots with their LRU
-        state and unit -> slot map (4 bytes per unit)."""
-        total = sum(nbytes(kv.index_keys) for kv in layers)
+        """The resident indexer keys (and FP8 keys' scales), plus the resident latents or the hot
+        slots with their LRU state and unit -> slot map (4 bytes per unit)."""
+        total = sum(nbytes(kv.index_keys, kv.index_scales) for kv in layers)
         if cache is not None:
             return total + cache_bytes(cache)
         return total + sum(nbytes(kv.latent) for kv in layers)
 
 
-def _index_keys(parts, lengths, capacity: int) -> torch.Tensor | None:
-    """A layer's indexer keys [B, capacity, Di] from per-request (latents, keys [1, len, Di] | None)."""
-    keys = parts[0][1]
+def _index_keys(parts, lengths, capacity: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A layer's indexer keys [B, capacity, Di] and scales [B, capacity] (FP8 keys, else None) from
+    per-request (latents, keys [1, len, Di] | None, scales [1, len] | None)."""
+    _, keys, scales = parts[0]
     if keys is None:
-        return None
+        return None, None
     index_keys = keys.new_zeros(len(parts), capacity, keys.shape[-1])
-    for b, (_, k) in enumerate(parts):
+    index_scales = None if scales is None else scales.new_zeros(len(parts), capacity)
+    for b, (_, k, sc) in enumerate(parts):
         index_keys[b, :lengths[b]] = k[0]
-    return index_keys
+        if index_scales is not None:
+            index_scales[b, :lengths[b]] = sc[0]
+    return index_keys, index_scales
 
 
 class LanePrefill:
@@ -486,17 +499,18 @@ class LanePrefill:
             mode = self.mode = "resident"
         views = []
         for i, kv in enumerate(layers):
-            keys = None if kv.index_keys is None else kv.index_keys[lane:lane + 1]
+            keys = {name: None if t is None else t[lane:lane + 1]       # the lane's own rows: views
+                    for name, t in (("index_keys", kv.index_keys), ("index_scales", kv.index_scales))}
             if runs is not None:
-                views.append(MlaKV(latent=run_rows(cache, runs[i])[None], index_keys=keys))
+                views.append(MlaKV(latent=run_rows(cache, runs[i])[None], **keys))
             elif workspace_runs is not None:
-                views.append(MlaKV(latent=run_rows(cache, workspace_runs[i])[None, :prompt], index_keys=keys))
+                views.append(MlaKV(latent=run_rows(cache, workspace_runs[i])[None, :prompt], **keys))
             elif mode == "resident":
-                views.append(MlaKV(latent=kv.latent[lane:lane + 1], index_keys=keys))
+                views.append(MlaKV(latent=kv.latent[lane:lane + 1], **keys))
             else:                   # the rows as the cache stores them (FP8: uint8 rows, quantised by the write)
                 latent = torch.empty(1, prompt, runtime.row_elems, dtype=runtime.row_dtype,
                                      device=kv.cache.slots.device)
-                views.append(MlaKV(latent=latent, index_keys=keys))
+                views.append(MlaKV(latent=latent, **keys))
         self.streams = []
         if mode != "resident":
             try:
@@ -529,9 +543,11 @@ class LanePrefill:
         A prefix of the prompt (`prompt` tokens of more): its latents go to the workspace too, where
         the prefill of the rest attends to them; rows a stream holds already (shared pages) stay as they are."""
         for i, view in enumerate(self.state.layers):
-            latent, keys = rows(0, i)
+            latent, keys, scales = rows(0, i)
             if view.index_keys is not None:
                 view.index_keys[0, :prompt].copy_(keys[0, :prompt])
+            if view.index_scales is not None:
+                view.index_scales[0, :prompt].copy_(scales[0, :prompt])
             if self.mode == "resident" or prompt < view.latent.shape[1]:
                 view.latent[0, :prompt].copy_(latent[:prompt])
             held = self.cache.stream_len[self.streams[i]] if self.mode != "resident" else prompt
