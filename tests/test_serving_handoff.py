@@ -241,3 +241,17 @@ def test_a_handoff_of_other_tokens_is_refused():
     req.handoff = worker.prefill((req.prompt[:24] + 1) % 97)
     with pytest.raises(ValueError, match="are not the first 24 of the request's prompt"):
         srv.serve([req])
+
+
+def test_a_handoff_with_fp8_indexer_keys_decodes_bitwise_as_in_place():
+    """index_dtype "fp8" on both sides: the handoff carries the keys' e4m3 values and their scales."""
+    req = next(r for r in workload("deepseek_v32") if len(r.prompt) > 48)
+    local = server("deepseek_v32", "hisparse", index_dtype="fp8").serve(fresh([req]))
+    decode = server("deepseek_v32", "hisparse", index_dtype="fp8")
+    worker = PrefillWorker(decode.model, prefill_chunk=24, prefill="reference", index_dtype="fp8")
+    again = fresh([req])
+    again[0].handoff = worker.prefill(req.prompt)
+    assert again[0].handoff.rows[0][1].dtype == torch.float8_e4m3fn and again[0].handoff.rows[0][2] is not None
+    run = decode.serve(again)
+    a, b = local.requests[0], run.requests[0]
+    assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))

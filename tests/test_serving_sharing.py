@@ -25,12 +25,13 @@ def prompts(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return first, torch.cat([first[:2 * PAGE_TOKENS], torch.randint(0, 97, (11,), generator=gen)])
 
 
-def test_a_request_extending_a_cached_prompt_prefills_only_the_rest_bitwise_as_in_place():
+@pytest.mark.parametrize("index_dtype", ["bf16", "fp8"])
+def test_a_request_extending_a_cached_prompt_prefills_only_the_rest_bitwise_as_in_place(index_dtype):
     a, b = prompts()
-    shared = server(True)
+    shared = server(True, index_dtype=index_dtype)
     shared.serve([Request(a, 3)])
     run = shared.serve([Request(b, 4)])
-    alone = server(False).serve([Request(b, 4)])
+    alone = server(False, index_dtype=index_dtype).serve([Request(b, 4)])
     assert [it.prefilled for it in run.schedule.iterations if it.prefilled] == [11], "prefilled more than the rest"
     got, want = run.requests[0], alone.requests[0]
     assert got.tokens == want.tokens

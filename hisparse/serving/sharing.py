@@ -69,13 +69,14 @@ class PrefixSharing:
         if not length:
             return None
         self.hit_tokens += length
-        pages, pieces = handle.pages(), [piece.keys for piece in handle.extras()]
+        pages, pieces = handle.pages(), [piece.parts for piece in handle.extras()]
         rows = []
         for i, stream_pages in enumerate(pages):
             first = torch.tensor(stream_pages, dtype=torch.int64)[:, None] * PAGE_TOKENS
             host = (first + torch.arange(PAGE_TOKENS)).flatten()        # the pages' host rows, in token order
-            keys = None if pieces[0][i] is None else torch.cat([piece[i] for piece in pieces])[None]   # [1, length, Di]
-            rows.append((self.cache.host.rows[host], keys))
+            keys, scales = (None if pieces[0][i][j] is None else torch.cat([piece[i][j] for piece in pieces])[None]
+                            for j in range(2))                         # [1, length, Di], [1, length] (FP8 keys)
+            rows.append((self.cache.host.rows[host], keys, scales))
         return pages, Handoff(length, rows, None, tokens=prompt[:length].clone())
 
     def insert(self, prompt: torch.Tensor, streams: list[int], lane: int) -> None:
@@ -83,8 +84,9 @@ class PrefixSharing:
         copies of its lane's indexer keys for them."""
         def payload(first: int, last: int) -> Payload:
             span = slice(first * PAGE_TOKENS, last * PAGE_TOKENS)
-            keys = [None if kv.index_keys is None else kv.index_keys[lane, span].cpu() for kv in self.layers]
-            return Payload([self.cache.stream_pages(s)[first:last] for s in streams], _PageKeys(keys, last - first))
+            parts = [tuple(None if t is None else t[lane, span].cpu() for t in (kv.index_keys, kv.index_scales))
+                     for kv in self.layers]
+            return Payload([self.cache.stream_pages(s)[first:last] for s in streams], _PageKeys(parts, last - first))
         self.index.insert(prompt.tolist(), payload)
 
     def stats(self) -> dict[str, float]:
@@ -103,11 +105,11 @@ class PrefixSharing:
 
 
 class _PageKeys:
-    """A node's indexer keys as the index's extras: per layer [tokens, Di] (None: a layer without an
-    indexer), one item per page, sliced by pages when the node splits."""
+    """A node's indexer keys as the index's extras: per layer (keys [tokens, Di], FP8 keys' scales
+    [tokens]; None where a layer has none), one item per page, sliced by pages when the node splits."""
 
-    def __init__(self, keys: list[torch.Tensor | None], pages: int):
-        self.keys, self.pages = keys, pages
+    def __init__(self, parts: list[tuple], pages: int):
+        self.parts, self.pages = parts, pages
 
     def __len__(self) -> int:
         return self.pages
@@ -115,4 +117,4 @@ class _PageKeys:
     def __getitem__(self, pages: slice) -> "_PageKeys":
         start, stop, _ = pages.indices(self.pages)
         span = slice(start * PAGE_TOKENS, stop * PAGE_TOKENS)
-        return _PageKeys([None if k is None else k[span] for k in self.keys], stop - start)
+        return _PageKeys([tuple(None if t is None else t[span] for t in part) for part in self.parts], stop - start)
