@@ -1100,6 +1100,8 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
                        selections=reqs[0].selections)
         server.serve([warm])
         serving_warmed.add(warm_key)
+        if server.sharing is not None:           # the warm-up's pages are not the point's to hit
+            server.sharing.index.clear()
     run = server.serve(reqs, clients=clients, progress=True, max_concurrency=point.get("max_concurrency"))
     summary = run.summary()
     if point.get("request_rate") is not None:            # the dialect's figures beside the percentiles

@@ -21,6 +21,7 @@ def assert_nothing_held(srv: Server) -> None:
     assert all(r is None for r in srv.lane_request) and srv.prefilling is None
     assert cache.free_streams() == cache.max_streams
     assert cache.host.free_rows == cache.host.capacity
+    assert not any(srv.runner.sampler.uses), "a lane kept a request's sampling settings"
 
 
 def test_calls_before_open_name_the_state_and_what_to_call_first():

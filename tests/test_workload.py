@@ -224,3 +224,20 @@ def test_attached_selections_are_drawn_per_request_at_its_own_length():
             sel = reqs[t * 2 + c].selections
             assert sel.shape == (2, config.num_hidden_layers, config.index_topk) and torch.equal(sel, draws[c])
     assert not torch.equal(reqs[0].selections, reqs[1].selections)
+
+
+def test_a_closed_loop_waits_each_turns_think_time():
+    """MultiTurnWorkload's think_time: a conversation's next turn arrives that long after its previous
+    turn's last token (the driver's closed loop, `Request.think_time`)."""
+    from test_serving import QUICK, tiny
+
+    from hisparse.serving import Server
+    from hisparse.serving.workload import MultiTurnWorkload
+    load = MultiTurnWorkload(conversations=1, turns=2, first_len=8, user_len=2, answer_len=2, think_time=0.3)
+    reqs = load.requests(97)
+    assert [r.think_time for r in reqs] == [0.0, 0.3]
+    srv = Server(tiny("deepseek_v32"), "resident", max_context=32, kv_budget_gib=0.01, max_batch=1, **QUICK)
+    run = srv.serve(reqs, clients=load.clients())
+    first, second = run.requests
+    assert second.arrival == pytest.approx(first.token_times[-1] + 0.3)
+    assert second.token_times[0] >= second.arrival

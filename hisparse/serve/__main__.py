@@ -369,6 +369,9 @@ def check_disaggregated_options(ap: argparse.ArgumentParser, args: argparse.Name
     if args.prefill_overlap:
         ap.error("argument --prefill-overlap: with --disaggregated the prompts are prefilled by the workers, not "
                  "beside the decode steps")
+    if args.prefix_cache:
+        ap.error("argument --prefix-cache: with --disaggregated every prompt comes prefilled by a worker, so a cached "
+                 "prefix would never be used (the workers do not share prefixes yet)")
 
 
 def prefill_devices(ap: argparse.ArgumentParser, args: argparse.Namespace, decode: torch.device) -> list[str]:

@@ -204,7 +204,8 @@ class LaneMemory:
     def check(self, prompt: int, need: int) -> None:
         """ValueError if a request of `prompt` tokens, `need` in all, could never be placed."""
         if self.cache is not None:
-            rows = sum(self.runtime.stream_regions(need))
+            page = self.page_rows or 1                   # (with a page table every stream takes whole pages)
+            rows = sum(-(-r // page) * page for r in self.runtime.stream_regions(need))
             if rows > self.cache.host.capacity:
                 raise ValueError(f"a request of {need} tokens needs {rows} host pool rows; the pool holds "
                                  f"{self.cache.host.capacity} (raise host_budget_gib)")

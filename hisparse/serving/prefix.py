@@ -113,6 +113,10 @@ class PrefixIndex:
         self.hit_tokens += length
         return length, PrefixHandle(node, length)
 
+    def peek(self, tokens) -> int:
+        """The length `match` would give, with nothing changed: no split, no count, no recency."""
+        return self._walk(self._key(tokens), split=False)[1]
+
     def lock(self, handle: PrefixHandle) -> None:
         """Keep the handle's prefix (and so every node above it) from eviction until `unlock`."""
         self._check_live(handle)
@@ -155,13 +159,15 @@ class PrefixIndex:
         self._touch(node)
         return PrefixHandle(node, len(key))
 
-    def evict(self, pages_needed: int) -> int:
+    def evict(self, pages_needed: int, keep: Callable[[list[list[int]]], bool] | None = None) -> int:
         """Give back at least `pages_needed` page ids (fewer only when nothing unlocked is left),
         least recently used leaf pages first, each from its leaf's tail; returns the page ids given
-        back (a multiple of `streams`). A page goes back to the free list once no request holds it."""
+        back (a multiple of `streams`). A page goes back to the free list once no request holds it.
+        keep(a leaf's pages per stream): True leaves that leaf alone (e.g. a running request holds it)."""
         if isinstance(pages_needed, bool) or not isinstance(pages_needed, int) or pages_needed < 0:
             raise ValueError(f"pages_needed = {pages_needed!r}: expected an integer >= 0")
-        leaves = [(n.last_use, id(n), n) for n in self._nodes() if not n.children and not n.lock_refs]
+        leaves = [(n.last_use, id(n), n) for n in self._nodes()
+                  if not n.children and not n.lock_refs and not (keep and keep(n.pages))]
         heapq.heapify(leaves)
         freed = 0
         while freed < pages_needed and leaves:
@@ -171,7 +177,8 @@ class PrefixIndex:
             freed += cut * self.streams
             if parent is None:                            # the rest of it is still the same leaf
                 heapq.heappush(leaves, (node.last_use, id(node), node))
-            elif parent is not self.root and not parent.children and not parent.lock_refs:
+            elif parent is not self.root and not parent.children and not parent.lock_refs and \
+                    not (keep and keep(parent.pages)):
                 heapq.heappush(leaves, (parent.last_use, id(parent), parent))
         return freed
 

@@ -64,6 +64,7 @@ class Request(TokenTimeline):
     selections: torch.Tensor | None = None   # int32 [steps, layers, ..., k]: replayed instead of the indexer's
     on_token: object | None = None      # called as on_token(request, token) for each new token (streaming)
     handoff: object | None = None       # a `handoff.Handoff`: its prompt prefilled elsewhere, adopted at admission
+    think_time: float = 0.0             # a closed loop's client sends it this long after its previous one finished
     sampling: SamplingParams = field(default_factory=SamplingParams)   # greedy to max_new_tokens by default
     finish_reason: str | None = None    # "stop" (eos, a stop id or string) or "length"; set when it ends
     token_logprobs: list = field(default_factory=list)   # per token with sampling.logprobs: (logprob, [(id, logprob)] top N)
@@ -105,6 +106,9 @@ def check_request(request: Request, vocab: int, max_context: int) -> None:
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or math.isinf(arrival):
         raise ValueError(f"arrival={arrival!r}: expected a finite number of seconds after open(), or math.nan "
                          f"for now")
+    think = request.think_time
+    if isinstance(think, bool) or not isinstance(think, (int, float)) or not 0 <= think < math.inf:
+        raise ValueError(f"think_time={think!r}: expected seconds >= 0, finite")
     need = len(prompt) + request.max_new_tokens
     if need > max_context:
         raise ValueError(f"a prompt of {len(prompt)} tokens plus {request.max_new_tokens} new ones needs {need} "

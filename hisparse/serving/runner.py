@@ -168,7 +168,7 @@ class Runner:
             tokens = self.sampler.sample(logits)
             self.sampler.advance(tokens, self.attention.lanes)
         tops = [None if r is None else r.sampling.logprobs for r in lane_request]
-        return tokens.cpu(), token_logprobs(logits, tokens, tops)      # the step's one host sync
+        return tokens.cpu(), token_logprobs(logits, tokens, tops)      # the step's host sync (one more with logprobs)
 
     def first_token(self, request: Request, logits: torch.Tensor) -> tuple[int, object]:
         """(token, logprobs entry or None) from a prefill's last logits [V]; the lane's sampler set up."""

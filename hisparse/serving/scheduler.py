@@ -127,7 +127,7 @@ def _loop(server, requests: list[Request], clients: int | None, progress: bool, 
             done += 1
             if clients is not None and place[id(r)] + clients < len(requests):   # the client's next, now
                 nxt = requests[place[id(r)] + clients]
-                nxt.arrival = r.token_times[-1]
+                nxt.arrival = r.token_times[-1] + nxt.think_time
                 server.submit(nxt)
             elif clients is None and sent < len(requests):     # (capped) the next in line, once it arrives
                 requests[sent].arrival = max(requests[sent].arrival, r.token_times[-1])

@@ -9,9 +9,9 @@ The host pool is then counted pages of `PAGE_TOKENS` rows behind a page table (`
   kept by the index as host copies, into the lane and its latents, gathered from the shared pages,
   into the prefill workspace (`LanePrefill.adopt`), and the prefill runs on from there;
 - the join (`insert`): the prompt's whole pages go into the index, which holds a reference to each;
-- room: an admission that does not fit evicts the index's least recently used prefixes first. A
-  running request's streams hold their own references, so eviction never frees a page in use (its
-  bytes stay until the request leaves) and no lock outlives an admission.
+- room: an admission that does not fit evicts the least recently used prefixes that only the index
+  holds (a running request's streams hold their own references to the pages they read), its own
+  prefix locked meanwhile; no lock outlives an admission.
 """
 from __future__ import annotations
 
@@ -45,26 +45,32 @@ class PrefixSharing:
         self.index = PrefixIndex(PoolPages(memory.cache), memory.streams_per_request)
         self.prompt_tokens = self.hit_tokens = 0
 
-    def _match(self, prompt: torch.Tensor):
-        return self.index.match(prompt[:len(prompt) - 1].tolist())       # one token at least is prefilled
+    def _cacheable(self, prompt: torch.Tensor) -> list[int]:
+        return prompt[:len(prompt) - 1].tolist()            # one token at least is prefilled
 
     def admissible(self, regions: list[int], prompt: torch.Tensor) -> bool:
         """Whether streams of these capacities fit now, the cached prefix of `prompt` shared; if not,
-        the index's least recently used prefixes are evicted as far as the pages missing, then asked again."""
-        length, _ = self._match(prompt)
-        shared = [length // PAGE_TOKENS] * len(regions)
-        if self.cache.fits(regions, shared):
+        cached prefixes that only the index holds are evicted, least recently used first (never this
+        prompt's own: locked meanwhile), as far as the pages missing, and it is asked again."""
+        tokens = self._cacheable(prompt)
+        length = self.index.peek(tokens)
+        if self.cache.fits(regions, [length // PAGE_TOKENS] * len(regions)):
             return True
-        free = self.cache.host.free_rows // self.cache.host.page_rows
-        missing = sum(self.cache.host.pages_for(r) for r in regions) - sum(shared) - free
-        if self.index.evict(max(missing, 1)):
-            length, _ = self._match(prompt)
-            return self.cache.fits(regions, [length // PAGE_TOKENS] * len(regions))
-        return False
+        host = self.cache.host
+        missing = sum(host.pages_for(r) for r in regions) - len(regions) * (length // PAGE_TOKENS) - \
+            host.free_rows // host.page_rows
+        _, handle = self.index.match(tokens)
+        self.index.lock(handle)
+        try:
+            held = lambda pages: any(host.refcount(p) > 1 for stream in pages for p in stream)  # noqa: E731
+            self.index.evict(max(missing, 1), keep=held)
+        finally:
+            self.index.unlock(handle)
+        return self.cache.fits(regions, [self.index.peek(tokens) // PAGE_TOKENS] * len(regions))
 
     def take(self, prompt: torch.Tensor) -> tuple[list[list[int]], Handoff] | None:
         """The prompt's cached prefix now: (its pages per stream, its handoff), or None when none is."""
-        length, handle = self._match(prompt)
+        length, handle = self.index.match(self._cacheable(prompt))
         self.prompt_tokens += len(prompt)
         if not length:
             return None

@@ -136,9 +136,9 @@ class MultiTurnWorkload:
     Requests come turn-major (request t * conversations + c is conversation c's turn t). Arrivals:
     request_rate None: a closed loop of one client per conversation (`clients()`; `Server.serve(...,
     clients=...)` sends request i by client i % clients, so a conversation's turns in order), each
-    turn sent think_time seconds after its previous one finished (by the driver); or Poisson at
-    request_rate requests/s (inf: all at 0) in that order, whether the previous turn has finished or
-    not. Prompts from one generator per conversation."""
+    turn sent think_time seconds after its previous one finished (`Request.think_time`, which
+    `drive` waits); or Poisson at request_rate requests/s (inf: all at 0) in that order, whether the
+    previous turn has finished or not. Prompts from one generator per conversation."""
 
     conversations: int
     turns: int
@@ -186,7 +186,8 @@ class MultiTurnWorkload:
             for c in range(n):
                 grow = self.first_len if t == 0 else self.answer_len + self.user_len
                 prompts[c].append(torch.randint(0, vocab, (grow,), generator=gens[c]))
-                reqs.append(Request(torch.cat(prompts[c]), self.answer_len, arrival=arrivals[t * n + c]))
+                reqs.append(Request(torch.cat(prompts[c]), self.answer_len, arrival=arrivals[t * n + c],
+                                    think_time=self.think_time if t else 0.0))
         return reqs
 
 
