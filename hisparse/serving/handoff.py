@@ -38,19 +38,26 @@ class Handoff:
     prefill_s: float = 0.0     # the prefill's own time on its worker
     tokens: torch.Tensor | None = None   # [prompt_len] the ids it prefilled (a prefix of the request's prompt)
 
-    def check(self, prompt: torch.Tensor, layers: int, row_dtype: torch.dtype, vocab: int) -> None:
+    def check(self, prompt: torch.Tensor, runtime, vocab: int) -> None:
         """ValueError unless this hands off `prompt` (int64 ids) or a prefix of it (`tokens`, where
-        kept) over `layers` layers, its rows stored as `row_dtype` (a decode server's: DSA's kv_dtype)
-        and logits over `vocab` ids."""
+        kept) in the rows a prefill of `runtime`'s (the decode server's: its family, kv_dtype and
+        index_dtype) makes: per layer the same parts, dtypes and trailing shapes; logits over `vocab` ids."""
+        layers = runtime.model.config.num_hidden_layers
         if not 0 < self.prompt_len <= len(prompt) or len(self.rows) != layers:
             raise ValueError(f"the handoff holds a prompt of {self.prompt_len} tokens over {len(self.rows)} layers; "
                              f"the request's prompt has {len(prompt)} tokens, the model {layers} layers")
         if self.tokens is not None and not torch.equal(self.tokens.cpu(), prompt[:self.prompt_len]):
             raise ValueError(f"the handoff's {self.prompt_len} tokens are not the first {self.prompt_len} of the "
                              f"request's prompt")
-        if self.rows[0][0].dtype != row_dtype or self.logits.numel() != vocab:
-            raise ValueError(f"the handoff's rows are {self.rows[0][0].dtype} with logits over {self.logits.numel()} "
-                             f"ids; this server stores {row_dtype} rows over {vocab} ids (a worker built alike?)")
+        if self.logits is not None and self.logits.numel() != vocab:
+            raise ValueError(f"the handoff's logits are over {self.logits.numel()} ids; this server's model has {vocab}")
+        own = runtime.prefilled_rows([runtime.new_state(1, 1)])          # what this server's prefill makes
+        for layer in range(layers):
+            want = [None if t is None else (t.dtype, tuple(t.shape[-1:])) for t in own(0, layer)]
+            got = [None if t is None else (t.dtype, tuple(t.shape[-1:])) for t in self.rows[layer]]
+            if got != want:
+                raise ValueError(f"the handoff's layer {layer} rows are {got} (dtype, last dim); this server's "
+                                 f"prefill makes {want}: a worker built with other kv_dtype / index_dtype?")
 
     def layer_rows(self, request: int, layer: int) -> tuple:
         """`FamilyRuntime.prefilled_rows`'s form, for `LanePrefill.adopt` (one request: `request` is 0)."""

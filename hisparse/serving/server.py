@@ -116,8 +116,7 @@ class Server:
         self.runner.check_trace(request)
         self.memory.check(len(request.prompt), len(request.prompt) + request.max_new_tokens)
         if request.handoff is not None:                      # its prompt prefilled elsewhere
-            request.handoff.check(request.prompt, self.model.config.num_hidden_layers, self.runtime.row_dtype,
-                                  self.model.config.vocab_size)
+            request.handoff.check(request.prompt, self.runtime, self.model.config.vocab_size)
 
     def _admissible(self, request: Request) -> bool:
         return free_lane(self.lane_request, self._reserved) is not None and \
