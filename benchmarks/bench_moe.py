@@ -20,13 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import HBM_BYTES_PER_S, time_us, timer_name
-from experiments.study_model import EXPERT_INTERMEDIATE, EXPERTS, EXPERTS_PER_TOKEN, study_config
 from hisparse.models.config import config_from_dict
+from hisparse.models.tiny import TINY_CONFIGS
 from hisparse.models.moe import Experts, MoE
 from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 
 HBM_NOMINAL_BYTES_PER_S = 4.8e12      # the H200's HBM3e, nominal (common.HBM_BYTES_PER_S is the measured copy rate)
 MODES = ("graph_batched", "graph_loop", "eager_sparse")
+# the study model's MoE (experiments/study_model.py, which benchmarks do not import): hidden 7168, experts
+# of 2896 (scaled with the hidden size), 2 of 9 a token, one shared expert
+EXPERTS, EXPERTS_PER_TOKEN, EXPERT_INTERMEDIATE, STUDY_HIDDEN = 9, 2, 2896, 7168
 
 
 def loop_every_expert(experts: Experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -82,10 +85,9 @@ def main(argv=None) -> None:
                  f"{batches}, {hidden}, {args.experts}, {args.intermediate}")
     if not 1 <= args.per_token <= args.experts:
         ap.error(f"--per-token {args.per_token}: expected 1 to --experts ({args.experts})")
-    config = dict(study_config(layers=4, hidden=hidden), n_routed_experts=args.experts,
-                  num_experts_per_tok=args.per_token)
-    if args.intermediate:
-        config["moe_intermediate_size"] = args.intermediate
+    config = dict(TINY_CONFIGS["deepseek_v32"], hidden_size=hidden, n_routed_experts=args.experts,
+                  num_experts_per_tok=args.per_token, n_shared_experts=1, n_group=1, topk_group=1,
+                  moe_intermediate_size=args.intermediate or max(1, round(EXPERT_INTERMEDIATE * hidden / STUDY_HIDDEN)))
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     torch.manual_seed(0)

@@ -134,3 +134,11 @@ def test_every_expert_captured_in_a_graph_at_the_study_models_shape():
     assert not out.isnan().any()
     scale = float(loop.abs().max())
     assert torch.allclose(out.float(), loop.float(), rtol=0.02, atol=0.02 * scale), (out - loop).abs().max()
+
+
+def test_bench_moe_builds_the_study_models_moe():
+    """bench_moe keeps its own copy of the study model's MoE sizes (benchmarks do not import experiments)."""
+    from benchmarks import bench_moe
+    from experiments import study_model
+    assert (bench_moe.EXPERTS, bench_moe.EXPERTS_PER_TOKEN, bench_moe.EXPERT_INTERMEDIATE, bench_moe.STUDY_HIDDEN) == \
+        (study_model.EXPERTS, study_model.EXPERTS_PER_TOKEN, study_model.EXPERT_INTERMEDIATE, study_model.V32["hidden_size"])

@@ -97,12 +97,12 @@ def test_a_handoff_made_alike_is_required():
     srv = server("deepseek_v32", "hisparse")
     req = handed_off(srv, workload("deepseek_v32")[:1])[0]
     req.handoff.rows = [tuple(None if t is None else t.double() for t in layer) for layer in req.handoff.rows]
-    with pytest.raises(ValueError, match=r"the handoff's layer 0 rows are \[\(torch.float64, .*this server's "
-                                         r"prefill makes \[\(torch.float32, .*other kv_dtype / index_dtype"):
+    with pytest.raises(ValueError, match=r"the handoff's layer 0 rows are \[\(torch.float64, .*\(dtype, dims\); this "
+                                         r"server's prefill makes \[\(torch.float32, .*other kv_dtype / index_dtype"):
         srv.serve([req])
     fp8 = server("deepseek_v32", "hisparse", index_dtype="fp8")      # bf16 indexer keys where FP8 ones go
-    with pytest.raises(ValueError, match=r"the handoff's layer 0 rows are .*None\]; this server's prefill makes "
-                                         r"\[.*torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match=r"the handoff's layer 0 rows are .*None\] \(dtype, dims\); this server's "
+                                         r"prefill makes \[.*torch.float8_e4m3fn"):
         fp8.serve([handed_off(srv, workload("deepseek_v32")[:1])[0]])
 
 

@@ -67,7 +67,7 @@ def test_at_full_size_its_step_reads_what_one_gpu_of_the_deployment_reads():
 def test_the_config_validates_and_lists_its_points_on_the_cpu(tmp_path, capsys):
     config = sweep.DEFAULT_CONFIG.parent / "h200_serving_disagg.toml"
     assert sweep.main(["--config", str(config), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
-    assert "8 points, 0 already in" in capsys.readouterr().out
+    assert "16 points, 0 already in" in capsys.readouterr().out
     study = sweep.tomllib.loads(config.read_text())["study"]
     sweep.validate(study)
     points = sweep.points(study[0])

@@ -41,8 +41,9 @@ class Handoff:
     def check(self, prompt: torch.Tensor, runtime, vocab: int) -> None:
         """ValueError unless this hands off `prompt` (int64 ids) or a prefix of it (`tokens`, where
         kept) in the rows a prefill of `runtime`'s (the decode server's: its family, kv_dtype and
-        index_dtype) makes: per layer the same parts, dtypes and trailing shapes; logits over `vocab` ids."""
-        layers = runtime.model.config.num_hidden_layers
+        index_dtype) makes: per layer the same parts, dtypes and dimensions; logits over `vocab` ids."""
+        state = runtime.new_state(1, 1)                                   # what this server's prefill makes
+        layers = len(state.layers)
         if not 0 < self.prompt_len <= len(prompt) or len(self.rows) != layers:
             raise ValueError(f"the handoff holds a prompt of {self.prompt_len} tokens over {len(self.rows)} layers; "
                              f"the request's prompt has {len(prompt)} tokens, the model {layers} layers")
@@ -51,12 +52,12 @@ class Handoff:
                              f"request's prompt")
         if self.logits is not None and self.logits.numel() != vocab:
             raise ValueError(f"the handoff's logits are over {self.logits.numel()} ids; this server's model has {vocab}")
-        own = runtime.prefilled_rows([runtime.new_state(1, 1)])          # what this server's prefill makes
+        own = runtime.prefilled_rows([state])
         for layer in range(layers):
-            want = [None if t is None else (t.dtype, tuple(t.shape[-1:])) for t in own(0, layer)]
-            got = [None if t is None else (t.dtype, tuple(t.shape[-1:])) for t in self.rows[layer]]
+            want = [None if t is None else (t.dtype, t.dim()) for t in own(0, layer)]
+            got = [None if t is None else (t.dtype, t.dim()) for t in self.rows[layer]]
             if got != want:
-                raise ValueError(f"the handoff's layer {layer} rows are {got} (dtype, last dim); this server's "
+                raise ValueError(f"the handoff's layer {layer} rows are {got} (dtype, dims); this server's "
                                  f"prefill makes {want}: a worker built with other kv_dtype / index_dtype?")
 
     def layer_rows(self, request: int, layer: int) -> tuple:
