@@ -99,12 +99,12 @@ class PrefillWorker:
         logits = self.model.prefill(prompt[None].to(self.device), state, chunk_size=self.prefill_chunk,
                                     fast=self.fast, last_logits=True, backend=self.backend)
         rows = self.runtime.prefilled_rows([state])
-        host = [tuple(None if t is None else _to_host(t) for t in rows(0, i))
+        host = [tuple(None if t is None else to_host(t) for t in rows(0, i))
                 for i in range(self.model.config.num_hidden_layers)]
-        return Handoff(len(prompt), host, _to_host(logits[0, -1]), time.perf_counter() - start, prompt.cpu())
+        return Handoff(len(prompt), host, to_host(logits[0, -1]), time.perf_counter() - start, prompt.cpu())
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
+def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy (pinned where a GPU may read it)."""
     out = t.detach().to("cpu", copy=True)
     return out.pin_memory() if torch.cuda.is_available() else out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hisparse.serving.handoff import Handoff
+from hisparse.serving.handoff import Handoff, to_host
 from hisparse.serving.prefix import Payload, PrefixIndex
 
 PAGE_TOKENS = 64          # token rows a host page holds (DSA: one latent row a token)
@@ -90,7 +90,7 @@ class PrefixSharing:
         copies of its lane's indexer keys for them."""
         def payload(first: int, last: int) -> Payload:
             span = slice(first * PAGE_TOKENS, last * PAGE_TOKENS)
-            parts = [tuple(None if t is None else t[lane, span].cpu() for t in (kv.index_keys, kv.index_scales))
+            parts = [tuple(None if t is None else to_host(t[lane, span]) for t in (kv.index_keys, kv.index_scales))
                      for kv in self.layers]
             return Payload([self.cache.stream_pages(s)[first:last] for s in streams], _PageKeys(parts, last - first))
         self.index.insert(prompt.tolist(), payload)
