@@ -538,6 +538,14 @@ def test_the_command_serves_a_model_already_built():
     for alone in (["--prefill-layers", "2"], ["--prefill-sms", "8"]):
         with pytest.raises(SystemExit):
             build_server(ap, ap.parse_args(alone), tiny(FAMILY), "dsa")
+    plain = point_columns(describe(server, "dsa", 0.01, None), 8, 2, 1, None)   # FP8 keys, sharing: the rows say so
+    assert not {"index_dtype", "prefix_cache", "disaggregated"} & set(plain)
+    server, _, _ = build_server(ap, ap.parse_args(["--max-context", "150", "--kv-budget-gib", "0.01", "--mode",
+                                                   "hisparse", "--cache-slots", "16", "--index-dtype", "fp8",
+                                                   "--prefix-cache"]), tiny(FAMILY), "dsa")
+    info = describe(server, "dsa", 0.01, None)
+    point = point_columns(dict(info, hisparse=dict(info["hisparse"], prefill_devices=["cuda:1"])), 8, 2, 1, None)
+    assert point["index_dtype"] == "fp8" and point["prefix_cache"] is True and point["disaggregated"] is True
 
 
 def test_the_command_refuses_prefill_overlap_for_a_quest_model(tmp_path, capsys):

@@ -97,6 +97,8 @@ def describe(server: Server, name: str, kv_budget_gib: float | None, host_budget
                 "chat": tokenizer is not None and tokenizer.chat_template is not None}
     if runtime.family == "DSA":
         settings["kv_dtype"] = server.kv_dtype
+        settings["index_dtype"] = runtime.index_dtype
+        settings["prefix_cache"] = server.sharing is not None
         settings["prefill_overlap"] = server.prefill_overlap
         settings["prefill_layers"] = server.prefill_layers if server.prefill_overlap else None
         settings["prefill_sms"] = server.prefill_sms

@@ -160,8 +160,13 @@ def point_columns(info: dict, input_len: int, output_len: int, concurrency: int 
              "decode_backend": s["decode_backend"], "attention_kernel": s["attention_kernel"], "transport": "http"}
     if "token_budget" in s:
         point["token_budget"] = s["token_budget"]
-    if s.get("kv_dtype", "bf16") != "bf16":          # as the sweep's rows: bf16 leaves it empty
-        point["kv_dtype"] = s["kv_dtype"]
+    for key in ("kv_dtype", "index_dtype"):           # as the sweep's rows: bf16 leaves it empty
+        if s.get(key, "bf16") != "bf16":
+            point[key] = s[key]
+    if s.get("prefix_cache"):                         # as the sweep's rows: True or empty
+        point["prefix_cache"] = True
+    if s.get("prefill_devices"):                      # prefill worker processes: the decode server's own rows
+        point["disaggregated"] = True
     if concurrency is not None and requests_per_client not in (None, REQUESTS_PER_CLIENT):
         point["requests_per_client"] = requests_per_client
     if s.get("prefill_overlap"):                     # as the sweep's rows: without overlap leaves it empty
