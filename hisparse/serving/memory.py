@@ -1,7 +1,8 @@
 """What fits: the lanes, the host pool's regions and the GPU and host budgets.
 
-GPU bytes in use = lanes x lane bytes + the cache's unit -> slot map (4 bytes per host row) + the
-prefill workspace. A lane holds one request of up to `max_context` tokens: that many tokens of KV
+GPU bytes in use = lanes x lane bytes + the cache's unit -> slot map (4 bytes per host row; with
+prefix sharing's page table, per row of every lane's streams at max_context, shared pages counted in
+each) + the prefill workspace. A lane holds one request of up to `max_context` tokens: that many tokens of KV
 in mode resident; in hisparse and noio the B + 1 slots of each of its streams with their cache state
 and the family's always-resident parts (DSA's indexer keys, Quest's page bounds, NSA's compressed
 blocks and window), while the request's rows take a host region of exactly its own length. Every
