@@ -89,7 +89,7 @@ from hisparse.results import (
 )
 from hisparse.runtime import nbytes
 from hisparse.serving import GIB, PREFILL_LAYERS, Request, Server, benchmark_summary
-from hisparse.serving.request import DIALECT_METRICS
+from hisparse.serving.request import DIALECT_METRICS, percentile
 from hisparse.serving.workload import (
     DATASETS,
     REQUESTS_PER_CLIENT,
@@ -1108,6 +1108,10 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
         dialect = benchmark_summary(run.requests, min(r.arrival for r in run.requests),
                                     sum(len(r.prompt) for r in run.requests))
         summary.update({m: dialect[m] for m in DIALECT_METRICS})
+    if point.get("dataset") == "multiturn":              # turns 2 and later: what a prefix cache serves
+        later = run.requests[point["conversations"]:]      # (requests come turn-major)
+        for q in (50, 99):
+            summary[f"ttft_ms_p{q}_later_turns"] = percentile([r.ttft for r in later], q) * 1e3
     hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)
     units = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens",
              "running_batch_mean": "requests", "running_batch_max": "requests",

@@ -1142,6 +1142,7 @@ def test_a_multiturn_study_with_prefix_cache_reuses_each_conversations_pages(tmp
     rows = pd.read_csv(out / "serving.csv")
     shared = dict(zip(*rows[rows.prefix_cache.notna()][["metric", "value"]].T.values))
     assert shared["prefix_hit_tokens"] == 2 * 128 and shared["requests"] == 4
+    assert shared["ttft_ms_p50_later_turns"] > 0 and shared["ttft_ms_p99_later_turns"] >= shared["ttft_ms_p50_later_turns"]
     assert shared["prefill_tokens"] == 2 * 130 + 2 * (137 - 128)
     assert "prefix_hit_tokens" not in set(rows[rows.prefix_cache.isna()].metric)
 
