@@ -210,6 +210,13 @@ def test_a_disaggregated_server_prefills_off_its_clock_and_decodes_bitwise_as_in
     assert [r.tokens for r in free.requests] == [r.tokens for r in run.requests]
 
 
+def test_a_disaggregated_server_refuses_a_schedule_with_prefill_pieces():
+    reqs = workload("deepseek_v32")[:2]
+    run = server("deepseek_v32", "hisparse").serve(reqs, clients=2)
+    with pytest.raises(ValueError, match=r"replay handed_off_schedule\(run.schedule\), not a schedule with prefill"):
+        server("deepseek_v32", "hisparse", disaggregated=True).serve(fresh(reqs), clients=2, replay=run.schedule)
+
+
 def test_disaggregated_refuses_prefill_overlap():
     with pytest.raises(ValueError, match="disaggregated=True prefills elsewhere"):
         server("deepseek_v32", "hisparse", disaggregated=True, prefill_overlap=True)

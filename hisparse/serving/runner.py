@@ -52,8 +52,9 @@ class Runner:
 
     def __init__(self, model, runtime: FamilyRuntime, memory: LaneMemory, graph: bool, fast: bool,
                  decode_backend: str, prefetch: bool, prefetch_programs: int, selections: torch.Tensor | None,
-                 prefill_overlap: bool, prefill_sms: int | None):
+                 prefill_overlap: bool, prefill_sms: int | None, disaggregated: bool = False):
         self.model, self.runtime, self.memory = model, runtime, memory
+        self.disaggregated = disaggregated      # prompts prefilled off the clock: a schedule's pieces cannot run
         self.graph, self.fast, self.decode_backend = graph, fast, decode_backend
         self.device, lanes = memory.device, memory.lanes
         # the side stream the prefill pieces run on beside the decode steps (and its green context with
@@ -268,6 +269,9 @@ class Runner:
         schedule's `plan`, or the scheduler's next one; None while the previous piece still runs on the
         side stream beside decoding lanes (one piece in flight)."""
         if plan is not None:
+            if plan.prefilled and self.disaggregated:
+                raise ValueError("a disaggregated server prefills each prompt off the clock at its admission: replay "
+                                 "handed_off_schedule(run.schedule), not a schedule with prefill pieces")
             under_way = job is not None and not job.complete
             return scheduler.planned_piece(plan, job.chunk if job else 0, job.layer if job else 0, under_way)
         if job is None or job.complete or self.piece_in_flight(job, lanes_decode):

@@ -75,7 +75,7 @@ class Server:
         self.memory = LaneMemory(runtime, mode, cache_slots, max_context, kv_budget_gib, host_budget_gib, max_batch,
                                  lanes, prefetch, self.device, prefix_cache)
         self.runner = Runner(model, runtime, self.memory, graph, prefill == "model", decode_backend, prefetch,
-                             self.prefetch_programs, selections, prefill_overlap, prefill_sms)
+                             self.prefetch_programs, selections, prefill_overlap, prefill_sms, disaggregated)
         self.sharing = self.memory.sharing = PrefixSharing(self.memory, self.runner.layers) if prefix_cache else None
         count = model.config.num_hidden_layers
         self.scheduler = Scheduler(self.prefill_chunk, self.prefill_layers if prefill_overlap else count, count)
