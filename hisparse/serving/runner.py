@@ -238,9 +238,10 @@ class Runner:
         shared = memory.sharing.take(request.prompt) if memory.sharing is not None and request.handoff is None \
             else None
         try:
+            pages = {} if shared is None else {"shared_pages": shared[0]}      # (not runs: not given back below)
             lane_prefill = self.runtime.lane_prefill(memory.kv_mode, memory.cache, self.layers, request.lane,
                                                      len(request.prompt), len(request.prompt) + request.max_new_tokens,
-                                                     **placement, **({} if shared is None else {"shared_pages": shared[0]}))
+                                                     **placement, **pages)
         except BaseException:
             for first in [first for held in placement.values() for first in held]:
                 memory.cache.release_run(first)
@@ -380,7 +381,8 @@ def check_options(mode: str, modes: tuple, prefill: str, prefetch: bool, disaggr
     if not isinstance(disaggregated, bool):
         raise ValueError(f"disaggregated must be True or False, got {disaggregated!r}")
     if disaggregated and prefill_overlap:
-        raise ValueError("disaggregated=True prefills elsewhere: prefill_overlap (beside the decode steps) does not apply")
+        raise ValueError("disaggregated=True prefills elsewhere: prefill_overlap (beside the decode steps) does not "
+                         "apply")
     if prefetch and mode != "hisparse":
         raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
     return (as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2),
