@@ -5,6 +5,7 @@
     memory.py     lanes, host pool regions, GPU and host budgets: what fits (hybrid's placement too)
     runner.py     the device: the lanes' buffers, the decode step and its graph, prefill pieces
     server.py     the loop and the public API: open, submit, step, cancel, close, serve
+    options.py    a server's options checked before anything is built
     workload.py   the serving study's requests (in-process and over HTTP alike), bench_serving's random dataset
     handoff.py    prompts (or their prefixes) prefilled elsewhere (a prefill worker, in process or its own), adopted
     prefix.py     the prefix index: cached whole-page prefixes, LRU eviction

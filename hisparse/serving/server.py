@@ -22,7 +22,8 @@ from hisparse.runtime import KV_MODES, prefetch_width
 from hisparse.serving.memory import LaneMemory
 from hisparse.sampling import eos_token_ids
 from hisparse.serving.request import Iteration, Request, Schedule, ServingRun, check_request, emit
-from hisparse.serving.runner import PrefillJob, Runner, check_options, check_overlap
+from hisparse.serving.options import check_options, check_overlap
+from hisparse.serving.runner import PrefillJob, Runner
 from hisparse.serving.scheduler import Scheduler, drive, free_lane
 from hisparse.serving.sharing import PrefixSharing
 
