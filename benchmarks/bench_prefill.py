@@ -25,6 +25,7 @@ import time
 import torch
 
 from benchmarks.common import MMA_FLOPS_PER_S
+from hisparse.dsa.fp8_index import INDEX_DTYPES
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
 from hisparse.models.tiny import randomize_
@@ -102,10 +103,12 @@ def build(family: str, quick: bool, device: torch.device) -> torch.nn.Module:
     return model.to(device=device, dtype=dtype)
 
 
-def run_prefill(model, context: int, chunk: int, fast: bool, device: torch.device) -> tuple[float, float, float]:
-    """(seconds, peak GiB above what was allocated before, KV GiB) of one prompt of `context` tokens."""
+def run_prefill(model, context: int, chunk: int, fast: bool, device: torch.device,
+                index_dtype: str = "bf16") -> tuple[float, float, float]:
+    """(seconds, peak GiB above what was allocated before, KV GiB) of one prompt of `context` tokens
+    (index_dtype: how a DSA state stores its indexer keys)."""
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    state = model.new_state(1, context)
+    state = model.new_state(1, context, **({"index_dtype": index_dtype} if index_dtype != "bf16" else {}))
     kv = sum(nbytes(*vars(layer).values()) for layer in state.layers)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -132,9 +135,13 @@ def main(argv=None) -> None:
                     help="also time the eager torch reference (slow: 102.5 s for DSA at 32K on the H200)")
     ap.add_argument("--reference-chunk-size", type=int, default=512,
                     help="the reference's chunk (default 512: its dense [heads, chunk, T] scores grow with it)")
+    ap.add_argument("--index-dtype", choices=INDEX_DTYPES, default="bf16",
+                    help="how DSA stores its indexer keys (default bf16; fp8: DeepSeek-V3.2's e4m3 keys and scales)")
     ap.add_argument("--quick", action="store_true", help="tiny models on the CPU, through Triton's interpreter")
     args = ap.parse_args(argv)
     check_out_folder(ap, args.out)
+    if args.index_dtype != "bf16" and args.family != ["dsa"]:
+        ap.error(f"--index-dtype {args.index_dtype}: DSA's indexer keys only; pass --family dsa")
     gpu = torch.cuda.is_available() and not args.quick
     if not gpu and not args.quick:
         ap.error("the full-size run needs a CUDA GPU; --quick runs tiny models on the CPU")
@@ -149,17 +156,18 @@ def main(argv=None) -> None:
     for family in args.family:
         model = build(family, args.quick, device)
         cfg = model.config
-        run_prefill(model, min(contexts[0], 2 * chunk), chunk, True, device)       # compiles the kernels
+        run_prefill(model, min(contexts[0], 2 * chunk), chunk, True, device, args.index_dtype)   # compiles
         modes = ["model", "reference"] if args.reference else ["model"]
         for context in contexts:
             for mode in modes:
                 size = chunk if mode == "model" else min(args.reference_chunk_size, chunk)
-                seconds, peak, kv = run_prefill(model, context, size, mode == "model", device)
+                seconds, peak, kv = run_prefill(model, context, size, mode == "model", device, args.index_dtype)
                 flops = prefill_flops(family, cfg, context)
                 frac = flops / seconds / MMA_FLOPS_PER_S if gpu else float("nan")
                 k = cfg.index_topk if family == "dsa" else cfg.num_selected_blocks if family == "nsa" else ""
                 base = dict(bench="prefill", family=family, mode=mode, batch=1, context=context, k=k,
-                            chunk_size=size, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size)
+                            chunk_size=size, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+                            **({"index_dtype": args.index_dtype} if family == "dsa" else {}))
                 metrics = {"prefill_s": (seconds, "s"), "tokens_per_s": (context / seconds, "tokens/s"),
                            "peak_gib": (peak, "GiB"), "kv_gib": (kv, "GiB"), "roofline_frac": (frac, "fraction")}
                 append_rows(f"{args.out}/prefill.csv",

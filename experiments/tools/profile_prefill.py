@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_prefill import build
+from hisparse.dsa.fp8_index import INDEX_DTYPES
 
 # part -> pattern of the kernel names it holds, first match wins (Triton kernels by their function
 # names; torch's top-k and sorts; cuBLAS / CUTLASS matrix products; the rest is elementwise work,
@@ -54,8 +55,12 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=4096,
                     help="prompt tokens per prefill chunk (default 4096, bench_prefill's)")
     ap.add_argument("--top", type=int, default=20, help="kernels listed by device time (default 20)")
+    ap.add_argument("--index-dtype", choices=INDEX_DTYPES, default="bf16",
+                    help="how DSA stores its indexer keys (default bf16; fp8: DeepSeek-V3.2's e4m3 keys)")
     ap.add_argument("--quick", action="store_true", help="the tiny model on the CPU (Triton's interpreter)")
     args = ap.parse_args(argv)
+    if args.index_dtype != "bf16" and args.family != "dsa":
+        ap.error(f"--index-dtype {args.index_dtype}: DSA's indexer keys only; pass --family dsa")
     context = args.context if args.context is not None else (100 if args.quick else 32768)
     for name, value in (("--context", context), ("--chunk-size", args.chunk_size), ("--top", args.top)):
         if value < 1:
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
     ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
 
     def prefill():
-        state = model.new_state(1, context)
+        state = model.new_state(1, context, **({"index_dtype": args.index_dtype} if args.family == "dsa" else {}))
         model.prefill(ids, state, chunk, fast=True, last_logits=True)
         if on_gpu:
             torch.cuda.synchronize()
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
     for name, (ms, _) in times.items():
         parts[part_of(name)] += ms
     what = "kernels' device time" if on_gpu else "CPU ops' self time"
-    print(f"{args.family} prefill of {context} tokens in chunks of {chunk} on {device}: {wall:.3f} s wall "
+    print(f"{args.family} prefill of {context} tokens in chunks of {chunk} ({args.index_dtype} indexer keys) on {device}: {wall:.3f} s wall "
           f"(under the profiler), {total / 1e3:.3f} s of {what}")
     for part, ms in parts.items():
         print(f"  {ms / 1e3:9.3f} s  {ms / max(total, 1e-9):6.1%}  {part}")
