@@ -27,6 +27,7 @@ import argparse
 import torch
 
 from benchmarks.common import HBM_BYTES_PER_S, time_us
+from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 from hisparse.dsa import fp8_index
 from hisparse.dsa.ops import indexer_scores, topk_select
 from hisparse.dsa.runtime import KernelDsaAttention
@@ -235,7 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="prompts (default 2)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps (default 4 tiny, 16 study)")
     ap.add_argument("--no-speed", action="store_true", help="skip the GPU speed comparison")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP + " (indexer_fp8.csv)")
     args = ap.parse_args(argv)
+    check_out_folder(ap, args.out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.model == "tiny"
     length, steps = args.prompt_len or (40 if tiny else 8192), args.steps or (4 if tiny else 16)
@@ -244,16 +247,31 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, model.config.vocab_size, (length,), generator=gen) for _ in range(args.batch)]
     print(f"top-k agreement, FP8 vs bf16 indexer keys: {args.model}, {args.batch} x {length} tokens, {steps} steps, "
           f"k = {model.config.index_topk}")
-    report(*measure_agreement(model, prompts, steps))
+    agree, ref = measure_agreement(model, prompts, steps)
+    report(agree, ref)
+    base = dict(bench="indexer_fp8", model=args.model, layers=model.config.num_hidden_layers, batch=args.batch,
+                context=length, k=model.config.index_topk, new_tokens=steps)
+    rows = [dict(base, metric="decode_agreement", value=sum(agree.values()) / len(agree), unit="fraction"),
+            dict(base, metric="decode_agreement_worst", value=min(agree.values()), unit="fraction"),
+            dict(base, metric="decode_agreement_reference", value=sum(ref.values()) / len(ref), unit="fraction")]
     print("prefill indexer, the same agreement per query row (rows longer than k):")
-    for layer, (prefill, decode) in measure_prefill_agreement(model, prompts).items():
+    prefill_agree = measure_prefill_agreement(model, prompts)
+    for layer, (prefill, decode) in prefill_agree.items():
         print(f"  layer {layer:3d}: prefill kernel {prefill:.4f} shared, decode kernel on the same rows {decode:.4f}")
+    if prefill_agree:
+        rows.append(dict(base, metric="prefill_agreement", unit="fraction",
+                         value=sum(p for p, _ in prefill_agree.values()) / len(prefill_agree)))
     diff = logits_difference(model, prompts, min(steps, 2))
     print(f"decode logits, one layer's picks from FP8 keys (teacher-forced, worst layer): max |diff| / "
           f"max |logit| = {diff:.4f} (tolerance {LOGIT_TOLERANCE})")
+    rows.append(dict(base, metric="logit_rel_diff_worst_layer", value=diff, unit="fraction"))
     if device.type == "cuda" and not args.no_speed:
         print("decode indexer, batch 64, 128K keys:")
-        speed()
+        times = speed()
+        at = dict(base, batch=64, context=131072, new_tokens=None)
+        rows += [dict(at, metric=f"decode_indexer_us_{name}", value=us, unit="us") for name, us in times.items()]
+        rows.append(dict(at, metric="fp8_speedup", value=times["bf16"] / times["fp8"], unit="x"))
+    append_rows(f"{args.out}/indexer_fp8.csv", rows)
     return 0
 
 

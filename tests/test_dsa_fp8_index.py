@@ -5,6 +5,7 @@ and the accuracy benchmark at a tiny size. CPU tests run the kernels in Triton's
 import functools
 import math
 
+import pandas as pd
 import pytest
 import torch
 from engine_checks import assert_bitwise, tiny_loader
@@ -237,7 +238,7 @@ def test_index_dtype_is_checked_everywhere(tiny_model, tmp_path, capsys):
 
 # -- accuracy, measured --------------------------------------------------------------------------------
 
-def test_fp8_keys_pick_nearly_what_bf16_keys_pick(tiny_model, capsys):
+def test_fp8_keys_pick_nearly_what_bf16_keys_pick(tiny_model, capsys, tmp_path):
     """Teacher-forced top-k agreement on the tiny checkpoint (k = 8 of up to 44 tokens, 2 requests, 3
     steps, 3 anchor layers): measured 0.96-1.0 per layer, mean 0.97 (a swapped pick costs 1/8 of a
     sample). Bound: a mean of 0.9 (one swap in every 1.25 samples); random keys' picks would share
@@ -251,9 +252,12 @@ def test_fp8_keys_pick_nearly_what_bf16_keys_pick(tiny_model, capsys):
     assert sum(kernel.values()) / len(kernel) >= 0.9 and min(kernel.values()) >= 0.8
     assert all(abs(kernel[layer] - reference[layer]) <= 1 / 8 for layer in kernel)
     assert bench_indexer_fp8.main(["--model", "tiny", "--prompt-len", "12", "--steps", "1", "--batch", "1",
-                                   "--no-speed"]) == 0
+                                   "--no-speed", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "mean over 3 layers" in out and "prefill kernel" in out and "teacher-forced" in out
+    rows = pd.read_csv(tmp_path / "indexer_fp8.csv")
+    assert {"decode_agreement", "decode_agreement_worst", "logit_rel_diff_worst_layer"} <= set(rows.metric)
+    assert rows.set_index("metric").value["decode_agreement"] >= rows.set_index("metric").value["decode_agreement_worst"]
 
 
 def test_fp8_prefill_picks_as_well_as_the_decode_indexer(tiny_model):
