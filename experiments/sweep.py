@@ -331,6 +331,17 @@ def _positive_ints(study: dict, key: str, where: str) -> list[int]:
     return values
 
 
+def _switches(study: dict, key: str, where: str) -> list[bool]:
+    """A serving switch (prefill_overlap, disaggregated, prefix_cache): true, false or a list of them
+    (each once), as a list; absent is [false]."""
+    values = study.get(key, False)
+    values = values if isinstance(values, list) else [values]
+    if not values or not all(isinstance(v, bool) for v in values):
+        raise ConfigError(f"{where}: {key} = {study[key]!r}: expected true, false or a list of them")
+    _listed_once(values, key, where)
+    return values
+
+
 def _listed_once(values: list, key: str, where: str) -> None:
     """A list key (modes, contexts, batches, cache_slots) names each value once: a second one would run
     the same points again and append their rows twice."""
@@ -917,30 +928,17 @@ def validate_serving(study: dict, where: str) -> None:
     _positive_int(study, "max_batch", where)
     study.setdefault("prefill_chunk", DEFAULTS["prefill_chunk"])
     study["prefill_chunk"] = _positive_ints(study, "prefill_chunk", where)
-    overlap = study.get("prefill_overlap", False)
-    overlap = overlap if isinstance(overlap, list) else [overlap]
-    if not overlap or not all(isinstance(o, bool) for o in overlap):
-        raise ConfigError(f"{where}: prefill_overlap = {study['prefill_overlap']!r}: expected true, false or a "
-                          f"list of them")
-    _listed_once(overlap, "prefill_overlap", where)
+    overlap = _switches(study, "prefill_overlap", where)
     if True in overlap and family(model_config(study)) != "dsa":
         raise ConfigError(f"{where}: prefill_overlap = true is built for DSA models; model {study['model']!r} "
                           f"is {family(model_config(study))}")
     study["prefill_overlap"] = overlap
-    disaggregated = study.get("disaggregated", False)
-    disaggregated = disaggregated if isinstance(disaggregated, list) else [disaggregated]
-    if not disaggregated or not all(isinstance(d, bool) for d in disaggregated):
-        raise ConfigError(f"{where}: disaggregated = {study['disaggregated']!r}: expected true, false or a list of them")
-    _listed_once(disaggregated, "disaggregated", where)
+    disaggregated = _switches(study, "disaggregated", where)
     if True in disaggregated and True in overlap:
         raise ConfigError(f"{where}: disaggregated = true prefills off the decode GPU's clock; prefill_overlap = true "
                           f"(beside the decode steps) does not apply to it: run them as two studies")
     study["disaggregated"] = disaggregated
-    sharing = study.get("prefix_cache", False)
-    sharing = sharing if isinstance(sharing, list) else [sharing]
-    if not sharing or not all(isinstance(x, bool) for x in sharing):
-        raise ConfigError(f"{where}: prefix_cache = {study['prefix_cache']!r}: expected true, false or a list of them")
-    _listed_once(sharing, "prefix_cache", where)
+    sharing = _switches(study, "prefix_cache", where)
     if True in sharing and (family(model_config(study)) != "dsa" or set(study["modes"]) - {"hisparse"}):
         raise ConfigError(f"{where}: prefix_cache = true shares host pages of DSA models in mode hisparse so far; "
                           f"this study runs {family(model_config(study))} in modes {study['modes']}")
