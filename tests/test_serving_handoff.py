@@ -169,6 +169,12 @@ def test_a_prefill_worker_process_hands_off_the_same_rows():
         process.close()
     assert key == "first" and not process.process.is_alive()
     assert torch.equal(remote.logits, local.logits)
+    made_shared = PrefillWorker(model, prefill_chunk=24, prefill="reference", token_budget=budget, shared=True)
+    handoff = made_shared.prefill(prompt)           # what the process makes: born shared, not pinned then copied
+    tensors = [handoff.logits] + [t for layer in handoff.rows for t in layer if t is not None]
+    assert all(t.is_shared() and not t.is_pinned() for t in tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors[1:], [t for layer in local.rows for t in layer
+                                                               if t is not None], strict=True))
     for mine, theirs in zip(local.rows, remote.rows, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 

@@ -82,15 +82,18 @@ def handed_off_schedule(schedule: Schedule) -> Schedule:
 class PrefillWorker:
     """Prefills prompts on `model` into handoffs, with the decode server's chunking and kernels so the
     rows are bitwise what its own prefill would make (prefill_chunk, prefill "model" or "reference",
-    decode_backend, kv_dtype, index_dtype, token_budget as `Server`'s)."""
+    decode_backend, kv_dtype, index_dtype, token_budget as `Server`'s). shared: the handoff's tensors are
+    made in shared memory, as a worker process hands them off (pinning them there would be lost: a
+    queue moves a tensor that is not shared yet into a new shared segment, one more copy)."""
 
     def __init__(self, model, prefill_chunk: int = 8192, prefill: str = "model", decode_backend: str = "auto",
-                 kv_dtype: str = "bf16", token_budget: int | None = None, index_dtype: str = "bf16"):
+                 kv_dtype: str = "bf16", token_budget: int | None = None, index_dtype: str = "bf16",
+                 shared: bool = False):
         if prefill not in ("model", "reference"):
             raise ValueError(f"prefill must be 'model' or 'reference', got {prefill!r}")
         self.model, self.prefill_chunk, self.fast, self.backend = model, prefill_chunk, prefill == "model", decode_backend
         self.runtime = family_runtime(model, token_budget, decode_backend, kv_dtype, index_dtype)
-        self.device = model.model.embed_tokens.weight.device
+        self.device, self.shared = model.model.embed_tokens.weight.device, shared
 
     def prefill(self, prompt: torch.Tensor) -> Handoff:
         prompt = check_prompts([prompt])[0]
@@ -99,13 +102,17 @@ class PrefillWorker:
         logits = self.model.prefill(prompt[None].to(self.device), state, chunk_size=self.prefill_chunk,
                                     fast=self.fast, last_logits=True, backend=self.backend)
         rows = self.runtime.prefilled_rows([state])
-        host = [tuple(None if t is None else to_host(t) for t in rows(0, i))
+        host = [tuple(None if t is None else to_host(t, self.shared) for t in rows(0, i))
                 for i in range(self.model.config.num_hidden_layers)]
-        return Handoff(len(prompt), host, to_host(logits[0, -1]), time.perf_counter() - start, prompt.cpu())
+        return Handoff(len(prompt), host, to_host(logits[0, -1], self.shared), time.perf_counter() - start,
+                       prompt.cpu())
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy (pinned where a GPU may read it)."""
+def to_host(t: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """A host copy: pinned where a GPU may read it, or (shared) in shared memory, for another process."""
+    if shared:
+        out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+        return out.copy_(t.detach())
     out = t.detach().to("cpu", copy=True)
     return out.pin_memory() if torch.cuda.is_available() else out
 
@@ -206,7 +213,7 @@ def _serve(build_model: Callable, device: str | None, worker_kw: dict, inbox, ou
     try:
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device))     # Triton launches on the current device
-        worker = PrefillWorker(build_model(), **worker_kw)
+        worker = PrefillWorker(build_model(), shared=True, **worker_kw)
     except BaseException:
         outbox.put((None, traceback.format_exc(limit=3)))
         return
