@@ -20,6 +20,8 @@ notebooks can call them too.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 import textwrap
 from functools import partial
@@ -538,10 +540,7 @@ def serving_vs_concurrency(frame: pd.DataFrame) -> Figure:
     left out), of the study `serving_study` picks. A graphed point that ran past its process's 4th
     graph capture (column `run` >= 4: on the H200 every replay about 11% slower, notes/graphs.md)
     is drawn hollow, marked gid "past_4th_graph"."""
-    rows = frame
-    if "transport" in rows:
-        rows = rows[rows.transport.isna() | (rows.transport == "process")]
-    rows = serving_study(newest_per_point(rows))
+    rows = serving_study(newest_per_point(in_process(frame)))
     panels = [("tokens_per_s", "output tokens / s"), ("ttft_ms_p50", "TTFT p50 (ms)"),
               ("ttft_ms_p99", "TTFT p99 (ms)"), ("tpot_ms_p50", "TPOT p50 (ms)")]
     rows = select(rows, [m for m, _ in panels])
@@ -560,6 +559,111 @@ def serving_vs_concurrency(frame: pd.DataFrame) -> Figure:
     return fig
 
 
+def in_process(rows: pd.DataFrame) -> pd.DataFrame:
+    """Serving rows served in process (rows sent over HTTP, `transport` http, left out)."""
+    return rows[rows.transport.isna() | (rows.transport == "process")] if "transport" in rows else rows
+
+
+def newest_study(rows: pd.DataFrame, shape: tuple[str, ...]) -> pd.DataFrame:
+    """The rows of the `shape` values (those columns present) of the newest row: one study's."""
+    shape = [c for c in shape if c in rows]
+    if not shape:
+        return rows
+    key = rows[shape].astype(object).fillna("-").astype(str).agg("/".join, axis=1)
+    stamp = pd.to_datetime(rows["timestamp"], utc=True, format="ISO8601")
+    return rows[key == key[stamp.idxmax()]]
+
+
+def is_true(rows: pd.DataFrame, column: str) -> pd.Series:
+    """Where a switch column (True or empty, as the sweep writes it) is set."""
+    return rows[column].astype(str).eq("True") if column in rows else pd.Series(False, index=rows.index)
+
+
+RATE_SHAPE = ("input_len", "output_len", "range_ratio", "num_prompts", "max_concurrency", "seed", "kv_budget_gib",
+              "host_budget_gib", "prefill_chunk", "kv_dtype", "index_dtype", "model", "layers", "hidden", "workload")
+
+
+def serving_vs_rate(frame: pd.DataFrame) -> Figure:
+    """The bench_serving dialect's study (its random dataset at each `request_rate`, issue 58) against
+    request rate: output tokens/s, TTFT and TPOT p50 and p99; a line per mode and setting, solid
+    disaggregated (prefill elsewhere), dashed co-located. The newest study's points (its shape:
+    `RATE_SHAPE`), in process; points with prefill beside decode or a prefix cache are left out. Rate
+    inf (every request at once) is drawn right of the highest finite rate."""
+    rows = in_process(frame)
+    rows = rows[rows.request_rate.notna()] if "request_rate" in rows else rows.iloc[0:0]
+    if "dataset" in rows:                                   # shared_document points carry request_rate too
+        rows = rows[rows.dataset.isna() | (rows.dataset == "random")]
+    rows = rows[~is_true(rows, "prefill_overlap") & ~is_true(rows, "prefix_cache")]
+    if rows.empty:
+        raise MissingData("no serving rows with request_rate (bench_serving's random dataset)")
+    panels = [("tokens_per_s", "output tokens / s"), ("ttft_ms_p50", "TTFT p50 (ms)"), ("ttft_ms_p99", "TTFT p99 (ms)"),
+              ("tpot_ms_p50", "TPOT p50 (ms)"), ("tpot_ms_p99", "TPOT p99 (ms)")]
+    rows = select(rows, [m for m, _ in panels])
+    rows = newest_study(rows, RATE_SHAPE)
+    rates = sorted(set(rows.request_rate.astype(float)))
+    finite = [r for r in rates if math.isfinite(r)]
+    at = {r: r if math.isfinite(r) else 2 * max(finite, default=0.5) for r in rates}     # where inf is drawn
+    first = rows.iloc[0]
+    ratio = f", range ratio {first.range_ratio:g}" if "range_ratio" in rows and pd.notna(first.range_ratio) else ""
+    title = (f"Serving: bench_serving random dataset, {tokens(first.input_len)} in, "
+             f"{tokens(first.output_len)} out{ratio}")
+    fig, axes = new_figure(title, rows, 1, len(panels))
+    apart = is_true(rows, "disaggregated")
+    for ax, (metric, label) in zip(axes[0], panels):
+        shown = rows[rows.metric == metric]
+        for (mode, disaggregated), line in shown.groupby([shown["mode"], apart[shown.index]], sort=False):
+            points = line.groupby(line.request_rate.astype(float))["value"].median()
+            ax.plot([at[r] for r in points.index], points.values, marker="o", markersize=3,
+                    color=MODE_COLORS.get(mode), linestyle="-" if disaggregated else "--",
+                    label=f"{MODE_LABELS.get(mode, mode)}, {'disaggregated' if disaggregated else 'co-located'}")
+        ax.set_xscale("log")
+        ax.set_xticks([at[r] for r in rates], [f"{r:g}" for r in rates])
+        ax.minorticks_off()
+        ax.set(xlabel="request rate (requests / s)", ylabel=label)
+    place_legend(axes[0][0])                                  # the same lines in every panel: one legend
+    return fig
+
+
+TURN_METRIC = re.compile(r"(ttft_ms_p50|host_gib)_turn(\d+)")
+TURN_SHAPE = ("first_len", "user_len", "output_len", "turns", "kv_budget_gib", "host_budget_gib", "prefill_chunk",
+              "kv_dtype", "index_dtype", "model", "layers", "hidden", "workload")
+
+
+def prefix_sharing(frame: pd.DataFrame) -> Figure:
+    """The multi-turn study (issue 59) against turn: p50 TTFT of each turn's requests and the host
+    pool's peak GiB while they ran (`host_gib_turn{t}`), a line per mode with the prefix cache (solid)
+    and without (dashed); a row of panels per number of conversations. The newest study's points
+    (`TURN_SHAPE`), in process."""
+    rows = in_process(frame)
+    rows = rows[rows.dataset == "multiturn"] if "dataset" in rows else rows.iloc[0:0]
+    turn = rows.metric.str.fullmatch(TURN_METRIC.pattern)
+    if rows.empty or not turn.any():
+        raise MissingData("no multiturn rows of metric ttft_ms_p50_turn{t}, host_gib_turn{t}")
+    rows = rows[turn]
+    rows = newest_study(rows, TURN_SHAPE)
+    parts = rows.metric.str.extract(TURN_METRIC.pattern)
+    rows = rows.assign(quantity=parts[0], turn=parts[1].astype(int))
+    first = rows.iloc[0]
+    title = (f"Prefix sharing: multi-turn conversations, {tokens(first.first_len)} first prompt, "
+             f"{tokens(first.user_len)} a message, {tokens(first.output_len)} an answer")
+    groups = panels_by(rows, "conversations")
+    fig, axes = new_figure(title, rows, len(groups), 2)
+    shared = is_true(rows, "prefix_cache")
+    for row, (conversations, group) in zip(axes, groups):
+        for ax, (quantity, label) in zip(row, [("ttft_ms_p50", "TTFT p50 (ms)"), ("host_gib", "host pool GiB, peak")]):
+            shown = group[group.quantity == quantity]
+            for (mode, cached), line in shown.groupby([shown["mode"], shared[shown.index]], sort=False):
+                points = line.groupby("turn")["value"].median()
+                ax.plot(points.index, points.values, marker="o", markersize=3, color=MODE_COLORS.get(mode),
+                        linestyle="-" if cached else "--",
+                        label=f"{MODE_LABELS.get(mode, mode)}, {'prefix cache' if cached else 'no prefix cache'}")
+            ax.set_xticks(sorted(set(shown.turn)))
+            where = "" if conversations is None else f" ({int(conversations)} conversations)"
+            ax.set(xlabel=f"turn{where}", ylabel=label)
+            place_legend(ax)
+    return fig
+
+
 # name -> (CSV files it reads, function of their newest rows)
 FIGURES = {
     "throughput_vs_context": (("throughput.csv",), throughput_vs_context),
@@ -572,6 +676,8 @@ FIGURES = {
     "policy_miss_rates": (("policies.csv",), policy_miss_rates),
     "miss_rate_vs_step": (("policies.csv",), miss_rate_vs_step),
     "serving_vs_concurrency": (("serving.csv",), serving_vs_concurrency),
+    "serving_vs_rate": (("serving.csv",), serving_vs_rate),
+    "prefix_sharing": (("serving.csv",), prefix_sharing),
 }
 
 

@@ -1058,6 +1058,19 @@ def serving_points(study: dict, base: dict, slots: list) -> list[dict]:
     return out
 
 
+def turn_metrics(run, conversations: int, row_bytes: int) -> dict[str, float]:
+    """A multiturn run's per turn t (from 1): `ttft_ms_p50_turn{t}`, its requests' p50 TTFT, and
+    `host_gib_turn{t}`, the host pool's peak bytes in use while they ran (from the first's arrival to
+    the last's last token; other conversations' turns running beside them count too)."""
+    out = {}
+    for t in range(1, len(run.requests) // conversations + 1):
+        reqs = run.requests[(t - 1) * conversations:t * conversations]       # (requests come turn-major)
+        out[f"ttft_ms_p50_turn{t}"] = percentile([r.ttft for r in reqs], 50) * 1e3
+        end = max(r.token_times[-1] for r in reqs)
+        out[f"host_gib_turn{t}"] = run.host_rows_peak(min(r.arrival for r in reqs), end) * row_bytes / GIB
+    return out
+
+
 def run_serving(model, study: dict, point: dict) -> list[dict]:
     """One serving run: the server sized by the budgets (and, in a closed loop, at most C lanes: C
     clients never have more requests out), its summary and sizes as rows."""
@@ -1110,13 +1123,14 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
         later = run.requests[point["conversations"]:]      # (requests come turn-major)
         for q in (50, 99):
             summary[f"ttft_ms_p{q}_later_turns"] = percentile([r.ttft for r in later], q) * 1e3
+        summary.update(turn_metrics(run, point["conversations"], server.runtime.row_bytes))
     hits, misses = sum(r.hits for r in run.requests), sum(r.misses for r in run.requests)
     units = {"tokens_per_s": "tokens/s", "requests": "requests", "output_tokens": "tokens",
              "running_batch_mean": "requests", "running_batch_max": "requests",
              "resident_admissions": "requests", "demotions": "requests", "resident_steps": "steps",
              "request_throughput": "requests/s", "input_throughput": "tokens/s", "prefix_prompt_tokens": "tokens",
              "prefix_hit_tokens": "tokens", "prefill_tokens": "tokens", "prefix_hit_rate": "fraction",
-             "prefix_cached_pages": "pages"}
+             "prefix_cached_pages": "pages", **{m: "GiB" for m in summary if m.startswith("host_gib_turn")}}
     rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
     rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
              dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),

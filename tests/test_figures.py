@@ -613,3 +613,97 @@ def test_serving_study_resumed_at_a_later_commit_keeps_its_earlier_points(tmp_pa
     fig = figures.draw("serving_vs_concurrency", tmp_path)
     got = lines(fig.axes[0])
     assert got["resident"] == ([1, 2, 8], [10, 20, 80]) and got["hierarchical"] == ([1, 2, 8], [10, 20, 80])
+
+
+RATE_METRICS = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
+
+
+def rate_records() -> list[dict]:
+    """bench_serving-dialect rows: value = 1000 * mode number + 100 if disaggregated + the rate's place (0, 1, 2)."""
+    return [{"family": "dsa", "mode": mode, "request_rate": rate, "input_len": 32768, "output_len": 2048,
+             "range_ratio": 0.5, "num_prompts": 64, "disaggregated": True if apart else None, "metric": m,
+             "value": 1000 * i + 100 * apart + place}
+            for (i, mode), apart, (place, rate), m in itertools.product(
+                enumerate(["resident", "hisparse", "hybrid"], 1), (True, False), enumerate([1.0, 4.0, float("inf")]),
+                RATE_METRICS)]
+
+
+def test_serving_vs_rate_one_line_per_mode_and_setting_solid_where_disaggregated():
+    """Five panels against request rate (inf right of 4, at 8); a line per mode and setting, in the
+    mode's colour, solid disaggregated and dashed co-located. Rows over HTTP, with a prefix cache, of a
+    shared document (request_rate too) or of a closed loop are not drawn."""
+    records = rate_records()
+    strays = [dict(records[0], value=-1.0, transport="http"), dict(records[0], value=-2.0, prefix_cache=True),
+              dict(records[0], value=-3.0, dataset="shared_document"),
+              dict(records[0], value=-4.0, request_rate=None, concurrency=2)]
+    fig = figures.serving_vs_rate(frame("serving", records + strays))
+    assert len(fig.axes) == 5 and [ax.get_ylabel() for ax in fig.axes][3:] == ["TPOT p50 (ms)", "TPOT p99 (ms)"]
+    for ax in fig.axes:
+        got = lines(ax)
+        assert len(got) == 6
+        assert got["resident, disaggregated"] == ([1.0, 4.0, 8.0], [1100, 1101, 1102])
+        assert got["hierarchical, co-located"] == ([1.0, 4.0, 8.0], [2000, 2001, 2002])
+        assert got["hybrid, disaggregated"][1] == [3100, 3101, 3102]
+        style = {line.get_label(): (line.get_linestyle(), line.get_color()) for line in ax.lines}
+        assert style["hybrid, disaggregated"] == ("-", figures.MODE_COLORS["hybrid"])
+        assert style["hybrid, co-located"] == ("--", figures.MODE_COLORS["hybrid"])
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "4", "inf"]
+
+
+def test_serving_vs_rate_draws_the_newest_study_and_skips_without_rate_rows():
+    older = [dict(r, input_len=16384, value=-1.0, timestamp="2026-11-01T00:00:00+00:00") for r in rate_records()]
+    fig = figures.serving_vs_rate(frame("serving", older + rate_records()))
+    assert min(min(y) for _, y in lines(fig.axes[0]).values()) == 1000
+    with pytest.raises(MissingData, match="no serving rows with request_rate"):
+        figures.serving_vs_rate(frame("serving", [{"mode": "hisparse", "concurrency": 2, "metric": m, "value": 1.0}
+                                                  for m in RATE_METRICS]))
+
+
+def turn_records(conversations=(16,)) -> list[dict]:
+    """Multiturn rows: value = 100 * (2 if a prefix cache else 1) + 10 * conversations // 16 + turn, for
+    TTFT; host GiB the same over 100."""
+    return [{"family": "dsa", "mode": mode, "dataset": "multiturn", "conversations": c, "turns": 3, "first_len": 8192,
+             "user_len": 256, "output_len": 512, "prefix_cache": True if cached else None,
+             "metric": f"{quantity}_turn{t}", "value": (100 * (1 + cached) + 10 * (c // 16) + t) / scale}
+            for mode, cached in (("hisparse", True), ("hisparse", False), ("resident", False))
+            for c in conversations for t in (1, 2, 3)
+            for quantity, scale in (("ttft_ms_p50", 1), ("host_gib", 100))]
+
+
+def test_prefix_sharing_draws_ttft_and_host_gib_against_turn_with_and_without_the_cache():
+    """Two panels a number of conversations; a line per mode and cache setting, solid with the prefix
+    cache, dashed without; other metrics and other datasets' rows left out."""
+    strays = [dict(turn_records()[0], metric="ttft_ms_p50_later_turns", value=-1.0),
+              dict(turn_records()[0], dataset="shared_document", value=-2.0)]
+    fig = figures.prefix_sharing(frame("serving", turn_records((16, 32)) + strays))
+    assert len(fig.axes) == 4
+    ttft, host = lines(fig.axes[0]), lines(fig.axes[1])
+    assert set(ttft) == {"hierarchical, prefix cache", "hierarchical, no prefix cache", "resident, no prefix cache"}
+    assert ttft["hierarchical, prefix cache"] == ([1, 2, 3], [211, 212, 213])
+    assert ttft["resident, no prefix cache"] == ([1, 2, 3], [111, 112, 113])
+    assert host["hierarchical, no prefix cache"] == ([1, 2, 3], [1.11, 1.12, 1.13])
+    assert lines(fig.axes[2])["hierarchical, prefix cache"][1] == [221, 222, 223]       # 32 conversations
+    style = {line.get_label(): line.get_linestyle() for line in fig.axes[0].lines}
+    assert style == {"hierarchical, prefix cache": "-", "hierarchical, no prefix cache": "--",
+                     "resident, no prefix cache": "--"}
+    assert fig.axes[2].get_xlabel() == "turn (32 conversations)" and fig.axes[1].get_ylabel() == "host pool GiB, peak"
+    with pytest.raises(MissingData, match="no multiturn rows"):
+        figures.prefix_sharing(frame("serving", rate_records()))
+
+
+def test_the_command_line_draws_the_rate_and_turn_figures_where_their_rows_are(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    frame("serving", rate_records() + turn_records()).to_csv(results / "serving.csv", index=False)
+    assert figures.main(["--results", str(results)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"wrote {results / 'figures' / 'serving_vs_rate'}.png and .pdf" in out
+    assert f"wrote {results / 'figures' / 'prefix_sharing'}.png and .pdf" in out
+    frame("serving", rate_records()).to_csv(results / "serving.csv", index=False)
+    figures.main(["--results", str(results), "--out", str(tmp_path / "f")])
+    assert "skipped prefix_sharing: no multiturn rows of metric ttft_ms_p50_turn{t}, host_gib_turn{t}" in \
+        capsys.readouterr().out.splitlines()
+    frame("serving", turn_records()).to_csv(results / "serving.csv", index=False)
+    figures.main(["--results", str(results), "--out", str(tmp_path / "g")])
+    assert "skipped serving_vs_rate: no serving rows with request_rate (bench_serving's random dataset)" in \
+        capsys.readouterr().out.splitlines()

@@ -184,6 +184,13 @@ def test_summary_metrics():
     assert percentile([], 50) != percentile([], 50)          # nan
 
 
+def test_a_runs_host_rows_peak_counts_the_rows_in_use_at_its_start_and_until_its_end():
+    from hisparse.serving import ServingRun
+    run = ServingRun([], Schedule(1), 4.0, [], 0, 128, host_rows=[(0.0, 0), (1.0, 64), (2.0, 128), (3.0, 64)])
+    assert run.host_rows_peak(1.5, 1.9) == 64 and run.host_rows_peak(0.5, 2.0) == 128
+    assert run.host_rows_peak(2.5, 9.0) == 128 and run.host_rows_peak(0.0, 0.5) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", list(SETTINGS))
 def test_graphed_serving_replay_is_bitwise(family):

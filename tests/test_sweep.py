@@ -1145,6 +1145,19 @@ def test_a_multiturn_study_with_prefix_cache_reuses_each_conversations_pages(tmp
     assert shared["ttft_ms_p50_later_turns"] > 0 and shared["ttft_ms_p99_later_turns"] >= shared["ttft_ms_p50_later_turns"]
     assert shared["prefill_tokens"] == 2 * 130 + 2 * (137 - 128)
     assert "prefix_hit_tokens" not in set(rows[rows.prefix_cache.isna()].metric)
+    alone = dict(zip(*rows[rows.prefix_cache.isna()][["metric", "value"]].T.values))
+    unit = dict(zip(rows.metric, rows.unit))
+    row_bytes = 192                                      # the tiny model's 96 bf16 values a latent row
+    for value in (shared, alone):                        # per turn: turn 2 is all the later turns here
+        assert unit["ttft_ms_p50_turn1"] == "ms" and unit["host_gib_turn1"] == "GiB"
+        assert value["ttft_ms_p50_turn2"] == value["ttft_ms_p50_later_turns"] and value["ttft_ms_p50_turn1"] > 0
+        assert "ttft_ms_p50_turn3" not in value
+        assert max(value["host_gib_turn1"], value["host_gib_turn2"]) == value["peak_host_gib"]
+    # host rows at iterations' ends: without sharing one request's region (the next is admitted as the
+    # last leaves): 133 rows in turn 1, 140 in turn 2; with, 64-row pages, 5 at most: a conversation's
+    # 2 cached beside the other's 3 (turn 1), then both conversations' 2 and one request's private page
+    assert [alone[f"host_gib_turn{t}"] * 2**30 / row_bytes for t in (1, 2)] == [133, 140]
+    assert [shared[f"host_gib_turn{t}"] * 2**30 / row_bytes for t in (1, 2)] == [5 * 64, 5 * 64]
 
 
 def test_prefix_cache_in_a_resident_study_fails_before_running(tmp_path, capsys):

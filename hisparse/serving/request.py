@@ -254,6 +254,15 @@ class ServingRun:
                                            # decode steps whose lanes were all resident
     cancelled: list[Request] = field(default_factory=list)   # cancelled, by a client or by close("cancel")
     prefix: dict[str, float] | None = None   # prefix sharing's counts (`PrefixSharing.run_stats`)
+    host_rows: list[tuple[float, int]] = field(default_factory=list)   # (seconds since the start, host pool
+                                      # rows in use) at the open and after each iteration that changed them
+
+    def host_rows_peak(self, start: float, end: float) -> int:
+        """The most host pool rows in use from `start` to `end` (seconds since the run's start): the
+        value in effect at `start` and every one recorded until `end`."""
+        before = [rows for t, rows in self.host_rows if t <= start]
+        during = [rows for t, rows in self.host_rows if start < t <= end]
+        return max(before[-1:] + during, default=0)
 
     def summary(self) -> dict[str, float]:
         """`timing_summary` of the requests, their queueing percentiles (ms), the running batch's

@@ -143,6 +143,7 @@ class Server:
         self.schedule = Schedule(self.lanes)
         self.running_batch: list[int] = []
         self.peak_gpu, self.peak_host = self.gpu_bytes(), 0
+        self.host_rows = [(0.0, self.memory.host_rows_in_use())]      # (seconds, host rows in use) as they change
         self.resident_admissions = self.demotions = self.resident_steps = 0
         self._start, self._open = time.perf_counter(), True
 
@@ -280,7 +281,10 @@ class Server:
                 if r.done:
                     self._leave(r)
                     finished.append(r)
-        self.peak_host = max(self.peak_host, self.memory.host_rows_in_use())
+        host = self.memory.host_rows_in_use()
+        self.peak_host = max(self.peak_host, host)
+        if host != self.host_rows[-1][1]:
+            self.host_rows.append((self.now(), host))
         self._note_peak()
         if step.admitted >= 0 or step.prefilled or step.decoded or step.joined:
             self.schedule.iterations.append(step)
@@ -310,7 +314,8 @@ class Server:
                           self.running_batch, self.peak_gpu, self.peak_host,
                           {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
                            "resident_steps": self.resident_steps} if self.hybrid else None,
-                          [r for r in self.requests if r.cancelled], self.sharing and self.sharing.run_stats())
+                          [r for r in self.requests if r.cancelled], self.sharing and self.sharing.run_stats(),
+                          self.host_rows)
 
     def _require_open(self, call: str) -> None:
         if not self._open:
