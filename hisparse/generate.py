@@ -220,7 +220,10 @@ def _prompts(ap, args, vocab: int, tokenizer) -> list[torch.Tensor]:
     if args.prompt is not None:
         if args.batch not in (None, len(args.prompt)):
             ap.error(f"argument --batch: {args.batch} differs from the {len(args.prompt)} prompts of --prompt")
-        ids = [tokenizer.encode(text) for text in args.prompt]
+        try:
+            ids = [tokenizer.encode(text) for text in args.prompt]
+        except ValueError as e:
+            ap.error(f"argument --prompt: {e}")
         if any(not p for p in ids):
             ap.error("argument --prompt: a prompt encodes to no tokens")
         return [torch.tensor(p, dtype=torch.int64) for p in ids]

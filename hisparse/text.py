@@ -48,6 +48,13 @@ class Tokenizer:
         self.chat_template = hf.chat_template if isinstance(hf.chat_template, str) else None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
+        """ValueError where `text` is not Unicode a tokenizer can read (a lone surrogate, as JSON's
+        unpaired \\ud800-\\udfff escapes and undecodable command-line bytes give)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), "
+                             f"which is not a Unicode character: expected valid UTF-8 text") from None
         return self.core.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:

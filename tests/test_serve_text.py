@@ -319,6 +319,8 @@ COMPLETION_BAD = [  # (body, param, words)
     ({"prompt": ""}, "prompt", "non-empty"),
     ({"prompt": "word " * 60}, "prompt", "max_context=40"),
     ({"prompt": [1, 600]}, "prompt", "0 <= id < 512"),
+    ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
+    ({"prompt": ["a", "b\udfff"]}, "prompt", "prompt 1"),
 ]
 CHAT_BAD = [
     ({"messages": []}, "messages", "non-empty list"),
@@ -326,6 +328,7 @@ CHAT_BAD = [
     ({"messages": [{"role": 1, "content": "x"}]}, "messages", "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages", "text parts"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages", "tool_calls"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "lone surrogate"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "0 to 20"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),

@@ -160,7 +160,10 @@ def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context:
         if texts:
             if not isinstance(item, str):
                 raise BadRequest(f"{where} is {short(item)}: a list of strings holds strings only", "prompt")
-            ids = tokenizer.encode(item)
+            try:
+                ids = tokenizer.encode(item)
+            except ValueError as exc:
+                raise BadRequest(f"{where}: {exc}", "prompt") from None
             if not ids:
                 raise BadRequest(f"{where} is empty: its text gives no tokens", "prompt")
         else:
