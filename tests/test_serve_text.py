@@ -321,6 +321,7 @@ COMPLETION_BAD = [  # (body, param, words)
     ({"prompt": [1, 600]}, "prompt", "0 <= id < 512"),
     ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
     ({"prompt": ["a", "b\udfff"]}, "prompt", "prompt 1"),
+    ({"logit_bias": {"\u0661": 1}}, "logit_bias", "not a token id"),          # an Arabic-Indic 1
 ]
 CHAT_BAD = [
     ({"messages": []}, "messages", "non-empty list"),

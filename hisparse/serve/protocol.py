@@ -211,7 +211,7 @@ def _logit_bias(value) -> dict[int, float]:
                          "logit_bias")
     out = {}
     for key, bias in value.items():
-        if not re.fullmatch(r"\d{1,18}", key):
+        if not re.fullmatch(r"[0-9]{1,18}", key):           # \d takes other scripts' digits too
             raise BadRequest(f"logit_bias: key {short(key)} is not a token id (digits)", "logit_bias")
         out[int(key)] = bias
     return out
