@@ -292,6 +292,9 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             ap.error(f"argument --graph: CUDA graphs need a CUDA device, got --device {args.device}")
     if args.prefetch and args.mode != "hisparse":
         ap.error(f"argument --prefetch: applies to --mode hisparse, got --mode {args.mode}")
+    if args.min_tokens > args.new_tokens:
+        ap.error(f"argument --min-tokens: {args.min_tokens} is over --new-tokens {args.new_tokens}: a request ends "
+                 f"at --new-tokens, so at most that")
     if device.type == "cpu" and torch.cuda.is_available():
         ap.error("argument --device: cpu runs the kernels in Triton's interpreter, which a process that sees a "
                  "GPU does not use: run with CUDA_VISIBLE_DEVICES= instead")

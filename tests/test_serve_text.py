@@ -322,6 +322,7 @@ COMPLETION_BAD = [  # (body, param, words)
     ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
     ({"prompt": ["a", "b\udfff"]}, "prompt", "prompt 1"),
     ({"logit_bias": {"\u0661": 1}}, "logit_bias", "not a token id"),          # an Arabic-Indic 1
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "max_tokens=2"),
 ]
 CHAT_BAD = [
     ({"messages": []}, "messages", "non-empty list"),
@@ -330,6 +331,8 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages", "text parts"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages", "tool_calls"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "lone surrogate"),
+    ({"max_tokens": 0, "max_completion_tokens": 2}, "max_tokens", ">= 1"),
+    ({"min_tokens": 39}, "min_tokens", "max_tokens="),          # over what the context leaves
     ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "0 to 20"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),

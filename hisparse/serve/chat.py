@@ -16,6 +16,7 @@ from hisparse.serve.protocol import (
     _is_int,
     boolean,
     check_fields,
+    check_min_tokens,
     parse_common,
     short,
     token_count,
@@ -38,7 +39,8 @@ def parse_chat(body, vocab_size: int, model: str, max_context: int, tokenizer: T
                          "messages")
     messages = _messages(body)
     max_tokens = token_count(body, "max_completion_tokens", None)
-    max_tokens = max_tokens if max_tokens is not None else token_count(body, "max_tokens", None)
+    legacy = token_count(body, "max_tokens", None)           # checked even where max_completion_tokens wins
+    max_tokens = max_tokens if max_tokens is not None else legacy
     logprobs = None
     if boolean(body, "logprobs"):
         logprobs = body.get("top_logprobs", 0)
@@ -57,6 +59,8 @@ def parse_chat(body, vocab_size: int, model: str, max_context: int, tokenizer: T
         raise BadRequest(f"the messages cannot be served: their prompt of {len(ids)} tokens plus "
                          f"{max_tokens or 1} new ones is over the server's max_context={max_context}", "messages")
     generation.prompts, generation.max_tokens = [ids], max_tokens or room
+    check_min_tokens(generation.sampling, generation.max_tokens,
+                     "" if max_tokens else f" (what max_context={max_context} leaves after the prompt)")
     return generation
 
 

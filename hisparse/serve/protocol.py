@@ -94,6 +94,7 @@ def parse_completion(body, vocab_size: int, model: str, max_context: int | None 
         raise BadRequest("echo with logprobs is not supported: the prompt's log-probabilities are not computed",
                          "logprobs")
     generation = parse_common(body, vocab_size, tokenizer, body.get("logprobs"), max_tokens)
+    check_min_tokens(generation.sampling, max_tokens)
     prompts, texts = parse_prompts(body, vocab_size, max_tokens, max_context, tokenizer)
     generation.prompts = prompts
     if echo:
@@ -132,6 +133,13 @@ def parse_common(body: dict, vocab_size: int, tokenizer: Tokenizer | None, logpr
         raise BadRequest(str(exc), field.group(0) if field else None) from None
     return Generation([], max_tokens, sampling, stop, stream, include_usage,
                       tokenizer is None or boolean(body, "return_token_ids"))
+
+
+def check_min_tokens(sampling: SamplingParams, max_tokens: int, why: str = "") -> None:
+    """BadRequest unless min_tokens <= max_tokens (a request ends at max_tokens: more never comes)."""
+    if sampling.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens={sampling.min_tokens} is over max_tokens={max_tokens}{why}: a request ends at "
+                         f"max_tokens, so min_tokens must be at most that", "min_tokens")
 
 
 def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context: int | None = None,
