@@ -333,6 +333,8 @@ CHAT_BAD = [
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "lone surrogate"),
     ({"max_tokens": 0, "max_completion_tokens": 2}, "max_tokens", ">= 1"),
     ({"min_tokens": 39}, "min_tokens", "max_tokens="),          # over what the context leaves
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "messages[0].role 'wizard'"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages", "messages[0].name"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "0 to 20"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),

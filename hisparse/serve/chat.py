@@ -27,6 +27,7 @@ from hisparse.text import Tokenizer
 
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 MESSAGE_KEYS = {"role", "content", "name"}
+ROLES = ("system", "developer", "user", "assistant")     # OpenAI's, less tool and function (no tool calls here)
 
 
 def parse_chat(body, vocab_size: int, model: str, max_context: int, tokenizer: Tokenizer | None) -> Generation:
@@ -80,6 +81,12 @@ def _messages(body: dict) -> list[dict]:
                              "messages")
         if not isinstance(message.get("role"), str):
             raise BadRequest(f"{where}.role must be a string, got {short(message.get('role'))}", "messages")
+        if message["role"] not in ROLES:
+            raise BadRequest(f"{where}.role {short(message['role'])} is not one this server takes: "
+                             f"{', '.join(ROLES)} (tool and function messages are not supported)", "messages")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise BadRequest(f"{where}.name must be a string, null or absent, got {short(message['name'])}",
+                             "messages")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
