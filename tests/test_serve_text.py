@@ -362,6 +362,20 @@ def test_every_bad_setting_gets_a_400_naming_its_field(texty):
         assert_error(got, status, param, words, "model_not_found" if status == 404 else None)
 
 
+def test_a_null_field_is_an_absent_one_even_where_the_field_is_refused(tokenizer):
+    """OpenAI's clients send null for "not given": null tools, response_format, audio ... are absent,
+    not unsupported parameters (a value there is still refused)."""
+    from hisparse.serve.chat import parse_chat
+    from hisparse.serve.protocol import BadRequest, parse_completion
+    nulls = {"tools": None, "tool_choice": None, "response_format": None, "audio": None, "stream_options": None}
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], **nulls}, 512, "m", MAX_CONTEXT, tokenizer)
+    assert len(chat.prompts) == 1
+    assert parse_completion({"prompt": "x", **nulls}, 512, "m", MAX_CONTEXT, tokenizer).prompts
+    with pytest.raises(BadRequest, match="unsupported parameter 'tools'") as refused:
+        parse_completion({"prompt": "x", "tools": []}, 512, "m", MAX_CONTEXT, tokenizer)
+    assert refused.value.param == "tools"
+
+
 def test_the_load_client_sends_text_and_chat(texty, tmp_path):
     for form in ("text", "chat"):
         rc = bench.main(["--url", texty.url, "--concurrency", "2", "--requests-per-client", "1", "--input-len", "8",

@@ -58,7 +58,7 @@ def check_fields(body, known: set, endpoint: str, model: str) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     for key in body:
-        if key not in known:
+        if key not in known and body[key] is not None:       # a null field is an absent one, known or not
             raise BadRequest(f"unsupported parameter {short(key)}: {endpoint} takes {', '.join(sorted(known))}", key)
     body = {key: value for key, value in body.items() if value is not None}
     if "model" in body:
