@@ -292,6 +292,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             ap.error(f"argument --graph: CUDA graphs need a CUDA device, got --device {args.device}")
     if args.prefetch and args.mode != "hisparse":
         ap.error(f"argument --prefetch: applies to --mode hisparse, got --mode {args.mode}")
+    if "" in args.stop:
+        ap.error("argument --stop: an empty string is not a stop string (it would end every text at once)")
     if args.min_tokens > args.new_tokens:
         ap.error(f"argument --min-tokens: {args.min_tokens} is over --new-tokens {args.new_tokens}: a request ends "
                  f"at --new-tokens, so at most that")
