@@ -376,6 +376,16 @@ def test_a_null_field_is_an_absent_one_even_where_the_field_is_refused(tokenizer
     assert refused.value.param == "tools"
 
 
+def test_chat_logprobs_bytes_rejoin_a_character_split_across_tokens(tokenizer):
+    from hisparse.serve.chat import Chat
+    from hisparse.serve.protocol import Generation
+    ids = tokenizer.encode("☃")
+    generation = Generation([[1]], 3, SamplingParams(logprobs=1), (), False, False)
+    content = Chat(generation, tokenizer, "m")._logprobs(ids, [(-1.0, [(t, -1.0)]) for t in ids])["content"]
+    assert bytes(sum((entry["bytes"] for entry in content), [])).decode() == "☃"
+    assert bytes(sum((entry["top_logprobs"][0]["bytes"] for entry in content), [])).decode() == "☃"
+
+
 def test_the_load_client_sends_text_and_chat(texty, tmp_path):
     for form in ("text", "chat"):
         rc = bench.main(["--url", texty.url, "--concurrency", "2", "--requests-per-client", "1", "--input-len", "8",

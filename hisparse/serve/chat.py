@@ -144,7 +144,7 @@ class Chat(Completions):
             return None
 
         def entry(token: int, logprob: float) -> dict:
-            text = token_text(self.tokenizer, token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": token_text(self.tokenizer, token), "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token))}      # chat always has a tokenizer
         return {"content": [dict(entry(t, lp), top_logprobs=[entry(i, v) for i, v in top])
                             for t, (lp, top) in zip(tokens, logprobs)]}
