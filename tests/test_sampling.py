@@ -130,6 +130,16 @@ def lane_sampler(params: list[SamplingParams], vocab: int = len(LOGITS)) -> Lane
     return sampler
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """logits / 1e-40 overflow float32 (inf - inf: NaN), which picked token 0 or 4, not the argmax:
+    temperatures below GREEDY_BELOW are greedy (as vLLM's), beside a sampling lane and alone."""
+    tiny = [1e-40, 1e-38, 1e-20, 1e-300]
+    assert all(SamplingParams(temperature=t).greedy for t in tiny) and not SamplingParams(temperature=0.01).greedy
+    sampler = lane_sampler([SamplingParams(temperature=t, seed=1) for t in tiny] + [SamplingParams(temperature=1.0)])
+    logits = torch.randn(len(tiny) + 1, len(LOGITS), generator=torch.Generator().manual_seed(3)) * 3
+    assert torch.equal(sampler.sample(logits)[:len(tiny)], logits.argmax(-1)[:len(tiny)])
+
+
 def test_logit_bias_and_penalties_move_the_logits_as_openai_defines():
     sampler = lane_sampler([SamplingParams(logit_bias={7: 100.0}), SamplingParams(frequency_penalty=0.3),
                             SamplingParams(presence_penalty=0.6), SamplingParams()])
