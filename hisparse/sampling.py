@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import triton
@@ -58,6 +59,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0, or one below GREEDY_BELOW (its lane's buffer then holds 0)."""
         return self.temperature < GREEDY_BELOW
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """stop_token_ids as a set: the stop test of every token (on the server thread) is one lookup."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def needs_sampler(self) -> bool:
@@ -355,4 +361,4 @@ def stop_reason(params: SamplingParams, tokens: list[int], max_new_tokens: int, 
 def stops_at(params: SamplingParams, token: int, count: int, eos: frozenset[int]) -> bool:
     """Whether `token`, a request's count-th, is a stop: an eos id (unless ignore_eos) or a stop id,
     and count >= min_tokens."""
-    return count >= params.min_tokens and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids)
+    return count >= params.min_tokens and ((token in eos and not params.ignore_eos) or token in params.stop_ids)

@@ -17,6 +17,7 @@ from hisparse.sampling import (
     sample_tokens,
     sample_tokens_ref,
     stop_reason,
+    stops_at,
     token_logprobs,
     uniform,
 )
@@ -128,6 +129,16 @@ def lane_sampler(params: list[SamplingParams], vocab: int = len(LOGITS)) -> Lane
     for lane, p in enumerate(params):
         sampler.set_lane(lane, p)
     return sampler
+
+
+def test_the_stop_test_is_a_set_lookup_whatever_the_number_of_stop_ids():
+    """A request's stop ids are tested on the server thread at every token: 10 million ids in a tuple
+    took 0.18 s a token there, for every lane. The test reads a set, never the tuple."""
+    class Unread(tuple):
+        def __contains__(self, token):
+            raise AssertionError("stop_token_ids read as a tuple")
+    params = SamplingParams(stop_token_ids=Unread((5, 6))).check(97)
+    assert stops_at(params, 6, 1, frozenset()) and not stops_at(params, 7, 1, frozenset())
 
 
 def test_a_temperature_too_small_to_divide_by_is_greedy():

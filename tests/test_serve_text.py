@@ -376,6 +376,12 @@ def test_a_null_field_is_an_absent_one_even_where_the_field_is_refused(tokenizer
     assert refused.value.param == "tools"
 
 
+def test_repeated_stop_token_ids_are_kept_once():
+    from hisparse.serve.protocol import parse_completion
+    generation = parse_completion({"prompt": [1], "stop_token_ids": [5, 7] * 50_000}, 512, "m")
+    assert generation.sampling.stop_token_ids == (5, 7)
+
+
 def test_chat_logprobs_bytes_rejoin_a_character_split_across_tokens(tokenizer):
     from hisparse.serve.chat import Chat
     from hisparse.serve.protocol import Generation

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hisparse.sampling import SamplingParams
 from hisparse.serve.outputs import Choice, TokenOut
@@ -131,6 +131,8 @@ def parse_common(body: dict, vocab_size: int, tokenizer: Tokenizer | None, logpr
     except ValueError as exc:
         field = re.match(r"[a-z_]+", str(exc))
         raise BadRequest(str(exc), field.group(0) if field else None) from None
+    if len(sampling.stop_token_ids) > len(sampling.stop_ids):     # checked ids: kept once each, in their order
+        sampling = replace(sampling, stop_token_ids=tuple(dict.fromkeys(sampling.stop_token_ids)))
     return Generation([], max_tokens, sampling, stop, stream, include_usage,
                       tokenizer is None or boolean(body, "return_token_ids"))
 
