@@ -63,12 +63,7 @@ class Tokenizer:
     def encode(self, text: str, special: bool = True) -> list[int]:
         """ValueError where `text` is not Unicode a tokenizer can read (a lone surrogate, as JSON's
         unpaired \\ud800-\\udfff escapes and undecodable command-line bytes give)."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"the text holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), "
-                             f"which is not a Unicode character: expected valid UTF-8 text") from None
-        return self.core.encode(text, add_special_tokens=special).ids
+        return self.core.encode(check_text(text), add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.core.decode(ids, skip_special_tokens=True)
@@ -101,6 +96,16 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 - jinja2's errors, the template's raise_exception: the client's fault
             raise ValueError(f"the chat template refuses these messages: {exc}") from None
         return text, self.encode(text, special=False)    # the template writes the special tokens it wants
+
+
+def check_text(text: str) -> str:
+    """`text`, or ValueError where it holds a lone surrogate (not a character: no tokenizer reads it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), "
+                         f"which is not a Unicode character: expected valid UTF-8 text") from None
+    return text
 
 
 def has_tokenizer(folder: str | Path) -> bool:

@@ -23,7 +23,7 @@ from hisparse.serve.protocol import (
     token_text,
     usage,
 )
-from hisparse.text import Tokenizer
+from hisparse.text import Tokenizer, check_text
 
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 MESSAGE_KEYS = {"role", "content", "name"}
@@ -97,6 +97,11 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or a list of text parts, got {short(content)}",
                              "messages")
+        for key, text in (("role", message["role"]), ("content", content), ("name", message.get("name") or "")):
+            try:
+                check_text(text)
+            except ValueError as exc:
+                raise BadRequest(f"{where}.{key}: {exc}", "messages") from None
         out.append({key: value for key, value in (("role", message["role"]), ("content", content),
                                                   ("name", message.get("name"))) if value is not None})
     return out
