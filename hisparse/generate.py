@@ -220,7 +220,10 @@ def _prompts(ap, args, vocab: int, tokenizer) -> list[torch.Tensor]:
     if args.prompt is not None:
         if args.batch not in (None, len(args.prompt)):
             ap.error(f"argument --batch: {args.batch} differs from the {len(args.prompt)} prompts of --prompt")
-        ids = [tokenizer.encode(text) for text in args.prompt]
+        try:
+            ids = [tokenizer.encode(text) for text in args.prompt]
+        except ValueError as e:
+            ap.error(f"argument --prompt: {e}")
         if any(not p for p in ids):
             ap.error("argument --prompt: a prompt encodes to no tokens")
         return [torch.tensor(p, dtype=torch.int64) for p in ids]
@@ -289,6 +292,11 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             ap.error(f"argument --graph: CUDA graphs need a CUDA device, got --device {args.device}")
     if args.prefetch and args.mode != "hisparse":
         ap.error(f"argument --prefetch: applies to --mode hisparse, got --mode {args.mode}")
+    if "" in args.stop:
+        ap.error("argument --stop: an empty string is not a stop string (it would end every text at once)")
+    if args.min_tokens > args.new_tokens:
+        ap.error(f"argument --min-tokens: {args.min_tokens} is over --new-tokens {args.new_tokens}: a request ends "
+                 f"at --new-tokens, so at most that")
     if device.type == "cpu" and torch.cuda.is_available():
         ap.error("argument --device: cpu runs the kernels in Triton's interpreter, which a process that sees a "
                  "GPU does not use: run with CUDA_VISIBLE_DEVICES= instead")

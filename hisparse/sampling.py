@@ -7,8 +7,9 @@ sampling existed. Every field is checked by `check`, which names the field and w
 The sampler (`sample_tokens`, over `LaneSampling`'s static per-lane buffers) is four Triton kernels
 a CUDA graph captures (kernels_triton/sampling.py): no host sync, no data-dependent shape, no sort.
 Per row: the logits plus logit_bias, less presence * (count > 0) + frequency * count over the tokens
-the request generated (not its prompt); greedy rows (temperature 0) take the argmax of those (the
-raw logits' argmax when no bias or penalty is set); the others divide by the temperature (z) and
+the request generated (not its prompt); greedy rows (temperature 0, which settings below
+GREEDY_BELOW write) take the argmax of those (the raw logits' argmax when no bias or penalty is
+set); the others divide by the temperature (z) and
 keep {z >= t}, t = max(t_k, t_p, t_min): t_k the top_k-th largest z, t_p the largest z whose ids at
 or above it hold top_p of the softmax mass, t_min = max z + log(min_p). Ids tied with t are kept (a
 sorted prefix could cut inside a tie group). The token is the Gumbel-max of the kept ids, equal
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import triton
@@ -33,6 +35,7 @@ import triton
 from kernels_triton.sampling import _pick_kernel, _pick_reduce_kernel, _prepare_kernel, _threshold_kernel
 
 MAX_LOGPROBS = 20      # top log-probabilities a token may carry (OpenAI's cap)
+GREEDY_BELOW = 1e-5    # temperatures below are greedy, as vLLM's: logits / 1e-38 overflow float32 (inf - inf: NaN)
 CHUNK = 4096           # ids a program of the row-split passes (prepare, pick) takes
 SEARCH_BLOCK = 1024    # ids a step of the threshold search takes
 
@@ -54,7 +57,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one below GREEDY_BELOW (its lane's buffer then holds 0)."""
+        return self.temperature < GREEDY_BELOW
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """stop_token_ids as a set: the stop test of every token (on the server thread) is one lookup."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def needs_sampler(self) -> bool:
@@ -261,7 +270,8 @@ class LaneSampling:
                 return
             self.buffers = self._allocate()
         b = self.buffers
-        for name, value in (("temperature", params.temperature), ("top_p", params.top_p), ("top_k", params.top_k),
+        temperature = 0.0 if params.greedy else params.temperature
+        for name, value in (("temperature", temperature), ("top_p", params.top_p), ("top_k", params.top_k),
                             ("min_p", params.min_p), ("seed", params.seed or 0), ("index", 0),
                             ("presence", params.presence_penalty), ("frequency", params.frequency_penalty)):
             b[name][lane] = value
@@ -351,4 +361,4 @@ def stop_reason(params: SamplingParams, tokens: list[int], max_new_tokens: int, 
 def stops_at(params: SamplingParams, token: int, count: int, eos: frozenset[int]) -> bool:
     """Whether `token`, a request's count-th, is a stop: an eos id (unless ignore_eos) or a stop id,
     and count >= min_tokens."""
-    return count >= params.min_tokens and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids)
+    return count >= params.min_tokens and ((token in eos and not params.ignore_eos) or token in params.stop_ids)

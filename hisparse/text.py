@@ -18,12 +18,25 @@ changes state on a call, so the HTTP worker threads encode while the server thre
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 CONTEXT_TOKENS = 4      # prompt tokens decoded before the first new one (SentencePiece's leading spaces need one)
 MAX_STOPS = 16          # stop strings a request may carry (OpenAI takes 4; vLLM any number)
 REPLACEMENT = "\ufffd"  # what decoding gives for bytes that do not yet make a whole character
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (the `tokenizers` ByteLevel's): the printable character each byte is
+    written as in a byte-level BPE's vocabulary -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
 
 # ChatML (what Qwen's checkpoints use): every message between <|im_start|>role and <|im_end|>
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -48,7 +61,9 @@ class Tokenizer:
         self.chat_template = hf.chat_template if isinstance(hf.chat_template, str) else None
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        return self.core.encode(text, add_special_tokens=special).ids
+        """ValueError where `text` is not Unicode a tokenizer can read (a lone surrogate, as JSON's
+        unpaired \\ud800-\\udfff escapes and undecodable command-line bytes give)."""
+        return self.core.encode(check_text(text), add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.core.decode(ids, skip_special_tokens=True)
@@ -56,6 +71,20 @@ class Tokenizer:
     def token_text(self, token: int) -> str:
         """The text of one token as logprobs list it: special tokens by name, a piece of a character as U+FFFD."""
         return self.core.decode([token], skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token (OpenAI's logprobs `bytes`): its text's, or where that is a piece of a
+        character (U+FFFD), the bytes its vocabulary entry stands for (byte-level BPE's alphabet,
+        SentencePiece's <0xNN> byte fallback), so a client can join the pieces into the character."""
+        text = self.token_text(token)
+        piece = self.core.id_to_token(token) if REPLACEMENT in text else None
+        if piece:
+            if all(c in BYTE_LEVEL for c in piece):
+                return bytes(BYTE_LEVEL[c] for c in piece)
+            fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+        return text.encode("utf-8")
 
     def chat(self, messages: list[dict]) -> tuple[str, list[int]]:
         """The prompt (text and ids) the chat template makes of `messages`, ending where the assistant's
@@ -67,6 +96,16 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 - jinja2's errors, the template's raise_exception: the client's fault
             raise ValueError(f"the chat template refuses these messages: {exc}") from None
         return text, self.encode(text, special=False)    # the template writes the special tokens it wants
+
+
+def check_text(text: str) -> str:
+    """`text`, or ValueError where it holds a lone surrogate (not a character: no tokenizer reads it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), "
+                         f"which is not a Unicode character: expected valid UTF-8 text") from None
+    return text
 
 
 def has_tokenizer(folder: str | Path) -> bool:

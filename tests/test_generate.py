@@ -411,6 +411,16 @@ def test_a_text_prompt_prints_its_text_and_a_stop_string_cuts_it(texty, capsys):
     assert rc == 0 and text_of(cut) == text[:text.find(stop)] and "(stop)" in cut, cut
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", "a\udcff"], "argument --prompt: the text holds a lone surrogate"),    # undecodable argv bytes
+    (["--prompt", "ab", "--new-tokens", "2", "--min-tokens", "3"], "argument --min-tokens: 3 is over --new-tokens 2"),
+    (["--prompt", "ab", "--stop", ""], "argument --stop: an empty string"),
+], ids=str)
+def test_bad_text_arguments_fail_with_argparse_errors(texty, capsys, args, message):
+    rc, out, err = cli(capsys, "--model", texty, *args)
+    assert rc == 2 and message in err and "Traceback" not in err, err
+
+
 def test_text_options_need_a_tokenizer(tiny, capsys):
     assert main(["--model", tiny, "--prompt", "hello"]) == 2
     assert "argument --prompt: checkpoint" in capsys.readouterr().err

@@ -125,7 +125,7 @@ def test_the_openai_client_chats_streamed_and_not_alike(texty, tokenizer):
     entries = full.choices[0].logprobs.content
     assert len(entries) == 6 and all(len(e.top_logprobs) == 2 for e in entries)
     assert [e.logprob for c in chunks[1:-1] for e in c.choices[0].logprobs.content] == [e.logprob for e in entries]
-    assert all(bytes(e.bytes).decode() == e.token for e in entries)
+    assert all(bytes(e.bytes).decode(errors="replace") == e.token for e in entries)   # a piece of a character: U+FFFD
     for seed in range(5, 40):       # a sampled text with whole characters across two tokens to stop at
         seeded = dict(settings, seed=seed)
         content = client.chat.completions.create(model="tiny", messages=messages, **seeded).choices[0].message.content
@@ -319,6 +319,10 @@ COMPLETION_BAD = [  # (body, param, words)
     ({"prompt": ""}, "prompt", "non-empty"),
     ({"prompt": "word " * 60}, "prompt", "max_context=40"),
     ({"prompt": [1, 600]}, "prompt", "0 <= id < 512"),
+    ({"prompt": "\ud800"}, "prompt", "lone surrogate"),
+    ({"prompt": ["a", "b\udfff"]}, "prompt", "prompt 1"),
+    ({"logit_bias": {"\u0661": 1}}, "logit_bias", "not a token id"),          # an Arabic-Indic 1
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "max_tokens=2"),
 ]
 CHAT_BAD = [
     ({"messages": []}, "messages", "non-empty list"),
@@ -326,6 +330,13 @@ CHAT_BAD = [
     ({"messages": [{"role": 1, "content": "x"}]}, "messages", "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages", "text parts"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages", "tool_calls"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "messages[0].content: the text holds a lone"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+     "messages", "messages[1].content: the text holds a lone surrogate ('\\udc00' at character 0)"),
+    ({"max_tokens": 0, "max_completion_tokens": 2}, "max_tokens", ">= 1"),
+    ({"min_tokens": 39}, "min_tokens", "max_tokens="),          # over what the context leaves
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "messages[0].role 'wizard'"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages", "messages[0].name"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "0 to 20"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
@@ -351,6 +362,36 @@ def test_every_bad_setting_gets_a_400_naming_its_field(texty):
     for got, (body, param, words) in zip(completions + chats, COMPLETION_BAD + CHAT_BAD):
         status = 404 if param == "model" else 400
         assert_error(got, status, param, words, "model_not_found" if status == 404 else None)
+
+
+def test_a_null_field_is_an_absent_one_even_where_the_field_is_refused(tokenizer):
+    """OpenAI's clients send null for "not given": null tools, response_format, audio ... are absent,
+    not unsupported parameters (a value there is still refused)."""
+    from hisparse.serve.chat import parse_chat
+    from hisparse.serve.protocol import BadRequest, parse_completion
+    nulls = {"tools": None, "tool_choice": None, "response_format": None, "audio": None, "stream_options": None}
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], **nulls}, 512, "m", MAX_CONTEXT, tokenizer)
+    assert len(chat.prompts) == 1
+    assert parse_completion({"prompt": "x", **nulls}, 512, "m", MAX_CONTEXT, tokenizer).prompts
+    with pytest.raises(BadRequest, match="unsupported parameter 'tools'") as refused:
+        parse_completion({"prompt": "x", "tools": []}, 512, "m", MAX_CONTEXT, tokenizer)
+    assert refused.value.param == "tools"
+
+
+def test_repeated_stop_token_ids_are_kept_once():
+    from hisparse.serve.protocol import parse_completion
+    generation = parse_completion({"prompt": [1], "stop_token_ids": [5, 7] * 50_000}, 512, "m")
+    assert generation.sampling.stop_token_ids == (5, 7)
+
+
+def test_chat_logprobs_bytes_rejoin_a_character_split_across_tokens(tokenizer):
+    from hisparse.serve.chat import Chat
+    from hisparse.serve.protocol import Generation
+    ids = tokenizer.encode("☃")
+    generation = Generation([[1]], 3, SamplingParams(logprobs=1), (), False, False)
+    content = Chat(generation, tokenizer, "m")._logprobs(ids, [(-1.0, [(t, -1.0)]) for t in ids])["content"]
+    assert bytes(sum((entry["bytes"] for entry in content), [])).decode() == "☃"
+    assert bytes(sum((entry["top_logprobs"][0]["bytes"] for entry in content), [])).decode() == "☃"
 
 
 def test_the_load_client_sends_text_and_chat(texty, tmp_path):

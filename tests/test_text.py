@@ -76,6 +76,15 @@ def test_a_character_split_across_tokens_waits_until_whole(tokenizer):
     assert len(word) == 1 and eos.add(2) == "" and eos.add(word[0]) == " the"    # a special token has no text
 
 
+def test_a_tokens_bytes_are_its_own_where_its_text_is_a_piece_of_a_character(tokenizer):
+    """OpenAI's logprobs `bytes` let a client join tokens that split a character: each token's own
+    bytes, not U+FFFD's (what its text alone decodes to)."""
+    ids = tokenizer.encode("☃é x")
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == "☃é x".encode()
+    assert tokenizer.token_text(ids[0]) == "\ufffd" and tokenizer.token_bytes(ids[0]) == "☃".encode()[:1]
+    assert tokenizer.token_bytes(2) == b"<|im_end|>"                   # a special token: its name, as its text
+
+
 def feed(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:
     out, stopped = [], False
     for n, piece in enumerate(pieces, 1):

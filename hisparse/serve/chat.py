@@ -16,16 +16,18 @@ from hisparse.serve.protocol import (
     _is_int,
     boolean,
     check_fields,
+    check_min_tokens,
     parse_common,
     short,
     token_count,
     token_text,
     usage,
 )
-from hisparse.text import Tokenizer
+from hisparse.text import Tokenizer, check_text
 
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 MESSAGE_KEYS = {"role", "content", "name"}
+ROLES = ("system", "developer", "user", "assistant")     # OpenAI's, less tool and function (no tool calls here)
 
 
 def parse_chat(body, vocab_size: int, model: str, max_context: int, tokenizer: Tokenizer | None) -> Generation:
@@ -38,7 +40,8 @@ def parse_chat(body, vocab_size: int, model: str, max_context: int, tokenizer: T
                          "messages")
     messages = _messages(body)
     max_tokens = token_count(body, "max_completion_tokens", None)
-    max_tokens = max_tokens if max_tokens is not None else token_count(body, "max_tokens", None)
+    legacy = token_count(body, "max_tokens", None)           # checked even where max_completion_tokens wins
+    max_tokens = max_tokens if max_tokens is not None else legacy
     logprobs = None
     if boolean(body, "logprobs"):
         logprobs = body.get("top_logprobs", 0)
@@ -57,6 +60,8 @@ def parse_chat(body, vocab_size: int, model: str, max_context: int, tokenizer: T
         raise BadRequest(f"the messages cannot be served: their prompt of {len(ids)} tokens plus "
                          f"{max_tokens or 1} new ones is over the server's max_context={max_context}", "messages")
     generation.prompts, generation.max_tokens = [ids], max_tokens or room
+    check_min_tokens(generation.sampling, generation.max_tokens,
+                     "" if max_tokens else f" (what max_context={max_context} leaves after the prompt)")
     return generation
 
 
@@ -76,6 +81,12 @@ def _messages(body: dict) -> list[dict]:
                              "messages")
         if not isinstance(message.get("role"), str):
             raise BadRequest(f"{where}.role must be a string, got {short(message.get('role'))}", "messages")
+        if message["role"] not in ROLES:
+            raise BadRequest(f"{where}.role {short(message['role'])} is not one this server takes: "
+                             f"{', '.join(ROLES)} (tool and function messages are not supported)", "messages")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise BadRequest(f"{where}.name must be a string, null or absent, got {short(message['name'])}",
+                             "messages")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -86,6 +97,11 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string or a list of text parts, got {short(content)}",
                              "messages")
+        for key, text in (("role", message["role"]), ("content", content), ("name", message.get("name") or "")):
+            try:
+                check_text(text)
+            except ValueError as exc:
+                raise BadRequest(f"{where}.{key}: {exc}", "messages") from None
         out.append({key: value for key, value in (("role", message["role"]), ("content", content),
                                                   ("name", message.get("name"))) if value is not None})
     return out
@@ -133,7 +149,7 @@ class Chat(Completions):
             return None
 
         def entry(token: int, logprob: float) -> dict:
-            text = token_text(self.tokenizer, token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": token_text(self.tokenizer, token), "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token))}      # chat always has a tokenizer
         return {"content": [dict(entry(t, lp), top_logprobs=[entry(i, v) for i, v in top])
                             for t, (lp, top) in zip(tokens, logprobs)]}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hisparse.sampling import SamplingParams
 from hisparse.serve.outputs import Choice, TokenOut
@@ -58,7 +58,7 @@ def check_fields(body, known: set, endpoint: str, model: str) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(body).__name__}", None)
     for key in body:
-        if key not in known:
+        if key not in known and body[key] is not None:       # a null field is an absent one, known or not
             raise BadRequest(f"unsupported parameter {short(key)}: {endpoint} takes {', '.join(sorted(known))}", key)
     body = {key: value for key, value in body.items() if value is not None}
     if "model" in body:
@@ -94,6 +94,7 @@ def parse_completion(body, vocab_size: int, model: str, max_context: int | None 
         raise BadRequest("echo with logprobs is not supported: the prompt's log-probabilities are not computed",
                          "logprobs")
     generation = parse_common(body, vocab_size, tokenizer, body.get("logprobs"), max_tokens)
+    check_min_tokens(generation.sampling, max_tokens)
     prompts, texts = parse_prompts(body, vocab_size, max_tokens, max_context, tokenizer)
     generation.prompts = prompts
     if echo:
@@ -130,8 +131,17 @@ def parse_common(body: dict, vocab_size: int, tokenizer: Tokenizer | None, logpr
     except ValueError as exc:
         field = re.match(r"[a-z_]+", str(exc))
         raise BadRequest(str(exc), field.group(0) if field else None) from None
+    if len(sampling.stop_token_ids) > len(sampling.stop_ids):     # checked ids: kept once each, in their order
+        sampling = replace(sampling, stop_token_ids=tuple(dict.fromkeys(sampling.stop_token_ids)))
     return Generation([], max_tokens, sampling, stop, stream, include_usage,
                       tokenizer is None or boolean(body, "return_token_ids"))
+
+
+def check_min_tokens(sampling: SamplingParams, max_tokens: int, why: str = "") -> None:
+    """BadRequest unless min_tokens <= max_tokens (a request ends at max_tokens: more never comes)."""
+    if sampling.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens={sampling.min_tokens} is over max_tokens={max_tokens}{why}: a request ends at "
+                         f"max_tokens, so min_tokens must be at most that", "min_tokens")
 
 
 def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context: int | None = None,
@@ -160,7 +170,10 @@ def parse_prompts(body: dict, vocab_size: int, max_tokens: int = 0, max_context:
         if texts:
             if not isinstance(item, str):
                 raise BadRequest(f"{where} is {short(item)}: a list of strings holds strings only", "prompt")
-            ids = tokenizer.encode(item)
+            try:
+                ids = tokenizer.encode(item)
+            except ValueError as exc:
+                raise BadRequest(f"{where}: {exc}", "prompt") from None
             if not ids:
                 raise BadRequest(f"{where} is empty: its text gives no tokens", "prompt")
         else:
@@ -208,7 +221,7 @@ def _logit_bias(value) -> dict[int, float]:
                          "logit_bias")
     out = {}
     for key, bias in value.items():
-        if not re.fullmatch(r"\d{1,18}", key):
+        if not re.fullmatch(r"[0-9]{1,18}", key):           # \d takes other scripts' digits too
             raise BadRequest(f"logit_bias: key {short(key)} is not a token id (digits)", "logit_bias")
         out[int(key)] = bias
     return out
