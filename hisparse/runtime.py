@@ -114,9 +114,16 @@ class FamilyRuntime(Protocol):
                                   # lands where no request reads); serving's prefill_overlap needs it
     hybrid_trash_row: bool     # hybrid serving: non-resident lanes' decode write goes to a trash row of the cache
     shares_prefixes: bool      # lane_prefill takes shared_pages: streams opened on a cached prefix (serving.sharing)
+    shared_page_parts: tuple   # with shares_prefixes: the `prefilled_rows` parts its host pages hold (DSA's latents)
+    row_token_dims: tuple      # each `prefilled_rows` part's token (or block) dimension: a prefix's pieces join there
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         """The empty state a prefill writes into (DSA's holds its kv_dtype's rows)."""
+
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        """Prefix sharing: the parts of tokens start .. end - 1 (page boundaries) of one layer's
+        `prefilled_rows` `rows` that begin at token `first`; those of [0, start) and of [start, end),
+        joined along `row_token_dims`, are those of a prefix of `end` tokens."""
 
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
                      host_tokens: int, runs: list[int] | None = None, **placement) -> LanePrefill:
@@ -143,6 +150,11 @@ class FamilyRuntime(Protocol):
     def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
                runs: list[int]) -> None:
         """Hybrid: move a resident lane's `length` tokens from its runs to new streams with host regions."""
+
+
+def token_slices(rows: tuple, dims: tuple, start: int, end: int) -> tuple:
+    """Each part of `rows` (None stays None) sliced to start .. end - 1 along its dimension in `dims`."""
+    return tuple(None if t is None else t.narrow(d, start, end - start) for t, d in zip(rows, dims, strict=True))
 
 
 class LanePrefill(Protocol):

@@ -9,7 +9,7 @@ import torch
 
 from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
-from hisparse.runtime import LaneStates, run_rows, write_resident_unit
+from hisparse.runtime import LaneStates, run_rows, token_slices, write_resident_unit
 
 
 class UnitRowsRuntime:
@@ -40,6 +40,11 @@ class UnitRowsRuntime:
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         return self.model.new_state(batch, capacity)
+
+    shared_page_parts = ()             # a prefix's host rows are not shared pages (serving.sharing keeps copies)
+
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        return token_slices(rows, self.row_token_dims, start - first, end - first)
 
     def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
         """The lanes of a serving batch's layers; each `lane_kv` keeps an empty lane's decode write."""

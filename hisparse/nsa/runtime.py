@@ -214,6 +214,7 @@ class NsaRuntime(UnitRowsRuntime):
     prefill_beside_decode, hybrid_trash_row, shares_prefixes = False, False, False
     lane_kv, hier_kv = NsaBlocksKV, HierNsaKV
     unit_size, dense_layers = SEL_BLOCK, 0
+    row_token_dims = (1, 1, 1, 1)    # prefilled rows: keys, values [HKV, T, D], compressed ones [HKV, blocks, D]
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16"):
@@ -246,6 +247,14 @@ class NsaRuntime(UnitRowsRuntime):
             return (kv.keys[0], kv.values[0], kv.compressed_keys[0, :, :n_cmp], kv.compressed_values[0, :, :n_cmp])
 
         return rows
+
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        """Tokens start .. end - 1's keys and values, and the compressed blocks complete among the
+        first `end` tokens but not among the first `start` (a block straddling `end` is the rest's)."""
+        keys, values, cmp_keys, cmp_values = rows
+        blocks = [compressed_blocks(t, self.config) - compressed_blocks(first, self.config) for t in (start, end)]
+        return (keys[:, start - first:end - first], values[:, start - first:end - first],
+                cmp_keys[:, blocks[0]:blocks[1]], cmp_values[:, blocks[0]:blocks[1]])
 
     def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
         """One stream per (request, layer, KV head), each with a host region of the capacity's blocks."""

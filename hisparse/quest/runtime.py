@@ -271,6 +271,7 @@ class QuestRuntime(UnitRowsRuntime):
     prefill_beside_decode, hybrid_trash_row, shares_prefixes = False, False, False
     lane_kv, hier_kv = QuestKV, HierQuestKV
     unit_size = PAGE
+    row_token_dims = (1, 1)          # prefilled rows: keys, values [HKV, T, D]
     # hybrid serving: a prefill's workspace is the model's PagedKV in every mode, beside the cache
     workspace_in_runs = False
 
