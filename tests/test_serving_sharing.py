@@ -5,7 +5,8 @@ with the same chunk boundaries; the pages are stored once and all come back once
 cleared (tiny DSA model, interpreter)."""
 import pytest
 import torch
-from test_serving import QUICK, tiny
+from test_serving import QUICK, SETTINGS, tiny
+from test_serving_hybrid import HYBRID, hybrid_server, model_of
 
 from hisparse.serving import Request, Server
 from hisparse.serving.sharing import PAGE_TOKENS
@@ -82,13 +83,73 @@ def test_an_admission_that_does_not_fit_evicts_cached_prefixes_first():
     assert srv.sharing.index.match(other.tolist())[0] == 2 * PAGE_TOKENS
 
 
-@pytest.mark.parametrize("mode,family", [("resident", "deepseek_v32"), ("hisparse", "llama")])
-def test_prefix_cache_is_refused_where_it_is_not_built(mode, family):
-    kw = dict(cache_slots=16) if mode != "resident" else {}
-    if family == "llama":
-        kw["token_budget"] = 48
-    with pytest.raises(ValueError, match="prefix_cache=True shares host pages of DSA models in mode 'hisparse'"):
-        Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, prefix_cache=True, **kw)
+# every family and mode: (family, mode, hybrid's placement of the request extending the cached prompt);
+# Quest in hybrid as llama-shared, as tests/test_serving_hybrid.py runs it
+PLACES = [(family, mode, place) for family in ("deepseek_v32", "glm_moe_dsa", "llama", "nsa")
+          for mode, place in (("resident", None), ("hisparse", None), ("hybrid", "resident"),
+                              ("hybrid", "hierarchical"))] + \
+    [("deepseek_v32", "noio", None)]          # timing's mode (no copies: wrong outputs, the same in place)
+
+
+def family_server(family: str, mode: str, prefix_cache: bool) -> Server:
+    kw = dict(SETTINGS[family], prefill_chunk=PAGE_TOKENS, keep_logits=True, prefix_cache=prefix_cache, **QUICK)
+    if mode == "hybrid":
+        name = "llama-shared" if family == "llama" else family
+        settings, _, max_context = HYBRID[name]
+        kw.update(settings)
+        return hybrid_server(model_of(name), 1, max(max_context, MAX_CONTEXT), **kw)
+    if mode == "resident":
+        kw.pop("cache_slots")
+    return Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2, **kw)
+
+
+def break_runs(srv: Server) -> list[int]:
+    """Hybrid: one stream of every run a resident request would need taken (every free stream
+    taken, then all but each run-th given back), so the next request goes hierarchical; the ones kept."""
+    run, taken = srv.runtime.run_streams(srv.cache, srv.max_context), []
+    while (first := srv.cache.take_runs(1)) is not None:
+        taken += first
+    for stream in [s for s in taken if s % run != run - 1]:
+        srv.cache.release_run(stream)
+    return [s for s in taken if s % run == run - 1]
+
+
+@pytest.mark.parametrize("family,mode,place", PLACES, ids=[f"{f}-{m}" + (f"-{p}" if p else "") for f, m, p in PLACES])
+def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gives_it_all_back(family, mode, place):
+    """The prompt's two cached pages adopted (DSA hisparse: shared host pages; else host copies), the
+    rest (11 tokens) prefilled: bitwise the tokens and logits of the same request prefilled in place in
+    chunks of 64; hybrid with the request resident and hierarchical. Afterwards, the index cleared,
+    every host row, stream and copy is back."""
+    a, b = prompts()
+    new = 2 if family == "nsa" else 3
+    shared, in_place = family_server(family, mode, True), family_server(family, mode, False)
+    shared.serve([Request(a, 2)])
+    if mode == "noio":                      # its slots read what the first request left there
+        in_place.serve([Request(a, 2)])
+    held = [break_runs(srv) for srv in (shared, in_place)] if place == "hierarchical" else [[], []]
+    run, alone = shared.serve([Request(b, new)]), in_place.serve([Request(b, new)])
+    assert [it.prefilled for it in run.schedule.iterations if it.prefilled] == [11], "prefilled more than the rest"
+    got, want = run.requests[0], alone.requests[0]
+    assert got.tokens == want.tokens and len(got.tokens) == new
+    for step, (x, y) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.equal(x, y), f"{family} {mode}: token {step}: logits differ"
+    assert run.summary()["prefix_hit_tokens"] == 2 * PAGE_TOKENS
+    if mode == "hybrid":
+        assert run.summary()["resident_admissions"] == alone.summary()["resident_admissions"] == (place == "resident")
+    for stream in held[0]:
+        shared.cache.release_run(stream)
+    copies = shared.sharing.allocator if not shared.sharing.paged else None
+    assert copies is None or copies.used > 0
+    assert shared.sharing.index.clear() > 0
+    if shared.cache is not None:
+        assert shared.cache.host.free_rows == shared.cache.host.capacity
+        assert shared.cache.free_streams() == shared.cache.max_streams
+    assert copies is None or (copies.used == 0 and not copies.count and not copies.bytes)
+
+
+def test_prefix_cache_is_refused_on_a_disaggregated_server():
+    with pytest.raises(ValueError, match="disaggregated=True with prefix_cache=True: every prompt comes prefilled"):
+        server(True, disaggregated=True)
 
 
 def test_a_churn_of_shared_prefixes_cancellations_and_evictions_leaks_nothing_and_keeps_shared_pages():
