@@ -1,8 +1,9 @@
 """Prefix sharing (`Server(prefix_cache=True)`, hisparse.serving.sharing): a request whose prompt
-extends a cached one opens its streams on the cached pages, gets the prefix's indexer keys and
-latents from the host and prefills only the rest, bitwise as the same request prefilled whole in place
-with the same chunk boundaries; the pages are stored once and all come back once the index is
-cleared (tiny DSA model, interpreter)."""
+extends a cached one gets the prefix's rows (DSA hisparse: its streams open on the shared host pages;
+every other family and mode: the index's host copies) and prefills only the rest, bitwise as the same
+request prefilled whole in place with the same chunk boundaries, every family in modes resident,
+hisparse, hybrid (both placements) and DSA's noio; the pages and copies all come back once the index is
+cleared, the copies within the host budget (tiny models, interpreter)."""
 import pytest
 import torch
 from test_serving import QUICK, SETTINGS, tiny
@@ -145,6 +146,34 @@ def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gi
         assert shared.cache.host.free_rows == shared.cache.host.capacity
         assert shared.cache.free_streams() == shared.cache.max_streams
     assert copies is None or (copies.used == 0 and not copies.count and not copies.bytes)
+
+
+def test_host_copies_stay_within_the_host_budget_evicting_the_least_recently_used_first():
+    """Mode resident (host copies): a budget of two pages' copies holds one prompt's two pages; the
+    next prompt's evict them; three quarters of it hold one page; every byte comes back at clear."""
+    a, _ = prompts(9)
+    other = torch.randint(0, 97, (len(a),), generator=torch.Generator().manual_seed(1))
+    probe = family_server("deepseek_v32", "resident", True)
+    probe.serve([Request(a, 2)])
+    two_pages = probe.sharing.allocator.used
+    assert probe.sharing.index.stats()["cached_pages"] == 2 and two_pages > 0
+
+    def resident(budget: int) -> Server:
+        return Server(tiny("deepseek_v32"), "resident", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2,
+                      prefill_chunk=PAGE_TOKENS, prefix_cache=True, host_budget_gib=budget / 2**30, **QUICK)
+    srv = resident(two_pages)
+    copies = srv.sharing.allocator
+    srv.serve([Request(a, 2)])
+    assert copies.used == two_pages
+    srv.serve([Request(other, 2)])
+    assert srv.sharing.index.peek(a.tolist()) == 0 and srv.sharing.index.peek(other.tolist()) == 2 * PAGE_TOKENS
+    assert copies.used == two_pages
+    small = resident(3 * two_pages // 4)
+    small.serve([Request(a, 2)])
+    assert small.sharing.index.peek(a.tolist()) == PAGE_TOKENS and small.sharing.allocator.used == two_pages // 2
+    for server_ in (srv, small):
+        server_.sharing.index.clear()
+        assert server_.sharing.allocator.used == 0 and not server_.sharing.allocator.count
 
 
 def test_prefix_cache_is_refused_on_a_disaggregated_server():
