@@ -117,7 +117,7 @@ def break_runs(srv: Server) -> list[int]:
 
 @pytest.mark.parametrize("family,mode,place", PLACES, ids=[f"{f}-{m}" + (f"-{p}" if p else "") for f, m, p in PLACES])
 def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gives_it_all_back(family, mode, place):
-    """The prompt's two cached pages adopted (DSA hisparse: shared host pages; else host copies), the
+    """The prompt's two cached pages adopted (hisparse: shared host pages; else host copies), the
     rest (11 tokens) prefilled: bitwise the tokens and logits of the same request prefilled in place in
     chunks of 64; hybrid with the request resident and hierarchical. Afterwards, the index cleared,
     every host row, stream and copy is back."""
@@ -125,6 +125,10 @@ def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gi
     new = 2 if family == "nsa" else 3
     shared, in_place = family_server(family, mode, True), family_server(family, mode, False)
     shared.serve([Request(a, 2)])
+    assert shared.sharing.paged == (mode == "hisparse")
+    if shared.sharing.paged:                # the host pool holds the index's pages alone: stored once
+        pool, cached = shared.cache.host, shared.sharing.index.stats()["cached_pages"]
+        assert cached == 2 * shared.streams_per_request and pool.capacity - pool.free_rows == cached * pool.page_rows
     if mode == "noio":                      # its slots read what the first request left there
         in_place.serve([Request(a, 2)])
     held = [break_runs(srv) for srv in (shared, in_place)] if place == "hierarchical" else [[], []]

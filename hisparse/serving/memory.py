@@ -65,7 +65,9 @@ class LaneMemory:
                  prefetch: bool, device: torch.device, prefix_cache: bool = False):
         self.runtime, self.mode, self.max_context, self.device = runtime, mode, max_context, device
         # prefix sharing: DSA's hisparse shares host pages (a page table); elsewhere the index keeps copies
-        self.page_rows = PAGE_TOKENS if prefix_cache and mode == "hisparse" and runtime.shares_prefixes else None
+        # (a page of PAGE_TOKENS tokens: DSA 64 rows of a token, Quest 4 of 16, NSA 1 of 64)
+        self.page_rows = PAGE_TOKENS // runtime.unit_size if prefix_cache and mode == "hisparse" and \
+            runtime.shares_prefixes else None
         self.sharing = None              # a `sharing.PrefixSharing`, set by the server (it needs the lanes)
         self.hybrid = mode == "hybrid"
         self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are

@@ -42,8 +42,10 @@ PAGE_TOKENS = 64          # tokens a page of the index holds (DSA's host pages: 
 class PoolPages:
     """The index's page allocator for shared host pages: a page-table cache's counted host pages."""
 
+    page_size = PAGE_TOKENS          # tokens: a host page of each stream (cache.page_rows units)
+
     def __init__(self, cache):
-        self.cache, self.page_size = cache, cache.page_rows
+        self.cache = cache
 
     def incref(self, pages) -> None:
         self.cache.share_pages(list(pages))
@@ -147,11 +149,8 @@ class PrefixSharing:
         if not self.paged:
             return None, Handoff(length, rows, None, tokens=prompt[:length].clone())
         pages = handle.pages()
-        for layer, stream_pages in enumerate(pages):        # DSA: a stream a layer, its rows the latents
-            first = torch.tensor(stream_pages, dtype=torch.int64)[:, None] * PAGE_TOKENS
-            host = (first + torch.arange(PAGE_TOKENS)).flatten()        # the pages' host rows, in token order
-            rows[layer] = tuple(self.cache.host.rows[host] if j in self.runtime.shared_page_parts else part
-                                for j, part in enumerate(rows[layer]))
+        for layer, parts in self.runtime.shared_rows(self.cache, pages).items():    # what the pages hold
+            rows[layer] = tuple(part if part is not None else kept for part, kept in zip(parts, rows[layer]))
         return pages, Handoff(length, rows, None, tokens=prompt[:length].clone())
 
     def insert(self, prompt: torch.Tensor, state, streams: list[int]) -> None:
@@ -163,13 +162,13 @@ class PrefixSharing:
         tokens = prompt.tolist()
         if not self.paged:
             tokens = tokens[:self._room(tokens, layers) * PAGE_TOKENS]
-        kept = [j not in self.runtime.shared_page_parts for j in range(len(self.runtime.row_token_dims))] \
-            if self.paged else None
+        paged = [self.runtime.shared_page_parts(i) if self.paged else () for i in range(len(layers))]
 
         def payload(first: int, last: int) -> Payload:
             start, end = first * PAGE_TOKENS, last * PAGE_TOKENS
-            parts = [tuple(None if t is None or (kept and not kept[j]) else to_host(t)
-                           for j, t in enumerate(self.runtime.prefix_rows(rows, start, end))) for rows in layers]
+            parts = [tuple(None if t is None or j in paged[i] else to_host(t)
+                           for j, t in enumerate(self.runtime.prefix_rows(rows, start, end)))
+                     for i, rows in enumerate(layers)]
             extras = _PageRows(self.runtime, parts, start, last - first)
             if self.paged:
                 return Payload([self.cache.stream_pages(s)[first:last] for s in streams], extras)
