@@ -195,7 +195,7 @@ KEY_HELP = {
     "prefill_overlap": "serving, DSA: prefill chunks in pieces of prefill_layers layers beside the decode steps (Server's "
                        "prefill_overlap) instead of alone between them; true, false or [false, true] (false); "
                        "rows of true points say so, false ones leave the column empty",
-    "prefix_cache": "serving, every family and mode: prompts' whole pages kept (DSA hisparse: shared host pages; "
+    "prefix_cache": "serving, every family and mode: prompts' whole pages kept (hisparse: shared host pages; "
                     "else host copies in the host budget), a cached prefix not prefilled again (Server's "
                     "prefix_cache; not with disaggregated); true, false or [false, true] (false)",
     "disaggregated": "serving: the decode instance of a prefill/decode-disaggregated deployment, emulated on one "

@@ -135,8 +135,8 @@ class FamilyRuntime(Protocol):
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
                      host_tokens: int, runs: list[int] | None = None, **placement) -> LanePrefill:
         """A prefill of `prompt` tokens straight into serving lane `lane` of `layers` (hybrid: `runs`
-        keeps it resident in those runs of the cache's streams; DSA also takes `workspace_runs` and
-        `shared_pages`)."""
+        keeps it resident in those runs of the cache's streams; DSA also takes `workspace_runs`), its
+        streams opened on `shared_pages` (per stream: a cached prefix's host pages) where given."""
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes."""

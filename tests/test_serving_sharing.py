@@ -1,6 +1,6 @@
 """Prefix sharing (`Server(prefix_cache=True)`, hisparse.serving.sharing): a request whose prompt
-extends a cached one gets the prefix's rows (DSA hisparse: its streams open on the shared host pages;
-every other family and mode: the index's host copies) and prefills only the rest, bitwise as the same
+extends a cached one gets the prefix's rows (hisparse: its streams open on the shared host pages;
+resident, noio, hybrid: the index's host copies) and prefills only the rest, bitwise as the same
 request prefilled whole in place with the same chunk boundaries, every family in modes resident,
 hisparse, hybrid (both placements) and DSA's noio; the pages and copies all come back once the index is
 cleared, the copies within the host budget (tiny models, interpreter)."""

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "smaller makes each stall of the running requests shorter (their mean TPOT stays) "
                          "(default 8192)")
     ap.add_argument("--prefix-cache", action="store_true",
-                    help="keep prompts' whole pages (DSA --mode hisparse: shared host pages; else host copies within "
+                    help="keep prompts' whole pages (--mode hisparse: shared host pages; else host copies within "
                          "--host-budget-gib); a prompt that extends a cached one is prefilled from where the cache "
                          "ends (counts on /metrics; not with --disaggregated)")
     ap.add_argument("--prefill-overlap", action="store_true",

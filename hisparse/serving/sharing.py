@@ -1,18 +1,20 @@
 """Prefix sharing: a prompt's whole pages prefilled once and kept, so that every request extending
-it prefills only the rest (`Server(prefix_cache=True)`: every family, modes resident, hisparse, hybrid).
+it prefills only the rest (`Server(prefix_cache=True)`: every family, modes resident, hisparse, noio, hybrid).
 
 A `PrefixIndex` remembers which token prefixes, in pages of `PAGE_TOKENS` tokens, whose rows are kept,
 as one of two stores:
-- shared host pages (DSA, mode hisparse: `runtime.shares_prefixes`): the host pool is counted pages of
-  `PAGE_TOKENS` rows behind a page table (`HostPool` pages, `HierarchicalKVCache(page_rows=...)`); a
-  cached prefix's latents stay on its pages, which the request's streams open on (each gains a holder
-  and stays read-only while shared); the index keeps only the rest of the family's prefilled rows
-  (`runtime.shared_page_parts` are those the pages hold: the indexer keys) as host copies;
-- host copies (every other family and mode): the index keeps the family's whole prefilled rows of the
-  prefix's tokens as host copies (`CopyPages`: page ids counted against a byte budget, the server's
-  host budget in mode resident). Quest and NSA stream units of 16 and 64 tokens per KV head, and
-  hybrid places a request resident or hierarchical only at its admission, so a copy that the adoption
-  places is the one way that is the same for every placement; their shared host pages are not built.
+- shared host pages (mode hisparse, every family: `runtime.shares_prefixes`): the host pool is counted
+  pages behind a page table (`HierarchicalKVCache(page_rows=...)`: a page holds 64 tokens of a stream,
+  DSA 64 rows of a token, Quest 4 units of 16, NSA 1 block of 64); a cached prefix's rows stay on its
+  pages, which the request's streams open on (each gains a holder and stays read-only while shared;
+  the lane prefill leaves those units unwritten) and from which `runtime.shared_rows` reads them back;
+  the index keeps only the rest of the family's prefilled rows as host copies: what lives on the GPU
+  (DSA's indexer keys, Quest's dense layers, NSA's compressed blocks; Quest's page bounds and NSA's
+  window are remade from the keys by the adoption) - `runtime.shared_page_parts` are what the pages hold;
+- host copies (modes resident, noio, hybrid): the index keeps the family's whole prefilled rows of the
+  prefix as host copies (`CopyPages`: page ids counted against a byte budget, the server's host budget,
+  in mode resident too). Hybrid places a request resident or hierarchical only at its admission, so a
+  copy that the adoption places is the one way that is the same for both placements.
 
 Either way a prefix `Handoff` of the prefix's length carries the rows (pinned host copies, `to_host`)
 and `LanePrefill.adopt` places them as the request's own prefill would have (the lane, the workspace,
@@ -36,7 +38,7 @@ import torch
 from hisparse.serving.handoff import Handoff, to_host
 from hisparse.serving.prefix import Payload, PrefixIndex
 
-PAGE_TOKENS = 64          # tokens a page of the index holds (DSA's host pages: one latent row a token)
+PAGE_TOKENS = 64          # tokens a page of the index holds (a host page of a stream: DSA 64 rows, Quest 4, NSA 1)
 
 
 class PoolPages:
