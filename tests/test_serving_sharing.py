@@ -89,20 +89,22 @@ def test_an_admission_that_does_not_fit_evicts_cached_prefixes_first():
 PLACES = [(family, mode, place) for family in ("deepseek_v32", "glm_moe_dsa", "llama", "nsa")
           for mode, place in (("resident", None), ("hisparse", None), ("hybrid", "resident"),
                               ("hybrid", "hierarchical"))] + \
-    [("deepseek_v32", "noio", None)]          # timing's mode (no copies: wrong outputs, the same in place)
+    [("deepseek_v32", "noio", None),           # timing's mode (no copies: wrong outputs, the same in place)
+     ("llama-shared", "hisparse", None)]       # a Quest layer in lockstep with another: streams of its own
 
 
 def family_server(family: str, mode: str, prefix_cache: bool, **extra) -> Server:
-    kw = dict(SETTINGS[family], prefill_chunk=PAGE_TOKENS, keep_logits=True, prefix_cache=prefix_cache, **QUICK,
-              **extra)
+    """A server of tiny(family) (or model_of's "llama-shared", Quest layers in lockstep) in `mode`."""
+    kw = dict(SETTINGS["llama" if family == "llama-shared" else family], prefill_chunk=PAGE_TOKENS, keep_logits=True,
+              prefix_cache=prefix_cache, **QUICK, **extra)
     if mode == "hybrid":
-        name = "llama-shared" if family == "llama" else family
+        name = "llama-shared" if family.startswith("llama") else family
         settings, _, max_context = HYBRID[name]
         kw.update(settings)
         return hybrid_server(model_of(name), 1, max(max_context, MAX_CONTEXT), **kw)
     if mode == "resident":
         kw.pop("cache_slots")
-    return Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2, **kw)
+    return Server(model_of(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2, **kw)
 
 
 def break_runs(srv: Server) -> list[int]:
