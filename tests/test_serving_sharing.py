@@ -20,11 +20,12 @@ def server(prefix_cache: bool, **kw) -> Server:
                   max_batch=2, prefill_chunk=PAGE_TOKENS, keep_logits=True, prefix_cache=prefix_cache, **QUICK, **kw)
 
 
-def prompts(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prompt of two pages and a bit, and one that shares its two pages and goes on differently."""
+def prompts(seed: int = 5, rest: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt of two pages and a bit, and one that shares its two pages and goes on differently for
+    `rest` tokens."""
     gen = torch.Generator().manual_seed(seed)
     first = torch.randint(0, 97, (2 * PAGE_TOKENS + 3,), generator=gen)
-    return first, torch.cat([first[:2 * PAGE_TOKENS], torch.randint(0, 97, (11,), generator=gen)])
+    return first, torch.cat([first[:2 * PAGE_TOKENS], torch.randint(0, 97, (rest,), generator=gen)])
 
 
 @pytest.mark.parametrize("index_dtype", ["bf16", "fp8"])
@@ -121,10 +122,12 @@ def break_runs(srv: Server) -> list[int]:
 @pytest.mark.parametrize("family,mode,place", PLACES, ids=[f"{f}-{m}" + (f"-{p}" if p else "") for f, m, p in PLACES])
 def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gives_it_all_back(family, mode, place):
     """The prompt's two cached pages adopted (hisparse: shared host pages; else host copies), the
-    rest (11 tokens) prefilled: bitwise the tokens and logits of the same request prefilled in place in
-    chunks of 64; hybrid with the request resident and hierarchical. Afterwards, the index cleared,
-    every host row, stream and copy is back."""
-    a, b = prompts()
+    rest prefilled (11 tokens; NSA 20: its compressed block of tokens 112 .. 143, which straddles the
+    prefix's end, is the rest's to make): bitwise the tokens and logits of the same request prefilled
+    in place in chunks of 64; hybrid with the request resident and hierarchical. Afterwards, the index
+    cleared, every host row, stream and copy is back."""
+    rest = 20 if family == "nsa" else 11
+    a, b = prompts(rest=rest)
     new = 2 if family == "nsa" else 3
     shared, in_place = family_server(family, mode, True), family_server(family, mode, False)
     shared.serve([Request(a, 2)])
@@ -136,7 +139,7 @@ def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gi
         in_place.serve([Request(a, 2)])
     held = [break_runs(srv) for srv in (shared, in_place)] if place == "hierarchical" else [[], []]
     run, alone = shared.serve([Request(b, new)]), in_place.serve([Request(b, new)])
-    assert [it.prefilled for it in run.schedule.iterations if it.prefilled] == [11], "prefilled more than the rest"
+    assert [it.prefilled for it in run.schedule.iterations if it.prefilled] == [rest], "prefilled more than the rest"
     got, want = run.requests[0], alone.requests[0]
     assert got.tokens == want.tokens and len(got.tokens) == new
     for step, (x, y) in enumerate(zip(got.logits, want.logits, strict=True)):
@@ -189,7 +192,8 @@ def test_prefix_cache_is_refused_on_a_disaggregated_server():
 
 
 @pytest.mark.parametrize("family,mode,count", [("deepseek_v32", "hisparse", 24), ("llama", "hisparse", 12),
-                                                ("nsa", "hisparse", 10), ("llama", "resident", 8), ("llama", "hybrid", 8)])
+                                                ("nsa", "hisparse", 10), ("llama", "resident", 8),
+                                                ("llama", "hybrid", 8)])
 def test_a_churn_of_shared_prefixes_cancellations_and_evictions_leaks_nothing_and_keeps_shared_pages(family, mode,
                                                                                                       count):
     """`count` requests over three cached prompts' pages (random tails), some cancelled on the way; in
