@@ -220,7 +220,8 @@ class PrefixSharing:
 class _PageRows:
     """A node's extras: per layer, the family's prefilled rows of its pages' tokens (first .. first +
     pages * P - 1) that its host pages do not hold, as host copies (None where none), one item per
-    page, sliced by pages when the node splits (`FamilyRuntime.prefix_rows`)."""
+    page, sliced by pages when the node splits or is cut (`FamilyRuntime.prefix_rows`): copied, so
+    the bytes a cut gave back are gone with the old copy, as `CopyPages` counts them."""
 
     def __init__(self, runtime, layers: list[tuple], first: int, pages: int):
         self.runtime, self.layers, self.first, self.pages = runtime, layers, first, pages
@@ -231,5 +232,6 @@ class _PageRows:
     def __getitem__(self, pages: slice) -> "_PageRows":
         start, stop, _ = pages.indices(self.pages)
         lo, hi = self.first + start * PAGE_TOKENS, self.first + stop * PAGE_TOKENS
-        return _PageRows(self.runtime, [self.runtime.prefix_rows(rows, lo, hi, self.first) for rows in self.layers],
-                         lo, stop - start)
+        layers = [tuple(None if t is None else to_host(t) for t in self.runtime.prefix_rows(rows, lo, hi, self.first))
+                  for rows in self.layers]
+        return _PageRows(self.runtime, layers, lo, stop - start)
