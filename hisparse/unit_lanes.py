@@ -19,6 +19,7 @@ class UnitRowsRuntime:
 
     lane_kv: type
     hier_kv: type
+    shares_prefixes = True      # its lane prefill opens streams on a cached prefix's pages (serving.sharing)
 
     def refuse_dsa_options(self, model, decode_backend: str, kv_dtype: str) -> None:
         """ValueError for DSA's options (its decode kernels, its FP8 rows), which these families lack."""
@@ -40,8 +41,6 @@ class UnitRowsRuntime:
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         return self.model.new_state(batch, capacity)
-
-    shares_prefixes = True             # its lane prefill opens streams on a cached prefix's pages (serving.sharing)
 
     def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
         return token_slices(rows, self.row_token_dims, start - first, end - first)
