@@ -195,8 +195,9 @@ KEY_HELP = {
     "prefill_overlap": "serving, DSA: prefill chunks in pieces of prefill_layers layers beside the decode steps (Server's "
                        "prefill_overlap) instead of alone between them; true, false or [false, true] (false); "
                        "rows of true points say so, false ones leave the column empty",
-    "prefix_cache": "serving, DSA, mode hisparse: prompts' whole pages stored once and shared, a cached prefix not "
-                    "prefilled again (Server's prefix_cache); true, false or [false, true] (false)",
+    "prefix_cache": "serving, every family and mode: prompts' whole pages kept (hisparse: shared host pages; "
+                    "else host copies in the host budget), a cached prefix not prefilled again (Server's "
+                    "prefix_cache; not with disaggregated); true, false or [false, true] (false)",
     "disaggregated": "serving: the decode instance of a prefill/decode-disaggregated deployment, emulated on one "
                      "GPU (Server's disaggregated: each prompt prefilled at admission with the clock stopped, "
                      "its time the prefill_elsewhere metric); true, false or [false, true] (false)",
@@ -939,9 +940,10 @@ def validate_serving(study: dict, where: str) -> None:
                           f"(beside the decode steps) does not apply to it: run them as two studies")
     study["disaggregated"] = disaggregated
     sharing = _switches(study, "prefix_cache", where)
-    if True in sharing and (family(model_config(study)) != "dsa" or set(study["modes"]) - {"hisparse"}):
-        raise ConfigError(f"{where}: prefix_cache = true shares host pages of DSA models in mode hisparse so far; "
-                          f"this study runs {family(model_config(study))} in modes {study['modes']}")
+    if True in sharing and True in disaggregated:
+        raise ConfigError(f"{where}: prefix_cache = true caches prefixes on the server that prefills; disaggregated = "
+                          f"true prefills every prompt off the clock, as its workers would (they keep no cache): "
+                          f"run them as two studies")
     study["prefix_cache"] = sharing
     for key, what in (("prefill_layers", "sizes the pieces"), ("prefill_sms", "confines the pieces")):
         if key in study:

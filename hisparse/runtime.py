@@ -114,15 +114,29 @@ class FamilyRuntime(Protocol):
                                   # lands where no request reads); serving's prefill_overlap needs it
     hybrid_trash_row: bool     # hybrid serving: non-resident lanes' decode write goes to a trash row of the cache
     shares_prefixes: bool      # lane_prefill takes shared_pages: streams opened on a cached prefix (serving.sharing)
+    row_token_dims: tuple      # each `prefilled_rows` part's token (or block) dimension: a prefix's pieces join there
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         """The empty state a prefill writes into (DSA's holds its kv_dtype's rows)."""
 
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        """Prefix sharing: the parts of tokens start .. end - 1 (page boundaries) of one layer's
+        `prefilled_rows` `rows` that begin at token `first`; those of [0, start) and of [start, end),
+        joined along `row_token_dims`, are those of a prefix of `end` tokens."""
+
+    def shared_page_parts(self, layer: int) -> tuple:
+        """Prefix sharing (shares_prefixes): the `prefilled_rows` parts of `layer` that its streams'
+        host pages hold (DSA: the latents; Quest's Quest layers and NSA: keys and values), by index."""
+
+    def shared_rows(self, cache: HierarchicalKVCache, pages: list[list[int]]) -> dict[int, tuple]:
+        """Prefix sharing: layer -> its `shared_page_parts` (the others None) of a prefix, read from the
+        host pages of each of a request's streams (`pages`, in `LaneStates.streams` order)."""
+
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
                      host_tokens: int, runs: list[int] | None = None, **placement) -> LanePrefill:
         """A prefill of `prompt` tokens straight into serving lane `lane` of `layers` (hybrid: `runs`
-        keeps it resident in those runs of the cache's streams; DSA also takes `workspace_runs` and
-        `shared_pages`)."""
+        keeps it resident in those runs of the cache's streams; DSA also takes `workspace_runs`), its
+        streams opened on `shared_pages` (per stream: a cached prefix's host pages) where given."""
 
     def lane_workspace_bytes(self, mode: str, tokens: int) -> int:
         """GPU bytes a `lane_prefill` of `tokens` holds beside the lanes."""
@@ -143,6 +157,17 @@ class FamilyRuntime(Protocol):
     def demote(self, cache: HierarchicalKVCache, layers: list, lane: int, length: int, host_tokens: int,
                runs: list[int]) -> None:
         """Hybrid: move a resident lane's `length` tokens from its runs to new streams with host regions."""
+
+
+def page_rows_of(cache: HierarchicalKVCache, pages: list[int]) -> torch.Tensor:
+    """The host rows (int64) of host pages `pages`, in order: each page's `cache.page_rows` rows."""
+    first = torch.tensor(pages, dtype=torch.int64)[:, None] * cache.page_rows
+    return (first + torch.arange(cache.page_rows)).flatten()
+
+
+def token_slices(rows: tuple, dims: tuple, start: int, end: int) -> tuple:
+    """Each part of `rows` (None stays None) sliced to start .. end - 1 along its dimension in `dims`."""
+    return tuple(None if t is None else t.narrow(d, start, end - start) for t, d in zip(rows, dims, strict=True))
 
 
 class LanePrefill(Protocol):

@@ -9,7 +9,7 @@ import torch
 
 from hisparse.cache import HierarchicalKVCache
 from hisparse.models.base import DecodeState
-from hisparse.runtime import LaneStates, run_rows, write_resident_unit
+from hisparse.runtime import LaneStates, page_rows_of, run_rows, token_slices, write_resident_unit
 
 
 class UnitRowsRuntime:
@@ -19,6 +19,7 @@ class UnitRowsRuntime:
 
     lane_kv: type
     hier_kv: type
+    shares_prefixes = True      # its lane prefill opens streams on a cached prefix's pages (serving.sharing)
 
     def refuse_dsa_options(self, model, decode_backend: str, kv_dtype: str) -> None:
         """ValueError for DSA's options (its decode kernels, its FP8 rows), which these families lack."""
@@ -40,6 +41,25 @@ class UnitRowsRuntime:
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:
         return self.model.new_state(batch, capacity)
+
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        return token_slices(rows, self.row_token_dims, start - first, end - first)
+
+    def shared_page_parts(self, layer: int) -> tuple:
+        """Keys and values (parts 0 and 1) of the layers whose rows are in streams (`stream_layers`)."""
+        return (0, 1) if layer in self.stream_layers() else ()
+
+    def shared_rows(self, cache: HierarchicalKVCache, pages: list[list[int]]) -> dict[int, tuple]:
+        """Each stream layer's keys and values [HKV, T, D] from its streams' pages (layer by layer,
+        head by head; a row is a unit's keys then its values, [2, unit, D])."""
+        heads, d, parts = self.kv_heads, self.model.config.head_dim, len(self.row_token_dims)
+        out = {}
+        for j, layer in enumerate(self.stream_layers()):
+            rows = torch.stack([cache.host.rows[page_rows_of(cache, pages[j * heads + h])] for h in range(heads)])
+            rows = rows.view(heads, -1, 2, self.unit_size, d)                     # [HKV, units, 2, unit, D]
+            out[layer] = (rows[:, :, 0].reshape(heads, -1, d), rows[:, :, 1].reshape(heads, -1, d)) + \
+                (None,) * (parts - 2)
+        return out
 
     def serving_lanes(self, layers: list, mask: torch.Tensor | None = None) -> LaneStates:
         """The lanes of a serving batch's layers; each `lane_kv` keeps an empty lane's decode write."""
@@ -77,15 +97,17 @@ def run_unit_rows(row_base: torch.Tensor, selection: torch.Tensor) -> torch.Tens
     return torch.where(selection >= 0, row_base[:, :, None] + selection.long(), -1).to(torch.int32)
 
 
-def open_lane_streams(cache: HierarchicalKVCache, layers: list[int], heads: int, region: int) -> dict[int, list[int]]:
+def open_lane_streams(cache: HierarchicalKVCache, layers: list[int], heads: int, region: int,
+                      shared_pages: list[list[int]] | None = None) -> dict[int, list[int]]:
     """One request's streams, layer by layer and head by head (the order `gather_layers` opens them
-    in, so the same ids and host regions): layer -> its stream per KV head. All or nothing."""
+    in, so the same ids and host regions): layer -> its stream per KV head. All or nothing.
+    shared_pages: per stream in that order, the host pages of a cached prefix it opens on."""
     opened: dict[int, list[int]] = {}
     try:
-        for layer in layers:
+        for j, layer in enumerate(layers):
             opened[layer] = []
-            for _ in range(heads):
-                opened[layer].append(cache.open_stream(region))
+            for h in range(heads):
+                opened[layer].append(cache.open_stream(region, shared_pages[j * heads + h] if shared_pages else ()))
     except BaseException:
         close_lane_streams(cache, opened)
         raise
@@ -176,16 +198,19 @@ def write_stream_units(cache: HierarchicalKVCache, stream: int, first: int, rows
 
 
 def store_lane_units(kv, lane: int, lanes: int, first: int, rows: torch.Tensor, units_per_head: int,
-                     streams: list[int] | None) -> None:
+                     streams: list[int] | None, shared: int = 0) -> None:
     """A chunk's units rows [HKV, n, 2, T, D] (units first .. first + n - 1 of each KV head) into
     serving lane `lane` of layer state `kv`: its resident pool rows [lanes * HKV * units_per_head,
-    2, T, D], or (streams: one per KV head) the request's streams in the host pool."""
+    2, T, D], or (streams: one per KV head) the request's streams in the host pool, less their first
+    `shared` units (a cached prefix's shared pages: the same bytes, read-only)."""
     hkv, n = rows.shape[:2]
     if streams is None:
         kv.pool.view(lanes, hkv, units_per_head, *rows.shape[2:])[lane, :, first:first + n] = rows
         return
+    skip = min(max(shared - first, 0), n)
     for stream, head_rows in zip(streams, rows):
-        write_stream_units(kv.cache, stream, first, head_rows.reshape(n, -1))
+        if skip < n:
+            write_stream_units(kv.cache, stream, first + skip, head_rows.reshape(n, -1)[skip:])
 
 
 def zero_lane(tensors: list[torch.Tensor | None], lane: int, lanes: int) -> None:

@@ -38,14 +38,15 @@ def model_of(family: str):
     return model
 
 
-def hybrid_server(model, extra_runs: int, max_context: int = MAX_CONTEXT, **kw) -> Server:
+def hybrid_server(model, extra_runs: int, max_context: int = MAX_CONTEXT, prefix_cache: bool = False, **kw) -> Server:
     """Three lanes and room for `extra_runs` resident requests beyond the lanes' own streams and the
     prefill workspace's (which hybrid also turns into streams where the family puts it in runs)."""
     probe = Server(model, "hisparse", max_context=max_context, kv_budget_gib=1.0, max_batch=3, **kw)
     runs = probe.runtime.run_streams(probe.cache, max_context) * probe.streams_per_request
     budget = (probe.workspace_bytes + 4 * probe.cache.host.capacity + 3 * probe.lane_bytes
               + extra_runs * runs * probe.memory.stream_bytes())
-    server = Server(model, "hybrid", max_context=max_context, kv_budget_gib=budget / GIB, max_batch=3, **kw)
+    server = Server(model, "hybrid", max_context=max_context, kv_budget_gib=budget / GIB, max_batch=3,
+                    prefix_cache=prefix_cache, **kw)
     assert server.gpu_bytes() <= server.kv_budget          # the streams it made fit the budget exactly
     return server
 

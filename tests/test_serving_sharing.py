@@ -1,11 +1,13 @@
 """Prefix sharing (`Server(prefix_cache=True)`, hisparse.serving.sharing): a request whose prompt
-extends a cached one opens its streams on the cached pages, gets the prefix's indexer keys and
-latents from the host and prefills only the rest, bitwise as the same request prefilled whole in place
-with the same chunk boundaries; the pages are stored once and all come back once the index is
-cleared (tiny DSA model, interpreter)."""
+extends a cached one gets the prefix's rows (hisparse: its streams open on the shared host pages;
+resident, noio, hybrid: the index's host copies) and prefills only the rest, bitwise as the same
+request prefilled whole in place with the same chunk boundaries, every family in modes resident,
+hisparse, hybrid (both placements) and DSA's noio; the pages and copies all come back once the index is
+cleared, the copies within the host budget (tiny models, interpreter)."""
 import pytest
 import torch
-from test_serving import QUICK, tiny
+from test_serving import QUICK, SETTINGS, tiny
+from test_serving_hybrid import HYBRID, hybrid_server, model_of
 
 from hisparse.serving import Request, Server
 from hisparse.serving.sharing import PAGE_TOKENS
@@ -18,11 +20,12 @@ def server(prefix_cache: bool, **kw) -> Server:
                   max_batch=2, prefill_chunk=PAGE_TOKENS, keep_logits=True, prefix_cache=prefix_cache, **QUICK, **kw)
 
 
-def prompts(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prompt of two pages and a bit, and one that shares its two pages and goes on differently."""
+def prompts(seed: int = 5, rest: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt of two pages and a bit, and one that shares its two pages and goes on differently for
+    `rest` tokens."""
     gen = torch.Generator().manual_seed(seed)
     first = torch.randint(0, 97, (2 * PAGE_TOKENS + 3,), generator=gen)
-    return first, torch.cat([first[:2 * PAGE_TOKENS], torch.randint(0, 97, (11,), generator=gen)])
+    return first, torch.cat([first[:2 * PAGE_TOKENS], torch.randint(0, 97, (rest,), generator=gen)])
 
 
 @pytest.mark.parametrize("index_dtype", ["bf16", "fp8"])
@@ -82,35 +85,142 @@ def test_an_admission_that_does_not_fit_evicts_cached_prefixes_first():
     assert srv.sharing.index.match(other.tolist())[0] == 2 * PAGE_TOKENS
 
 
-@pytest.mark.parametrize("mode,family", [("resident", "deepseek_v32"), ("hisparse", "llama")])
-def test_prefix_cache_is_refused_where_it_is_not_built(mode, family):
-    kw = dict(cache_slots=16) if mode != "resident" else {}
-    if family == "llama":
-        kw["token_budget"] = 48
-    with pytest.raises(ValueError, match="prefix_cache=True shares host pages of DSA models in mode 'hisparse'"):
-        Server(tiny(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, prefix_cache=True, **kw)
+# every family and mode: (family, mode, hybrid's placement of the request extending the cached prompt);
+# Quest in hybrid as llama-shared, as tests/test_serving_hybrid.py runs it
+PLACES = [(family, mode, place) for family in ("deepseek_v32", "glm_moe_dsa", "llama", "nsa")
+          for mode, place in (("resident", None), ("hisparse", None), ("hybrid", "resident"),
+                              ("hybrid", "hierarchical"))] + \
+    [("deepseek_v32", "noio", None),           # timing's mode (no copies: wrong outputs, the same in place)
+     ("llama-shared", "hisparse", None)]       # a Quest layer in lockstep with another: streams of its own
 
 
-def test_a_churn_of_shared_prefixes_cancellations_and_evictions_leaks_nothing_and_keeps_shared_pages():
-    """24 requests over three cached prompts' pages (random tails), some cancelled on the way, in a
-    host pool that forces evictions: while a page is shared its bytes never change (checksummed every
-    step); afterwards every count is back to the index's, and to zero once the index is cleared."""
+def family_server(family: str, mode: str, prefix_cache: bool, **extra) -> Server:
+    """A server of tiny(family) (or model_of's "llama-shared", Quest layers in lockstep) in `mode`."""
+    kw = dict(SETTINGS["llama" if family == "llama-shared" else family], prefill_chunk=PAGE_TOKENS, keep_logits=True,
+              prefix_cache=prefix_cache, **QUICK, **extra)
+    if mode == "hybrid":
+        name = "llama-shared" if family.startswith("llama") else family
+        settings, _, max_context = HYBRID[name]
+        kw.update(settings)
+        return hybrid_server(model_of(name), 1, max(max_context, MAX_CONTEXT), **kw)
+    if mode == "resident":
+        kw.pop("cache_slots")
+    return Server(model_of(family), mode, max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2, **kw)
+
+
+def break_runs(srv: Server) -> list[int]:
+    """Hybrid: one stream of every run a resident request would need taken (every free stream
+    taken, then all but each run-th given back), so the next request goes hierarchical; the ones kept."""
+    run, taken = srv.runtime.run_streams(srv.cache, srv.max_context), []
+    while (first := srv.cache.take_runs(1)) is not None:
+        taken += first
+    for stream in [s for s in taken if s % run != run - 1]:
+        srv.cache.release_run(stream)
+    return [s for s in taken if s % run == run - 1]
+
+
+@pytest.mark.parametrize("family,mode,place", PLACES, ids=[f"{f}-{m}" + (f"-{p}" if p else "") for f, m, p in PLACES])
+def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gives_it_all_back(family, mode, place):
+    """The prompt's two cached pages adopted (hisparse: shared host pages; else host copies), the
+    rest prefilled (11 tokens; NSA 20: its compressed block of tokens 112 .. 143, which straddles the
+    prefix's end, is the rest's to make): bitwise the tokens and logits of the same request prefilled
+    in place in chunks of 64; hybrid with the request resident and hierarchical. Afterwards, the index
+    cleared, every host row, stream and copy is back."""
+    rest = 20 if family == "nsa" else 11
+    a, b = prompts(rest=rest)
+    new = 2 if family == "nsa" else 3
+    shared, in_place = family_server(family, mode, True), family_server(family, mode, False)
+    shared.serve([Request(a, 2)])
+    assert shared.sharing.paged == (mode == "hisparse")
+    if shared.sharing.paged:                # the host pool holds the index's pages alone: stored once
+        pool, cached = shared.cache.host, shared.sharing.index.stats()["cached_pages"]
+        assert cached == 2 * shared.streams_per_request and pool.capacity - pool.free_rows == cached * pool.page_rows
+    if mode == "noio":                      # its slots read what the first request left there
+        in_place.serve([Request(a, 2)])
+    held = [break_runs(srv) for srv in (shared, in_place)] if place == "hierarchical" else [[], []]
+    run, alone = shared.serve([Request(b, new)]), in_place.serve([Request(b, new)])
+    assert [it.prefilled for it in run.schedule.iterations if it.prefilled] == [rest], "prefilled more than the rest"
+    got, want = run.requests[0], alone.requests[0]
+    assert got.tokens == want.tokens and len(got.tokens) == new
+    for step, (x, y) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.equal(x, y), f"{family} {mode}: token {step}: logits differ"
+    assert run.summary()["prefix_hit_tokens"] == 2 * PAGE_TOKENS
+    if mode == "hybrid":
+        assert run.summary()["resident_admissions"] == alone.summary()["resident_admissions"] == (place == "resident")
+    for stream in held[0]:
+        shared.cache.release_run(stream)
+    copies = shared.sharing.allocator if not shared.sharing.paged else None
+    assert copies is None or copies.used > 0
+    assert shared.sharing.index.clear() > 0
+    if shared.cache is not None:
+        assert shared.cache.host.free_rows == shared.cache.host.capacity
+        assert shared.cache.free_streams() == shared.cache.max_streams
+    assert copies is None or (copies.used == 0 and not copies.count and not copies.bytes)
+
+
+def test_host_copies_stay_within_the_host_budget_evicting_the_least_recently_used_first():
+    """Mode resident (host copies): a budget of two pages' copies holds one prompt's two pages; the
+    next prompt's evict them; three quarters of it hold one page; every byte comes back at clear."""
+    a, _ = prompts(9)
+    other = torch.randint(0, 97, (len(a),), generator=torch.Generator().manual_seed(1))
+    probe = family_server("deepseek_v32", "resident", True)
+    probe.serve([Request(a, 2)])
+    two_pages = probe.sharing.allocator.used
+    assert probe.sharing.index.stats()["cached_pages"] == 2 and two_pages > 0
+
+    def resident(budget: int) -> Server:
+        return Server(tiny("deepseek_v32"), "resident", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2,
+                      prefill_chunk=PAGE_TOKENS, prefix_cache=True, host_budget_gib=budget / 2**30, **QUICK)
+    srv = resident(two_pages)
+    copies = srv.sharing.allocator
+    srv.serve([Request(a, 2)])
+    assert copies.used == two_pages
+    srv.serve([Request(other, 2)])
+    assert srv.sharing.index.peek(a.tolist()) == 0 and srv.sharing.index.peek(other.tolist()) == 2 * PAGE_TOKENS
+    assert copies.used == two_pages
+    small = resident(3 * two_pages // 4)
+    small.serve([Request(a, 2)])
+    assert small.sharing.index.peek(a.tolist()) == PAGE_TOKENS and small.sharing.allocator.used == two_pages // 2
+    for server_ in (srv, small):
+        server_.sharing.index.clear()
+        assert server_.sharing.allocator.used == 0 and not server_.sharing.allocator.count
+
+
+def test_prefix_cache_is_refused_on_a_disaggregated_server():
+    with pytest.raises(ValueError, match="disaggregated=True with prefix_cache=True: every prompt comes prefilled"):
+        server(True, disaggregated=True)
+
+
+@pytest.mark.parametrize("family,mode,count", [("deepseek_v32", "hisparse", 24), ("llama", "hisparse", 12),
+                                                ("nsa", "hisparse", 10), ("llama", "resident", 8),
+                                                ("llama", "hybrid", 8)])
+def test_a_churn_of_shared_prefixes_cancellations_and_evictions_leaks_nothing_and_keeps_shared_pages(family, mode,
+                                                                                                      count):
+    """`count` requests over three cached prompts' pages (random tails), some cancelled on the way; in
+    mode hisparse a host pool that forces evictions, and while a page is shared its bytes never change
+    (checksummed every step); afterwards every count is back to the index's, and to zero (every page,
+    copy and stream back) once the index is cleared."""
     gen = torch.Generator().manual_seed(11)
-    row_bytes, layers = server(True).runtime.row_bytes, server(True).streams_per_request
-    srv = server(True, host_budget_gib=layers * 7 * PAGE_TOKENS * row_bytes / 2**30)
-    pool = srv.cache.host
+    probe = family_server(family, mode, True)
+    if probe.sharing.paged:               # 7 pages a stream
+        probe = family_server(family, mode, True, host_budget_gib=probe.streams_per_request * 7 * probe.cache.page_rows
+                              * probe.runtime.row_bytes / 2**30)
+    srv, rows = probe, probe.cache.page_rows if probe.sharing.paged else 0
+    pool = srv.cache.host if srv.cache is not None else None
     bases = [torch.randint(0, 97, (2 * PAGE_TOKENS,), generator=gen) for _ in range(3)]
     reqs = [Request(torch.cat([bases[int(torch.randint(3, (1,), generator=gen))],
                                torch.randint(0, 97, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)]),
-                    int(torch.randint(1, 4, (1,), generator=gen))) for _ in range(24)]
-    cancel_at = {i for i in range(24) if torch.rand(1, generator=gen) < 0.25}
+                    int(torch.randint(1, 4, (1,), generator=gen))) for _ in range(count)]
+    cancel_at = {i for i in range(count) if torch.rand(1, generator=gen) < 0.25} | {1}
     sums: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()                  # pages found shared
 
     def check_shared() -> None:
-        counts = pool.pages.count
+        counts = pool.pages.count if rows else []
         for page in range(len(counts)):
-            bits = pool.rows.view(torch.int32)[page * PAGE_TOKENS:(page + 1) * PAGE_TOKENS]
+            bits = pool.rows.view(torch.int32)[page * rows:(page + 1) * rows]
             if counts[page] > 1:
+                seen.add(page)
                 assert torch.equal(sums.setdefault(page, bits.clone()), bits), f"shared page {page} changed"
             else:
                 sums.pop(page, None)
@@ -126,13 +236,18 @@ def test_a_churn_of_shared_prefixes_cancellations_and_evictions_leaks_nothing_an
             if steps == 3 + i and not reqs[i].done:
                 srv.cancel(reqs[i])
     run = srv.close()
-    assert run.prefix["prefix_hit_tokens"] > 0 and len(run.cancelled) >= 1
+    assert run.prefix["prefix_hit_tokens"] > 0 and len(run.cancelled) >= 1 and (seen or not rows)
     assert all(r.done for r in reqs if not r.cancelled)
     cached = srv.sharing.index.stats()["cached_pages"]
-    assert int((pool.pages.count > 0).sum()) == cached == int(pool.pages.count.sum())     # the index's alone
+    if rows:
+        assert int((pool.pages.count > 0).sum()) == cached == int(pool.pages.count.sum())     # the index's alone
     srv.sharing.index.clear()
-    assert pool.free_rows == pool.capacity and int(pool.pages.count.sum()) == 0
-    assert srv.cache.free_streams() == srv.cache.max_streams
+    if pool is not None:
+        assert pool.free_rows == pool.capacity and srv.cache.free_streams() == srv.cache.max_streams
+    if rows:
+        assert int(pool.pages.count.sum()) == 0
+    else:
+        assert srv.sharing.allocator.used == 0 and not srv.sharing.allocator.count
 
 
 def test_over_http_a_second_prompt_extending_the_first_is_counted_on_metrics():

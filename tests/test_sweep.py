@@ -1160,7 +1160,7 @@ def test_a_multiturn_study_with_prefix_cache_reuses_each_conversations_pages(tmp
     assert [shared[f"host_gib_turn{t}"] * 2**30 / row_bytes for t in (1, 2)] == [5 * 64, 5 * 64]
 
 
-def test_prefix_cache_in_a_resident_study_fails_before_running(tmp_path, capsys):
-    config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + "\nprefix_cache = true"))
+def test_prefix_cache_with_disaggregated_fails_before_running(tmp_path, capsys):
+    config = write(tmp_path, SERVING.replace(CHUNK, CHUNK + "\nprefix_cache = true\ndisaggregated = [false, true]"))
     assert sweep.main(["--config", config, "--out", str(tmp_path / "o")]) == 2
-    assert "prefix_cache = true shares host pages of DSA models in mode hisparse so far" in capsys.readouterr().err
+    assert "prefix_cache = true caches prefixes on the server that prefills; disaggregated" in capsys.readouterr().err

@@ -40,6 +40,8 @@ from hisparse.runtime import (
     run_rows,
     shared_states,
     stream_counts,
+    page_rows_of,
+    token_slices,
 )
 
 __all__ = ["KV_MODES", "DsaRuntime", "HierMlaKV", "KernelDsaAttention"]
@@ -195,6 +197,7 @@ class DsaRuntime:
     # may fill a lane beside the steps; hybrid's non-resident lanes write the cache's trash row
     prefill_beside_decode, hybrid_trash_row = True, True
     shares_prefixes = True          # its lane prefill opens streams on a cached prefix's pages (serving.sharing)
+    row_token_dims = (0, 1, 1)      # latents [T, W], keys [1, T, Di], scales [1, T]
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16", index_dtype: str = "bf16"):
@@ -252,6 +255,17 @@ class DsaRuntime:
     def prefilled_rows(self, states: list[DecodeState]) -> Rows:
         return lambda b, i: (states[b].layers[i].latent[0], states[b].layers[i].index_keys,
                              states[b].layers[i].index_scales)
+
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        return token_slices(rows, self.row_token_dims, start - first, end - first)
+
+    def shared_page_parts(self, layer: int) -> tuple:
+        return (0,)                 # a host row is a token's latent
+
+    def shared_rows(self, cache: HierarchicalKVCache, pages: list[list[int]]) -> dict[int, tuple]:
+        """Each layer's latents [T, W] from its stream's pages (a stream a layer)."""
+        return {layer: (cache.host.rows[page_rows_of(cache, stream_pages)], None, None)
+                for layer, stream_pages in enumerate(pages)}
 
     def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
         layers, weight = self.model.config.num_hidden_layers, self.model.model.embed_tokens.weight

@@ -59,6 +59,7 @@ from hisparse.runtime import (
     run_rows,
     shared_states,
     stream_counts,
+    token_slices,
     write_newest_unit,
     write_run_token,
 )
@@ -211,9 +212,10 @@ class NsaRuntime(UnitRowsRuntime):
     family = "NSA"
     selection_name = "num_selected_blocks"
     # serving: an empty lane's decode write still lands in the lane a prefill fills (NSA's window ring)
-    prefill_beside_decode, hybrid_trash_row, shares_prefixes = False, False, False
+    prefill_beside_decode, hybrid_trash_row = False, False
     lane_kv, hier_kv = NsaBlocksKV, HierNsaKV
     unit_size, dense_layers = SEL_BLOCK, 0
+    row_token_dims = (1, 1, 1, 1)    # prefilled rows: keys, values [HKV, T, D], compressed ones [HKV, blocks, D]
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",
                  kv_dtype: str = "bf16"):
@@ -246,6 +248,13 @@ class NsaRuntime(UnitRowsRuntime):
             return (kv.keys[0], kv.values[0], kv.compressed_keys[0, :, :n_cmp], kv.compressed_values[0, :, :n_cmp])
 
         return rows
+
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        """Tokens start .. end - 1's keys and values, and the compressed blocks complete among the
+        first `end` tokens but not among the first `start` (a block straddling `end` is the rest's)."""
+        blocks = [compressed_blocks(t, self.config) - compressed_blocks(first, self.config) for t in (start, end)]
+        return token_slices(rows[:2], (1, 1), start - first, end - first) + \
+            token_slices(rows[2:], (1, 1), blocks[0], blocks[1])
 
     def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
         """One stream per (request, layer, KV head), each with a host region of the capacity's blocks."""
@@ -299,13 +308,18 @@ class NsaRuntime(UnitRowsRuntime):
                          streams=torch.tensor(host_streams, dtype=torch.int32, device=keys0.device),
                          row_base=torch.zeros(batch, hkv, dtype=torch.int64, device=keys0.device))
 
+    def stream_layers(self) -> list[int]:
+        """The layers whose rows are in streams (hierarchical modes): every layer."""
+        return list(range(self.config.num_hidden_layers))
+
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
-                     host_tokens: int, runs: list[int] | None = None) -> NsaLanePrefill:
+                     host_tokens: int, runs: list[int] | None = None,
+                     shared_pages: list[list[int]] | None = None) -> NsaLanePrefill:
         """A serving lane's prefill in place (`hisparse.serving`; see `NsaLanePrefill`): the
-        request's streams opened now with `host_tokens` tokens of blocks each (hierarchical modes).
-        runs: a hybrid lane kept resident, its blocks written straight into these runs of the cache's
-        streams (`take_runs`) and read from there."""
-        return NsaLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs)
+        request's streams opened now with `host_tokens` tokens of blocks each (hierarchical modes), on a
+        cached prefix's `shared_pages` (per stream). runs: a hybrid lane kept resident, its blocks
+        written straight into these runs of the cache's streams (`take_runs`) and read from there."""
+        return NsaLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs, shared_pages)
 
     # -- hybrid serving: a lane resident in runs of the cache's streams, or hierarchical ------------
 
@@ -375,9 +389,11 @@ class NsaLanePrefill:
     left past this one's tokens is gone, as in a gathered lane."""
 
     def __init__(self, runtime: NsaRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
-                 prompt: int, host_tokens: int, runs: list[int] | None = None):
+                 prompt: int, host_tokens: int, runs: list[int] | None = None,
+                 shared_pages: list[list[int]] | None = None):
         self.config, self.cache, self.layers, self.lane = runtime.config, cache, layers, lane
         self.heads = runtime.kv_heads
+        self.shared = len(shared_pages[0]) * cache.page_rows if shared_pages else 0   # units on shared pages
         self.lanes = layers[0].window_keys.shape[0]
         self.runs = runs
         self.run_of = unit_lanes.lane_runs(cache, list(range(len(layers))), self.heads, runs)   # hybrid, resident
@@ -390,7 +406,7 @@ class NsaLanePrefill:
         self.streams: dict[int, list[int]] = {}        # layer -> the request's stream per KV head
         if mode != "resident" and runs is None:
             self.streams = unit_lanes.open_lane_streams(cache, list(range(len(layers))), self.heads,
-                                             int(block_count(host_tokens)))
+                                                        int(block_count(host_tokens)), shared_pages)
         self.state = DecodeState(workspace, prompt, torch.zeros(1, dtype=torch.int64, device=weight.device))
 
     @property
@@ -426,7 +442,8 @@ class NsaLanePrefill:
                 for first_stream, head_rows in zip(self.run_of[layer], rows):
                     run_rows(self.cache, first_stream)[first:last] = head_rows.reshape(last - first, -1)
                 continue
-            unit_lanes.store_lane_units(kv, self.lane, self.lanes, first, rows, kv.n_units, self.streams.get(layer))
+            unit_lanes.store_lane_units(kv, self.lane, self.lanes, first, rows, kv.n_units, self.streams.get(layer),
+                                        self.shared)
 
     def _window(self, work: NsaKV, kv: NsaBlocksKV, start: int, end: int) -> None:
         """The chunk's last (at most W) tokens into the lane's ring (token t at t % W), as

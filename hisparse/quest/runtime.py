@@ -268,9 +268,10 @@ class QuestRuntime(UnitRowsRuntime):
     family = "Quest"
     selection_name = "token_budget // 16 pages"
     # serving: an empty lane's decode write still lands in the lane a prefill fills (Quest's dense lanes write at token 0)
-    prefill_beside_decode, hybrid_trash_row, shares_prefixes = False, False, False
+    prefill_beside_decode, hybrid_trash_row = False, False
     lane_kv, hier_kv = QuestKV, HierQuestKV
     unit_size = PAGE
+    row_token_dims = (1, 1)          # prefilled rows: keys, values [HKV, T, D]
     # hybrid serving: a prefill's workspace is the model's PagedKV in every mode, beside the cache
     workspace_in_runs = False
 
@@ -314,13 +315,18 @@ class QuestRuntime(UnitRowsRuntime):
         """Host units (pages) of each stream of one request of `tokens` tokens: one a Quest layer and KV head."""
         return [triton.cdiv(tokens, PAGE)] * (len(quest_layers(self.model)) * self.kv_heads)
 
+    def stream_layers(self) -> list[int]:
+        """The layers whose rows are in streams (hierarchical modes): the Quest layers."""
+        return quest_layers(self.model)
+
     def lane_prefill(self, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int, prompt: int,
-                     host_tokens: int, runs: list[int] | None = None) -> QuestLanePrefill:
+                     host_tokens: int, runs: list[int] | None = None,
+                     shared_pages: list[list[int]] | None = None) -> QuestLanePrefill:
         """A serving lane's prefill in place (`hisparse.serving`; see `QuestLanePrefill`): the
-        request's streams opened now with `host_tokens` tokens of pages each (hierarchical modes).
-        runs: a hybrid lane kept resident, its pages written straight into these runs of the cache's
-        streams (`take_runs`) and read from there."""
-        return QuestLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs)
+        request's streams opened now with `host_tokens` tokens of pages each (hierarchical modes), on a
+        cached prefix's `shared_pages` (per stream). runs: a hybrid lane kept resident, its pages
+        written straight into these runs of the cache's streams (`take_runs`) and read from there."""
+        return QuestLanePrefill(self, mode, cache, layers, lane, prompt, host_tokens, runs, shared_pages)
 
     # -- hybrid serving: a lane resident in runs of the cache's streams, or hierarchical ------------
 
@@ -427,9 +433,11 @@ class QuestLanePrefill:
     first, so what a former request left past this one's tokens is gone, as in a gathered lane."""
 
     def __init__(self, runtime: QuestRuntime, mode: str, cache: HierarchicalKVCache | None, layers: list, lane: int,
-                 prompt: int, host_tokens: int, runs: list[int] | None = None):
+                 prompt: int, host_tokens: int, runs: list[int] | None = None,
+                 shared_pages: list[list[int]] | None = None):
         self.layers, self.lane = layers, lane
         self.heads = runtime.kv_heads
+        self.shared = len(shared_pages[0]) * cache.page_rows if shared_pages else 0   # units on shared pages
         self.quest = [i for i, kv in enumerate(layers) if isinstance(kv, QuestKV)]
         self.lanes = self._lane_count(layers[0])
         self.runs = runs
@@ -442,7 +450,8 @@ class QuestLanePrefill:
                      for i, kv in enumerate(layers)]
         self.streams: dict[int, list[int]] = {}        # Quest layer -> the request's stream per KV head
         if mode != "resident" and runs is None:
-            self.streams = unit_lanes.open_lane_streams(cache, self.quest, self.heads, triton.cdiv(host_tokens, PAGE))
+            self.streams = unit_lanes.open_lane_streams(cache, self.quest, self.heads, triton.cdiv(host_tokens, PAGE),
+                                                        shared_pages)
         self.cache = cache
         self.state = DecodeState(prefilled, prompt, torch.zeros(1, dtype=torch.int64, device=device))
 
@@ -495,7 +504,8 @@ class QuestLanePrefill:
                 for first_stream, head_rows in zip(self.run_of[i], rows):
                     run_rows(self.cache, first_stream)[first:last] = head_rows.reshape(last - first, -1)
                 continue
-            unit_lanes.store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i))
+            unit_lanes.store_lane_units(kv, self.lane, self.lanes, first, rows, kv.max_pages, self.streams.get(i),
+                                        self.shared)
 
     def join(self) -> None:
         """The dense layers' first page bounds remade (see `DenseLaneView`), and the request's streams

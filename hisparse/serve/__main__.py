@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU memory for KV in GiB: lanes, the cache and the prefill workspace; sets how many "
                          "requests decode at once (default 1)")
     ap.add_argument("--host-budget-gib", type=_positive_float, default=None, metavar="Y",
-                    help="the host pool in GiB (hierarchical modes; default: every lane at --max-context)")
+                    help="the host pool in GiB (hierarchical modes; default: every lane at --max-context); with "
+                         "--prefix-cache also the most its host copies take (every mode)")
     ap.add_argument("--max-context", type=positive_int, default=4096, metavar="N",
                     help="the most tokens a request may hold, prompt plus max_tokens (default 4096)")
     ap.add_argument("--max-batch", type=positive_int, default=16, metavar="N",
@@ -107,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "smaller makes each stall of the running requests shorter (their mean TPOT stays) "
                          "(default 8192)")
     ap.add_argument("--prefix-cache", action="store_true",
-                    help="DSA checkpoints, --mode hisparse: store prompts' whole pages once and share them; a prompt "
-                         "that extends a cached one is prefilled from where the cache ends (counts on /metrics)")
+                    help="keep prompts' whole pages (--mode hisparse: shared host pages; else host copies within "
+                         "--host-budget-gib); a prompt that extends a cached one is prefilled from where the cache "
+                         "ends (counts on /metrics; not with --disaggregated)")
     ap.add_argument("--prefill-overlap", action="store_true",
                     help="DSA checkpoints: run each prefill chunk in pieces of --prefill-layers layers on a side CUDA "
                          "stream beside the decode steps, instead of alone between them (one piece in flight)")

@@ -40,7 +40,8 @@ GAUGES = {   # name: (help, its value in a server thread snapshot with "draining
                                    lambda s: s["prefix"].get("prefix_hit_tokens", 0)),
     "hisparse_prefill_tokens": ("prompt tokens prefilled (admitted prompts less their cached prefixes; "
                                 "--prefix-cache)", lambda s: s["prefix"].get("prefill_tokens", 0)),
-    "hisparse_prefix_cached_pages": ("host pages the prefix cache holds, a page a layer (--prefix-cache)",
+    "hisparse_prefix_cached_pages": ("pages the prefix cache holds (--prefix-cache; hisparse: a host page a "
+                                     "stream, else a page of tokens)",
                                      lambda s: s["prefix"].get("prefix_cached_pages", 0)),
 }
 

@@ -64,10 +64,10 @@ class LaneMemory:
                  kv_budget_gib: float | None, host_budget_gib: float | None, max_batch: int, lanes: int | None,
                  prefetch: bool, device: torch.device, prefix_cache: bool = False):
         self.runtime, self.mode, self.max_context, self.device = runtime, mode, max_context, device
-        if prefix_cache and (mode != "hisparse" or not runtime.shares_prefixes):
-            raise ValueError(f"prefix_cache=True shares host pages of DSA models in mode 'hisparse' so far; this "
-                             f"server is {runtime.family} in mode {mode!r}")
-        self.page_rows = PAGE_TOKENS if prefix_cache else None
+        # prefix sharing: mode hisparse shares host pages (a page table); elsewhere the index keeps copies
+        # (a page of PAGE_TOKENS tokens: DSA 64 rows of a token, Quest 4 of 16, NSA 1 of 64)
+        self.page_rows = PAGE_TOKENS // runtime.unit_size if prefix_cache and mode == "hisparse" and \
+            runtime.shares_prefixes else None
         self.sharing = None              # a `sharing.PrefixSharing`, set by the server (it needs the lanes)
         self.hybrid = mode == "hybrid"
         self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are
@@ -79,8 +79,9 @@ class LaneMemory:
             cache_slots = as_int(cache_slots, f"cache_slots must be an int (B >= k = {k})", k)
         self.cache_slots = cache_slots
         self.streams_per_request = len(runtime.stream_regions(max_context))
+        copy_budget = host_budget_gib
         if host_budget_gib is not None and mode == "resident":
-            host_budget_gib = None                   # resident keeps nothing on the host
+            host_budget_gib = None                   # resident keeps nothing on the host but a prefix cache's copies
         self.lane_bytes = self._lane_bytes()
         self.workspace_bytes = runtime.lane_workspace_bytes(mode, max_context)
         if lanes is None:
@@ -110,6 +111,7 @@ class LaneMemory:
         self.host_requests = None if mode == "resident" or host_budget_gib is None else \
             host_rows // sum(self.runtime.stream_regions(max_context))
         self.cache = None if mode == "resident" else self._make_cache(host_rows)
+        self.copy_budget = self._copy_budget(copy_budget) if prefix_cache and not self.page_rows else 0
         # hybrid: lane -> its runs while resident; a count of lane changes; the last request no plan placed
         self.lane_runs: dict[int, list[int]] = {}
         self.lanes_changed, self._no_plan = 0, None
@@ -141,6 +143,14 @@ class LaneMemory:
             raise ValueError(f"host_budget_gib={host_budget_gib} holds no host pool row (one is "
                              f"{self.runtime.row_bytes} bytes)")
         return rows
+
+    def _copy_budget(self, host_budget_gib: float | None) -> int:
+        """Bytes a prefix index's host copies may take (`sharing.CopyPages`; not where it shares host
+        pages): the host budget, by default what a host pool of every lane at max_context holds (so
+        in mode resident too)."""
+        if host_budget_gib is not None:
+            return int(_positive_gib(host_budget_gib, "host_budget_gib") * GIB)
+        return self.lanes * sum(self.runtime.stream_regions(self.max_context)) * self.runtime.row_bytes
 
     def _map_rows(self, lanes: int, host_rows: int) -> int:
         """With a page table: the slot map's rows, every lane's streams at max_context in whole pages
@@ -226,7 +236,7 @@ class LaneMemory:
         if self.hybrid:
             return self.plan(request, lane_request) is not None
         regions = self.runtime.stream_regions(len(request.prompt) + request.max_new_tokens)
-        if self.sharing is not None:
+        if self.sharing is not None and self.page_rows:
             return self.sharing.admissible(regions, request.prompt)
         return self.cache.fits(regions)
 

@@ -6,7 +6,8 @@ from hisparse.runtime import FamilyRuntime
 
 
 def check_options(mode: str, modes: tuple, prefill: str, prefetch: bool, disaggregated: bool, prefill_overlap: bool,
-                  graph_off_gpu: bool, max_context, prefill_chunk, max_batch) -> tuple[int, int, int]:
+                  graph_off_gpu: bool, max_context, prefill_chunk, max_batch, prefix_cache: bool = False
+                  ) -> tuple[int, int, int]:
     """A server's mode and prefill options checked, ValueError naming the bad one; its sizes as ints
     (max_context, prefill_chunk, max_batch)."""
     if graph_off_gpu:
@@ -20,6 +21,12 @@ def check_options(mode: str, modes: tuple, prefill: str, prefetch: bool, disaggr
     if disaggregated and prefill_overlap:
         raise ValueError("disaggregated=True prefills elsewhere: prefill_overlap (beside the decode steps) does not "
                          "apply")
+    if not isinstance(prefix_cache, bool):
+        raise ValueError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+    if disaggregated and prefix_cache:
+        raise ValueError("disaggregated=True with prefix_cache=True: every prompt comes prefilled by a prefill worker "
+                         "(emulated: off the clock), so a cache on the decode server would save nothing a run "
+                         "measures; the workers would need it, and they keep none yet")
     if prefetch and mode != "hisparse":
         raise ValueError(f"prefetch applies to mode 'hisparse' (it overlaps copies), not {mode!r}")
     return (as_int(max_context, "max_context must be an int >= 2 (tokens a request may hold)", 2),

@@ -237,7 +237,7 @@ class Runner:
         shared = memory.sharing.take(request.prompt) if memory.sharing is not None and request.handoff is None \
             else None
         try:
-            pages = {} if shared is None else {"shared_pages": shared[0]}      # (not runs: not given back below)
+            pages = {} if shared is None or shared[0] is None else {"shared_pages": shared[0]}   # (not given back below)
             lane_prefill = self.runtime.lane_prefill(memory.kv_mode, memory.cache, self.layers, request.lane,
                                                      len(request.prompt), len(request.prompt) + request.max_new_tokens,
                                                      **placement, **pages)
@@ -263,6 +263,14 @@ class Runner:
         job.done, job.held = handoff.prompt_len, job.lane_prefill.workspace_bytes
         job.complete = handoff.prompt_len == len(job.request.prompt)
         job.last_logits = handoff.logits.to(self.device) if job.complete else None
+
+    def join(self, job: PrefillJob) -> None:
+        """The prompt done: the lane reads what its prefill wrote; with prefix sharing, the prompt's whole
+        pages go into the index, read from the prefill's state (which the join only lets go)."""
+        prefilled = job.lane_prefill.state
+        job.lane_prefill.join()
+        if self.memory.sharing is not None:
+            self.memory.sharing.insert(job.request.prompt, prefilled, self.lane_states.streams(job.request.lane))
 
     def next_piece(self, job: PrefillJob | None, plan, scheduler, lanes_decode: bool) -> tuple[int, int, int] | None:
         """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: a replayed

@@ -50,7 +50,7 @@ class Server:
     prefill_sms: that side stream in a CUDA green context of this many SMs (None: every SM).
     disaggregated: a decode instance of a prefill/decode-disaggregated deployment, emulated: a prompt is
     prefilled at its admission with the clock stopped (`Request.prefill_s`), as if its KV had landed.
-    prefix_cache: prompts' whole pages stored once and shared, prefilled once (`sharing.py`; DSA, hisparse)."""
+    prefix_cache: prompts' whole pages prefilled once and kept; one extending them prefills the rest (`sharing.py`)."""
 
     def __init__(self, model, mode: str = "resident", cache_slots: int | None = None, max_context: int = 4096,
                  kv_budget_gib: float | None = None, host_budget_gib: float | None = None, max_batch: int = 256,
@@ -63,7 +63,7 @@ class Server:
         weight = model.model.embed_tokens.weight
         max_context, self.prefill_chunk, max_batch = check_options(
             mode, SERVING_MODES, prefill, prefetch, disaggregated, prefill_overlap, graph and not weight.is_cuda,
-            max_context, prefill_chunk, max_batch)
+            max_context, prefill_chunk, max_batch, prefix_cache)
         self.model, self.mode, self.graph, self.keep_logits = model, mode, graph, keep_logits
         self.eos = eos_token_ids(model.config)      # a request stops at these unless its sampling ignores eos
         self.device = weight.device
@@ -77,7 +77,7 @@ class Server:
                                  lanes, prefetch, self.device, prefix_cache)
         self.runner = Runner(model, runtime, self.memory, graph, prefill == "model", decode_backend, prefetch,
                              self.prefetch_programs, selections, prefill_overlap, prefill_sms, disaggregated)
-        self.sharing = self.memory.sharing = PrefixSharing(self.memory, self.runner.layers) if prefix_cache else None
+        self.sharing = self.memory.sharing = PrefixSharing(self.memory) if prefix_cache else None
         count = model.config.num_hidden_layers
         self.scheduler = Scheduler(self.prefill_chunk, self.prefill_layers if prefill_overlap else count, count)
         self.lane_request: list[Request | None] = [None] * self.lanes
@@ -378,10 +378,8 @@ class Server:
             if job.lane_prefill.runs is not None:
                 self.memory.lane_runs[request.lane] = job.lane_prefill.runs
                 self.resident_admissions += 1
-            job.lane_prefill.join()            # (a workspace in runs goes back)
+            self.runner.join(job)              # (a workspace in runs goes back; with a prefix cache, its pages cached)
             self.lane_request[request.lane] = request
-            if self.sharing is not None:       # its prompt's whole pages, cached for the requests that extend it
-                self.sharing.insert(request.prompt, self.runner.lane_states.streams(request.lane), request.lane)
         self.memory.lanes_changed += 1
         self._note_peak(job.held)
         self._prefilling, self._reserved = None, None
