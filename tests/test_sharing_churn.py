@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hisparse.cache import HierarchicalKVCache
+from hisparse.runtime import page_rows_of, token_slices
 from hisparse.serving.sharing import PAGE_TOKENS as P
 from hisparse.serving.sharing import PrefixSharing
 
@@ -71,6 +72,29 @@ def workload(rng: random.Random) -> list[SimpleNamespace]:
     return reqs
 
 
+class RowsRuntime:
+    """The family runtime's prefix-sharing side for these rows: one part a layer (a stream's rows
+    [T, ROW], DSA's latents without indexer keys), all of it on the stream's host pages."""
+    row_token_dims = (0,)
+
+    def __init__(self, cache: HierarchicalKVCache):
+        self.cache = cache
+
+    def prefilled_rows(self, states: list):
+        """A joined request's rows, read back from its streams' pages (a state here: its streams)."""
+        streams = states[0].streams
+        return lambda b, i: (self.cache.host.rows[page_rows_of(self.cache, self.cache.stream_pages(streams[i]))],)
+
+    def prefix_rows(self, rows: tuple, start: int, end: int, first: int = 0) -> tuple:
+        return token_slices(rows, self.row_token_dims, start - first, end - first)
+
+    def shared_page_parts(self, layer: int) -> tuple:
+        return (0,)
+
+    def shared_rows(self, cache: HierarchicalKVCache, pages: list[list[int]]) -> dict[int, tuple]:
+        return {layer: (cache.host.rows[page_rows_of(cache, stream_pages)],) for layer, stream_pages in enumerate(pages)}
+
+
 class Churn:
     """The server's loop over a page-table cache, a request at a time in prefill (see the docstring)."""
 
@@ -79,8 +103,9 @@ class Churn:
         self.cache = HierarchicalKVCache(LANES * LAYERS, 4, HOST_PAGES * P, ROW, dtype=torch.int32, device="cpu",
                                          pin=False, page_rows=P, map_rows=LANES * LAYERS * MAX_CONTEXT)
         self.pool = self.cache.host
-        memory = SimpleNamespace(cache=self.cache, streams_per_request=LAYERS)
-        self.sharing = PrefixSharing(memory, [SimpleNamespace(index_keys=None, index_scales=None)] * LAYERS)
+        memory = SimpleNamespace(cache=self.cache, streams_per_request=LAYERS, runtime=RowsRuntime(self.cache),
+                                 page_rows=P)
+        self.sharing = PrefixSharing(memory)
         self.queue = workload(self.rng)
         self.prefilling, self.running = None, {}            # the request in prefill; lane -> request
         self.frozen: dict[int, int] = {}                    # page -> checksum, from its first share to its count 0
@@ -154,7 +179,8 @@ class Churn:
             self.counts["finished"] += 1
             return
         self.running[r.lane] = r
-        self.sharing.insert(torch.tensor(r.prompt), r.streams, r.lane)
+        state = SimpleNamespace(layers=[None] * LAYERS, streams=r.streams)   # what RowsRuntime reads
+        self.sharing.insert(torch.tensor(r.prompt), state, r.streams)
 
     def decode(self) -> None:
         """One step: each running request's newest row (its last token's) written, then the finished leave."""
