@@ -105,7 +105,6 @@ class Server:
 
     def _note_peak(self, extra: int = 0) -> None:
         self.peak_gpu = max(self.peak_gpu, self.gpu_bytes(extra))
-
     # CUDA graphs this server captured (one; hybrid two): results/notes/graphs.md on a process's 4th
     graphs_captured = property(lambda self: len(self.runner.steps) if self.graph else 0)
 
@@ -142,7 +141,7 @@ class Server:
         self._planned = iter(replay.iterations) if replay is not None else None
         self.schedule = Schedule(self.lanes)
         self.running_batch: list[int] = []
-        self.peak_gpu, self.peak_host = self.gpu_bytes(), 0
+        self.peak_gpu = self.gpu_bytes()
         self.host_rows = [(0.0, self.memory.host_rows_in_use())]      # (seconds, host rows in use) as they change
         self.resident_admissions = self.demotions = self.resident_steps = 0
         self._start, self._open = time.perf_counter(), True
@@ -281,9 +280,7 @@ class Server:
                 if r.done:
                     self._leave(r)
                     finished.append(r)
-        host = self.memory.host_rows_in_use()
-        self.peak_host = max(self.peak_host, host)
-        if host != self.host_rows[-1][1]:
+        if (host := self.memory.host_rows_in_use()) != self.host_rows[-1][1]:
             self.host_rows.append((self.now(), host))
         self._note_peak()
         if step.admitted >= 0 or step.prefilled or step.decoded or step.joined:
@@ -311,7 +308,7 @@ class Server:
         finally:
             self.model.sparse_attention, self._open = self._previous_attention, False
         return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
-                          self.running_batch, self.peak_gpu, self.peak_host,
+                          self.running_batch, self.peak_gpu, max(rows for _, rows in self.host_rows),
                           {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
                            "resident_steps": self.resident_steps} if self.hybrid else None,
                           [r for r in self.requests if r.cancelled], self.sharing and self.sharing.run_stats(),
