@@ -83,6 +83,15 @@ def _prompt_ids(text: str) -> list[list[int]]:
 SEED_MAX = 2**64 - 1            # torch.Generator seeds are 64-bit
 
 
+def _top_k(text: str) -> int:
+    """--top-k: an int; -1 (vLLM's "every token", as the HTTP endpoint takes it) is 0."""
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer (0 or -1: every token), got {text!r}") from None
+    return 0 if k == -1 else k
+
+
 def _seed(text: str) -> int:
     try:
         value = int(text)
@@ -175,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="0: greedy, the logits' argmax (default); T > 0: sample from softmax(logits / T)")
     sample.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="keep the most likely tokens whose probabilities reach P, in (0, 1] (default 1: all)")
-    sample.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0: all)")
+    sample.add_argument("--top-k", type=_top_k, default=0, metavar="K",
+                        help="keep the K most likely tokens (default 0 or -1, as vLLM's: all)")
     sample.add_argument("--min-p", type=float, default=0.0, metavar="P",
                         help="keep tokens at least P times as likely as the most likely one, in [0, 1] (default 0)")
     sample.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",

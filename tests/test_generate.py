@@ -75,6 +75,15 @@ def test_sampling_flags_give_the_engines_sampled_tokens_and_logprobs(tiny, tiny_
     assert len(re.findall(r"^  token \d: \d+ logprob -?\d", out, re.MULTILINE)) == 8
     rc, _, err = cli(capsys, "--model", tiny, "--top-p", "1.5")
     assert rc == 2 and "argument --top-p: top_p=1.5: expected a finite number in (0, 1]" in err
+    rc, _, err = cli(capsys, "--model", tiny, "--top-k", "x")
+    assert rc == 2 and "argument --top-k: must be an integer (0 or -1: every token), got 'x'" in err
+    sampled = {}
+    for k in ("-1", "0"):
+        rc, out, err = cli(capsys, "--model", tiny, "--prompt-ids", "5,17,3,9", "--new-tokens", "3",
+                           "--temperature", "1.2", "--top-k", k)
+        assert rc == 0, err
+        sampled[k] = [g for _, g in requests(out)]
+    assert sampled["-1"] == sampled["0"] and sampled["0"]               # -1 is 0: every token, as over HTTP
 
 
 def test_progress_lines_go_to_stderr_and_the_kv_line_names_the_device_used(tiny, capsys, monkeypatch):

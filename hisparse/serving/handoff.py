@@ -109,12 +109,13 @@ class PrefillWorker:
 
 
 def to_host(t: torch.Tensor, shared: bool = False) -> torch.Tensor:
-    """A host copy: pinned where a GPU may read it, or (shared) in shared memory, for another process."""
+    """A host copy, made in one copy: pinned where a GPU may read it, or (shared) in shared memory, for
+    another process."""
     if shared:
         out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
-        return out.copy_(t.detach())
-    out = t.detach().to("cpu", copy=True)
-    return out.pin_memory() if torch.cuda.is_available() else out
+    else:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return out.copy_(t.detach())
 
 
 READY = ("hisparse-prefill", "ready")     # a worker's first answer: its model is built
