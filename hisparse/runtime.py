@@ -165,6 +165,15 @@ def page_rows_of(cache: HierarchicalKVCache, pages: list[int]) -> torch.Tensor:
     return (first + torch.arange(cache.page_rows)).flatten()
 
 
+def read_pages(cache: HierarchicalKVCache, pages: list[int]) -> torch.Tensor:
+    """The rows of host pages `pages`, in order, gathered into one host tensor: pinned where the pool
+    is, so that a prefix's rows go into a prefill workspace at the host link's rate."""
+    rows = cache.host.rows
+    index = page_rows_of(cache, pages)
+    out = torch.empty((len(index), *rows.shape[1:]), dtype=rows.dtype, pin_memory=rows.is_pinned())
+    return torch.index_select(rows, 0, index, out=out)
+
+
 def token_slices(rows: tuple, dims: tuple, start: int, end: int) -> tuple:
     """Each part of `rows` (None stays None) sliced to start .. end - 1 along its dimension in `dims`."""
     return tuple(None if t is None else t.narrow(d, start, end - start) for t, d in zip(rows, dims, strict=True))

@@ -211,6 +211,18 @@ def test_a_stream_opened_on_shared_pages_starts_with_the_prefix_and_refuses_writ
     assert cache.regions.map_runs.runs == [(0, 48)]
 
 
+def test_read_pages_gathers_a_prefix_in_page_order_pinned_where_the_pool_is(device):
+    """`read_pages`: the rows of the pages given, in that order (a prefix's rows for its adoption),
+    in one host tensor, pinned where the pool is pinned (a GPU's), so the H2D copy runs at line rate."""
+    from hisparse.runtime import read_pages
+    cache = paged_cache(device)
+    cache.host.rows.copy_(torch.arange(cache.host.rows.numel(), dtype=torch.float32).view_as(cache.host.rows))
+    rows = read_pages(cache, [5, 2, 7])
+    want = torch.cat([cache.host.rows[p * 4:(p + 1) * 4] for p in (5, 2, 7)])
+    assert same_bytes(rows, want) and rows.device.type == "cpu"
+    assert rows.is_pinned() == cache.host.rows.is_pinned() == (device.type == "cuda")
+
+
 def test_open_stream_fails_cleanly_and_fits_counts_pages(device):
     cache = paged_cache(device, host_pages=6, map_pages=10)
     a = cache.open_stream(capacity=16)                               # 4 host pages, 4 map pages

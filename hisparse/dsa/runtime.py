@@ -37,10 +37,10 @@ from hisparse.runtime import (
     UnitResolver,
     cache_bytes,
     nbytes,
+    read_pages,
     run_rows,
     shared_states,
     stream_counts,
-    page_rows_of,
     token_slices,
 )
 
@@ -264,7 +264,7 @@ class DsaRuntime:
 
     def shared_rows(self, cache: HierarchicalKVCache, pages: list[list[int]]) -> dict[int, tuple]:
         """Each layer's latents [T, W] from its stream's pages (a stream a layer)."""
-        return {layer: (cache.host.rows[page_rows_of(cache, stream_pages)], None, None)
+        return {layer: (read_pages(cache, stream_pages), None, None)
                 for layer, stream_pages in enumerate(pages)}
 
     def new_cache(self, batch: int, capacity: int, cache_slots: int) -> HierarchicalKVCache:
