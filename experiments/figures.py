@@ -650,7 +650,7 @@ def prefix_sharing(frame: pd.DataFrame) -> Figure:
     fig, axes = new_figure(title, rows, len(groups), 2)
     shared = is_true(rows, "prefix_cache")
     for row, (conversations, group) in zip(axes, groups):
-        for ax, (quantity, label) in zip(row, [("ttft_ms_p50", "TTFT p50 (ms)"), ("host_gib", "host pool GiB, peak")]):
+        for ax, (quantity, label) in zip(row, [("ttft_ms_p50", "TTFT p50 (ms)"), ("host_gib", "host GiB, peak (pool and prefix copies)")]):
             shown = group[group.quantity == quantity]
             for (mode, cached), line in shown.groupby([shown["mode"], shared[shown.index]], sort=False):
                 points = line.groupby("turn")["value"].median()

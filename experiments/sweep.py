@@ -1069,7 +1069,7 @@ def turn_metrics(run, conversations: int, row_bytes: int) -> dict[str, float]:
         reqs = run.requests[(t - 1) * conversations:t * conversations]       # (requests come turn-major)
         out[f"ttft_ms_p50_turn{t}"] = percentile([r.ttft for r in reqs], 50) * 1e3
         end = max(r.token_times[-1] for r in reqs)
-        out[f"host_gib_turn{t}"] = run.host_rows_peak(min(r.arrival for r in reqs), end) * row_bytes / GIB
+        out[f"host_gib_turn{t}"] = run.host_bytes_peak(min(r.arrival for r in reqs), end) / GIB
     return out
 
 
@@ -1136,7 +1136,7 @@ def run_serving(model, study: dict, point: dict) -> list[dict]:
     rows = [dict(point, metric=m, value=v, unit=units.get(m, "ms")) for m, v in summary.items()]
     rows += [dict(point, metric="lanes", value=server.lanes, unit="requests"),
              dict(point, metric="peak_gpu_gib", value=run.peak_gpu_bytes / GIB, unit="GiB"),
-             dict(point, metric="peak_host_gib", value=run.peak_host_rows * server.runtime.row_bytes / GIB, unit="GiB"),
+             dict(point, metric="peak_host_gib", value=run.host_bytes_peak() / GIB, unit="GiB"),
              dict(point, metric="wall_s", value=run.wall_s, unit="s")]
     if point["mode"] != "resident":
         rows.append(dict(point, metric="miss_rate", value=misses / max(1, hits + misses), unit="fraction"))

@@ -114,6 +114,7 @@ class FamilyRuntime(Protocol):
                                   # lands where no request reads); serving's prefill_overlap needs it
     hybrid_trash_row: bool     # hybrid serving: non-resident lanes' decode write goes to a trash row of the cache
     shares_prefixes: bool      # lane_prefill takes shared_pages: streams opened on a cached prefix (serving.sharing)
+    prefill_depends_on_chunks: bool   # its prefill's rows change when the chunk boundaries move (NSA's)
     row_token_dims: tuple      # each `prefilled_rows` part's token (or block) dimension: a prefix's pieces join there
 
     def new_state(self, batch: int, capacity: int) -> DecodeState:

@@ -79,11 +79,11 @@ class Tokenizer:
         text = self.token_text(token)
         piece = self.core.id_to_token(token) if REPLACEMENT in text else None
         if piece:
-            if all(c in BYTE_LEVEL for c in piece):
-                return bytes(BYTE_LEVEL[c] for c in piece)
-            fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)      # first: its characters are byte-level's too
             if fallback:
                 return bytes([int(fallback.group(1), 16)])
+            if all(c in BYTE_LEVEL for c in piece):
+                return bytes(BYTE_LEVEL[c] for c in piece)
         return text.encode("utf-8")
 
     def chat(self, messages: list[dict]) -> tuple[str, list[int]]:

@@ -20,6 +20,7 @@ class UnitRowsRuntime:
     lane_kv: type
     hier_kv: type
     shares_prefixes = True      # its lane prefill opens streams on a cached prefix's pages (serving.sharing)
+    prefill_depends_on_chunks = False   # (NSA's does)
 
     def refuse_dsa_options(self, model, decode_backend: str, kv_dtype: str) -> None:
         """ValueError for DSA's options (its decode kernels, its FP8 rows), which these families lack."""

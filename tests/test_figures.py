@@ -686,7 +686,7 @@ def test_prefix_sharing_draws_ttft_and_host_gib_against_turn_with_and_without_th
     style = {line.get_label(): line.get_linestyle() for line in fig.axes[0].lines}
     assert style == {"hierarchical, prefix cache": "-", "hierarchical, no prefix cache": "--",
                      "resident, no prefix cache": "--"}
-    assert fig.axes[2].get_xlabel() == "turn (32 conversations)" and fig.axes[1].get_ylabel() == "host pool GiB, peak"
+    assert fig.axes[2].get_xlabel() == "turn (32 conversations)" and fig.axes[1].get_ylabel() == "host GiB, peak (pool and prefix copies)"
     with pytest.raises(MissingData, match="no multiturn rows"):
         figures.prefix_sharing(frame("serving", rate_records()))
 

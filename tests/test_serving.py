@@ -186,9 +186,9 @@ def test_summary_metrics():
 
 def test_a_runs_host_rows_peak_counts_the_rows_in_use_at_its_start_and_until_its_end():
     from hisparse.serving import ServingRun
-    run = ServingRun([], Schedule(1), 4.0, [], 0, 128, host_rows=[(0.0, 0), (1.0, 64), (2.0, 128), (3.0, 64)])
-    assert run.host_rows_peak(1.5, 1.9) == 64 and run.host_rows_peak(0.5, 2.0) == 128
-    assert run.host_rows_peak(2.5, 9.0) == 128 and run.host_rows_peak(0.0, 0.5) == 0
+    run = ServingRun([], Schedule(1), 4.0, [], 0, 128, host_bytes=[(0.0, 0), (1.0, 64), (2.0, 128), (3.0, 64)])
+    assert run.host_bytes_peak(1.5, 1.9) == 64 and run.host_bytes_peak(0.5, 2.0) == 128
+    assert run.host_bytes_peak(2.5, 9.0) == 128 and run.host_bytes_peak(0.0, 0.5) == 0 and run.host_bytes_peak() == 128
 
 
 @pytest.mark.gpu

@@ -97,7 +97,8 @@ PLACES = [(family, mode, place) for family in ("deepseek_v32", "glm_moe_dsa", "l
 def family_server(family: str, mode: str, prefix_cache: bool, **extra) -> Server:
     """A server of tiny(family) (or model_of's "llama-shared", Quest layers in lockstep) in `mode`."""
     kw = dict(SETTINGS["llama" if family == "llama-shared" else family], prefill_chunk=PAGE_TOKENS, keep_logits=True,
-              prefix_cache=prefix_cache, **QUICK, **extra)
+              prefix_cache=prefix_cache, **QUICK)
+    kw.update(extra)
     if mode == "hybrid":
         name = "llama-shared" if family.startswith("llama") else family
         settings, _, max_context = HYBRID[name]
@@ -277,3 +278,91 @@ def test_over_http_a_second_prompt_extending_the_first_is_counted_on_metrics():
     assert value["hisparse_prefill_tokens"] == len(a) + len(b) - 2 * PAGE_TOKENS
     assert value["hisparse_prefix_cached_pages"] == 2 * running.server.streams_per_request
     assert running.final["host_rows_in_use"] == 0, "the cached pages outlived the server"
+
+
+@pytest.mark.parametrize("shared", [PAGE_TOKENS, 2 * PAGE_TOKENS])
+@pytest.mark.parametrize("family,mode", [("nsa", "hisparse"), ("nsa", "resident"), ("deepseek_v32", "hisparse")])
+def test_a_hit_is_cut_to_whole_chunks_where_the_prefill_depends_on_them(family, mode, shared):
+    """NSA's prefill gives other rows when its chunk boundaries move, so with prefill_chunk 128 a hit
+    is cut to whole chunks (64 cached tokens: none taken; 128: all), and the request is bitwise the same
+    one prefilled in place from token 0; DSA's prefill is chunk-free, so its hit is the whole pages."""
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(0, 97, (shared + 40,), generator=gen)
+    second = torch.cat([first[:shared], torch.randint(0, 97, (20,), generator=gen)])
+    cached = family_server(family, mode, True, prefill_chunk=2 * PAGE_TOKENS)
+    cached.serve([Request(first, 2)])
+    run = cached.serve([Request(second, 3)])
+    alone = family_server(family, mode, False, prefill_chunk=2 * PAGE_TOKENS).serve([Request(second, 3)])
+    chunk = 2 * PAGE_TOKENS if family == "nsa" else PAGE_TOKENS
+    assert run.prefix["prefix_hit_tokens"] == shared - shared % chunk
+    got, want = run.requests[0], alone.requests[0]
+    assert got.tokens == want.tokens and all(torch.equal(a, b) for a, b in zip(got.logits, want.logits, strict=True))
+
+
+def test_a_failed_take_or_insert_leaks_nothing_and_leaves_the_others_serving():
+    """A host allocation failing in `take` (an admission) gives the hybrid placement's runs back; one
+    failing in `insert` (the join) leaves the request running in its lane, so cancelling it lets
+    everything go while another request decodes on."""
+    srv = family_server("deepseek_v32", "hybrid", True)
+    first, second = prompts()
+    srv.serve([Request(first, 2)])
+    free = srv.cache.free_streams()
+    take = srv.sharing.take
+    srv.sharing.take = lambda prompt: (_ for _ in ()).throw(RuntimeError("host allocation failed"))
+    srv.open()
+    r = srv.submit(Request(second, 2))
+    with pytest.raises(RuntimeError, match="host allocation failed"):
+        while not r.done:
+            srv.step()
+    srv.sharing.take = take
+    srv.cancel(r)
+    srv.close()
+    assert srv.cache.free_streams() == free and srv.sharing.stats()["prefix_prompt_tokens"] == 0
+
+    srv = family_server("deepseek_v32", "hisparse", True)
+    srv.open()
+    other = srv.submit(Request(torch.randint(0, 97, (20,)), 40))
+    while srv.lane_request[0] is not other:
+        srv.step()
+    insert = srv.sharing.insert
+    srv.sharing.insert = lambda *args: (_ for _ in ()).throw(RuntimeError("host allocation failed"))
+    r = srv.submit(Request(first, 3))
+    with pytest.raises(RuntimeError, match="host allocation failed"):
+        while not r.done:
+            srv.step()
+    srv.sharing.insert = insert
+    assert srv.lane_request[r.lane] is r              # joined: a running request, not a half-joined one
+    srv.cancel(r)
+    while not other.done:
+        srv.step()
+    srv.close()
+    srv.sharing.index.clear()
+    assert srv.cache.free_streams() == srv.cache.max_streams and srv.cache.host.free_rows == srv.cache.host.capacity
+
+
+def test_an_admission_evicts_nothing_where_evicting_cannot_make_its_room():
+    """A request that does not fit while running requests hold the pool leaves the cached prefixes
+    alone (evicting them would not admit it)."""
+    import test_serving_sharing as module
+    gen = torch.Generator().manual_seed(1)
+    probe = family_server("deepseek_v32", "hisparse", True)
+    budget = probe.streams_per_request * 6 * PAGE_TOKENS * probe.runtime.row_bytes / 2 ** 30   # 6 pages a stream
+    saved, module.MAX_CONTEXT = module.MAX_CONTEXT, 5 * PAGE_TOKENS
+    try:
+        srv = family_server("deepseek_v32", "hisparse", True, host_budget_gib=budget)
+    finally:
+        module.MAX_CONTEXT = saved
+    srv.serve([Request(torch.randint(0, 97, (PAGE_TOKENS + 3,), generator=gen), 2)])
+    assert srv.sharing.index.stats()["cached_pages"] > 0
+    srv.open()
+    x = srv.submit(Request(torch.randint(0, 97, (200,), generator=gen), 56))
+    while srv.lane_request[0] is not x:
+        srv.step()
+    cached = srv.sharing.index.stats()["cached_pages"]       # the first prompt's and x's (x holds its own)
+    y = srv.submit(Request(torch.randint(0, 97, (150,), generator=gen), 40))
+    srv.step()
+    assert y.lane is None and srv.sharing.index.stats()["cached_pages"] == cached
+    while srv.busy:
+        srv.step()
+    srv.close()
+    assert y.done

@@ -11,6 +11,7 @@ from hisparse.text import (
     Detokenizer,
     StopMatcher,
     TextStream,
+    Tokenizer,
     load_tokenizer,
     train_tiny_tokenizer,
 )
@@ -83,6 +84,22 @@ def test_a_tokens_bytes_are_its_own_where_its_text_is_a_piece_of_a_character(tok
     assert b"".join(tokenizer.token_bytes(t) for t in ids) == "☃é x".encode()
     assert tokenizer.token_text(ids[0]) == "\ufffd" and tokenizer.token_bytes(ids[0]) == "☃".encode()[:1]
     assert tokenizer.token_bytes(2) == b"<|im_end|>"                   # a special token: its name, as its text
+
+
+def test_a_byte_fallback_tokens_bytes_are_the_byte_it_names():
+    """SentencePiece-style vocabularies (Llama, Mistral, Gemma) spell a byte as <0xNN>; its characters
+    are printable ASCII, so the byte-level alphabet would read them as six bytes: the fallback is read
+    first."""
+    from tokenizers import Tokenizer as Core
+    from tokenizers import decoders, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<0xE2>": 1, "<0x98>": 2, "<0x83>": 3, "a": 4}
+    core = Core(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    core.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=core), "byte-fallback")
+    ids = tokenizer.encode("☃a", special=False)
+    assert ids == [1, 2, 3, 4] and tokenizer.token_text(1) == "\ufffd"
+    assert [tokenizer.token_bytes(t) for t in ids] == [b"\xe2", b"\x98", b"\x83", b"a"]
 
 
 def feed(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:

@@ -197,6 +197,7 @@ class DsaRuntime:
     # may fill a lane beside the steps; hybrid's non-resident lanes write the cache's trash row
     prefill_beside_decode, hybrid_trash_row = True, True
     shares_prefixes = True          # its lane prefill opens streams on a cached prefix's pages (serving.sharing)
+    prefill_depends_on_chunks = False
     row_token_dims = (0, 1, 1)      # latents [T, W], keys [1, T, Di], scales [1, T]
 
     def __init__(self, model, token_budget: int | None = None, decode_backend: str = "auto",

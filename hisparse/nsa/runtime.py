@@ -209,6 +209,8 @@ class NsaRuntime(UnitRowsRuntime):
     token_budget (Quest's), decode_backend and kv_dtype (DSA's) are other families' options (every
     runtime takes the same arguments): only their defaults are accepted."""
 
+    prefill_depends_on_chunks = True    # its prefill's rows change where the chunk boundaries move (tests)
+
     family = "NSA"
     selection_name = "num_selected_blocks"
     # serving: an empty lane's decode write still lands in the lane a prefill fills (NSA's window ring)

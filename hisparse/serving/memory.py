@@ -69,6 +69,7 @@ class LaneMemory:
         self.page_rows = PAGE_TOKENS // runtime.unit_size if prefix_cache and mode == "hisparse" and \
             runtime.shares_prefixes else None
         self.sharing = None              # a `sharing.PrefixSharing`, set by the server (it needs the lanes)
+        self.host_bytes, self.peak_host_rows = [], 0        # a run's host record (`record_host`)
         self.hybrid = mode == "hybrid"
         self.kv_mode = "hisparse" if self.hybrid else mode     # what the runtime's states and attention are
         self.prefetch = prefetch
@@ -209,6 +210,18 @@ class LaneMemory:
 
     def host_rows_in_use(self) -> int:
         return 0 if self.cache is None else self.cache.host.capacity - self.cache.host.free_rows
+
+    def record_host(self, now: float, start: bool = False) -> None:
+        """Host bytes in use now (the pool's rows and what a prefix cache keeps beside them) onto
+        `host_bytes`, (seconds, bytes), where they changed; `peak_host_rows` the pool's high mark.
+        start: a run starts, both afresh."""
+        rows = self.host_rows_in_use()
+        used = rows * self.runtime.row_bytes + (0 if self.sharing is None else self.sharing.host_bytes())
+        if start:
+            self.host_bytes, self.peak_host_rows = [], 0
+        self.peak_host_rows = max(self.peak_host_rows, rows)
+        if not self.host_bytes or used != self.host_bytes[-1][1]:
+            self.host_bytes.append((now, used))
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -182,6 +182,14 @@ class PrefixIndex:
                 heapq.heappush(leaves, (parent.last_use, id(parent), parent))
         return freed
 
+    def all_extras(self) -> list:
+        """Every node's extras (None where a node has none)."""
+        return [n.extras for n in self._nodes()]
+
+    def unlocked_pages(self) -> list[list[int]]:
+        """The page ids, per stream, of every node no lock holds: at most what `evict` may give back."""
+        return [stream for n in self._nodes() if not n.lock_refs for stream in n.pages]
+
     def clear(self) -> int:
         """Give back every page (refused while a prefix is locked); returns the page ids given back."""
         locked = sum(1 for n in self._nodes() if n.lock_refs)

@@ -254,14 +254,14 @@ class ServingRun:
                                            # decode steps whose lanes were all resident
     cancelled: list[Request] = field(default_factory=list)   # cancelled, by a client or by close("cancel")
     prefix: dict[str, float] | None = None   # prefix sharing's counts (`PrefixSharing.run_stats`)
-    host_rows: list[tuple[float, int]] = field(default_factory=list)   # (seconds since the start, host pool
-                                      # rows in use) at the open and after each iteration that changed them
+    host_bytes: list[tuple[float, int]] = field(default_factory=list)   # (seconds since the start, host
+            # bytes in use: the pool's rows and a prefix cache's copies) at the open and after each change
 
-    def host_rows_peak(self, start: float, end: float) -> int:
-        """The most host pool rows in use from `start` to `end` (seconds since the run's start): the
-        value in effect at `start` and every one recorded until `end`."""
-        before = [rows for t, rows in self.host_rows if t <= start]
-        during = [rows for t, rows in self.host_rows if start < t <= end]
+    def host_bytes_peak(self, start: float = 0.0, end: float = math.inf) -> int:
+        """The most host bytes in use from `start` to `end` (seconds since the run's start): the value
+        in effect at `start` and every one recorded until `end`."""
+        before = [n for t, n in self.host_bytes if t <= start]
+        during = [n for t, n in self.host_bytes if start < t <= end]
         return max(before[-1:] + during, default=0)
 
     def summary(self) -> dict[str, float]:

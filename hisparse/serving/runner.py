@@ -234,9 +234,9 @@ class Runner:
         """A prefill into the request's lane (hybrid: `placement`'s runs, given back if it fails), on
         from the cached prefix of its prompt where the server shares prefixes (`memory.sharing`)."""
         memory = self.memory
-        shared = memory.sharing.take(request.prompt) if memory.sharing is not None and request.handoff is None \
-            else None
         try:
+            shared = memory.sharing.take(request.prompt) if memory.sharing is not None and request.handoff is None \
+                else None
             pages = {} if shared is None or shared[0] is None else {"shared_pages": shared[0]}   # (not given back below)
             lane_prefill = self.runtime.lane_prefill(memory.kv_mode, memory.cache, self.layers, request.lane,
                                                      len(request.prompt), len(request.prompt) + request.max_new_tokens,
@@ -248,6 +248,8 @@ class Runner:
         job = PrefillJob(request, lane_prefill)
         if shared is not None:
             self.adopt(job, shared[1])
+        if memory.sharing is not None and request.handoff is None:
+            memory.sharing.count(len(request.prompt), shared[1].prompt_len if shared else 0)
         return job
 
     def adopt(self, job: PrefillJob, handoff=None) -> None:
@@ -264,13 +266,14 @@ class Runner:
         job.complete = handoff.prompt_len == len(job.request.prompt)
         job.last_logits = handoff.logits.to(self.device) if job.complete else None
 
-    def join(self, job: PrefillJob) -> None:
-        """The prompt done: the lane reads what its prefill wrote; with prefix sharing, the prompt's whole
-        pages go into the index, read from the prefill's state (which the join only lets go)."""
+    def join(self, job: PrefillJob):
+        """The prompt done, its request staying: the lane reads what its prefill wrote (hybrid: its runs
+        kept). Returns the prefill's state, which the join lets go, for a prefix cache to read next."""
+        if job.lane_prefill.runs is not None:
+            self.memory.lane_runs[job.request.lane] = job.lane_prefill.runs
         prefilled = job.lane_prefill.state
         job.lane_prefill.join()
-        if self.memory.sharing is not None:
-            self.memory.sharing.insert(job.request.prompt, prefilled, self.lane_states.streams(job.request.lane))
+        return prefilled
 
     def next_piece(self, job: PrefillJob | None, plan, scheduler, lanes_decode: bool) -> tuple[int, int, int] | None:
         """(chunk tokens, first layer, end layer) of this iteration's prefill piece, or None: a replayed

@@ -77,7 +77,7 @@ class Server:
                                  lanes, prefetch, self.device, prefix_cache)
         self.runner = Runner(model, runtime, self.memory, graph, prefill == "model", decode_backend, prefetch,
                              self.prefetch_programs, selections, prefill_overlap, prefill_sms, disaggregated)
-        self.sharing = self.memory.sharing = PrefixSharing(self.memory) if prefix_cache else None
+        self.sharing = self.memory.sharing = PrefixSharing(self.memory, self.prefill_chunk) if prefix_cache else None
         count = model.config.num_hidden_layers
         self.scheduler = Scheduler(self.prefill_chunk, self.prefill_layers if prefill_overlap else count, count)
         self.lane_request: list[Request | None] = [None] * self.lanes
@@ -142,7 +142,7 @@ class Server:
         self.schedule = Schedule(self.lanes)
         self.running_batch: list[int] = []
         self.peak_gpu = self.gpu_bytes()
-        self.host_rows = [(0.0, self.memory.host_rows_in_use())]      # (seconds, host rows in use) as they change
+        self.memory.record_host(0.0, start=True)      # the host bytes in use as they change
         self.resident_admissions = self.demotions = self.resident_steps = 0
         self._start, self._open = time.perf_counter(), True
 
@@ -280,8 +280,7 @@ class Server:
                 if r.done:
                     self._leave(r)
                     finished.append(r)
-        if (host := self.memory.host_rows_in_use()) != self.host_rows[-1][1]:
-            self.host_rows.append((self.now(), host))
+        self.memory.record_host(self.now())
         self._note_peak()
         if step.admitted >= 0 or step.prefilled or step.decoded or step.joined:
             self.schedule.iterations.append(step)
@@ -308,11 +307,11 @@ class Server:
         finally:
             self.model.sparse_attention, self._open = self._previous_attention, False
         return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
-                          self.running_batch, self.peak_gpu, max(rows for _, rows in self.host_rows),
+                          self.running_batch, self.peak_gpu, self.memory.peak_host_rows,
                           {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
                            "resident_steps": self.resident_steps} if self.hybrid else None,
                           [r for r in self.requests if r.cancelled], self.sharing and self.sharing.run_stats(),
-                          self.host_rows)
+                          self.memory.host_bytes)
 
     def _require_open(self, call: str) -> None:
         if not self._open:
@@ -372,15 +371,15 @@ class Server:
             request.lane = None
             finished.append(request)
         else:
-            if job.lane_prefill.runs is not None:
-                self.memory.lane_runs[request.lane] = job.lane_prefill.runs
-                self.resident_admissions += 1
-            self.runner.join(job)              # (a workspace in runs goes back; with a prefix cache, its pages cached)
+            self.resident_admissions += int(job.lane_prefill.runs is not None)
+            prefilled = self.runner.join(job)
             self.lane_request[request.lane] = request
         self.memory.lanes_changed += 1
         self._note_peak(job.held)
         self._prefilling, self._reserved = None, None
         step.joined = True
+        if self.sharing is not None and not request.done:    # its prompt's whole pages cached, once it holds
+            self.sharing.insert(request.prompt, prefilled, self.runner.lane_states.streams(request.lane))  # its lane
 
     def _leave(self, request: Request) -> None:
         """Free a finished request's lane: its counters read, its streams and host regions released."""

@@ -32,6 +32,7 @@ the host pool, hybrid's runs), and the prefill goes on from there, with the same
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -99,8 +100,12 @@ class PrefixSharing:
     """A server's prefix index and what it did: tokens asked for, tokens found cached, prompt tokens
     prefilled (`stats`); host copies take at most `memory.copy_budget` bytes."""
 
-    def __init__(self, memory):
+    def __init__(self, memory, prefill_chunk: int | None = None):
         self.cache, self.runtime = memory.cache, memory.runtime
+        # a hit's length: whole pages, and where the family's prefill depends on its chunk boundaries
+        # (NSA), whole chunks too, so the rest starts where a prefill from token 0 would start a chunk
+        chunked = prefill_chunk and memory.runtime.prefill_depends_on_chunks
+        self.align = math.lcm(PAGE_TOKENS, prefill_chunk) if chunked else PAGE_TOKENS
         self.paged = memory.page_rows is not None
         if self.paged:
             self.allocator = PoolPages(memory.cache)
@@ -113,6 +118,15 @@ class PrefixSharing:
     def _cacheable(self, prompt: torch.Tensor) -> list[int]:
         return prompt[:len(prompt) - 1].tolist()            # one token at least is prefilled
 
+    def _peek(self, tokens: list[int]) -> int:
+        """The cached prefix of `tokens` a request may take: the longest, cut to whole `align` tokens."""
+        length = self.index.peek(tokens)
+        return length - length % self.align
+
+    def _match(self, tokens: list[int]):
+        """(length, handle) of the prefix `_peek` gives (a node split there if need be)."""
+        return self.index.match(tokens[:self._peek(tokens)])
+
     def admissible(self, regions: list[int], prompt: torch.Tensor) -> bool:
         """Shared pages: whether streams of these capacities fit now, the cached prefix of `prompt`
         shared; if not, cached prefixes that only the index holds are evicted, least recently used
@@ -121,29 +135,30 @@ class PrefixSharing:
         if not self.paged:
             return self.cache is None or self.cache.fits(regions)
         tokens = self._cacheable(prompt)
-        length = self.index.peek(tokens)
+        length = self._peek(tokens)
         if self.cache.fits(regions, [length // PAGE_TOKENS] * len(regions)):
             return True
         host = self.cache.host
         missing = sum(host.pages_for(r) for r in regions) - len(regions) * (length // PAGE_TOKENS) - \
             host.free_rows // host.page_rows
-        _, handle = self.index.match(tokens)
+        _, handle = self._match(tokens)
         self.index.lock(handle)
-        try:
+        try:               # evict only where that makes the room: pages only the index holds, unlocked
+            freeable = sum(host.refcount(p) == 1 for stream in self.index.unlocked_pages() for p in stream)
+            if freeable < missing:
+                return False
             held = lambda pages: any(host.refcount(p) > 1 for stream in pages for p in stream)  # noqa: E731
             self.index.evict(max(missing, 1), keep=held)
         finally:
             self.index.unlock(handle)
-        return self.cache.fits(regions, [self.index.peek(tokens) // PAGE_TOKENS] * len(regions))
+        return self.cache.fits(regions, [self._peek(tokens) // PAGE_TOKENS] * len(regions))
 
     def take(self, prompt: torch.Tensor) -> tuple[list[list[int]] | None, Handoff] | None:
         """The prompt's cached prefix now: (its pages per stream, shared pages only, else None; its
         handoff), or None when none is."""
-        length, handle = self.index.match(self._cacheable(prompt))
-        self.prompt_tokens += len(prompt)
+        length, handle = self._match(self._cacheable(prompt))
         if not length:
             return None
-        self.hit_tokens += length
         pieces = [node.layers for node in handle.extras()]              # per node: per layer, its parts
         dims = self.runtime.row_token_dims
         rows = [tuple(None if pieces[0][layer][j] is None else torch.cat([p[layer][j] for p in pieces], dims[j])
@@ -200,6 +215,19 @@ class PrefixSharing:
         finally:
             self.index.unlock(handle)
         return pages
+
+    def host_bytes(self) -> int:
+        """Host bytes of what the index keeps beside the pool's pages: its copies (`CopyPages`), or
+        with shared pages the GPU-resident parts' copies (`_PageRows`)."""
+        if not self.paged:
+            return self.allocator.used
+        return sum(t.nbytes for extras in self.index.all_extras() if extras is not None
+                   for rows in extras.layers for t in rows if t is not None)
+
+    def count(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """An admission done (its prefill started): its prompt's tokens and those it found cached."""
+        self.prompt_tokens += prompt_tokens
+        self.hit_tokens += hit_tokens
 
     def stats(self) -> dict[str, float]:
         """Prompt tokens admitted and found cached (since the last `run_stats`), the prompt tokens
