@@ -129,9 +129,9 @@ class PrefixSharing:
 
     def admissible(self, regions: list[int], prompt: torch.Tensor) -> bool:
         """Shared pages: whether streams of these capacities fit now, the cached prefix of `prompt`
-        shared; if not, cached prefixes that only the index holds are evicted, least recently used
-        first (never this prompt's own: locked meanwhile), as far as the pages missing, and it is asked
-        again. (Host copies take no room of the pool: `cache.fits`.)"""
+        shared; if not, and if the pages only the index holds could make the room, cached prefixes are
+        evicted, least recently used first (never this prompt's own: locked meanwhile), as far as the
+        pages missing, and it is asked again. (Host copies take no room of the pool: `cache.fits`.)"""
         if not self.paged:
             return self.cache is None or self.cache.fits(regions)
         tokens = self._cacheable(prompt)
