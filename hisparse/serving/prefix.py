@@ -96,6 +96,7 @@ class PrefixIndex:
         self._clock = itertools.count(1)
         self.root = _Node((), [[] for _ in range(streams)], None, None, 0)
         self.cached_pages = 0           # page ids held (streams per page of tokens)
+        self.changes = 0                # insertions, cuts and clears: what the index holds changed
         self.lookups = 0                # match calls
         self.lookup_tokens = 0          # whole-page tokens asked for (the most a match could hit)
         self.hit_tokens = 0             # tokens matched
@@ -155,6 +156,7 @@ class PrefixIndex:
             node.children[leaf.key[:self.page_size]] = leaf
             self.allocator.incref([p for stream in leaf.pages for p in stream])
             self.cached_pages += pages * self.streams
+            self.changes += 1
             node = leaf
         self._touch(node)
         return PrefixHandle(node, len(key))
@@ -201,6 +203,7 @@ class PrefixIndex:
             node.parent = None
         self.root.children.clear()
         self.cached_pages = 0
+        self.changes += 1
         return freed
 
     # -- counters -------------------------------------------------------------------------------------
@@ -261,6 +264,7 @@ class PrefixIndex:
         keep = len(node.key) // self.page_size - pages
         self.allocator.decref([p for stream in node.pages for p in stream[keep:]])
         self.cached_pages -= pages * self.streams
+        self.changes += 1
         node.end -= pages * self.page_size
         if keep == 0:
             parent, node.parent = node.parent, None

@@ -114,6 +114,7 @@ class PrefixSharing:
             self.allocator = CopyPages(memory.copy_budget)
             self.index = PrefixIndex(self.allocator, 1)
         self.prompt_tokens = self.hit_tokens = 0
+        self._extras_bytes = (-1, 0)                 # (index.changes, bytes) of `host_bytes`
 
     def _cacheable(self, prompt: torch.Tensor) -> list[int]:
         return prompt[:len(prompt) - 1].tolist()            # one token at least is prefilled
@@ -221,8 +222,11 @@ class PrefixSharing:
         with shared pages the GPU-resident parts' copies (`_PageRows`)."""
         if not self.paged:
             return self.allocator.used
-        return sum(t.nbytes for extras in self.index.all_extras() if extras is not None
-                   for rows in extras.layers for t in rows if t is not None)
+        if self._extras_bytes[0] != self.index.changes:      # (asked every iteration: summed where it changed)
+            self._extras_bytes = (self.index.changes, sum(t.nbytes for extras in self.index.all_extras()
+                                                          if extras is not None for rows in extras.layers
+                                                          for t in rows if t is not None))
+        return self._extras_bytes[1]
 
     def count(self, prompt_tokens: int, hit_tokens: int) -> None:
         """An admission done (its prefill started): its prompt's tokens and those it found cached."""
