@@ -74,6 +74,13 @@ def test_the_command_prefills_on_a_second_gpu_and_decodes_on_the_first(tmp_path)
                        "cuda:0")
 
 
+@pytest.mark.gpu
+def test_the_command_prefills_in_worker_processes_on_the_decode_gpu(tmp_path):
+    """One GPU, the functional check of the two-GPU setting: worker processes and the server on cuda:0."""
+    command_round_trip(tmp_path, ["--device", "cuda:0", "--dtype", "float32", "--prefill-devices", "cuda:0,cuda:0"],
+                       "cuda:0")
+
+
 def command_round_trip(tmp_path, devices: list[str], engine_device: str) -> None:
     """The command on a free port: three prompts at once (one streamed) get the tokens each gets alone
     in place; SIGTERM: exit 0, every host row free, no worker process or /dev/shm file left."""
