@@ -10,6 +10,7 @@ from test_serving import QUICK, SETTINGS, tiny
 from test_serving_hybrid import HYBRID, hybrid_server, model_of
 
 from hisparse.serving import Request, Server
+from hisparse.serving.memory import COPY_SHARE
 from hisparse.serving.sharing import PAGE_TOKENS
 
 MAX_CONTEXT = 3 * PAGE_TOKENS
@@ -185,6 +186,18 @@ def test_host_copies_stay_within_the_host_budget_evicting_the_least_recently_use
     for server_ in (srv, small):
         server_.sharing.index.clear()
         assert server_.sharing.allocator.used == 0 and not server_.sharing.allocator.count
+
+
+@pytest.mark.parametrize("mode", ["noio", "hybrid"])
+def test_host_copies_and_the_pool_share_one_host_budget(mode):
+    """noio and hybrid keep copies beside a host pool: the two together stay within host_budget_gib (the
+    copies COPY_SHARE of it); without a prefix cache the pool has it all."""
+    budget = 0.01
+    shared, alone = (family_server("llama", mode, cached, host_budget_gib=budget) for cached in (True, False))
+    pool_bytes = shared.cache.host.capacity * shared.runtime.row_bytes
+    assert shared.memory.copy_budget == int(budget * COPY_SHARE * 2**30)
+    assert pool_bytes + shared.memory.copy_budget <= budget * 2**30
+    assert alone.cache.host.capacity * alone.runtime.row_bytes > pool_bytes > 0 and alone.memory.copy_budget == 0
 
 
 def test_prefix_cache_is_refused_on_a_disaggregated_server():

@@ -26,6 +26,9 @@ from hisparse.serving.request import Request
 from hisparse.serving.sharing import PAGE_TOKENS
 
 GIB = 2 ** 30
+# modes noio and hybrid with a prefix cache and a host budget: the share of it the index's host copies
+# may take, the pool the rest (mode hisparse shares the pool's pages instead; resident has no pool)
+COPY_SHARE = 0.25
 
 
 def empty_layers(runtime: FamilyRuntime, kv_mode: str, lanes: int, cache, max_context: int, prefetch: bool,
@@ -83,6 +86,10 @@ class LaneMemory:
         copy_budget = host_budget_gib
         if host_budget_gib is not None and mode == "resident":
             host_budget_gib = None                   # resident keeps nothing on the host but a prefix cache's copies
+        elif host_budget_gib is not None and prefix_cache and not self.page_rows:
+            # noio, hybrid: the index's copies and the pool share the one host budget
+            copy_budget = _positive_gib(host_budget_gib, "host_budget_gib") * COPY_SHARE
+            host_budget_gib -= copy_budget
         self.lane_bytes = self._lane_bytes()
         self.workspace_bytes = runtime.lane_workspace_bytes(mode, max_context)
         if lanes is None:
@@ -147,8 +154,8 @@ class LaneMemory:
 
     def _copy_budget(self, host_budget_gib: float | None) -> int:
         """Bytes a prefix index's host copies may take (`sharing.CopyPages`; not where it shares host
-        pages): the host budget, by default what a host pool of every lane at max_context holds (so
-        in mode resident too)."""
+        pages): `host_budget_gib` (resident's whole host budget; noio's and hybrid's COPY_SHARE of
+        theirs), by default what a host pool of every lane at max_context holds."""
         if host_budget_gib is not None:
             return int(_positive_gib(host_budget_gib, "host_budget_gib") * GIB)
         return self.lanes * sum(self.runtime.stream_regions(self.max_context)) * self.runtime.row_bytes

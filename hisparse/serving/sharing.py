@@ -12,8 +12,8 @@ as one of two stores:
   (DSA's indexer keys, Quest's dense layers, NSA's compressed blocks; Quest's page bounds and NSA's
   window are remade from the keys by the adoption) - `runtime.shared_page_parts` are what the pages hold;
 - host copies (modes resident, noio, hybrid): the index keeps the family's whole prefilled rows of the
-  prefix as host copies (`CopyPages`: page ids counted against a byte budget, the server's host budget,
-  in mode resident too). Hybrid places a request resident or hierarchical only at its admission, so a
+  prefix as host copies (`CopyPages`: page ids counted against a byte budget, `memory.copy_budget`:
+  resident's host budget, a share of noio's and hybrid's beside their pool). Hybrid places a request resident or hierarchical only at its admission, so a
   copy that the adoption places is the one way that is the same for both placements.
 
 Either way a prefix `Handoff` of the prefix's length carries the rows (pinned host copies, `to_host`)
