@@ -200,6 +200,25 @@ def test_host_copies_and_the_pool_share_one_host_budget(mode):
     assert alone.cache.host.capacity * alone.runtime.row_bytes > pool_bytes > 0 and alone.memory.copy_budget == 0
 
 
+@pytest.mark.parametrize("mode", ["hisparse", "resident", "hybrid"])
+def test_a_one_token_request_caches_its_prompt_and_gives_its_lane_back(mode):
+    """max_tokens 1 (an eval's scoring request): the prompt is cached at its join, the request leaves
+    at once, and the next prompt extending it is served from the cache, as the in-place run."""
+    a, b = prompts()
+    srv = family_server("deepseek_v32", mode, True)
+    run = srv.serve([Request(a, 1)])
+    assert len(run.requests[0].tokens) == 1 and srv.lane_request == [None] * len(srv.lane_request)
+    assert srv.sharing.index.peek(b.tolist()) == 2 * PAGE_TOKENS
+    second = srv.serve([Request(b, 3)])
+    shared = second.requests[0]
+    assert second.prefix["prefix_hit_tokens"] == 2 * PAGE_TOKENS
+    alone = family_server("deepseek_v32", mode, False).serve([Request(b, 3)]).requests[0]
+    assert shared.tokens == alone.tokens
+    srv.sharing.index.clear()
+    if srv.cache is not None:
+        assert srv.cache.free_streams() == srv.cache.max_streams and srv.cache.host.free_rows == srv.cache.host.capacity
+
+
 def test_prefix_cache_is_refused_on_a_disaggregated_server():
     with pytest.raises(ValueError, match="disaggregated=True with prefix_cache=True: every prompt comes prefilled"):
         server(True, disaggregated=True)

@@ -360,26 +360,25 @@ class Server:
             raise
 
     def _join_prefill(self, job: PrefillJob, step: Iteration, finished: list[Request]) -> None:
-        """The prompt is done: its first token out, and the request in its lane unless that was its
-        only token."""
+        """The prompt is done: its first token out, and the request in its lane (for as long as a prefix
+        cache reads it, if that was its only token)."""
         self.runner.wait_prefill(job)
         request = job.request
         self._emit(request, *self.runner.first_token(request, job.last_logits), t=self.now(), logits=job.last_logits)
-        if request.done:                       # that was its only token (or it stopped there)
-            job.lane_prefill.cancel()
-            self.runner.sampler.clear_lane(request.lane)
-            request.lane = None
-            finished.append(request)
-        else:
-            self.resident_admissions += int(job.lane_prefill.runs is not None)
-            prefilled = self.runner.join(job)
-            self.lane_request[request.lane] = request
+        self.resident_admissions += int(job.lane_prefill.runs is not None)
+        prefilled = self.runner.join(job)
+        self.lane_request[request.lane] = request
         self.memory.lanes_changed += 1
         self._note_peak(job.held)
         self._prefilling, self._reserved = None, None
         step.joined = True
-        if self.sharing is not None and not request.done:    # its prompt's whole pages cached, once it holds
-            self.sharing.insert(request.prompt, prefilled, self.runner.lane_states.streams(request.lane))  # its lane
+        try:                 # its prompt's whole pages cached, once it holds its lane
+            if self.sharing is not None:
+                self.sharing.insert(request.prompt, prefilled, self.runner.lane_states.streams(request.lane))
+        finally:
+            if request.done:             # that was its only token (or it stopped there): it leaves at once
+                self._leave(request)
+                finished.append(request)
 
     def _leave(self, request: Request) -> None:
         """Free a finished request's lane: its counters read, its streams and host regions released."""
