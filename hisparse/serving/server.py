@@ -365,7 +365,7 @@ class Server:
         self.runner.wait_prefill(job)
         request = job.request
         self._emit(request, *self.runner.first_token(request, job.last_logits), t=self.now(), logits=job.last_logits)
-        self.resident_admissions += int(job.lane_prefill.runs is not None)
+        self.resident_admissions += int(job.lane_prefill.runs is not None and not request.done)
         prefilled = self.runner.join(job)
         self.lane_request[request.lane] = request
         self.memory.lanes_changed += 1
