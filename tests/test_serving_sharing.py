@@ -161,8 +161,9 @@ def test_every_family_and_mode_serves_a_cached_prefix_bitwise_as_in_place_and_gi
 
 
 def test_host_copies_stay_within_the_host_budget_evicting_the_least_recently_used_first():
-    """Mode resident (host copies): a budget of two pages' copies holds one prompt's two pages; the
-    next prompt's evict them; three quarters of it hold one page; every byte comes back at clear."""
+    """Mode resident (host copies, COPY_SHARE of its host budget): copies of two pages hold one prompt's
+    two pages; the next prompt's evict them; three quarters of that hold one page; every byte comes back
+    at clear."""
     a, _ = prompts(9)
     other = torch.randint(0, 97, (len(a),), generator=torch.Generator().manual_seed(1))
     probe = family_server("deepseek_v32", "resident", True)
@@ -172,7 +173,8 @@ def test_host_copies_stay_within_the_host_budget_evicting_the_least_recently_use
 
     def resident(budget: int) -> Server:
         return Server(tiny("deepseek_v32"), "resident", max_context=MAX_CONTEXT, kv_budget_gib=0.05, max_batch=2,
-                      prefill_chunk=PAGE_TOKENS, prefix_cache=True, host_budget_gib=budget / 2**30, **QUICK)
+                      prefill_chunk=PAGE_TOKENS, prefix_cache=True, host_budget_gib=budget / COPY_SHARE / 2**30,
+                      **QUICK)
     srv = resident(two_pages)
     copies = srv.sharing.allocator
     srv.serve([Request(a, 2)])
@@ -217,6 +219,53 @@ def test_a_one_token_request_caches_its_prompt_and_gives_its_lane_back(mode):
     srv.sharing.index.clear()
     if srv.cache is not None:
         assert srv.cache.free_streams() == srv.cache.max_streams and srv.cache.host.free_rows == srv.cache.host.capacity
+
+
+def test_a_schedule_with_evicted_copies_replays_from_resident_into_hybrid_and_noio():
+    """The copy modes' indexes take the same budget (COPY_SHARE of host_budget_gib), so under a budget
+    that evicts, resident's schedule (a cached, evicted by another prompt, not found again) replays
+    in hybrid and noio with the same hits, and in hybrid with the same tokens and logits."""
+    a, b = prompts(9)
+    other = torch.randint(0, 97, (len(a),), generator=torch.Generator().manual_seed(1))
+    probe = family_server("deepseek_v32", "resident", True)
+    probe.serve([Request(a, 2)])
+    budget = probe.sharing.allocator.used / COPY_SHARE / 2**30            # copies: a's two pages
+    reqs = lambda: [Request(p, 3) for p in (a, other, b)]                  # noqa: E731
+    srv = family_server("deepseek_v32", "resident", True, host_budget_gib=budget)
+    run = srv.serve(reqs(), clients=1)
+    assert run.prefix["prefix_hit_tokens"] == 0           # other's pages evicted a's before b came
+    for mode in ("hybrid", "noio"):
+        again = Server(model_of("deepseek_v32"), mode, max_context=MAX_CONTEXT, lanes=srv.lanes, host_budget_gib=budget,
+                       **SETTINGS["deepseek_v32"], prefill_chunk=PAGE_TOKENS, keep_logits=True, prefix_cache=True,
+                       **QUICK).serve(reqs(), replay=run.schedule)
+        assert again.prefix == run.prefix, mode
+        if mode == "hybrid":           # (noio's outputs are not exact: it skips the copies)
+            for x, y in zip(run.requests, again.requests, strict=True):
+                assert x.tokens == y.tokens and all(torch.equal(p, q) for p, q in zip(x.logits, y.logits))
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "hybrid"])
+def test_a_one_token_request_whose_join_fails_gives_everything_back(mode):
+    """Nothing cancels a finished request, so a failed join of one whose first token ended it gives its
+    prefill back itself: no stream, host row or run held, nothing prefilling, and the next request served."""
+    a, b = prompts()
+    srv = family_server("deepseek_v32", mode, True)
+    streams, rows = srv.cache.free_streams(), srv.cache.host.free_rows
+    srv.open()
+    join = srv.runner.join
+    srv.runner.join = lambda job: (_ for _ in ()).throw(RuntimeError("join failed"))
+    r = srv.submit(Request(a, 1))
+    with pytest.raises(RuntimeError, match="join failed"):
+        for _ in range(20):
+            srv.step()
+    srv.runner.join = join
+    assert r.done and srv.prefilling is None and not srv.busy and r.lane is None
+    assert srv.cache.free_streams() == streams and srv.cache.host.free_rows == rows
+    after = srv.submit(Request(b, 2))
+    while not after.done:
+        srv.step()
+    srv.close()
+    assert len(after.tokens) == 2 and srv.cache.free_streams() == streams
 
 
 def test_prefix_cache_is_refused_on_a_disaggregated_server():

@@ -26,8 +26,8 @@ from hisparse.serving.request import Request
 from hisparse.serving.sharing import PAGE_TOKENS
 
 GIB = 2 ** 30
-# modes noio and hybrid with a prefix cache and a host budget: the share of it the index's host copies
-# may take, the pool the rest (mode hisparse shares the pool's pages instead; resident has no pool)
+# modes resident, noio and hybrid with a prefix cache and a host budget: the share of it the index's host
+# copies may take, a pool the rest (mode hisparse shares the pool's pages instead)
 COPY_SHARE = 0.25
 
 
@@ -83,13 +83,14 @@ class LaneMemory:
             cache_slots = as_int(cache_slots, f"cache_slots must be an int (B >= k = {k})", k)
         self.cache_slots = cache_slots
         self.streams_per_request = len(runtime.stream_regions(max_context))
-        copy_budget = host_budget_gib
-        if host_budget_gib is not None and mode == "resident":
-            host_budget_gib = None                   # resident keeps nothing on the host but a prefix cache's copies
-        elif host_budget_gib is not None and prefix_cache and not self.page_rows:
-            # noio, hybrid: the index's copies and the pool share the one host budget
+        copy_budget = self.host_budget_given = host_budget_gib
+        if host_budget_gib is not None and prefix_cache and not self.page_rows:
+            # the index's copies and a pool share the one host budget (resident's copies take the same share:
+            # the copy modes' indexes then evolve alike, so a schedule replays from one into another)
             copy_budget = _positive_gib(host_budget_gib, "host_budget_gib") * COPY_SHARE
             host_budget_gib -= copy_budget
+        if host_budget_gib is not None and mode == "resident":
+            host_budget_gib = None                   # resident keeps nothing on the host but a prefix cache's copies
         self.lane_bytes = self._lane_bytes()
         self.workspace_bytes = runtime.lane_workspace_bytes(mode, max_context)
         if lanes is None:
@@ -148,14 +149,15 @@ class LaneMemory:
             return lanes * sum(-(-r // page) * page for r in regions)
         rows = int(_positive_gib(host_budget_gib, "host_budget_gib") * GIB // self.runtime.row_bytes)
         if rows < 1:
-            raise ValueError(f"host_budget_gib={host_budget_gib} holds no host pool row (one is "
-                             f"{self.runtime.row_bytes} bytes)")
+            share = "" if host_budget_gib == self.host_budget_given else f"; the pool's share {host_budget_gib:.3g} GiB"
+            raise ValueError(f"host_budget_gib={self.host_budget_given} holds no host pool row (one is "
+                             f"{self.runtime.row_bytes} bytes{share})")
         return rows
 
     def _copy_budget(self, host_budget_gib: float | None) -> int:
         """Bytes a prefix index's host copies may take (`sharing.CopyPages`; not where it shares host
-        pages): `host_budget_gib` (resident's whole host budget; noio's and hybrid's COPY_SHARE of
-        theirs), by default what a host pool of every lane at max_context holds."""
+        pages): `host_budget_gib`, COPY_SHARE of the server's; by default what a host pool of every lane
+        at max_context holds."""
         if host_budget_gib is not None:
             return int(_positive_gib(host_budget_gib, "host_budget_gib") * GIB)
         return self.lanes * sum(self.runtime.stream_regions(self.max_context)) * self.runtime.row_bytes

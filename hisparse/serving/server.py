@@ -170,9 +170,7 @@ class Server:
     is_open = property(lambda self: self._open)                   # a run is open (open() .. close())
     waiting = property(lambda self: self.scheduler.waiting)       # arrived, not admitted (first come first served)
 
-    @property
-    def running(self) -> list[Request]:
-        return [r for r in self.lane_request if r is not None]
+    running = property(lambda self: [r for r in self.lane_request if r is not None])     # the requests in lanes
 
     prefilling = property(lambda self: None if self._prefilling is None else self._prefilling.request)
 
@@ -197,12 +195,19 @@ class Server:
         if self.scheduler.remove(request):
             return
         if self._prefilling is not None and self._prefilling.request is request:
-            self.runner.stop_prefill()
-            self._prefilling.lane_prefill.cancel()
-            self._prefilling, self._reserved, request.lane = None, None, None
-            self.memory.lanes_changed += 1
+            self._drop_prefill()
         elif request.lane is not None and self.lane_request[request.lane] is request:
             self._leave(request)
+
+    def _drop_prefill(self) -> None:
+        """The prompt being prefilled will not join (or its join failed): its lane, streams and runs go back."""
+        lane, job = self._prefilling.request.lane, self._prefilling
+        self.runner.stop_prefill()
+        job.lane_prefill.cancel()
+        self.memory.lane_runs.pop(lane, None)          # (a failed join may have set them and the lane's streams)
+        self.runner.clear_lane(lane)
+        self._prefilling, self._reserved, job.request.lane = None, None, None
+        self.memory.lanes_changed += 1
 
     def step(self) -> list[Request]:
         """One iteration (see the module docstring); returns the requests that finished in it. On
@@ -366,7 +371,12 @@ class Server:
         request = job.request
         self._emit(request, *self.runner.first_token(request, job.last_logits), t=self.now(), logits=job.last_logits)
         self.resident_admissions += int(job.lane_prefill.runs is not None and not request.done)
-        prefilled = self.runner.join(job)
+        try:
+            prefilled = self.runner.join(job)
+        except BaseException:
+            if request.done:                   # nothing cancels a finished request: its prefill goes back here
+                self._drop_prefill()
+            raise
         self.lane_request[request.lane] = request
         self.memory.lanes_changed += 1
         self._note_peak(job.held)
