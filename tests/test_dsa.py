@@ -18,6 +18,7 @@ import triton
 from hisparse.dsa import ops as dsa
 from hisparse.dsa import reference as dsa_ref
 from hisparse.dsa.ops import sparse_mla_decode_gluon
+from kernels_triton.dsa_gluon_prefill import sparse_mla_prefill_gluon
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DSV32_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # qk head dim 192, YaRN mscale of factor 40
@@ -702,6 +703,30 @@ def test_gpu_gluon_decode_other_tiles_and_rings(block_k, num_stages):
     assert rel_err(out, ref_out) < TOL_BF16
     assert rel_err(lse, ref_lse) < 1e-4
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("needs_gluon")
+@pytest.mark.parametrize("k", [40, 320, 2000, 2048])
+def test_gpu_gluon_prefill_kernel_matches_ref(k):
+    """kernels_triton/dsa_gluon_prefill.py (the prefill's sparse MLA on Hopper): the reference's answer with
+    scattered -1 rows, a short row list, none at all, and whole empty tiles before valid ones; the same
+    bits twice; request-local rows from row_base bitwise the same rows given globally."""
+    context = 8192
+    q, kv, rows = gluon_inputs(4, context, k=k, seed=30 + k)
+    if k > 128:
+        rows[0, :64] = -1                    # round 0's tile a empty
+        rows[2, 64:128] = -1                 # round 0's tile b empty
+    out, lse = sparse_mla_prefill_gluon(q, kv, rows, DSV32_SCALE)
+    ref_out, ref_lse = dsa_ref.sparse_mla_decode_ref(q, kv, rows, DSV32_SCALE)
+    assert rel_err(out, ref_out) < TOL_BF16 and rel_err(lse, ref_lse) < 1e-4
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])) and torch.isneginf(lse[-1]).all()
+    again = sparse_mla_prefill_gluon(q, kv, rows, DSV32_SCALE)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+    base = torch.arange(4, device="cuda", dtype=torch.int64) * context
+    local = torch.where(rows >= 0, rows - base[:, None], -1).to(torch.int32)
+    b_out, b_lse = sparse_mla_prefill_gluon(q, kv, local, DSV32_SCALE, row_base=base)
+    assert torch.equal(out, b_out) and torch.equal(lse, b_lse)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hisparse.dsa import fp8, fp8_index
+from kernels_triton.dsa_gluon_prefill import prefill_unsupported, sparse_mla_prefill_gluon
 from hisparse.dsa.reference import MlaKV, TorchDsaAttention, stable_topk
 from hisparse.models.base import CausalLM, DecoderLayer, DecodeState, Step
 from hisparse.models.config import DsaConfig
@@ -181,8 +182,12 @@ class MlaAttention(nn.Module):
         for row in range(b):
             for start in range(0, s, PREFILL_QUERIES):
                 part = slice(start, start + PREFILL_QUERIES)
-                fp8.sparse_mla_decode_stored(q[row, part], latent[row], selection[row, part], self.scaling,
-                                             d_v=self.dc, out=out[row, part], backend=backend)
+                q_part, rows = q[row, part], selection[row, part]
+                if backend == "auto" and prefill_unsupported(q_part, latent[row], rows) is None:  # Hopper, bf16
+                    sparse_mla_prefill_gluon(q_part, latent[row], rows, self.scaling, out=out[row, part])
+                else:
+                    fp8.sparse_mla_decode_stored(q_part, latent[row], rows, self.scaling, d_v=self.dc,
+                                                 out=out[row, part], backend=backend)
         values = torch.empty(b, s, h, self.dv, dtype=q.dtype, device=q.device)                # [B, S, H, Dv]
         per_head_matmul(out, w[:, self.dn:].transpose(1, 2), values)
         return values
