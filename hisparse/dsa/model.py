@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from hisparse.dsa import fp8, fp8_index
-from kernels_triton.dsa_gluon_prefill import prefill_unsupported, sparse_mla_prefill_gluon
 from hisparse.dsa.reference import MlaKV, TorchDsaAttention, stable_topk
 from hisparse.models.base import CausalLM, DecoderLayer, DecodeState, Step
 from hisparse.models.config import DsaConfig
@@ -28,6 +27,7 @@ from hisparse.models.layers import (
     softmax_attention,
 )
 from hisparse.models.moe import MoE
+from kernels_triton.dsa_gluon_prefill import prefill_unsupported, sparse_mla_prefill_gluon
 
 PREFILL_QUERIES = 8192       # queries per sparse MLA launch in prefill
 

@@ -13,7 +13,7 @@ as one of two stores:
   window are remade from the keys by the adoption) - `runtime.shared_page_parts` are what the pages hold;
 - host copies (modes resident, noio, hybrid): the index keeps the family's whole prefilled rows of the
   prefix as host copies (`CopyPages`: page ids counted against a byte budget, `memory.copy_budget`:
-  resident's host budget, a share of noio's and hybrid's beside their pool). Hybrid places a request
+  a quarter of the host budget, `COPY_SHARE`, beside noio's and hybrid's pool). Hybrid places a request
   resident or hierarchical only at its admission, so a copy that the adoption places is the one way
   that is the same for both placements.
 
