@@ -73,6 +73,12 @@ class Request(TokenTimeline):
     def start(self) -> float:
         return self.arrival
 
+    def start_run(self, rid: int) -> None:
+        """Submitted to a run as its request `rid`: what a run leaves on it (tokens, times, lane...) cleared."""
+        self.rid, self.tokens, self.token_times, self.logits, self.token_logprobs = rid, [], [], [], []
+        self.prefill_start = self.prefill_s = self.lane = self.finish_reason = None
+        self.cancelled = False
+
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or len(self.tokens) >= self.max_new_tokens

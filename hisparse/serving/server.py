@@ -31,6 +31,7 @@ from hisparse.serving.sharing import PrefixSharing
 # streams, hierarchical otherwise; a resident one is demoted when a hierarchical one needs the room
 SERVING_MODES = (*KV_MODES, "hybrid")
 PREFILL_LAYERS = 4          # layers of a prefill piece with prefill_overlap, by default
+HYBRID_COUNTS = ("resident_admissions", "demotions", "resident_steps")     # hybrid's, in a run's summary
 
 
 class Server:
@@ -85,7 +86,7 @@ class Server:
         self._prefilling: PrefillJob | None = None
         self._planned = None                     # a replayed schedule's iterations
         self.requests, self._open = [], False       # the run's requests by rid; a run open (open .. close)
-        self.resident_admissions = self.demotions = self.resident_steps = 0      # hybrid's counts (reset by open)
+        self.hybrid_counts = dict.fromkeys(HYBRID_COUNTS, 0)                    # (reset by open)
 
     # what the memory holds, as a server's caller reads it
     lanes = property(lambda self: self.memory.lanes)
@@ -133,17 +134,15 @@ class Server:
         if self._open:
             raise RuntimeError(f"open() while a run is open ({self._unfinished()}): close() it first")
         self.runner.warm_up()
-        self._previous_attention = self.model.sparse_attention
-        self.model.sparse_attention = self.runner.attention
-        self.requests = []                          # every request submitted in this run, by rid
+        self._previous_attention, self.model.sparse_attention = self.model.sparse_attention, self.runner.attention
+        self.requests, self._prefilling = [], None      # every request submitted in this run, by rid; none prefilling
         self.scheduler.pending, self.scheduler.waiting = [], []
-        self._prefilling = None
         self._planned = iter(replay.iterations) if replay is not None else None
         self.schedule = Schedule(self.lanes)
         self.running_batch: list[int] = []
         self.peak_gpu = self.gpu_bytes()
         self.memory.record_host(0.0, start=True)      # the host bytes in use as they change
-        self.resident_admissions = self.demotions = self.resident_steps = 0
+        self.hybrid_counts = dict.fromkeys(HYBRID_COUNTS, 0)
         self._start, self._open = time.perf_counter(), True
 
     def now(self) -> float:
@@ -158,9 +157,7 @@ class Server:
         if any(r is request for r in self.requests):
             raise ValueError(f"this Request was already submitted in this run (rid {request.rid}): submit a new one")
         self.check_request(request)
-        request.rid, request.tokens, request.token_times, request.logits = len(self.requests), [], [], []
-        request.prefill_start, request.prefill_s, request.lane, request.cancelled = None, None, None, False
-        request.finish_reason, request.token_logprobs = None, []
+        request.start_run(len(self.requests))
         if math.isnan(request.arrival):
             request.arrival = self.now()
         self.requests.append(request)
@@ -174,10 +171,8 @@ class Server:
 
     prefilling = property(lambda self: None if self._prefilling is None else self._prefilling.request)
 
-    @property
-    def busy(self) -> bool:
-        """Whether any request is queued, being prefilled or decoding."""
-        return bool(self.scheduler.waiting or self.scheduler.pending or self._prefilling or self.running)
+    busy = property(lambda self: bool(self.scheduler.waiting or self.scheduler.pending or self._prefilling
+                                      or self.running))          # any request queued, being prefilled or decoding
 
     def next_arrival(self) -> float | None:
         """When the next submitted request arrives (seconds since `open`), None if none is due."""
@@ -313,8 +308,7 @@ class Server:
             self.model.sparse_attention, self._open = self._previous_attention, False
         return ServingRun([r for r in self.requests if not r.cancelled], self.schedule, self.now(),
                           self.running_batch, self.peak_gpu, self.memory.peak_host_rows,
-                          {"resident_admissions": self.resident_admissions, "demotions": self.demotions,
-                           "resident_steps": self.resident_steps} if self.hybrid else None,
+                          dict(self.hybrid_counts) if self.hybrid else None,
                           [r for r in self.requests if r.cancelled], self.sharing and self.sharing.run_stats(),
                           self.memory.host_bytes)
 
@@ -337,11 +331,10 @@ class Server:
     # -- inside an iteration -----------------------------------------------------------------------
 
     def _decode_step(self) -> torch.Tensor:
-        """The runner's step over the lanes; hybrid's all-resident kind when every lane holding a
-        request is resident."""
+        """The runner's step over the lanes; hybrid's all-resident kind when every request's lane is resident."""
         resident_step = self.hybrid and all(r is None or lane in self.memory.lane_runs
                                             for lane, r in enumerate(self.lane_request))
-        self.resident_steps += resident_step
+        self.hybrid_counts["resident_steps"] += resident_step
         return self.runner.decode_step(self.lane_request, resident_step)
 
     def _start_prefill(self, request: Request, t: float) -> PrefillJob:
@@ -353,7 +346,7 @@ class Server:
             placement = {}
             if self.hybrid:
                 placement, demoted = self.memory.place(request, self.lane_request, self.layers)
-                self.demotions += demoted
+                self.hybrid_counts["demotions"] += demoted
             job = self.runner.start_prefill(request, placement)
             if request.handoff is not None:
                 self.runner.adopt(job)
@@ -365,12 +358,11 @@ class Server:
             raise
 
     def _join_prefill(self, job: PrefillJob, step: Iteration, finished: list[Request]) -> None:
-        """The prompt is done: its first token out, and the request in its lane (for as long as a prefix
-        cache reads it, if that was its only token)."""
+        """The prompt done: its first token out, the request in its lane (a one-token one until cached)."""
         self.runner.wait_prefill(job)
         request = job.request
         self._emit(request, *self.runner.first_token(request, job.last_logits), t=self.now(), logits=job.last_logits)
-        self.resident_admissions += int(job.lane_prefill.runs is not None and not request.done)
+        self.hybrid_counts["resident_admissions"] += int(job.lane_prefill.runs is not None and not request.done)
         try:
             prefilled = self.runner.join(job)
         except BaseException:
