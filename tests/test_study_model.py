@@ -67,11 +67,12 @@ def test_at_full_size_its_step_reads_what_one_gpu_of_the_deployment_reads():
 def test_the_config_validates_and_lists_its_points_on_the_cpu(tmp_path, capsys):
     config = sweep.DEFAULT_CONFIG.parent / "h200_serving_disagg.toml"
     assert sweep.main(["--config", str(config), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
-    assert "16 points, 0 already in" in capsys.readouterr().out
+    assert "24 points, 0 already in" in capsys.readouterr().out
     study = sweep.tomllib.loads(config.read_text())["study"]
     sweep.validate(study)
     points = sweep.points(study[0])
     assert {p["model"] for p in points} == {sm.STUDY_MODEL}
+    assert {p["mode"] for p in points} == {"resident", "hisparse", "hybrid"}
     assert {(p["layers"], p["hidden"], p["kv_budget_gib"]) for p in points} == {(61, 7168, sm.KV_BUDGET_GIB)}
     assert len({p["request_rate"] for p in points}) >= 4 and {p["range_ratio"] for p in points} == {0.5}
     assert not (tmp_path / "o").exists()
