@@ -19,8 +19,10 @@ Where we differ: vLLM, SGLang and DeepGEMM's paged `fp8_paged_mqa_logits` keep a
 after its 64 * D values in one buffer; we keep one values and one scales array per layer, each
 indexed by (request, token) like the bf16 keys, so every place that holds keys by token (the lanes,
 the prefill's state, hybrid runs, a handoff) slices and copies the two alike. We rotate in float32
-(they rotate bf16 activations to bf16); head dims other than 128 (the tiny checkpoints' 32 or 64)
-take one scale for the whole head as they would for one block.
+(they rotate bf16 activations to bf16), by the fast Walsh-Hadamard transform in a fixed order (`rotate`),
+whose adds a kernel repeats bit for bit (kernels_triton/dsa_index_quant.py's `rotate_quantize`). Head
+dims other than 128 (the tiny checkpoints' 32 or 64) take one scale for the whole head as they would
+for one block.
 
 In the system (index_dtype "fp8" of `DsaRuntime`, `Engine`, `Server`: DESIGN section 5.1)
 `MlaKV.index_keys` is float8_e4m3fn [B, capacity, D] and `MlaKV.index_scales` float32 [B, capacity],
@@ -28,15 +30,11 @@ written quantised (`quantize_keys`) and read by `select_stored` / `prefill_selec
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hisparse.dsa.ops import FP8, dsa_prefill_select, indexer_scores, require, topk_select
+from kernels_triton.dsa_index_quant import AMAX_FLOOR, FP8_MAX, FP8_MAX_INV, rotate_scale
 
-FP8_MAX = 448.0
-FP8_MAX_INV = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()   # as float32, the multiplier act_quant uses
-AMAX_FLOOR = 1e-4
 SCALE_BYTES = 4
 # How the DSA family stores an indexer key (`index_dtype` of DsaRuntime, Engine, Server, generate
 # --index-dtype): "bf16", D values in the model's dtype; "fp8", this module's e4m3 values and scale
@@ -57,20 +55,18 @@ def key_row_bytes(head_dim: int) -> int:
     return head_dim + SCALE_BYTES
 
 
-@functools.cache
-def _hadamard(d: int, device: torch.device) -> torch.Tensor:
-    """The orthonormal Sylvester-Hadamard matrix [d, d] float32 (d a power of 2): symmetric, H @ H = I."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * d ** -0.5).to(device)
-
-
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] (D a power of 2) times the orthonormal Hadamard matrix, float32: dot products kept."""
+    """x [..., D] (D a power of 2) times the orthonormal Sylvester-Hadamard matrix, float32 (dot products kept):
+    the fast Walsh-Hadamard transform, log2(D) stages each pairing elements (2m, 2m + 1) into a + b at m and
+    a - b at D/2 + m (stage j pairs bit j of the index), then one multiply by D ** -0.5 in float32. Adds and
+    one multiply, each rounded once: every device, and the kernel of `rotate_quantize`, gives these bits."""
     d = x.shape[-1]
     require(d >= 1 and d & (d - 1) == 0, f"head dim {d}: the Hadamard rotation needs a power of 2")
-    return x.float() @ _hadamard(d, x.device)
+    y = x.float()
+    for _ in range(d.bit_length() - 1):
+        a, b = y[..., 0::2], y[..., 1::2]
+        y = torch.cat((a + b, a - b), dim=-1)
+    return y * rotate_scale(d)
 
 
 def pow2_scale(absmax: torch.Tensor) -> torch.Tensor:
