@@ -227,7 +227,7 @@ def test_quantise_kernel_takes_query_heads_with_weights_and_strides():
     q = varied_rows(3 * 5, 64, seed=5).view(3, 5, 64).bfloat16()
     w = torch.rand(3, 5, generator=gen)
     q8, w8 = rotate_quantize(q, w)
-    ref8, ref_w = fp8_index.quantize_query(q, w)
+    ref8, ref_w = fp8_index.quantize_query(q, w, reference=True)
     assert torch.equal(q8.view(torch.uint8), ref8.view(torch.uint8)) and torch.equal(w8, ref_w)
     assert_kernel_is_torch_path(q, w)
     assert_kernel_is_torch_path(q.transpose(0, 1), w.T)
@@ -465,3 +465,27 @@ def test_gpu_fp8_dot_matches_reference():
         out = fp8_index.indexer_scores_fp8(q, w, values, scales, lengths, fp8_dot=fp8_dot)
         assert torch.equal(torch.isinf(out), torch.isinf(ref))
         assert torch.allclose(out[finite], ref[finite], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_quantise_kernel_is_the_torch_path_at_prefill_size():
+    """A prefill chunk's indexer queries, DeepSeek-V3.2's [4096, 64, 128] bf16 with their weights, through the
+    kernel (`quantize_query` on CUDA) give the torch path's bytes and weights bit for bit, the torch path run
+    on the GPU and on the CPU alike; so do keys (`quantize_keys`) and the edge and near-midpoint rows."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4096, 64, 128, generator=gen).bfloat16()
+    w = torch.rand(4096, 64, generator=gen) * (64 * 128) ** -0.5
+    q8, w8 = fp8_index.quantize_query(q.cuda(), w.cuda())
+    for device in ("cuda", "cpu"):
+        ref8, ref_w = fp8_index.quantize_query(q.to(device), w.to(device), reference=True)
+        assert torch.equal(q8.view(torch.uint8).cpu(), ref8.view(torch.uint8).cpu())
+        assert torch.equal(w8.view(torch.int32).cpu(), ref_w.view(torch.int32).cpu())
+    keys = varied_rows(4099, 128, seed=1).bfloat16()
+    values, scales = fp8_index.quantize_keys(keys.cuda())
+    ref_values, ref_scales = torch_path(keys)
+    assert torch.equal(values.view(torch.uint8).cpu(), ref_values.view(torch.uint8))
+    assert torch.equal(scales.cpu(), ref_scales)
+    for d in (16, 32, 64, 128):
+        x = fp8_index.rotate(edge_rotated(d, seed=d))
+        assert_kernel_is_torch_path(x.cuda())
+        assert_kernel_is_torch_path((x * (1 + torch.randint(-4, 5, x.shape, generator=gen) * 2.0 ** -23)).cuda())
