@@ -423,8 +423,7 @@ def test_fp8_keys_pick_nearly_what_bf16_keys_pick(tiny_model, capsys, tmp_path):
     assert set(kernel) == {0, 1, 2}
     assert sum(kernel.values()) / len(kernel) >= 0.9 and min(kernel.values()) >= 0.8
     assert all(abs(kernel[layer] - reference[layer]) <= 1 / 8 for layer in kernel)
-    assert bench_indexer_fp8.main(["--model", "tiny", "--prompt-len", "12", "--steps", "1", "--batch", "1",
-                                   "--no-speed", "--out", str(tmp_path)]) == 0
+    assert bench_indexer_fp8.main(["--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "mean over 3 layers" in out and "prefill kernel" in out and "teacher-forced" in out
     rows = pd.read_csv(tmp_path / "indexer_fp8.csv")
