@@ -1,6 +1,7 @@
 """DSA's FP8 indexer keys (hisparse/dsa/fp8_index.py) against the bf16 ones: accuracy and speed.
 
     python -m benchmarks.bench_indexer_fp8 --model tiny           # CPU (interpreter): the tiny checkpoint
+    python -m benchmarks.bench_indexer_fp8 --quick                # the tiny checkpoint, 1 x 12 tokens, 1 step
     python -m benchmarks.bench_indexer_fp8 --model dsa           # GPU: the study model's indexer, then the speed
 
 Accuracy, measured on one run's own states (teacher-forced: the bf16-indexer run decodes, and at
@@ -236,9 +237,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="prompts (default 2)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps (default 4 tiny, 16 study)")
     ap.add_argument("--no-speed", action="store_true", help="skip the GPU speed comparison")
+    ap.add_argument("--quick", action="store_true",
+                    help="the tiny checkpoint, 1 prompt of 12 tokens, 1 step, no speed (seconds on the CPU)")
     ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP + " (indexer_fp8.csv)")
     args = ap.parse_args(argv)
     check_out_folder(ap, args.out)
+    if args.quick:
+        if args.model != "tiny":
+            ap.error("--quick runs the tiny checkpoint")
+        args.prompt_len, args.steps, args.batch, args.no_speed = 12, 1, 1, True
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.model == "tiny"
     length, steps = args.prompt_len or (40 if tiny else 8192), args.steps or (4 if tiny else 16)

@@ -1,13 +1,17 @@
-"""DSA's FP8 indexer keys (hisparse/dsa/fp8_index.py): DeepSeek-V3.2's format byte for byte, the indexer
-kernels with e4m3 query and keys against their torch reference (decode and prefill, each product
-path), then through the system (index_dtype="fp8": engine modes bitwise, serving, CLIs, accounting)
+"""DSA's FP8 indexer keys (hisparse/dsa/fp8_index.py): DeepSeek-V3.2's format byte for byte, the rotation
+(Hadamard's) and the one-kernel quantisation (kernels_triton/dsa_index_quant.py) bit for bit its torch
+path, the indexer kernels with e4m3 query and keys against their torch reference (decode and prefill,
+each product path), then through the system (index_dtype="fp8": engine modes bitwise, serving, CLIs, accounting)
 and the accuracy benchmark at a tiny size. CPU tests run the kernels in Triton's interpreter."""
 import functools
 import math
+import re
 
 import pandas as pd
 import pytest
 import torch
+import triton
+import triton.language as tl
 from engine_checks import assert_bitwise, tiny_loader
 
 from benchmarks import bench_indexer_fp8
@@ -18,8 +22,10 @@ from hisparse.engine import Engine
 from hisparse.generate import main as generate_main
 from hisparse.models.tiny import write_tiny_checkpoint
 from hisparse.serving import Request, Server
+from kernels_triton.dsa_index_quant import _to_e4m3, rotate_quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
 PROMPT_LENGTHS = (27, 5)
 CAPACITY = 64
 
@@ -54,9 +60,8 @@ def test_key_bytes_follow_deepseek_v32s_layout():
 
 def test_scale_at_a_power_of_two_and_the_round_trip():
     """absmax exactly 448 * 2 ** e keeps scale 2 ** e (no saturation); values round-trip within e4m3's
-    half step (2 ** -4 relative) and rotating back gives the key; the rotation is Hadamard's."""
+    half step (2 ** -4 relative) and rotating back gives the key."""
     gen = torch.Generator().manual_seed(1)
-    assert torch.equal(fp8_index._hadamard(32, torch.device("cpu")), hadamard_ref(32))
     rotated = torch.randn(5, 64, generator=gen)
     rotated[:, 7] = 448.0 * 2.0 ** torch.arange(-3, 2)                  # the absmax of each row
     values, scale = fp8_index.quantize_rotated(rotated)
@@ -78,6 +83,173 @@ def test_query_quantisation_folds_its_scales_into_the_weights():
     q8, w8 = fp8_index.quantize_query(q, w)
     values, scale = fp8_index.quantize_rotated(fp8_index.rotate(q))
     assert torch.equal(q8.view(torch.uint8), values.view(torch.uint8)) and torch.equal(w8, w * scale)
+
+
+# -- the rotation, and the quantisation kernel against the torch path ----------------------------------
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_rotation_is_the_orthonormal_hadamard_matrix(d):
+    """rotate (the fast Walsh-Hadamard transform) of the identity is Sylvester's matrix within float32
+    rounding (each entry is one value times D ** -0.5); of random rows it is x @ H within the transform's
+    log2(D) + 1 roundings, keeps dot products and is its own inverse."""
+    h = hadamard_ref(d)
+    assert torch.allclose(fp8_index.rotate(torch.eye(d)), h, rtol=2 ** -24, atol=0)
+    x = torch.randn(9, d, generator=torch.Generator().manual_seed(d))
+    rot = fp8_index.rotate(x)
+    bound = (d.bit_length() + 1) * 2 ** -24 * x.abs().sum(-1, keepdim=True)      # each partial sum <= sum |x|
+    assert ((rot.double() - x.double() @ h.double()).abs() <= bound).all()
+    assert torch.allclose(rot @ rot.T, x @ x.T, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(fp8_index.rotate(rot), x, rtol=1e-5, atol=1e-5)
+
+
+def torch_path(x: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    values, scales = fp8_index.quantize_rotated(fp8_index.rotate(x))
+    return values, scales if weights is None else weights.float() * scales
+
+
+def assert_kernel_is_torch_path(x: torch.Tensor, weights: torch.Tensor | None = None, **launch) -> None:
+    """`rotate_quantize` of x gives the torch path's values and scales bit for bit (bytes and float32 bits)."""
+    values, scales = rotate_quantize(x, weights, **launch)
+    ref_values, ref_scales = torch_path(x.cpu(), None if weights is None else weights.cpu())
+    assert values.shape == x.shape and scales.shape == x.shape[:-1]
+    assert torch.equal(values.view(torch.uint8).cpu(), ref_values.view(torch.uint8))
+    assert torch.equal(scales.view(torch.int32).cpu(), ref_scales.view(torch.int32))
+
+
+def varied_rows(n: int, d: int, seed: int) -> torch.Tensor:
+    """Random normal rows [n, d] float32 at magnitudes 1e-3 to 1e3, the last five two rows of signed zeros
+    (rotated: zeros of either sign), huge (1e30, 1e36) and tiny (1e-30: under the floor, e4m3 zeros of
+    either sign)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen) * 10.0 ** torch.empty(n, 1).uniform_(-3, 3, generator=gen)
+    x[-5:] = torch.randn(5, d, generator=gen) * torch.tensor([0.0, -0.0, 1e30, 1e36, 1e-30])[:, None]
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_quantise_kernel_is_the_torch_path_bit_for_bit(d, dtype):
+    """37 rows: one program of 128 rows (37 written), then 32 rows a program (the second holds 5)."""
+    x = varied_rows(37, d, seed=d).to(dtype)
+    assert_kernel_is_torch_path(x)
+    assert_kernel_is_torch_path(x, num_warps=1)
+
+
+def e4m3_grid() -> torch.Tensor:
+    """The non-negative finite e4m3 values, ascending (codes 0 to 0x7E), float32."""
+    return torch.arange(0x7F, dtype=torch.uint8).view(FP8).float()
+
+
+def e4m3_midpoints() -> torch.Tensor:
+    grid = e4m3_grid()
+    return (grid[1:] + grid[:-1]) / 2
+
+
+def edge_rotated(d: int, seed: int) -> torch.Tensor:
+    """Rotated rows [N, d] float32 at the quantisation's edges: absmax 448 * 2 ** e (scale exactly 2 ** e)
+    with the other values at e4m3 rounding midpoints after that scale (random signs), normal midpoints
+    (>= 2 ** -3) and subnormal ones (< 2 ** -3) in separate rows so that every sum of a row is exact in
+    float32; one value a row, 448 * 2 ** e and one float32 step either side; a row of e4m3 values."""
+    gen = torch.Generator().manual_seed(seed)
+    mids = e4m3_midpoints()
+    rows = []
+    for e in (-6, 0, 3):
+        for part in (mids[mids >= 2 ** -3], mids[mids < 2 ** -3]):
+            pick = part[torch.randint(len(part), (d,), generator=gen)]
+            sign = torch.where(torch.rand(d, generator=gen) < 0.5, -1.0, 1.0)
+            rows.append(torch.cat([torch.tensor([448.0]), pick[1:]]) * sign * 2.0 ** e)
+        for edge in (448.0, 448.0 - 2 ** -15, 448.0 + 2 ** -15):    # and float32's neighbours of 448
+            rows.append(torch.zeros(d).index_fill_(0, torch.tensor([d // 3]), edge * 2.0 ** e))
+    grid = e4m3_grid()
+    rows.append(grid[torch.randint(len(grid), (d,), generator=gen)].index_fill_(0, torch.tensor([0]), 448.0))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_quantise_kernel_at_rounding_midpoints_and_scale_edges(d):
+    """Keys whose rotation is `edge_rotated` exactly (D 16 and 64: D ** -0.5 a power of two, the rows' sums
+    exact, so the rotation of the rotation is the rows): hundreds of rotated values land on e4m3 midpoints,
+    rounded to even by the torch path, and the kernel gives its bytes; the rows exact in bf16 (448 * 2 ** e
+    alone) also as bf16."""
+    y = edge_rotated(d, seed=d)
+    x = fp8_index.rotate(y)                                             # H y: H is symmetric, H H = I
+    assert torch.equal(fp8_index.rotate(x), y)
+    values, scales = torch_path(x)
+    scaled = y / scales[:, None]
+    at_mid = torch.isin(scaled.abs(), e4m3_midpoints())
+    assert at_mid.sum() >= 4 * d and (scaled.abs() == 448).sum() >= 6
+    assert (values.view(torch.uint8)[at_mid] % 2 == 0).all()              # to even: the code's last bit 0
+    assert_kernel_is_torch_path(x)
+    in_bf16 = (x.bfloat16().float() == x).all(-1)
+    assert in_bf16.sum() >= 3
+    assert_kernel_is_torch_path(x[in_bf16].bfloat16())
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_quantise_kernel_near_rounding_midpoints(d):
+    """Keys rotating to within float32 rounding of e4m3 midpoints (`edge_rotated`'s rows rotated, each value
+    moved by up to 4 float32 steps): which side a value lands on follows the rounding of every add, so
+    these bytes pin the butterflies' order: pairing the top bit first (the same matrix) changed 5-24% of
+    them, and 13 of the 17,760 bytes of test_quantise_kernel_is_the_torch_path_bit_for_bit (12 of them
+    signs of zero)."""
+    gen = torch.Generator().manual_seed(d)
+    x = fp8_index.rotate(edge_rotated(d, seed=d))
+    x = x * (1 + torch.randint(-4, 5, x.shape, generator=gen) * 2.0 ** -23)
+    assert_kernel_is_torch_path(x)
+
+
+@triton.jit
+def _to_e4m3_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y_ptr + o, _to_e4m3(tl.load(x_ptr + o)))
+
+
+def test_kernel_rounding_to_e4m3_is_torchs():
+    """The kernel's rounding (`_to_e4m3`, in the interpreter) gives torch's bytes of x clamped to +-448 for
+    every e4m3 value, every midpoint between neighbours (ties to even, carries into the exponent), the
+    float32 either side of each, both signs, zeros, beyond 448 and float32 subnormals. Triton's own cast
+    in the interpreter does not: ties away from zero, 124 -> 64 (kernels_triton/dsa_index_quant.py)."""
+    grid, mids = e4m3_grid(), e4m3_midpoints()
+    near = torch.cat([mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(0.0))])
+    x = torch.cat([grid, mids, near, torch.tensor([464.0, 1e6, 1e-40, 2.0 ** -149])])
+    x = torch.cat([x, -x])
+    x = torch.cat([x, torch.zeros(triton.next_power_of_2(len(x)) - len(x))])
+    out = torch.empty(len(x), dtype=FP8)
+    _to_e4m3_kernel[(1,)](x, out, N=len(x))
+    assert torch.equal(out.view(torch.uint8), x.clamp(-448, 448).to(FP8).view(torch.uint8))
+
+
+def test_quantise_kernel_takes_query_heads_with_weights_and_strides():
+    """Queries [S, H, D] with their weights (the products w * scale_q in the kernel: `quantize_query`'s
+    torch path bit for bit), a leading dim that does not flatten (copied), a last dim of stride 2 (read
+    in place), and no rows."""
+    gen = torch.Generator().manual_seed(5)
+    q = varied_rows(3 * 5, 64, seed=5).view(3, 5, 64).bfloat16()
+    w = torch.rand(3, 5, generator=gen)
+    q8, w8 = rotate_quantize(q, w)
+    ref8, ref_w = fp8_index.quantize_query(q, w, reference=True)
+    assert torch.equal(q8.view(torch.uint8), ref8.view(torch.uint8)) and torch.equal(w8, ref_w)
+    assert_kernel_is_torch_path(q, w)
+    assert_kernel_is_torch_path(q.transpose(0, 1), w.T)
+    wide = torch.randn(6, 2 * 32, generator=gen)
+    assert wide[:, ::2].stride() == (64, 2)
+    assert_kernel_is_torch_path(wide[:, ::2])
+    values, scales = rotate_quantize(torch.zeros(0, 4, 32))
+    assert values.shape == (0, 4, 32) and scales.shape == (0, 4)
+
+
+def test_quantise_kernel_refuses_bad_inputs_before_a_launch():
+    with pytest.raises(ValueError, match=r"x dtype torch.float64: expected one of \(torch.float16"):
+        rotate_quantize(torch.zeros(2, 16, dtype=torch.float64))
+    for shape in ((2, 48), (2, 8), ()):
+        with pytest.raises(ValueError, match=rf"x shape {re.escape(str(shape))}: expected \[..., D\] with D a "
+                                             rf"power of 2 >= 16"):
+            rotate_quantize(torch.zeros(shape))
+    with pytest.raises(ValueError, match=r"weights \(torch.float32, \(3,\), 'cpu'\): expected a float tensor "
+                                         r"\(2,\) on cpu"):
+        rotate_quantize(torch.zeros(2, 16), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"weights \(torch.int64, \(2,\), 'cpu'\)"):
+        rotate_quantize(torch.zeros(2, 16), torch.zeros(2, dtype=torch.int64))
 
 
 # -- the kernels against the reference ---------------------------------------------------------------
@@ -251,8 +423,7 @@ def test_fp8_keys_pick_nearly_what_bf16_keys_pick(tiny_model, capsys, tmp_path):
     assert set(kernel) == {0, 1, 2}
     assert sum(kernel.values()) / len(kernel) >= 0.9 and min(kernel.values()) >= 0.8
     assert all(abs(kernel[layer] - reference[layer]) <= 1 / 8 for layer in kernel)
-    assert bench_indexer_fp8.main(["--model", "tiny", "--prompt-len", "12", "--steps", "1", "--batch", "1",
-                                   "--no-speed", "--out", str(tmp_path)]) == 0
+    assert bench_indexer_fp8.main(["--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "mean over 3 layers" in out and "prefill kernel" in out and "teacher-forced" in out
     rows = pd.read_csv(tmp_path / "indexer_fp8.csv")
@@ -293,3 +464,27 @@ def test_gpu_fp8_dot_matches_reference():
         out = fp8_index.indexer_scores_fp8(q, w, values, scales, lengths, fp8_dot=fp8_dot)
         assert torch.equal(torch.isinf(out), torch.isinf(ref))
         assert torch.allclose(out[finite], ref[finite], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_quantise_kernel_is_the_torch_path_at_prefill_size():
+    """A prefill chunk's indexer queries, DeepSeek-V3.2's [4096, 64, 128] bf16 with their weights, through the
+    kernel (`quantize_query` on CUDA) give the torch path's bytes and weights bit for bit, the torch path run
+    on the GPU and on the CPU alike; so do keys (`quantize_keys`) and the edge and near-midpoint rows."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4096, 64, 128, generator=gen).bfloat16()
+    w = torch.rand(4096, 64, generator=gen) * (64 * 128) ** -0.5
+    q8, w8 = fp8_index.quantize_query(q.cuda(), w.cuda())
+    for device in ("cuda", "cpu"):
+        ref8, ref_w = fp8_index.quantize_query(q.to(device), w.to(device), reference=True)
+        assert torch.equal(q8.view(torch.uint8).cpu(), ref8.view(torch.uint8).cpu())
+        assert torch.equal(w8.view(torch.int32).cpu(), ref_w.view(torch.int32).cpu())
+    keys = varied_rows(4099, 128, seed=1).bfloat16()
+    values, scales = fp8_index.quantize_keys(keys.cuda())
+    ref_values, ref_scales = torch_path(keys)
+    assert torch.equal(values.view(torch.uint8).cpu(), ref_values.view(torch.uint8))
+    assert torch.equal(scales.cpu(), ref_scales)
+    for d in (16, 32, 64, 128):
+        x = fp8_index.rotate(edge_rotated(d, seed=d))
+        assert_kernel_is_torch_path(x.cuda())
+        assert_kernel_is_torch_path((x * (1 + torch.randint(-4, 5, x.shape, generator=gen) * 2.0 ** -23)).cuda())

@@ -1,6 +1,7 @@
-"""DSA's FP8 indexer keys: DeepSeek-V3.2's per-token e4m3 keys and query (written and read in torch),
-and the indexer scores and selections over keys as stored (through the indexer kernels of
-kernels_triton/dsa.py and dsa_prefill.py with e4m3 operands; torch reference `fp8_scores_ref`).
+"""DSA's FP8 indexer keys: DeepSeek-V3.2's per-token e4m3 keys and query (quantised by one kernel on the
+GPU, kernels_triton/dsa_index_quant.py, in torch elsewhere, the same bits), and the indexer scores and
+selections over keys as stored (through the indexer kernels of kernels_triton/dsa.py and dsa_prefill.py
+with e4m3 operands; torch reference `fp8_scores_ref`).
 
 A stored key is two arrays, as DeepSeek's own cache (k_cache, k_scale_cache), vLLM's and SGLang's
 keep them: the values float8_e4m3fn [..., T, D] (D bytes a token, rows 16-byte aligned at D = 128, so a
@@ -19,8 +20,11 @@ Where we differ: vLLM, SGLang and DeepGEMM's paged `fp8_paged_mqa_logits` keep a
 after its 64 * D values in one buffer; we keep one values and one scales array per layer, each
 indexed by (request, token) like the bf16 keys, so every place that holds keys by token (the lanes,
 the prefill's state, hybrid runs, a handoff) slices and copies the two alike. We rotate in float32
-(they rotate bf16 activations to bf16); head dims other than 128 (the tiny checkpoints' 32 or 64)
-take one scale for the whole head as they would for one block.
+(they rotate bf16 activations to bf16), by the fast Walsh-Hadamard transform in a fixed order (`rotate`),
+whose adds a kernel repeats bit for bit: on CUDA tensors `quantize_keys` and `quantize_query` are one
+kernel (`rotate_quantize`: x read once, no float32 copy), the CPU and the references (`fp8_scores_ref`)
+the torch path. Head dims other than 128 (the tiny checkpoints' 32 or 64) take one scale for the whole
+head as they would for one block.
 
 In the system (index_dtype "fp8" of `DsaRuntime`, `Engine`, `Server`: DESIGN section 5.1)
 `MlaKV.index_keys` is float8_e4m3fn [B, capacity, D] and `MlaKV.index_scales` float32 [B, capacity],
@@ -28,15 +32,11 @@ written quantised (`quantize_keys`) and read by `select_stored` / `prefill_selec
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from hisparse.dsa.ops import FP8, dsa_prefill_select, indexer_scores, require, topk_select
+from kernels_triton.dsa_index_quant import AMAX_FLOOR, FP8_MAX, FP8_MAX_INV, rotate_quantize, rotate_scale
 
-FP8_MAX = 448.0
-FP8_MAX_INV = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()   # as float32, the multiplier act_quant uses
-AMAX_FLOOR = 1e-4
 SCALE_BYTES = 4
 # How the DSA family stores an indexer key (`index_dtype` of DsaRuntime, Engine, Server, generate
 # --index-dtype): "bf16", D values in the model's dtype; "fp8", this module's e4m3 values and scale
@@ -57,20 +57,18 @@ def key_row_bytes(head_dim: int) -> int:
     return head_dim + SCALE_BYTES
 
 
-@functools.cache
-def _hadamard(d: int, device: torch.device) -> torch.Tensor:
-    """The orthonormal Sylvester-Hadamard matrix [d, d] float32 (d a power of 2): symmetric, H @ H = I."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * d ** -0.5).to(device)
-
-
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] (D a power of 2) times the orthonormal Hadamard matrix, float32: dot products kept."""
+    """x [..., D] (D a power of 2) times the orthonormal Sylvester-Hadamard matrix, float32 (dot products kept):
+    the fast Walsh-Hadamard transform, log2(D) stages each pairing elements (2m, 2m + 1) into a + b at m and
+    a - b at D/2 + m (stage j pairs bit j of the index), then one multiply by D ** -0.5 in float32. Adds and
+    one multiply, each rounded once: every device, and the kernel of `rotate_quantize`, gives these bits."""
     d = x.shape[-1]
     require(d >= 1 and d & (d - 1) == 0, f"head dim {d}: the Hadamard rotation needs a power of 2")
-    return x.float() @ _hadamard(d, x.device)
+    y = x.float()
+    for _ in range(d.bit_length() - 1):
+        a, b = y[..., 0::2], y[..., 1::2]
+        y = torch.cat((a + b, a - b), dim=-1)
+    return y * rotate_scale(d)
 
 
 def pow2_scale(absmax: torch.Tensor) -> torch.Tensor:
@@ -90,10 +88,13 @@ def quantize_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored keys (values float8_e4m3fn [..., D], scales float32 [...]) of indexer keys [..., D]
-    (float16/bf16/float32, roped, finite)."""
+    (float16/bf16/float32, roped, finite): on CUDA tensors one kernel (`rotate_quantize`), elsewhere
+    `quantize_rotated(rotate(keys))` in torch, the same bits."""
     require(keys.dtype in (torch.float16, torch.bfloat16, torch.float32),
             f"keys dtype {keys.dtype}: expected float16, bfloat16 or float32")
     require(keys.dim() >= 1 and keys.shape[-1] >= 16, f"keys shape {tuple(keys.shape)}: expected [..., D >= 16]")
+    if keys.is_cuda:
+        return rotate_quantize(keys)
     return quantize_rotated(rotate(keys))
 
 
@@ -112,11 +113,16 @@ def dequantize_keys(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.float() * scales[..., None]
 
 
-def quantize_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_query(q: torch.Tensor, weights: torch.Tensor,
+                   reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q8 e4m3 [..., H, D], weights * scale_q float32 [..., H]) of queries q [..., H, D] and their head
-    weights [..., H] (float32, the softmax scale already in): each head quantised as a key is."""
+    weights [..., H] (float32, the softmax scale already in): each head quantised as a key is, on CUDA
+    tensors by one kernel (`rotate_quantize`, the weights' product in it), else (or with reference) in
+    torch, the same bits."""
     require(q.dim() >= 2 and weights.shape == q.shape[:-1],
             f"q {tuple(q.shape)} and weights {tuple(weights.shape)}: expected [..., H, D] and [..., H]")
+    if q.is_cuda and not reference:
+        return rotate_quantize(q, weights)
     values, scale = quantize_rotated(rotate(q))
     return values, weights.float() * scale
 
@@ -124,10 +130,10 @@ def quantize_query(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor
 def fp8_scores_ref(q: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Plain-torch FP8 indexer scores [B, S, T] float32 of queries q [B, S, H, D] (roped, unquantised)
     with head weights [B, S, H] over stored keys (values e4m3 [B, T, D], scales float32 [B, T]), every
-    pair (no mask): the query quantised (`quantize_query`), e4m3 products summed in float32, then
-    ReLU, weights, the key's scale."""
+    pair (no mask): the query quantised (`quantize_query` in torch), e4m3 products summed in float32,
+    then ReLU, weights, the key's scale."""
     check_stored(values, scales)
-    q8, w = quantize_query(q, weights)
+    q8, w = quantize_query(q, weights, reference=True)
     logits = torch.einsum("bshd,btd->bsht", q8.float(), values.float()).relu()
     return torch.einsum("bsh,bsht->bst", w, logits) * scales[:, None, :]
 
