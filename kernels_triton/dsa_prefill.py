@@ -106,8 +106,8 @@ def _order_picks_kernel(
     b_val = tl.where(b_val == 0.0, 0.0, b_val)                       # -0.0 ranks as +0.0
     b_bits = b_val.to(tl.int32, bitcast=True)
     b_bits = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)                  # signed int order of the float order
-    b_bits = tl.where(m_k, b_bits, -2147483648)                      # padding sorts last
     b_key = (b_bits.to(tl.int64) << 32) | (0xFFFFFFFF - b_id)
+    b_key = tl.where(m_k, b_key, -2**63)            # padding sorts last, below a -NaN of bits 0xFFFFFFFF
     b_key = tl.sort(b_key, descending=True)
     b_sel = 0xFFFFFFFF - (b_key & 0xFFFFFFFF)
     length = tl.load(len_ptr + i_n).to(tl.int64)

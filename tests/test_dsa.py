@@ -231,6 +231,17 @@ def test_order_picks_is_two_stable_sorts(picked, k):
     assert torch.equal(dsa.order_picks(values, ids, strided, k)[0], sel)
 
 
+def test_order_picks_puts_a_negative_nan_before_the_padding():
+    """A -NaN of bits 0xFFFFFFFF has the lowest high half of `topk_select`'s keys: it still ranks
+    above the places past the picks (fewer picks than the kernel's sort), as in `topk_select`."""
+    scores = torch.tensor([[1.0, 0.5, 2.0, -1.0, 3.0]])
+    scores[0, 1] = torch.tensor(-1, dtype=torch.int32).view(torch.float32)
+    lengths = torch.tensor([5])
+    values, ids = scores.topk(5, dim=1, sorted=False)
+    assert torch.equal(dsa.order_picks(values.contiguous(), ids.contiguous(), lengths, 7)[0],
+                       dsa.topk_select(scores, lengths, 7))
+
+
 def test_place_ties_takes_the_lowest_ids_of_the_lowest_pick():
     """The picks equal to the lowest one become the lowest ids of that score, in id order, across
     several of the kernel's blocks of scores (interpreter: 64 a block), -0.0 equal to +0.0, rows
