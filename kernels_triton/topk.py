@@ -280,22 +280,22 @@ def radix_topk_picks(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, cap
     scores (-0.0 kept). `radix_topk_picks_ref` in torch.
 
     scores float32 [N, T] with a contiguous last dim (T < 2^31); lengths int32/int64 [N] on its device
-    (clamped to 0 .. T; scores past a length are not read). Keywords, for tests and probes: capacity
+    (clamped to 0 .. T; scores past a length are not read); T < 2^30. Keywords, for tests and probes: capacity
     (candidate ids a row; a power of 2, default CAPACITY or 2k' rounded up), sample (scores in the guess's sample, a power of 2; default
     T / 64 within 16 .. 2048), margin (the guess's half-width in standard deviations of rank; 0
-    guesses one key, rarely right), block (scores a program reads at once; a power of 2, at least
-    512 on a GPU (8 warps from 2048), default 2048 there, 32 in the interpreter)."""
+    guesses one key, rarely right), block (scores a program reads at once; a power of 2 up to 8192,
+    at least 512 on a GPU (8 warps from 2048), default 2048 there, 32 in the interpreter)."""
     _check(scores, lengths, k)
     n, t = scores.shape
-    _require(t < 2**31 - 1, f"T={t}: ids must fit int32")
+    _require(t < 2**30, f"T={t}: expected T < 2^30 (ids and the work row's positions are int32)")
     _require(t == 0 or scores.stride(1) == 1, f"scores need a contiguous last dim, strides {scores.stride()}")
     sample = sample or min(2048, max(16, triton.next_power_of_2(t // 64)))
-    capacity = capacity or max(CAPACITY, triton.next_power_of_2(2 * min(k, t)))
+    capacity = capacity or min(2**28, max(CAPACITY, triton.next_power_of_2(2 * min(k, t))))
     block = block or (2048 if scores.is_cuda else 32)
-    for name, value, least in (("capacity", capacity, 16), ("sample", sample, 16),
-                               ("block", block, 512 if scores.is_cuda else 16)):
-        _require(isinstance(value, int) and value >= least and value & (value - 1) == 0,
-                 f"{name}={value!r}: expected a power of 2 of at least {least}")
+    for name, value, least, most in (("capacity", capacity, 16, 2**28), ("sample", sample, 16, 2**14),
+                                     ("block", block, 512 if scores.is_cuda else 16, 8192)):
+        _require(isinstance(value, int) and least <= value <= most and value & (value - 1) == 0,
+                 f"{name}={value!r}: expected a power of 2 in {least} .. {most}")
     _require(isinstance(margin, (int, float)) and margin >= 0, f"margin={margin!r}: expected a number >= 0")
     picks = min(k, t)
     values = torch.empty((n, picks), dtype=torch.float32, device=scores.device)
