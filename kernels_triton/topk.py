@@ -144,8 +144,9 @@ def _radix_topk_kernel(
 ):
     """Row n's K = min(k, T) picks into val[n, :K] float32 and id[n, :K] int64, in no particular order:
     the K best keys of its scores, those at t >= lengths[n] as -inf (ids lengths[n] .., value -inf,
-    not read), equal keys to the lower id. work [N, KPAD + CAP] int32: the picks' ids at [0, K), a
-    range's candidates at [KPAD, KPAD + CAP) (KPAD: K rounded up to 16, for aligned loads)."""
+    not read), equal keys to the lower id. work [N, KPAD + CAP + 16] int32: the picks' ids at [0, K),
+    a range's candidates at [KPAD, KPAD + CAP) (KPAD: K rounded up to 16, for aligned loads), then
+    the slot where a guess's writes past the row's end go."""
     i_n = tl.program_id(0).to(tl.int64)
     p_row = scores_ptr + i_n * stride_sn
     p_work = work_ptr + i_n * stride_wn
