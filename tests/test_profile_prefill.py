@@ -9,7 +9,8 @@ from experiments.tools import profile_prefill
 
 def test_kernel_names_go_to_their_parts():
     names = {"_prefill_indexer_kernel": "indexer scores", "void at::native::sbtopk::gatherTopK<float>": "top-k and ordering",
-             "_order_picks_kernel": "top-k and ordering", "_sparse_mla_decode_gluon_kernel": "sparse attention",
+             "_order_picks_kernel": "top-k and ordering", "_radix_topk_kernel": "top-k and ordering",
+             "_sparse_mla_decode_gluon_kernel": "sparse attention",
              "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT": "matrix products",
              "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n": "matrix products",
              "void at::native::vectorized_elementwise_kernel<4, ...>": "elementwise, copies, reductions"}
