@@ -82,14 +82,15 @@ def _prefill_indexer_kernel(
 
 @triton.jit(do_not_specialize=["K_PICKED"])
 def _order_picks_kernel(
-    val_ptr, id_ptr, len_ptr, sel_ptr,
+    val_ptr, id_ptr, len_ptr, sel_ptr, last_ptr, ties_ptr,
     stride_vn, stride_in, stride_sn,
     K_PICKED, K,
     BLOCK_K: tl.constexpr,
 ):
     """One row's K_PICKED top-k picks (values float32, token ids int64, in any order) into its
     selection sel[n, :K] int32, best first, equal scores to the lower id, ids >= lengths[n] and the
-    places past K_PICKED as -1.
+    places past K_PICKED as -1; and, for the tie check, the lowest picked value last[n] and how
+    many picks equal it, ties[n].
 
     The order is one sort of unique int64 keys, as `hisparse.dsa.ops.topk_select` builds them: the
     high 32 bits the score's float order (-0.0 folded into +0.0), the low 32 bits 2^32 - 1 - id.
@@ -99,6 +100,9 @@ def _order_picks_kernel(
     m_k = o_k < K_PICKED
     b_val = tl.load(val_ptr + i_n * stride_vn + o_k, mask=m_k, other=0.0)
     b_id = tl.load(id_ptr + i_n * stride_in + o_k, mask=m_k, other=0)
+    b_last = tl.min(tl.where(m_k, b_val, float("inf")), axis=0)
+    tl.store(last_ptr + i_n, b_last)
+    tl.store(ties_ptr + i_n, tl.sum((m_k & (b_val == b_last)).to(tl.int32), axis=0))
     b_val = tl.where(b_val == 0.0, 0.0, b_val)                       # -0.0 ranks as +0.0
     b_bits = b_val.to(tl.int32, bitcast=True)
     b_bits = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)                  # signed int order of the float order
@@ -109,3 +113,26 @@ def _order_picks_kernel(
     length = tl.load(len_ptr + i_n).to(tl.int64)
     b_sel = tl.where(m_k & (b_sel < length), b_sel, -1)          # m_k: sorted, the picks come first
     tl.store(sel_ptr + i_n * stride_sn + o_k, b_sel.to(tl.int32), mask=o_k < K)
+
+
+@triton.jit
+def _place_ties_kernel(scores_ptr, last_ptr, ties_ptr, sel_ptr, stride_n, stride_sn, T, K_PICKED,
+                       BLOCK_T: tl.constexpr):
+    """The tail of row n's ordered picks, sel[n, K_PICKED - ties[n] : K_PICKED], rewritten as the
+    ties[n] lowest token ids whose score equals the lowest pick last[n] (+0.0 == -0.0), in id order:
+    torch.topk picks any of equal scores, the exact order (`topk_select`) the lowest ids. One pass
+    over the row's T scores, no read back to the host; a row whose lowest pick is -inf (fewer valid
+    tokens than picks) is left as it is."""
+    i_n = tl.program_id(0).to(tl.int64)
+    b_last = tl.load(last_ptr + i_n)
+    ties = tl.load(ties_ptr + i_n)
+    ties = tl.where(b_last > float("-inf"), ties, 0)               # -inf: every valid token is in
+    base = K_PICKED - ties
+    seen = tl.full((), 0, dtype=tl.int32)                           # equal scores before this block
+    for t0 in range(0, T, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        b_s = tl.load(scores_ptr + i_n * stride_n + o_t, mask=o_t < T, other=float("nan"))
+        b_eq = (b_s == b_last).to(tl.int32)
+        b_rank = seen + tl.cumsum(b_eq, axis=0) - 1                 # among the row's equal scores
+        tl.store(sel_ptr + i_n * stride_sn + base + b_rank, o_t.to(tl.int32), mask=(b_eq > 0) & (b_rank < ties))
+        seen += tl.sum(b_eq, axis=0)

@@ -214,7 +214,7 @@ def test_prefill_indexer_refuses_bad_inputs():
 @pytest.mark.parametrize("picked, k", [(16, 16), (5, 7), (12, 12)], ids=["k16", "fewer-picks-k7", "k12"])
 def test_order_picks_is_two_stable_sorts(picked, k):
     """Heavy ties with -0.0 and +0.0 mixed, -inf picks, ids past the length: the same selection as
-    the torch sorts."""
+    the torch sorts, and the lowest pick with how many picks equal it."""
     gen = torch.Generator().manual_seed(picked + k)
     n, t = 9, 40
     scores = torch.randint(-2, 3, (n, t), generator=gen).float() * 0.5
@@ -223,10 +223,12 @@ def test_order_picks_is_two_stable_sorts(picked, k):
     values, ids = scores.topk(picked, dim=1, sorted=False)
     values, ids = values.contiguous(), ids.contiguous()
     lengths = torch.randint(1, t + 1, (n,), generator=gen)
-    sel = dsa.order_picks(values, ids, lengths, k)
-    assert torch.equal(sel, dsa_ref.order_picks_ref(values, ids, lengths, k))
+    sel, last, ties = dsa.order_picks(values, ids, lengths, k)
+    ref_sel, ref_last, ref_ties = dsa.order_picks_ref(values, ids, lengths, k)
+    assert torch.equal(sel, ref_sel) and torch.equal(last, ref_last) and torch.equal(ties, ref_ties)
+    assert torch.equal(ties, (values == last[:, None]).sum(1).to(torch.int32))
     strided = torch.stack([lengths, torch.zeros_like(lengths)], 1)[:, 0]      # a view of stride 2
-    assert torch.equal(dsa.order_picks(values, ids, strided, k), sel)
+    assert torch.equal(dsa.order_picks(values, ids, strided, k)[0], sel)
 
 
 def test_order_picks_puts_a_negative_nan_before_the_padding():
@@ -236,8 +238,31 @@ def test_order_picks_puts_a_negative_nan_before_the_padding():
     scores[0, 1] = torch.tensor(-1, dtype=torch.int32).view(torch.float32)
     lengths = torch.tensor([5])
     values, ids = scores.topk(5, dim=1, sorted=False)
-    assert torch.equal(dsa.order_picks(values.contiguous(), ids.contiguous(), lengths, 7),
+    assert torch.equal(dsa.order_picks(values.contiguous(), ids.contiguous(), lengths, 7)[0],
                        dsa.topk_select(scores, lengths, 7))
+
+
+def test_place_ties_takes_the_lowest_ids_of_the_lowest_pick():
+    """The picks equal to the lowest one become the lowest ids of that score, in id order, across
+    several of the kernel's blocks of scores (interpreter: 64 a block), -0.0 equal to +0.0, rows
+    whose lowest pick is -inf untouched: as in torch, and then topk_select's selection exactly."""
+    gen = torch.Generator().manual_seed(3)
+    n, t, k = 10, 150, 12
+    scores = torch.randint(-2, 3, (n, t), generator=gen).float() * 0.5
+    scores[(scores == 0) & (torch.rand(n, t, generator=gen) < 0.5)] = -0.0
+    lengths = torch.randint(1, t + 1, (n,), generator=gen)
+    lengths[:2] = torch.tensor([5, 12])                              # fewer valid tokens than k, exactly k
+    scores = scores.masked_fill(torch.arange(t)[None, :] >= lengths[:, None], float("-inf"))
+    values, ids = scores.topk(k, dim=1, sorted=False)
+    sel, last, ties = dsa.order_picks_ref(values, ids, lengths, k)
+    got, want = sel.clone(), sel.clone()
+    dsa.place_ties(scores, last, ties, got, k)
+    dsa.place_ties_ref(scores, last, ties, want, k)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, sel)                                 # torch.topk picked other ties: replaced
+    assert torch.equal(got, dsa.topk_select(scores, lengths, k))
+    with pytest.raises(ValueError, match="ties int32"):
+        dsa.place_ties(scores, last, ties.long(), got, k)
 
 
 # ---------------------------------------------------------------------------------------------

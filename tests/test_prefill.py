@@ -179,12 +179,29 @@ def test_fast_prefill_at_real_shapes_agrees_with_the_reference_in_bf16(family, c
         assert same >= 0.99 * int((want >= 0).sum()), same
 
 
+@pytest.mark.parametrize("method", ["torch", "radix"])
+@pytest.mark.parametrize("kind", ["continuous", "ties", "short"])
+def test_eager_topk_is_topk_select(kind, method):
+    """topk_of_indexer_scores (torch: float topk, sorts, exact keys only where ties straddle the k-th
+    place; radix: the radix kernel's picks, sorted) returns topk_select's selection exactly: distinct
+    scores, heavy ties (-0.0 among them), and rows shorter than k."""
+    from hisparse.dsa.ops import topk_of_indexer_scores, topk_select
+    gen = torch.Generator().manual_seed(7)
+    n, t, k = 12, 50, 16
+    scores = torch.randn(n, t, generator=gen)
+    if kind == "ties":              # -0.0 and +0.0 mixed: one score to topk_select
+        scores = torch.randint(-2, 3, (n, t), generator=gen).float() * 0.5
+        scores[(scores == 0) & (torch.rand(n, t, generator=gen) < 0.5)] = -0.0
+    lengths = torch.randint(1, k if kind == "short" else t + 1, (n,), generator=gen)
+    scores = scores.masked_fill(torch.arange(t)[None, :] >= lengths[:, None], float("-inf"))
+    assert torch.equal(topk_of_indexer_scores(scores, lengths, k, method), topk_select(scores, lengths, k))
+
+
 @pytest.mark.gpu
-def test_eager_topk_is_topk_select_on_the_gpu():
-    """topk_of_indexer_scores (the radix top-k's picks, ordered) returns topk_select's selection
-    exactly at a prefill's shape: random scores, and scores quantised to many ties, -0.0 and +0.0
-    mixed, some rows shorter than k (tests/test_topk.py: the kernel in the interpreter, and at the
-    real shapes)."""
+@pytest.mark.parametrize("method", ["torch", "radix"])
+def test_eager_topk_is_topk_select_on_the_gpu(method):
+    """As above on the GPU at the prefill's shape (torch.topk and sort differ there): random scores,
+    and scores quantised to many ties, -0.0 and +0.0 mixed, some rows shorter than k."""
     from hisparse.dsa.ops import topk_of_indexer_scores, topk_select
     gen = torch.Generator(device="cuda").manual_seed(0)
     n, t, k = 512, 8192, 2048
@@ -195,7 +212,7 @@ def test_eager_topk_is_topk_select_on_the_gpu():
             scores = (scores / quantum).round() * quantum
             scores[(scores == 0) & (torch.rand(n, t, device="cuda", generator=gen) < 0.5)] = -0.0
         scores = scores.masked_fill(torch.arange(t, device="cuda")[None, :] >= lengths[:, None], float("-inf"))
-        assert torch.equal(topk_of_indexer_scores(scores, lengths, k), topk_select(scores, lengths, k))
+        assert torch.equal(topk_of_indexer_scores(scores, lengths, k, method), topk_select(scores, lengths, k))
 
 
 # -- NSA ------------------------------------------------------------------------------------------

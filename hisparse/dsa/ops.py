@@ -16,8 +16,9 @@ Prefill (`dsa_prefill_select`): a chunk's queries are decode queries of their ca
 scores come from `prefill_indexer_scores` (kernels_triton/dsa_prefill.py: queries resident, a loop over
 key tiles, keys as the MMA's rows), the decode indexer's within float32 rounding, and their top-k from
 `topk_of_indexer_scores`.
-The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against
-(the radix top-k's is beside it, in kernels_triton/topk.py).
+The `*_ref` functions in reference.py are the plain-torch definitions the kernels are tested against,
+but for `order_picks_ref` and `place_ties_ref`: `topk_of_indexer_scores` runs them on the CPU, so they
+stay here (reference.py imports fp8.py, which imports this module).
 """
 from __future__ import annotations
 
@@ -42,7 +43,11 @@ from kernels_triton.dsa_gluon import (
     NUM_WARPS,
     _sparse_mla_decode_gluon_kernel,
 )
-from kernels_triton.dsa_prefill import _order_picks_kernel, _prefill_indexer_kernel
+from kernels_triton.dsa_prefill import (
+    _order_picks_kernel,
+    _place_ties_kernel,
+    _prefill_indexer_kernel,
+)
 from kernels_triton.topk import radix_topk_picks
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -182,26 +187,47 @@ def topk_select(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Te
     return sel
 
 
-def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk_select`'s result, faster (prefill): on a GPU, each row's k best as a set from
-    `radix_topk_picks` (exact: equal scores to the lower id, scores past a length not read; most rows
-    read their scores once), ordered best first by `order_picks` (one sort of k unique keys a row).
-    The picks need no fixing after (no place_ties pass over the scores, as torch.topk's did), and
-    nothing is read back to the host. On the CPU, `topk_select` itself (the kernel runs there only
-    interpreted, slowly)."""
+# how the prefill's top-k runs: "torch" (torch.topk on the floats, then `order_picks` and `place_ties`:
+# the path results/notes/prefill.md measured) or "radix" (kernels_triton/topk.py's exact picks, then
+# `order_picks`: tested, not yet timed on a GPU; benchmarks/bench_prefill_parts.py times both)
+TOPK_METHODS = ("torch", "radix")
+PREFILL_TOPK = "torch"
+
+
+def topk_of_indexer_scores(scores: torch.Tensor, lengths: torch.Tensor, k: int,
+                           method: str | None = None) -> torch.Tensor:
+    """`topk_select`'s result for scores the indexer kernels wrote (-inf at t >= lengths[n]: other
+    scores past a length would be picked, then dropped), faster (prefill). method (default
+    PREFILL_TOPK) "torch": torch.topk on the floats, the picks ordered best first with ties to the
+    lower id by `order_picks` (one sort of k unique keys per row), then the picks equal to the lowest
+    one replaced by the lowest ids of that score (`place_ties`: torch.topk may have picked others);
+    "radix": `radix_topk_picks`'s picks (exact: ties to the lower id already, scores past a length
+    not read), ordered by `order_picks`. Nothing is read back to the host."""
+    method = PREFILL_TOPK if method is None else method
+    require(method in TOPK_METHODS, f"method={method!r}: expected one of {TOPK_METHODS}")
     _check_topk_inputs(scores, lengths, k)
     n, t = scores.shape
-    if not scores.is_cuda:
-        return topk_select(scores, lengths, k)
     if t == 0:
         return torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
-    return order_picks(*radix_topk_picks(scores, lengths, k), lengths, k)
+    if method == "radix":
+        values, ids = radix_topk_picks(scores, lengths, k)
+        # on the CPU the ordering in torch: the interpreter takes about 45 ms a row to run the sort kernel
+        return (order_picks if scores.is_cuda else order_picks_ref)(values, ids, lengths, k)[0]
+    values, ids = scores.topk(min(k, t), dim=1, sorted=False)                         # [N, k']
+    if scores.is_cuda:
+        sel, last, ties = order_picks(values, ids, lengths, k)
+        place_ties(scores, last, ties, sel, values.shape[1])
+    else:              # the same in torch (see above)
+        sel, last, ties = order_picks_ref(values, ids, lengths, k)
+        place_ties_ref(scores, last, ties, sel, values.shape[1])
+    return sel
 
 
-def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int):
     """The selection [N, k] int32 made of each row's top-k picks (values [N, k'] float32 and their
     token ids [N, k'] int64, k' <= k, in any order): best first, equal scores (+0.0 == -0.0) to the
-    lower id, ids >= lengths[n] and the places past k' as -1 (`reference.order_picks_ref` in torch)."""
+    lower id, ids >= lengths[n] and the places past k' as -1 (`order_picks_ref` in torch). Also the
+    lowest picked value [N] float32 and how many picks equal it [N] int32 (what `place_ties` replaces)."""
     n, picked = values.shape
     require(values.dtype == torch.float32 and ids.shape == values.shape and ids.dtype == torch.int64,
             f"values float32 and ids int64 of one shape [N, k'], got {values.dtype} {tuple(values.shape)} "
@@ -210,13 +236,56 @@ def order_picks(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, 
             f"{picked} picks for k={k}, lengths {tuple(lengths.shape)} on {lengths.device}")
     require(values.stride(1) == 1 and ids.stride(1) == 1, "values and ids need a contiguous last dim")
     sel = torch.empty((n, k), dtype=torch.int32, device=values.device)
+    last = torch.empty((n,), dtype=torch.float32, device=values.device)
+    ties = torch.empty((n,), dtype=torch.int32, device=values.device)
     if n:
         block_k = triton.next_power_of_2(k)
         _order_picks_kernel[(n,)](
-            values, ids, lengths.contiguous(), sel, values.stride(0), ids.stride(0), sel.stride(0), picked, k,
+            values, ids, lengths.contiguous(), sel, last, ties, values.stride(0), ids.stride(0), sel.stride(0), picked, k,
             BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
         )
-    return sel
+    return sel, last, ties
+
+
+def place_ties(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel: torch.Tensor, picked: int) -> None:
+    """In place: each row's last ties[n] of its `picked` ordered picks, sel[n, picked - ties[n] :
+    picked], become the ties[n] lowest ids t whose score [N, T] float32 equals last[n] (+0.0 ==
+    -0.0), in id order; rows whose last[n] is -inf are left as they are. One pass over the scores
+    (`_place_ties_kernel`); `place_ties_ref` in torch."""
+    require(scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1,
+            f"scores must be float32 [N, T] with a contiguous last dim, got {scores.dtype} {tuple(scores.shape)}")
+    n, t = scores.shape
+    require(last.shape == (n,) and last.dtype == torch.float32 and ties.shape == (n,) and ties.dtype == torch.int32,
+            f"last must be float32 [{n}] and ties int32 [{n}], got {last.dtype} {tuple(last.shape)} and "
+            f"{ties.dtype} {tuple(ties.shape)}")
+    require(sel.dim() == 2 and sel.shape[0] == n and 1 <= picked <= sel.shape[1] and sel.stride(1) == 1,
+            f"sel [{n}, >= {picked}] with a contiguous last dim, got {tuple(sel.shape)}")
+    require(last.device == scores.device == ties.device == sel.device, "scores, last, ties and sel on one device")
+    if n and t:
+        _place_ties_kernel[(n,)](scores, last, ties, sel, scores.stride(0), sel.stride(0), t, picked,
+                                 BLOCK_T=4096 if scores.is_cuda else 64, num_warps=8)
+
+
+# torch references that are also the CPU path of `topk_of_indexer_scores` (see the module docstring)
+def place_ties_ref(scores: torch.Tensor, last: torch.Tensor, ties: torch.Tensor, sel: torch.Tensor, picked: int) -> None:
+    """`place_ties` in torch."""
+    for row in torch.nonzero(last > float("-inf")).flatten().tolist():
+        tied = torch.nonzero(scores[row] == last[row]).flatten()[:int(ties[row])]
+        sel[row, picked - len(tied):picked] = tied.to(torch.int32)
+
+
+def order_picks_ref(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int):
+    """`order_picks` in torch: the picks sorted by id, then stably by score, best first; the lowest
+    pick and how many picks equal it."""
+    n, picked = values.shape
+    last = values.min(dim=1).values
+    ties = (values == last[:, None]).sum(1).to(torch.int32)
+    ids, order = ids.sort(dim=1)                                                       # by id, then stably
+    values = values.masked_fill(values == 0, 0.0).gather(1, order)
+    ids = ids.gather(1, values.sort(dim=1, descending=True, stable=True).indices)       # by score: ties by id
+    sel = torch.full((n, k), -1, dtype=torch.int32, device=values.device)
+    sel[:, :picked] = torch.where(ids < lengths[:, None], ids, -1).to(torch.int32)
+    return sel, last, ties
 
 
 def dsa_select(q, weights, keys, lengths, k: int, key_scale=None) -> torch.Tensor:
@@ -321,9 +390,8 @@ def prefill_indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.T
     return out
 
 
-# the prefill's selection makes its [rows, T] scores this many elements at a time (4 bytes each, and
-# about 57 KB a row for the top-k at k 2048: under 6 bytes an element from T = 32K), so its workspace
-# does not grow with the prompt
+# the prefill's selection makes its [rows, T] scores this many elements at a time (about 6 bytes each
+# at the peak, 30 in rows whose ties need the exact keys), so its workspace does not grow with the prompt
 PREFILL_SELECT_ELEMENTS = 1 << 26
 
 

@@ -121,18 +121,6 @@ def topk_select_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torc
     return sel
 
 
-def order_picks_ref(values: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """`ops.order_picks` in torch: the picks sorted by id, then stably by score, best first (-0.0 as
-    +0.0; scores without NaN, which torch's sort puts first whatever their sign)."""
-    n, picked = values.shape
-    ids, order = ids.sort(dim=1)                                                       # by id, then stably
-    values = values.masked_fill(values == 0, 0.0).gather(1, order)
-    ids = ids.gather(1, values.sort(dim=1, descending=True, stable=True).indices)       # by score: ties by id
-    sel = torch.full((n, k), -1, dtype=torch.int32, device=values.device)
-    sel[:, :picked] = torch.where(ids < lengths[:, None], ids, -1).to(torch.int32)
-    return sel
-
-
 def sparse_mla_decode_ref(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sm_scale: float,
                           d_v: int = 512, row_base: torch.Tensor | None = None):
     """Plain-torch float32 absorbed-MLA decode over the selected rows: (out in q's dtype, lse float32)."""
