@@ -25,6 +25,7 @@ import time
 import torch
 
 from benchmarks.common import MMA_FLOPS_PER_S
+from hisparse.dsa import ops as dsa_ops
 from hisparse.dsa.fp8_index import INDEX_DTYPES
 from hisparse.models.config import config_from_dict
 from hisparse.models.loading import build_model
@@ -137,11 +138,15 @@ def main(argv=None) -> None:
                     help="the reference's chunk (default 512: its dense [heads, chunk, T] scores grow with it)")
     ap.add_argument("--index-dtype", choices=INDEX_DTYPES, default="bf16",
                     help="how DSA stores its indexer keys (default bf16; fp8: DeepSeek-V3.2's e4m3 keys and scales)")
+    ap.add_argument("--topk", choices=dsa_ops.TOPK_METHODS, default=dsa_ops.PREFILL_TOPK,
+                    help=f"DSA's prefill top-k (default {dsa_ops.PREFILL_TOPK}; radix: kernels_triton/topk.py)")
     ap.add_argument("--quick", action="store_true", help="tiny models on the CPU, through Triton's interpreter")
     args = ap.parse_args(argv)
     check_out_folder(ap, args.out)
-    if args.index_dtype != "bf16" and args.family != ["dsa"]:
-        ap.error(f"--index-dtype {args.index_dtype}: DSA's indexer keys only; pass --family dsa")
+    for flag, value, default in (("--index-dtype", args.index_dtype, "bf16"),
+                                 ("--topk", args.topk, dsa_ops.PREFILL_TOPK)):
+        if value != default and args.family != ["dsa"]:
+            ap.error(f"{flag} {value}: DSA's prefill only; pass --family dsa")
     gpu = torch.cuda.is_available() and not args.quick
     if not gpu and not args.quick:
         ap.error("the full-size run needs a CUDA GPU; --quick runs tiny models on the CPU")
@@ -153,6 +158,15 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if gpu else "cpu")
     print(f"{'family':>6} {'mode':>9} {'context':>8} | {'prefill s':>9} {'tokens/s':>9} {'peak GiB':>8} "
           f"{'KV GiB':>7} {'roofline':>8} | target", flush=True)
+    previous, dsa_ops.PREFILL_TOPK = dsa_ops.PREFILL_TOPK, args.topk     # the switch DSA's prefill reads
+    try:
+        measure(args, contexts, chunk, device, gpu)
+    finally:
+        dsa_ops.PREFILL_TOPK = previous
+
+
+def measure(args, contexts: list[int], chunk: int, device: torch.device, gpu: bool) -> None:
+    """Each family's prefill at each context (and the reference's, with --reference): rows and a line each."""
     for family in args.family:
         model = build(family, args.quick, device)
         cfg = model.config
@@ -167,7 +181,7 @@ def main(argv=None) -> None:
                 k = cfg.index_topk if family == "dsa" else cfg.num_selected_blocks if family == "nsa" else ""
                 base = dict(bench="prefill", family=family, mode=mode, batch=1, context=context, k=k,
                             chunk_size=size, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                            **({"index_dtype": args.index_dtype} if family == "dsa" else {}))
+                            **({"index_dtype": args.index_dtype, "topk": args.topk} if family == "dsa" else {}))
                 metrics = {"prefill_s": (seconds, "s"), "tokens_per_s": (context / seconds, "tokens/s"),
                            "peak_gib": (peak, "GiB"), "kv_gib": (kv, "GiB"), "roofline_frac": (frac, "fraction")}
                 append_rows(f"{args.out}/prefill.csv",

@@ -26,6 +26,7 @@ CASES = {   # benchmark -> (CSV it writes, metrics it must hold)
     "prefill": ("prefill.csv", {"prefill_s", "tokens_per_s", "peak_gib", "kv_gib", "roofline_frac"}),
     "sampling": ("sampling.csv", {"step_ms", "argmax_ms", "sample_ms", "overhead_frac"}),
     "moe": ("moe.csv", {"us", "GBps", "weight_GB", "roofline_frac"}),
+    "prefill_parts": ("prefill_parts.csv", {"us", "TFLOPs", "GBps", "roofline_frac"}),
 }
 # the quick runs' own options, to make them shorter still where a benchmark has them: the rows are the
 # same columns (prefill: one of the quick run's two contexts)
@@ -605,3 +606,21 @@ def test_summary_sets_each_overlapped_serving_point_beside_its_twins():
     assert ("serving 8 clients, hisparse with prefill_overlap (on 64 SMs): 180 tokens/s, 1.80x resident's without "
             "(target >= 1.6) [b against a], 1.29x its own without; p50 TTFT 3000 ms (without 2000), TPOT 21.0 ms "
             "(without 20.0) [b against a]") in serving_lines(pd.DataFrame(rows))
+
+
+def test_prefill_parts_refuses_methods_that_disagree(tmp_path, monkeypatch):
+    """bench_prefill_parts checks that a part's methods give the same bits before timing them: a top-k
+    method off by one pick stops the run, naming the part and method, and writes no rows."""
+    from benchmarks import bench_prefill_parts as bench
+    real = bench.topk_of_indexer_scores
+
+    def off_by_one(scores, lengths, k, method):
+        sel = real(scores, lengths, k, method)
+        if method == "radix":
+            sel[0, 0] += 1
+        return sel
+
+    monkeypatch.setattr(bench, "topk_of_indexer_scores", off_by_one)
+    with pytest.raises(SystemExit, match="topk at T = 256: method radix differs"):
+        bench.main(["--quick", "--out", str(tmp_path)])
+    assert not (tmp_path / "prefill_parts.csv").exists()
