@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_indexer_fp8 --model tiny           # CPU (interpreter): the tiny checkpoint
     python -m benchmarks.bench_indexer_fp8 --quick                # the tiny checkpoint, 1 x 12 tokens, 1 step
-    python -m benchmarks.bench_indexer_fp8 --model dsa           # GPU: the study model's indexer, then the speed
+    python -m benchmarks.bench_indexer_fp8 [--model dsa]         # GPU: the study model's indexer, then the speed
 
 Accuracy, measured on one run's own states (teacher-forced: the bf16-indexer run decodes, and at
 every anchor layer and step both indexers score the same query over the same keys, the FP8 side over
@@ -230,8 +230,9 @@ def report(agree: dict, ref: dict) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("tiny", "dsa"), default="tiny",
-                    help="tiny (CPU or GPU) or dsa (the study model's attention and indexer at hidden 7168, GPU)")
+    ap.add_argument("--model", choices=("tiny", "dsa"), default=None,
+                    help="tiny (CPU or GPU) or dsa (the study model's attention and indexer at hidden 7168, GPU); "
+                         "default dsa on a GPU (as gpu_suite.sh runs it), else tiny")
     ap.add_argument("--layers", type=int, default=4, help="layers of the dsa model (default 4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 40 tiny, 8192 study)")
     ap.add_argument("--batch", type=int, default=2, help="prompts (default 2)")
@@ -243,10 +244,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     check_out_folder(ap, args.out)
     if args.quick:
-        if args.model != "tiny":
+        if args.model not in (None, "tiny"):
             ap.error("--quick runs the tiny checkpoint")
         args.prompt_len, args.steps, args.batch, args.no_speed = 12, 1, 1, True
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model is None:
+        args.model = "dsa" if device.type == "cuda" and not args.quick else "tiny"
     tiny = args.model == "tiny"
     length, steps = args.prompt_len or (40 if tiny else 8192), args.steps or (4 if tiny else 16)
     model = build_model(args.model, device, args.layers)

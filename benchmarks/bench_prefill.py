@@ -181,7 +181,8 @@ def measure(args, contexts: list[int], chunk: int, device: torch.device, gpu: bo
                 k = cfg.index_topk if family == "dsa" else cfg.num_selected_blocks if family == "nsa" else ""
                 base = dict(bench="prefill", family=family, mode=mode, batch=1, context=context, k=k,
                             chunk_size=size, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                            **({"index_dtype": args.index_dtype, "topk": args.topk} if family == "dsa" else {}))
+                            **({"index_dtype": args.index_dtype} if family == "dsa" else {}),
+                            **({"topk": args.topk} if family == "dsa" and mode == "model" else {}))
                 metrics = {"prefill_s": (seconds, "s"), "tokens_per_s": (context / seconds, "tokens/s"),
                            "peak_gib": (peak, "GiB"), "kv_gib": (kv, "GiB"), "roofline_frac": (frac, "fraction")}
                 append_rows(f"{args.out}/prefill.csv",

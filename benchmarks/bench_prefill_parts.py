@@ -7,15 +7,16 @@
 For each prompt length T, the last piece `dsa_prefill_select` makes (rows = PREFILL_SELECT_ELEMENTS // T
 queries ending the prompt: 2048 at 32K, 512 at 128K; DeepSeek-V3.2's 64 x 128 indexer, k = 2048), random
 inputs, each part timed alone (do_bench medians):
-- `indexer_bf16`, `indexer_fp8`: `prefill_indexer_scores` over bf16 keys, and over FP8 keys with the
+- `indexer` (methods `bf16`, `fp8`): `prefill_indexer_scores` over bf16 keys, and over FP8 keys with the
   query quantised (TFLOP/s of the causal products beside the bf16 matrix rate, and twice it for FP8);
-- `quantize_query`, `quantize_query_torch`: the FP8 query's rotation and quantisation, the kernel and
-  its torch reference path (GB/s of one read of q and one write of its e4m3 values and scales, beside HBM);
-- `topk_torch`, `topk_radix`: `topk_of_indexer_scores` of the piece's scores by each method
-  (`ops.TOPK_METHODS`; GB/s of one read of the scores, beside HBM);
-- `sparse_mla`: the absorbed sparse MLA of 4096 queries over the prompt's latents, k picks each (the
-  Gluon prefill kernel where it runs, else the decode kernel; TFLOP/s beside the bf16 matrix rate).
-The methods of `quantize_query` and `topk` are checked to give the same bits before they are timed. Rows: results/prefill_parts.csv.
+- `quantize_query` (`kernel`, `torch_reference`; on the CPU both torch): the FP8 query's rotation and
+  quantisation (GB/s of one read of q and w and one write of the e4m3 values and scales, beside HBM);
+- `topk` (`torch`, `radix`: `ops.TOPK_METHODS`): `topk_of_indexer_scores` of the piece's scores (GB/s of
+  one read of the scores, beside HBM);
+- `sparse_mla` (`gluon_prefill` where it runs, else `decode_kernel`): the absorbed sparse MLA of 4096
+  queries over the prompt's latents, k picks each (TFLOP/s beside the bf16 matrix rate).
+The methods of `quantize_query` and `topk` are checked to give the same bits before they are timed.
+Rows: results/prefill_parts.csv.
 """
 import argparse
 
@@ -59,7 +60,8 @@ def parts(context: int, shape: dict, device: torch.device) -> list[tuple[str, st
     moved = q.numel() * q.element_size() + w.numel() * 4 + q.numel() + w.numel() * 4   # q, w in; values, scales out
     out += [("quantize_query", "kernel" if device.type == "cuda" else "torch", moved, "GBps",
              lambda: fp8_index.quantize_query(q, w)),
-            ("quantize_query", "torch_reference", moved, "GBps", lambda: fp8_index.quantize_query(q, w, reference=True))]
+            ("quantize_query", "torch_reference", moved, "GBps",
+             lambda: fp8_index.quantize_query(q, w, reference=True))]
     out += [("topk", method, scores.numel() * 4, "GBps", lambda m=method: topk_of_indexer_scores(scores, lengths, k, m))
             for method in TOPK_METHODS]
     n, hm, dc, dr = min(shape["mla_queries"], context), shape["mla_heads"], shape["latent"], shape["rope"]

@@ -280,15 +280,16 @@ def radix_topk_picks(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, cap
     it pads with -1 (rows of fewer than k' scores) as ids >= lengths[n] and value -inf; values as in
     scores (-0.0 kept). `radix_topk_picks_ref` in torch.
 
-    scores float32 [N, T] with a contiguous last dim (T < 2^31); lengths int32/int64 [N] on its device
-    (clamped to 0 .. T; scores past a length are not read); T < 2^30. Keywords, for tests and probes: capacity
-    (candidate ids a row; a power of 2, default CAPACITY or 2k' rounded up), sample (scores in the guess's sample, a power of 2; default
-    T / 64 within 16 .. 2048), margin (the guess's half-width in standard deviations of rank; 0
-    guesses one key, rarely right), block (scores a program reads at once; a power of 2 up to 8192,
-    at least 512 on a GPU (8 warps from 2048), default 2048 there, 32 in the interpreter)."""
+    scores float32 [N, T] with a contiguous last dim, T <= 2^30 - 16; lengths int32/int64 [N] on its
+    device (clamped to 0 .. T; scores past a length are not read). Keywords, for tests and probes:
+    capacity (candidate ids a row; a power of 2, default CAPACITY or 2k' rounded up), sample (scores
+    in the guess's sample, a power of 2; default T / 64 within 16 .. 2048), margin (the guess's
+    half-width in standard deviations of rank; 0 guesses one key, rarely right), block (scores a
+    program reads at once; a power of 2 up to 8192, at least 512 on a GPU (8 warps from 2048),
+    default 2048 there, 32 in the interpreter)."""
     _check(scores, lengths, k)
     n, t = scores.shape
-    _require(t < 2**30, f"T={t}: expected T < 2^30 (ids and the work row's positions are int32)")
+    _require(t <= 2**30 - 16, f"T={t}: expected T <= 2^30 - 16 (the work row's positions reach 2T + 13 in int32)")
     _require(t == 0 or scores.stride(1) == 1, f"scores need a contiguous last dim, strides {scores.stride()}")
     sample = sample or min(2048, max(16, triton.next_power_of_2(t // 64)))
     capacity = capacity or min(2**28, max(CAPACITY, triton.next_power_of_2(2 * min(k, t))))

@@ -119,8 +119,8 @@ def quantize_query(q: torch.Tensor, weights: torch.Tensor,
     weights [..., H] (float32, the softmax scale already in): each head quantised as a key is, on CUDA
     tensors by one kernel (`rotate_quantize`, the weights' product in it), else (or with reference) in
     torch, the same bits."""
-    require(q.dim() >= 2 and weights.shape == q.shape[:-1],
-            f"q {tuple(q.shape)} and weights {tuple(weights.shape)}: expected [..., H, D] and [..., H]")
+    require(q.dim() >= 2 and weights.shape == q.shape[:-1] and q.shape[-1] >= 16,
+            f"q {tuple(q.shape)} and weights {tuple(weights.shape)}: expected [..., H, D >= 16] and [..., H]")
     if q.is_cuda and not reference:
         return rotate_quantize(q, weights)
     values, scale = quantize_rotated(rotate(q))
