@@ -9,6 +9,7 @@ queries ending the prompt: 2048 at 32K, 512 at 128K; DeepSeek-V3.2's 64 x 128 in
 inputs, each part timed alone (do_bench medians):
 - `indexer` (methods `bf16`, `fp8`): `prefill_indexer_scores` over bf16 keys, and over FP8 keys with the
   query quantised (TFLOP/s of the causal products beside the bf16 matrix rate, and twice it for FP8);
+  `--indexer-configs` adds each at other tile configs (`bf16@128,4,8,3`: FP8's operands are half as wide);
 - `quantize_query` (`kernel`, `torch_reference`; on the CPU both torch): the FP8 query's rotation and
   quantisation (GB/s of one read of q and w and one write of the e4m3 values and scales, beside HBM);
 - `topk` (`torch`, `radix`: `ops.TOPK_METHODS`): `topk_of_indexer_scores` of the piece's scores (GB/s of
@@ -24,8 +25,8 @@ import torch
 
 from benchmarks.common import HBM_BYTES_PER_S, MMA_FLOPS_PER_S, time_us, timer_name
 from hisparse.dsa import fp8_index
-from hisparse.dsa.ops import (PREFILL_SELECT_ELEMENTS, TOPK_METHODS, prefill_indexer_scores, sparse_mla_decode,
-                              topk_of_indexer_scores)
+from hisparse.dsa.ops import (PREFILL_SELECT_ELEMENTS, TOPK_METHODS, PrefillIndexerConfig, prefill_indexer_scores,
+                              sparse_mla_decode, topk_of_indexer_scores)
 from hisparse.results import DEFAULT_OUT, OUT_HELP, append_rows, check_out_folder
 from kernels_triton.dsa_gluon_prefill import prefill_unsupported, sparse_mla_prefill_gluon
 
@@ -39,8 +40,10 @@ def rows_of(context: int, shape: dict) -> int:
     return shape["rows"] or min(context, max(1, PREFILL_SELECT_ELEMENTS // context))
 
 
-def parts(context: int, shape: dict, device: torch.device) -> list[tuple[str, str, float, str, object]]:
-    """(part, method, work, unit, fn) of one prompt length: work in FLOPs (unit "TFLOPs") or bytes ("GBps")."""
+def parts(context: int, shape: dict, device: torch.device,
+          configs: list[PrefillIndexerConfig] = ()) -> list[tuple[str, str, float, str, object]]:
+    """(part, method, work, unit, fn) of one prompt length: work in FLOPs (unit "TFLOPs") or bytes ("GBps");
+    the indexer also at each of `configs` (methods "bf16@config", "fp8@config")."""
     gen = torch.Generator(device=device).manual_seed(context)
     h, d, k = shape["heads"], shape["head_dim"], shape["k"]
     rows = rows_of(context, shape)
@@ -54,9 +57,12 @@ def parts(context: int, shape: dict, device: torch.device) -> list[tuple[str, st
     lengths = torch.arange(start + 1, context + 1, device=device)
     causal = 2 * h * d * float(lengths.sum())
     scores = prefill_indexer_scores(q, w, keys, start)
-    out = [("indexer", "bf16", causal, "TFLOPs", lambda: prefill_indexer_scores(q, w, keys, start)),
-           ("indexer", "fp8", causal, "TFLOPs",
-            lambda: prefill_indexer_scores(q8, w8, values, start, key_scale=scales))]
+    out = []
+    for cfg in (None, *configs):
+        at = "" if cfg is None else "@" + config_name(cfg)
+        out += [("indexer", "bf16" + at, causal, "TFLOPs", lambda c=cfg: prefill_indexer_scores(q, w, keys, start, c)),
+                ("indexer", "fp8" + at, causal, "TFLOPs",
+                 lambda c=cfg: prefill_indexer_scores(q8, w8, values, start, c, key_scale=scales))]
     moved = q.numel() * q.element_size() + w.numel() * 4 + q.numel() + w.numel() * 4   # q, w in; values, scales out
     out += [("quantize_query", "kernel" if device.type == "cuda" else "torch", moved, "GBps",
              lambda: fp8_index.quantize_query(q, w)),
@@ -78,6 +84,26 @@ def parts(context: int, shape: dict, device: torch.device) -> list[tuple[str, st
     return out
 
 
+def config_name(cfg: PrefillIndexerConfig) -> str:
+    """block_t,queries,warps,stages: as --indexer-configs takes it."""
+    return f"{cfg.block_t},{cfg.queries},{cfg.num_warps},{cfg.num_stages}"
+
+
+def indexer_config(text: str) -> PrefillIndexerConfig:
+    """--indexer-configs: "block_t,queries,warps,stages" (PrefillIndexerConfig's checks name a bad field)."""
+    try:
+        fields = [int(x) for x in text.split(",")]
+    except ValueError:
+        fields = []
+    if len(fields) != 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected four integers block_t,queries,warps,stages, "
+                                         "e.g. 128,4,8,3")
+    try:
+        return PrefillIndexerConfig(*fields)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def same(a, b) -> bool:
     """Outputs of two methods of a part equal (tuples item by item, e4m3 by their bytes)."""
     if isinstance(a, tuple):
@@ -92,6 +118,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=DEFAULT_OUT, help=OUT_HELP + " (prefill_parts.csv)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None,
                     help="prompt lengths T (default 32768 131072; --quick 256)")
+    ap.add_argument("--indexer-configs", type=indexer_config, nargs="+", default=[], metavar="B,Q,W,S",
+                    help="also time the indexer at these configs, block_t,queries,warps,stages each (default: "
+                         "only its default config, `ops.default_prefill_indexer_config`)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, through Triton's interpreter")
     args = ap.parse_args(argv)
     check_out_folder(ap, args.out)
@@ -110,13 +139,13 @@ def main(argv=None) -> None:
     print(f"{'T':>7} {'part':15} {'method':16} {'us':>9} {'rate':>14} {'of limit':>8}")
     for context in contexts:
         rows, firsts = [], {}
-        for part, method, work, unit, fn in parts(context, shape, device):
+        for part, method, work, unit, fn in parts(context, shape, device, args.indexer_configs):
             if part in EXACT_PARTS:
                 result = fn()
                 if not same(firsts.setdefault(part, result), result):
                     raise SystemExit(f"{part} at T = {context}: method {method} differs from the first method's output")
             us = time_us(fn)[0]
-            limit = (MMA_FLOPS_PER_S * (2 if method == "fp8" else 1)) if unit == "TFLOPs" else HBM_BYTES_PER_S
+            limit = (MMA_FLOPS_PER_S * (2 if method.startswith("fp8") else 1)) if unit == "TFLOPs" else HBM_BYTES_PER_S
             rate = work / us * 1e-6 if unit == "TFLOPs" else work / us * 1e-3
             frac = work / limit / (us * 1e-6)
             print(f"{context:7d} {part:15} {method:16} {us:9.1f} {rate:9.1f} {unit:>4} {frac:8.3f}")

@@ -624,3 +624,13 @@ def test_prefill_parts_refuses_methods_that_disagree(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="topk at T = 256: method radix differs"):
         bench.main(["--quick", "--out", str(tmp_path)])
     assert not (tmp_path / "prefill_parts.csv").exists()
+
+
+@pytest.mark.parametrize("config,message", [("16,x", "expected four integers"),
+                                            ("16,3,4,1", "queries=3: expected 1, 2 or 4")])
+def test_prefill_parts_refuses_a_bad_indexer_config(capsys, monkeypatch, config, message):
+    """--indexer-configs: a config that is not four integers, or that the indexer refuses, stops the
+    parser before any work, naming the value and what was expected."""
+    code, err = parser_exit(capsys, monkeypatch, "benchmarks.bench_prefill_parts", "--quick",
+                            "--indexer-configs", config)
+    assert code == 2 and repr(config) in err and message in err
