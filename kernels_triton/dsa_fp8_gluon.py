@@ -60,20 +60,9 @@ Gluon or its Hopper API is missing, GLUON_IMPORT_ERROR says so (the module still
 """
 from __future__ import annotations
 
-GLUON_IMPORT_ERROR: str | None = None
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-except Exception as exc:  # noqa: BLE001 - an older/newer Triton without this Gluon API: import still works
-    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-    gluon = gl = None
+from kernels_triton.gluon_hopper import (  # noqa: F401  GLUON_IMPORT_ERROR: the launchers' reason
+    GLUON_IMPORT_ERROR, gl, gluon, async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
 
 BLOCK_H = 64          # heads per program: one wgmma M (64) per consumer warp group
 BLOCK_K = 64          # rows per tile
